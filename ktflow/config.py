@@ -1,0 +1,139 @@
+"""Reading an HF `config.json` into a typed model config.
+
+Each family in `ktflow.models` declares a pydantic subclass of `HFConfig` with the fields it
+needs; `parse_config` turns validation errors into one message naming the file, the field and
+the family. RoPE settings are resolved here from either config style: classic `rope_theta` +
+`rope_scaling`, or transformers-5 `rope_parameters`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .errors import ConfigError
+from .ir.ops import RopeAttrs
+from .ir.types import DType
+
+SUPPORTED_ROPE = ("default", "linear", "yarn")
+
+
+class HFConfig(BaseModel):
+    """Fields every family shares. Unknown keys of config.json are ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    torch_dtype: str | None = None
+    dtype: str | None = None
+    rope_theta: float | None = None
+    rope_scaling: dict[str, Any] | None = None
+    rope_parameters: dict[str, Any] | None = None
+    original_max_position_embeddings: int | None = None
+    hidden_act: str = "silu"
+    eos_token_id: int | list[int] | None = None
+    bos_token_id: int | None = None
+
+    #: rope theta when the config gives none (family default, as in transformers)
+    default_rope_theta: float = 10000.0
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def weight_dtype(self) -> DType:
+        name = (self.dtype or self.torch_dtype or "bfloat16").replace("torch.", "")
+        table = {"bfloat16": DType.BF16, "float16": DType.F16, "half": DType.F16,
+                 "float32": DType.F32, "float": DType.F32}
+        if name not in table:
+            raise ConfigError(f"config.json: dtype {name!r} is not supported; use bfloat16, float16 or float32")
+        return table[name]
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        e = self.eos_token_id
+        return () if e is None else (e,) if isinstance(e, int) else tuple(e)
+
+
+C = TypeVar("C", bound=HFConfig)
+
+
+def parse_config(cls: type[C], raw: dict, where: str) -> C:
+    """Validate `raw` (a parsed config.json) as `cls`; errors name the field and the file."""
+    try:
+        cfg = cls.model_validate(raw)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            field = ".".join(str(p) for p in err["loc"])
+            if err["type"] == "missing":
+                problems.append(f"missing required field {field!r}")
+            else:
+                problems.append(f"field {field!r}: {err['msg']} (got {err.get('input')!r})")
+        raise ConfigError(f"{where}: {'; '.join(problems)} (model_type {raw.get('model_type')!r})") from None
+    if cfg.hidden_act != "silu":
+        raise ConfigError(f"{where}: hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+    return cfg
+
+
+def rope_params(cfg: HFConfig) -> dict[str, Any]:
+    """The rope settings as one flat dict with `rope_type` and `rope_theta`, from either style."""
+    p = dict(cfg.rope_parameters or cfg.rope_scaling or {})
+    if any(isinstance(v, dict) for v in p.values()):
+        raise ConfigError("config.json: per-layer-type rope_parameters are not supported")
+    p["rope_type"] = p.get("rope_type") or p.get("type") or "default"
+    if p.get("rope_theta") is None:
+        p["rope_theta"] = cfg.rope_theta if cfg.rope_theta is not None else cfg.default_rope_theta
+    return p
+
+
+def _mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def resolve_rope(cfg: HFConfig, dim: int, pairs: str = "half") -> RopeAttrs:
+    """RoPE attrs for rotary dimension `dim` (the same algorithm transformers uses)."""
+    p = rope_params(cfg)
+    kind = p["rope_type"]
+    if kind not in SUPPORTED_ROPE:
+        raise ConfigError(f"config.json: rope type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE)}")
+    theta = float(p["rope_theta"])
+    if kind == "default":
+        return RopeAttrs(dim=dim, theta=theta, pairs=pairs)
+    if p.get("factor") is None and kind == "linear":
+        raise ConfigError("config.json: linear rope scaling needs 'factor'")
+    if kind == "linear":
+        return RopeAttrs(dim=dim, theta=theta, kind="linear", pairs=pairs, factor=float(p["factor"]))
+    orig = p.get("original_max_position_embeddings") or cfg.original_max_position_embeddings \
+        or cfg.max_position_embeddings
+    factor = p.get("factor")
+    factor = float(factor) if factor is not None else cfg.max_position_embeddings / orig
+    att = p.get("attention_factor")
+    if att is None:
+        ms, ms_all = p.get("mscale"), p.get("mscale_all_dim")
+        att = _mscale(factor, ms) / _mscale(factor, ms_all) if ms and ms_all else _mscale(factor)
+    return RopeAttrs(dim=dim, theta=theta, kind="yarn", pairs=pairs, factor=factor,
+                     original_max_position=int(orig), beta_fast=float(p.get("beta_fast") or 32),
+                     beta_slow=float(p.get("beta_slow") or 1), truncate=bool(p.get("truncate", True)),
+                     attention_factor=float(att))
+
+
+def yarn_softmax_mscale(cfg: HFConfig) -> float:
+    """DeepSeek's extra softmax scale: mscale(factor, mscale_all_dim)^2 when rope is scaled."""
+    p = rope_params(cfg)
+    if p["rope_type"] == "default" or not p.get("mscale_all_dim"):
+        return 1.0
+    m = _mscale(float(p["factor"]), float(p["mscale_all_dim"]))
+    return m * m

@@ -1,0 +1,173 @@
+"""Nodes, the immutable graph, and the builder the model specs use.
+
+A `Graph` is a topologically ordered tuple of frozen `Node`s plus the names of its outputs.
+It is never mutated: passes build a new graph (`graph.replace_nodes(...)`). `nx()` gives a
+networkx view for graph algorithms and DOT output; the tuple of nodes is the storage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Any, Iterable
+
+import networkx as nx
+
+from .ops import FACTS, Op, attrs_from_dict, attrs_to_dict
+from .types import Cost, Device, DType, Placement, TensorType, WeightRef
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    op: Op
+    inputs: tuple[str, ...]
+    attrs: Any
+    out: TensorType
+    weights: tuple[WeightRef, ...] = ()
+    place: Placement | None = None
+    cost: Cost | None = None
+
+    def weight_elems(self) -> int:
+        return sum(w.numel() for w in self.weights)
+
+    def weight(self, role: str) -> WeightRef:
+        for w in self.weights:
+            if w.role == role:
+                return w
+        raise KeyError(f"node {self.name} has no weight with role {role!r}")
+
+    # ------------------------------------------------------------------ JSON (plans, reproducers)
+    def to_dict(self) -> dict:
+        d: dict[str, Any] = {
+            "name": self.name,
+            "op": self.op.value,
+            "inputs": list(self.inputs),
+            "attrs": attrs_to_dict(self.attrs),
+            "out": {"shape": list(self.out.shape), "dtype": self.out.dtype.value},
+            "weights": [{"role": w.role, "key": w.key, "shape": list(w.shape), "experts": w.experts}
+                        for w in self.weights],
+        }
+        if self.place is not None:
+            d["place"] = {"device": self.place.device.value, "cause": self.place.cause,
+                          "numa": self.place.numa, "stream": self.place.stream}
+        if self.cost is not None:
+            d["cost"] = {"tokens": self.cost.tokens, "flops": self.cost.flops,
+                         "bytes": self.cost.bytes, "seconds": self.cost.seconds}
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "Node":
+        op = Op(d["op"])
+        place = d.get("place")
+        cost = d.get("cost")
+        return Node(
+            name=d["name"],
+            op=op,
+            inputs=tuple(d["inputs"]),
+            attrs=attrs_from_dict(op, d["attrs"]),
+            out=TensorType(tuple(d["out"]["shape"]), DType(d["out"]["dtype"])),
+            weights=tuple(WeightRef(w["role"], w["key"], tuple(w["shape"]), w.get("experts", 0))
+                          for w in d.get("weights", [])),
+            place=None if place is None else Placement(Device(place["device"]), place.get("cause", ""),
+                                                       place.get("numa"), place.get("stream")),
+            cost=None if cost is None else Cost(**cost),
+        )
+
+
+@dataclass(frozen=True)
+class Graph:
+    nodes: tuple[Node, ...]
+    outputs: tuple[str, ...]
+    #: compute dtype of activations; the graph's float tensors use it
+    act_dtype: DType = DType.BF16
+    _index: dict = field(default=None, init=False, repr=False, compare=False, hash=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", {n.name: i for i, n in enumerate(self.nodes)})
+
+    def __iter__(self):
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def by_name(self, name: str) -> Node:
+        try:
+            return self.nodes[self._index[name]]
+        except KeyError:
+            raise KeyError(f"graph has no node named {name!r}") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._index
+
+    def position(self, name: str) -> int:
+        return self._index[name]
+
+    @cached_property
+    def _users(self) -> dict[str, tuple[str, ...]]:
+        users: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                if i in users:
+                    users[i].append(n.name)
+        return {k: tuple(v) for k, v in users.items()}
+
+    def users(self, name: str) -> tuple[str, ...]:
+        return self._users[name]
+
+    def nx(self) -> nx.DiGraph:
+        """A networkx view: node name -> {'node': Node}; edges input -> user."""
+        g = nx.DiGraph()
+        for n in self.nodes:
+            g.add_node(n.name, node=n)
+            for i in n.inputs:
+                g.add_edge(i, n.name)
+        return g
+
+    def replace_nodes(self, nodes: Iterable[Node]) -> "Graph":
+        return Graph(tuple(nodes), self.outputs, self.act_dtype)
+
+    def map(self, fn) -> "Graph":
+        """New graph with `fn(node)` applied to every node (same names, same order)."""
+        return self.replace_nodes(fn(n) for n in self.nodes)
+
+    def weight_elems(self) -> int:
+        return sum(n.weight_elems() for n in self.nodes)
+
+    def to_dict(self) -> dict:
+        return {"act_dtype": self.act_dtype.value, "outputs": list(self.outputs),
+                "nodes": [n.to_dict() for n in self.nodes]}
+
+    @staticmethod
+    def from_dict(d: dict) -> "Graph":
+        return Graph(tuple(Node.from_dict(n) for n in d["nodes"]), tuple(d["outputs"]), DType(d["act_dtype"]))
+
+
+class GraphBuilder:
+    """Appends nodes in order; output types come from the facts table's shape rules."""
+
+    def __init__(self, act_dtype: DType):
+        self.act_dtype = act_dtype
+        self._nodes: list[Node] = []
+        self._types: dict[str, TensorType] = {}
+
+    def add(self, name: str, op: Op, inputs: Iterable[str], attrs: Any,
+            weights: Iterable[WeightRef] = ()) -> str:
+        inputs = tuple(inputs)
+        if name in self._types:
+            raise ValueError(f"duplicate node name {name!r}")
+        missing = [i for i in inputs if i not in self._types]
+        if missing:
+            raise ValueError(f"node {name!r} reads undefined values {missing}")
+        out = FACTS[op].shape(attrs, [self._types[i] for i in inputs], self.act_dtype)
+        self._nodes.append(Node(name, op, inputs, attrs, out, tuple(weights)))
+        self._types[name] = out
+        return name
+
+    def build(self, outputs: Iterable[str]) -> Graph:
+        return Graph(tuple(self._nodes), tuple(outputs), self.act_dtype)
+
+
+def with_place(node: Node, place: Placement) -> Node:
+    return replace(node, place=place)

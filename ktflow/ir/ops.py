@@ -1,0 +1,272 @@
+"""Ops, their attributes, and the per-op facts table.
+
+Each op has one frozen attrs dataclass and one `OpFacts` row: how many inputs it takes, the
+shape rule for its output, and its FLOPs and memory traffic for a step of `Work(tokens,
+context)`. Passes and the cost model read this table; they never branch on op names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, is_dataclass
+from enum import Enum
+from typing import Any, Callable
+
+from .types import TOKENS, DType, TensorType
+
+
+class Op(str, Enum):
+    INPUT = "input"
+    EMBED = "embed"
+    RMSNORM = "rmsnorm"
+    ATTENTION = "attention"
+    GATE = "gate"
+    MLP = "mlp"
+    ROUTED_EXPERTS = "routed_experts"
+    ADD = "add"
+    LM_HEAD = "lm_head"
+
+
+# ---------------------------------------------------------------------------------------- attrs
+
+
+@dataclass(frozen=True)
+class InputAttrs:
+    """The step's token ids, flattened over batch and sequence."""
+
+
+@dataclass(frozen=True)
+class EmbedAttrs:
+    vocab: int
+    hidden: int
+
+
+@dataclass(frozen=True)
+class RMSNormAttrs:
+    dim: int
+    eps: float
+
+
+@dataclass(frozen=True)
+class RopeAttrs:
+    """Rotary position embedding, resolved from the config (both config styles) at spec time.
+
+    kind: default | linear | yarn. pairs: 'half' rotates (x_i, x_{i+d/2}) (Llama/Qwen/Mixtral),
+    'interleaved' rotates (x_{2i}, x_{2i+1}) (DeepSeek). `attention_factor` multiplies cos/sin.
+    """
+
+    dim: int
+    theta: float
+    kind: str = "default"
+    pairs: str = "half"
+    factor: float = 1.0
+    original_max_position: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class AttentionAttrs:
+    """Self-attention with its projections, rope and KV cache for one layer.
+
+    kind 'gqa': q/k/v/o projections with `kv_heads` shared key/value heads (optional qkv bias,
+    per-head q/k RMSNorm, sliding window). kind 'mla': DeepSeek multi-head latent attention;
+    the KV cache holds the normalised latent (kv_lora_rank) and the roped key (qk_rope_dim).
+    """
+
+    kind: str
+    layer: int
+    hidden: int
+    heads: int
+    rope: RopeAttrs
+    softmax_scale: float
+    kv_heads: int = 0
+    head_dim: int = 0
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    window: int = 0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    norm_eps: float = 1e-6
+
+    def kv_cache_elems_per_token(self) -> int:
+        if self.kind == "mla":
+            return self.kv_lora_rank + self.qk_rope_dim
+        return 2 * self.kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class GateAttrs:
+    """Router: scores over `experts`, picks `top_k` per token.
+
+    scoring: softmax | sigmoid. select: greedy (top-k of all scores) | group_max (groups ranked by
+    their best score; DeepSeek-V2 group_limited_greedy) | group_top2sum (groups ranked by the sum
+    of their two best biased scores; DeepSeek-V3). `correction_bias` adds a per-expert bias for
+    the choice only. Weights are renormalised over the chosen k when `renormalize`, then
+    multiplied by `scale`. Output: ids and weights, sorted by weight, descending.
+    """
+
+    hidden: int
+    experts: int
+    top_k: int
+    scoring: str = "softmax"
+    select: str = "greedy"
+    groups: int = 1
+    topk_groups: int = 1
+    correction_bias: bool = False
+    renormalize: bool = False
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class MLPAttrs:
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)). kind: dense | shared (a shared expert).
+    `sigmoid_gate`: output scaled by sigmoid(x . w) (Qwen2-MoE's shared_expert_gate)."""
+
+    kind: str
+    hidden: int
+    inter: int
+    sigmoid_gate: bool = False
+
+
+@dataclass(frozen=True)
+class RoutedExpertsAttrs:
+    """The routed experts of one MoE layer: sum over the token's top-k experts of
+    weight * down(silu(gate(x)) * up(x)). Inputs: hidden states and the gate's routing."""
+
+    layer: int
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+
+
+@dataclass(frozen=True)
+class AddAttrs:
+    """Elementwise sum of all inputs (residual stream and MoE partial outputs)."""
+
+
+@dataclass(frozen=True)
+class LMHeadAttrs:
+    hidden: int
+    vocab: int
+
+
+# ---------------------------------------------------------------------------------------- facts
+
+
+@dataclass(frozen=True)
+class Work:
+    """One step's size: `tokens` processed (all rows), `context` positions each token attends to
+    (average), `batch` independent sequences (each reads its own KV cache)."""
+
+    tokens: int
+    context: int
+    batch: int = 1
+
+
+@dataclass(frozen=True)
+class OpFacts:
+    attrs: type
+    arity: tuple[int, int]  # min, max number of inputs
+    shape: Callable[[Any, list[TensorType], DType], TensorType]
+    flops: Callable[[Any, Work], float]
+    #: fraction of the node's weights read in one step (routed experts read only those hit)
+    weight_fraction: Callable[[Any, Work], float] = lambda a, w: 1.0
+    #: elements of non-weight state read per step (KV cache)
+    state_elems: Callable[[Any, Work], float] = lambda a, w: 0.0
+
+
+def _hidden(a, ins, act):
+    return TensorType((TOKENS, a.hidden), act)
+
+
+def _same_as_first(a, ins, act):
+    return ins[0]
+
+
+def _attention_flops(a: AttentionAttrs, w: Work) -> float:
+    t, ctx = w.tokens, w.context
+    if a.kind == "gqa":
+        proj = 2 * t * a.hidden * (a.heads + 2 * a.kv_heads) * a.head_dim
+        out = 2 * t * a.heads * a.head_dim * a.hidden
+        attn = 4 * t * ctx * a.heads * a.head_dim
+        return proj + out + attn
+    qk = a.qk_nope_dim + a.qk_rope_dim
+    if a.q_lora_rank:
+        q = 2 * t * (a.hidden * a.q_lora_rank + a.q_lora_rank * a.heads * qk)
+    else:
+        q = 2 * t * a.hidden * a.heads * qk
+    kv_a = 2 * t * a.hidden * (a.kv_lora_rank + a.qk_rope_dim)
+    # absorbed form: queries folded into the latent space, attention over the latent cache
+    absorb = 2 * t * a.heads * a.kv_lora_rank * (a.qk_nope_dim + a.v_head_dim)
+    attn = 2 * t * ctx * a.heads * (2 * a.kv_lora_rank + a.qk_rope_dim)
+    out = 2 * t * a.heads * a.v_head_dim * a.hidden
+    return q + kv_a + absorb + attn + out
+
+
+def _experts_hit_fraction(a: RoutedExpertsAttrs, w: Work) -> float:
+    """Expected fraction of experts hit by `tokens` tokens routed uniformly (k of E each)."""
+    return 1.0 - (1.0 - a.top_k / a.experts) ** w.tokens
+
+
+FACTS: dict[Op, OpFacts] = {
+    Op.INPUT: OpFacts(InputAttrs, (0, 0), lambda a, ins, act: TensorType((TOKENS,), DType.I64),
+                      lambda a, w: 0.0),
+    Op.EMBED: OpFacts(EmbedAttrs, (1, 1), _hidden, lambda a, w: 0.0,
+                      weight_fraction=lambda a, w: min(1.0, w.tokens / a.vocab)),
+    Op.RMSNORM: OpFacts(RMSNormAttrs, (1, 1), _same_as_first, lambda a, w: 4.0 * w.tokens * a.dim),
+    Op.ATTENTION: OpFacts(AttentionAttrs, (1, 1), _hidden, _attention_flops,
+                          state_elems=lambda a, w: float(w.batch * w.context * a.kv_cache_elems_per_token())),
+    Op.GATE: OpFacts(GateAttrs, (1, 1), lambda a, ins, act: TensorType((TOKENS, a.top_k), DType.ROUTE),
+                     lambda a, w: 2.0 * w.tokens * a.hidden * a.experts),
+    Op.MLP: OpFacts(MLPAttrs, (1, 1), _hidden,
+                    lambda a, w: 6.0 * w.tokens * a.hidden * a.inter + (2.0 * w.tokens * a.hidden if a.sigmoid_gate else 0)),
+    Op.ROUTED_EXPERTS: OpFacts(RoutedExpertsAttrs, (2, 2), _hidden,
+                               lambda a, w: 6.0 * w.tokens * a.top_k * a.hidden * a.inter,
+                               weight_fraction=_experts_hit_fraction),
+    Op.ADD: OpFacts(AddAttrs, (2, 16), _same_as_first, lambda a, w: 0.0),
+    Op.LM_HEAD: OpFacts(LMHeadAttrs, (1, 1), lambda a, ins, act: TensorType((TOKENS, a.vocab), DType.F32),
+                        lambda a, w: 2.0 * w.tokens * a.hidden * a.vocab),
+}
+
+
+# ----------------------------------------------------------------------- attrs <-> plain values
+
+
+def attrs_to_dict(attrs: Any) -> dict:
+    """Plain JSON-able dict of an attrs dataclass (nested dataclasses become dicts)."""
+    out = {}
+    for f in fields(attrs):
+        v = getattr(attrs, f.name)
+        out[f.name] = attrs_to_dict(v) if is_dataclass(v) else (list(v) if isinstance(v, tuple) else v)
+    return out
+
+
+def attrs_from_dict(op: Op, d: dict) -> Any:
+    cls = FACTS[op].attrs
+    kwargs = dict(d)
+    if cls is AttentionAttrs:
+        kwargs["rope"] = RopeAttrs(**kwargs["rope"])
+    return cls(**kwargs)
+
+
+def format_attrs(attrs: Any) -> str:
+    """Deterministic `k=v` text of the attrs; defaults (zero, False, empty) are left out."""
+    parts = []
+    for f in fields(attrs):
+        v = getattr(attrs, f.name)
+        if is_dataclass(v):
+            parts.append(f"{f.name}({format_attrs(v)})")
+        elif v == f.default and f.name not in ("kind",):
+            continue
+        elif isinstance(v, float):
+            parts.append(f"{f.name}={v:.6g}")
+        else:
+            parts.append(f"{f.name}={v}")
+    return " ".join(parts)

@@ -1,0 +1,35 @@
+"""Deterministic text form of a graph: one line per node.
+
+    <name> = <op>(<inputs>) <attrs> -> <type> [w=<tensors>/<elems>] [@device] [cost]
+
+This text is the debug dump (`--print-after`, KTFLOW_DUMP) and the golden format in tests.
+"""
+
+from __future__ import annotations
+
+from .graph import Graph, Node
+from .ops import format_attrs
+from .types import _si
+
+
+def format_node(n: Node) -> str:
+    attrs = format_attrs(n.attrs)
+    line = f"{n.name} = {n.op.value}({', '.join(n.inputs)})"
+    if attrs:
+        line += " " + attrs
+    line += f" -> {n.out}"
+    if n.weights:
+        line += f" w={len(n.weights)}/{_si(n.weight_elems())}"
+    if n.place is not None:
+        line += f" {n.place}"
+        if n.place.cause:
+            line += f" ({n.place.cause})"
+    if n.cost is not None:
+        line += f" | {n.cost}"
+    return line
+
+
+def print_graph(g: Graph) -> str:
+    lines = [f"graph act={g.act_dtype.value} nodes={len(g)} outputs=({', '.join(g.outputs)})"]
+    lines += [format_node(n) for n in g.nodes]
+    return "\n".join(lines) + "\n"

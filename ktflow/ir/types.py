@@ -1,0 +1,114 @@
+"""Value types of the IR: tensor types, placements, costs and weight references.
+
+Everything here is a frozen dataclass made of plain values (ints, floats, strings, tuples), so a
+graph can be hashed, compared, printed deterministically and written to JSON without pickling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+#: The symbolic token dimension: the number of tokens a step processes (batch * sequence).
+TOKENS = "T"
+
+Dim = int | str
+
+
+class DType(str, Enum):
+    """Element types. ROUTE is the router's output: (expert ids int64, weights f32) per token."""
+
+    F32 = "f32"
+    BF16 = "bf16"
+    F16 = "f16"
+    I64 = "i64"
+    ROUTE = "route"
+
+    @property
+    def itemsize(self) -> int:
+        return {"f32": 4, "bf16": 2, "f16": 2, "i64": 8, "route": 12}[self.value]
+
+
+#: Floating point dtypes a checkpoint or an activation may have.
+FLOAT_DTYPES = (DType.F32, DType.BF16, DType.F16)
+
+
+@dataclass(frozen=True)
+class TensorType:
+    """Shape (ints, or TOKENS for the per-step token count) and element type of a node's output."""
+
+    shape: tuple[Dim, ...]
+    dtype: DType
+
+    def __str__(self) -> str:
+        return "[" + ",".join(str(d) for d in self.shape) + "]" + self.dtype.value
+
+    def numel(self, tokens: int) -> int:
+        n = 1
+        for d in self.shape:
+            n *= tokens if d == TOKENS else int(d)
+        return n
+
+
+class Device(str, Enum):
+    CPU = "cpu"
+    GPU = "gpu"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a node runs and why. `numa` and `stream` are filled by later passes."""
+
+    device: Device
+    cause: str = ""
+    numa: int | None = None
+    stream: str | None = None
+
+    def __str__(self) -> str:
+        s = "@" + self.device.value
+        if self.numa is not None:
+            s += f".numa{self.numa}"
+        if self.stream:
+            s += f".{self.stream}"
+        return s
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Predicted work of one node in one step of the plan's phase (from the cost-annotation pass)."""
+
+    tokens: int
+    flops: float
+    bytes: float
+    seconds: float
+
+    def __str__(self) -> str:
+        return f"{_si(self.flops)}FLOP {_si(self.bytes)}B {self.seconds * 1e6:.1f}us"
+
+
+@dataclass(frozen=True)
+class WeightRef:
+    """A checkpoint tensor a node reads.
+
+    `key` is the checkpoint name. When `experts` > 0 the key contains `{e}` and the reference
+    stands for `experts` tensors of the same `shape`, one per expert (the weight loader also
+    finds them in fused per-layer tensors; see ktflow.weights).
+    """
+
+    role: str
+    key: str
+    shape: tuple[int, ...]
+    experts: int = 0
+
+    def numel(self) -> int:
+        n = max(self.experts, 1)
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"

@@ -1,0 +1,186 @@
+"""Graph invariants, numbered, checked after every pass.
+
+Each rule has an id, the first stage it applies to, and a check that yields (node, message)
+for each violation. Stages are ordered: spec < costed < placed. `verify(graph, stage)` runs
+every rule of that stage and the ones before it and raises `VerifyError` naming the rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from ..errors import KtflowError
+from .graph import Graph
+from .ops import FACTS, Op
+from .types import DType, FLOAT_DTYPES, TOKENS
+
+STAGES = ("spec", "costed", "placed")
+
+
+class VerifyError(KtflowError):
+    def __init__(self, rule: str, node: str | None, message: str):
+        self.rule, self.node = rule, node
+        where = f" at node {node}" if node else ""
+        super().__init__(f"verifier rule {rule} ({RULES[rule].title}){where}: {message}")
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    stage: str
+    title: str
+    check: Callable[[Graph], Iterator[tuple[str | None, str]]]
+
+
+def _r1_unique_names(g: Graph):
+    seen = set()
+    for n in g.nodes:
+        if not n.name:
+            yield n.name, "empty node name"
+        if n.name in seen:
+            yield n.name, "name used twice"
+        seen.add(n.name)
+
+
+def _r2_topological(g: Graph):
+    defined = set()
+    for n in g.nodes:
+        for i in n.inputs:
+            if i not in defined:
+                yield n.name, f"input {i!r} is not defined before this node (cycle or missing)"
+        defined.add(n.name)
+
+
+def _r3_arity(g: Graph):
+    for n in g.nodes:
+        lo, hi = FACTS[n.op].arity
+        if not lo <= len(n.inputs) <= hi:
+            yield n.name, f"{n.op.value} takes {lo}..{hi} inputs, has {len(n.inputs)}"
+        if not isinstance(n.attrs, FACTS[n.op].attrs):
+            yield n.name, f"attrs are {type(n.attrs).__name__}, {n.op.value} needs {FACTS[n.op].attrs.__name__}"
+
+
+def _r4_shapes(g: Graph):
+    for n in g.nodes:
+        if not all(i in g for i in n.inputs) or not isinstance(n.attrs, FACTS[n.op].attrs):
+            continue
+        ins = [g.by_name(i).out for i in n.inputs]
+        want = FACTS[n.op].shape(n.attrs, ins, g.act_dtype)
+        if want != n.out:
+            yield n.name, f"output type {n.out} but the shape rule gives {want}"
+
+
+def _r5_input_types(g: Graph):
+    for n in g.nodes:
+        if not all(i in g for i in n.inputs):
+            continue
+        ins = [g.by_name(i).out for i in n.inputs]
+        if n.op == Op.EMBED:
+            if ins[0].dtype != DType.I64:
+                yield n.name, f"embed reads token ids, got {ins[0]}"
+            continue
+        if n.op == Op.INPUT:
+            continue
+        if n.op == Op.ROUTED_EXPERTS and len(ins) == 2 and ins[1].dtype != DType.ROUTE:
+            yield n.name, f"second input must be a routing ({DType.ROUTE.value}), got {ins[1]}"
+        x = ins[0]
+        width = getattr(n.attrs, "hidden", None) or getattr(n.attrs, "dim", None) or (
+            x.shape[1] if len(x.shape) == 2 else "?")
+        if x.dtype not in FLOAT_DTYPES or len(x.shape) != 2 or x.shape[0] != TOKENS or x.shape[1] != width:
+            yield n.name, f"first input must be [T,{width}] float, got {x}"
+        if n.op == Op.ADD and any(t != x for t in ins[1:]):
+            yield n.name, "add inputs differ in type: " + ", ".join(map(str, ins))
+
+
+def _r6_outputs(g: Graph):
+    if not g.outputs:
+        yield None, "graph has no outputs"
+    for o in g.outputs:
+        if o not in g:
+            yield None, f"output {o!r} is not a node"
+    heads = [n.name for n in g.nodes if n.op == Op.LM_HEAD]
+    if len(heads) != 1:
+        yield None, f"expected exactly one lm_head, found {len(heads)}"
+    elif heads[0] not in g.outputs:
+        yield heads[0], "lm_head is not a graph output"
+    if sum(1 for n in g.nodes if n.op == Op.INPUT) != 1:
+        yield None, "expected exactly one input node"
+
+
+def _r7_no_dead_nodes(g: Graph):
+    live = set(o for o in g.outputs if o in g)
+    for n in reversed(g.nodes):
+        if n.name in live:
+            live.update(n.inputs)
+    for n in g.nodes:
+        if n.name not in live:
+            yield n.name, "result is never used by an output"
+
+
+def _r8_weights(g: Graph):
+    for n in g.nodes:
+        roles = set()
+        for w in n.weights:
+            if w.role in roles:
+                yield n.name, f"weight role {w.role!r} listed twice"
+            roles.add(w.role)
+            if any(d <= 0 for d in w.shape):
+                yield n.name, f"weight {w.key} has a non-positive dim {w.shape}"
+            if (w.experts > 0) != ("{e}" in w.key):
+                yield n.name, f"weight {w.key}: per-expert keys contain {{e}} exactly when experts > 0"
+
+
+def _r9_one_attention_per_layer(g: Graph):
+    seen: dict[int, str] = {}
+    for n in g.nodes:
+        if n.op == Op.ATTENTION:
+            if n.attrs.layer in seen:
+                yield n.name, f"layer {n.attrs.layer} already has attention {seen[n.attrs.layer]} (one KV cache each)"
+            seen[n.attrs.layer] = n.name
+
+
+def _c1_costed(g: Graph):
+    for n in g.nodes:
+        if n.cost is None:
+            yield n.name, "no cost annotation"
+
+
+def _p1_placed(g: Graph):
+    for n in g.nodes:
+        if n.place is None:
+            yield n.name, "no placement"
+
+
+RULES: dict[str, Rule] = {r.id: r for r in [
+    Rule("V1", "spec", "node names are unique", _r1_unique_names),
+    Rule("V2", "spec", "nodes are in topological order", _r2_topological),
+    Rule("V3", "spec", "input count and attrs class match the op", _r3_arity),
+    Rule("V4", "spec", "output types follow the shape rules", _r4_shapes),
+    Rule("V5", "spec", "input types fit the op", _r5_input_types),
+    Rule("V6", "spec", "one input, one lm_head, outputs exist", _r6_outputs),
+    Rule("V7", "spec", "every node feeds an output", _r7_no_dead_nodes),
+    Rule("V8", "spec", "weight references are well formed", _r8_weights),
+    Rule("V9", "spec", "one attention (KV cache) per layer", _r9_one_attention_per_layer),
+    Rule("C1", "costed", "every node has a cost", _c1_costed),
+    Rule("P1", "placed", "every node has a placement", _p1_placed),
+]}
+
+
+def violations(g: Graph, stage: str = "spec") -> list[tuple[str, str | None, str]]:
+    """All violations as (rule id, node, message), for rules up to `stage`."""
+    upto = STAGES.index(stage)
+    out = []
+    for r in RULES.values():
+        if STAGES.index(r.stage) <= upto:
+            out += [(r.id, node, msg) for node, msg in r.check(g)]
+    return out
+
+
+def verify(g: Graph, stage: str = "spec") -> None:
+    found = violations(g, stage)
+    if found:
+        rule, node, msg = found[0]
+        err = VerifyError(rule, node, msg)
+        err.all = found  # type: ignore[attr-defined]
+        raise err

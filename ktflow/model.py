@@ -1,0 +1,87 @@
+"""`ktflow.load(path)`: an HF checkpoint dir as a spec graph plus a lazy weight source."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from .config import HFConfig
+from .errors import ConfigError
+from .ir.graph import Graph
+from .ir.types import DType
+from .ir.verify import verify
+from .weights import WeightSource
+
+
+def config_fingerprint(raw: dict) -> str:
+    """Hash of the model's config.json content (key order and whitespace do not matter)."""
+    return hashlib.sha256(json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Model:
+    path: Path
+    raw_config: dict
+    config: HFConfig
+    family: ModuleType
+    weights: WeightSource | None
+
+    @property
+    def model_type(self) -> str:
+        return self.config.model_type
+
+    @property
+    def fingerprint(self) -> str:
+        return config_fingerprint(self.raw_config)
+
+    def graph(self, act_dtype: DType | None = None) -> Graph:
+        """The spec graph with activations in `act_dtype` (default: the checkpoint's dtype)."""
+        g = self.family.build(self.config, act_dtype or self.config.weight_dtype)
+        verify(g, "spec")
+        return g
+
+    def __repr__(self) -> str:
+        w = "weights" if self.weights else "no weights"
+        return f"Model({self.model_type}, {self.path}, {self.config.num_hidden_layers} layers, {w})"
+
+
+def read_config(path: str | os.PathLike) -> tuple[Path, dict]:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"model path {p} does not exist")
+    if not p.is_dir():
+        raise ConfigError(f"model path {p} is not a directory (give an HF checkpoint dir with config.json)")
+    cfg = p / "config.json"
+    if not cfg.exists():
+        raise ConfigError(f"{p} has no config.json (an HF checkpoint dir holds config.json and *.safetensors)")
+    try:
+        raw = json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{cfg}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{cfg}: expected a JSON object")
+    return p, raw
+
+
+def load(path: str | os.PathLike) -> Model:
+    """Read config.json, pick the family spec by model_type, open the weights (lazily).
+
+    A dir with only config.json loads without weights: it can be compiled but not run. When
+    safetensors files are present, every tensor the spec needs is checked (name, shape, dtype)
+    from the headers alone.
+    """
+    from .models import family as find_family
+
+    p, raw = read_config(path)
+    where = str(p / "config.json")
+    fam = find_family(raw.get("model_type"), where)
+    cfg = fam.config(raw, where)
+    weights = WeightSource(p) if WeightSource.present(p) else None
+    model = Model(p, raw, cfg, fam, weights)
+    if weights is not None:
+        weights.validate(model.graph())
+    return model

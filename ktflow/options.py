@@ -1,0 +1,40 @@
+"""Compile options and the context passes receive."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .hw import HwProfile
+
+
+class CompileOptions(BaseModel):
+    """What `ktflow.compile(model, hw, **options)` accepts. Unknown options are an error."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_seq_len: int | None = Field(None, gt=0, description="KV cache length; default min(4096, max_position_embeddings)")
+    max_batch: int = Field(1, gt=0, description="largest batch the memory budget is planned for")
+    dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
+        None, description="activation/compute dtype; default the checkpoint's")
+    backend: str = Field("torch_ref", description="backend that runs the plan's steps")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="single-device placement target; auto = the profile's GPU if present and usable")
+    prefill_tokens: int = Field(512, gt=0, description="prompt length the prefill plan's costs are predicted for")
+
+
+@dataclass(frozen=True)
+class CompileContext:
+    """Read-only inputs of every pass: hardware, options, and the step the plan is for."""
+
+    hw: HwProfile
+    options: CompileOptions
+    phase: Literal["prefill", "decode"]
+    tokens: int  # tokens per step (all rows)
+    batch: int
+    context: int  # average attended positions per token
+    weight_itemsize: int
+    max_seq_len: int
+    device: Literal["cpu", "cuda"]

@@ -1,0 +1,146 @@
+"""The plan artifact: a versioned pydantic model, saved as JSON.
+
+A `Plan` is one phase (prefill or decode): the placed, costed graph, its ordered steps with
+predicted times, the hardware profile and options it was compiled for, and a memory estimate.
+A plan file holds the prefill and the decode plan of one model. Loading checks the file format,
+the ktflow version and the model fingerprint before anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from .errors import PlanError
+from .fsutil import write_atomic
+from .hw import HwProfile
+from .ir.graph import Graph
+from .ir.printer import print_graph
+from .options import CompileOptions
+from .version import PLAN_FORMAT, __version__
+
+FILE_FORMAT = "ktflow-plan"
+
+
+class Step(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: Literal["launch"]
+    node: str
+    lane: str
+    reads: list[str]
+    writes: list[str]
+    start_us: float
+    end_us: float
+
+
+class ModelInfo(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_type: str
+    fingerprint: str
+    path: str
+    layers: int
+
+
+class MemoryEstimate(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    weight_bytes: float
+    kv_cache_bytes: float  # for max_seq_len x max_batch
+    activation_bytes: float  # largest live activation set of one step
+
+    @property
+    def total(self) -> float:
+        return self.weight_bytes + self.kv_cache_bytes + self.activation_bytes
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    phase: Literal["prefill", "decode"]
+    device: Literal["cpu", "cuda"]
+    max_seq_len: int
+    step_tokens: int  # tokens per step the predictions are for
+    graph: dict
+    steps: list[Step]
+    predicted_step_us: float
+    memory: MemoryEstimate
+    pass_seconds: dict[str, float]
+
+    @cached_property
+    def ir(self) -> Graph:
+        return Graph.from_dict(self.graph)
+
+    def as_text(self) -> str:
+        lines = [f"plan {self.phase} on {self.device}: {len(self.steps)} steps, {self.step_tokens} tokens/step, "
+                 f"predicted {self.predicted_step_us:.1f} us/step, max_seq_len {self.max_seq_len}"]
+        lines.append(print_graph(self.ir).rstrip("\n"))
+        lines.append("steps:")
+        for i, s in enumerate(self.steps):
+            lines.append(f"  {i:4d} {s.kind:6s} {s.lane:4s} {s.node:24s} {s.start_us:12.1f} .. {s.end_us:12.1f} us")
+        return "\n".join(lines) + "\n"
+
+
+class PlanFile(BaseModel):
+    """What `ktflow compile -o plan.json` writes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    format: Literal["ktflow-plan"] = FILE_FORMAT
+    format_version: int = PLAN_FORMAT
+    ktflow_version: str = __version__
+    model: ModelInfo
+    hw: HwProfile
+    options: CompileOptions
+    prefill: Plan
+    decode: Plan
+
+    def save(self, path: str | os.PathLike) -> None:
+        write_atomic(path, self.model_dump_json(indent=1))
+
+    @staticmethod
+    def load(path: str | os.PathLike, fingerprint: str | None = None) -> "PlanFile":
+        p = Path(path)
+        try:
+            raw = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise PlanError(f"plan file {p} does not exist") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PlanError(f"plan file {p} is not JSON ({e})") from None
+        if not isinstance(raw, dict) or raw.get("format") != FILE_FORMAT:
+            raise PlanError(f"{p} is not a ktflow plan file")
+        if raw.get("format_version") != PLAN_FORMAT or raw.get("ktflow_version") != __version__:
+            raise PlanError(f"{p} was written by ktflow {raw.get('ktflow_version')} (plan format "
+                            f"{raw.get('format_version')}); this is ktflow {__version__} (plan format {PLAN_FORMAT}). "
+                            "Recompile it with `ktflow compile`.")
+        try:
+            pf = PlanFile.model_validate(raw)
+        except Exception as e:
+            raise PlanError(f"plan file {p} is malformed: {e}") from None
+        if fingerprint is not None and pf.model.fingerprint != fingerprint:
+            raise PlanError(f"{p} was compiled for another model ({pf.model.model_type} at {pf.model.path}, "
+                            f"config fingerprint {pf.model.fingerprint}); this model's fingerprint is {fingerprint}. "
+                            "Recompile the plan for this model.")
+        return pf
+
+    def summary(self) -> str:
+        m = self.model
+        out = [f"ktflow plan (format {self.format_version}, ktflow {self.ktflow_version})",
+               f"model     {m.model_type}, {m.layers} layers, fingerprint {m.fingerprint}, from {m.path}",
+               f"hardware  {self.hw.name}: {self.hw.cpu.name}"
+               + (f" + {', '.join(g.name for g in self.hw.gpus)}" if self.hw.gpus else ""),
+               f"options   " + ", ".join(f"{k}={v}" for k, v in self.options.model_dump().items())]
+        for plan in (self.prefill, self.decode):
+            g = plan.ir
+            ops: dict[str, int] = {}
+            for n in g.nodes:
+                ops[n.op.value] = ops.get(n.op.value, 0) + 1
+            mem = plan.memory
+            out.append(f"{plan.phase:8s}  {len(plan.steps)} steps on {plan.device}, {plan.step_tokens} tokens/step, "
+                       f"predicted {plan.predicted_step_us / 1e3:.3f} ms/step "
+                       f"({plan.step_tokens / max(plan.predicted_step_us, 1e-9) * 1e6:.1f} tokens/s)")
+            out.append(f"          memory: weights {mem.weight_bytes / 1e9:.2f} GB, KV cache {mem.kv_cache_bytes / 1e9:.3f} GB, "
+                       f"activations {mem.activation_bytes / 1e6:.1f} MB")
+            out.append("          ops: " + ", ".join(f"{k} {v}" for k, v in sorted(ops.items())))
+        return "\n".join(out) + "\n"

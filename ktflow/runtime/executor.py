@@ -1,0 +1,50 @@
+"""The executor: a loop over a plan's steps with a dispatch table from step kind to handler.
+
+It owns the values of one step (freed after their last reader) and hands each node's inputs to
+the backend. The sequence state (KV caches, position) lives in `State` and is advanced here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..backends import StepContext
+from ..ir.graph import Graph
+from ..plan import Plan, Step
+from .state import State
+
+
+class Executor:
+    def __init__(self, plan: Plan, backend: Any):
+        self.plan, self.backend = plan, backend
+        self.graph: Graph = plan.ir
+        last_use: dict[str, int] = {}
+        for i, s in enumerate(plan.steps):
+            for r in s.reads:
+                last_use[r] = i
+        outputs = set(self.graph.outputs)
+        #: values to drop after step i
+        self.frees: list[list[str]] = [[] for _ in plan.steps]
+        for name, i in last_use.items():
+            if name not in outputs:
+                self.frees[i].append(name)
+        self.handlers: dict[str, Callable[[Step, dict, StepContext], None]] = {"launch": self._launch}
+
+    def _launch(self, step: Step, values: dict, ctx: StepContext) -> None:
+        node = self.graph.by_name(step.node)
+        values[step.writes[0]] = self.backend.run(node, [values[i] for i in node.inputs], ctx)
+
+    def run(self, input_ids: torch.Tensor, state: State) -> torch.Tensor:
+        """Run one step over input_ids [batch, seq] from state.position; returns logits [batch, seq, vocab]."""
+        b, s = input_ids.shape
+        ctx = StepContext(batch=b, seq=s, position=state.position, state=state, token_ids=input_ids.reshape(-1))
+        values: dict[str, Any] = {}
+        for i, step in enumerate(self.plan.steps):
+            self.handlers[step.kind](step, values, ctx)
+            for name in self.frees[i]:
+                values.pop(name, None)
+        state.position += s
+        logits = values[self.graph.outputs[0]]
+        return logits.view(b, s, -1)

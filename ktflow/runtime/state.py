@@ -1,0 +1,30 @@
+"""Per-sequence state: the position reached and the static KV caches (one per attention layer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class State:
+    """Returned by `ktflow.execute`; pass it back to continue the same sequences.
+
+    `kv[layer]` holds that layer's cache tensors, sized for `max_seq_len` positions when first
+    used (GQA: keys and values [batch, kv_heads, max_seq_len, head_dim]; MLA: the normalised
+    latent [batch, max_seq_len, kv_lora_rank] and the roped key [batch, max_seq_len, rope_dim]).
+    """
+
+    fingerprint: str
+    batch: int
+    max_seq_len: int
+    position: int = 0
+    kv: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict, repr=False)
+
+    @property
+    def remaining(self) -> int:
+        return self.max_seq_len - self.position
+
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in self.kv.values() for t in ts)

@@ -1,0 +1,211 @@
+"""Lazy, memory-mapped access to the tensors of an HF safetensors checkpoint.
+
+A checkpoint dir holds one `*.safetensors` file, or shards listed by
+`model.safetensors.index.json`. Only headers are read when the source opens; a tensor is a
+zero-copy view into a private (copy-on-write) memory map of its file, so pages are read from
+disk when first touched and no tensor is ever held twice. Routed-expert weights are found either
+per expert as `save_pretrained` writes them (`...experts.<e>.gate_proj.weight`) or in fused
+transformers-5 tensors (`...experts.gate_up_proj [E, 2I, H]`, `...experts.down_proj [E, H, I]`).
+Tensors the model spec does not reference (e.g. DeepSeek-V3's MTP layer) are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import WeightError
+from .ir.graph import Graph
+from .ir.types import WeightRef
+
+ST_DTYPES = {"F32": (torch.float32, 4), "BF16": (torch.bfloat16, 2), "F16": (torch.float16, 2),
+             "F64": (torch.float64, 8), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
+             "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1)}
+ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8, **{k: v[1] for k, v in ST_DTYPES.items()}}
+FLOAT_WEIGHT_DTYPES = ("BF16", "F16", "F32")
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class Entry:
+    file: "SafetensorsFile"
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+class SafetensorsFile:
+    """One safetensors file: header parsed and checked at open, data mapped on first use."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._mm: mmap.mmap | None = None
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise WeightError(f"{path}: corrupt safetensors file: shorter than its 8-byte header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100_000_000:
+                raise WeightError(f"{path}: corrupt safetensors header: header length {n} exceeds file size {size}")
+            raw = f.read(n)
+        try:
+            header = json.loads(raw)
+            assert isinstance(header, dict)
+        except Exception:
+            raise WeightError(f"{path}: corrupt safetensors header: not a JSON object") from None
+        self.data_start = 8 + n
+        data_len = size - self.data_start
+        self.entries: dict[str, Entry] = {}
+        for name, e in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype, shape, (b, en) = e["dtype"], tuple(int(d) for d in e["shape"]), e["data_offsets"]
+            except Exception:
+                raise WeightError(f"{path}: corrupt safetensors header entry for tensor {name!r}") from None
+            numel = 1
+            for d in shape:
+                numel *= d
+            if dtype not in ITEMSIZE or not 0 <= b <= en <= data_len or en - b != numel * ITEMSIZE[dtype]:
+                raise WeightError(f"{path}: corrupt safetensors header: tensor {name!r} dtype {dtype} shape "
+                                  f"{list(shape)} offsets [{b}, {en}] do not fit the {data_len}-byte data section")
+            self.entries[name] = Entry(self, dtype, shape, b, en)
+
+    def tensor(self, e: Entry) -> torch.Tensor:
+        if e.dtype not in ST_DTYPES:
+            raise WeightError(f"{self.path}: tensor dtype {e.dtype} cannot be read as a torch tensor")
+        tdt, _ = ST_DTYPES[e.dtype]
+        if e.end == e.begin:
+            return torch.empty(e.shape, dtype=tdt)
+        if self._mm is None:
+            with open(self.path, "rb") as f:
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        t = torch.frombuffer(self._mm, dtype=tdt, count=(e.end - e.begin) // ITEMSIZE[e.dtype],
+                             offset=self.data_start + e.begin)
+        return t.view(e.shape)
+
+
+class WeightSource:
+    """All tensors of a checkpoint dir, by name."""
+
+    def __init__(self, directory: str | os.PathLike):
+        d = Path(directory)
+        self.dir = d
+        index = d / INDEX_FILE
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except Exception as e:
+                raise WeightError(f"{index}: unreadable index ({e}); expected a JSON object with 'weight_map'") from None
+            names = sorted(set(weight_map.values()))
+        else:
+            weight_map = None
+            names = sorted(p.name for p in d.glob("*.safetensors"))
+        files = {}
+        for name in names:
+            p = d / name
+            if not p.exists():
+                raise WeightError(f"{index}: lists shard {name!r} which is not in {d}")
+            files[name] = SafetensorsFile(p)
+        self.files = files
+        self.entries: dict[str, Entry] = {}
+        for f in files.values():
+            self.entries.update(f.entries)
+        if weight_map is not None:
+            for key, fname in weight_map.items():
+                if key not in files[fname].entries:
+                    raise WeightError(f"{index}: maps tensor {key!r} to {fname}, which does not hold it")
+
+    @staticmethod
+    def present(directory: str | os.PathLike) -> bool:
+        d = Path(directory)
+        return (d / INDEX_FILE).exists() or any(d.glob("*.safetensors"))
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.entries
+
+    def get(self, key: str) -> torch.Tensor:
+        e = self.entries.get(key)
+        if e is None:
+            raise WeightError(f"checkpoint {self.dir} has no tensor {key!r}")
+        return e.file.tensor(e)
+
+    # ---------------------------------------------------------------------- references
+    def _fused(self, ref: WeightRef) -> tuple[str, slice] | None:
+        """The fused tensor holding all experts of `ref`, and the row slice of one expert."""
+        prefix = ref.key.split(".{e}.")[0]
+        inter = ref.shape[0] if ref.role in ("gate", "up") else None
+        for p in (prefix, prefix.replace(".block_sparse_moe.", ".mlp.")):
+            if ref.role in ("gate", "up") and f"{p}.gate_up_proj" in self.entries:
+                rows = slice(0, inter) if ref.role == "gate" else slice(inter, 2 * inter)
+                return f"{p}.gate_up_proj", rows
+            if ref.role == "down" and f"{p}.down_proj" in self.entries:
+                return f"{p}.down_proj", slice(None)
+        return None
+
+    def check(self, ref: WeightRef) -> str | None:
+        """None if `ref` resolves to tensors of the right shape and a float dtype, else why not."""
+        if ref.experts:
+            first = ref.key.format(e=0)
+            if first in self.entries:
+                return next((p for p in (self._check_one(ref.key.format(e=e), ref.shape) for e in range(ref.experts))
+                             if p), None)
+            fused = self._fused(ref)
+            if fused is None:
+                return f"missing tensor {first!r} (nor a fused experts tensor for it)"
+            key, _ = fused
+            h_or_i = ref.shape[1]
+            want = (ref.experts, 2 * ref.shape[0], h_or_i) if ref.role in ("gate", "up") else (ref.experts, *ref.shape)
+            return self._check_one(key, want)
+        return self._check_one(ref.key, ref.shape)
+
+    def _check_one(self, key: str, shape: tuple[int, ...]) -> str | None:
+        e = self.entries.get(key)
+        if e is None:
+            return f"missing tensor {key!r} (expected shape {list(shape)})"
+        if e.shape != tuple(shape):
+            return f"tensor {key!r} has shape {list(e.shape)}, expected {list(shape)}"
+        if e.dtype not in FLOAT_WEIGHT_DTYPES:
+            return (f"tensor {key!r} has dtype {e.dtype}; ktflow reads {', '.join(FLOAT_WEIGHT_DTYPES)} "
+                    "(convert the checkpoint first)")
+        return None
+
+    def validate(self, graph: Graph) -> None:
+        """Raise WeightError listing every reference of `graph` that does not resolve."""
+        problems = []
+        seen = set()
+        for n in graph.nodes:
+            for ref in n.weights:
+                if ref.key in seen:
+                    continue
+                seen.add(ref.key)
+                p = self.check(ref)
+                if p:
+                    problems.append(f"{p} (node {n.name})")
+        if problems:
+            more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
+            raise WeightError(f"checkpoint {self.dir} does not match the model spec:\n  "
+                              + "\n  ".join(problems[:10]) + more)
+
+    def load(self, ref: WeightRef) -> torch.Tensor:
+        """The tensor of a plain (non-expert) reference."""
+        return self.get(ref.key)
+
+    def load_expert(self, ref: WeightRef, e: int) -> torch.Tensor:
+        """Expert `e`'s tensor of a per-expert reference: a view, per-expert or into the fused tensor."""
+        key = ref.key.format(e=e)
+        if key in self.entries:
+            return self.get(key)
+        fused = self._fused(ref)
+        if fused is None:
+            raise WeightError(f"checkpoint {self.dir} has no tensor {key!r} (nor a fused experts tensor)")
+        name, rows = fused
+        return self.get(name)[e, rows]

@@ -1,0 +1,74 @@
+"""DeepSeek-V3 / R1 and Kimi-K2 (model_type deepseek_v3, kimi_k2).
+
+MLA attention (optional q LoRA, compressed KV latent, rope/nope split, yarn with DeepSeek's
+softmax mscale, interleaved rope pairs when `rope_interleave`). MoE from layer
+`first_k_dense_replace` on: sigmoid scores, `e_score_correction_bias` for the choice, groups
+ranked by the sum of their two best biased scores, `topk_group` groups kept, weights
+renormalised if `norm_topk_prob`, times `routed_scaling_factor`; shared experts of
+`n_shared_experts * moe_intermediate_size`. MTP layers (`model.layers.<num_hidden_layers>.*`)
+are not part of the graph and their tensors are ignored.
+"""
+
+from __future__ import annotations
+
+from ktflow.config import HFConfig, parse_config, resolve_rope, yarn_softmax_mscale
+from ktflow.ir.graph import Graph
+from ktflow.ir.ops import GateAttrs
+from ktflow.ir.types import DType
+from ktflow import spec
+
+
+class Config(HFConfig):
+    intermediate_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int = 1
+    kv_lora_rank: int
+    q_lora_rank: int | None = None
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    n_group: int = 1
+    topk_group: int = 1
+    first_k_dense_replace: int = 0
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
+    rope_interleave: bool = True
+    attention_bias: bool = False
+
+
+def config(raw: dict, where: str) -> Config:
+    cfg = parse_config(Config, raw, where)
+    if cfg.scoring_func != "sigmoid":
+        from ktflow.errors import ConfigError
+        raise ConfigError(f"{where}: scoring_func {cfg.scoring_func!r} is not supported for deepseek_v3 (sigmoid)")
+    return cfg
+
+
+def build(cfg: Config, act_dtype: DType) -> Graph:
+    rope = resolve_rope(cfg, cfg.qk_rope_head_dim, "interleaved" if cfg.rope_interleave else "half")
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5 * yarn_softmax_mscale(cfg)
+    h, e = cfg.hidden_size, cfg.n_routed_experts
+    gate_attrs = GateAttrs(hidden=h, experts=e, top_k=cfg.num_experts_per_tok, scoring="sigmoid",
+                           select="group_top2sum", groups=cfg.n_group or 1, topk_groups=cfg.topk_group or 1,
+                           correction_bias=True, renormalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
+
+    def attention(b, i, x):
+        return spec.mla_attention(b, f"L{i}.attn", x, cfg, i, rope=rope, softmax_scale=scale)
+
+    def ffn(b, i, x):
+        p = f"{spec.layer_prefix(i)}.mlp"
+        if i < cfg.first_k_dense_replace:
+            return [spec.mlp(b, f"L{i}.mlp", x, h, cfg.intermediate_size, p, "dense")]
+        r = spec.gate(b, f"L{i}.gate", x, gate_attrs, f"{p}.gate")
+        parts = [spec.routed_experts(b, f"L{i}.experts", x, r, i, h, cfg.moe_intermediate_size, e,
+                                     cfg.num_experts_per_tok, f"{p}.experts")]
+        if cfg.n_shared_experts:
+            parts.append(spec.mlp(b, f"L{i}.shared", x, h, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                  f"{p}.shared_experts", "shared"))
+        return parts
+
+    return spec.decoder(cfg, act_dtype, attention, ffn)
