@@ -82,6 +82,7 @@ def load(path: str | os.PathLike) -> Model:
     cfg = fam.config(raw, where)
     weights = WeightSource(p) if WeightSource.present(p) else None
     model = Model(p, raw, cfg, fam, weights)
+    graph = model.graph()  # builds and verifies the spec: config errors surface here
     if weights is not None:
-        weights.validate(model.graph())
+        weights.validate(graph)
     return model

@@ -137,7 +137,8 @@ class PlanFile(BaseModel):
             for n in g.nodes:
                 ops[n.op.value] = ops.get(n.op.value, 0) + 1
             mem = plan.memory
-            out.append(f"{plan.phase:8s}  {len(plan.steps)} steps on {plan.device}, {plan.step_tokens} tokens/step, "
+            out.append(f"{plan.phase:8s}  {len(plan.steps)} steps on {plan.device}, max_seq_len {plan.max_seq_len}, "
+                       f"{plan.step_tokens} tokens/step, "
                        f"predicted {plan.predicted_step_us / 1e3:.3f} ms/step "
                        f"({plan.step_tokens / max(plan.predicted_step_us, 1e-9) * 1e6:.1f} tokens/s)")
             out.append(f"          memory: weights {mem.weight_bytes / 1e9:.2f} GB, KV cache {mem.kv_cache_bytes / 1e9:.3f} GB, "

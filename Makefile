@@ -1,0 +1,29 @@
+# Two commands on a fresh machine (Python 3.11+):
+#   make demo   create .venv if needed, install ktflow, run the demo
+#   make test   same install, run the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.ktflow-installed
+
+.PHONY: install demo test clean
+
+install: $(STAMP)
+
+# torch first: reuse an installed torch; else take 2.13.0 (a local CPU wheel where the machine has
+# one), else any release >= 2.4. Then ktflow itself, editable, with the test extra.
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "ktflow needs Python 3.11+, $(PYTHON) is " + sys.version.split()[0])'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q 'torch==2.13.0' || $(PY) -m pip install -q 'torch>=2.4'
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/ktflow demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

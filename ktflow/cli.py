@@ -1,0 +1,200 @@
+"""The `ktflow` command line: compile, run, inspect, demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+EPILOG = """examples:
+  ktflow demo                                   small DeepSeek-V3-shaped model, compiled and run
+  ktflow compile ./DeepSeek-V3 -o v3.plan.json  compile (config.json alone is enough)
+  ktflow compile ./model --print-after place_on_one_device
+  ktflow run ./model --input-ids "1 2 3" --max-new-tokens 16
+  ktflow run ./model --prompt "Hello" --temperature 0.7 --top-p 0.9 --seed 1
+  ktflow inspect v3.plan.json --text
+"""
+
+
+def _add_compile_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("compile options")
+    g.add_argument("--hw", default=None, help="hardware profile: a preset (cpu, rtx4090-desktop), 'this' "
+                   "(detect this machine; the default), or a profile JSON path")
+    g.add_argument("--max-seq-len", type=int, default=None,
+                   help="KV cache length (default: min(4096, max_position_embeddings))")
+    g.add_argument("--max-batch", type=int, default=1, help="largest batch planned for (default 1)")
+    g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="compute dtype (default: the checkpoint's)")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="run everything on this device (default auto: the GPU when present)")
+    g.add_argument("--backend", default="torch_ref", help="backend for the plan's steps (default torch_ref)")
+
+
+def _options(a: argparse.Namespace) -> dict:
+    return dict(max_seq_len=a.max_seq_len, max_batch=a.max_batch, dtype=a.dtype, device=a.device, backend=a.backend)
+
+
+def cmd_compile(a: argparse.Namespace) -> int:
+    import ktflow
+
+    t0 = time.perf_counter()
+    model = ktflow.load(a.model)
+    compiled = ktflow.compile(model, hw=a.hw, print_after=a.print_after, **_options(a))
+    if a.output:
+        compiled.save(a.output)
+    elapsed = time.perf_counter() - t0
+    print(compiled.summary(), end="")
+    if a.text:
+        print(compiled.as_text(), end="")
+    where = f", wrote {a.output}" if a.output else ""
+    weights = "" if model.weights else " (config only, no weights)"
+    print(f"compiled {model.model_type}{weights} in {elapsed:.2f} s{where}")
+    return 0
+
+
+def _token_ids(a: argparse.Namespace, model_dir: Path):
+    import torch
+
+    from ktflow.errors import InputError
+
+    if (a.input_ids is None) == (a.prompt is None):
+        raise InputError("give exactly one of --input-ids \"1 2 3\" or --prompt TEXT")
+    if a.input_ids is not None:
+        try:
+            ids = [int(t) for t in a.input_ids.replace(",", " ").split()]
+        except ValueError:
+            raise InputError(f"--input-ids must be integers separated by spaces, got {a.input_ids!r}") from None
+        if not ids:
+            raise InputError("--input-ids is empty")
+        return torch.tensor([ids]), None
+    tok_file = model_dir / "tokenizer.json"
+    if not tok_file.exists():
+        raise InputError(f"--prompt needs {tok_file}; this checkpoint has none, use --input-ids instead")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_file))
+    ids = tok.encode(a.prompt).ids
+    if not ids:
+        raise InputError("the prompt encodes to no tokens")
+    return torch.tensor([ids]), tok
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    import ktflow
+    from ktflow.runtime.generate import generate_with_stats
+
+    model = ktflow.load(a.model)
+    ids, tok = _token_ids(a, model.path)
+    if a.plan:
+        compiled = ktflow.Compiled.load(a.plan, model)
+    else:
+        compiled = ktflow.compile(model, hw=a.hw, **_options(a))
+    eos = None if a.ignore_eos else list(model.config.eos_ids) or None
+    out, st = generate_with_stats(compiled, ids, a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+                                  seed=a.seed, eos_token_id=eos)
+    new = out[0, ids.shape[1]:].tolist()
+    print(f"prompt ids    {ids[0].tolist()}")
+    print(f"generated ids {new}")
+    if tok is not None:
+        print(f"generated text {tok.decode(new)!r}")
+    print(f"prefill: {st.prompt_tokens} tokens in {st.prefill_seconds:.3f} s = {st.prefill_tokens_per_s:.1f} tokens/s")
+    print(f"decode:  {st.new_tokens} tokens in {st.decode_seconds:.3f} s = {st.decode_tokens_per_s:.1f} tokens/s")
+    return 0
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from ktflow.plan import PlanFile
+
+    pf = PlanFile.load(a.plan)
+    print(pf.summary(), end="")
+    if a.text:
+        print(pf.prefill.as_text() + "\n" + pf.decode.as_text(), end="")
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    import torch
+
+    import ktflow
+    from ktflow.demo import ensure_demo_checkpoint
+    from ktflow.runtime.generate import generate_with_stats
+
+    d, written = ensure_demo_checkpoint(Path(a.dir) if a.dir else None)
+    print(f"{'wrote' if written else 'using'} demo checkpoint {d}")
+    model = ktflow.load(d)
+    t0 = time.perf_counter()
+    compiled = ktflow.compile(model, hw=a.hw, max_seq_len=256)
+    print(f"compiled in {time.perf_counter() - t0:.2f} s")
+    print(compiled.summary(), end="")
+    ids = torch.randint(0, model.config.vocab_size, (1, a.prompt_tokens), generator=torch.Generator().manual_seed(0))
+    out, st = generate_with_stats(compiled, ids, a.max_new_tokens)
+    print(f"prompt ids    {ids[0].tolist()}")
+    print(f"generated ids {out[0, ids.shape[1]:].tolist()}")
+    print(f"prefill: {st.prompt_tokens} tokens in {st.prefill_seconds:.3f} s = {st.prefill_tokens_per_s:.1f} tokens/s")
+    print(f"decode:  {st.new_tokens} tokens in {st.decode_seconds:.3f} s = {st.decode_tokens_per_s:.1f} tokens/s")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    from ktflow.passes import pass_names
+    from ktflow.version import __version__
+
+    p = argparse.ArgumentParser(prog="ktflow", description="Compile and run huge MoE models on one GPU + big-CPU "
+                                "workstation.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"ktflow {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser("compile", help="compile a model into a plan file",
+                       description="Run the pass pipeline for a model (an HF checkpoint dir; config.json alone is "
+                       "enough) and print the plan summary.")
+    c.add_argument("model", help="HF checkpoint dir (config.json [+ *.safetensors])")
+    c.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
+    c.add_argument("--print-after", metavar="PASS", help=f"print the graph after this pass ({', '.join(pass_names())})")
+    c.add_argument("--text", action="store_true", help="also print both plans in full")
+    _add_compile_options(c)
+    c.set_defaults(fn=cmd_compile)
+
+    r = sub.add_parser("run", help="generate tokens with a model",
+                       description="Prefill a prompt, decode new tokens, print them and the prefill/decode speed.")
+    r.add_argument("model", help="HF checkpoint dir with weights")
+    r.add_argument("--input-ids", help='prompt token ids, e.g. "1 2 3"')
+    r.add_argument("--prompt", help="prompt text (needs tokenizer.json in the model dir)")
+    r.add_argument("--plan", help="use this compiled plan file instead of compiling")
+    r.add_argument("--max-new-tokens", type=int, default=32)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    r.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos token")
+    _add_compile_options(r)
+    r.set_defaults(fn=cmd_run)
+
+    i = sub.add_parser("inspect", help="print a plan file's summary", description="Print a plan file's summary.")
+    i.add_argument("plan", help="plan JSON written by `ktflow compile -o`")
+    i.add_argument("--text", action="store_true", help="print both plans in full (graph and steps)")
+    i.set_defaults(fn=cmd_inspect)
+
+    d = sub.add_parser("demo", help="write, compile and run a small DeepSeek-V3-shaped model",
+                       description="Write a small random-weight DeepSeek-V3-shaped checkpoint into the cache dir "
+                       "(once), compile it and generate tokens. Needs no network.")
+    d.add_argument("--dir", help="checkpoint dir (default: <cache>/demo-deepseek-v3)")
+    d.add_argument("--hw", default=None, help="hardware profile (default: this machine)")
+    d.add_argument("--prompt-tokens", type=int, default=32)
+    d.add_argument("--max-new-tokens", type=int, default=32)
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from ktflow.errors import KtflowError
+
+    try:
+        return args.fn(args)
+    except KtflowError as e:
+        print(f"ktflow {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory):
+    """The demo checkpoint (small DeepSeek-V3 shape, bf16), written once per test session."""
+    from ktflow.demo import ensure_demo_checkpoint
+
+    d, _ = ensure_demo_checkpoint(tmp_path_factory.mktemp("demo") / "ckpt")
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """Tiny HF checkpoints by case name, made on first use (needs transformers)."""
+    pytest.importorskip("transformers")
+    import hf_tiny
+
+    made = {}
+
+    def get(case: str):
+        if case not in made:
+            d = tmp_path_factory.mktemp(case)
+            made[case] = (d, hf_tiny.make(case, d))
+        return made[case]
+
+    return get

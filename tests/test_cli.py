@@ -1,0 +1,94 @@
+"""The `ktflow` command line, run as a subprocess: exit codes, output, files written."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import DATA
+
+
+def ktflow(*args, env=None):
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "ktflow", *map(str, args)], capture_output=True, text=True, env=e)
+
+
+@pytest.mark.parametrize("sub", [[], ["compile"], ["run"], ["inspect"], ["demo"]])
+def test_help_on_every_subcommand(sub):
+    r = ktflow(*sub, "--help")
+    assert r.returncode == 0 and "usage: ktflow" in r.stdout
+
+
+def test_compile_inspect_run(demo_dir, tmp_path):
+    plan = tmp_path / "plan.json"
+    r = ktflow("compile", demo_dir, "-o", plan, "--hw", "cpu", "--max-seq-len", 64)
+    assert r.returncode == 0, r.stderr
+    assert "prefill" in r.stdout and "decode" in r.stdout and f"wrote {plan}" in r.stdout
+    r = ktflow("inspect", plan, "--text")
+    assert r.returncode == 0 and "L3.experts" in r.stdout and "steps:" in r.stdout
+    r = ktflow("run", demo_dir, "--plan", plan, "--input-ids", "1 2 3 4", "--max-new-tokens", 5, "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    gen = json.loads(r.stdout.split("generated ids")[1].splitlines()[0])
+    assert len(gen) == 5 and "decode:" in r.stdout and "tokens/s" in r.stdout
+
+
+def test_print_after(demo_dir):
+    r = ktflow("compile", demo_dir, "--hw", "cpu", "--print-after", "annotate_costs")
+    assert r.returncode == 0 and "# prefill graph after annotate_costs" in r.stdout
+    assert "L1.experts = routed_experts" in r.stdout
+
+
+def test_compile_full_size_deepseek_v3_config_only():
+    r = ktflow("compile", DATA / "deepseek-v3-config", "--hw", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert "deepseek_v3 (config only, no weights)" in r.stdout and "61 layers" in r.stdout
+
+
+def test_prompt_with_tokenizer(demo_dir, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    d = tmp_path / "m"
+    shutil.copytree(demo_dir, d)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(2048)} | {"[UNK]": 2047}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    r = ktflow("run", d, "--prompt", "w5 w6 w7", "--max-new-tokens", 3, "--ignore-eos", "--hw", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert "prompt ids    [5, 6, 7]" in r.stdout and "generated text" in r.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["compile", "/nonexistent/dir"], "does not exist"),
+    (["run", "{demo}", "--input-ids", "1 99999"], "token id 99999 is out of range"),
+    (["run", "{demo}", "--input-ids", "1 x"], "--input-ids must be integers"),
+    (["run", "{demo}", "--prompt", "hi"], "tokenizer.json"),
+    (["run", "{demo}", "--input-ids", "1 2", "--max-seq-len", "4", "--max-new-tokens", "10"], "max_seq_len 4"),
+    (["inspect", "{demo}/config.json"], "not a ktflow plan"),
+])
+def test_bad_input_exits_nonzero_with_a_clear_message(demo_dir, args, message):
+    r = ktflow(*[a.replace("{demo}", str(demo_dir)) for a in args])
+    assert r.returncode != 0
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_failed_compile_writes_nothing(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "hidden_size": 8}))
+    out = tmp_path / "plan.json"
+    r = ktflow("compile", d, "-o", out)
+    assert r.returncode != 0 and "missing required field" in r.stderr
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_demo_writes_once_then_reuses(tmp_path):
+    env = {"KTFLOW_CACHE": str(tmp_path)}
+    r = ktflow("demo", "--max-new-tokens", 4, "--prompt-tokens", 8, "--hw", "cpu", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "wrote demo checkpoint" in r.stdout and "decode:" in r.stdout and "tokens/s" in r.stdout
+    r = ktflow("demo", "--max-new-tokens", 4, "--prompt-tokens", 8, "--hw", "cpu", env=env)
+    assert "using demo checkpoint" in r.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-deepseek-v3"]

@@ -1,0 +1,92 @@
+"""config.json reading: family registry, required fields, both rope styles, aliases."""
+
+import json
+
+import pytest
+
+import ktflow
+from ktflow.config import resolve_rope
+from ktflow.errors import ConfigError
+from ktflow.models import REGISTRY, family
+from small_configs import CONFIGS
+
+
+def write(tmp_path, cfg):
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def test_not_a_directory(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="not a directory"):
+        ktflow.load(f)
+    with pytest.raises(ConfigError, match="does not exist"):
+        ktflow.load(tmp_path / "nope")
+
+
+def test_no_config_json(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        ktflow.load(tmp_path)
+
+
+def test_unknown_model_type_lists_supported(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        ktflow.load(write(tmp_path, dict(CONFIGS["mixtral"], model_type="llama")))
+    for name in REGISTRY:
+        assert name in str(e.value)
+
+
+def test_missing_required_field_is_named(tmp_path):
+    cfg = dict(CONFIGS["deepseek_v3"])
+    del cfg["kv_lora_rank"]
+    with pytest.raises(ConfigError, match="missing required field 'kv_lora_rank'"):
+        ktflow.load(write(tmp_path, cfg))
+
+
+def test_wrong_field_type_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="hidden_size"):
+        ktflow.load(write(tmp_path, dict(CONFIGS["mixtral"], hidden_size="big")))
+
+
+def test_both_rope_styles_resolve_identically():
+    classic = dict(CONFIGS["deepseek_v3"])
+    new = {k: v for k, v in classic.items() if k not in ("rope_theta", "rope_scaling")}
+    new["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, **{
+        k: v for k, v in classic["rope_scaling"].items() if k != "type"}}
+    fam = family("deepseek_v3")
+    a, b = fam.config(classic, "a"), fam.config(new, "b")
+    assert resolve_rope(a, 8, "interleaved") == resolve_rope(b, 8, "interleaved")
+    assert resolve_rope(a, 8).kind == "yarn"
+
+
+def test_yarn_attention_factor_from_mscales():
+    cfg = family("deepseek_v3").config(dict(CONFIGS["deepseek_v3"], rope_scaling={
+        "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 1.0,
+        "mscale_all_dim": 0.5}), "x")
+    import math
+    r = resolve_rope(cfg, 64)
+    assert r.attention_factor == pytest.approx((0.1 * math.log(40) + 1) / (0.05 * math.log(40) + 1))
+
+
+def test_unsupported_rope_type(tmp_path):
+    with pytest.raises(ConfigError, match="rope type 'longrope'"):
+        ktflow.load(write(tmp_path, dict(CONFIGS["mixtral"], rope_scaling={"type": "longrope"})))
+
+
+def test_qwen3_expert_count_from_either_key():
+    fam = family("qwen3_moe")
+    base = dict(CONFIGS["qwen3_moe"])
+    n = base.pop("num_experts")
+    assert fam.config(dict(base, num_local_experts=n), "x").num_experts == n
+    assert fam.config(dict(base, num_experts=n), "x").num_experts == n
+
+
+def test_kimi_k2_uses_the_deepseek_v3_spec():
+    assert family("kimi_k2") is family("deepseek_v3")
+
+
+def test_mixtral_default_theta_is_1e6():
+    cfg = dict(CONFIGS["mixtral"])
+    del cfg["rope_theta"]
+    assert resolve_rope(family("mixtral").config(cfg, "x"), 8).theta == 1e6

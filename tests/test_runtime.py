@@ -1,0 +1,151 @@
+"""Runtime: execute's contract (prefill, decode, continuation), bad token input, generation."""
+
+import pytest
+import torch
+
+import ktflow
+from ktflow.errors import InputError
+from ktflow.runtime.generate import generate_with_stats, sample
+
+
+@pytest.fixture(scope="module")
+def compiled(demo_dir):
+    return ktflow.compile(ktflow.load(demo_dir), hw="cpu", max_seq_len=32, dtype="float32")
+
+
+def ids(*rows):
+    return torch.tensor(rows)
+
+
+def test_decode_continuation_equals_one_long_prefill(compiled):
+    seq = ids([3, 9, 27, 81, 243, 729, 100, 200])
+    full, _ = ktflow.execute(compiled, seq)
+    part, st = ktflow.execute(compiled, seq[:, :5])
+    steps = [part]
+    for t in range(5, 8):
+        lg, st = ktflow.execute(compiled, seq[:, t:t + 1], st)
+        steps.append(lg)
+    got = torch.cat(steps, 1)
+    assert got.shape == (1, 8, 2048)
+    assert (got - full).abs().max() <= 1e-4 * full.abs().max()
+
+
+def test_chunked_prefill_through_state(compiled):
+    seq = ids([1, 2, 3, 4, 5, 6])
+    full, _ = ktflow.execute(compiled, seq)
+    a, st = ktflow.execute(compiled, seq[:, :3])
+    b, st = ktflow.execute(compiled, seq[:, 3:], st)
+    assert st.position == 6
+    assert (torch.cat([a, b], 1) - full).abs().max() <= 1e-4 * full.abs().max()
+
+
+def test_batch_rows_are_independent(compiled):
+    a, b = [5, 6, 7, 8], [40, 41, 42, 43]
+    both, _ = ktflow.execute(compiled, ids(a, b))
+    single, _ = ktflow.execute(compiled, ids(b))
+    assert (both[1] - single[0]).abs().max() <= 1e-4 * single.abs().max()
+
+
+@pytest.mark.parametrize("bad", [-1, 2048, 10**6])
+def test_token_id_out_of_range(compiled, bad):
+    with pytest.raises(InputError, match=f"token id {bad} is out of range"):
+        ktflow.execute(compiled, ids([1, bad, 2]))
+
+
+def test_bad_input_shapes(compiled):
+    with pytest.raises(InputError, match="shape"):
+        ktflow.execute(compiled, torch.tensor([1, 2, 3]))
+    with pytest.raises(InputError, match="integer"):
+        ktflow.execute(compiled, torch.tensor([[1.0, 2.0]]))
+
+
+def test_prompt_longer_than_max_seq_len(compiled):
+    with pytest.raises(InputError, match="33 tokens, more than max_seq_len 32"):
+        ktflow.execute(compiled, torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_decode_past_max_seq_len(compiled):
+    _, st = ktflow.execute(compiled, torch.zeros(1, 32, dtype=torch.long))
+    with pytest.raises(InputError, match="passes max_seq_len 32"):
+        ktflow.execute(compiled, ids([1]), st)
+    assert st.position == 32
+
+
+def test_state_batch_mismatch(compiled):
+    _, st = ktflow.execute(compiled, ids([1, 2]))
+    with pytest.raises(InputError, match="holds 1 sequences"):
+        ktflow.execute(compiled, ids([1], [2]), st)
+
+
+def test_kv_cache_is_static_size(compiled):
+    _, st = ktflow.execute(compiled, ids([1, 2, 3]))
+    for latent, rope in st.kv.values():
+        assert latent.shape == (1, 32, 64) and rope.shape == (1, 32, 16)
+
+
+def test_greedy_generation_follows_argmax(compiled):
+    prompt = ids([7, 8, 9])
+    out = ktflow.generate(compiled, prompt, 4)
+    assert out.shape == (1, 7) and torch.equal(out[:, :3], prompt)
+    seq = prompt
+    for _ in range(4):
+        lg, _ = ktflow.execute(compiled, seq)
+        seq = torch.cat([seq, lg[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, seq)
+
+
+def test_sampling_is_reproducible_with_a_seed(compiled):
+    p = ids([7, 8, 9])
+    a = ktflow.generate(compiled, p, 6, temperature=1.5, seed=11)
+    b = ktflow.generate(compiled, p, 6, temperature=1.5, seed=11)
+    assert torch.equal(a, b)
+    others = {tuple(ktflow.generate(compiled, p, 6, temperature=1.5, seed=s)[0].tolist()) for s in range(6)}
+    assert len(others) > 1
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    g = torch.Generator().manual_seed(0)
+    seen = {int(sample(logits, 1.0, 0.6, g)) for _ in range(200)}
+    assert seen == {0, 1}
+    seen = {int(sample(logits, 1.0, 0.5, g)) for _ in range(50)}
+    assert seen == {0}
+
+
+def test_generation_stops_at_eos_and_pads(compiled):
+    p = ids([7, 8, 9], [1, 2, 3])
+    free = ktflow.generate(compiled, p, 5)
+    eos = int(free[0, 4])  # the second token row 0 generates
+    out = ktflow.generate(compiled, p, 5, eos_token_id=eos)
+    row0 = out[0, 3:].tolist()
+    assert row0[1] == eos and all(t == eos for t in row0[1:])
+
+
+def test_generation_that_cannot_fit_is_refused_up_front(compiled):
+    with pytest.raises(InputError, match="needs 40 positions"):
+        ktflow.generate(compiled, torch.zeros(1, 10, dtype=torch.long), 31)
+
+
+def test_generation_stats(compiled):
+    out, st = generate_with_stats(compiled, ids([1, 2, 3, 4]), 5)
+    assert out.shape == (1, 9)
+    assert st.prompt_tokens == 4 and st.new_tokens == 4
+    assert st.prefill_tokens_per_s > 0 and st.decode_tokens_per_s > 0
+
+
+def test_null_backend_records_every_step(demo_dir):
+    c = ktflow.compile(ktflow.load(demo_dir), hw="cpu", max_seq_len=16, backend="null")
+    logits, st = ktflow.execute(c, ids([1, 2, 3]))
+    be = c.executor("prefill").backend
+    assert [name for name, _, _ in be.calls] == [s.node for s in c.prefill.steps]
+    assert logits.shape == (1, 3, 2048) and st.position == 3
+    assert ("L1.gate", "gate", (3, 4)) in be.calls
+
+
+def test_bf16_execution_runs_and_stays_close_to_float32(demo_dir, compiled):
+    bf = ktflow.compile(ktflow.load(demo_dir), hw="cpu", max_seq_len=32)
+    assert bf.prefill.ir.act_dtype.value == "bf16"
+    p = ids([11, 12, 13, 14, 15])
+    a, _ = ktflow.execute(bf, p)
+    b, _ = ktflow.execute(compiled, p)
+    assert ((a - b).norm() / b.norm()) < 5e-2
