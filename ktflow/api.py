@@ -75,6 +75,16 @@ class Compiled:
         return self.prefill.as_text() + "\n" + self.decode.as_text()
 
     # -------------------------------------------------------------------------------- running
+    def prepare(self) -> float:
+        """Make both plans ready to run (the backend loads the weights); returns seconds taken.
+        `execute` does this on first use; call it first to keep loading out of timings."""
+        import time
+
+        t0 = time.perf_counter()
+        self.executor("prefill")
+        self.executor("decode")
+        return time.perf_counter() - t0
+
     def executor(self, phase: str) -> Executor:
         if phase not in self._executors:
             if self.model is None:
@@ -182,13 +192,13 @@ def _check_ids(compiled: Compiled, input_ids: Any, state: State | None) -> torch
 def execute(compiled: Compiled, input_ids: torch.Tensor, state: State | None = None) -> tuple[torch.Tensor, State]:
     """Run `input_ids` [batch, tokens]. With state=None: prefill from position 0; with a state:
     continue those sequences (one token = a decode step). Returns (logits [batch, tokens, vocab]
-    float32, state)."""
+    float32 on the device of input_ids, state)."""
     ids = _check_ids(compiled, input_ids, state)
     if state is None:
         state = State(compiled.plans.model.fingerprint, ids.shape[0], compiled.max_seq_len)
     phase = "decode" if ids.shape[1] == 1 and state.position > 0 else "prefill"
     logits = compiled.executor(phase).run(ids, state)
-    return logits, state
+    return logits.to(input_ids.device), state
 
 
 def generate(compiled: Compiled, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,

@@ -13,7 +13,7 @@ import shutil
 import struct
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 

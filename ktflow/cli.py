@@ -91,6 +91,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     else:
         compiled = ktflow.compile(model, hw=a.hw, **_options(a))
     eos = None if a.ignore_eos else list(model.config.eos_ids) or None
+    print(f"weights ready in {compiled.prepare():.2f} s ({compiled.plans.options.backend} on {compiled.prefill.device})")
     out, st = generate_with_stats(compiled, ids, a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                                   seed=a.seed, eos_token_id=eos)
     new = out[0, ids.shape[1]:].tolist()
@@ -128,6 +129,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
     print(f"compiled in {time.perf_counter() - t0:.2f} s")
     print(compiled.summary(), end="")
     ids = torch.randint(0, model.config.vocab_size, (1, a.prompt_tokens), generator=torch.Generator().manual_seed(0))
+    print(f"weights ready in {compiled.prepare():.2f} s ({compiled.plans.options.backend} on {compiled.prefill.device})")
+    ktflow.generate(compiled, ids[:, :4], 2)  # warm-up: first-call costs stay out of the timings below
     out, st = generate_with_stats(compiled, ids, a.max_new_tokens)
     print(f"prompt ids    {ids[0].tolist()}")
     print(f"generated ids {out[0, ids.shape[1]:].tolist()}")

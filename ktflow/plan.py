@@ -130,7 +130,7 @@ class PlanFile(BaseModel):
                f"model     {m.model_type}, {m.layers} layers, fingerprint {m.fingerprint}, from {m.path}",
                f"hardware  {self.hw.name}: {self.hw.cpu.name}"
                + (f" + {', '.join(g.name for g in self.hw.gpus)}" if self.hw.gpus else ""),
-               f"options   " + ", ".join(f"{k}={v}" for k, v in self.options.model_dump().items())]
+               "options   " + ", ".join(f"{k}={v}" for k, v in self.options.model_dump().items())]
         for plan in (self.prefill, self.decode):
             g = plan.ir
             ops: dict[str, int] = {}

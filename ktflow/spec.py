@@ -64,6 +64,21 @@ def routed_experts(b: GraphBuilder, name: str, x: str, route: str, layer: int, h
     return b.add(name, Op.ROUTED_EXPERTS, [x, route], RoutedExpertsAttrs(layer, hidden, inter, experts, top_k), refs)
 
 
+def moe_ffn(b: GraphBuilder, i: int, x: str, gate_attrs: GateAttrs, inter: int, key: str, *,
+            names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), shared_inter: int = 0,
+            shared_key: str = "", shared_gate_key: str | None = None) -> list[str]:
+    """Layer i's MoE block under checkpoint prefix `key` (`model.layers.N.mlp`): router
+    `L<i>.gate`, routed experts `L<i>.experts` and, when `shared_inter`, a shared expert
+    `L<i>.shared` (optionally sigmoid-gated). Returns the names to add to the residual."""
+    r = gate(b, f"L{i}.gate", x, gate_attrs, f"{key}.gate")
+    parts = [routed_experts(b, f"L{i}.experts", x, r, i, gate_attrs.hidden, inter, gate_attrs.experts,
+                            gate_attrs.top_k, f"{key}.experts", names)]
+    if shared_inter:
+        parts.append(mlp(b, f"L{i}.shared", x, gate_attrs.hidden, shared_inter, f"{key}.{shared_key}", "shared",
+                         sigmoid_gate_key=shared_gate_key))
+    return parts
+
+
 def gqa_attention(b: GraphBuilder, name: str, x: str, cfg: HFConfig, layer: int, *, head_dim: int,
                   qkv_bias: bool, o_bias: bool, qk_norm: bool, window: int, rope) -> str:
     h, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads

@@ -63,12 +63,7 @@ def build(cfg: Config, act_dtype: DType) -> Graph:
         p = f"{spec.layer_prefix(i)}.mlp"
         if i < cfg.first_k_dense_replace:
             return [spec.mlp(b, f"L{i}.mlp", x, h, cfg.intermediate_size, p, "dense")]
-        r = spec.gate(b, f"L{i}.gate", x, gate_attrs, f"{p}.gate")
-        parts = [spec.routed_experts(b, f"L{i}.experts", x, r, i, h, cfg.moe_intermediate_size, e,
-                                     cfg.num_experts_per_tok, f"{p}.experts")]
-        if cfg.n_shared_experts:
-            parts.append(spec.mlp(b, f"L{i}.shared", x, h, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                  f"{p}.shared_experts", "shared"))
-        return parts
+        return spec.moe_ffn(b, i, x, gate_attrs, cfg.moe_intermediate_size, p, shared_key="shared_experts",
+                            shared_inter=cfg.moe_intermediate_size * (cfg.n_shared_experts or 0))
 
     return spec.decoder(cfg, act_dtype, attention, ffn)

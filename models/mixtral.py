@@ -36,9 +36,7 @@ def build(cfg: Config, act_dtype: DType) -> Graph:
                                   qk_norm=False, window=cfg.sliding_window or 0, rope=rope)
 
     def ffn(b, i, x):
-        p = f"{spec.layer_prefix(i)}.block_sparse_moe"
-        r = spec.gate(b, f"L{i}.gate", x, gate_attrs, f"{p}.gate")
-        return [spec.routed_experts(b, f"L{i}.experts", x, r, i, h, cfg.intermediate_size, e,
-                                    cfg.num_experts_per_tok, f"{p}.experts", names=("w1", "w3", "w2"))]
+        return spec.moe_ffn(b, i, x, gate_attrs, cfg.intermediate_size, f"{spec.layer_prefix(i)}.block_sparse_moe",
+                            names=("w1", "w3", "w2"))
 
     return spec.decoder(cfg, act_dtype, attention, ffn)

@@ -50,8 +50,6 @@ def build(cfg: Config, act_dtype: DType) -> Graph:
         p = f"{spec.layer_prefix(i)}.mlp"
         if not is_moe_layer(cfg, i):
             return [spec.mlp(b, f"L{i}.mlp", x, h, cfg.intermediate_size, p, "dense")]
-        r = spec.gate(b, f"L{i}.gate", x, gate_attrs, f"{p}.gate")
-        return [spec.routed_experts(b, f"L{i}.experts", x, r, i, h, cfg.moe_intermediate_size, cfg.num_experts,
-                                    cfg.num_experts_per_tok, f"{p}.experts")]
+        return spec.moe_ffn(b, i, x, gate_attrs, cfg.moe_intermediate_size, p)
 
     return spec.decoder(cfg, act_dtype, attention, ffn)

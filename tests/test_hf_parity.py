@@ -76,7 +76,7 @@ def test_fused_expert_checkpoint_matches_hf(tiny_dirs, tmp_path):
         gate = [sd.pop(f"{p}.{e}.gate_proj.weight") for e in range(n)]
         up = [sd.pop(f"{p}.{e}.up_proj.weight") for e in range(n)]
         down = [sd.pop(f"{p}.{e}.down_proj.weight") for e in range(n)]
-        sd[f"{p}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+        sd[f"{p}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up, strict=True)])
         sd[f"{p}.down_proj"] = torch.stack(down)
     save_file(sd, fused / "model.safetensors")
     model = ktflow.load(fused)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ktflow.ir import Graph, Op, print_graph, verify, violations, VerifyError, RULES
-from ktflow.ir.ops import AddAttrs, RMSNormAttrs
+from ktflow.ir import Graph, print_graph, verify, violations, VerifyError, RULES
+from ktflow.ir.ops import RMSNormAttrs
 from ktflow.ir.types import DType, TensorType, WeightRef
 from small_configs import CONFIGS, graph_of
 

@@ -1,46 +1,23 @@
-"""Backends run the steps of a plan. Each implements the small `Backend` protocol and registers
-in BACKENDS (a plain dict from name to class)."""
+"""Backends run the steps of a plan. Each implements the small `Backend` protocol (base.py) and
+registers in BACKENDS, a plain dict from name to class."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol
-
-import torch
-
 from ..errors import ConfigError
-from ..ir.graph import Graph, Node
-from ..weights import WeightSource
+from .base import Backend, StepContext
+from .null import NullBackend
+from .torch_ref import TorchRefBackend
 
-
-@dataclass
-class StepContext:
-    """What one step of execution needs beyond a node's inputs."""
-
-    batch: int
-    seq: int  # new tokens per row
-    position: int  # absolute position of the first new token
-    state: Any  # ktflow.runtime.state.State: KV caches
-    token_ids: torch.Tensor  # [batch * seq] int64
-
-
-class Backend(Protocol):
-    name: str
-
-    def __init__(self, device: str, dtype: torch.dtype) -> None: ...
-
-    def prepare(self, graph: Graph, weights: WeightSource | None) -> None:
-        """Make the weights of `graph`'s nodes ready (once; later calls with the same nodes are free)."""
-
-    def run(self, node: Node, inputs: list[Any], ctx: StepContext) -> Any:
-        """Compute `node` from its input values."""
+BACKENDS: dict[str, type] = {
+    "torch_ref": TorchRefBackend,
+    "null": NullBackend,
+}
 
 
 def get_backend(name: str) -> type:
-    from .null import NullBackend
-    from .torch_ref import TorchRefBackend
+    if name not in BACKENDS:
+        raise ConfigError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
+    return BACKENDS[name]
 
-    backends = {"torch_ref": TorchRefBackend, "null": NullBackend}
-    if name not in backends:
-        raise ConfigError(f"unknown backend {name!r}; available: {', '.join(backends)}")
-    return backends[name]
+
+__all__ = ["BACKENDS", "Backend", "StepContext", "get_backend"]

@@ -18,7 +18,7 @@ from ..errors import KtflowError
 from ..ir.graph import Graph, Node
 from ..ir.ops import AttentionAttrs, GateAttrs, Op
 from ..weights import WeightSource
-from . import StepContext
+from .base import StepContext
 
 Weights = dict[str, Any]
 

@@ -1,0 +1,34 @@
+"""What every backend shares: the per-step context and the Backend protocol."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ..ir.graph import Graph, Node
+from ..weights import WeightSource
+
+
+@dataclass
+class StepContext:
+    """What one step of execution needs beyond a node's inputs."""
+
+    batch: int
+    seq: int  # new tokens per row
+    position: int  # absolute position of the first new token
+    state: Any  # ktflow.runtime.state.State: KV caches
+    token_ids: torch.Tensor  # [batch * seq] int64
+
+
+class Backend(Protocol):
+    name: str
+
+    def __init__(self, device: str, dtype: torch.dtype) -> None: ...
+
+    def prepare(self, graph: Graph, weights: WeightSource | None) -> None:
+        """Make the weights of `graph`'s nodes ready (once; later calls with the same nodes are free)."""
+
+    def run(self, node: Node, inputs: list[Any], ctx: StepContext) -> Any:
+        """Compute `node` from its input values."""
