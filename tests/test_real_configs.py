@@ -43,4 +43,4 @@ def test_decode_reads_only_the_active_experts():
     active = sum(n.weight_elems() * FACTS[n.op].weight_fraction(n.attrs, w) for n in c.decode.ir.nodes)
     embed = c.decode.ir.by_name("embed").weight_elems()
     assert active + embed * (1 - 1 / 151936) == pytest.approx(3.3e9, rel=0.03)
-    assert active == pytest.approx(3.3e9, rel=0.05)
+    assert active < 0.11 * c.decode.ir.weight_elems()  # 8 of 128 experts
