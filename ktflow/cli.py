@@ -94,14 +94,18 @@ def cmd_run(a: argparse.Namespace) -> int:
     print(f"weights ready in {compiled.prepare():.2f} s ({compiled.plans.options.backend} on {compiled.prefill.device})")
     out, st = generate_with_stats(compiled, ids, a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                                   seed=a.seed, eos_token_id=eos)
+    _print_generation(ids, out, st, tok)
+    return 0
+
+
+def _print_generation(ids, out, st, tok=None, note: str = "") -> None:
     new = out[0, ids.shape[1]:].tolist()
     print(f"prompt ids    {ids[0].tolist()}")
-    print(f"generated ids {new}")
+    print(f"generated ids {new}{note}")
     if tok is not None:
         print(f"generated text {tok.decode(new)!r}")
     print(f"prefill: {st.prompt_tokens} tokens in {st.prefill_seconds:.3f} s = {st.prefill_tokens_per_s:.1f} tokens/s")
     print(f"decode:  {st.new_tokens} tokens in {st.decode_seconds:.3f} s = {st.decode_tokens_per_s:.1f} tokens/s")
-    return 0
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
@@ -132,10 +136,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     print(f"weights ready in {compiled.prepare():.2f} s ({compiled.plans.options.backend} on {compiled.prefill.device})")
     ktflow.generate(compiled, ids[:, :4], 2)  # warm-up: first-call costs stay out of the timings below
     out, st = generate_with_stats(compiled, ids, a.max_new_tokens)
-    print(f"prompt ids    {ids[0].tolist()}")
-    print(f"generated ids {out[0, ids.shape[1]:].tolist()}")
-    print(f"prefill: {st.prompt_tokens} tokens in {st.prefill_seconds:.3f} s = {st.prefill_tokens_per_s:.1f} tokens/s")
-    print(f"decode:  {st.new_tokens} tokens in {st.decode_seconds:.3f} s = {st.decode_tokens_per_s:.1f} tokens/s")
+    _print_generation(ids, out, st, note="  (random weights: the tokens mean nothing)")
     return 0
 
 

@@ -72,7 +72,11 @@ class TorchRefBackend:
         if todo and weights is None:
             raise KtflowError("this model was loaded without weights (config.json only): it can be compiled "
                               "but not run; point ktflow at a checkpoint dir with *.safetensors")
-        for n in todo:
+        from tqdm import tqdm
+
+        # a bar (on stderr) when there is enough to copy to be worth watching
+        copying = sum(n.weight_elems() for n in todo) > 2e8 and self.device.type != "cpu"
+        for n in tqdm(todo, desc="weights to " + self.device.type, unit="node", disable=not copying, leave=False):
             w: Weights = {}
             for ref in n.weights:
                 if ref.experts:
