@@ -29,7 +29,7 @@ CASES: dict[str, tuple[str, dict]] = {
     "deepseek_v3_plain_q_yarn": ("DeepseekV3Config", dict(
         COMMON, **MLA, q_lora_rank=None, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
         num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=2, first_k_dense_replace=0,
-        norm_topk_prob=False, routed_scaling_factor=1.5, rope_parameters=YARN)),
+        norm_topk_prob=False, routed_scaling_factor=1.5, rope_parameters=YARN, rope_interleave=False)),
     "deepseek_v2_lite": ("DeepseekV2Config", dict(
         COMMON, **MLA, q_lora_rank=None, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
         num_experts_per_tok=3, n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy",
