@@ -14,6 +14,7 @@ EPILOG = """examples:
   ktflow run ./model --input-ids "1 2 3" --max-new-tokens 16
   ktflow run ./model --prompt "Hello" --temperature 0.7 --top-p 0.9 --seed 1
   ktflow inspect v3.plan.json --text
+  ktflow hw show paper-a100                     a hardware preset; `ktflow hw probe -o me.json` measures this one
 """
 
 
@@ -140,6 +141,32 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_hw_show(a: argparse.Namespace) -> int:
+    from ktflow.hw import PRESETS, resolve_hw
+
+    if a.profile is None:
+        for name, hw in PRESETS.items():
+            print(f"{name:16s} {hw.description}")
+        print(f"{'this':16s} this machine as the OS and torch describe it (throughputs guessed)")
+        return 0
+    print(resolve_hw(a.profile).summary(), end="")
+    return 0
+
+
+def cmd_hw_probe(a: argparse.Namespace) -> int:
+    from ktflow.fsutil import write_atomic
+    from ktflow.hw import probe
+
+    hw = probe(quick=a.quick, log=lambda s: print(s, flush=True))
+    if a.name:
+        hw = hw.model_copy(update=dict(name=a.name))
+    print(hw.summary(), end="")
+    if a.output:
+        write_atomic(a.output, hw.model_dump_json(indent=1) + "\n")
+        print(f"wrote {a.output} (use it with --hw {a.output})")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     from ktflow.passes import pass_names
     from ktflow.version import __version__
@@ -186,6 +213,20 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt-tokens", type=int, default=32)
     d.add_argument("--max-new-tokens", type=int, default=32)
     d.set_defaults(fn=cmd_demo)
+    h = sub.add_parser("hw", help="hardware profiles: show presets, measure this machine",
+                       description="Hardware profiles tell the compiler what the machine can do.")
+    hsub = h.add_subparsers(dest="hw_command", required=True, metavar="HW_COMMAND")
+    hs = hsub.add_parser("show", help="list presets, or print one profile",
+                         description="Without an argument, list the presets; with one, print that profile.")
+    hs.add_argument("profile", nargs="?", help="a preset, 'this', or a profile JSON path")
+    hs.set_defaults(fn=cmd_hw_show)
+    hp = hsub.add_parser("probe", help="measure this machine and write a profile JSON",
+                         description="Measure DRAM bandwidth, CPU bf16 GEMM/GEMV and, with a GPU, its HBM "
+                         "bandwidth, bf16 GEMM, PCIe both ways and launch overhead (about a minute).")
+    hp.add_argument("-o", "--output", help="write the profile JSON here (atomically)")
+    hp.add_argument("--name", help="profile name (default 'probed')")
+    hp.add_argument("--quick", action="store_true", help="small sizes: seconds instead of a minute, rougher numbers")
+    hp.set_defaults(fn=cmd_hw_probe)
     return p
 
 

@@ -1,83 +1,217 @@
 """Hardware profiles: what the cost model and placement know about a machine.
 
-A profile is a pydantic model, so it is read from and written to JSON as it is. `resolve_hw`
-accepts a profile object, a preset name, a path to a profile JSON, or None for this machine
-(detected: CPU cores and memory; the GPU through torch.cuda when one is present). Bandwidth and
-FLOP numbers of a detected machine are conservative defaults until `ktflow hw probe` (a later
-issue) measures them.
+A profile is a pydantic model, read from and written to JSON as it is. `resolve_hw` accepts a
+profile object, a preset name, a path to a profile JSON, or None / 'this' for this machine as
+the OS and torch describe it (with conservative throughput guesses: run `ktflow hw probe` to
+measure them). `probe()` measures this machine: DRAM read bandwidth with all cores, CPU bf16
+GEMM and GEMV, and when a GPU is present its HBM bandwidth, bf16 GEMM, PCIe both ways and the
+launch overhead.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
+from typing import Callable
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import ConfigError
 
 GB = 1e9
+GiB = 1 << 30
 
 
-class GpuSpec(BaseModel):
+class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class GpuSpec(_Frozen):
     name: str
-    memory_bytes: float
-    hbm_gbps: float
-    bf16_tflops: float
-    pcie_h2d_gbps: float
-    pcie_d2h_gbps: float
+    memory_bytes: float = Field(gt=0)
+    hbm_gbps: float = Field(gt=0)
+    bf16_tflops: float = Field(gt=0)
+    pcie_h2d_gbps: float = Field(gt=0)
+    pcie_d2h_gbps: float = Field(gt=0)
 
 
-class CpuSpec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class NumaNode(_Frozen):
+    cores: int = Field(gt=0)
+    memory_bytes: float = Field(gt=0)
+    dram_gbps: float = Field(gt=0)  # read bandwidth of this node's memory, all its cores
+
+
+class IsaFlags(_Frozen):
+    avx512f: bool = False
+    avx512_bf16: bool = False
+    avx512_vnni: bool = False
+    amx_bf16: bool = False
+    amx_int8: bool = False
+
+
+class CpuSpec(_Frozen):
     name: str
-    cores: int
-    numa_nodes: int = 1
-    memory_bytes: float
-    dram_gbps: float  # per NUMA node, all cores reading
-    gemm_tflops: float  # bf16 matrix throughput, all cores
+    numa: list[NumaNode] = Field(min_length=1)
+    cross_socket_gbps: float = Field(0.0, ge=0)  # remote-node read bandwidth (0 with one node)
+    isa: IsaFlags = IsaFlags()
+    gemm_tflops: float = Field(gt=0)  # bf16 matrix throughput, all cores (measured or quoted)
+    gemv_gbps: float = Field(gt=0)  # weight bytes/s a bf16 matrix-vector product streams, all cores
+
+    @property
+    def cores(self) -> int:
+        return sum(n.cores for n in self.numa)
+
+    @property
+    def memory_bytes(self) -> float:
+        return sum(n.memory_bytes for n in self.numa)
+
+    @property
+    def dram_gbps(self) -> float:
+        return sum(n.dram_gbps for n in self.numa)
 
 
-class HwProfile(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class Overheads(_Frozen):
+    gpu_launch_us: float = Field(5.0, ge=0)  # one kernel launch from the host
+    cpu_submit_us: float = Field(2.0, ge=0)  # enqueue one CPU task
+    cpu_sync_us: float = Field(5.0, ge=0)  # wait for CPU work and see its result
+
+
+class HwProfile(_Frozen):
     name: str
+    description: str = ""
     cpu: CpuSpec
     gpus: list[GpuSpec] = []
-    launch_overhead_us: float = 5.0  # one GPU kernel launch
-    cpu_task_overhead_us: float = 2.0  # one CPU op dispatch
+    overheads: Overheads = Overheads()
+    measured: list[str] = []  # fields `probe` measured on this machine; the rest are quoted or guessed
 
     @property
     def has_gpu(self) -> bool:
         return bool(self.gpus)
 
+    def summary(self) -> str:
+        c = self.cpu
+        isa = ", ".join(k for k, v in c.isa.model_dump().items() if v) or "none of note"
+        lines = [f"{self.name}: {self.description}".rstrip(": "),
+                 f"  cpu   {c.name}: {c.cores} cores in {len(c.numa)} NUMA node(s), "
+                 f"{c.memory_bytes / GiB:.0f} GiB, DRAM {c.dram_gbps:.0f} GB/s"
+                 + (f" (cross-socket {c.cross_socket_gbps:.0f} GB/s)" if len(c.numa) > 1 else ""),
+                 f"        bf16 GEMM {c.gemm_tflops:.2f} TFLOPS, GEMV {c.gemv_gbps:.0f} GB/s; ISA: {isa}"]
+        for g in self.gpus:
+            lines.append(f"  gpu   {g.name}: {g.memory_bytes / GiB:.0f} GiB, HBM {g.hbm_gbps:.0f} GB/s, "
+                         f"bf16 {g.bf16_tflops:.0f} TFLOPS, PCIe {g.pcie_h2d_gbps:.0f}/{g.pcie_d2h_gbps:.0f} GB/s h2d/d2h")
+        if not self.gpus:
+            lines.append("  gpu   none")
+        o = self.overheads
+        lines.append(f"  fixed launch {o.gpu_launch_us:.1f} us, CPU submit {o.cpu_submit_us:.1f} us, "
+                     f"sync {o.cpu_sync_us:.1f} us")
+        if self.measured:
+            lines.append("  measured: " + ", ".join(self.measured))
+        return "\n".join(lines) + "\n"
+
+
+_XEON_8452Y = CpuSpec(
+    name="2x Intel Xeon Platinum 8452Y", numa=[NumaNode(cores=36, memory_bytes=1024 * GiB, dram_gbps=220)] * 2,
+    cross_socket_gbps=125, isa=IsaFlags(avx512f=True, avx512_bf16=True, avx512_vnni=True, amx_bf16=True, amx_int8=True),
+    gemm_tflops=2 * 21.3, gemv_gbps=2 * 180)
+_PCIE4 = dict(pcie_h2d_gbps=32, pcie_d2h_gbps=32)
+_PAPER = "the KTransformers paper's machine (SOSP'25 section 6.1): 220 GB/s per socket, 125 GB/s cross-socket, PCIe 4.0"
 
 PRESETS: dict[str, HwProfile] = {
-    "cpu": HwProfile(name="cpu", cpu=CpuSpec(name="generic 16-core x86-64", cores=16, memory_bytes=128 * GB,
-                                             dram_gbps=80, gemm_tflops=1.0)),
+    "paper-a100": HwProfile(name="paper-a100", description=_PAPER + ", A100 40GB", cpu=_XEON_8452Y,
+                            gpus=[GpuSpec(name="NVIDIA A100 40GB", memory_bytes=40 * GiB, hbm_gbps=1555,
+                                          bf16_tflops=312, **_PCIE4)]),
+    "paper-4080": HwProfile(name="paper-4080", description=_PAPER + ", RTX 4080 16GB", cpu=_XEON_8452Y,
+                            gpus=[GpuSpec(name="NVIDIA RTX 4080", memory_bytes=16 * GiB, hbm_gbps=717,
+                                          bf16_tflops=97.5, **_PCIE4)]),
     "rtx4090-desktop": HwProfile(
-        name="rtx4090-desktop",
-        cpu=CpuSpec(name="single-socket 16-core desktop", cores=16, memory_bytes=192 * GB, dram_gbps=80,
-                    gemm_tflops=1.0),
-        gpus=[GpuSpec(name="RTX 4090", memory_bytes=24 * GB, hbm_gbps=1008, bf16_tflops=165,
+        name="rtx4090-desktop", description="RTX 4090 + a single-socket 16-core desktop with two DDR5 channels",
+        cpu=CpuSpec(name="16-core desktop CPU", numa=[NumaNode(cores=16, memory_bytes=192 * GiB, dram_gbps=80)],
+                    isa=IsaFlags(avx512f=True, avx512_bf16=True, avx512_vnni=True), gemm_tflops=1.5, gemv_gbps=65),
+        gpus=[GpuSpec(name="NVIDIA RTX 4090", memory_bytes=24 * GiB, hbm_gbps=1008, bf16_tflops=165,
                       pcie_h2d_gbps=25, pcie_d2h_gbps=25)]),
+    "cpu": HwProfile(
+        name="cpu", description="a generic 16-core x86-64 server CPU, no GPU",
+        cpu=CpuSpec(name="generic 16-core x86-64", numa=[NumaNode(cores=16, memory_bytes=128 * GiB, dram_gbps=80)],
+                    isa=IsaFlags(avx512f=True), gemm_tflops=1.0, gemv_gbps=60)),
 }
 
 
-def this_machine() -> HwProfile:
-    """A profile of the running machine from what the OS and torch report."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    mem = 16 * GB
+# ------------------------------------------------------------------------------ this machine
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def _mem_total() -> float:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):
-                mem = float(line.split()[1]) * 1024
+                return float(line.split()[1]) * 1024
     except OSError:
         pass
-    numa = len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
-    cpu = CpuSpec(name=f"this machine ({cores} cores)", cores=cores, numa_nodes=numa, memory_bytes=mem,
-                  dram_gbps=5.0 * cores, gemm_tflops=0.05 * cores)
+    return 16.0 * GiB
+
+
+def _numa_layout() -> list[tuple[int, float]]:
+    """(cores, memory bytes) per NUMA node, from sysfs; one node with everything when absent.
+    Where sysfs counts less memory than /proc/meminfo (some VMs), the total is spread over the
+    nodes in proportion."""
+    nodes = []
+    for d in sorted(Path("/sys/devices/system/node").glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
+        try:
+            cpus = _count_cpulist((d / "cpulist").read_text().strip())
+            kb = next(int(line.split()[3]) for line in (d / "meminfo").read_text().splitlines() if "MemTotal" in line)
+            if cpus:
+                nodes.append((cpus, kb * 1024.0))
+        except (OSError, StopIteration, ValueError, IndexError):
+            continue
+    total = _mem_total()
+    if nodes:
+        counted = sum(m for _, m in nodes)
+        if counted < 0.9 * total:
+            nodes = [(c, m * total / counted) for c, m in nodes]
+        return nodes
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return [(cores, total)]
+
+
+def _count_cpulist(s: str) -> int:
+    n = 0
+    for part in filter(None, s.split(",")):
+        lo, _, hi = part.partition("-")
+        n += int(hi or lo) - int(lo) + 1
+    return n
+
+
+def this_machine() -> HwProfile:
+    """This machine from what the OS and torch report; throughputs are guesses until probed."""
+    flags = _cpu_flags()
+    isa = IsaFlags(avx512f="avx512f" in flags, avx512_bf16="avx512_bf16" in flags,
+                   avx512_vnni="avx512_vnni" in flags, amx_bf16="amx_bf16" in flags, amx_int8="amx_int8" in flags)
+    layout = _numa_layout()
+    numa = [NumaNode(cores=c, memory_bytes=m, dram_gbps=5.0 * c) for c, m in layout]
+    cores = sum(c for c, _ in layout)
+    cpu = CpuSpec(name=_cpu_name(), numa=numa, cross_socket_gbps=2.5 * cores if len(numa) > 1 else 0.0, isa=isa,
+                  gemm_tflops=(0.2 if isa.amx_bf16 else 0.05) * cores, gemv_gbps=4.0 * cores)
     gpus = []
     try:
         import torch
@@ -87,10 +221,108 @@ def this_machine() -> HwProfile:
                                 pcie_h2d_gbps=20, pcie_d2h_gbps=20))
     except Exception:
         pass
-    return HwProfile(name="this", cpu=cpu, gpus=gpus)
+    return HwProfile(name="this", description="this machine, throughputs guessed (run `ktflow hw probe` to measure)",
+                     cpu=cpu, gpus=gpus)
+
+
+# ------------------------------------------------------------------------------------- probe
+
+
+def _best_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def probe(quick: bool = False, log: Callable[[str], None] = lambda s: None) -> HwProfile:
+    """Measure this machine. `quick` uses small sizes (seconds, for tests; numbers less exact).
+
+    DRAM: read bandwidth of a float32 sum over a buffer far larger than the caches, all cores.
+    CPU GEMM: bf16 square matrix product through torch (oneDNN: AMX where present). GEMV: bytes
+    of a bf16 weight matrix streamed per second by a matrix-vector product. GPU: device copy
+    (read + write bytes), bf16 GEMM, pinned host<->device copies, and the time per tiny kernel
+    launch. Per-node DRAM bandwidth is the measured total split evenly over the nodes.
+    """
+    import torch
+
+    base = this_machine()
+    nthreads = torch.get_num_threads()
+    reps = 2 if quick else 5
+    measured = []
+
+    n = (64 << 20) if quick else (1 << 30)
+    buf = torch.ones(n // 4, dtype=torch.float32)
+    t = _best_seconds(lambda: buf.sum(), reps)
+    dram = n / t / GB
+    measured.append("dram_gbps")
+    log(f"DRAM read: {dram:.1f} GB/s ({n >> 20} MiB, {nthreads} threads)")
+    del buf
+
+    m = 512 if quick else 2048
+    a, b = torch.randn(m, m).bfloat16(), torch.randn(m, m).bfloat16()
+    t = _best_seconds(lambda: a @ b, reps)
+    gemm = 2 * m ** 3 / t / 1e12
+    measured.append("gemm_tflops")
+    log(f"CPU bf16 GEMM {m}x{m}x{m}: {gemm:.2f} TFLOPS")
+
+    rows = 2048 if quick else 16384
+    w, x = torch.randn(rows, 8192).bfloat16(), torch.randn(8192).bfloat16()
+    t = _best_seconds(lambda: w @ x, reps)
+    gemv = w.numel() * 2 / t / GB
+    measured.append("gemv_gbps")
+    log(f"CPU bf16 GEMV {rows}x8192: {gemv:.1f} GB/s of weights")
+    del w, a, b
+
+    numa = [NumaNode(cores=node.cores, memory_bytes=node.memory_bytes, dram_gbps=dram / len(base.cpu.numa))
+            for node in base.cpu.numa]
+    cpu = base.cpu.model_copy(update=dict(numa=numa, gemm_tflops=gemm, gemv_gbps=gemv))
+    gpus, overheads = [], base.overheads
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        sync = torch.cuda.synchronize
+        p = torch.cuda.get_device_properties(0)
+        size = (64 << 20) if quick else (1 << 30)
+        src = torch.empty(size, dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        hbm = 2 * size / _best_seconds(lambda: dst.copy_(src), reps, sync) / GB
+        g = 2048 if quick else 8192
+        ga, gb = torch.randn(g, g, device=dev, dtype=torch.bfloat16), torch.randn(g, g, device=dev, dtype=torch.bfloat16)
+        tflops = 2 * g ** 3 / _best_seconds(lambda: ga @ gb, reps, sync) / 1e12
+        host = torch.empty(size // 4, dtype=torch.uint8, pin_memory=True)
+        dev_buf = torch.empty(size // 4, dtype=torch.uint8, device=dev)
+        h2d = host.numel() / _best_seconds(lambda: dev_buf.copy_(host, non_blocking=True), reps, sync) / GB
+        d2h = host.numel() / _best_seconds(lambda: host.copy_(dev_buf, non_blocking=True), reps, sync) / GB
+        tiny = torch.zeros(16, device=dev)
+        launches = 200 if quick else 2000
+
+        def many():
+            for _ in range(launches):
+                tiny.add_(1)
+
+        launch_us = _best_seconds(many, reps, sync) / launches * 1e6
+        gpus.append(GpuSpec(name=p.name, memory_bytes=float(p.total_memory), hbm_gbps=hbm, bf16_tflops=tflops,
+                            pcie_h2d_gbps=h2d, pcie_d2h_gbps=d2h))
+        overheads = overheads.model_copy(update=dict(gpu_launch_us=launch_us))
+        measured += ["hbm_gbps", "bf16_tflops", "pcie_h2d_gbps", "pcie_d2h_gbps", "gpu_launch_us"]
+        log(f"GPU {p.name}: HBM {hbm:.0f} GB/s, bf16 {tflops:.0f} TFLOPS, PCIe {h2d:.1f}/{d2h:.1f} GB/s h2d/d2h, "
+            f"launch {launch_us:.1f} us")
+        del src, dst, ga, gb, host, dev_buf
+        torch.cuda.empty_cache()
+    return HwProfile(name="probed", description=f"measured on this machine{' (quick)' if quick else ''}",
+                     cpu=cpu, gpus=gpus, overheads=overheads, measured=measured)
+
+
+# ----------------------------------------------------------------------------------- resolve
 
 
 def resolve_hw(hw: "HwProfile | str | os.PathLike | None") -> HwProfile:
+    """A profile from a profile object, a preset name, 'this' / None, or a profile JSON path."""
     if hw is None or hw == "this":
         return this_machine()
     if isinstance(hw, HwProfile):
@@ -104,7 +336,10 @@ def resolve_hw(hw: "HwProfile | str | os.PathLike | None") -> HwProfile:
             return HwProfile.model_validate(json.loads(p.read_text()))
         except FileNotFoundError:
             raise ConfigError(f"hardware profile {p} does not exist") from None
-        except (ValidationError, json.JSONDecodeError) as e:
-            raise ConfigError(f"hardware profile {p} is not a valid profile: {e}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"hardware profile {p} is not valid JSON ({e})") from None
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in e.errors())
+            raise ConfigError(f"hardware profile {p} is not a valid profile: {problems}") from None
     raise ConfigError(f"unknown hardware profile {s!r}; use a preset ({', '.join(PRESETS)}), 'this', "
                       "or a path to a profile JSON")

@@ -24,11 +24,11 @@ def node_cost(n: Node, g: Graph, ctx: CompileContext) -> Cost:
               + facts.state_elems(n.attrs, w) * act + io)
     if ctx.device == "cuda" and ctx.hw.gpus:
         gpu = ctx.hw.gpus[0]
-        peak, bw, overhead = gpu.bf16_tflops * 1e12, gpu.hbm_gbps * 1e9, ctx.hw.launch_overhead_us * 1e-6
+        peak, bw, overhead = gpu.bf16_tflops * 1e12, gpu.hbm_gbps * 1e9, ctx.hw.overheads.gpu_launch_us * 1e-6
     else:
         cpu = ctx.hw.cpu
         peak = cpu.gemm_tflops * 1e12 * (0.5 if act == DType.F32.itemsize else 1.0)
-        bw, overhead = cpu.dram_gbps * cpu.numa_nodes * 1e9, ctx.hw.cpu_task_overhead_us * 1e-6
+        bw, overhead = cpu.gemv_gbps * 1e9, ctx.hw.overheads.cpu_submit_us * 1e-6
     seconds = max(flops / peak, nbytes / bw) + overhead
     return Cost(tokens=w.tokens, flops=flops, bytes=nbytes, seconds=seconds)
 
