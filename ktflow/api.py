@@ -141,6 +141,12 @@ def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, pr
     max_seq = opts.max_seq_len or min(4096, cfg.max_position_embeddings)
     device = _device(opts, hwp)
     spec = model.graph(act)
+    routing = None
+    if opts.routing_profile:
+        from .cost import RoutingProfile
+
+        routing = RoutingProfile.load(opts.routing_profile)
+        routing.check_against(spec)
     plans = {}
     for phase in ("prefill", "decode"):
         if phase == "prefill":
@@ -150,7 +156,8 @@ def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, pr
             tokens = batch = opts.max_batch
             context = max_seq // 2
         ctx = CompileContext(hw=hwp, options=opts, phase=phase, tokens=tokens, batch=batch, context=context,
-                             weight_itemsize=cfg.weight_dtype.itemsize, max_seq_len=max_seq, device=device)
+                             weight_itemsize=cfg.weight_dtype.itemsize, max_seq_len=max_seq, device=device,
+                             routing=routing)
         g, timings = run_pipeline(spec, ctx, print_after=print_after)
         steps = schedule(g, ctx)
         plans[phase] = Plan(phase=phase, device=device, max_seq_len=max_seq, step_tokens=tokens, graph=g.to_dict(),

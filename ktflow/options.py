@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .cost import RoutingProfile
 from .hw import HwProfile
 
 
@@ -23,6 +24,7 @@ class CompileOptions(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="single-device placement target; auto = the profile's GPU if present and usable")
     prefill_tokens: int = Field(512, gt=0, description="prompt length the prefill plan's costs are predicted for")
+    routing_profile: str | None = Field(None, description="routing profile JSON (per-layer expert frequencies)")
 
 
 @dataclass(frozen=True)
@@ -38,3 +40,4 @@ class CompileContext:
     weight_itemsize: int
     max_seq_len: int
     device: Literal["cpu", "cuda"]
+    routing: RoutingProfile | None = None

@@ -52,8 +52,8 @@ class Node:
             d["place"] = {"device": self.place.device.value, "cause": self.place.cause,
                           "numa": self.place.numa, "stream": self.place.stream}
         if self.cost is not None:
-            d["cost"] = {"tokens": self.cost.tokens, "flops": self.cost.flops,
-                         "bytes": self.cost.bytes, "seconds": self.cost.seconds}
+            d["cost"] = {"tokens": self.cost.tokens, "flops": self.cost.flops, "bytes": self.cost.bytes,
+                         "cpu_s": self.cost.cpu_s, "gpu_s": self.cost.gpu_s}
         return d
 
     @staticmethod

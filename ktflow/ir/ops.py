@@ -168,6 +168,8 @@ class Work:
     tokens: int
     context: int
     batch: int = 1
+    #: per-expert pick probabilities of this layer (a routing profile); None = uniform k/E
+    expert_probs: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -211,8 +213,11 @@ def _attention_flops(a: AttentionAttrs, w: Work) -> float:
 
 
 def _experts_hit_fraction(a: RoutedExpertsAttrs, w: Work) -> float:
-    """Expected fraction of experts hit by `tokens` tokens routed uniformly (k of E each)."""
-    return 1.0 - (1.0 - a.top_k / a.experts) ** w.tokens
+    """Expected fraction of experts hit by `tokens` tokens: sum_e 1 - (1 - p_e)^T over E, with
+    p_e the chance a token picks expert e (k/E when routing is uniform)."""
+    if w.expert_probs is None:
+        return 1.0 - (1.0 - a.top_k / a.experts) ** w.tokens
+    return sum(1.0 - (1.0 - min(p, 1.0)) ** w.tokens for p in w.expert_probs) / a.experts
 
 
 FACTS: dict[Op, OpFacts] = {

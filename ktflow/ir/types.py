@@ -75,15 +75,24 @@ class Placement:
 
 @dataclass(frozen=True)
 class Cost:
-    """Predicted work of one node in one step of the plan's phase (from the cost-annotation pass)."""
+    """Predicted work of one node in one step of the plan's phase, and its time on each device
+    (from the cost-annotation pass; `gpu_s` is None when the hardware has no GPU)."""
 
     tokens: int
     flops: float
     bytes: float
-    seconds: float
+    cpu_s: float
+    gpu_s: float | None = None
+
+    def on(self, device: "Device") -> float:
+        s = self.gpu_s if device == Device.GPU else self.cpu_s
+        if s is None:
+            raise ValueError("no GPU time: the hardware profile has no GPU")
+        return s
 
     def __str__(self) -> str:
-        return f"{_si(self.flops)}FLOP {_si(self.bytes)}B {self.seconds * 1e6:.1f}us"
+        gpu = f" gpu {self.gpu_s * 1e6:.1f}us" if self.gpu_s is not None else ""
+        return f"{_si(self.flops)}FLOP {_si(self.bytes)}B cpu {self.cpu_s * 1e6:.1f}us{gpu}"
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ def schedule(g: Graph, ctx: CompileContext) -> list[Step]:
     for n in g.nodes:
         lane = n.place.device.value
         start = max([lane_free.get(lane, 0.0)] + [done[i] for i in n.inputs])
-        end = start + n.cost.seconds
+        end = start + n.cost.on(n.place.device)
         lane_free[lane] = done[n.name] = end
         steps.append(Step(kind="launch", node=n.name, lane=lane, reads=list(n.inputs), writes=[n.name],
                           start_us=round(start * 1e6, 3), end_us=round(end * 1e6, 3)))

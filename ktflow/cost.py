@@ -1,0 +1,128 @@
+"""The cost model: what a node's work costs on each device, and what a PCIe transfer costs.
+
+Work (FLOPs and bytes moved) comes from the per-op facts table (ktflow.ir.ops.FACTS); this file
+turns it into seconds with one roofline per device:
+
+    seconds = max(flops / peak, bytes / bandwidth) + fixed overhead
+
+GPU: bf16 tensor throughput, HBM bandwidth, one kernel launch. CPU: bf16 GEMM throughput (half
+for float32), the bandwidth a GEMV streams weights at, one task submit. Routed experts read only
+the experts their tokens hit: with T tokens and per-expert pick probabilities p_e (uniform k/E,
+or a routing profile's measured frequencies) the expected bytes are sum_e (1 - (1 - p_e)^T)
+times one expert's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from .errors import ConfigError
+from .hw import HwProfile
+from .ir.graph import Graph, Node
+from .ir.ops import FACTS, Op, Work
+from .ir.types import Cost, Device, DType
+
+
+class RoutingProfile(BaseModel):
+    """Measured routing: `layers[layer][e]` is the fraction of tokens that pick expert e in that
+    MoE layer (each token picks top_k experts, so a layer's fractions sum to top_k)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    layers: dict[int, list[float]]
+    model_type: str | None = None
+    tokens: int | None = None  # how many tokens the frequencies were counted over
+
+    @field_validator("layers")
+    @classmethod
+    def _fractions(cls, v: dict[int, list[float]]) -> dict[int, list[float]]:
+        for layer, fr in v.items():
+            if not fr or any(not 0.0 <= f <= 1.0 for f in fr):
+                raise ValueError(f"layer {layer}: every expert frequency must be in [0, 1]")
+        return v
+
+    def probs(self, layer: int) -> tuple[float, ...] | None:
+        fr = self.layers.get(layer)
+        return tuple(fr) if fr is not None else None
+
+    def check_against(self, g: Graph) -> None:
+        for n in g.nodes:
+            if n.op == Op.ROUTED_EXPERTS and n.attrs.layer in self.layers:
+                fr = self.layers[n.attrs.layer]
+                if len(fr) != n.attrs.experts:
+                    raise ConfigError(f"routing profile: layer {n.attrs.layer} lists {len(fr)} experts, "
+                                      f"the model has {n.attrs.experts}")
+                if abs(sum(fr) - n.attrs.top_k) > 0.05 * n.attrs.top_k:
+                    raise ConfigError(f"routing profile: layer {n.attrs.layer} frequencies sum to {sum(fr):.3f}, "
+                                      f"expected top_k = {n.attrs.top_k}")
+
+    @staticmethod
+    def load(path: str | os.PathLike) -> "RoutingProfile":
+        p = Path(path)
+        try:
+            return RoutingProfile.model_validate(json.loads(p.read_text()))
+        except FileNotFoundError:
+            raise ConfigError(f"routing profile {p} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"routing profile {p} is not valid JSON ({e})") from None
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in e.errors())
+            raise ConfigError(f"routing profile {p} is malformed: {problems}") from None
+
+
+@dataclass(frozen=True)
+class Roof:
+    """One device's roofline: peak FLOP/s, bytes/s, fixed seconds per op."""
+
+    flops: float
+    bandwidth: float
+    overhead: float
+
+    def seconds(self, flops: float, nbytes: float) -> float:
+        return max(flops / self.flops, nbytes / self.bandwidth) + self.overhead
+
+
+def roof(hw: HwProfile, device: Device, act: DType) -> Roof | None:
+    """The roofline of `device` in `hw` (None for a GPU the profile does not have)."""
+    if device == Device.GPU:
+        if not hw.gpus:
+            return None
+        g = hw.gpus[0]
+        return Roof(g.bf16_tflops * 1e12 * (0.5 if act == DType.F32 else 1.0), g.hbm_gbps * 1e9,
+                    hw.overheads.gpu_launch_us * 1e-6)
+    c = hw.cpu
+    return Roof(c.gemm_tflops * 1e12 * (0.5 if act == DType.F32 else 1.0), c.gemv_gbps * 1e9,
+                hw.overheads.cpu_submit_us * 1e-6)
+
+
+def transfer_seconds(nbytes: float, hw: HwProfile, direction: str) -> float:
+    """PCIe copy of `nbytes`: 'h2d' host to GPU or 'd2h' GPU to host, plus one launch."""
+    if not hw.gpus:
+        raise ConfigError(f"hardware profile {hw.name!r} has no GPU to copy to or from")
+    g = hw.gpus[0]
+    bw = g.pcie_h2d_gbps if direction == "h2d" else g.pcie_d2h_gbps
+    return nbytes / (bw * 1e9) + hw.overheads.gpu_launch_us * 1e-6
+
+
+def node_work(n: Node, g: Graph, work: Work, weight_itemsize: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of one step of `n`: weights read (the op's fraction), state read (KV cache)
+    and activations in and out."""
+    facts = FACTS[n.op]
+    flops = facts.flops(n.attrs, work)
+    io = sum(g.by_name(i).out.numel(work.tokens) * g.by_name(i).out.dtype.itemsize for i in n.inputs)
+    io += n.out.numel(work.tokens) * n.out.dtype.itemsize
+    nbytes = (n.weight_elems() * weight_itemsize * facts.weight_fraction(n.attrs, work)
+              + facts.state_elems(n.attrs, work) * g.act_dtype.itemsize + io)
+    return flops, nbytes
+
+
+def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int) -> Cost:
+    flops, nbytes = node_work(n, g, work, weight_itemsize)
+    cpu = roof(hw, Device.CPU, g.act_dtype)
+    gpu = roof(hw, Device.GPU, g.act_dtype)
+    return Cost(tokens=work.tokens, flops=flops, bytes=nbytes, cpu_s=cpu.seconds(flops, nbytes),
+                gpu_s=gpu.seconds(flops, nbytes) if gpu else None)

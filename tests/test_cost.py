@@ -1,0 +1,107 @@
+"""The cost model: rooflines per device, experts priced from routing, PCIe transfers, routing
+profiles. Expected values are computed by hand from the hardware numbers."""
+
+import json
+
+import pytest
+
+import ktflow
+from ktflow.cost import RoutingProfile, node_cost, roof, transfer_seconds
+from ktflow.errors import ConfigError
+from ktflow.hw import PRESETS
+from ktflow.ir.ops import Work
+from ktflow.ir.types import Device, DType
+from conftest import DATA
+
+A100 = PRESETS["paper-a100"]
+
+
+@pytest.fixture(scope="module")
+def v3():
+    return ktflow.load(DATA / "deepseek-v3-config").graph()
+
+
+def test_decode_expert_layer_is_memory_bound_on_the_cpu(v3):
+    n = v3.by_name("L10.experts")
+    c = node_cost(n, v3, Work(tokens=1, context=1024), A100, weight_itemsize=2)
+    expert_bytes = 3 * 7168 * 2048 * 2  # gate, up, down of one expert in bf16
+    assert c.bytes == pytest.approx(8 * expert_bytes, rel=1e-3)  # 8 of 256 experts read
+    assert c.cpu_s == pytest.approx(8 * expert_bytes / 360e9 + 2e-6, rel=1e-3)  # GEMV 360 GB/s
+    assert c.gpu_s == pytest.approx(8 * expert_bytes / 1555e9 + 5e-6, rel=1e-3)
+
+
+def test_prefill_expert_layer_is_compute_bound_on_the_cpu(v3):
+    n = v3.by_name("L10.experts")
+    c = node_cost(n, v3, Work(tokens=4096, context=2048), A100, weight_itemsize=2)
+    flops = 6 * 4096 * 8 * 7168 * 2048
+    assert c.flops == flops
+    assert c.cpu_s == pytest.approx(flops / 42.6e12 + 2e-6, rel=1e-6)
+
+
+def test_routing_profile_skew_reads_fewer_experts(v3):
+    n = v3.by_name("L10.experts")
+    hot = [0.9] * 8 + [0.0] * 248  # every token picks among the same 8 hot experts... almost
+    skew = Work(tokens=16, context=64, expert_probs=tuple(hot))
+    uniform = Work(tokens=16, context=64)
+    a = node_cost(n, v3, skew, A100, 2)
+    b = node_cost(n, v3, uniform, A100, 2)
+    expert_bytes = 3 * 7168 * 2048 * 2
+    hit_uniform = 256 * (1 - (1 - 8 / 256) ** 16)
+    hit_skew = 8 * (1 - 0.1 ** 16)
+    io = b.bytes - hit_uniform * expert_bytes
+    assert b.bytes == pytest.approx(hit_uniform * expert_bytes + io, rel=1e-9)
+    assert a.bytes == pytest.approx(hit_skew * expert_bytes + io, rel=1e-9)
+
+
+def test_no_gpu_time_without_a_gpu(v3):
+    c = node_cost(v3.by_name("L0.attn"), v3, Work(tokens=1, context=100), PRESETS["cpu"], 2)
+    assert c.gpu_s is None and c.cpu_s > 0
+    with pytest.raises(ValueError):
+        c.on(Device.GPU)
+
+
+def test_float32_halves_the_compute_peak():
+    assert roof(A100, Device.GPU, DType.F32).flops == roof(A100, Device.GPU, DType.BF16).flops / 2
+
+
+def test_pcie_transfer():
+    assert transfer_seconds(32e9, A100, "h2d") == pytest.approx(1.0 + 5e-6)
+    with pytest.raises(ConfigError, match="no GPU"):
+        transfer_seconds(1, PRESETS["cpu"], "d2h")
+
+
+def _profile(tmp_path, layers, **extra):
+    p = tmp_path / "routing.json"
+    p.write_text(json.dumps({"layers": layers, **extra}))
+    return p
+
+
+def test_compile_with_a_routing_profile(demo_dir, tmp_path):
+    model = ktflow.load(demo_dir)  # 32 experts, top-4, MoE layers 1..3
+    hot = [0.5] * 8 + [0.0] * 24
+    p = _profile(tmp_path, {"1": hot, "2": hot, "3": hot})
+    skewed = ktflow.compile(model, hw="cpu", routing_profile=str(p))
+    plain = ktflow.compile(model, hw="cpu")
+    a = skewed.prefill.ir.by_name("L2.experts").cost.bytes
+    b = plain.prefill.ir.by_name("L2.experts").cost.bytes
+    assert a < 0.5 * b  # only 8 of 32 experts are ever read
+
+
+@pytest.mark.parametrize("layers,message", [
+    ({"1": [0.125] * 16}, "lists 16 experts, the model has 32"),
+    ({"1": [0.5] * 32}, "sum to 16.000, expected top_k = 4"),
+    ({"1": [1.5] + [0.1] * 31}, "must be in \\[0, 1\\]"),
+])
+def test_bad_routing_profiles(demo_dir, tmp_path, layers, message):
+    p = _profile(tmp_path, layers)
+    with pytest.raises(ConfigError, match=message):
+        ktflow.compile(ktflow.load(demo_dir), hw="cpu", routing_profile=str(p))
+
+
+def test_routing_profile_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        RoutingProfile.load(tmp_path / "none.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("[")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        RoutingProfile.load(bad)

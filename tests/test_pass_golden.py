@@ -1,0 +1,38 @@
+"""Golden text of the graph after every pass of the pipeline (small DeepSeek-V3-shaped model,
+the paper's A100 preset, decode and prefill). Regenerate with KTFLOW_UPDATE_GOLDEN=1 and review."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from ktflow.hw import PRESETS
+from ktflow.ir import print_graph, verify
+from ktflow.options import CompileContext, CompileOptions
+from ktflow.passes import PIPELINE
+from small_configs import graph_of
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def contexts():
+    hw = PRESETS["paper-a100"]
+    yield "decode", CompileContext(hw=hw, options=CompileOptions(), phase="decode", tokens=1, batch=1, context=64,
+                                   weight_itemsize=2, max_seq_len=128, device="cuda")
+    yield "prefill", CompileContext(hw=hw, options=CompileOptions(), phase="prefill", tokens=128, batch=1,
+                                    context=64, weight_itemsize=2, max_seq_len=128, device="cuda")
+
+
+@pytest.mark.parametrize("phase,ctx", list(contexts()))
+@pytest.mark.parametrize("index", range(len(PIPELINE)))
+def test_graph_after_pass_matches_golden(phase, ctx, index):
+    g = graph_of("deepseek_v3")
+    for fn, stage in PIPELINE[: index + 1]:
+        g = fn(g, ctx)
+        verify(g, stage)
+    name = PIPELINE[index][0].__name__
+    path = GOLDEN / f"pass_{index + 1:02d}_{name}_{phase}.txt"
+    text = print_graph(g)
+    if os.environ.get("KTFLOW_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text()
