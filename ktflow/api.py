@@ -13,9 +13,10 @@ from .errors import ConfigError, InputError, PlanError
 from .hw import HwProfile, resolve_hw
 from .ir.graph import Graph
 from .ir.ops import Op
-from .ir.types import DType
+from .ir.types import Device, DType
 from .model import Model, load
 from .options import CompileContext, CompileOptions
+from .cost import activation_peak
 from .passes import run_pipeline
 from .passes.schedule import schedule
 from .plan import MemoryEstimate, ModelInfo, Plan, PlanFile
@@ -109,21 +110,25 @@ def _device(opts: CompileOptions, hw: HwProfile) -> str:
     return "cuda" if usable else "cpu"
 
 
-def _memory(g: Graph, ctx: CompileContext, max_batch: int) -> MemoryEstimate:
-    act = g.act_dtype.itemsize
-    kv = sum(n.attrs.kv_cache_elems_per_token() for n in g.nodes if n.op == Op.ATTENTION)
-    live, peak = {}, 0
-    users_left = {n.name: len(g.users(n.name)) for n in g.nodes}
+def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
+    """Predicted memory per device: weights and KV caches where their nodes are placed (a GPU
+    expert has no host copy), one step's activations on each device that runs nodes, and the
+    GPU reserve."""
+    weights = {Device.CPU: 0.0, Device.GPU: 0.0}
+    kv = {Device.CPU: 0.0, Device.GPU: 0.0}
     for n in g.nodes:
-        live[n.name] = n.out.numel(ctx.tokens) * n.out.dtype.itemsize
-        peak = max(peak, sum(live.values()))
-        for i in n.inputs:
-            users_left[i] -= 1
-            if users_left[i] == 0:
-                live.pop(i, None)
-    return MemoryEstimate(weight_bytes=float(g.weight_elems() * ctx.weight_itemsize),
-                          kv_cache_bytes=float(kv * ctx.max_seq_len * max_batch * act),
-                          activation_bytes=float(peak))
+        dev = n.place.device
+        weights[dev] += n.weight_elems() * ctx.weight_itemsize
+        if n.op == Op.ATTENTION:
+            kv[dev] += (n.attrs.kv_cache_elems_per_token() * ctx.max_seq_len * ctx.options.max_batch
+                        * g.act_dtype.itemsize)
+    act = activation_peak(g, ctx.tokens)
+    on_gpu = any(n.place.device == Device.GPU for n in g.nodes)
+    return MemoryEstimate(weight_bytes=weights[Device.CPU] + weights[Device.GPU],
+                          kv_cache_bytes=kv[Device.CPU] + kv[Device.GPU], activation_bytes=act,
+                          gpu_bytes=(weights[Device.GPU] + kv[Device.GPU] + act + ctx.options.vram_reserve_gb * 1e9)
+                          if on_gpu else 0.0,
+                          host_bytes=weights[Device.CPU] + kv[Device.CPU] + act)
 
 
 def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, print_after: str | None = None,
@@ -162,7 +167,7 @@ def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, pr
         steps = schedule(g, ctx)
         plans[phase] = Plan(phase=phase, device=device, max_seq_len=max_seq, step_tokens=tokens, graph=g.to_dict(),
                             steps=steps, predicted_step_us=max((s.end_us for s in steps), default=0.0),
-                            memory=_memory(g, ctx, opts.max_batch), pass_seconds=timings)
+                            memory=_memory(g, ctx), pass_seconds=timings)
     info = ModelInfo(model_type=cfg.model_type, fingerprint=model.fingerprint, path=str(model.path.resolve()),
                      layers=cfg.num_hidden_layers)
     pf = PlanFile(model=info, hw=hwp, options=opts, prefill=plans["prefill"], decode=plans["decode"])

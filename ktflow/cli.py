@@ -10,7 +10,8 @@ from pathlib import Path
 EPILOG = """examples:
   ktflow demo                                   small DeepSeek-V3-shaped model, compiled and run
   ktflow compile ./DeepSeek-V3 -o v3.plan.json  compile (config.json alone is enough)
-  ktflow compile ./model --print-after place_on_one_device
+  ktflow compile ./DeepSeek-V3 --hw paper-a100 --explain     where each node runs, and why
+  ktflow compile ./model --print-after place_by_intensity
   ktflow run ./model --input-ids "1 2 3" --max-new-tokens 16
   ktflow run ./model --prompt "Hello" --temperature 0.7 --top-p 0.9 --seed 1
   ktflow inspect v3.plan.json --text
@@ -28,12 +29,21 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="compute dtype (default: the checkpoint's)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="run everything on this device (default auto: the GPU when present)")
+                   help="where GPU-placed nodes run: cuda, or cpu to run a hybrid plan without a GPU "
+                   "(default auto: cuda when torch sees one)")
     g.add_argument("--backend", default="torch_ref", help="backend for the plan's steps (default torch_ref)")
+    g.add_argument("--placement", choices=["auto", "cpu", "gpu"], default="auto",
+                   help="auto: by the cost model under the VRAM budget (default); cpu / gpu: everything there")
+    g.add_argument("--vram-budget-gb", type=float, default=None,
+                   help="GPU memory for weights and KV caches (default: GPU memory less activations and reserve)")
 
 
 def _options(a: argparse.Namespace) -> dict:
-    return dict(max_seq_len=a.max_seq_len, max_batch=a.max_batch, dtype=a.dtype, device=a.device, backend=a.backend)
+    opts = dict(max_seq_len=a.max_seq_len, max_batch=a.max_batch, dtype=a.dtype, device=a.device, backend=a.backend,
+                placement=a.placement, vram_budget_gb=a.vram_budget_gb)
+    if getattr(a, "routing_profile", None):
+        opts["routing_profile"] = a.routing_profile
+    return opts
 
 
 def cmd_compile(a: argparse.Namespace) -> int:
@@ -46,6 +56,10 @@ def cmd_compile(a: argparse.Namespace) -> int:
         compiled.save(a.output)
     elapsed = time.perf_counter() - t0
     print(compiled.summary(), end="")
+    if a.explain:
+        from ktflow.plan import placement_table
+
+        print(placement_table(compiled.decode), end="")
     if a.text:
         print(compiled.as_text(), end="")
     where = f", wrote {a.output}" if a.output else ""
@@ -183,6 +197,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
     c.add_argument("--print-after", metavar="PASS", help=f"print the graph after this pass ({', '.join(pass_names())})")
     c.add_argument("--text", action="store_true", help="also print both plans in full")
+    c.add_argument("--explain", action="store_true", help="print the placement table: where each node runs and why")
+    c.add_argument("--routing-profile", metavar="JSON", help="per-layer expert frequencies: hot experts go to the GPU")
     _add_compile_options(c)
     c.set_defaults(fn=cmd_compile)
 

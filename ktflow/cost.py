@@ -126,3 +126,19 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
     gpu = roof(hw, Device.GPU, g.act_dtype)
     return Cost(tokens=work.tokens, flops=flops, bytes=nbytes, cpu_s=cpu.seconds(flops, nbytes),
                 gpu_s=gpu.seconds(flops, nbytes) if gpu else None)
+
+
+def activation_peak(g: Graph, tokens: int) -> float:
+    """Largest total of live activations while the graph runs a step of `tokens` tokens (values
+    freed after their last reader), in bytes."""
+    live: dict[str, float] = {}
+    users_left = {n.name: len(g.users(n.name)) for n in g.nodes}
+    peak = 0.0
+    for n in g.nodes:
+        live[n.name] = n.out.numel(tokens) * n.out.dtype.itemsize
+        peak = max(peak, sum(live.values()))
+        for i in n.inputs:
+            users_left[i] -= 1
+            if users_left[i] == 0:
+                live.pop(i, None)
+    return peak

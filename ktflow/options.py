@@ -22,7 +22,14 @@ class CompileOptions(BaseModel):
         None, description="activation/compute dtype; default the checkpoint's")
     backend: str = Field("torch_ref", description="backend that runs the plan's steps")
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="single-device placement target; auto = the profile's GPU if present and usable")
+        "auto", description="where GPU-placed nodes run: cuda, or cpu (the same hybrid plan on a machine without "
+        "a GPU); auto = cuda when torch sees one")
+    placement: Literal["auto", "cpu", "gpu"] = Field(
+        "auto", description="auto: by the cost model under the VRAM budget; cpu / gpu: every node there "
+        "(baselines; gpu must fit the budget)")
+    vram_budget_gb: float | None = Field(None, gt=0, description="GPU memory for weights and KV caches; default "
+                                         "the GPU's memory less one prefill step's activations and the reserve")
+    vram_reserve_gb: float = Field(1.0, ge=0, description="GPU memory kept free (CUDA context, workspaces)")
     prefill_tokens: int = Field(512, gt=0, description="prompt length the prefill plan's costs are predicted for")
     routing_profile: str | None = Field(None, description="routing profile JSON (per-layer expert frequencies)")
 

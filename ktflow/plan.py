@@ -48,19 +48,17 @@ class ModelInfo(BaseModel):
 
 class MemoryEstimate(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-    weight_bytes: float
-    kv_cache_bytes: float  # for max_seq_len x max_batch
+    weight_bytes: float  # all weights, both devices
+    kv_cache_bytes: float  # for max_seq_len x max_batch, both devices
     activation_bytes: float  # largest live activation set of one step
-
-    @property
-    def total(self) -> float:
-        return self.weight_bytes + self.kv_cache_bytes + self.activation_bytes
+    gpu_bytes: float  # predicted peak VRAM: GPU weights + GPU KV caches + activations + reserve
+    host_bytes: float  # predicted host RAM: CPU weights + CPU KV caches + activations
 
 
 class Plan(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     phase: Literal["prefill", "decode"]
-    device: Literal["cpu", "cuda"]
+    device: Literal["cpu", "cuda"]  # the torch device GPU-placed nodes run on (cpu: no GPU present)
     max_seq_len: int
     step_tokens: int  # tokens per step the predictions are for
     graph: dict
@@ -74,13 +72,32 @@ class Plan(BaseModel):
         return Graph.from_dict(self.graph)
 
     def as_text(self) -> str:
-        lines = [f"plan {self.phase} on {self.device}: {len(self.steps)} steps, {self.step_tokens} tokens/step, "
+        lines = [f"plan {self.phase} (GPU nodes on {self.device}): {len(self.steps)} steps, {self.step_tokens} tokens/step, "
                  f"predicted {self.predicted_step_us:.1f} us/step, max_seq_len {self.max_seq_len}"]
         lines.append(print_graph(self.ir).rstrip("\n"))
         lines.append("steps:")
         for i, s in enumerate(self.steps):
             lines.append(f"  {i:4d} {s.kind:6s} {s.lane:4s} {s.node:24s} {s.start_us:12.1f} .. {s.end_us:12.1f} us")
         return "\n".join(lines) + "\n"
+
+
+def placement_table(plan: "Plan") -> str:
+    """One row per node: where it runs, its weights, its predicted time there, and why."""
+    from .ir.types import _si
+
+    g = plan.ir
+    rows = [("node", "op", "device", "weights", "time", "cause")]
+    for n in g.nodes:
+        t = n.cost.on(n.place.device) if n.cost is not None else 0.0
+        rows.append((n.name, n.op.value, n.place.device.value, f"{_si(n.weight_elems())}", f"{_si(t)}s",
+                     n.place.cause))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = [f"placement ({plan.phase} plan; weights in elements, time per {plan.step_tokens}-token step on its device)"]
+    for r in rows:
+        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5])
+    m = plan.memory
+    lines.append(f"  predicted peak VRAM {m.gpu_bytes / 1e9:.2f} GB, host RAM {m.host_bytes / 1e9:.2f} GB")
+    return "\n".join(lines) + "\n"
 
 
 class PlanFile(BaseModel):
@@ -137,11 +154,13 @@ class PlanFile(BaseModel):
             for n in g.nodes:
                 ops[n.op.value] = ops.get(n.op.value, 0) + 1
             mem = plan.memory
-            out.append(f"{plan.phase:8s}  {len(plan.steps)} steps on {plan.device}, max_seq_len {plan.max_seq_len}, "
-                       f"{plan.step_tokens} tokens/step, "
+            on_gpu = sum(1 for n in g.nodes if n.place.device.value == "gpu")
+            out.append(f"{plan.phase:8s}  {len(plan.steps)} steps ({on_gpu} GPU, {len(plan.steps) - on_gpu} CPU; GPU nodes "
+                       f"run on {plan.device}), max_seq_len {plan.max_seq_len}, {plan.step_tokens} tokens/step, "
                        f"predicted {plan.predicted_step_us / 1e3:.3f} ms/step "
                        f"({plan.step_tokens / max(plan.predicted_step_us, 1e-9) * 1e6:.1f} tokens/s)")
             out.append(f"          memory: weights {mem.weight_bytes / 1e9:.2f} GB, KV cache {mem.kv_cache_bytes / 1e9:.3f} GB, "
-                       f"activations {mem.activation_bytes / 1e6:.1f} MB")
+                       f"activations {mem.activation_bytes / 1e6:.1f} MB; peak VRAM {mem.gpu_bytes / 1e9:.2f} GB, "
+                       f"host RAM {mem.host_bytes / 1e9:.2f} GB")
             out.append("          ops: " + ", ".join(f"{k} {v}" for k, v in sorted(ops.items())))
         return "\n".join(out) + "\n"

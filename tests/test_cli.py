@@ -41,6 +41,12 @@ def test_print_after(demo_dir):
     assert "L1.experts = routed_experts" in r.stdout
 
 
+def test_explain_prints_the_placement_table():
+    r = ktflow("compile", DATA / "deepseek-v3-config", "--hw", "paper-a100", "--explain")
+    assert r.returncode == 0, r.stderr
+    assert "placement (decode plan" in r.stdout and "GPU ridge" in r.stdout and "predicted peak VRAM" in r.stdout
+
+
 def test_compile_full_size_deepseek_v3_config_only():
     r = ktflow("compile", DATA / "deepseek-v3-config", "--hw", "cpu")
     assert r.returncode == 0, r.stderr

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_torch_ref_on_gpu_matches_hf(case, tiny_dirs):
     d, hf = tiny_dirs(case)
     model = ktflow.load(d)
-    compiled = ktflow.compile(model, hw=None, device="cuda", max_seq_len=64)
+    compiled = ktflow.compile(model, hw=None, device="cuda", placement="gpu", max_seq_len=64)
     assert compiled.decode.device == "cuda"
     assert all(n.place.device.value == "gpu" for n in compiled.decode.ir.nodes)
     assert compiled.executor("prefill").backend.device.type == "cuda"
@@ -24,7 +24,7 @@ def test_torch_ref_on_gpu_matches_hf(case, tiny_dirs):
 
 def test_bf16_demo_on_gpu_close_to_cpu(demo_dir):
     model = ktflow.load(demo_dir)
-    gpu = ktflow.compile(model, hw=None, device="cuda", max_seq_len=64)
+    gpu = ktflow.compile(model, hw=None, device="cuda", placement="gpu", max_seq_len=64)
     cpu = ktflow.compile(model, hw="cpu", max_seq_len=64, dtype="float32")
     ids = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(0))
     a, _ = ktflow.execute(gpu, ids)
@@ -34,3 +34,25 @@ def test_bf16_demo_on_gpu_close_to_cpu(demo_dir):
     assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), a)  # logits come back where input_ids live
     out = ktflow.generate(gpu, ids, 8)
     assert out.shape == (2, 24)
+
+
+def test_hybrid_plan_on_gpu_and_cpu_matches_hf(tiny_dirs):
+    """Attention and dense work on the GPU, experts split between the GPU and the CPU."""
+    from ktflow.hw import PRESETS, Overheads
+    from ktflow.ir.ops import Op
+
+    hw = PRESETS["paper-a100"].model_copy(update={"overheads": Overheads(gpu_launch_us=0, cpu_submit_us=0,
+                                                                         cpu_sync_us=0)})
+    d, hf = tiny_dirs("deepseek_v3")
+    model = ktflow.load(d)
+    opts = dict(hw=hw, device="cuda", max_seq_len=64)
+    probe = ktflow.compile(model, vram_budget_gb=1.0, **opts)
+    dense = sum(n.weight_elems() * 4 for n in probe.decode.ir.nodes if n.op != Op.ROUTED_EXPERTS)
+    expert = 3 * 64 * 32 * 4
+    compiled = ktflow.compile(model, vram_budget_gb=(dense + probe.decode.memory.kv_cache_bytes + 8.5 * expert) / 1e9,
+                              **opts)
+    g = compiled.decode.ir
+    split = [n for n in g.nodes if n.name.endswith(".experts.gpu")]
+    assert split and any(n.op == Op.ROUTED_EXPERTS and n.place.device.value == "cpu" for n in g.nodes)
+    assert g.by_name("L1.attn").place.device.value == "gpu"
+    assert_close(*hf_and_ktflow_logits(hf, compiled, model.config.vocab_size))

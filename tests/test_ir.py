@@ -134,6 +134,32 @@ def test_v9_two_attentions_share_a_layer():
     assert _fired(g2) == {"V9"}
 
 
+def test_v10_expert_subsets_must_partition_the_layer():
+    g = graph_of("mixtral")  # 4 experts per layer
+    n = g.by_name("L0.experts")
+    hot = dataclasses.replace(n, name="L0.experts.hot", attrs=dataclasses.replace(n.attrs, subset=(0, 1)))
+    rest = dataclasses.replace(n, attrs=dataclasses.replace(n.attrs, subset=(2, 3)))
+    res = g.by_name("L0.ffn_res")
+    res2 = dataclasses.replace(res, inputs=res.inputs + ("L0.experts.hot",))
+
+    def build(hot_node, rest_node):
+        nodes = []
+        for m in g.nodes:
+            if m.name == "L0.experts":
+                nodes += [hot_node, rest_node]
+            else:
+                nodes.append(res2 if m.name == "L0.ffn_res" else m)
+        return g.replace_nodes(nodes)
+
+    assert _fired(build(hot, rest)) == set()
+    overlap = dataclasses.replace(rest, attrs=dataclasses.replace(n.attrs, subset=(1, 2, 3)))
+    assert _fired(build(hot, overlap)) == {"V10"}
+    gap = dataclasses.replace(rest, attrs=dataclasses.replace(n.attrs, subset=(3,)))
+    assert _fired(build(hot, gap)) == {"V10"}
+    unsorted = dataclasses.replace(rest, attrs=dataclasses.replace(n.attrs, subset=(3, 2)))
+    assert "V10" in _fired(build(hot, unsorted))
+
+
 def test_stage_rules_only_apply_from_their_stage():
     g = graph_of("mixtral")
     assert _fired(g, "spec") == set()
@@ -142,5 +168,5 @@ def test_stage_rules_only_apply_from_their_stage():
 
 
 def test_every_rule_has_a_test():
-    tested = {"V1", "V2", "V3", "V4", "V5", "V6", "V7", "V8", "V9", "C1", "P1"}
+    tested = {"V1", "V2", "V3", "V4", "V5", "V6", "V7", "V8", "V9", "V10", "C1", "P1"}
     assert set(RULES) == tested

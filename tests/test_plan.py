@@ -47,12 +47,12 @@ def test_routed_expert_cost_reads_only_experts_hit():
 def test_print_after_and_dump(tmp_path, monkeypatch):
     monkeypatch.setenv("KTFLOW_DUMP", str(tmp_path))
     out = io.StringIO()
-    run_pipeline(graph_of("mixtral"), ctx(), print_after="place_on_one_device", out=out)
+    run_pipeline(graph_of("mixtral"), ctx(), print_after="place_by_intensity", out=out)
     text = out.getvalue()
-    assert text.startswith("# decode graph after place_on_one_device")
+    assert text.startswith("# decode graph after place_by_intensity")
     assert "@cpu" in text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["decode.01.annotate_costs.txt",
-                                                          "decode.02.place_on_one_device.txt"]
+                                                          "decode.02.place_by_intensity.txt"]
     with pytest.raises(PassError, match="no such pass"):
         run_pipeline(graph_of("mixtral"), ctx(), print_after="nope")
 
@@ -137,7 +137,7 @@ def test_schedule_orders_steps_and_predicts_times(compiled):
         assert plan.predicted_step_us == plan.steps[-1].end_us
     assert compiled.prefill.predicted_step_us > compiled.decode.predicted_step_us
     text = compiled.decode.as_text()
-    assert "plan decode on cpu" in text and "L1.experts" in text
+    assert "plan decode (GPU nodes on cpu)" in text and "L1.experts" in text
 
 
 def test_unknown_compile_option_is_an_error(demo_dir):

@@ -13,8 +13,8 @@ from ..ir.types import TOKENS
 class NullBackend:
     name = "null"
 
-    def __init__(self, device: str = "cpu", dtype: torch.dtype = torch.float32):
-        self.device, self.dtype = device, dtype
+    def __init__(self, gpu_device: str = "cpu", dtype: torch.dtype = torch.float32):
+        self.gpu_device, self.dtype = gpu_device, dtype
         self.calls: list[tuple[str, str, tuple[int, ...]]] = []
         self.prepared: list[str] = []
 

@@ -3,7 +3,9 @@ the other backends are tested against, so it is written for clarity, one rule pe
 
 Activations are [tokens, features] with tokens = batch * seq (row-major over batch). Weights are
 taken from the checkpoint's memory map as they are when dtype and device already match (no copy),
-else converted once in `prepare`.
+else converted once in `prepare`. A node runs on the torch device of its placement (GPU-placed
+nodes on `gpu_device`, which is "cpu" where no GPU is present); inputs produced on the other
+device are moved to it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from .. import rope as rope_mod
 from ..errors import KtflowError
 from ..ir.graph import Graph, Node
 from ..ir.ops import AttentionAttrs, GateAttrs, Op
+from ..ir.types import Device
 from ..weights import WeightSource
 from .base import StepContext
 
@@ -56,16 +59,20 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 class TorchRefBackend:
     name = "torch_ref"
 
-    def __init__(self, device: str = "cpu", dtype: torch.dtype = torch.float32):
-        self.device, self.dtype = torch.device(device), dtype
+    def __init__(self, gpu_device: str = "cpu", dtype: torch.dtype = torch.float32):
+        self.devices = {Device.CPU: torch.device("cpu"), Device.GPU: torch.device(gpu_device)}
+        self.dtype = dtype
         self.weights: dict[str, Weights] = {}
         self._inv_freq: dict[Any, torch.Tensor] = {}
 
+    def device_of(self, node: Node) -> torch.device:
+        return self.devices[node.place.device] if node.place is not None else self.devices[Device.CPU]
+
     # ------------------------------------------------------------------------------ weights
-    def _ready(self, t: torch.Tensor) -> torch.Tensor:
-        if t.dtype == self.dtype and t.device == self.device:
+    def _ready(self, t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+        if t.dtype == self.dtype and t.device == dev:
             return t
-        return t.to(device=self.device, dtype=self.dtype)
+        return t.to(device=dev, dtype=self.dtype)
 
     def prepare(self, graph: Graph, weights: WeightSource | None) -> None:
         todo = [n for n in graph.nodes if n.weights and n.name not in self.weights]
@@ -75,33 +82,35 @@ class TorchRefBackend:
         from tqdm import tqdm
 
         # a bar (on stderr) when there is enough to copy to be worth watching
-        copying = sum(n.weight_elems() for n in todo) > 2e8 and self.device.type != "cpu"
-        for n in tqdm(todo, desc="weights to " + self.device.type, unit="node", disable=not copying, leave=False):
+        copying = sum(n.weight_elems() for n in todo if self.device_of(n).type != "cpu") > 2e8
+        for n in tqdm(todo, desc="weights", unit="node", disable=not copying, leave=False):
             w: Weights = {}
+            dev = self.device_of(n)
             for ref in n.weights:
-                if ref.experts:
-                    w[ref.role] = [self._ready(weights.load_expert(ref, e)) for e in range(ref.experts)]
+                if ref.experts:  # only the experts this node holds (its subset)
+                    w[ref.role] = {e: self._ready(weights.load_expert(ref, e), dev) for e in n.attrs.ids}
                 else:
-                    w[ref.role] = self._ready(weights.load(ref))
+                    w[ref.role] = self._ready(weights.load(ref), dev)
             self.weights[n.name] = w
 
     # ------------------------------------------------------------------------------ dispatch
     def run(self, node: Node, inputs: list[Any], ctx: StepContext) -> Any:
-        return RULES[node.op](self, node, self.weights.get(node.name, {}), inputs, ctx)
+        dev = self.device_of(node)
+        return RULES[node.op](self, node, self.weights.get(node.name, {}), [_to(v, dev) for v in inputs], ctx, dev)
 
-    def rope_tables(self, attrs: AttentionAttrs, ctx: StepContext):
-        r = attrs.rope
-        if r not in self._inv_freq:
-            self._inv_freq[r] = rope_mod.inv_freq(r).to(self.device)
-        pos = torch.arange(ctx.position, ctx.position + ctx.seq, device=self.device)
-        return rope_mod.cos_sin(r, self._inv_freq[r], pos, self.dtype)
+    def rope_tables(self, attrs: AttentionAttrs, ctx: StepContext, dev: torch.device):
+        key = (attrs.rope, dev)
+        if key not in self._inv_freq:
+            self._inv_freq[key] = rope_mod.inv_freq(attrs.rope).to(dev)
+        pos = torch.arange(ctx.position, ctx.position + ctx.seq, device=dev)
+        return rope_mod.cos_sin(attrs.rope, self._inv_freq[key], pos, self.dtype)
 
-    def cache(self, ctx: StepContext, attrs: AttentionAttrs) -> tuple[torch.Tensor, ...]:
+    def cache(self, ctx: StepContext, attrs: AttentionAttrs, dev: torch.device) -> tuple[torch.Tensor, ...]:
         """This layer's static KV cache in the sequence state, allocated on first use."""
         caches = ctx.state.kv
         if attrs.layer not in caches:
             b, m = ctx.batch, ctx.state.max_seq_len
-            kw = dict(device=self.device, dtype=self.dtype)
+            kw = dict(device=dev, dtype=self.dtype)
             if attrs.kind == "mla":
                 caches[attrs.layer] = (torch.zeros(b, m, attrs.kv_lora_rank, **kw),
                                        torch.zeros(b, m, attrs.qk_rope_dim, **kw))
@@ -114,19 +123,26 @@ class TorchRefBackend:
 # ------------------------------------------------------------------------------------ op rules
 
 
-def _input(be, node, w, ins, ctx):
-    return ctx.token_ids.to(be.device)
+def _to(v: Any, dev: torch.device) -> Any:
+    """A value on `dev` (routings are (ids, weights) pairs)."""
+    if isinstance(v, tuple):
+        return tuple(_to(t, dev) for t in v)
+    return v if v.device == dev else v.to(dev)
 
 
-def _embed(be, node, w, ins, ctx):
+def _input(be, node, w, ins, ctx, dev):
+    return ctx.token_ids.to(dev)
+
+
+def _embed(be, node, w, ins, ctx, dev):
     return F.embedding(ins[0], w["weight"])
 
 
-def _rmsnorm(be, node, w, ins, ctx):
+def _rmsnorm(be, node, w, ins, ctx, dev):
     return rms_norm(ins[0], w["weight"], node.attrs.eps)
 
 
-def _gqa(be, a: AttentionAttrs, w, x, ctx):
+def _gqa(be, a: AttentionAttrs, w, x, ctx, dev):
     b, s, p = ctx.batch, ctx.seq, ctx.position
     x = x.view(b, s, -1)
     q = linear(x, w, "q").view(b, s, a.heads, a.head_dim)
@@ -134,9 +150,9 @@ def _gqa(be, a: AttentionAttrs, w, x, ctx):
     v = linear(x, w, "v").view(b, s, a.kv_heads, a.head_dim)
     if a.qk_norm:
         q, k = rms_norm(q, w["q_norm"], a.norm_eps), rms_norm(k, w["k_norm"], a.norm_eps)
-    cos, sin = be.rope_tables(a, ctx)
+    cos, sin = be.rope_tables(a, ctx, dev)
     q, k = rope_mod.apply(q, cos, sin, a.rope.pairs), rope_mod.apply(k, cos, sin, a.rope.pairs)
-    kc, vc = be.cache(ctx, a)
+    kc, vc = be.cache(ctx, a, dev)
     kc[:, :, p:p + s] = k.transpose(1, 2)
     vc[:, :, p:p + s] = v.transpose(1, 2)
     rep = a.heads // a.kv_heads
@@ -146,7 +162,7 @@ def _gqa(be, a: AttentionAttrs, w, x, ctx):
     return linear(out, w, "o").view(b * s, -1)
 
 
-def _mla(be, a: AttentionAttrs, w, x, ctx):
+def _mla(be, a: AttentionAttrs, w, x, ctx, dev):
     b, s, p = ctx.batch, ctx.seq, ctx.position
     nope, rdim, vd, kvl = a.qk_nope_dim, a.qk_rope_dim, a.v_head_dim, a.kv_lora_rank
     x = x.view(b, s, -1)
@@ -159,10 +175,10 @@ def _mla(be, a: AttentionAttrs, w, x, ctx):
     kv = linear(x, w, "kv_a")
     latent = rms_norm(kv[..., :kvl], w["kv_a_norm"], a.norm_eps)
     k_rope = kv[..., kvl:].view(b, s, 1, rdim)
-    cos, sin = be.rope_tables(a, ctx)
+    cos, sin = be.rope_tables(a, ctx, dev)
     q_rope = rope_mod.apply(q_rope, cos, sin, a.rope.pairs)
     k_rope = rope_mod.apply(k_rope, cos, sin, a.rope.pairs)
-    lc, rc = be.cache(ctx, a)
+    lc, rc = be.cache(ctx, a, dev)
     lc[:, p:p + s] = latent
     rc[:, p:p + s] = k_rope[:, :, 0]
     kvb = F.linear(lc[:, :p + s], w["kv_b"]).view(b, p + s, a.heads, nope + vd)
@@ -173,9 +189,9 @@ def _mla(be, a: AttentionAttrs, w, x, ctx):
     return linear(out, w, "o").view(b * s, -1)
 
 
-def _attention(be, node, w, ins, ctx):
+def _attention(be, node, w, ins, ctx, dev):
     fn = _mla if node.attrs.kind == "mla" else _gqa
-    return fn(be, node.attrs, w, ins[0], ctx)
+    return fn(be, node.attrs, w, ins[0], ctx, dev)
 
 
 def route(a: GateAttrs, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -202,11 +218,11 @@ def route(a: GateAttrs, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return ids.gather(1, order), wts.gather(1, order)
 
 
-def _gate(be, node, w, ins, ctx):
+def _gate(be, node, w, ins, ctx, dev):
     return route(node.attrs, ins[0], w["weight"], w.get("correction_bias"))
 
 
-def _mlp(be, node, w, ins, ctx):
+def _mlp(be, node, w, ins, ctx, dev):
     x = ins[0]
     y = swiglu(x, w["gate"], w["up"], w["down"])
     if node.attrs.sigmoid_gate:
@@ -214,24 +230,27 @@ def _mlp(be, node, w, ins, ctx):
     return y
 
 
-def _routed_experts(be, node, w, ins, ctx):
+def _routed_experts(be, node, w, ins, ctx, dev):
     x, (ids, wts) = ins
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    held = w["gate"]
     for e in ids.unique().tolist():
+        if e not in held:
+            continue  # another node (placed elsewhere) computes this expert
         rows, slot = torch.where(ids == e)
         y = swiglu(x[rows], w["gate"][e], w["up"][e], w["down"][e])
         out.index_add_(0, rows, y.float() * wts[rows, slot, None])
     return out.to(x.dtype)
 
 
-def _add(be, node, w, ins, ctx):
+def _add(be, node, w, ins, ctx, dev):
     out = ins[0]
     for t in ins[1:]:
         out = out + t
     return out
 
 
-def _lm_head(be, node, w, ins, ctx):
+def _lm_head(be, node, w, ins, ctx, dev):
     return F.linear(ins[0], w["weight"]).float()
 
 

@@ -29,7 +29,8 @@ class Node:
     cost: Cost | None = None
 
     def weight_elems(self) -> int:
-        return sum(w.numel() for w in self.weights)
+        """Elements of the weights this node holds (a routed-expert subset: its experts only)."""
+        return round(sum(w.numel() for w in self.weights) * FACTS[self.op].held_fraction(self.attrs))
 
     def weight(self, role: str) -> WeightRef:
         for w in self.weights:

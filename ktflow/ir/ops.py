@@ -137,13 +137,20 @@ class MLPAttrs:
 @dataclass(frozen=True)
 class RoutedExpertsAttrs:
     """The routed experts of one MoE layer: sum over the token's top-k experts of
-    weight * down(silu(gate(x)) * up(x)). Inputs: hidden states and the gate's routing."""
+    weight * down(silu(gate(x)) * up(x)). Inputs: hidden states and the gate's routing.
+    `subset`: the expert ids this node computes and holds (sorted); empty = all of them.
+    Placement splits a layer's experts into nodes with disjoint subsets (hot ones on the GPU)."""
 
     layer: int
     hidden: int
     inter: int
     experts: int
     top_k: int
+    subset: tuple[int, ...] = ()
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return self.subset or tuple(range(self.experts))
 
 
 @dataclass(frozen=True)
@@ -182,6 +189,8 @@ class OpFacts:
     weight_fraction: Callable[[Any, Work], float] = lambda a, w: 1.0
     #: elements of non-weight state read per step (KV cache)
     state_elems: Callable[[Any, Work], float] = lambda a, w: 0.0
+    #: fraction of the node's weight references it holds (a routed-expert subset holds its experts only)
+    held_fraction: Callable[[Any], float] = lambda a: 1.0
 
 
 def _hidden(a, ins, act):
@@ -212,12 +221,23 @@ def _attention_flops(a: AttentionAttrs, w: Work) -> float:
     return q + kv_a + absorb + attn + out
 
 
-def _experts_hit_fraction(a: RoutedExpertsAttrs, w: Work) -> float:
-    """Expected fraction of experts hit by `tokens` tokens: sum_e 1 - (1 - p_e)^T over E, with
-    p_e the chance a token picks expert e (k/E when routing is uniform)."""
+def _expert_probs(a: RoutedExpertsAttrs, w: Work) -> list[float]:
+    """Chance a token picks each expert of the node's subset (k/E each when routing is uniform)."""
     if w.expert_probs is None:
-        return 1.0 - (1.0 - a.top_k / a.experts) ** w.tokens
-    return sum(1.0 - (1.0 - min(p, 1.0)) ** w.tokens for p in w.expert_probs) / a.experts
+        return [a.top_k / a.experts] * len(a.ids)
+    return [min(w.expert_probs[e], 1.0) for e in a.ids]
+
+
+def _experts_hit_fraction(a: RoutedExpertsAttrs, w: Work) -> float:
+    """Expected fraction of the node's experts hit by `tokens` tokens: mean over its experts
+    of 1 - (1 - p_e)^T."""
+    p = _expert_probs(a, w)
+    return sum(1.0 - (1.0 - q) ** w.tokens for q in p) / len(p)
+
+
+def _experts_flops(a: RoutedExpertsAttrs, w: Work) -> float:
+    """6 FLOPs per weight for each (token, expert) pair routed into the node's subset."""
+    return 6.0 * w.tokens * sum(_expert_probs(a, w)) * a.hidden * a.inter
 
 
 FACTS: dict[Op, OpFacts] = {
@@ -232,9 +252,9 @@ FACTS: dict[Op, OpFacts] = {
                      lambda a, w: 2.0 * w.tokens * a.hidden * a.experts),
     Op.MLP: OpFacts(MLPAttrs, (1, 1), _hidden,
                     lambda a, w: 6.0 * w.tokens * a.hidden * a.inter + (2.0 * w.tokens * a.hidden if a.sigmoid_gate else 0)),
-    Op.ROUTED_EXPERTS: OpFacts(RoutedExpertsAttrs, (2, 2), _hidden,
-                               lambda a, w: 6.0 * w.tokens * a.top_k * a.hidden * a.inter,
-                               weight_fraction=_experts_hit_fraction),
+    Op.ROUTED_EXPERTS: OpFacts(RoutedExpertsAttrs, (2, 2), _hidden, _experts_flops,
+                               weight_fraction=_experts_hit_fraction,
+                               held_fraction=lambda a: len(a.ids) / a.experts),
     Op.ADD: OpFacts(AddAttrs, (2, 16), _same_as_first, lambda a, w: 0.0),
     Op.LM_HEAD: OpFacts(LMHeadAttrs, (1, 1), lambda a, ins, act: TensorType((TOKENS, a.vocab), DType.F32),
                         lambda a, w: 2.0 * w.tokens * a.hidden * a.vocab),
@@ -258,7 +278,7 @@ def attrs_from_dict(op: Op, d: dict) -> Any:
     kwargs = dict(d)
     if cls is AttentionAttrs:
         kwargs["rope"] = RopeAttrs(**kwargs["rope"])
-    return cls(**kwargs)
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()})
 
 
 def format_attrs(attrs: Any) -> str:
@@ -272,6 +292,20 @@ def format_attrs(attrs: Any) -> str:
             continue
         elif isinstance(v, float):
             parts.append(f"{f.name}={v:.6g}")
+        elif isinstance(v, tuple):
+            parts.append(f"{f.name}=[{_ranges(v)}]")
         else:
             parts.append(f"{f.name}={v}")
     return " ".join(parts)
+
+
+def _ranges(ids: tuple[int, ...]) -> str:
+    """Sorted ints as compact ranges: (0, 1, 2, 5) -> '0-2,5'."""
+    out, i = [], 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(out)

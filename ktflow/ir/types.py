@@ -91,8 +91,8 @@ class Cost:
         return s
 
     def __str__(self) -> str:
-        gpu = f" gpu {self.gpu_s * 1e6:.1f}us" if self.gpu_s is not None else ""
-        return f"{_si(self.flops)}FLOP {_si(self.bytes)}B cpu {self.cpu_s * 1e6:.1f}us{gpu}"
+        gpu = f" gpu {_si(self.gpu_s)}s" if self.gpu_s is not None else ""
+        return f"{_si(self.flops)}FLOP {_si(self.bytes)}B cpu {_si(self.cpu_s)}s{gpu}"
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,13 @@ class WeightRef:
 
 
 def _si(x: float) -> str:
+    """3 significant digits with an SI prefix: 1.5e9 -> '1.5G', 3.2e-6 -> '3.2u'."""
     for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    if x == 0 or abs(x) >= 1:
+        return f"{x:.3g}"
+    for unit, scale in (("m", 1e-3), ("u", 1e-6), ("n", 1e-9), ("p", 1e-12)):
         if abs(x) >= scale:
             return f"{x / scale:.3g}{unit}"
     return f"{x:.3g}"

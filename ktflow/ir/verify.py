@@ -140,6 +140,27 @@ def _r9_one_attention_per_layer(g: Graph):
             seen[n.attrs.layer] = n.name
 
 
+def _r10_expert_subsets_partition(g: Graph):
+    by_layer: dict[int, list] = {}
+    for n in g.nodes:
+        if n.op == Op.ROUTED_EXPERTS:
+            by_layer.setdefault(n.attrs.layer, []).append(n)
+    for layer, nodes in by_layer.items():
+        seen: dict[int, str] = {}
+        for n in nodes:
+            a = n.attrs
+            if list(a.subset) != sorted(set(a.subset)) or any(not 0 <= e < a.experts for e in a.subset):
+                yield n.name, f"subset must be sorted, unique expert ids in 0..{a.experts - 1}"
+            for e in a.ids:
+                if e in seen:
+                    yield n.name, f"expert {e} of layer {layer} is also computed by {seen[e]}"
+                seen[e] = n.name
+        want = nodes[0].attrs.experts
+        if len(seen) != want:
+            missing = sorted(set(range(want)) - set(seen))[:8]
+            yield nodes[0].name, f"layer {layer}: experts {missing} are computed by no node"
+
+
 def _c1_costed(g: Graph):
     for n in g.nodes:
         if n.cost is None:
@@ -162,6 +183,7 @@ RULES: dict[str, Rule] = {r.id: r for r in [
     Rule("V7", "spec", "every node feeds an output", _r7_no_dead_nodes),
     Rule("V8", "spec", "weight references are well formed", _r8_weights),
     Rule("V9", "spec", "one attention (KV cache) per layer", _r9_one_attention_per_layer),
+    Rule("V10", "spec", "a layer's routed-expert nodes partition its experts", _r10_expert_subsets_partition),
     Rule("C1", "costed", "every node has a cost", _c1_costed),
     Rule("P1", "placed", "every node has a placement", _p1_placed),
 ]}

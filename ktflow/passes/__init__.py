@@ -4,7 +4,8 @@ PIPELINE is a literal tuple of (pass, stage it leaves the graph in). `run_pipeli
 order, verifies the graph after each, dumps the printed graph after a pass when asked
 (`print_after=NAME` / `--print-after NAME`, or `KTFLOW_DUMP=dir` for every pass), and on failure
 raises PassError naming the pass and the ones that ran before it, with the failing pass's input
-graph written as a JSON reproducer.
+graph written as a JSON reproducer. A ConfigError (options or hardware that cannot work, e.g. a
+VRAM budget nothing fits) passes through as it is.
 """
 
 from __future__ import annotations
@@ -17,19 +18,19 @@ import time
 from pathlib import Path
 from typing import Callable, TextIO
 
-from ..errors import PassError
+from ..errors import ConfigError, PassError
 from ..ir.graph import Graph
 from ..ir.printer import print_graph
 from ..ir.verify import VerifyError, verify
 from ..options import CompileContext
 from .costs import annotate_costs
-from .place import place_on_one_device
+from .place import place_by_intensity
 
 Pass = Callable[[Graph, CompileContext], Graph]
 
 PIPELINE: tuple[tuple[Pass, str], ...] = (
     (annotate_costs, "costed"),
-    (place_on_one_device, "placed"),
+    (place_by_intensity, "placed"),
 )
 
 
@@ -51,6 +52,8 @@ def run_pipeline(g: Graph, ctx: CompileContext, print_after: str | None = None,
         try:
             new = fn(g, ctx)
             verify(new, stage)
+        except ConfigError:
+            raise  # the user's input cannot be compiled as asked: the message says what to change
         except Exception as e:
             repro = _write_reproducer(g, fn.__name__)
             before = ", ".join(names[:k]) or "none"

@@ -1,24 +1,214 @@
-"""Placement on one device (the foundation's placement; arithmetic-intensity placement replaces it)."""
+"""Placement: GPU for the work that gains most per byte of VRAM, CPU for the rest."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from ..ir.graph import Graph
-from ..ir.types import Device, Placement
+from ..cost import activation_peak, node_cost, transfer_seconds
+from ..errors import ConfigError
+from ..ir.graph import Graph, Node
+from ..ir.ops import FACTS, Op, Work
+from ..ir.types import Device, Placement, _si
 from ..options import CompileContext
 
 
-def place_on_one_device(g: Graph, ctx: CompileContext) -> Graph:
-    """Put every node on the context's device.
 
-    Algorithm: ctx.device ('cuda' -> GPU, 'cpu' -> CPU), chosen by `compile` from the hardware
-    profile and the `device` option. Requires: nothing. Guarantees: every node has a placement
-    whose cause says why.
+@dataclass(frozen=True)
+class Unit:
+    """What placement decides about: a whole node, or one expert of a routed-experts node."""
+
+    node: str
+    expert: int | None
+    vram: float  # bytes it takes on the GPU: weights (+ KV cache for attention)
+    saving: float  # seconds per decode step it saves on the GPU instead of the CPU
+    order: int  # graph position, for deterministic ties
+
+
+def gpu_budget(g: Graph, ctx: CompileContext) -> float:
+    """Bytes of GPU memory for weights and KV caches: the VRAM budget option, or the GPU's memory
+    less the activations of one prefill step and the fixed reserve."""
+    o = ctx.options
+    if o.vram_budget_gb is not None:
+        return o.vram_budget_gb * 1e9
+    gpu = ctx.hw.gpus[0]
+    act = activation_peak(g, o.prefill_tokens)
+    budget = gpu.memory_bytes - o.vram_reserve_gb * 1e9 - act
+    if budget <= 0:
+        raise ConfigError(f"nothing fits on the GPU: {gpu.name} has {gpu.memory_bytes / 1e9:.1f} GB, the activations of "
+                          f"a {o.prefill_tokens}-token prefill step take {act / 1e9:.2f} GB and the reserve "
+                          f"{o.vram_reserve_gb:.1f} GB; lower prefill_tokens or vram_reserve_gb, or set vram_budget_gb")
+    return budget
+
+
+def _decode_work(ctx: CompileContext, n: Node) -> Work:
+    probs = ctx.routing.probs(n.attrs.layer) if ctx.routing is not None and n.op == Op.ROUTED_EXPERTS else None
+    b = ctx.options.max_batch
+    return Work(tokens=b, context=ctx.max_seq_len // 2, batch=b, expert_probs=probs)
+
+
+def _copies_avoided(n: Node, g: Graph, ctx: CompileContext, tokens: int) -> float:
+    """PCIe time a dense node saves by staying beside its GPU neighbours: its inputs to the host
+    and its output back (the residual stream lives on the GPU)."""
+    down = sum(transfer_seconds(g.by_name(i).out.numel(tokens) * g.by_name(i).out.dtype.itemsize, ctx.hw, "d2h")
+               for i in n.inputs)
+    return down + transfer_seconds(n.out.numel(tokens) * n.out.dtype.itemsize, ctx.hw, "h2d")
+
+
+def _units(g: Graph, ctx: CompileContext) -> list[Unit]:
+    units = []
+    for i, n in enumerate(g.nodes):
+        if not n.weights:
+            continue
+        w = _decode_work(ctx, n)
+        c = node_cost(n, g, w, ctx.hw, ctx.weight_itemsize)
+        saving = c.cpu_s - c.gpu_s
+        if n.op != Op.ROUTED_EXPERTS:  # a layer's experts cross to the CPU anyway; dense nodes need not
+            saving += _copies_avoided(n, g, ctx, w.tokens)
+        vram = n.weight_elems() * ctx.weight_itemsize
+        if n.op == Op.ATTENTION:
+            vram += n.attrs.kv_cache_elems_per_token() * ctx.max_seq_len * ctx.options.max_batch * g.act_dtype.itemsize
+        if n.op != Op.ROUTED_EXPERTS:
+            units.append(Unit(n.name, None, vram, saving, i))
+            continue
+        # one unit per expert: its share of the node's saving is its chance of being hit in a step
+        probs = w.expert_probs or [n.attrs.top_k / n.attrs.experts] * n.attrs.experts
+        hit = [1.0 - (1.0 - min(p, 1.0)) ** w.tokens for p in probs]
+        total = sum(hit[e] for e in n.attrs.ids) or 1.0
+        per = vram / len(n.attrs.ids)
+        units += [Unit(n.name, e, per, saving * hit[e] / total, i) for e in n.attrs.ids]
+    return units
+
+
+def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
+    """Place every node on the GPU or the CPU.
+
+    Algorithm: without a GPU in the profile, everything goes to the CPU. Otherwise the units
+    (each node with weights; each expert of a routed-experts node) are ranked by the decode
+    time they save on the GPU per byte of VRAM they take (cost model, one decode step of
+    max_batch tokens; an expert's share is its chance of being hit, from the routing profile or
+    uniform) and taken greedily, ties in graph order, while they fit the budget (`gpu_budget`).
+    Dense work read by every token ranks far above experts read with probability k/E, so
+    attention, routers, shared experts and dense MLPs land first, then lm_head and embeddings,
+    then hot experts while VRAM lasts. A layer whose experts are split becomes two nodes:
+    L<i>.experts.gpu (the experts taken) and L<i>.experts (the rest, CPU). Nodes without
+    weights follow their neighbours.
+    Option placement='cpu' / 'gpu' puts every node on that device instead (baselines).
+    Requires: a costed graph. Guarantees: every node placed with a cause; GPU weights + KV
+    caches fit the budget; decisions use decode costs only, so the prefill and decode plans of
+    one compile place identically.
     """
-    if ctx.device == "cuda":
-        p = Placement(Device.GPU, cause=f"single-device plan on {ctx.hw.gpus[0].name}")
-    else:
-        why = "profile has no GPU" if not ctx.hw.has_gpu else "device=cpu"
-        p = Placement(Device.CPU, cause=f"single-device plan on the CPU ({why})")
-    return g.map(lambda n: replace(n, place=p))
+    mode = ctx.options.placement
+    if mode == "cpu" or not ctx.hw.has_gpu:
+        why = "placement=cpu" if mode == "cpu" else f"profile {ctx.hw.name!r} has no GPU"
+        if mode == "gpu":
+            raise ConfigError(f"placement='gpu' but hardware profile {ctx.hw.name!r} has no GPU")
+        return g.map(lambda n: replace(n, place=Placement(Device.CPU, cause=why)))
+    budget = gpu_budget(g, ctx)
+    units = _units(g, ctx)
+    if mode == "gpu":
+        need = sum(u.vram for u in units)
+        if need > budget:
+            raise ConfigError(f"placement='gpu' needs {need / 1e9:.2f} GB of weights and KV caches on the GPU, "
+                              f"the VRAM budget is {budget / 1e9:.2f} GB; use placement='auto'")
+        return g.map(lambda n: replace(n, place=Placement(Device.GPU, cause="placement=gpu")))
+    if units and min(u.vram for u in units) > budget:
+        smallest = min(units, key=lambda u: u.vram)
+        raise ConfigError(f"nothing fits on the GPU: the smallest placement unit ({smallest.node}) needs "
+                          f"{_si(smallest.vram)}B, the VRAM budget is {_si(budget)}B; lower max_seq_len "
+                          "or max_batch, or raise vram_budget_gb")
+    left = budget
+    taken: set[tuple[str, int | None]] = set()
+    for u in sorted(units, key=lambda u: (-(u.saving / max(u.vram, 1.0)), u.order, u.expert or 0)):
+        if u.saving > 0 and u.vram <= left:
+            taken.add((u.node, u.expert))
+            left -= u.vram
+    ridge = ctx.hw.gpus[0].bf16_tflops * 1e12 / (ctx.hw.gpus[0].hbm_gbps * 1e9)
+    placed: dict[str, Device] = {}
+    nodes: list[Node] = []
+    for n in g.nodes:
+        if n.op == Op.ROUTED_EXPERTS:
+            nodes += _place_experts(n, g, ctx, taken, ridge, placed)
+            continue
+        if not n.weights:
+            nodes.append(n)  # placed below, after its neighbours
+            continue
+        w = _decode_work(ctx, n)
+        c = node_cost(n, g, w, ctx.hw, ctx.weight_itemsize)
+        copies = _copies_avoided(n, g, ctx, w.tokens)
+        why = (f"decode step cpu {_si(c.cpu_s)}s + copies {_si(copies)}s vs gpu {_si(c.gpu_s)}s; "
+               f"{_si(n.weight_elems() * ctx.weight_itemsize)}B")
+        dev = Device.GPU if (n.name, None) in taken else Device.CPU
+        if dev == Device.CPU:
+            why = ("over the VRAM budget; " if c.cpu_s + copies > c.gpu_s else "no faster on the GPU; ") + why
+        placed[n.name] = dev
+        nodes.append(replace(n, place=Placement(dev, cause=why)))
+    return _recost_changed(g, _place_weightless(g.replace_nodes(nodes), placed), ctx)
+
+
+def _recost_changed(before: Graph, after: Graph, ctx: CompileContext) -> Graph:
+    """Costs again for nodes placement created or rewired (split experts, the adds reading them)."""
+    from .costs import step_work
+
+    def fresh(n: Node) -> Node:
+        old = before.by_name(n.name) if n.name in before else None
+        if old is not None and old.inputs == n.inputs and old.attrs == n.attrs:
+            return n
+        return replace(n, cost=node_cost(n, after, step_work(n, ctx), ctx.hw, ctx.weight_itemsize))
+
+    return after.map(fresh)
+
+
+def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, placed) -> list[Node]:
+    gpu_ids = tuple(e for e in n.attrs.ids if (n.name, e) in taken)
+    cpu_ids = tuple(e for e in n.attrs.ids if (n.name, e) not in taken)
+    source = "routing profile" if ctx.routing is not None and ctx.routing.probs(n.attrs.layer) else "uniform routing"
+    out = []
+    if gpu_ids:
+        name = n.name if not cpu_ids else n.name + ".gpu"
+        attrs = replace(n.attrs, subset=gpu_ids if cpu_ids else n.attrs.subset)
+        why = f"{len(gpu_ids)} of {n.attrs.experts} experts fit the VRAM budget ({source})"
+        out.append(replace(n, name=name, attrs=attrs, place=Placement(Device.GPU, cause=why)))
+        placed[name] = Device.GPU
+    if cpu_ids:
+        attrs = replace(n.attrs, subset=cpu_ids if gpu_ids else n.attrs.subset)
+        part = replace(n, attrs=attrs)
+        w = _decode_work(ctx, part)
+        flops = FACTS[n.op].flops(part.attrs, w)
+        nbytes = part.weight_elems() * ctx.weight_itemsize * FACTS[n.op].weight_fraction(part.attrs, w)
+        why = (f"{len(cpu_ids)} of {n.attrs.experts} experts, {_si(part.weight_elems() * ctx.weight_itemsize)}B: "
+               f"decode intensity {flops / max(nbytes, 1.0):.2f} FLOP/B, GPU ridge {ridge:.0f}; over the VRAM budget")
+        out.append(replace(part, place=Placement(Device.CPU, cause=why)))
+        placed[n.name] = Device.CPU
+    if len(out) == 2:  # the layer's residual add reads both halves
+        out[0], out[1] = out[1], out[0]  # CPU node keeps the original name first in graph order
+    return out
+
+
+def _place_weightless(g: Graph, placed: dict[str, Device]) -> Graph:
+    """Nodes without weights (the residual adds) run on the GPU when any input comes from it, so
+    the residual stream stays there; else on the CPU. The input node goes where its user is."""
+    nodes = list(g.nodes)
+    for k, n in enumerate(nodes):
+        if n.place is not None:
+            continue
+        if n.inputs:
+            gpu_in = [i for i in n.inputs if placed[i] == Device.GPU]
+            dev = Device.GPU if gpu_in else Device.CPU
+            why = f"no weights: with its input {gpu_in[0] if gpu_in else n.inputs[0]}"
+        else:
+            user = next(u for u in g.users(n.name))
+            dev = placed.get(user, Device.GPU)
+            why = f"no weights: with its user {user}"
+        placed[n.name] = dev
+        nodes[k] = replace(n, place=Placement(dev, cause=why))
+    return _rewire_split_experts(g.replace_nodes(nodes))
+
+
+def _rewire_split_experts(g: Graph) -> Graph:
+    """Every add that reads L<i>.experts also reads L<i>.experts.gpu when the layer was split."""
+    names = {n.name for n in g.nodes}
+    out = []
+    for n in g.nodes:
+        extra = tuple(i + ".gpu" for i in n.inputs if i + ".gpu" in names and n.op == Op.ADD)
+        out.append(replace(n, inputs=n.inputs + extra) if extra else n)
+    return g.replace_nodes(out)
