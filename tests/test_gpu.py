@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import ktflow
+from ktflow.ir.types import Device
 from test_hf_parity import assert_close, hf_and_ktflow_logits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -17,7 +18,7 @@ def test_torch_ref_on_gpu_matches_hf(case, tiny_dirs):
     compiled = ktflow.compile(model, hw=None, device="cuda", placement="gpu", max_seq_len=64)
     assert compiled.decode.device == "cuda"
     assert all(n.place.device.value == "gpu" for n in compiled.decode.ir.nodes)
-    assert compiled.executor("prefill").backend.device.type == "cuda"
+    assert compiled.executor("prefill").backend.devices[Device.GPU].type == "cuda"
     ref, got = hf_and_ktflow_logits(hf, compiled, model.config.vocab_size)
     assert_close(ref, got)
 
