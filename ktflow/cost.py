@@ -121,6 +121,14 @@ def node_work(n: Node, g: Graph, work: Work, weight_itemsize: int) -> tuple[floa
 
 
 def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int) -> Cost:
+    pricing = FACTS[n.op].pricing
+    if pricing != "compute":
+        nbytes = n.out.numel(work.tokens) * n.out.dtype.itemsize
+        if pricing == "copy":
+            s = transfer_seconds(nbytes, hw, "h2d" if n.attrs.dst == "gpu" else "d2h")
+        else:
+            s = (hw.overheads.cpu_submit_us if pricing == "submit" else hw.overheads.cpu_sync_us) * 1e-6
+        return Cost(tokens=work.tokens, flops=0.0, bytes=nbytes if pricing == "copy" else 0.0, cpu_s=s, gpu_s=s)
     flops, nbytes = node_work(n, g, work, weight_itemsize)
     cpu = roof(hw, Device.CPU, g.act_dtype)
     gpu = roof(hw, Device.GPU, g.act_dtype)

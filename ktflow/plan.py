@@ -29,7 +29,7 @@ FILE_FORMAT = "ktflow-plan"
 
 class Step(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-    kind: Literal["launch"]
+    kind: Literal["launch", "copy", "submit", "sync"]
     node: str
     lane: str
     reads: list[str]

@@ -165,8 +165,10 @@ def test_stage_rules_only_apply_from_their_stage():
     assert _fired(g, "spec") == set()
     assert _fired(g, "costed") == {"C1"}
     assert _fired(g, "placed") == {"C1", "P1"}
+    assert _fired(g, "lowered") == {"C1", "P1"}  # L1, L2 skip unplaced nodes
 
 
 def test_every_rule_has_a_test():
-    tested = {"V1", "V2", "V3", "V4", "V5", "V6", "V7", "V8", "V9", "V10", "C1", "P1"}
+    tested = {"V1", "V2", "V3", "V4", "V5", "V6", "V7", "V8", "V9", "V10", "C1", "P1",
+              "L1", "L2"}  # L1, L2: tests/test_lower.py
     assert set(RULES) == tested

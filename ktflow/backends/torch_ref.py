@@ -5,7 +5,7 @@ Activations are [tokens, features] with tokens = batch * seq (row-major over bat
 taken from the checkpoint's memory map as they are when dtype and device already match (no copy),
 else converted once in `prepare`. A node runs on the torch device of its placement (GPU-placed
 nodes on `gpu_device`, which is "cpu" where no GPU is present); inputs produced on the other
-device are moved to it.
+device arrive through the plan's copy nodes.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class TorchRefBackend:
     # ------------------------------------------------------------------------------ dispatch
     def run(self, node: Node, inputs: list[Any], ctx: StepContext) -> Any:
         dev = self.device_of(node)
-        return RULES[node.op](self, node, self.weights.get(node.name, {}), [_to(v, dev) for v in inputs], ctx, dev)
+        return RULES[node.op](self, node, self.weights.get(node.name, {}), inputs, ctx, dev)
 
     def rope_tables(self, attrs: AttentionAttrs, ctx: StepContext, dev: torch.device):
         key = (attrs.rope, dev)
@@ -128,6 +128,18 @@ def _to(v: Any, dev: torch.device) -> Any:
     if isinstance(v, tuple):
         return tuple(_to(t, dev) for t in v)
     return v if v.device == dev else v.to(dev)
+
+
+def _copy(be, node, w, ins, ctx, dev):
+    return _to(ins[0], dev)
+
+
+def _submit(be, node, w, ins, ctx, dev):
+    return None  # the task runs as its own step; an asynchronous backend enqueues it here
+
+
+def _sync(be, node, w, ins, ctx, dev):
+    return ins[1]
 
 
 def _input(be, node, w, ins, ctx, dev):
@@ -257,4 +269,5 @@ def _lm_head(be, node, w, ins, ctx, dev):
 RULES: dict[Op, Callable] = {
     Op.INPUT: _input, Op.EMBED: _embed, Op.RMSNORM: _rmsnorm, Op.ATTENTION: _attention, Op.GATE: _gate,
     Op.MLP: _mlp, Op.ROUTED_EXPERTS: _routed_experts, Op.ADD: _add, Op.LM_HEAD: _lm_head,
+    Op.COPY: _copy, Op.SUBMIT: _submit, Op.SYNC: _sync,
 }

@@ -24,6 +24,10 @@ class Op(str, Enum):
     ROUTED_EXPERTS = "routed_experts"
     ADD = "add"
     LM_HEAD = "lm_head"
+    # lowering ops
+    COPY = "copy"
+    SUBMIT = "submit"
+    SYNC = "sync"
 
 
 # ---------------------------------------------------------------------------------------- attrs
@@ -164,6 +168,30 @@ class LMHeadAttrs:
     vocab: int
 
 
+@dataclass(frozen=True)
+class CopyAttrs:
+    """Move a value across the PCIe link: src and dst are 'cpu' or 'gpu'."""
+
+    src: str
+    dst: str
+
+
+@dataclass(frozen=True)
+class SubmitAttrs:
+    """Enqueue CPU node `task` from the GPU stream (returns at once). Inputs: the task's inputs,
+    already on the CPU. Output: a token the matching sync waits on."""
+
+    task: str
+
+
+@dataclass(frozen=True)
+class SyncAttrs:
+    """Wait in the GPU stream until CPU node `task` (second input) is done; its value passes
+    through (still in host memory: a copy brings it to the GPU). First input: the submit token."""
+
+    task: str
+
+
 # ---------------------------------------------------------------------------------------- facts
 
 
@@ -191,6 +219,8 @@ class OpFacts:
     state_elems: Callable[[Any, Work], float] = lambda a, w: 0.0
     #: fraction of the node's weight references it holds (a routed-expert subset holds its experts only)
     held_fraction: Callable[[Any], float] = lambda a: 1.0
+    #: how the cost model prices it: compute (roofline), copy (PCIe), submit / sync (fixed overheads)
+    pricing: str = "compute"
 
 
 def _hidden(a, ins, act):
@@ -258,6 +288,10 @@ FACTS: dict[Op, OpFacts] = {
     Op.ADD: OpFacts(AddAttrs, (2, 16), _same_as_first, lambda a, w: 0.0),
     Op.LM_HEAD: OpFacts(LMHeadAttrs, (1, 1), lambda a, ins, act: TensorType((TOKENS, a.vocab), DType.F32),
                         lambda a, w: 2.0 * w.tokens * a.hidden * a.vocab),
+    Op.COPY: OpFacts(CopyAttrs, (1, 1), _same_as_first, lambda a, w: 0.0, pricing="copy"),
+    Op.SUBMIT: OpFacts(SubmitAttrs, (1, 16), lambda a, ins, act: TensorType((), DType.TOKEN), lambda a, w: 0.0,
+                       pricing="submit"),
+    Op.SYNC: OpFacts(SyncAttrs, (2, 2), lambda a, ins, act: ins[1], lambda a, w: 0.0, pricing="sync"),
 }
 
 

@@ -23,10 +23,11 @@ class DType(str, Enum):
     F16 = "f16"
     I64 = "i64"
     ROUTE = "route"
+    TOKEN = "token"  # a submit's completion token: ordering only, no data
 
     @property
     def itemsize(self) -> int:
-        return {"f32": 4, "bf16": 2, "f16": 2, "i64": 8, "route": 12}[self.value]
+        return {"f32": 4, "bf16": 2, "f16": 2, "i64": 8, "route": 12, "token": 0}[self.value]
 
 
 #: Floating point dtypes a checkpoint or an activation may have.

@@ -1,7 +1,7 @@
 """Graph invariants, numbered, checked after every pass.
 
 Each rule has an id, the first stage it applies to, and a check that yields (node, message)
-for each violation. Stages are ordered: spec < costed < placed. `verify(graph, stage)` runs
+for each violation. Stages are ordered: spec < costed < placed < lowered. `verify(graph, stage)` runs
 every rule of that stage and the ones before it and raises `VerifyError` naming the rule.
 """
 
@@ -15,7 +15,7 @@ from .graph import Graph
 from .ops import FACTS, Op
 from .types import DType, FLOAT_DTYPES, TOKENS
 
-STAGES = ("spec", "costed", "placed")
+STAGES = ("spec", "costed", "placed", "lowered")
 
 
 class VerifyError(KtflowError):
@@ -80,7 +80,7 @@ def _r5_input_types(g: Graph):
             if ins[0].dtype != DType.I64:
                 yield n.name, f"embed reads token ids, got {ins[0]}"
             continue
-        if n.op == Op.INPUT:
+        if n.op == Op.INPUT or FACTS[n.op].pricing != "compute":
             continue
         if n.op == Op.ROUTED_EXPERTS and len(ins) == 2 and ins[1].dtype != DType.ROUTE:
             yield n.name, f"second input must be a routing ({DType.ROUTE.value}), got {ins[1]}"
@@ -173,6 +173,33 @@ def _p1_placed(g: Graph):
             yield n.name, "no placement"
 
 
+def _l1_edges_stay_on_one_device(g: Graph):
+    for n in g.nodes:
+        if n.place is None:
+            continue
+        for i in n.inputs:
+            src = g.by_name(i).place.device if i in g and g.by_name(i).place else None
+            if n.op == Op.COPY:
+                if src is not None and (src.value != n.attrs.src or n.place.device.value != n.attrs.dst):
+                    yield n.name, f"copy {n.attrs.src}->{n.attrs.dst} reads {i} on {src.value}, lives on {n.place.device.value}"
+            elif src is not None and src != n.place.device:
+                yield n.name, f"reads {i} from the {src.value} without a copy (it runs on the {n.place.device.value})"
+
+
+def _l2_submit_sync_pairs(g: Graph):
+    for n in g.nodes:
+        if n.op == Op.SYNC:
+            sub, task = (g.by_name(i) if i in g else None for i in n.inputs)
+            if sub is None or sub.op != Op.SUBMIT or sub.attrs.task != n.attrs.task or n.inputs[1] != n.attrs.task:
+                yield n.name, f"sync must read the submit of {n.attrs.task} and {n.attrs.task} itself"
+        if n.op == Op.SUBMIT:
+            task = g.by_name(n.attrs.task) if n.attrs.task in g else None
+            if task is None or task.place is None or task.place.device.value != "cpu":
+                yield n.name, f"submits {n.attrs.task}, which is not a CPU node"
+            elif g.position(n.name) > g.position(task.name) or set(n.inputs) != set(task.inputs):
+                yield n.name, f"must come before {task.name} and read exactly its inputs"
+
+
 RULES: dict[str, Rule] = {r.id: r for r in [
     Rule("V1", "spec", "node names are unique", _r1_unique_names),
     Rule("V2", "spec", "nodes are in topological order", _r2_topological),
@@ -186,6 +213,8 @@ RULES: dict[str, Rule] = {r.id: r for r in [
     Rule("V10", "spec", "a layer's routed-expert nodes partition its experts", _r10_expert_subsets_partition),
     Rule("C1", "costed", "every node has a cost", _c1_costed),
     Rule("P1", "placed", "every node has a placement", _p1_placed),
+    Rule("L1", "lowered", "values cross devices only through copy nodes", _l1_edges_stay_on_one_device),
+    Rule("L2", "lowered", "submit/sync pairs wrap a CPU task", _l2_submit_sync_pairs),
 ]}
 
 

@@ -24,6 +24,7 @@ from ..ir.printer import print_graph
 from ..ir.verify import VerifyError, verify
 from ..options import CompileContext
 from .costs import annotate_costs
+from .lower import lower
 from .place import place_by_intensity
 
 Pass = Callable[[Graph, CompileContext], Graph]
@@ -31,6 +32,7 @@ Pass = Callable[[Graph, CompileContext], Graph]
 PIPELINE: tuple[tuple[Pass, str], ...] = (
     (annotate_costs, "costed"),
     (place_by_intensity, "placed"),
+    (lower, "lowered"),
 )
 
 

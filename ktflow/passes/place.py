@@ -186,7 +186,7 @@ def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, 
 
 def _place_weightless(g: Graph, placed: dict[str, Device]) -> Graph:
     """Nodes without weights (the residual adds) run on the GPU when any input comes from it, so
-    the residual stream stays there; else on the CPU. The input node goes where its user is."""
+    the residual stream stays there; else on the CPU. The input node is on the CPU (host memory)."""
     nodes = list(g.nodes)
     for k, n in enumerate(nodes):
         if n.place is not None:
@@ -196,9 +196,7 @@ def _place_weightless(g: Graph, placed: dict[str, Device]) -> Graph:
             dev = Device.GPU if gpu_in else Device.CPU
             why = f"no weights: with its input {gpu_in[0] if gpu_in else n.inputs[0]}"
         else:
-            user = next(u for u in g.users(n.name))
-            dev = placed.get(user, Device.GPU)
-            why = f"no weights: with its user {user}"
+            dev, why = Device.CPU, "token ids arrive in host memory"
         placed[n.name] = dev
         nodes[k] = replace(n, place=Placement(dev, cause=why))
     return _rewire_split_experts(g.replace_nodes(nodes))

@@ -1,28 +1,40 @@
-"""Schedule: the ordered steps of a plan with predicted start and end times."""
+"""Schedule: the ordered steps of a plan on lanes, with predicted start and end times."""
 
 from __future__ import annotations
 
-from ..ir.graph import Graph
+from ..ir.graph import Graph, Node
+from ..ir.ops import Op
 from ..options import CompileContext
 from ..plan import Step
 
+#: step kind per op; everything else is a kernel launch on its lane
+STEP_KIND = {Op.COPY: "copy", Op.SUBMIT: "submit", Op.SYNC: "sync"}
+
+
+def lane_of(n: Node) -> str:
+    """gpu (GPU compute, and submit/sync host functions in its stream), copy (PCIe), cpu."""
+    return n.place.stream or n.place.device.value
+
 
 def schedule(g: Graph, ctx: CompileContext) -> list[Step]:
-    """One `launch` step per node, in graph order, on the lane of its device.
+    """One step per node, in graph order, on its lane.
 
-    Algorithm: list scheduling on one lane per device in topological order; a step starts when
-    its lane is free and its inputs are done, and lasts its node's predicted seconds.
-    Requires: costed and placed graph. Guarantees: every node appears in exactly one step, after
-    the steps that produce its inputs.
+    Algorithm: list scheduling in topological order; a step starts when its lane is free, its
+    inputs are done and (a CPU task) its submit is done, and lasts its node's predicted seconds on
+    its device. Lanes run concurrently, so CPU tasks overlap the GPU work placed between their
+    submit and sync. Requires: a costed, placed (and lowered) graph. Guarantees: every node in
+    exactly one step, after the steps producing its inputs; predicted times from the cost model.
     """
     lane_free: dict[str, float] = {}
     done: dict[str, float] = {}
+    submitted = {n.attrs.task: n.name for n in g.nodes if n.op == Op.SUBMIT}
     steps = []
     for n in g.nodes:
-        lane = n.place.device.value
-        start = max([lane_free.get(lane, 0.0)] + [done[i] for i in n.inputs])
+        lane = lane_of(n)
+        deps = [done[i] for i in n.inputs] + ([done[submitted[n.name]]] if n.name in submitted else [])
+        start = max([lane_free.get(lane, 0.0)] + deps)
         end = start + n.cost.on(n.place.device)
         lane_free[lane] = done[n.name] = end
-        steps.append(Step(kind="launch", node=n.name, lane=lane, reads=list(n.inputs), writes=[n.name],
-                          start_us=round(start * 1e6, 3), end_us=round(end * 1e6, 3)))
+        steps.append(Step(kind=STEP_KIND.get(n.op, "launch"), node=n.name, lane=lane, reads=list(n.inputs),
+                          writes=[n.name], start_us=round(start * 1e6, 3), end_us=round(end * 1e6, 3)))
     return steps

@@ -30,7 +30,10 @@ class Executor:
         for name, i in last_use.items():
             if name not in outputs:
                 self.frees[i].append(name)
-        self.handlers: dict[str, Callable[[Step, dict, StepContext], None]] = {"launch": self._launch}
+        # torch_ref runs every kind the same way (a copy moves the value, submit is a no-op, sync
+        # passes the task's value); asynchronous backends give submit and sync their own handlers
+        self.handlers: dict[str, Callable[[Step, dict, StepContext], None]] = {
+            "launch": self._launch, "copy": self._launch, "submit": self._launch, "sync": self._launch}
 
     def _launch(self, step: Step, values: dict, ctx: StepContext) -> None:
         node = self.graph.by_name(step.node)

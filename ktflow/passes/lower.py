@@ -1,0 +1,79 @@
+"""Lowering: explicit copies at device crossings, submit/sync around CPU work the GPU waits on."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..cost import node_cost
+from ..ir.graph import Graph, Node
+from ..ir.ops import FACTS, CopyAttrs, Op, SubmitAttrs, SyncAttrs
+from ..ir.types import Device, Placement
+from ..options import CompileContext
+from .costs import step_work
+
+
+def lower(g: Graph, ctx: CompileContext) -> Graph:
+    """Make every device crossing and every CPU/GPU hand-off a node.
+
+    Algorithm, in graph order: an input produced on the other device is read through a copy
+    node `<value>.to_<device>` (one per value and destination; placed on the destination, lane
+    'copy'). A CPU compute node whose result the GPU reads gets `<node>.submit` just before it
+    (in the GPU stream: enqueue the CPU task, return at once) and `<node>.sync` after it (in the
+    GPU stream: wait for the task); GPU readers take the sync's value through a copy. GPU work
+    that does not depend on the task (the shared expert) sits between the two in graph order, so
+    it runs while the CPU computes. Plans with one device are returned unchanged.
+    Requires: placed, costed graph. Guarantees: values cross devices only through copy nodes
+    (rule L1), submit/sync pairs wrap exactly one CPU node each (rule L2), new nodes are costed.
+    """
+    if len({n.place.device for n in g.nodes}) == 1:
+        return g
+    device = {n.name: n.place.device for n in g.nodes}
+    gpu_readers = {i for n in g.nodes for i in n.inputs if device[i] == Device.CPU and device[n.name] == Device.GPU}
+    out: list[Node] = []
+    copies: dict[tuple[str, Device], str] = {}
+    synced: dict[str, str] = {}  # CPU node -> its sync, the value GPU readers copy
+    pending: dict[str, str] = {}  # CPU node -> its submit, until a GPU reader needs the sync
+
+    def emit(n: Node) -> str:
+        out.append(n)
+        device[n.name] = n.place.device
+        return n.name
+
+    def on(value: str, dev: Device) -> str:
+        if device[value] == dev:
+            return value
+        if value in pending:  # as late as possible: GPU work before this point overlaps the task
+            sub, task = pending.pop(value), g.by_name(value)
+            synced[value] = emit(Node(f"{value}.sync", Op.SYNC, (sub, value), SyncAttrs(value), task.out,
+                                      place=Placement(Device.CPU, cause="GPU stream waits for the CPU task",
+                                                      stream="gpu")))
+        src = synced.get(value, value)
+        key = (src, dev)
+        if key not in copies:
+            node = Node(f"{value}.to_{dev.value}", Op.COPY, (src,), CopyAttrs(device[src].value, dev.value),
+                        _type_of(out, src), place=Placement(dev, cause="device crossing", stream="copy"))
+            copies[key] = emit(node)
+        return copies[key]
+
+    for n in g.nodes:
+        dev = n.place.device
+        ins = tuple(on(i, dev) for i in n.inputs)
+        is_task = dev == Device.CPU and n.name in gpu_readers and FACTS[n.op].pricing == "compute" \
+            and n.op != Op.INPUT
+        if is_task:
+            sub = emit(Node(f"{n.name}.submit", Op.SUBMIT, ins, SubmitAttrs(n.name),
+                            FACTS[Op.SUBMIT].shape(None, [], g.act_dtype),
+                            place=Placement(Device.CPU, cause="enqueue CPU work from the GPU stream", stream="gpu")))
+        emit(replace(n, inputs=ins))
+        if is_task:
+            pending[n.name] = sub
+    lowered = g.replace_nodes(out)
+    return lowered.map(lambda n: n if n.cost is not None and n.name in g and g.by_name(n.name).inputs == n.inputs
+                       else replace(n, cost=node_cost(n, lowered, step_work(n, ctx), ctx.hw, ctx.weight_itemsize)))
+
+
+def _type_of(nodes: list[Node], name: str):
+    for n in reversed(nodes):
+        if n.name == name:
+            return n.out
+    raise KeyError(name)

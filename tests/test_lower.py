@@ -1,0 +1,86 @@
+"""Lowering (copies, submit/sync) and the multi-lane schedule, with the lowered-stage verifier
+rules made to fire."""
+
+import dataclasses
+
+import pytest
+
+import ktflow
+from ktflow.hw import PRESETS, Overheads
+from ktflow.ir import verify, violations
+from ktflow.ir.ops import Op
+from ktflow.options import CompileContext, CompileOptions
+from ktflow.passes import run_pipeline
+from small_configs import graph_of
+
+HW = PRESETS["paper-a100"].model_copy(update={"overheads": Overheads(gpu_launch_us=0, cpu_submit_us=0, cpu_sync_us=0)})
+
+
+def lowered(budget=66e-6, hw=HW):
+    ctx = CompileContext(hw=hw, options=CompileOptions(vram_budget_gb=budget), phase="decode", tokens=1, batch=1,
+                         context=64, weight_itemsize=2, max_seq_len=128, device="cuda")
+    return run_pipeline(graph_of("deepseek_v3"), ctx)[0]
+
+
+def names(g):
+    return [n.name for n in g.nodes]
+
+
+def test_cpu_experts_are_wrapped_in_submit_and_sync():
+    g = lowered()
+    order = names(g)
+    for n in ("L1.ffn_norm.to_cpu", "L1.gate.to_cpu", "L1.experts.submit", "L1.experts", "L1.experts.sync",
+              "L1.experts.to_gpu"):
+        assert n in g, n
+    assert order.index("L1.experts.submit") < order.index("L1.experts") < order.index("L1.experts.sync")
+    assert order.index("L1.experts.submit") < order.index("L1.shared") < order.index("L1.experts.sync")
+    assert g.by_name("L1.experts").inputs == ("L1.ffn_norm.to_cpu", "L1.gate.to_cpu")
+    assert "L1.experts.to_gpu" in g.by_name("L1.ffn_res").inputs
+    assert g.by_name("L1.experts.to_gpu").inputs == ("L1.experts.sync",)
+    assert g.by_name("L1.experts.sync").place.stream == "gpu"
+    verify(g, "lowered")
+
+
+def test_one_copy_per_value_and_destination():
+    g = lowered()
+    copies = [n for n in g.nodes if n.op == Op.COPY]
+    assert len({(n.inputs[0], n.attrs.dst) for n in copies}) == len(copies)
+    assert g.by_name("tokens.to_gpu").attrs == type(g.by_name("tokens.to_gpu").attrs)("cpu", "gpu")
+
+
+def test_single_device_plans_are_not_changed():
+    assert not any(n.op in (Op.COPY, Op.SUBMIT, Op.SYNC) for n in lowered(hw=PRESETS["cpu"]).nodes)
+    all_gpu = lowered(budget=1.0)  # only the token ids cross, from host memory
+    assert [n.name for n in all_gpu.nodes if n.op in (Op.COPY, Op.SUBMIT, Op.SYNC)] == ["tokens.to_gpu"]
+
+
+def test_l1_fires_on_a_crossing_without_a_copy():
+    g = lowered()
+    add = g.by_name("L1.ffn_res")
+    bad = tuple("L1.experts" if i == "L1.experts.to_gpu" else i for i in add.inputs)
+    g2 = g.replace_nodes(dataclasses.replace(n, inputs=bad) if n.name == "L1.ffn_res" else n for n in g.nodes)
+    assert {r for r, _, _ in violations(g2, "lowered")} >= {"L1"}
+
+
+def test_l2_fires_on_a_broken_pair():
+    g = lowered()
+    sync = g.by_name("L1.experts.sync")
+    g2 = g.replace_nodes(dataclasses.replace(n, attrs=dataclasses.replace(sync.attrs, task="L1.shared"))
+                         if n.name == sync.name else n for n in g.nodes)
+    assert "L2" in {r for r, _, _ in violations(g2, "lowered")}
+    nodes = list(g.nodes)
+    i, j = names(g).index("L1.experts.submit"), names(g).index("L1.experts")
+    nodes[i], nodes[j] = nodes[j], nodes[i]  # submit after its task
+    assert "L2" in {r for r, _, _ in violations(g.replace_nodes(nodes), "lowered")}
+
+
+def test_schedule_overlaps_cpu_experts_with_the_shared_expert(demo_dir):
+    model = ktflow.load(demo_dir)
+    c = ktflow.compile(model, hw="paper-a100", vram_budget_gb=0.004)  # dense on the GPU, experts on the CPU
+    steps = {s.node: s for s in c.decode.steps}
+    assert {s.kind for s in c.decode.steps} == {"launch", "copy", "submit", "sync"}
+    assert {s.lane for s in c.decode.steps} == {"gpu", "copy", "cpu"}
+    task, shared, sub, sync = (steps[n] for n in ("L2.experts", "L2.shared", "L2.experts.submit", "L2.experts.sync"))
+    assert task.lane == "cpu" and shared.lane == "gpu"
+    assert task.start_us >= sub.end_us and sync.end_us >= task.end_us
+    assert shared.start_us < task.end_us  # the GPU works while the CPU computes the experts
