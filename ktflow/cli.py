@@ -54,6 +54,14 @@ def cmd_compile(a: argparse.Namespace) -> int:
     compiled = ktflow.compile(model, hw=a.hw, print_after=a.print_after, **_options(a))
     if a.output:
         compiled.save(a.output)
+    if a.trace:
+        from ktflow.timeline import write_chrome_trace
+
+        write_chrome_trace(compiled.plans, a.trace)
+    if a.report:
+        from ktflow.report import write_report
+
+        write_report(compiled.plans, a.report)
     elapsed = time.perf_counter() - t0
     print(compiled.summary(), end="")
     if a.explain:
@@ -62,7 +70,7 @@ def cmd_compile(a: argparse.Namespace) -> int:
         print(placement_table(compiled.decode), end="")
     if a.text:
         print(compiled.as_text(), end="")
-    where = f", wrote {a.output}" if a.output else ""
+    where = "".join(f", wrote {f}" for f in (a.output, a.trace, a.report) if f)
     weights = "" if model.weights else " (config only, no weights)"
     print(f"compiled {model.model_type}{weights} in {elapsed:.2f} s{where}")
     return 0
@@ -126,8 +134,17 @@ def _print_generation(ids, out, st, tok=None, note: str = "") -> None:
 def cmd_inspect(a: argparse.Namespace) -> int:
     from ktflow.plan import PlanFile
 
+    from ktflow.timeline import layer_times
+
     pf = PlanFile.load(a.plan)
     print(pf.summary(), end="")
+    for plan in (pf.prefill, pf.decode):
+        moe = [t for t in layer_times(plan) if t.layer is not None]
+        if moe:
+            mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+            print(f"{plan.phase:8s}  per layer (mean): {mean([t.span_us for t in moe]):.1f} us, GPU busy "
+                  f"{100 * mean([t.gpu_busy for t in moe]):.0f}%, CPU busy {100 * mean([t.cpu_busy for t in moe]):.0f}%, "
+                  f"overlap {mean([t.overlap_us for t in moe]):.1f} us")
     if a.text:
         print(pf.prefill.as_text() + "\n" + pf.decode.as_text(), end="")
     return 0
@@ -198,6 +215,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--print-after", metavar="PASS", help=f"print the graph after this pass ({', '.join(pass_names())})")
     c.add_argument("--text", action="store_true", help="also print both plans in full")
     c.add_argument("--explain", action="store_true", help="print the placement table: where each node runs and why")
+    c.add_argument("--trace", metavar="JSON", help="write the predicted timelines as a Chrome trace (open in Perfetto)")
+    c.add_argument("--report", metavar="HTML", help="write an HTML report: memory, per-layer timeline, placement")
     c.add_argument("--routing-profile", metavar="JSON", help="per-layer expert frequencies: hot experts go to the GPU")
     _add_compile_options(c)
     c.set_defaults(fn=cmd_compile)

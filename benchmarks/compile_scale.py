@@ -1,0 +1,73 @@
+"""Compile time against model size: DeepSeek-V3-shaped configs with L layers x E routed experts
+(config only, no weights), all passes plus the schedule, on a hardware preset. Prints a table and
+appends JSONL to benchmarks/compile_scale.jsonl.
+
+    python benchmarks/compile_scale.py [--hw paper-a100] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import ktflow
+
+HERE = Path(__file__).parent
+V3 = json.loads((HERE.parent / "tests/data/deepseek-v3-config/config.json").read_text())
+KIMI = json.loads((HERE.parent / "tests/data/kimi-k2-config/config.json").read_text())
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=HERE).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def measure(cfg: dict, hw: str, repeats: int) -> tuple[list[float], int]:
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(cfg))
+        model = ktflow.load(d)
+        times, steps = [], 0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            c = ktflow.compile(model, hw=hw)
+            times.append(time.perf_counter() - t0)
+            steps = len(c.prefill.steps) + len(c.decode.steps)
+    return times, steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hw", default="paper-a100")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=str(HERE / "compile_scale.jsonl"))
+    a = ap.parse_args()
+    cases = [(f"v3-shape L{layers} E{experts}", dict(V3, num_hidden_layers=layers, n_routed_experts=experts))
+             for layers in (8, 16, 32, 61) for experts in (64, 256)]
+    cases += [("deepseek-v3 (61 x 256)", V3), ("kimi-k2 (61 x 384)", KIMI)]
+    rows = []
+    print(f"{'model':28s} {'layers':>6s} {'experts':>7s} {'steps':>6s} {'compile s (mean +- sd)':>24s}")
+    for name, cfg in cases:
+        times, steps = measure(cfg, a.hw, a.repeats)
+        mean, sd = statistics.mean(times), statistics.stdev(times) if len(times) > 1 else 0.0
+        print(f"{name:28s} {cfg['num_hidden_layers']:6d} {cfg['n_routed_experts']:7d} {steps:6d} {mean:16.3f} +- {sd:.3f}")
+        rows.append(dict(bench="compile_scale", model=name, layers=cfg["num_hidden_layers"],
+                         experts=cfg["n_routed_experts"], steps=steps, hw=a.hw, seconds_mean=mean, seconds_sd=sd,
+                         repeats=a.repeats, machine=platform.node(), cpu=platform.processor() or platform.machine(),
+                         commit=commit(), ktflow=ktflow.__version__))
+    with open(a.out, "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    print(f"appended {len(rows)} rows to {a.out}")
+
+
+if __name__ == "__main__":
+    main()

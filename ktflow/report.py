@@ -1,0 +1,69 @@
+"""`ktflow compile --report out.html`: one self-contained page per compile (jinja2): the memory
+budget, the placement table with causes, and the per-layer predicted timeline of each plan."""
+
+from __future__ import annotations
+
+import jinja2
+
+from .fsutil import write_atomic
+from .ir.types import _si
+from .plan import PlanFile
+from .timeline import layer_times, step_utilisation
+
+TEMPLATE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>ktflow plan: {{ pf.model.model_type }} on {{ pf.hw.name }}</title>
+<style>
+body { font: 14px system-ui, sans-serif; margin: 2em; color: #222 }
+table { border-collapse: collapse; margin: 1em 0 } td, th { padding: 2px 8px; border-bottom: 1px solid #ddd;
+text-align: left; vertical-align: top } th { background: #f4f4f4 } td.num { text-align: right }
+.gpu { color: #2a7a2a } .cpu { color: #1f4fa8 } .bar { height: 10px; display: inline-block }
+.bgpu { background: #5cb85c } .bcpu { background: #428bca } .bcopy { background: #f0ad4e }
+code { background: #f4f4f4; padding: 0 3px }
+</style></head><body>
+<h1>{{ pf.model.model_type }}, {{ pf.model.layers }} layers, on {{ pf.hw.name }}</h1>
+<p>ktflow {{ pf.ktflow_version }} (plan format {{ pf.format_version }}); model fingerprint
+<code>{{ pf.model.fingerprint }}</code>; {{ pf.hw.description }}</p>
+<pre>{{ pf.hw.summary() }}</pre>
+<p>Options: {% for k, v in pf.options.model_dump().items() %}<code>{{ k }}={{ v }}</code> {% endfor %}</p>
+
+<h2>Memory</h2>
+<table><tr><th>plan</th><th>peak VRAM</th><th>host RAM</th><th>all weights</th><th>KV cache</th><th>activations</th></tr>
+{% for p in plans %}<tr><td>{{ p.phase }}</td><td class="num">{{ gb(p.memory.gpu_bytes) }}</td>
+<td class="num">{{ gb(p.memory.host_bytes) }}</td><td class="num">{{ gb(p.memory.weight_bytes) }}</td>
+<td class="num">{{ gb(p.memory.kv_cache_bytes) }}</td><td class="num">{{ gb(p.memory.activation_bytes) }}</td></tr>
+{% endfor %}</table>
+
+{% for p in plans %}
+<h2>{{ p.phase }} plan: predicted {{ "%.3f"|format(p.predicted_step_us / 1000) }} ms per {{ p.step_tokens }}-token step</h2>
+<p>Lanes busy: {% for lane, f in util(p).items() %}<code>{{ lane }} {{ "%.0f"|format(100 * f) }}%</code> {% endfor %}</p>
+<table><tr><th>layer</th><th>span (us)</th><th>GPU busy</th><th>CPU busy</th><th>GPU/CPU overlap (us)</th><th>copies (us)</th><th></th></tr>
+{% set widest = layers(p)|map(attribute="span_us")|max %}
+{% for t in layers(p) %}<tr><td>{{ "L%d"|format(t.layer) if t.layer is not none else "outside layers" }}</td>
+<td class="num">{{ "%.1f"|format(t.span_us) }}</td><td class="num">{{ "%.0f"|format(100 * t.gpu_busy) }}%</td>
+<td class="num">{{ "%.0f"|format(100 * t.cpu_busy) }}%</td><td class="num">{{ "%.1f"|format(t.overlap_us) }}</td>
+<td class="num">{{ "%.1f"|format(t.copy_us) }}</td>
+<td><span class="bar bgpu" style="width: {{ 300 * t.gpu_us / widest }}px"></span><br>
+<span class="bar bcpu" style="width: {{ 300 * t.cpu_us / widest }}px"></span></td></tr>
+{% endfor %}</table>
+{% endfor %}
+
+<h2>Placement</h2>
+<table><tr><th>node</th><th>op</th><th>device</th><th>weights</th><th>decode time</th><th>cause</th></tr>
+{% for n in pf.decode.ir.nodes %}<tr><td>{{ n.name }}</td><td>{{ n.op.value }}</td>
+<td class="{{ n.place.device.value }}">{{ n.place.device.value }}{% if n.place.stream %} ({{ n.place.stream }} lane){% endif %}</td>
+<td class="num">{{ si(n.weight_elems()) }}</td><td class="num">{{ si(n.cost.on(n.place.device)) }}s</td>
+<td>{{ n.place.cause }}</td></tr>
+{% endfor %}</table>
+</body></html>
+"""
+
+
+def render_report(pf: PlanFile) -> str:
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
+    return env.from_string(TEMPLATE).render(
+        pf=pf, plans=(pf.prefill, pf.decode), layers=layer_times, util=step_utilisation, si=_si,
+        gb=lambda b: f"{b / 1e9:.2f} GB")
+
+
+def write_report(pf: PlanFile, path) -> None:
+    write_atomic(path, render_report(pf))

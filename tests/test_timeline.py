@@ -1,0 +1,91 @@
+"""Predicted timeline readers: per-layer busy/overlap arithmetic, Chrome trace, HTML report, and
+`compile --explain --trace --report` on every family."""
+
+import json
+import subprocess
+import sys
+from html.parser import HTMLParser
+
+import pytest
+
+import ktflow
+from ktflow.plan import Step
+from ktflow.report import render_report
+from ktflow.timeline import _busy, _overlap, chrome_trace, layer_times, step_utilisation
+from small_configs import CONFIGS
+
+
+def test_busy_and_overlap_arithmetic():
+    assert _busy([(0, 2), (1, 3), (5, 6)]) == 4  # merged intervals
+    assert _overlap([(0, 4)], [(1, 2), (3, 6)]) == 2
+
+
+@pytest.fixture(scope="module")
+def hybrid(demo_dir):
+    return ktflow.compile(ktflow.load(demo_dir), hw="paper-a100", vram_budget_gb=0.004)
+
+
+def test_layer_times_of_a_hybrid_plan(hybrid):
+    times = {t.layer: t for t in layer_times(hybrid.decode)}
+    assert set(times) == {None, 0, 1, 2, 3}
+    moe = times[2]
+    steps = [s for s in hybrid.decode.steps if s.node.startswith("L2.")]
+    assert moe.span_us == pytest.approx(max(s.end_us for s in steps) - min(s.start_us for s in steps))
+    assert moe.cpu_us == pytest.approx(sum(s.end_us - s.start_us for s in steps if s.lane == "cpu"))
+    assert 0 < moe.overlap_us <= min(moe.cpu_us, moe.gpu_us)
+    assert times[0].cpu_us == 0  # the dense first layer runs on the GPU only
+    util = step_utilisation(hybrid.decode)
+    assert set(util) == {"gpu", "copy", "cpu"} and all(0 < f <= 1 for f in util.values())
+
+
+def test_chrome_trace_has_one_event_per_step(hybrid):
+    tr = chrome_trace(hybrid.plans)
+    complete = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+    assert len(complete) == len(hybrid.prefill.steps) + len(hybrid.decode.steps)
+    names = {(e["pid"], e["args"]["name"]) for e in tr["traceEvents"] if e.get("name") == "thread_name"}
+    assert (1, "cpu") in names and (1, "gpu") in names
+    e = next(e for e in complete if e["pid"] == 1 and e["name"] == "L2.experts")
+    s = next(s for s in hybrid.decode.steps if s.node == "L2.experts")
+    assert e["ts"] == s.start_us and e["args"]["device"] == "cpu"
+    json.dumps(tr)
+
+
+class _Collect(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.rows = 0
+        self.text = []
+
+    def handle_starttag(self, tag, attrs):
+        self.rows += tag == "tr"
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def test_report_renders_memory_timeline_and_placement(hybrid):
+    html = render_report(hybrid.plans)
+    p = _Collect()
+    p.feed(html)
+    text = " ".join(p.text)
+    assert "peak VRAM" in text and "GPU/CPU overlap" in text and "L2.experts" in text
+    assert "over the VRAM budget" in text
+    assert p.rows >= len(hybrid.decode.ir) + 2 * 5 + 3
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_explain_trace_report_on_every_family(family, tmp_path):
+    d = tmp_path / family
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(CONFIGS[family]))
+    trace, report = tmp_path / "t.json", tmp_path / "r.html"
+    r = subprocess.run([sys.executable, "-m", "ktflow", "compile", str(d), "--hw", "paper-4080", "--explain",
+                        "--trace", str(trace), "--report", str(report)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "placement (decode plan" in r.stdout
+    assert json.loads(trace.read_text())["traceEvents"] and report.read_text().startswith("<!doctype html>")
+
+
+def test_step_fields_round_trip():
+    s = Step(kind="sync", node="L1.experts.sync", lane="gpu", reads=["a"], writes=["b"], start_us=1.0, end_us=2.0)
+    assert Step.model_validate_json(s.model_dump_json()) == s
