@@ -6,7 +6,9 @@ turns it into seconds with one roofline per device:
     seconds = max(flops / peak, bytes / bandwidth) + fixed overhead
 
 GPU: bf16 tensor throughput, HBM bandwidth, one kernel launch. CPU: bf16 GEMM throughput (half
-for float32), the bandwidth a GEMV streams weights at, one task submit. Routed experts read only
+for float32), the bandwidth a GEMV streams weights at, one task submit. On N > 1 sockets a node
+that is not NUMA-split reads (N-1)/N of its bytes across the socket link (which bounds it when
+slower); a NUMA shard gets its own node's share of throughput and bandwidth, all local. Routed experts read only
 the experts their tokens hit: with T tokens and per-expert pick probabilities p_e (uniform k/E,
 or a routing profile's measured frequencies) the expected bytes are sum_e (1 - (1 - p_e)^T)
 times one expert's bytes.
@@ -120,7 +122,9 @@ def node_work(n: Node, g: Graph, work: Work, weight_itemsize: int) -> tuple[floa
     return flops, nbytes
 
 
-def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int) -> Cost:
+def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int, numa_nodes: int = 1) -> Cost:
+    """FLOPs, bytes and seconds of one step of `n` on each device. A NUMA shard (placement with a
+    numa index) gets 1/numa_nodes of the CPU's throughput and bandwidth: its node's share."""
     pricing = FACTS[n.op].pricing
     if pricing != "compute":
         nbytes = n.out.numel(work.tokens) * n.out.dtype.itemsize
@@ -131,6 +135,14 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
         return Cost(tokens=work.tokens, flops=0.0, bytes=nbytes if pricing == "copy" else 0.0, cpu_s=s, gpu_s=s)
     flops, nbytes = node_work(n, g, work, weight_itemsize)
     cpu = roof(hw, Device.CPU, g.act_dtype)
+    sockets = len(hw.cpu.numa)
+    if n.place is not None and n.place.numa is not None:
+        cpu = Roof(cpu.flops / numa_nodes, cpu.bandwidth / numa_nodes, cpu.overhead)
+    elif sockets > 1 and hw.cpu.cross_socket_gbps > 0:
+        # not NUMA-aware: its data is spread over the sockets, so (N-1)/N of every read is remote
+        # and crosses the socket link, which may be the slower path
+        remote = (sockets - 1) / sockets / (hw.cpu.cross_socket_gbps * 1e9)
+        cpu = Roof(cpu.flops, 1.0 / max(1.0 / cpu.bandwidth, remote), cpu.overhead)
     gpu = roof(hw, Device.GPU, g.act_dtype)
     return Cost(tokens=work.tokens, flops=flops, bytes=nbytes, cpu_s=cpu.seconds(flops, nbytes),
                 gpu_s=gpu.seconds(flops, nbytes) if gpu else None)

@@ -27,6 +27,11 @@ class CompileOptions(BaseModel):
     placement: Literal["auto", "cpu", "gpu"] = Field(
         "auto", description="auto: by the cost model under the VRAM budget; cpu / gpu: every node there "
         "(baselines; gpu must fit the budget)")
+    numa: Literal["auto", "tp", "ep"] = Field(
+        "auto", description="how CPU experts split over NUMA nodes: tp (each node a slice of every expert), "
+        "ep (whole experts per node), auto (the cheaper by the cost model; ties go to tp)")
+    numa_nodes: int | None = Field(None, gt=0, description="NUMA node count (default: the profile's)")
+    numa_block: int = Field(64, gt=0, description="tp slices are multiples of this many intermediate rows")
     vram_budget_gb: float | None = Field(None, gt=0, description="GPU memory for weights and KV caches; default "
                                          "the GPU's memory less one prefill step's activations and the reserve")
     vram_reserve_gb: float = Field(1.0, ge=0, description="GPU memory kept free (CUDA context, workspaces)")
@@ -48,3 +53,7 @@ class CompileContext:
     max_seq_len: int
     device: Literal["cpu", "cuda"]
     routing: RoutingProfile | None = None
+
+    @property
+    def numa_nodes(self) -> int:
+        return self.options.numa_nodes or len(self.hw.cpu.numa)

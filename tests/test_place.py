@@ -43,9 +43,10 @@ def test_deepseek_v3_on_the_papers_a100(v3):
     for n in g.nodes:
         if n.op in (Op.ATTENTION, Op.GATE, Op.MLP, Op.RMSNORM, Op.ADD, Op.LM_HEAD):
             assert n.place.device == Device.GPU, n.name
-    cpu_experts = [n for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device == Device.CPU]
+    cpu_experts = [n for n in g.nodes if n.op == Op.REDUCE]  # the sum of each layer's NUMA shards
     assert len(cpu_experts) == 58  # every MoE layer keeps (most of) its experts in DRAM
     assert "decode intensity 1.00 FLOP/B" in cpu_experts[-1].place.cause
+    assert "2 NUMA shards (tp" in cpu_experts[-1].place.cause
     m = c.decode.memory
     assert m.gpu_bytes <= 40 * GiB
     gpu_w = sum(n.weight_elems() for n in g.nodes if n.place.device == Device.GPU) * 2
@@ -82,7 +83,7 @@ def test_hot_experts_from_a_routing_profile_go_first(demo_dir, tmp_path):
     dense_bytes = sum(n.weight_elems() * 2 for n in dense.decode.ir.nodes if n.op != Op.ROUTED_EXPERTS)
     kv = dense.decode.memory.kv_cache_bytes
     budget = (dense_bytes + kv + 4.5 * expert_bytes) / 1e9  # the dense part and four experts
-    c = ktflow.compile(model, hw=A100_NO_OVERHEAD, vram_budget_gb=budget, routing_profile=str(prof))
+    c = ktflow.compile(model, hw=A100_NO_OVERHEAD, vram_budget_gb=budget, routing_profile=str(prof), numa_nodes=1)
     g = c.decode.ir
     hot_node = g.by_name("L2.experts.gpu")
     assert hot_node.attrs.subset == (3, 17, 21, 30) and hot_node.place.device == Device.GPU

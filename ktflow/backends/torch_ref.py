@@ -87,8 +87,10 @@ class TorchRefBackend:
             w: Weights = {}
             dev = self.device_of(n)
             for ref in n.weights:
-                if ref.experts:  # only the experts this node holds (its subset)
-                    w[ref.role] = {e: self._ready(weights.load_expert(ref, e), dev) for e in n.attrs.ids}
+                if ref.experts:  # only the experts (and the intermediate rows) this node holds
+                    lo, hi = n.attrs.rows
+                    cut = (lambda t: t[:, lo:hi]) if ref.role == "down" else (lambda t: t[lo:hi])
+                    w[ref.role] = {e: self._ready(cut(weights.load_expert(ref, e)), dev) for e in n.attrs.ids}
                 else:
                     w[ref.role] = self._ready(weights.load(ref), dev)
             self.weights[n.name] = w
@@ -262,6 +264,13 @@ def _add(be, node, w, ins, ctx, dev):
     return out
 
 
+def _reduce(be, node, w, ins, ctx, dev):
+    out = ins[0].float()
+    for t in ins[1:]:
+        out = out + t.float()
+    return out.to(ins[0].dtype)
+
+
 def _lm_head(be, node, w, ins, ctx, dev):
     return F.linear(ins[0], w["weight"]).float()
 
@@ -269,5 +278,5 @@ def _lm_head(be, node, w, ins, ctx, dev):
 RULES: dict[Op, Callable] = {
     Op.INPUT: _input, Op.EMBED: _embed, Op.RMSNORM: _rmsnorm, Op.ATTENTION: _attention, Op.GATE: _gate,
     Op.MLP: _mlp, Op.ROUTED_EXPERTS: _routed_experts, Op.ADD: _add, Op.LM_HEAD: _lm_head,
-    Op.COPY: _copy, Op.SUBMIT: _submit, Op.SYNC: _sync,
+    Op.COPY: _copy, Op.SUBMIT: _submit, Op.SYNC: _sync, Op.REDUCE: _reduce,
 }

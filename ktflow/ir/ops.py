@@ -24,6 +24,7 @@ class Op(str, Enum):
     ROUTED_EXPERTS = "routed_experts"
     ADD = "add"
     LM_HEAD = "lm_head"
+    REDUCE = "reduce"
     # lowering ops
     COPY = "copy"
     SUBMIT = "submit"
@@ -143,7 +144,9 @@ class RoutedExpertsAttrs:
     """The routed experts of one MoE layer: sum over the token's top-k experts of
     weight * down(silu(gate(x)) * up(x)). Inputs: hidden states and the gate's routing.
     `subset`: the expert ids this node computes and holds (sorted); empty = all of them.
-    Placement splits a layer's experts into nodes with disjoint subsets (hot ones on the GPU)."""
+    Placement splits a layer's experts into nodes with disjoint subsets (hot ones on the GPU).
+    `inter_slice` (lo, hi): only intermediate rows lo..hi of gate/up and the matching columns of
+    down (a NUMA tensor-parallel shard: it yields a partial sum a reduce completes); empty = all."""
 
     layer: int
     hidden: int
@@ -151,10 +154,27 @@ class RoutedExpertsAttrs:
     experts: int
     top_k: int
     subset: tuple[int, ...] = ()
+    inter_slice: tuple[int, ...] = ()
 
     @property
     def ids(self) -> tuple[int, ...]:
         return self.subset or tuple(range(self.experts))
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        return (self.inter_slice[0], self.inter_slice[1]) if self.inter_slice else (0, self.inter)
+
+    @property
+    def slice_fraction(self) -> float:
+        lo, hi = self.rows
+        return (hi - lo) / self.inter
+
+
+@dataclass(frozen=True)
+class ReduceAttrs:
+    """Sum of partial outputs (NUMA shards of one routed-experts node), into one [T, hidden]."""
+
+    hidden: int
 
 
 @dataclass(frozen=True)
@@ -266,8 +286,8 @@ def _experts_hit_fraction(a: RoutedExpertsAttrs, w: Work) -> float:
 
 
 def _experts_flops(a: RoutedExpertsAttrs, w: Work) -> float:
-    """6 FLOPs per weight for each (token, expert) pair routed into the node's subset."""
-    return 6.0 * w.tokens * sum(_expert_probs(a, w)) * a.hidden * a.inter
+    """6 FLOPs per weight for each (token, expert) pair routed into the node's subset and slice."""
+    return 6.0 * w.tokens * sum(_expert_probs(a, w)) * a.hidden * a.inter * a.slice_fraction
 
 
 FACTS: dict[Op, OpFacts] = {
@@ -284,7 +304,8 @@ FACTS: dict[Op, OpFacts] = {
                     lambda a, w: 6.0 * w.tokens * a.hidden * a.inter + (2.0 * w.tokens * a.hidden if a.sigmoid_gate else 0)),
     Op.ROUTED_EXPERTS: OpFacts(RoutedExpertsAttrs, (2, 2), _hidden, _experts_flops,
                                weight_fraction=_experts_hit_fraction,
-                               held_fraction=lambda a: len(a.ids) / a.experts),
+                               held_fraction=lambda a: len(a.ids) / a.experts * a.slice_fraction),
+    Op.REDUCE: OpFacts(ReduceAttrs, (1, 16), _hidden, lambda a, w: float(w.tokens * a.hidden)),
     Op.ADD: OpFacts(AddAttrs, (2, 16), _same_as_first, lambda a, w: 0.0),
     Op.LM_HEAD: OpFacts(LMHeadAttrs, (1, 1), lambda a, ins, act: TensorType((TOKENS, a.vocab), DType.F32),
                         lambda a, w: 2.0 * w.tokens * a.hidden * a.vocab),

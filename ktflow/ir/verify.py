@@ -141,24 +141,40 @@ def _r9_one_attention_per_layer(g: Graph):
 
 
 def _r10_expert_subsets_partition(g: Graph):
+    """Each expert of a layer is computed once: by one node, or by NUMA shards whose
+    intermediate slices tile 0..inter exactly."""
     by_layer: dict[int, list] = {}
     for n in g.nodes:
         if n.op == Op.ROUTED_EXPERTS:
             by_layer.setdefault(n.attrs.layer, []).append(n)
     for layer, nodes in by_layer.items():
-        seen: dict[int, str] = {}
+        slices: dict[int, list[tuple[int, int, str]]] = {}
         for n in nodes:
             a = n.attrs
             if list(a.subset) != sorted(set(a.subset)) or any(not 0 <= e < a.experts for e in a.subset):
                 yield n.name, f"subset must be sorted, unique expert ids in 0..{a.experts - 1}"
+            lo, hi = a.rows
+            if a.inter_slice and (len(a.inter_slice) != 2 or not 0 <= lo < hi <= a.inter):
+                yield n.name, f"inter_slice must be (lo, hi) with 0 <= lo < hi <= {a.inter}"
             for e in a.ids:
-                if e in seen:
-                    yield n.name, f"expert {e} of layer {layer} is also computed by {seen[e]}"
-                seen[e] = n.name
-        want = nodes[0].attrs.experts
-        if len(seen) != want:
-            missing = sorted(set(range(want)) - set(seen))[:8]
+                slices.setdefault(e, []).append((lo, hi, n.name))
+        want, inter = nodes[0].attrs.experts, nodes[0].attrs.inter
+        missing = sorted(set(range(want)) - set(slices))[:8]
+        if missing:
             yield nodes[0].name, f"layer {layer}: experts {missing} are computed by no node"
+        for e, parts in slices.items():
+            parts.sort()
+            edge = 0
+            for lo, hi, name in parts:
+                if lo != edge:
+                    who = ", ".join(p[2] for p in parts)
+                    yield name, (f"expert {e} of layer {layer}: rows {edge}..{lo} computed by no node or twice "
+                                 f"(by {who})")
+                    break
+                edge = hi
+            else:
+                if edge != inter:
+                    yield parts[-1][2], f"expert {e} of layer {layer}: rows {edge}..{inter} computed by no node"
 
 
 def _c1_costed(g: Graph):
@@ -186,6 +202,22 @@ def _l1_edges_stay_on_one_device(g: Graph):
                 yield n.name, f"reads {i} from the {src.value} without a copy (it runs on the {n.place.device.value})"
 
 
+def _task_members(g: Graph, root: str) -> set[str]:
+    """The task's nodes: its root and the CPU compute nodes feeding it through the CPU only."""
+    members, todo = set(), [root]
+    while todo:
+        m = todo.pop()
+        if m in members:
+            continue
+        members.add(m)
+        for i in g.by_name(m).inputs:
+            src = g.by_name(i)
+            if src.place is not None and src.place.device.value == "cpu" and FACTS[src.op].pricing == "compute" \
+                    and src.op != Op.INPUT and not any(u.op == Op.SYNC for u in map(g.by_name, g.users(i))):
+                todo.append(i)
+    return members
+
+
 def _l2_submit_sync_pairs(g: Graph):
     for n in g.nodes:
         if n.op == Op.SYNC:
@@ -196,8 +228,11 @@ def _l2_submit_sync_pairs(g: Graph):
             task = g.by_name(n.attrs.task) if n.attrs.task in g else None
             if task is None or task.place is None or task.place.device.value != "cpu":
                 yield n.name, f"submits {n.attrs.task}, which is not a CPU node"
-            elif g.position(n.name) > g.position(task.name) or set(n.inputs) != set(task.inputs):
-                yield n.name, f"must come before {task.name} and read exactly its inputs"
+                continue
+            members = _task_members(g, task.name)
+            outside = {i for m in members for i in g.by_name(m).inputs if i not in members}
+            if any(g.position(n.name) > g.position(m) for m in members) or set(n.inputs) != outside:
+                yield n.name, f"must come before every node of task {task.name} and read exactly its outside inputs"
 
 
 RULES: dict[str, Rule] = {r.id: r for r in [

@@ -25,6 +25,7 @@ from ..ir.verify import VerifyError, verify
 from ..options import CompileContext
 from .costs import annotate_costs
 from .lower import lower
+from .numa import split_numa
 from .place import place_by_intensity
 
 Pass = Callable[[Graph, CompileContext], Graph]
@@ -32,6 +33,7 @@ Pass = Callable[[Graph, CompileContext], Graph]
 PIPELINE: tuple[tuple[Pass, str], ...] = (
     (annotate_costs, "costed"),
     (place_by_intensity, "placed"),
+    (split_numa, "placed"),
     (lower, "lowered"),
 )
 

@@ -26,4 +26,4 @@ def annotate_costs(g: Graph, ctx: CompileContext) -> Graph:
     experts priced from the routing profile when given, else uniform routing.
     Requires: a verified spec graph. Guarantees: every node has `cost`; nothing else changes.
     """
-    return g.map(lambda n: replace(n, cost=node_cost(n, g, step_work(n, ctx), ctx.hw, ctx.weight_itemsize)))
+    return g.map(lambda n: replace(n, cost=node_cost(n, g, step_work(n, ctx), ctx.hw, ctx.weight_itemsize, ctx.numa_nodes)))

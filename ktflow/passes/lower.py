@@ -29,6 +29,10 @@ def lower(g: Graph, ctx: CompileContext) -> Graph:
         return g
     device = {n.name: n.place.device for n in g.nodes}
     gpu_readers = {i for n in g.nodes for i in n.inputs if device[i] == Device.CPU and device[n.name] == Device.GPU}
+    task_of = _task_groups(g, gpu_readers)  # CPU node -> the task (root) it is part of
+    members: dict[str, list[str]] = {}
+    for m, root in task_of.items():
+        members.setdefault(root, []).append(m)
     out: list[Node] = []
     copies: dict[tuple[str, Device], str] = {}
     synced: dict[str, str] = {}  # CPU node -> its sync, the value GPU readers copy
@@ -55,21 +59,53 @@ def lower(g: Graph, ctx: CompileContext) -> Graph:
             copies[key] = emit(node)
         return copies[key]
 
+    submitted: set[str] = set()
     for n in g.nodes:
         dev = n.place.device
-        ins = tuple(on(i, dev) for i in n.inputs)
-        is_task = dev == Device.CPU and n.name in gpu_readers and FACTS[n.op].pricing == "compute" \
-            and n.op != Op.INPUT
-        if is_task:
-            sub = emit(Node(f"{n.name}.submit", Op.SUBMIT, ins, SubmitAttrs(n.name),
+        root = task_of.get(n.name)
+        if root is not None and root not in submitted:  # before the task's first node
+            submitted.add(root)
+            ext = _external_inputs(g, members[root])
+            sub = emit(Node(f"{root}.submit", Op.SUBMIT, tuple(on(i, Device.CPU) for i in ext), SubmitAttrs(root),
                             FACTS[Op.SUBMIT].shape(None, [], g.act_dtype),
                             place=Placement(Device.CPU, cause="enqueue CPU work from the GPU stream", stream="gpu")))
+            pending[root] = sub
+        ins = tuple(on(i, dev) for i in n.inputs)
         emit(replace(n, inputs=ins))
-        if is_task:
-            pending[n.name] = sub
     lowered = g.replace_nodes(out)
     return lowered.map(lambda n: n if n.cost is not None and n.name in g and g.by_name(n.name).inputs == n.inputs
-                       else replace(n, cost=node_cost(n, lowered, step_work(n, ctx), ctx.hw, ctx.weight_itemsize)))
+                       else replace(n, cost=node_cost(n, lowered, step_work(n, ctx), ctx.hw, ctx.weight_itemsize, ctx.numa_nodes)))
+
+
+def _task_groups(g: Graph, roots: set[str]) -> dict[str, str]:
+    """CPU compute nodes the GPU waits on (roots), each with the CPU compute nodes that feed it
+    only through the CPU (e.g. NUMA shards feeding their reduce): one submitted task each."""
+    task_of: dict[str, str] = {}
+    for n in g.nodes:
+        if n.name not in roots or n.place.device != Device.CPU or FACTS[n.op].pricing != "compute" \
+                or n.op == Op.INPUT:
+            continue
+        todo = [n.name]
+        while todo:
+            m = todo.pop()
+            if m in task_of:
+                continue
+            task_of[m] = n.name
+            for i in g.by_name(m).inputs:
+                src = g.by_name(i)
+                if src.place.device == Device.CPU and FACTS[src.op].pricing == "compute" and src.op != Op.INPUT \
+                        and i not in roots:
+                    todo.append(i)
+    return task_of
+
+
+def _external_inputs(g: Graph, members: list[str]) -> tuple[str, ...]:
+    """Inputs of a task's nodes produced outside the task, in first-use order."""
+    inside, out = set(members), []
+    for n in g.nodes:
+        if n.name in inside:
+            out += [i for i in n.inputs if i not in inside and i not in out]
+    return tuple(out)
 
 
 def _type_of(nodes: list[Node], name: str):

@@ -153,7 +153,7 @@ def _recost_changed(before: Graph, after: Graph, ctx: CompileContext) -> Graph:
         old = before.by_name(n.name) if n.name in before else None
         if old is not None and old.inputs == n.inputs and old.attrs == n.attrs:
             return n
-        return replace(n, cost=node_cost(n, after, step_work(n, ctx), ctx.hw, ctx.weight_itemsize))
+        return replace(n, cost=node_cost(n, after, step_work(n, ctx), ctx.hw, ctx.weight_itemsize, ctx.numa_nodes))
 
     return after.map(fresh)
 
