@@ -34,13 +34,17 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="torch_ref", help="backend for the plan's steps (default torch_ref)")
     g.add_argument("--placement", choices=["auto", "cpu", "gpu"], default="auto",
                    help="auto: by the cost model under the VRAM budget (default); cpu / gpu: everything there")
+    g.add_argument("--numa", choices=["auto", "tp", "ep"], default="auto",
+                   help="split CPU experts over NUMA nodes: tp (slices of every expert), ep (whole experts), "
+                   "auto (the cheaper by the cost model)")
+    g.add_argument("--numa-nodes", type=int, default=None, help="NUMA node count (default: the profile's)")
     g.add_argument("--vram-budget-gb", type=float, default=None,
                    help="GPU memory for weights and KV caches (default: GPU memory less activations and reserve)")
 
 
 def _options(a: argparse.Namespace) -> dict:
     opts = dict(max_seq_len=a.max_seq_len, max_batch=a.max_batch, dtype=a.dtype, device=a.device, backend=a.backend,
-                placement=a.placement, vram_budget_gb=a.vram_budget_gb)
+                placement=a.placement, vram_budget_gb=a.vram_budget_gb, numa=a.numa, numa_nodes=a.numa_nodes)
     if getattr(a, "routing_profile", None):
         opts["routing_profile"] = a.routing_profile
     return opts

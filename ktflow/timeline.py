@@ -6,6 +6,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from .passes.schedule import lane_order
 from .plan import Plan, PlanFile
 
 _LAYER = re.compile(r"^L(\d+)\.")
@@ -32,17 +33,23 @@ class LayerTime:
         return self.cpu_us / self.span_us if self.span_us else 0.0
 
 
-def _busy(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
     for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _busy(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in _merge(intervals))
 
 
 def _overlap(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
-    return sum(max(0.0, min(b, d) - max(a, c)) for a, b in x for c, d in y)
+    """Time both sets of intervals are busy at once (each merged first, so nothing counts twice)."""
+    return sum(max(0.0, min(b, d) - max(a, c)) for a, b in _merge(x) for c, d in _merge(y))
 
 
 def layer_times(plan: Plan) -> list[LayerTime]:
@@ -53,8 +60,8 @@ def layer_times(plan: Plan) -> list[LayerTime]:
     out = []
     for layer, steps in sorted(groups.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
         lanes: dict[str, list] = {"gpu": [], "cpu": [], "copy": []}
-        for s in steps:
-            lanes.setdefault(s.lane, []).append((s.start_us, s.end_us))
+        for s in steps:  # the CPU counts as busy while any of its NUMA lanes is
+            lanes["cpu" if s.lane.startswith("cpu") else s.lane].append((s.start_us, s.end_us))
         span = max(s.end_us for s in steps) - min(s.start_us for s in steps)
         out.append(LayerTime(layer, span, _busy(lanes["gpu"]), _busy(lanes["cpu"]), _busy(lanes["copy"]),
                              _overlap(lanes["gpu"], lanes["cpu"])))
@@ -77,7 +84,7 @@ def chrome_trace(pf: PlanFile) -> dict:
     for pid, plan in enumerate((pf.prefill, pf.decode)):
         events.append({"ph": "M", "name": "process_name", "pid": pid,
                        "args": {"name": f"{plan.phase} plan (predicted, {plan.step_tokens} tokens/step)"}})
-        lanes = sorted({s.lane for s in plan.steps}, key=["gpu", "copy", "cpu"].index)
+        lanes = sorted({s.lane for s in plan.steps}, key=lane_order)
         for tid, lane in enumerate(lanes):
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": lane}})
         g = plan.ir

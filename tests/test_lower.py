@@ -85,8 +85,10 @@ def test_schedule_overlaps_cpu_experts_with_the_shared_expert(demo_dir):
     c = ktflow.compile(model, hw="paper-a100", vram_budget_gb=0.004)  # dense on the GPU, experts on the CPU
     steps = {s.node: s for s in c.decode.steps}
     assert {s.kind for s in c.decode.steps} == {"launch", "copy", "submit", "sync"}
-    assert {s.lane for s in c.decode.steps} == {"gpu", "copy", "cpu"}
+    assert {s.lane for s in c.decode.steps} == {"gpu", "copy", "cpu", "cpu0", "cpu1"}  # two sockets
     task, shared, sub, sync = (steps[n] for n in ("L2.experts", "L2.shared", "L2.experts.submit", "L2.experts.sync"))
-    assert task.lane == "cpu" and shared.lane == "gpu"
-    assert task.start_us >= sub.end_us and sync.end_us >= task.end_us
-    assert shared.start_us < task.end_us  # the GPU works while the CPU computes the experts
+    s0, s1 = steps["L2.experts.numa0"], steps["L2.experts.numa1"]
+    assert (s0.lane, s1.lane, task.lane, shared.lane) == ("cpu0", "cpu1", "cpu", "gpu")
+    assert min(s0.start_us, s1.start_us) >= sub.end_us and s0.start_us < s1.end_us  # both sockets at once
+    assert task.start_us >= max(s0.end_us, s1.end_us) and sync.end_us >= task.end_us
+    assert shared.start_us < s0.end_us  # the GPU works while the CPU computes the experts

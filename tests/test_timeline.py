@@ -18,6 +18,7 @@ from small_configs import CONFIGS
 def test_busy_and_overlap_arithmetic():
     assert _busy([(0, 2), (1, 3), (5, 6)]) == 4  # merged intervals
     assert _overlap([(0, 4)], [(1, 2), (3, 6)]) == 2
+    assert _overlap([(0, 4)], [(1, 3), (1, 3)]) == 2  # two NUMA lanes busy at once count once
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +32,11 @@ def test_layer_times_of_a_hybrid_plan(hybrid):
     moe = times[2]
     steps = [s for s in hybrid.decode.steps if s.node.startswith("L2.")]
     assert moe.span_us == pytest.approx(max(s.end_us for s in steps) - min(s.start_us for s in steps))
-    assert moe.cpu_us == pytest.approx(sum(s.end_us - s.start_us for s in steps if s.lane == "cpu"))
+    assert moe.cpu_us == pytest.approx(_busy([(s.start_us, s.end_us) for s in steps if s.lane.startswith("cpu")]))
     assert 0 < moe.overlap_us <= min(moe.cpu_us, moe.gpu_us)
     assert times[0].cpu_us == 0  # the dense first layer runs on the GPU only
     util = step_utilisation(hybrid.decode)
-    assert set(util) == {"gpu", "copy", "cpu"} and all(0 < f <= 1 for f in util.values())
+    assert set(util) == {"gpu", "copy", "cpu", "cpu0", "cpu1"} and all(0 < f <= 1 for f in util.values())
 
 
 def test_chrome_trace_has_one_event_per_step(hybrid):

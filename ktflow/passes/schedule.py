@@ -12,8 +12,17 @@ STEP_KIND = {Op.COPY: "copy", Op.SUBMIT: "submit", Op.SYNC: "sync"}
 
 
 def lane_of(n: Node) -> str:
-    """gpu (GPU compute, and submit/sync host functions in its stream), copy (PCIe), cpu."""
-    return n.place.stream or n.place.device.value
+    """gpu (GPU compute, and submit/sync host functions in its stream), copy (PCIe), cpu, and
+    cpu<i> for NUMA node i's share of the CPU (shards run at once on their nodes)."""
+    if n.place.stream:
+        return n.place.stream
+    if n.place.numa is not None:
+        return f"cpu{n.place.numa}"
+    return n.place.device.value
+
+
+def lane_order(lane: str) -> tuple[int, str]:
+    return ({"gpu": 0, "copy": 1, "cpu": 2}.get(lane, 3), lane)
 
 
 def schedule(g: Graph, ctx: CompileContext) -> list[Step]:
