@@ -34,6 +34,9 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="torch_ref", help="backend for the plan's steps (default torch_ref)")
     g.add_argument("--placement", choices=["auto", "cpu", "gpu"], default="auto",
                    help="auto: by the cost model under the VRAM budget (default); cpu / gpu: everything there")
+    g.add_argument("--defer", default=None, metavar="D",
+                   help="Expert Deferral in decode: a number of deferred picks per MoE layer, a comma list (one per "
+                   "MoE layer), or auto")
     g.add_argument("--numa", choices=["auto", "tp", "ep"], default="auto",
                    help="split CPU experts over NUMA nodes: tp (slices of every expert), ep (whole experts), "
                    "auto (the cheaper by the cost model)")
@@ -47,6 +50,14 @@ def _options(a: argparse.Namespace) -> dict:
                 placement=a.placement, vram_budget_gb=a.vram_budget_gb, numa=a.numa, numa_nodes=a.numa_nodes)
     if getattr(a, "routing_profile", None):
         opts["routing_profile"] = a.routing_profile
+    if a.defer is not None:
+        from ktflow.errors import ConfigError
+
+        try:
+            opts["defer"] = "auto" if a.defer == "auto" else (
+                [int(x) for x in a.defer.split(",")] if "," in a.defer else int(a.defer))
+        except ValueError:
+            raise ConfigError(f"--defer must be a number, a comma list of numbers, or auto; got {a.defer!r}") from None
     return opts
 
 

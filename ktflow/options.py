@@ -27,6 +27,9 @@ class CompileOptions(BaseModel):
     placement: Literal["auto", "cpu", "gpu"] = Field(
         "auto", description="auto: by the cost model under the VRAM budget; cpu / gpu: every node there "
         "(baselines; gpu must fit the budget)")
+    defer: int | list[int] | Literal["auto"] | None = Field(
+        None, description="Expert Deferral in decode plans: deferred picks per token for every MoE layer but "
+        "the last, a list with one entry per MoE layer, or 'auto' (cost model); None = no deferral")
     numa: Literal["auto", "tp", "ep"] = Field(
         "auto", description="how CPU experts split over NUMA nodes: tp (each node a slice of every expert), "
         "ep (whole experts per node), auto (the cheaper by the cost model; ties go to tp)")

@@ -14,10 +14,12 @@ _LAYER = re.compile(r"^L(\d+)\.")
 
 @dataclass(frozen=True)
 class LayerTime:
-    """One layer's share of a step: `span` from its first step's start to its last step's end;
-    busy seconds per lane; `overlap` the time GPU and CPU lanes are busy at once."""
+    """One layer's window of a step: from the end of the previous layer's residual add (or the
+    step's start) to the end of this layer's (`L<i>.ffn_res`), with each lane's busy time in
+    that window, whatever layer the work belongs to (deferred experts of layer i-1 run in layer
+    i's window); `overlap` is the time GPU and CPU are busy at once."""
 
-    layer: int | None  # None: steps outside the layers (embedding, final norm, lm_head)
+    layer: int | None  # None: the rest of the step (embedding before layer 0, final norm, lm_head)
     span_us: float
     gpu_us: float
     cpu_us: float
@@ -52,19 +54,35 @@ def _overlap(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> floa
     return sum(max(0.0, min(b, d) - max(a, c)) for a, b in _merge(x) for c, d in _merge(y))
 
 
+def _clip(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
+
+
 def layer_times(plan: Plan) -> list[LayerTime]:
-    groups: dict[int | None, list] = {}
-    for s in plan.steps:
-        m = _LAYER.match(s.node)
-        groups.setdefault(int(m.group(1)) if m else None, []).append(s)
-    out = []
-    for layer, steps in sorted(groups.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
-        lanes: dict[str, list] = {"gpu": [], "cpu": [], "copy": []}
-        for s in steps:  # the CPU counts as busy while any of its NUMA lanes is
-            lanes["cpu" if s.lane.startswith("cpu") else s.lane].append((s.start_us, s.end_us))
-        span = max(s.end_us for s in steps) - min(s.start_us for s in steps)
-        out.append(LayerTime(layer, span, _busy(lanes["gpu"]), _busy(lanes["cpu"]), _busy(lanes["copy"]),
-                             _overlap(lanes["gpu"], lanes["cpu"])))
+    lanes: dict[str, list] = {"gpu": [], "cpu": [], "copy": []}
+    for s in plan.steps:  # the CPU counts as busy while any of its NUMA lanes is
+        lanes["cpu" if s.lane.startswith("cpu") else s.lane].append((s.start_us, s.end_us))
+    ends = sorted((int(m.group(1)), s.end_us) for s in plan.steps
+                  if (m := _LAYER.match(s.node)) and s.node.endswith(".ffn_res"))
+
+    def window(layer, lo, hi):
+        g, c, cp = (_clip(lanes[k], lo, hi) for k in ("gpu", "cpu", "copy"))
+        return LayerTime(layer, hi - lo, _busy(g), _busy(c), _busy(cp), _overlap(g, c))
+
+    out, prev = [], None
+    for layer, end in ends:
+        if prev is None:
+            prev = min(s.start_us for s in plan.steps if s.node.startswith(f"L{layer}."))
+            first = prev
+        out.append(window(layer, prev, end))
+        prev = end
+    total = plan.predicted_step_us
+    if ends:
+        rest_gpu = _busy(_clip(lanes["gpu"], 0, first)) + _busy(_clip(lanes["gpu"], prev, total))
+        rest_cpu = _busy(_clip(lanes["cpu"], 0, first)) + _busy(_clip(lanes["cpu"], prev, total))
+        rest_copy = _busy(_clip(lanes["copy"], 0, first)) + _busy(_clip(lanes["copy"], prev, total))
+        out.insert(0, LayerTime(None, first + total - prev, rest_gpu, rest_cpu, rest_copy,
+                                _overlap(_clip(lanes["gpu"], prev, total), _clip(lanes["cpu"], prev, total))))
     return out
 
 

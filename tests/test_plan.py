@@ -52,8 +52,8 @@ def test_print_after_and_dump(tmp_path, monkeypatch):
     assert text.startswith("# decode graph after place_by_intensity")
     assert "@cpu" in text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["decode.01.annotate_costs.txt",
-                                                          "decode.02.place_by_intensity.txt", "decode.03.split_numa.txt",
-                                                          "decode.04.lower.txt"]
+                                                          "decode.02.place_by_intensity.txt", "decode.03.defer_experts.txt",
+                                                          "decode.04.split_numa.txt", "decode.05.lower.txt"]
     with pytest.raises(PassError, match="no such pass"):
         run_pipeline(graph_of("mixtral"), ctx(), print_after="nope")
 

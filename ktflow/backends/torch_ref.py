@@ -246,6 +246,8 @@ def _mlp(be, node, w, ins, ctx, dev):
 
 def _routed_experts(be, node, w, ins, ctx, dev):
     x, (ids, wts) = ins
+    lo, hi = node.attrs.rank_range  # the gate sorts each token's picks by weight: slot = rank
+    ids, wts = ids[:, lo:hi], wts[:, lo:hi]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     held = w["gate"]
     for e in ids.unique().tolist():
@@ -278,5 +280,5 @@ def _lm_head(be, node, w, ins, ctx, dev):
 RULES: dict[Op, Callable] = {
     Op.INPUT: _input, Op.EMBED: _embed, Op.RMSNORM: _rmsnorm, Op.ATTENTION: _attention, Op.GATE: _gate,
     Op.MLP: _mlp, Op.ROUTED_EXPERTS: _routed_experts, Op.ADD: _add, Op.LM_HEAD: _lm_head,
-    Op.COPY: _copy, Op.SUBMIT: _submit, Op.SYNC: _sync, Op.REDUCE: _reduce,
+    Op.COPY: _copy, Op.SUBMIT: _submit, Op.SYNC: _sync, Op.REDUCE: _reduce, Op.DEFER: _reduce,
 }

@@ -25,6 +25,7 @@ class Op(str, Enum):
     ADD = "add"
     LM_HEAD = "lm_head"
     REDUCE = "reduce"
+    DEFER = "defer"
     # lowering ops
     COPY = "copy"
     SUBMIT = "submit"
@@ -146,7 +147,9 @@ class RoutedExpertsAttrs:
     `subset`: the expert ids this node computes and holds (sorted); empty = all of them.
     Placement splits a layer's experts into nodes with disjoint subsets (hot ones on the GPU).
     `inter_slice` (lo, hi): only intermediate rows lo..hi of gate/up and the matching columns of
-    down (a NUMA tensor-parallel shard: it yields a partial sum a reduce completes); empty = all."""
+    down (a NUMA tensor-parallel shard: it yields a partial sum a reduce completes); empty = all.
+    `ranks` (lo, hi): only each token's picks ranked lo..hi by routing weight (Expert Deferral
+    splits the immediate top picks from the deferred rest); empty = all top_k."""
 
     layer: int
     hidden: int
@@ -155,6 +158,17 @@ class RoutedExpertsAttrs:
     top_k: int
     subset: tuple[int, ...] = ()
     inter_slice: tuple[int, ...] = ()
+    ranks: tuple[int, ...] = ()
+
+    @property
+    def rank_range(self) -> tuple[int, int]:
+        """Which of each token's top_k picks (0 = highest weight) this node computes."""
+        return (self.ranks[0], self.ranks[1]) if self.ranks else (0, self.top_k)
+
+    @property
+    def rank_fraction(self) -> float:
+        lo, hi = self.rank_range
+        return (hi - lo) / self.top_k
 
     @property
     def ids(self) -> tuple[int, ...]:
@@ -175,6 +189,16 @@ class ReduceAttrs:
     """Sum of partial outputs (NUMA shards of one routed-experts node), into one [T, hidden]."""
 
     hidden: int
+
+
+@dataclass(frozen=True)
+class DeferAttrs:
+    """The deferred edge: routed-expert output of layer `src` (summed over its inputs, e.g. the
+    CPU and GPU parts) that lands in layer `dst` = src + 1's residual add (Expert Deferral)."""
+
+    hidden: int
+    src: int
+    dst: int
 
 
 @dataclass(frozen=True)
@@ -272,10 +296,12 @@ def _attention_flops(a: AttentionAttrs, w: Work) -> float:
 
 
 def _expert_probs(a: RoutedExpertsAttrs, w: Work) -> list[float]:
-    """Chance a token picks each expert of the node's subset (k/E each when routing is uniform)."""
+    """Chance a token picks each expert of the node's subset within the node's ranks (k/E each
+    when routing is uniform; a rank range of r picks takes r/k of that)."""
+    share = a.rank_fraction
     if w.expert_probs is None:
-        return [a.top_k / a.experts] * len(a.ids)
-    return [min(w.expert_probs[e], 1.0) for e in a.ids]
+        return [a.top_k / a.experts * share] * len(a.ids)
+    return [min(w.expert_probs[e], 1.0) * share for e in a.ids]
 
 
 def _experts_hit_fraction(a: RoutedExpertsAttrs, w: Work) -> float:
@@ -306,6 +332,7 @@ FACTS: dict[Op, OpFacts] = {
                                weight_fraction=_experts_hit_fraction,
                                held_fraction=lambda a: len(a.ids) / a.experts * a.slice_fraction),
     Op.REDUCE: OpFacts(ReduceAttrs, (1, 16), _hidden, lambda a, w: float(w.tokens * a.hidden)),
+    Op.DEFER: OpFacts(DeferAttrs, (1, 4), _hidden, lambda a, w: float(w.tokens * a.hidden)),
     Op.ADD: OpFacts(AddAttrs, (2, 16), _same_as_first, lambda a, w: 0.0),
     Op.LM_HEAD: OpFacts(LMHeadAttrs, (1, 1), lambda a, ins, act: TensorType((TOKENS, a.vocab), DType.F32),
                         lambda a, w: 2.0 * w.tokens * a.hidden * a.vocab),

@@ -147,34 +147,91 @@ def _r10_expert_subsets_partition(g: Graph):
     for n in g.nodes:
         if n.op == Op.ROUTED_EXPERTS:
             by_layer.setdefault(n.attrs.layer, []).append(n)
-    for layer, nodes in by_layer.items():
-        slices: dict[int, list[tuple[int, int, str]]] = {}
-        for n in nodes:
-            a = n.attrs
-            if list(a.subset) != sorted(set(a.subset)) or any(not 0 <= e < a.experts for e in a.subset):
-                yield n.name, f"subset must be sorted, unique expert ids in 0..{a.experts - 1}"
-            lo, hi = a.rows
-            if a.inter_slice and (len(a.inter_slice) != 2 or not 0 <= lo < hi <= a.inter):
-                yield n.name, f"inter_slice must be (lo, hi) with 0 <= lo < hi <= {a.inter}"
-            for e in a.ids:
-                slices.setdefault(e, []).append((lo, hi, n.name))
-        want, inter = nodes[0].attrs.experts, nodes[0].attrs.inter
-        missing = sorted(set(range(want)) - set(slices))[:8]
-        if missing:
-            yield nodes[0].name, f"layer {layer}: experts {missing} are computed by no node"
-        for e, parts in slices.items():
-            parts.sort()
-            edge = 0
-            for lo, hi, name in parts:
-                if lo != edge:
-                    who = ", ".join(p[2] for p in parts)
-                    yield name, (f"expert {e} of layer {layer}: rows {edge}..{lo} computed by no node or twice "
-                                 f"(by {who})")
-                    break
-                edge = hi
-            else:
-                if edge != inter:
-                    yield parts[-1][2], f"expert {e} of layer {layer}: rows {edge}..{inter} computed by no node"
+    for layer, all_nodes in by_layer.items():
+        by_ranks: dict[tuple[int, int], list] = {}
+        for n in all_nodes:
+            by_ranks.setdefault(n.attrs.rank_range, []).append(n)
+        edge, k = 0, all_nodes[0].attrs.top_k
+        for lo, hi in sorted(by_ranks):
+            if lo != edge or hi <= lo:
+                yield by_ranks[(lo, hi)][0].name, f"layer {layer}: rank ranges must tile 0..{k} once each"
+            edge = hi
+        if edge != k:
+            yield all_nodes[0].name, f"layer {layer}: ranks {edge}..{k} computed by no node"
+        for nodes in by_ranks.values():
+            yield from _tile_experts(layer, nodes)
+
+
+def _tile_experts(layer: int, nodes: list):
+    """Within one rank range: each expert computed once, or by shards whose rows tile 0..inter."""
+    slices: dict[int, list[tuple[int, int, str]]] = {}
+    for n in nodes:
+        a = n.attrs
+        if list(a.subset) != sorted(set(a.subset)) or any(not 0 <= e < a.experts for e in a.subset):
+            yield n.name, f"subset must be sorted, unique expert ids in 0..{a.experts - 1}"
+        lo, hi = a.rows
+        if a.inter_slice and (len(a.inter_slice) != 2 or not 0 <= lo < hi <= a.inter):
+            yield n.name, f"inter_slice must be (lo, hi) with 0 <= lo < hi <= {a.inter}"
+        for e in a.ids:
+            slices.setdefault(e, []).append((lo, hi, n.name))
+    want, inter = nodes[0].attrs.experts, nodes[0].attrs.inter
+    missing = sorted(set(range(want)) - set(slices))[:8]
+    if missing:
+        yield nodes[0].name, f"layer {layer}: experts {missing} are computed by no node"
+    for e, parts in slices.items():
+        parts.sort()
+        edge = 0
+        for lo, hi, name in parts:
+            if lo != edge:
+                who = ", ".join(p[2] for p in parts)
+                yield name, (f"expert {e} of layer {layer}: rows {edge}..{lo} computed by no node or twice "
+                             f"(by {who})")
+                break
+            edge = hi
+        else:
+            if edge != inter:
+                yield parts[-1][2], f"expert {e} of layer {layer}: rows {edge}..{inter} computed by no node"
+
+
+def _producer(g: Graph, name: str):
+    """The node that computed `name`, looking through copies and syncs."""
+    n = g.by_name(name)
+    while n.op in (Op.COPY, Op.SYNC):
+        n = g.by_name(n.inputs[-1])
+    return n
+
+
+def _moe_layers(g: Graph) -> list[int]:
+    return sorted({n.attrs.layer for n in g.nodes if n.op == Op.ROUTED_EXPERTS})
+
+
+def _d1_deferred_edges(g: Graph):
+    for n in g.nodes:
+        if n.op != Op.DEFER:
+            continue
+        a = n.attrs
+        if a.dst != a.src + 1:
+            yield n.name, f"a deferred edge spans exactly one layer, this one goes {a.src} -> {a.dst}"
+        for i in n.inputs:
+            if i not in g:
+                continue
+            p = _producer(g, i)
+            ok = p.name.startswith(f"L{a.src}.") and (p.op == Op.REDUCE or (
+                p.op == Op.ROUTED_EXPERTS and p.attrs.layer == a.src and p.attrs.rank_range[0] > 0))
+            if not ok:
+                yield n.name, f"input {i} is not deferred routed-expert output of layer {a.src}"
+        users = g.users(n.name)
+        if list(users) != [f"L{a.dst}.ffn_res"]:
+            yield n.name, f"must be read by L{a.dst}.ffn_res alone, is read by {list(users)}"
+
+
+def _d2_last_moe_layer_defers_nothing(g: Graph):
+    moe = _moe_layers(g)
+    for n in g.nodes:
+        if n.op == Op.DEFER and moe and n.attrs.src >= moe[-1]:
+            yield n.name, f"layer {n.attrs.src} is the last MoE layer: it defers nothing"
+        if n.op == Op.ROUTED_EXPERTS and moe and n.attrs.layer == moe[-1] and n.attrs.rank_range != (0, n.attrs.top_k):
+            yield n.name, "the last MoE layer computes all its ranks at once"
 
 
 def _c1_costed(g: Graph):
@@ -246,6 +303,8 @@ RULES: dict[str, Rule] = {r.id: r for r in [
     Rule("V8", "spec", "weight references are well formed", _r8_weights),
     Rule("V9", "spec", "one attention (KV cache) per layer", _r9_one_attention_per_layer),
     Rule("V10", "spec", "a layer's routed-expert nodes partition its experts", _r10_expert_subsets_partition),
+    Rule("D1", "spec", "a deferred edge carries layer j's deferred experts into layer j+1's add", _d1_deferred_edges),
+    Rule("D2", "spec", "nothing is deferred out of the last MoE layer", _d2_last_moe_layer_defers_nothing),
     Rule("C1", "costed", "every node has a cost", _c1_costed),
     Rule("P1", "placed", "every node has a placement", _p1_placed),
     Rule("L1", "lowered", "values cross devices only through copy nodes", _l1_edges_stay_on_one_device),

@@ -24,6 +24,7 @@ from ..ir.printer import print_graph
 from ..ir.verify import VerifyError, verify
 from ..options import CompileContext
 from .costs import annotate_costs
+from .defer import defer_experts
 from .lower import lower
 from .numa import split_numa
 from .place import place_by_intensity
@@ -33,6 +34,7 @@ Pass = Callable[[Graph, CompileContext], Graph]
 PIPELINE: tuple[tuple[Pass, str], ...] = (
     (annotate_costs, "costed"),
     (place_by_intensity, "placed"),
+    (defer_experts, "placed"),
     (split_numa, "placed"),
     (lower, "lowered"),
 )
