@@ -1,5 +1,6 @@
 """`ktflow compile --report out.html`: one self-contained page per compile (jinja2): the memory
-budget, the placement table with causes, and the per-layer predicted timeline of each plan."""
+budget, the per-layer predicted timeline of each plan, the deferral choices and the placement
+table with causes."""
 
 from __future__ import annotations
 
@@ -46,6 +47,13 @@ code { background: #f4f4f4; padding: 0 3px }
 <span class="bar bcpu" style="width: {{ 300 * t.cpu_us / widest }}px"></span></td></tr>
 {% endfor %}</table>
 {% endfor %}
+
+<h2>Expert Deferral (decode plan)</h2>
+{% set defers = pf.decode.ir.nodes|selectattr("op.value", "equalto", "defer")|list %}
+{% if defers %}<table><tr><th>deferred edge</th><th>from layer</th><th>to layer</th><th>why</th></tr>
+{% for n in defers %}<tr><td>{{ n.name }}</td><td class="num">{{ n.attrs.src }}</td><td class="num">{{ n.attrs.dst }}</td>
+<td>{{ n.place.cause }}</td></tr>
+{% endfor %}</table>{% else %}<p>No deferral (option <code>defer</code> unset or 0; prefill plans never defer).</p>{% endif %}
 
 <h2>Placement</h2>
 <table><tr><th>node</th><th>op</th><th>device</th><th>weights</th><th>decode time</th><th>cause</th></tr>

@@ -64,6 +64,13 @@ class _Collect(HTMLParser):
         self.text.append(data)
 
 
+def test_report_lists_deferral_choices(demo_dir):
+    c = ktflow.compile(ktflow.load(demo_dir), hw="paper-a100", vram_budget_gb=0.004, defer="auto")
+    html = render_report(c.plans)
+    assert "L1.deferred" in html and "auto: deferred CPU work" in html
+    assert "No deferral" in render_report(ktflow.compile(ktflow.load(demo_dir), hw="cpu").plans)
+
+
 def test_report_renders_memory_timeline_and_placement(hybrid):
     html = render_report(hybrid.plans)
     p = _Collect()
