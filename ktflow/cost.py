@@ -16,14 +16,13 @@ times one expert's bytes.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from .errors import ConfigError
+from .fsutil import read_model_json
 from .hw import HwProfile
 from .ir.graph import Graph, Node
 from .ir.ops import FACTS, Op, Work
@@ -64,16 +63,7 @@ class RoutingProfile(BaseModel):
 
     @staticmethod
     def load(path: str | os.PathLike) -> "RoutingProfile":
-        p = Path(path)
-        try:
-            return RoutingProfile.model_validate(json.loads(p.read_text()))
-        except FileNotFoundError:
-            raise ConfigError(f"routing profile {p} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"routing profile {p} is not valid JSON ({e})") from None
-        except ValidationError as e:
-            problems = "; ".join(f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in e.errors())
-            raise ConfigError(f"routing profile {p} is malformed: {problems}") from None
+        return read_model_json(RoutingProfile, path, "routing profile")
 
 
 @dataclass(frozen=True)

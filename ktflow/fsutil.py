@@ -1,10 +1,33 @@
-"""Atomic file writes: write to a temporary file in the same directory, fsync, rename."""
+"""File helpers: atomic writes (temporary file in the same directory, fsync, rename) and reading
+a pydantic model from a JSON file with errors that name the file and the field."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def read_model_json(cls: type[M], path: str | os.PathLike, what: str) -> M:
+    """`cls` from the JSON file at `path`; a ConfigError names `what`, the file and the problem."""
+    from .errors import ConfigError
+
+    p = Path(path)
+    try:
+        return cls.model_validate(json.loads(p.read_text()))
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {p} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{what} {p} is not valid JSON ({e})") from None
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in e.errors())
+        raise ConfigError(f"{what} {p} is malformed: {problems}") from None
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:

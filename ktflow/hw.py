@@ -10,13 +10,12 @@ launch overhead.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 from typing import Callable
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import ConfigError
 
@@ -256,66 +255,69 @@ def probe(quick: bool = False, log: Callable[[str], None] = lambda s: None) -> H
     reps = 2 if quick else 5
     measured = []
 
+    def dram_read(n: int) -> float:
+        buf = torch.ones(n // 4, dtype=torch.float32)
+        return n / _best_seconds(lambda: buf.sum(), reps) / GB
+
+    def gemm_tflops(m: int) -> float:
+        a, b = torch.randn(m, m).bfloat16(), torch.randn(m, m).bfloat16()
+        return 2 * m ** 3 / _best_seconds(lambda: a @ b, reps) / 1e12
+
+    def gemv_gbps(rows: int) -> float:
+        w, x = torch.randn(rows, 8192).bfloat16(), torch.randn(8192).bfloat16()
+        return w.numel() * 2 / _best_seconds(lambda: w @ x, reps) / GB
+
     n = (64 << 20) if quick else (1 << 30)
-    buf = torch.ones(n // 4, dtype=torch.float32)
-    t = _best_seconds(lambda: buf.sum(), reps)
-    dram = n / t / GB
-    measured.append("dram_gbps")
+    dram = dram_read(n)
     log(f"DRAM read: {dram:.1f} GB/s ({n >> 20} MiB, {nthreads} threads)")
-    del buf
-
     m = 512 if quick else 2048
-    a, b = torch.randn(m, m).bfloat16(), torch.randn(m, m).bfloat16()
-    t = _best_seconds(lambda: a @ b, reps)
-    gemm = 2 * m ** 3 / t / 1e12
-    measured.append("gemm_tflops")
+    gemm = gemm_tflops(m)
     log(f"CPU bf16 GEMM {m}x{m}x{m}: {gemm:.2f} TFLOPS")
-
     rows = 2048 if quick else 16384
-    w, x = torch.randn(rows, 8192).bfloat16(), torch.randn(8192).bfloat16()
-    t = _best_seconds(lambda: w @ x, reps)
-    gemv = w.numel() * 2 / t / GB
-    measured.append("gemv_gbps")
+    gemv = gemv_gbps(rows)
     log(f"CPU bf16 GEMV {rows}x8192: {gemv:.1f} GB/s of weights")
-    del w, a, b
+    measured += ["dram_gbps", "gemm_tflops", "gemv_gbps"]
 
     numa = [NumaNode(cores=node.cores, memory_bytes=node.memory_bytes, dram_gbps=dram / len(base.cpu.numa))
             for node in base.cpu.numa]
     cpu = base.cpu.model_copy(update=dict(numa=numa, gemm_tflops=gemm, gemv_gbps=gemv))
     gpus, overheads = [], base.overheads
     if torch.cuda.is_available():
-        dev = torch.device("cuda")
-        sync = torch.cuda.synchronize
-        p = torch.cuda.get_device_properties(0)
-        size = (64 << 20) if quick else (1 << 30)
-        src = torch.empty(size, dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(src)
-        hbm = 2 * size / _best_seconds(lambda: dst.copy_(src), reps, sync) / GB
-        g = 2048 if quick else 8192
-        ga, gb = torch.randn(g, g, device=dev, dtype=torch.bfloat16), torch.randn(g, g, device=dev, dtype=torch.bfloat16)
-        tflops = 2 * g ** 3 / _best_seconds(lambda: ga @ gb, reps, sync) / 1e12
-        host = torch.empty(size // 4, dtype=torch.uint8, pin_memory=True)
-        dev_buf = torch.empty(size // 4, dtype=torch.uint8, device=dev)
-        h2d = host.numel() / _best_seconds(lambda: dev_buf.copy_(host, non_blocking=True), reps, sync) / GB
-        d2h = host.numel() / _best_seconds(lambda: host.copy_(dev_buf, non_blocking=True), reps, sync) / GB
-        tiny = torch.zeros(16, device=dev)
-        launches = 200 if quick else 2000
-
-        def many():
-            for _ in range(launches):
-                tiny.add_(1)
-
-        launch_us = _best_seconds(many, reps, sync) / launches * 1e6
-        gpus.append(GpuSpec(name=p.name, memory_bytes=float(p.total_memory), hbm_gbps=hbm, bf16_tflops=tflops,
-                            pcie_h2d_gbps=h2d, pcie_d2h_gbps=d2h))
-        overheads = overheads.model_copy(update=dict(gpu_launch_us=launch_us))
+        gpus, overheads = _probe_gpu(torch, quick, reps, overheads, log)
         measured += ["hbm_gbps", "bf16_tflops", "pcie_h2d_gbps", "pcie_d2h_gbps", "gpu_launch_us"]
-        log(f"GPU {p.name}: HBM {hbm:.0f} GB/s, bf16 {tflops:.0f} TFLOPS, PCIe {h2d:.1f}/{d2h:.1f} GB/s h2d/d2h, "
-            f"launch {launch_us:.1f} us")
-        del src, dst, ga, gb, host, dev_buf
-        torch.cuda.empty_cache()
     return HwProfile(name="probed", description=f"measured on this machine{' (quick)' if quick else ''}",
                      cpu=cpu, gpus=gpus, overheads=overheads, measured=measured)
+
+
+def _probe_gpu(torch, quick: bool, reps: int, overheads: Overheads, log) -> tuple[list[GpuSpec], Overheads]:
+    """GPU 0: device copy (read + write bytes), bf16 GEMM, pinned copies both ways, launch time."""
+    dev = torch.device("cuda")
+    sync = torch.cuda.synchronize
+    p = torch.cuda.get_device_properties(0)
+    size = (64 << 20) if quick else (1 << 30)
+    src = torch.empty(size, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    hbm = 2 * size / _best_seconds(lambda: dst.copy_(src), reps, sync) / GB
+    g = 2048 if quick else 8192
+    ga, gb = torch.randn(g, g, device=dev, dtype=torch.bfloat16), torch.randn(g, g, device=dev, dtype=torch.bfloat16)
+    tflops = 2 * g ** 3 / _best_seconds(lambda: ga @ gb, reps, sync) / 1e12
+    host = torch.empty(size // 4, dtype=torch.uint8, pin_memory=True)
+    dev_buf = torch.empty(size // 4, dtype=torch.uint8, device=dev)
+    h2d = host.numel() / _best_seconds(lambda: dev_buf.copy_(host, non_blocking=True), reps, sync) / GB
+    d2h = host.numel() / _best_seconds(lambda: host.copy_(dev_buf, non_blocking=True), reps, sync) / GB
+    tiny = torch.zeros(16, device=dev)
+    launches = 200 if quick else 2000
+
+    def many():
+        for _ in range(launches):
+            tiny.add_(1)
+
+    launch_us = _best_seconds(many, reps, sync) / launches * 1e6
+    log(f"GPU {p.name}: HBM {hbm:.0f} GB/s, bf16 {tflops:.0f} TFLOPS, PCIe {h2d:.1f}/{d2h:.1f} GB/s h2d/d2h, "
+        f"launch {launch_us:.1f} us")
+    return ([GpuSpec(name=p.name, memory_bytes=float(p.total_memory), hbm_gbps=hbm, bf16_tflops=tflops,
+                     pcie_h2d_gbps=h2d, pcie_d2h_gbps=d2h)],
+            overheads.model_copy(update=dict(gpu_launch_us=launch_us)))
 
 
 # ----------------------------------------------------------------------------------- resolve
@@ -332,14 +334,8 @@ def resolve_hw(hw: "HwProfile | str | os.PathLike | None") -> HwProfile:
         return PRESETS[s]
     p = Path(s)
     if p.suffix == ".json" or p.exists():
-        try:
-            return HwProfile.model_validate(json.loads(p.read_text()))
-        except FileNotFoundError:
-            raise ConfigError(f"hardware profile {p} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"hardware profile {p} is not valid JSON ({e})") from None
-        except ValidationError as e:
-            problems = "; ".join(f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in e.errors())
-            raise ConfigError(f"hardware profile {p} is not a valid profile: {problems}") from None
+        from .fsutil import read_model_json
+
+        return read_model_json(HwProfile, p, "hardware profile")
     raise ConfigError(f"unknown hardware profile {s!r}; use a preset ({', '.join(PRESETS)}), 'this', "
                       "or a path to a profile JSON")

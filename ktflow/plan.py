@@ -94,7 +94,7 @@ def placement_table(plan: "Plan") -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = [f"placement ({plan.phase} plan; weights in elements, time per {plan.step_tokens}-token step on its device)"]
     for r in rows:
-        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5])
+        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)) + "  " + r[5])
     m = plan.memory
     lines.append(f"  predicted peak VRAM {m.gpu_bytes / 1e9:.2f} GB, host RAM {m.host_bytes / 1e9:.2f} GB")
     return "\n".join(lines) + "\n"

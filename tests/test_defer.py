@@ -44,33 +44,38 @@ def hf_with_deferral(hf, d: int):
     return state
 
 
-@pytest.mark.parametrize("d", [1, 2, 3])
-def test_deferral_matches_the_papers_formula(tiny_dirs, d):
-    path, hf = tiny_dirs("deepseek_v3")
-    model = ktflow.load(path)
-    c = ktflow.compile(model, hw="paper-a100", device="cpu", defer=d, max_seq_len=64)
-    assert "L1.deferred" in c.decode.ir and "L1.deferred" not in c.prefill.ir
+def assert_deferred_decode_matches(hf, compiled, d, seed, steps):
+    """Prefill 12 tokens (no deferral on either side), then `steps` decode steps with the patched
+    HF model as the reference; float32, max |diff| <= 1e-5 * max |logit|."""
     import copy
 
     hf = copy.deepcopy(hf)
     state = hf_with_deferral(hf, d)
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 96, (2, 12), generator=g)
     with torch.no_grad():
         out = hf(ids, use_cache=True)
-    logits, st = ktflow.execute(c, ids)
-    assert (logits - out.logits).abs().max() <= 1e-5 * out.logits.abs().max()  # prefill: no deferral
+    logits, st = ktflow.execute(compiled, ids)
+    assert (logits.cpu() - out.logits).abs().max() <= 1e-5 * out.logits.abs().max()
     past = out.past_key_values
-    for _ in range(6):
+    for _ in range(steps):
         nxt = torch.randint(0, 96, (2, 1), generator=g)
         state.update(on=True, prev=None)
         with torch.no_grad():
             o = hf(nxt, past_key_values=past, use_cache=True)
         state["on"] = False
         past = o.past_key_values
-        got, st = ktflow.execute(c, nxt, st)
-        ref = o.logits
-        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+        got, st = ktflow.execute(compiled, nxt, st)
+        assert (got - o.logits).abs().max() <= 1e-5 * o.logits.abs().max()
+
+
+@pytest.mark.parametrize("d", [1, 2, 3])
+def test_deferral_matches_the_papers_formula(tiny_dirs, d):
+    path, hf = tiny_dirs("deepseek_v3")
+    model = ktflow.load(path)
+    c = ktflow.compile(model, hw="paper-a100", device="cpu", defer=d, max_seq_len=64)
+    assert "L1.deferred" in c.decode.ir and "L1.deferred" not in c.prefill.ir
+    assert_deferred_decode_matches(hf, c, d, seed=5, steps=6)
 
 
 def test_deferral_changes_the_result(tiny_dirs):

@@ -3,7 +3,6 @@ rules made to fire."""
 
 import dataclasses
 
-import pytest
 
 import ktflow
 from ktflow.hw import PRESETS, Overheads

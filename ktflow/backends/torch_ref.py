@@ -88,9 +88,9 @@ class TorchRefBackend:
             dev = self.device_of(n)
             for ref in n.weights:
                 if ref.experts:  # only the experts (and the intermediate rows) this node holds
-                    lo, hi = n.attrs.rows
-                    cut = (lambda t: t[:, lo:hi]) if ref.role == "down" else (lambda t: t[lo:hi])
-                    w[ref.role] = {e: self._ready(cut(weights.load_expert(ref, e)), dev) for e in n.attrs.ids}
+                    rows = slice(*n.attrs.rows)
+                    index = (slice(None), rows) if ref.role == "down" else (rows,)
+                    w[ref.role] = {e: self._ready(weights.load_expert(ref, e)[index], dev) for e in n.attrs.ids}
                 else:
                     w[ref.role] = self._ready(weights.load(ref), dev)
             self.weights[n.name] = w

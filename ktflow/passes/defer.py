@@ -86,7 +86,7 @@ def _choose(g: Graph, ctx: CompileContext, moe: list[int], k: int, opt) -> tuple
         if not 0 <= d < k:
             raise ConfigError(f"defer={d} is not possible: each token has top_k={k} routed experts and at least one "
                               f"must stay immediate (0 <= defer < {k})")
-    return dict(zip(moe, values)), {j: "fixed by option" for j in moe}
+    return dict(zip(moe, values, strict=True)), {j: "fixed by option" for j in moe}
 
 
 def _auto(g: Graph, ctx: CompileContext, j: int, moe: list[int], k: int) -> tuple[int, str]:

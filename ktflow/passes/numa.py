@@ -52,7 +52,7 @@ def _shards(n: Node, ctx: CompileContext, mode: str) -> list[Node]:
         parts = [replace(a, subset=grp) for grp in ep_groups(a.ids, dict(enumerate(probs)), nodes)]
         what = [f"{len(p.ids)} whole experts" for p in parts]
     return [replace(n, name=f"{n.name}.numa{i}", attrs=p, place=Placement(Device.CPU, numa=i, cause=f"NUMA node {i}: {w}"))
-            for i, (p, w) in enumerate(zip(parts, what))]
+            for i, (p, w) in enumerate(zip(parts, what, strict=True))]
 
 
 def _predicted(shards: list[Node], g: Graph, ctx: CompileContext) -> float:
