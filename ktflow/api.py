@@ -18,6 +18,7 @@ from .model import Model, load
 from .options import CompileContext, CompileOptions
 from .cost import activation_peak
 from .passes import run_pipeline
+from .passes.buffers import plan_buffers
 from .passes.schedule import schedule
 from .plan import MemoryEstimate, ModelInfo, Plan, PlanFile
 from .runtime.executor import Executor
@@ -165,9 +166,12 @@ def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, pr
                              routing=routing)
         g, timings = run_pipeline(spec, ctx, print_after=print_after)
         steps = schedule(g, ctx)
+        buffers, arenas = plan_buffers(g, steps, tokens)
+        gpu_work = any(n.place.device == Device.GPU for n in g.nodes)
         plans[phase] = Plan(phase=phase, device=device, max_seq_len=max_seq, step_tokens=tokens, graph=g.to_dict(),
                             steps=steps, predicted_step_us=max((s.end_us for s in steps), default=0.0),
-                            memory=_memory(g, ctx), pass_seconds=timings)
+                            memory=_memory(g, ctx), pass_seconds=timings, buffers=buffers, arenas=arenas,
+                            capture=[(0, len(steps) - 1)] if phase == "decode" and gpu_work else [])
     info = ModelInfo(model_type=cfg.model_type, fingerprint=model.fingerprint, path=str(model.path.resolve()),
                      layers=cfg.num_hidden_layers)
     pf = PlanFile(model=info, hw=hwp, options=opts, prefill=plans["prefill"], decode=plans["decode"])

@@ -28,14 +28,33 @@ FILE_FORMAT = "ktflow-plan"
 
 
 class Step(BaseModel):
+    """One step on one lane. launch/copy/submit/sync run their node; record marks `event` on its
+    lane after the node that produced a value another lane reads; wait holds its lane until
+    `event` is recorded, before the node that reads it."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
-    kind: Literal["launch", "copy", "submit", "sync"]
+    kind: Literal["launch", "copy", "submit", "sync", "record", "wait"]
     node: str
     lane: str
     reads: list[str]
     writes: list[str]
     start_us: float
     end_us: float
+    event: str | None = None
+
+
+class Buffer(BaseModel):
+    """Where a step's value lives: an offset in an arena, live from its producing step to its
+    last reader. Arenas: gpu (device memory), host, pinned (the exchange buffer PCIe copies
+    read and write)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    value: str
+    arena: Literal["gpu", "host", "pinned"]
+    offset: int
+    bytes: int
+    first_step: int
+    last_step: int
 
 
 class ModelInfo(BaseModel):
@@ -66,6 +85,11 @@ class Plan(BaseModel):
     predicted_step_us: float
     memory: MemoryEstimate
     pass_seconds: dict[str, float]
+    buffers: list[Buffer]
+    arenas: dict[str, int]  # bytes of each arena (for step_tokens tokens)
+    #: (first, last) step indices captured as one CUDA graph each: decode, every step of a plan
+    #: with GPU work; prefill runs eagerly
+    capture: list[tuple[int, int]]
 
     @cached_property
     def ir(self) -> Graph:
@@ -77,7 +101,10 @@ class Plan(BaseModel):
         lines.append(print_graph(self.ir).rstrip("\n"))
         lines.append("steps:")
         for i, s in enumerate(self.steps):
-            lines.append(f"  {i:4d} {s.kind:6s} {s.lane:4s} {s.node:24s} {s.start_us:12.1f} .. {s.end_us:12.1f} us")
+            ev = f"  [{s.event}]" if s.event else ""
+            lines.append(f"  {i:4d} {s.kind:6s} {s.lane:5s} {s.node:28s} {s.start_us:12.1f} .. {s.end_us:12.1f} us{ev}")
+        lines.append("buffers: " + ", ".join(f"{a} {n / 1e6:.2f} MB" for a, n in sorted(self.arenas.items()))
+                     + f"; capture regions: {self.capture or 'none (eager)'}")
         return "\n".join(lines) + "\n"
 
 

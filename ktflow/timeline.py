@@ -63,7 +63,7 @@ def layer_times(plan: Plan) -> list[LayerTime]:
     for s in plan.steps:  # the CPU counts as busy while any of its NUMA lanes is
         lanes["cpu" if s.lane.startswith("cpu") else s.lane].append((s.start_us, s.end_us))
     ends = sorted((int(m.group(1)), s.end_us) for s in plan.steps
-                  if (m := _LAYER.match(s.node)) and s.node.endswith(".ffn_res"))
+                  if s.kind not in ("record", "wait") and (m := _LAYER.match(s.node)) and s.node.endswith(".ffn_res"))
 
     def window(layer, lo, hi):
         g, c, cp = (_clip(lanes[k], lo, hi) for k in ("gpu", "cpu", "copy"))

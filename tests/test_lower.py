@@ -82,8 +82,8 @@ def test_l2_fires_on_a_broken_pair():
 def test_schedule_overlaps_cpu_experts_with_the_shared_expert(demo_dir):
     model = ktflow.load(demo_dir)
     c = ktflow.compile(model, hw="paper-a100", vram_budget_gb=0.004)  # dense on the GPU, experts on the CPU
-    steps = {s.node: s for s in c.decode.steps}
-    assert {s.kind for s in c.decode.steps} == {"launch", "copy", "submit", "sync"}
+    steps = {s.node: s for s in c.decode.steps if s.kind not in ("record", "wait")}
+    assert {s.kind for s in c.decode.steps} == {"launch", "copy", "submit", "sync", "record", "wait"}
     assert {s.lane for s in c.decode.steps} == {"gpu", "copy", "cpu", "cpu0", "cpu1"}  # two sockets
     task, shared, sub, sync = (steps[n] for n in ("L2.experts", "L2.shared", "L2.experts.submit", "L2.experts.sync"))
     s0, s1 = steps["L2.experts.numa0"], steps["L2.experts.numa1"]

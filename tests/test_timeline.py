@@ -30,9 +30,12 @@ def test_layer_times_of_a_hybrid_plan(hybrid):
     times = {t.layer: t for t in layer_times(hybrid.decode)}
     assert set(times) == {None, 0, 1, 2, 3}
     moe = times[2]
-    steps = [s for s in hybrid.decode.steps if s.node.startswith("L2.")]
-    assert moe.span_us == pytest.approx(max(s.end_us for s in steps) - min(s.start_us for s in steps))
-    assert moe.cpu_us == pytest.approx(_busy([(s.start_us, s.end_us) for s in steps if s.lane.startswith("cpu")]))
+    end = {s.node: s.end_us for s in hybrid.decode.steps if s.kind not in ("record", "wait")}
+    lo, hi = end["L1.ffn_res"], end["L2.ffn_res"]  # layer 2's window
+    assert moe.span_us == pytest.approx(hi - lo)
+    cpu = [(max(s.start_us, lo), min(s.end_us, hi)) for s in hybrid.decode.steps
+           if s.lane.startswith("cpu") and s.end_us > lo and s.start_us < hi]
+    assert moe.cpu_us == pytest.approx(_busy(cpu)) and moe.cpu_us > 0
     assert 0 < moe.overlap_us <= min(moe.cpu_us, moe.gpu_us)
     assert times[0].cpu_us == 0  # the dense first layer runs on the GPU only
     util = step_utilisation(hybrid.decode)

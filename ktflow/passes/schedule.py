@@ -7,7 +7,7 @@ from ..ir.ops import Op
 from ..options import CompileContext
 from ..plan import Step
 
-#: step kind per op; everything else is a kernel launch on its lane
+#: step kind per op; everything else is a kernel launch on its lane (record/wait steps mark events)
 STEP_KIND = {Op.COPY: "copy", Op.SUBMIT: "submit", Op.SYNC: "sync"}
 
 
@@ -55,4 +55,30 @@ def schedule(g: Graph, ctx: CompileContext) -> list[Step]:
         lane_free[lane] = done[n.name] = end
         steps.append(Step(kind=STEP_KIND.get(n.op, "launch"), node=n.name, lane=lane, reads=list(n.inputs),
                           writes=[n.name], start_us=round(start * 1e6, 3), end_us=round(end * 1e6, 3)))
-    return steps
+    return with_events(g, steps)
+
+
+def with_events(g: Graph, steps: list[Step]) -> list[Step]:
+    """Insert the cross-lane orderings as events: for a value read on another lane than the one
+    that wrote it, a `record` right after the writer and a `wait` right before the first reader
+    on each other lane (one event per value and reading lane)."""
+    lane = {s.node: s.lane for s in steps}
+    end = {s.node: s.end_us for s in steps}
+    needed: dict[str, list[str]] = {}  # value -> lanes that read it
+    for s in steps:
+        for r in s.reads:
+            if lane.get(r) not in (None, s.lane) and s.lane not in needed.setdefault(r, []):
+                needed[r].append(s.lane)
+    out: list[Step] = []
+    waited: set[tuple[str, str]] = set()
+    for s in steps:
+        for r in s.reads:
+            if s.lane in needed.get(r, []) and (r, s.lane) not in waited:
+                waited.add((r, s.lane))
+                out.append(Step(kind="wait", node=s.node, lane=s.lane, reads=[], writes=[], start_us=s.start_us,
+                                end_us=s.start_us, event=f"{r}>{s.lane}"))
+        out.append(s)
+        for to in needed.get(s.node, []):
+            out.append(Step(kind="record", node=s.node, lane=s.lane, reads=[], writes=[], start_us=end[s.node],
+                            end_us=end[s.node], event=f"{s.node}>{to}"))
+    return out

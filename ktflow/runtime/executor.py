@@ -16,6 +16,10 @@ from ..plan import Plan, Step
 from .state import State
 
 
+def _nothing(step: Step, values: dict, ctx: StepContext) -> None:
+    pass
+
+
 class Executor:
     def __init__(self, plan: Plan, backend: Any):
         self.plan, self.backend = plan, backend
@@ -32,8 +36,10 @@ class Executor:
                 self.frees[i].append(name)
         # torch_ref runs every kind the same way (a copy moves the value, submit is a no-op, sync
         # passes the task's value); asynchronous backends give submit and sync their own handlers
+        # record/wait order lanes; a backend that runs steps in plan order on one thread needs neither
         self.handlers: dict[str, Callable[[Step, dict, StepContext], None]] = {
-            "launch": self._launch, "copy": self._launch, "submit": self._launch, "sync": self._launch}
+            "launch": self._launch, "copy": self._launch, "submit": self._launch, "sync": self._launch,
+            "record": _nothing, "wait": _nothing}
 
     def _launch(self, step: Step, values: dict, ctx: StepContext) -> None:
         node = self.graph.by_name(step.node)
