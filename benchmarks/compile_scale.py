@@ -1,6 +1,7 @@
 """Compile time against model size: DeepSeek-V3-shaped configs with L layers x E routed experts
-(config only, no weights), all passes plus the schedule, on a hardware preset. Prints a table and
-appends JSONL to benchmarks/compile_scale.jsonl.
+(config only, no weights), all passes plus the schedule and buffer plan, on a hardware preset;
+the two full-size models also with defer=auto. Prints a table and appends JSONL to
+benchmarks/compile_scale.jsonl.
 
     python benchmarks/compile_scale.py [--hw paper-a100] [--repeats 3]
 """
@@ -31,14 +32,14 @@ def commit() -> str:
         return "unknown"
 
 
-def measure(cfg: dict, hw: str, repeats: int) -> tuple[list[float], int]:
+def measure(cfg: dict, hw: str, repeats: int, **options) -> tuple[list[float], int]:
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(cfg))
         model = ktflow.load(d)
         times, steps = [], 0
         for _ in range(repeats):
             t0 = time.perf_counter()
-            c = ktflow.compile(model, hw=hw)
+            c = ktflow.compile(model, hw=hw, **options)
             times.append(time.perf_counter() - t0)
             steps = len(c.prefill.steps) + len(c.decode.steps)
     return times, steps
@@ -53,13 +54,15 @@ def main() -> None:
     cases = [(f"v3-shape L{layers} E{experts}", dict(V3, num_hidden_layers=layers, n_routed_experts=experts))
              for layers in (8, 16, 32, 61) for experts in (64, 256)]
     cases += [("deepseek-v3 (61 x 256)", V3), ("kimi-k2 (61 x 384)", KIMI)]
+    cases = [(name, cfg, {}) for name, cfg in cases]
+    cases += [("deepseek-v3, defer=auto", V3, {"defer": "auto"}), ("kimi-k2, defer=auto", KIMI, {"defer": "auto"})]
     rows = []
     print(f"{'model':28s} {'layers':>6s} {'experts':>7s} {'steps':>6s} {'compile s (mean +- sd)':>24s}")
-    for name, cfg in cases:
-        times, steps = measure(cfg, a.hw, a.repeats)
+    for name, cfg, options in cases:
+        times, steps = measure(cfg, a.hw, a.repeats, **options)
         mean, sd = statistics.mean(times), statistics.stdev(times) if len(times) > 1 else 0.0
         print(f"{name:28s} {cfg['num_hidden_layers']:6d} {cfg['n_routed_experts']:7d} {steps:6d} {mean:16.3f} +- {sd:.3f}")
-        rows.append(dict(bench="compile_scale", model=name, layers=cfg["num_hidden_layers"],
+        rows.append(dict(bench="compile_scale", model=name, options=options, layers=cfg["num_hidden_layers"],
                          experts=cfg["n_routed_experts"], steps=steps, hw=a.hw, seconds_mean=mean, seconds_sd=sd,
                          repeats=a.repeats, machine=platform.node(), cpu=platform.processor() or platform.machine(),
                          commit=commit(), ktflow=ktflow.__version__))
