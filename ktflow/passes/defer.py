@@ -53,12 +53,11 @@ def defer_experts(g: Graph, ctx: CompileContext) -> Graph:
         if n.op == Op.ADD and n.name.endswith(".ffn_res"):
             j = int(n.name[1:].split(".")[0]) - 1
             if j in deferred:
-                a = n.attrs
                 hidden = g.by_name(n.inputs[0]).out.shape[1]
                 out.append(Node(f"L{j}.deferred", Op.DEFER, tuple(deferred.pop(j)), DeferAttrs(hidden, j, j + 1),
                                 n.out, place=Placement(n.place.device, cause=f"layer {j}'s deferred experts, "
                                                        f"d={ds[j]} ({causes[j]})")))
-                out.append(replace(n, inputs=n.inputs + (f"L{j}.deferred",), attrs=a))
+                out.append(replace(n, inputs=n.inputs + (f"L{j}.deferred",)))
                 continue
         out.append(n)
     new = g.replace_nodes(out)
