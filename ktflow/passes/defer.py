@@ -10,7 +10,7 @@ from ..ir.graph import Graph, Node
 from ..ir.ops import DeferAttrs, Op
 from ..ir.types import Device, Placement, _si
 from ..options import CompileContext
-from .costs import step_work
+from .costs import recost_changed, step_work
 
 
 def defer_experts(g: Graph, ctx: CompileContext) -> Graph:
@@ -60,9 +60,7 @@ def defer_experts(g: Graph, ctx: CompileContext) -> Graph:
                 out.append(replace(n, inputs=n.inputs + (f"L{j}.deferred",)))
                 continue
         out.append(n)
-    new = g.replace_nodes(out)
-    return new.map(lambda m: m if m.name in g and g.by_name(m.name) == m else
-                   replace(m, cost=node_cost(m, new, step_work(m, ctx), ctx.hw, ctx.weight_itemsize, ctx.numa_nodes)))
+    return recost_changed(g, g.replace_nodes(out), ctx)
 
 
 def _choose(g: Graph, ctx: CompileContext, moe: list[int], k: int, opt) -> tuple[dict[int, int], dict[int, str]]:

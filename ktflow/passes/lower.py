@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..cost import node_cost
 from ..ir.graph import Graph, Node
 from ..ir.ops import FACTS, CopyAttrs, Op, SubmitAttrs, SyncAttrs
 from ..ir.types import Device, Placement
 from ..options import CompileContext
-from .costs import step_work
+from .costs import recost_changed
 
 
 def lower(g: Graph, ctx: CompileContext) -> Graph:
@@ -72,9 +71,7 @@ def lower(g: Graph, ctx: CompileContext) -> Graph:
             pending[root] = sub
         ins = tuple(on(i, dev) for i in n.inputs)
         emit(replace(n, inputs=ins))
-    lowered = g.replace_nodes(out)
-    return lowered.map(lambda n: n if n.cost is not None and n.name in g and g.by_name(n.name).inputs == n.inputs
-                       else replace(n, cost=node_cost(n, lowered, step_work(n, ctx), ctx.hw, ctx.weight_itemsize, ctx.numa_nodes)))
+    return recost_changed(g, g.replace_nodes(out), ctx)
 
 
 def _task_groups(g: Graph, roots: set[str]) -> dict[str, str]:

@@ -10,7 +10,7 @@ from ..ir.graph import Graph, Node
 from ..ir.ops import Op, ReduceAttrs
 from ..ir.types import Device, Placement
 from ..options import CompileContext
-from .costs import step_work
+from .costs import recost_changed, step_work
 
 
 def tp_slices(inter: int, nodes: int, block: int) -> list[tuple[int, int]]:
@@ -93,7 +93,4 @@ def split_numa(g: Graph, ctx: CompileContext) -> Graph:
         out += shards
         out.append(Node(n.name, Op.REDUCE, tuple(s.name for s in shards), ReduceAttrs(n.attrs.hidden), n.out,
                         place=Placement(Device.CPU, cause=f"{n.place.cause}; {why}")))
-    split = g.replace_nodes(out)
-    return split.map(lambda m: m if m.op not in (Op.REDUCE,) and not m.name.rsplit(".", 1)[-1].startswith("numa")
-                     else replace(m, cost=node_cost(m, split, step_work(m, ctx), ctx.hw, ctx.weight_itemsize,
-                                                    ctx.numa_nodes)))
+    return recost_changed(g, g.replace_nodes(out), ctx)

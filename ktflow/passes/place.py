@@ -10,6 +10,7 @@ from ..ir.graph import Graph, Node
 from ..ir.ops import FACTS, Op, Work
 from ..ir.types import Device, Placement, _si
 from ..options import CompileContext
+from .costs import recost_changed
 
 
 
@@ -142,20 +143,7 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
             why = ("over the VRAM budget; " if c.cpu_s + copies > c.gpu_s else "no faster on the GPU; ") + why
         placed[n.name] = dev
         nodes.append(replace(n, place=Placement(dev, cause=why)))
-    return _recost_changed(g, _place_weightless(g.replace_nodes(nodes), placed), ctx)
-
-
-def _recost_changed(before: Graph, after: Graph, ctx: CompileContext) -> Graph:
-    """Costs again for nodes placement created or rewired (split experts, the adds reading them)."""
-    from .costs import step_work
-
-    def fresh(n: Node) -> Node:
-        old = before.by_name(n.name) if n.name in before else None
-        if old is not None and old.inputs == n.inputs and old.attrs == n.attrs:
-            return n
-        return replace(n, cost=node_cost(n, after, step_work(n, ctx), ctx.hw, ctx.weight_itemsize, ctx.numa_nodes))
-
-    return after.map(fresh)
+    return recost_changed(g, _place_weightless(g.replace_nodes(nodes), placed), ctx)
 
 
 def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, placed) -> list[Node]:
