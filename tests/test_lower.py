@@ -73,6 +73,11 @@ def test_l2_fires_on_a_broken_pair():
     g2 = g.replace_nodes(dataclasses.replace(n, attrs=dataclasses.replace(sync.attrs, task="L1.shared"))
                          if n.name == sync.name else n for n in g.nodes)
     assert "L2" in {r for r, _, _ in violations(g2, "lowered")}
+    sub = g.by_name("L1.experts.submit")
+    assert sub.attrs.members == ("L1.experts.numa0", "L1.experts.numa1", "L1.experts")
+    g3 = g.replace_nodes(dataclasses.replace(n, attrs=dataclasses.replace(sub.attrs, members=sub.attrs.members[:-1]))
+                         if n.name == sub.name else n for n in g.nodes)
+    assert "L2" in {r for r, _, _ in violations(g3, "lowered")}  # the task's root missing from its members
     nodes = list(g.nodes)
     i, j = names(g).index("L1.experts.submit"), names(g).index("L1.experts")
     nodes[i], nodes[j] = nodes[j], nodes[i]  # submit after its task

@@ -222,10 +222,13 @@ class CopyAttrs:
 
 @dataclass(frozen=True)
 class SubmitAttrs:
-    """Enqueue CPU node `task` from the GPU stream (returns at once). Inputs: the task's inputs,
-    already on the CPU. Output: a token the matching sync waits on."""
+    """Enqueue CPU task `task` (its root node) from the GPU stream (returns at once). `members`:
+    the task's CPU nodes in graph order, the root last (e.g. NUMA shards and their reduce).
+    Inputs: what the members read from outside the task, already on the CPU. Output: a token
+    the matching sync waits on."""
 
     task: str
+    members: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -375,7 +378,7 @@ def format_attrs(attrs: Any) -> str:
         elif isinstance(v, float):
             parts.append(f"{f.name}={v:.6g}")
         elif isinstance(v, tuple):
-            parts.append(f"{f.name}=[{_ranges(v)}]")
+            parts.append(f"{f.name}=[{_ranges(v) if all(isinstance(x, int) for x in v) else ','.join(v)}]")
         else:
             parts.append(f"{f.name}={v}")
     return " ".join(parts)

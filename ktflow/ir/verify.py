@@ -259,22 +259,6 @@ def _l1_edges_stay_on_one_device(g: Graph):
                 yield n.name, f"reads {i} from the {src.value} without a copy (it runs on the {n.place.device.value})"
 
 
-def _task_members(g: Graph, root: str) -> set[str]:
-    """The task's nodes: its root and the CPU compute nodes feeding it through the CPU only."""
-    members, todo = set(), [root]
-    while todo:
-        m = todo.pop()
-        if m in members:
-            continue
-        members.add(m)
-        for i in g.by_name(m).inputs:
-            src = g.by_name(i)
-            if src.place is not None and src.place.device.value == "cpu" and FACTS[src.op].pricing == "compute" \
-                    and src.op != Op.INPUT and not any(u.op == Op.SYNC for u in map(g.by_name, g.users(i))):
-                todo.append(i)
-    return members
-
-
 def _l2_submit_sync_pairs(g: Graph):
     for n in g.nodes:
         if n.op == Op.SYNC:
@@ -286,7 +270,11 @@ def _l2_submit_sync_pairs(g: Graph):
             if task is None or task.place is None or task.place.device.value != "cpu":
                 yield n.name, f"submits {n.attrs.task}, which is not a CPU node"
                 continue
-            members = _task_members(g, task.name)
+            members = set(n.attrs.members)
+            if not members or n.attrs.members[-1] != task.name or any(
+                    m not in g or g.by_name(m).place is None or g.by_name(m).place.device.value != "cpu" for m in members):
+                yield n.name, f"members {list(n.attrs.members)} must be CPU nodes ending with the task {task.name}"
+                continue
             outside = {i for m in members for i in g.by_name(m).inputs if i not in members}
             if any(g.position(n.name) > g.position(m) for m in members) or set(n.inputs) != outside:
                 yield n.name, f"must come before every node of task {task.name} and read exactly its outside inputs"

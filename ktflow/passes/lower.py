@@ -30,7 +30,7 @@ def lower(g: Graph, ctx: CompileContext) -> Graph:
     gpu_readers = {i for n in g.nodes for i in n.inputs if device[i] == Device.CPU and device[n.name] == Device.GPU}
     task_of = _task_groups(g, gpu_readers)  # CPU node -> the task (root) it is part of
     members: dict[str, list[str]] = {}
-    for m, root in task_of.items():
+    for m, root in sorted(task_of.items(), key=lambda kv: g.position(kv[0])):  # graph order: the root last
         members.setdefault(root, []).append(m)
     out: list[Node] = []
     copies: dict[tuple[str, Device], str] = {}
@@ -65,7 +65,8 @@ def lower(g: Graph, ctx: CompileContext) -> Graph:
         if root is not None and root not in submitted:  # before the task's first node
             submitted.add(root)
             ext = _external_inputs(g, members[root])
-            sub = emit(Node(f"{root}.submit", Op.SUBMIT, tuple(on(i, Device.CPU) for i in ext), SubmitAttrs(root),
+            sub = emit(Node(f"{root}.submit", Op.SUBMIT, tuple(on(i, Device.CPU) for i in ext),
+                            SubmitAttrs(root, tuple(members[root])),
                             FACTS[Op.SUBMIT].shape(None, [], g.act_dtype),
                             place=Placement(Device.CPU, cause="enqueue CPU work from the GPU stream", stream="gpu")))
             pending[root] = sub

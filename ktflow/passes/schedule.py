@@ -36,16 +36,7 @@ def schedule(g: Graph, ctx: CompileContext) -> list[Step]:
     """
     lane_free: dict[str, float] = {}
     done: dict[str, float] = {}
-    submitted: dict[str, str] = {}  # every node of a task -> its submit
-    for n in g.nodes:
-        if n.op == Op.SUBMIT:
-            submitted[n.attrs.task] = n.name
-    for n in reversed(g.nodes):  # task members feed their root: walk back from the roots
-        for i in n.inputs:
-            if n.name in submitted and i in g and g.by_name(i).place.device == n.place.device \
-                    and g.by_name(i).op not in (Op.COPY, Op.INPUT) and i not in submitted \
-                    and g.position(i) > g.position(submitted[n.name]):
-                submitted[i] = submitted[n.name]
+    submitted = {m: n.name for n in g.nodes if n.op == Op.SUBMIT for m in n.attrs.members}  # task node -> submit
     steps = []
     for n in g.nodes:
         lane = lane_of(n)
