@@ -8,7 +8,7 @@ from ..cost import activation_peak, node_cost, transfer_seconds
 from ..errors import ConfigError
 from ..ir.graph import Graph, Node
 from ..ir.ops import FACTS, Op, Work
-from ..ir.types import Device, Placement, _si
+from ..ir.types import Cost, Device, Placement, _si
 from ..options import CompileContext
 from .costs import recost_changed
 
@@ -55,16 +55,19 @@ def _copies_avoided(n: Node, g: Graph, ctx: CompileContext, tokens: int) -> floa
     return down + transfer_seconds(n.out.numel(tokens) * n.out.dtype.itemsize, ctx.hw, "h2d")
 
 
-def _units(g: Graph, ctx: CompileContext) -> list[Unit]:
-    units = []
+def _units(g: Graph, ctx: CompileContext) -> tuple[list[Unit], dict[str, tuple[Cost, float]]]:
+    """The placement units, and each weighted node's decode cost with the PCIe time a CPU
+    placement would add (for the causes)."""
+    units, gains = [], {}
     for i, n in enumerate(g.nodes):
         if not n.weights:
             continue
         w = _decode_work(ctx, n)
         c = node_cost(n, g, w, ctx.hw, ctx.weight_itemsize)
-        saving = c.cpu_s - c.gpu_s
-        if n.op != Op.ROUTED_EXPERTS:  # a layer's experts cross to the CPU anyway; dense nodes need not
-            saving += _copies_avoided(n, g, ctx, w.tokens)
+        # a layer's experts cross to the CPU anyway; dense nodes need not
+        copies = _copies_avoided(n, g, ctx, w.tokens) if n.op != Op.ROUTED_EXPERTS else 0.0
+        gains[n.name] = (c, copies)
+        saving = c.cpu_s - c.gpu_s + copies
         vram = n.weight_elems() * ctx.weight_itemsize
         if n.op == Op.ATTENTION:
             vram += n.attrs.kv_cache_elems_per_token() * ctx.max_seq_len * ctx.options.max_batch * g.act_dtype.itemsize
@@ -77,7 +80,7 @@ def _units(g: Graph, ctx: CompileContext) -> list[Unit]:
         total = sum(hit[e] for e in n.attrs.ids) or 1.0
         per = vram / len(n.attrs.ids)
         units += [Unit(n.name, e, per, saving * hit[e] / total, i) for e in n.attrs.ids]
-    return units
+    return units, gains
 
 
 def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
@@ -105,7 +108,7 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
             raise ConfigError(f"placement='gpu' but hardware profile {ctx.hw.name!r} has no GPU")
         return g.map(lambda n: replace(n, place=Placement(Device.CPU, cause=why)))
     budget = gpu_budget(g, ctx)
-    units = _units(g, ctx)
+    units, gains = _units(g, ctx)
     if mode == "gpu":
         need = sum(u.vram for u in units)
         if need > budget:
@@ -133,9 +136,7 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
         if not n.weights:
             nodes.append(n)  # placed below, after its neighbours
             continue
-        w = _decode_work(ctx, n)
-        c = node_cost(n, g, w, ctx.hw, ctx.weight_itemsize)
-        copies = _copies_avoided(n, g, ctx, w.tokens)
+        c, copies = gains[n.name]
         why = (f"decode step cpu {_si(c.cpu_s)}s + copies {_si(copies)}s vs gpu {_si(c.gpu_s)}s; "
                f"{_si(n.weight_elems() * ctx.weight_itemsize)}B")
         dev = Device.GPU if (n.name, None) in taken else Device.CPU
@@ -150,13 +151,7 @@ def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, 
     gpu_ids = tuple(e for e in n.attrs.ids if (n.name, e) in taken)
     cpu_ids = tuple(e for e in n.attrs.ids if (n.name, e) not in taken)
     source = "routing profile" if ctx.routing is not None and ctx.routing.probs(n.attrs.layer) else "uniform routing"
-    out = []
-    if gpu_ids:
-        name = n.name if not cpu_ids else n.name + ".gpu"
-        attrs = replace(n.attrs, subset=gpu_ids if cpu_ids else n.attrs.subset)
-        why = f"{len(gpu_ids)} of {n.attrs.experts} experts fit the VRAM budget ({source})"
-        out.append(replace(n, name=name, attrs=attrs, place=Placement(Device.GPU, cause=why)))
-        placed[name] = Device.GPU
+    out = []  # a split layer: the CPU part keeps the name and comes first, its GPU part is <name>.gpu
     if cpu_ids:
         attrs = replace(n.attrs, subset=cpu_ids if gpu_ids else n.attrs.subset)
         part = replace(n, attrs=attrs)
@@ -167,8 +162,12 @@ def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, 
                f"decode intensity {flops / max(nbytes, 1.0):.2f} FLOP/B, GPU ridge {ridge:.0f}; over the VRAM budget")
         out.append(replace(part, place=Placement(Device.CPU, cause=why)))
         placed[n.name] = Device.CPU
-    if len(out) == 2:  # the layer's residual add reads both halves
-        out[0], out[1] = out[1], out[0]  # CPU node keeps the original name first in graph order
+    if gpu_ids:
+        name = n.name if not cpu_ids else n.name + ".gpu"
+        attrs = replace(n.attrs, subset=gpu_ids if cpu_ids else n.attrs.subset)
+        why = f"{len(gpu_ids)} of {n.attrs.experts} experts fit the VRAM budget ({source})"
+        out.append(replace(n, name=name, attrs=attrs, place=Placement(Device.GPU, cause=why)))
+        placed[name] = Device.GPU
     return out
 
 
