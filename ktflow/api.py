@@ -9,11 +9,12 @@ import torch
 from pydantic import ValidationError
 
 from .backends import get_backend
+from .config import DTYPE_BY_NAME
 from .errors import ConfigError, InputError, PlanError
 from .hw import HwProfile, resolve_hw
 from .ir.graph import Graph
 from .ir.ops import Op
-from .ir.types import Device, DType
+from .ir.types import Device
 from .model import Model, load
 from .options import CompileContext, CompileOptions
 from .cost import activation_peak
@@ -23,9 +24,8 @@ from .passes.schedule import schedule
 from .plan import MemoryEstimate, ModelInfo, Plan, PlanFile
 from .runtime.executor import Executor
 from .runtime.state import State
+from .weights import TORCH_DTYPE
 
-TORCH_DTYPES = {DType.F32: torch.float32, DType.BF16: torch.bfloat16, DType.F16: torch.float16}
-DTYPE_NAMES = {"float32": DType.F32, "bfloat16": DType.BF16, "float16": DType.F16}
 
 
 class Compiled:
@@ -94,7 +94,7 @@ class Compiled:
             plan = self.prefill if phase == "prefill" else self.decode
             if self._backend is None:
                 device = "cuda" if plan.device == "cuda" else "cpu"
-                dtype = TORCH_DTYPES[plan.ir.act_dtype]
+                dtype = TORCH_DTYPE[plan.ir.act_dtype]
                 self._backend = get_backend(self.plans.options.backend)(device, dtype)
             self._backend.prepare(plan.ir, self.model.weights)
             self._executors[phase] = Executor(plan, self._backend)
@@ -143,7 +143,7 @@ def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, pr
         raise ConfigError(f"compile options: {msgs} (valid options: {', '.join(CompileOptions.model_fields)})") from None
     hwp = resolve_hw(hw)
     cfg = model.config
-    act = DTYPE_NAMES[opts.dtype] if opts.dtype else cfg.weight_dtype
+    act = DTYPE_BY_NAME[opts.dtype] if opts.dtype else cfg.weight_dtype
     max_seq = opts.max_seq_len or min(4096, cfg.max_position_embeddings)
     device = _device(opts, hwp)
     spec = model.graph(act)

@@ -18,10 +18,9 @@ from typing import Callable
 import torch
 
 from .ir.graph import Graph
-from .ir.types import DType
+from .weights import TORCH_DTYPE
 
 ST_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
-TORCH_OF = {DType.F32: torch.float32, DType.BF16: torch.bfloat16, DType.F16: torch.float16}
 
 
 def write_safetensors(path: str | os.PathLike, entries: list[tuple[str, tuple[int, ...], torch.dtype]],
@@ -87,7 +86,7 @@ def write_random_checkpoint(directory: str | os.PathLike, config: dict, graph: G
     tmp = Path(tempfile.mkdtemp(prefix=f".{d.name}.", dir=d.parent))
     try:
         gen = torch.Generator().manual_seed(seed)
-        dtype = TORCH_OF[graph.act_dtype]
+        dtype = TORCH_DTYPE[graph.act_dtype]
         entries = checkpoint_entries(graph, dtype)
         shapes = {k: s for k, s, _ in entries}
         write_safetensors(tmp / "model.safetensors", entries, lambda k: random_tensor(k, shapes[k], gen))

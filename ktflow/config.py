@@ -19,6 +19,10 @@ from .ir.types import DType
 
 SUPPORTED_ROPE = ("default", "linear", "yarn")
 
+#: dtype names of config.json (and of the `dtype` compile option) -> IR dtype
+DTYPE_BY_NAME = {"bfloat16": DType.BF16, "float16": DType.F16, "half": DType.F16, "float32": DType.F32,
+                 "float": DType.F32}
+
 
 class HFConfig(BaseModel):
     """Fields every family shares. Unknown keys of config.json are ignored."""
@@ -55,11 +59,9 @@ class HFConfig(BaseModel):
     @property
     def weight_dtype(self) -> DType:
         name = (self.dtype or self.torch_dtype or "bfloat16").replace("torch.", "")
-        table = {"bfloat16": DType.BF16, "float16": DType.F16, "half": DType.F16,
-                 "float32": DType.F32, "float": DType.F32}
-        if name not in table:
+        if name not in DTYPE_BY_NAME:
             raise ConfigError(f"config.json: dtype {name!r} is not supported; use bfloat16, float16 or float32")
-        return table[name]
+        return DTYPE_BY_NAME[name]
 
     @property
     def eos_ids(self) -> tuple[int, ...]:

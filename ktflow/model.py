@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -29,6 +29,7 @@ class Model:
     config: HFConfig
     family: ModuleType
     weights: WeightSource | None
+    _graphs: dict = field(default_factory=dict, repr=False)  # act dtype -> verified spec graph
 
     @property
     def model_type(self) -> str:
@@ -40,9 +41,12 @@ class Model:
 
     def graph(self, act_dtype: DType | None = None) -> Graph:
         """The spec graph with activations in `act_dtype` (default: the checkpoint's dtype)."""
-        g = self.family.build(self.config, act_dtype or self.config.weight_dtype)
-        verify(g, "spec")
-        return g
+        dt = act_dtype or self.config.weight_dtype
+        if dt not in self._graphs:  # built once per dtype: load validates it, compile reuses it
+            g = self.family.build(self.config, dt)
+            verify(g, "spec")
+            self._graphs[dt] = g
+        return self._graphs[dt]
 
     def __repr__(self) -> str:
         w = "weights" if self.weights else "no weights"

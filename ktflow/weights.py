@@ -22,7 +22,10 @@ import torch
 
 from .errors import WeightError
 from .ir.graph import Graph
-from .ir.types import WeightRef
+from .ir.types import DType, WeightRef
+
+#: torch dtype of each floating IR dtype
+TORCH_DTYPE = {DType.F32: torch.float32, DType.BF16: torch.bfloat16, DType.F16: torch.float16}
 
 ST_DTYPES = {"F32": (torch.float32, 4), "BF16": (torch.bfloat16, 2), "F16": (torch.float16, 2),
              "F64": (torch.float64, 8), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
