@@ -10,26 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import ktflow
+from common import append_jsonl, commit, machine
 
 HERE = Path(__file__).parent
 V3 = json.loads((HERE.parent / "tests/data/deepseek-v3-config/config.json").read_text())
 KIMI = json.loads((HERE.parent / "tests/data/kimi-k2-config/config.json").read_text())
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=HERE).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def measure(cfg: dict, hw: str, repeats: int, **options) -> tuple[list[float], int]:
@@ -64,12 +55,8 @@ def main() -> None:
         print(f"{name:28s} {cfg['num_hidden_layers']:6d} {cfg['n_routed_experts']:7d} {steps:6d} {mean:16.3f} +- {sd:.3f}")
         rows.append(dict(bench="compile_scale", model=name, options=options, layers=cfg["num_hidden_layers"],
                          experts=cfg["n_routed_experts"], steps=steps, hw=a.hw, seconds_mean=mean, seconds_sd=sd,
-                         repeats=a.repeats, machine=platform.node(), cpu=platform.processor() or platform.machine(),
-                         commit=commit(), ktflow=ktflow.__version__))
-    with open(a.out, "a") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    print(f"appended {len(rows)} rows to {a.out}")
+                         repeats=a.repeats, **machine(), commit=commit(), ktflow=ktflow.__version__))
+    append_jsonl(a.out, rows)
 
 
 if __name__ == "__main__":

@@ -84,7 +84,8 @@ def roof(hw: HwProfile, device: Device, act: DType) -> Roof | None:
         if not hw.gpus:
             return None
         g = hw.gpus[0]
-        return Roof(g.bf16_tflops * 1e12 * (0.5 if act == DType.F32 else 1.0), g.hbm_gbps * 1e9,
+        e = g.efficiency
+        return Roof(g.bf16_tflops * 1e12 * e * (0.5 if act == DType.F32 else 1.0), g.hbm_gbps * 1e9 * e,
                     hw.overheads.gpu_launch_us * 1e-6)
     c = hw.cpu
     return Roof(c.gemm_tflops * 1e12 * (0.5 if act == DType.F32 else 1.0), c.gemv_gbps * 1e9,

@@ -28,7 +28,8 @@ def test_decode_expert_layer_is_memory_bound_on_the_cpu(v3):
     assert c.bytes == pytest.approx(8 * expert_bytes, rel=1e-3)  # 8 of 256 experts read
     # not NUMA-split on two sockets: half of every read crosses the 125 GB/s socket link
     assert c.cpu_s == pytest.approx(8 * expert_bytes / 2 / 125e9 + 2e-6, rel=1e-3)
-    assert c.gpu_s == pytest.approx(8 * expert_bytes / 1555e9 + 5e-6, rel=1e-3)
+    # the preset GPU reaches 45% of its 1555 GB/s roofline (calibrated on the paper's figure 10)
+    assert c.gpu_s == pytest.approx(8 * expert_bytes / (0.45 * 1555e9) + 5e-6, rel=1e-3)
 
 
 def test_prefill_expert_layer_is_compute_bound_on_the_cpu(v3):

@@ -131,11 +131,20 @@ def test_auto_on_the_papers_machine():
     g = auto.decode.ir
     d = {n.attrs.layer: 8 - n.attrs.ranks[0] for n in g.nodes
          if n.op == Op.ROUTED_EXPERTS and n.name.endswith(".def.numa0")}
-    # d = 2 where all 256 experts are on the CPU; layer 3 keeps only 154 there (102 hot ones fit the
-    # A100), so each deferred pick is less CPU work and it needs d = 3; the last MoE layer defers none
-    assert d == {**{j: 2 for j in range(4, 60)}, 3: 3}
+    # d = 3 where all 256 experts are on the CPU, as the paper chose (section 4.2); layer 3 keeps
+    # only 154 there (102 hot ones fit the A100), so each deferred pick is less CPU work and it
+    # needs d = 5; the last MoE layer defers none
+    assert d == {**{j: 3 for j in range(4, 60)}, 3: 5}
     assert "auto: deferred CPU work" in g.by_name("L10.deferred").place.cause
     assert auto.decode.predicted_step_us < 0.9 * plain.decode.predicted_step_us
+
+
+def test_auto_on_deepseek_v25_defers_all_but_two():
+    """DeepSeek-V2.5 (160 experts, top-6) on the paper's machine: its next-layer GPU work outlasts
+    3 deferred experts, so auto defers 4, the most that keeps 2 immediate (the paper's choice)."""
+    g = ktflow.compile(ktflow.load(DATA / "deepseek-v2.5-config"), hw="paper-a100", defer="auto").decode.ir
+    assert {6 - n.attrs.ranks[0] for n in g.nodes
+            if n.op == Op.ROUTED_EXPERTS and n.name.endswith(".def.numa0")} == {4}
 
 
 def test_d1_and_d2_fire():
