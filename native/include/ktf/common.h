@@ -1,0 +1,106 @@
+// Shared definitions of ktflow's native CPU MoE backend: bf16 helpers, packed weight matrices and
+// the per-ISA kernel table. No torch, no Python here.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace ktf {
+
+using bf16 = uint16_t;
+
+inline float bf16_to_f32(bf16 h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline bf16 f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16(u >> 16);
+}
+
+float f16_to_f32(uint16_t h);
+
+inline size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
+
+// Packed weight formats. The layouts (NB = 16 output rows per block, K padded to KALIGN):
+//   BF16: bf16  [np/16][kp/2][16][2]   (a block's K-pairs are one AMX B tile row each)
+//   INT8: int8  [np/16][kp][16]        symmetric, scale per (row, K group)
+//   INT4: uint8 [np/16][kp/2][16]      two K neighbours per byte (low nibble even k), value + 8
+// scales: float [np/16][kp/group][16] (INT8, INT4 only).
+enum class Format : int { BF16 = 0, INT8 = 1, INT4 = 2 };
+enum class SrcType : int { F32 = 0, F16 = 1, BF16 = 2 };
+
+constexpr int NB = 16;
+constexpr int KALIGN = 32;
+
+const char* format_name(Format f);
+
+struct PackedMatrix {  // y = W x with W [n, k]
+  Format fmt = Format::BF16;
+  int n = 0, k = 0;    // logical
+  int np = 0, kp = 0;  // padded: np % 16 == 0, kp % 32 == 0 and kp % group == 0
+  int group = 0;       // quantization group along K (INT8/INT4); kp for per-channel
+  void* data = nullptr;
+  float* scales = nullptr;
+
+  int nblocks() const { return np / NB; }
+  size_t data_bytes() const;
+  size_t scale_count() const { return fmt == Format::BF16 ? 0 : size_t(np) * (kp / group); }
+};
+
+// Which kernel family runs a matmul.
+enum class Path : int { AUTO = 0, GENERIC = 1, AVX512 = 2, AMX = 3 };
+const char* path_name(Path p);
+
+// Y[m, 16*(b - nb0) + j] = sum_k X[m, k] * W[16*b + j, k]  for m < M, nb0 <= b < nb1 (fp32 out).
+// X holds M rows of kp bf16 (zero beyond W.k), row stride ldx elements. Y row stride ldy floats.
+using MatmulFn = void (*)(const bf16* X, size_t ldx, int M, const PackedMatrix& W, int nb0, int nb1, float* Y,
+                          size_t ldy);
+
+// One ISA's kernels (each in its own translation unit, compiled with its own flags).
+struct Kernels {
+  MatmulFn matmul = nullptr;  // nullptr: not built or not supported here
+};
+
+Kernels generic_kernels();
+Kernels avx512_kernels();
+Kernels amx_kernels();
+
+// Runtime CPU features (CPUID + OS state); AMX only once the Linux tile permission is granted.
+struct CpuFeatures {
+  bool avx512 = false;  // F, BW, VL, DQ + OS ZMM state
+  bool avx512_bf16 = false;
+  bool avx512_vnni = false;
+  bool amx = false;  // AMX-TILE + AMX-BF16 + OS permission for tile data
+  bool amx_int8 = false;
+};
+const CpuFeatures& cpu_features();
+
+// The matmul of `path` (AUTO resolves to the best this CPU has for M rows); throws when the path
+// is not available on this CPU.
+MatmulFn matmul_for(Path path);
+bool path_available(Path p);
+Path resolve_path(Path requested, int rows);
+
+// Rows at and above which AMX beats AVX-512 on this machine (measured once, see calibrate()).
+int amx_crossover();
+void set_amx_crossover(int rows);
+int calibrate_amx_crossover(int k);
+
+// Dequantize blocks [nb0, nb1) of an INT8/INT4 matrix into BF16 layout at `out` (same kp).
+void dequant_to_bf16(const PackedMatrix& W, int nb0, int nb1, bf16* out);
+
+// 64-byte aligned allocation on a NUMA node (node < 0 or no libnuma: the calling thread's).
+void* alloc_on_node(size_t bytes, int node);
+void free_on_node(void* p, size_t bytes, int node);
+
+}  // namespace ktf

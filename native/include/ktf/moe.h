@@ -1,0 +1,104 @@
+// The fused MoE operator: packed experts (split over the pool's groups by intermediate slices,
+// NUMA tensor parallel) and the forward pass over jobs. One forward:
+//   route   tokens grouped by expert (skipping ids of -1 and experts not held here)
+//   gather  each expert's token rows copied into one block (padded to whole tiles)
+//   up      task (slice, expert, output blocks): gate and up for those rows, SiLU(gate) * up
+//   down    task (slice, output columns): every expert's down product for those columns, scaled
+//           by the routing weight and summed into the slice's fp32 partial output
+//   reduce  the slices' partial outputs summed into the output (added to it with `accumulate`)
+// The kernel of every matmul is chosen by the rows it has (AVX-512 for few, AMX for many).
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "ktf/common.h"
+#include "ktf/pool.h"
+
+namespace ktf {
+
+struct MoEShape {
+  int experts = 0, hidden = 0, inter = 0;
+  Format fmt = Format::BF16;
+  int group_size = 0;  // INT8: 0 = per output channel; INT4: 0 = 128
+};
+
+class MoE;
+
+// One forward call: x [T, H] bf16 (row stride ldx); ids [T, ldr] int64 and weights [T, ldr] fp32
+// of which columns [k0, k1) are used; out [T, H] bf16 or fp32 (row stride ldo).
+struct Job {
+  MoE* moe = nullptr;
+  const bf16* x = nullptr;
+  size_t ldx = 0;
+  const int64_t* ids = nullptr;
+  const float* weights = nullptr;
+  size_t ldr = 0;
+  int k0 = 0, k1 = 0;
+  int tokens = 0;
+  const int32_t* tokens_ptr = nullptr;  // when set, the token count is read here at run time
+  void* out = nullptr;
+  bool out_f32 = false;
+  size_t ldo = 0;
+  bool accumulate = false;
+  Path path = Path::AUTO;
+};
+
+class MoE {
+ public:
+  // groups: the pool groups that hold an intermediate slice each (empty: all of them)
+  MoE(std::shared_ptr<ThreadPool> pool, MoEShape shape, std::vector<int> groups, std::vector<uint8_t> present);
+  ~MoE();
+  MoE(const MoE&) = delete;
+  MoE& operator=(const MoE&) = delete;
+
+  // Pack expert e from row-major sources: gate, up [inter, hidden] and down [hidden, inter] with
+  // row strides in elements. Runs on the pool; e must be present.
+  struct Source {
+    const void* gate;
+    const void* up;
+    const void* down;
+    size_t ld_gate, ld_up, ld_down;
+  };
+  void pack(const std::vector<int>& experts, const std::vector<Source>& sources, SrcType type);
+  // (Re)allocate expert e's matrices in every slice, zeroed, with the packer's shapes.
+  void allocate_expert(int e);
+
+  struct Slice {
+    int i0, i1;  // intermediate rows [i0, i1)
+    int group;   // pool group that computes it
+    int node;    // NUMA node its memory lives on (-1: any)
+    std::vector<PackedMatrix> gate, up, down;
+  };
+  const MoEShape& shape() const { return shape_; }
+  const std::vector<Slice>& slices() const { return slices_; }
+  const std::vector<uint8_t>& present() const { return present_; }
+  PackedMatrix& matrix(int slice, int expert, int which);  // which: 0 gate, 1 up, 2 down
+  bool packed(int expert) const { return packed_[expert] != 0; }
+  void mark_packed(int expert) { packed_[expert] = 1; }
+  ThreadPool& pool() { return *pool_; }
+  size_t packed_bytes() const;
+
+  // scratch, reused across calls (one call at a time per MoE)
+  std::mutex busy;
+  std::vector<bf16> xg;                 // gathered rows [R][hp]
+  std::vector<std::vector<bf16>> h;     // per slice [R][kp_slice]
+  std::vector<std::vector<float>> part;  // per slice [T][hp]
+
+ private:
+  std::shared_ptr<ThreadPool> pool_;
+  MoEShape shape_;
+  std::vector<uint8_t> present_, packed_;
+  std::vector<Slice> slices_;
+};
+
+// Run jobs together (their tasks share each phase); throws on bad input (expert id out of range).
+void run_jobs(ThreadPool& pool, std::vector<Job>& jobs);
+
+// Pack one matrix W [n, k] (row stride ld) into `fmt` on `node`. Allocates P's buffers.
+void pack_matrix(PackedMatrix& P, const void* src, size_t ld, int n, int k, SrcType type, Format fmt, int group,
+                 int n_align, int node);
+void free_matrix(PackedMatrix& P, int node);
+
+}  // namespace ktf

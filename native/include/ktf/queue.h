@@ -1,0 +1,75 @@
+// The asynchronous CPU queue. submit() only enqueues a batch of MoE jobs and returns; one
+// dispatcher thread runs the batches in order on the thread pool; sync() waits until everything
+// submitted so far has run and rethrows the first error a batch raised. Both also exist as plain
+// C functions taking a context pointer (ktf_submit(batch), ktf_sync(queue)), the shape
+// cudaLaunchHostFunc calls, so a CUDA stream (or a captured graph) can drive the queue.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "ktf/moe.h"
+#include "ktf/pool.h"
+
+namespace ktf {
+
+class Queue;
+
+// A prepared batch: its jobs run together each time it is submitted (pointers stay valid: the
+// caller keeps the buffers alive; a job may read its token count through tokens_ptr).
+struct Batch {
+  Queue* queue = nullptr;
+  std::vector<Job> jobs;
+  // timestamps (steady clock, ns) of the latest run
+  int64_t submitted_ns = 0, started_ns = 0, finished_ns = 0;
+};
+
+struct BatchRecord {
+  const Batch* batch;
+  int64_t submitted_ns, started_ns, finished_ns;
+};
+
+class Queue {
+ public:
+  explicit Queue(std::shared_ptr<ThreadPool> pool);
+  ~Queue();  // finishes what was submitted, then stops; never waits for anything else
+  Queue(const Queue&) = delete;
+  Queue& operator=(const Queue&) = delete;
+
+  void submit(Batch* b);  // never blocks on work
+  void sync();            // waits, then rethrows the first error since the last sync
+  void wait();            // waits; errors stay for the next sync (for C callers)
+  ThreadPool& pool() { return *pool_; }
+  std::vector<BatchRecord> take_records();  // run times since the last call
+  void set_recording(bool on);
+
+ private:
+  void dispatch();
+  std::shared_ptr<ThreadPool> pool_;
+  std::mutex mutex_;
+  std::condition_variable work_, idle_;
+  std::deque<Batch*> pending_;
+  int in_flight_ = 0;
+  bool stop_ = false;
+  std::exception_ptr error_;
+  bool recording_ = false;
+  std::vector<BatchRecord> records_;
+  std::thread dispatcher_;
+};
+
+int64_t now_ns();
+
+}  // namespace ktf
+
+extern "C" {
+// ctx: a ktf::Batch*; enqueues it on its queue
+void ktf_submit(void* batch);
+// ctx: a ktf::Queue*; waits for everything submitted to it
+void ktf_sync(void* queue);
+}

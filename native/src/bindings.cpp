@@ -1,0 +1,243 @@
+// Python bindings (pybind11). Tensors cross as raw addresses with their shapes; the Python side
+// (ktflow/native.py) checks dtypes, shapes and contiguity before calling in.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "ktf/common.h"
+#include "ktf/moe.h"
+#include "ktf/pool.h"
+#include "ktf/queue.h"
+
+namespace py = pybind11;
+using namespace ktf;
+
+namespace {
+
+template <class T>
+T* ptr(uintptr_t a) {
+  return reinterpret_cast<T*>(a);
+}
+
+Format parse_format(const std::string& s) {
+  if (s == "bf16") return Format::BF16;
+  if (s == "int8") return Format::INT8;
+  if (s == "int4") return Format::INT4;
+  throw std::invalid_argument("unknown weight format '" + s + "' (bf16, int8 or int4)");
+}
+
+SrcType parse_src(const std::string& s) {
+  if (s == "float32") return SrcType::F32;
+  if (s == "float16") return SrcType::F16;
+  if (s == "bfloat16") return SrcType::BF16;
+  throw std::invalid_argument("unsupported source dtype '" + s + "' (float32, float16 or bfloat16)");
+}
+
+Path parse_path(const std::string& s) {
+  if (s == "auto") return Path::AUTO;
+  if (s == "generic") return Path::GENERIC;
+  if (s == "avx512") return Path::AVX512;
+  if (s == "amx") return Path::AMX;
+  throw std::invalid_argument("unknown kernel path '" + s + "' (auto, generic, avx512 or amx)");
+}
+
+// One packed matrix on its own, for kernel tests and benchmarks.
+struct PackedWeight {
+  PackedMatrix m;
+  PackedWeight(uintptr_t src, int n, int k, size_t ld, const std::string& dtype, const std::string& fmt, int group) {
+    pack_matrix(m, ptr<const void>(src), ld, n, k, parse_src(dtype), parse_format(fmt), group, NB, -1);
+  }
+  ~PackedWeight() { free_matrix(m, -1); }
+  // y [M, n] (fp32, row stride ldy) = x [M, k] (bf16, row stride ldx) . W^T
+  void matmul(uintptr_t x, size_t ldx, int M, uintptr_t y, size_t ldy, const std::string& path) {
+    Path p = resolve_path(parse_path(path), M);
+    MatmulFn fn = matmul_for(p);
+    std::vector<bf16> xp(size_t(M) * m.kp, 0);
+    for (int r = 0; r < M; ++r) std::memcpy(&xp[size_t(r) * m.kp], ptr<bf16>(x) + r * ldx, m.k * sizeof(bf16));
+    std::vector<float> yp(size_t(M) * m.np);
+    {
+      py::gil_scoped_release nogil;
+      fn(xp.data(), m.kp, M, m, 0, m.nblocks(), yp.data(), m.np);
+    }
+    for (int r = 0; r < M; ++r) std::memcpy(ptr<float>(y) + r * ldy, &yp[size_t(r) * m.np], m.n * sizeof(float));
+  }
+};
+
+py::memoryview bytes_view(void* p, size_t n) { return py::memoryview::from_memory(p, ssize_t(n)); }
+
+Job make_job(MoE& moe, uintptr_t x, size_t ldx, uintptr_t ids, uintptr_t weights, size_t ldr, int k0, int k1,
+             int tokens, uintptr_t tokens_ptr, uintptr_t out, size_t ldo, bool out_f32, bool accumulate,
+             const std::string& path) {
+  Job j;
+  j.moe = &moe;
+  j.x = ptr<const bf16>(x);
+  j.ldx = ldx;
+  j.ids = ptr<const int64_t>(ids);
+  j.weights = ptr<const float>(weights);
+  j.ldr = ldr;
+  j.k0 = k0;
+  j.k1 = k1;
+  j.tokens = tokens;
+  j.tokens_ptr = ptr<const int32_t>(tokens_ptr);
+  j.out = ptr<void>(out);
+  j.ldo = ldo;
+  j.out_f32 = out_f32;
+  j.accumulate = accumulate;
+  j.path = parse_path(path);
+  if (j.path != Path::AUTO) matmul_for(j.path);  // fail now if this CPU lacks it
+  return j;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "ktflow's native CPU MoE backend (see native/ and ktflow/native.py)";
+
+  m.def("cpu_features", [] {
+    const CpuFeatures& f = cpu_features();
+    py::dict d;
+    d["avx512"] = f.avx512;
+    d["avx512_bf16"] = f.avx512_bf16;
+    d["avx512_vnni"] = f.avx512_vnni;
+    d["amx"] = f.amx;
+    d["amx_int8"] = f.amx_int8;
+    return d;
+  });
+  m.def("paths", [] {
+    std::vector<std::string> out;
+    for (Path p : {Path::GENERIC, Path::AVX512, Path::AMX})
+      if (path_available(p)) out.push_back(path_name(p));
+    return out;
+  }, "kernel paths this CPU can run");
+  m.def("amx_crossover", &amx_crossover, "rows per expert from which AMX is used (measured once)");
+  m.def("set_amx_crossover", &set_amx_crossover);
+  m.def("calibrate_amx_crossover", [](int k) {
+    py::gil_scoped_release nogil;
+    return calibrate_amx_crossover(k);
+  });
+  m.def("now_ns", &now_ns);
+  m.def("submit_fn_ptr", [] { return reinterpret_cast<uintptr_t>(&ktf_submit); },
+        "address of void ktf_submit(void* batch), for cudaLaunchHostFunc");
+  m.def("sync_fn_ptr", [] { return reinterpret_cast<uintptr_t>(&ktf_sync); },
+        "address of void ktf_sync(void* queue), for cudaLaunchHostFunc");
+
+  py::class_<ThreadPool, std::shared_ptr<ThreadPool>>(m, "Pool")
+      .def(py::init<int, int, bool>(), py::arg("threads") = 0, py::arg("groups") = 0, py::arg("pin") = true)
+      .def_property_readonly("threads", &ThreadPool::threads)
+      .def_property_readonly("groups", &ThreadPool::groups)
+      .def("group_cpus", &ThreadPool::group_cpus)
+      .def("group_threads", &ThreadPool::group_threads)
+      .def("numa_node", &ThreadPool::numa_node);
+
+  py::class_<PackedWeight>(m, "PackedWeight")
+      .def(py::init<uintptr_t, int, int, size_t, const std::string&, const std::string&, int>(), py::arg("src"),
+           py::arg("n"), py::arg("k"), py::arg("ld"), py::arg("dtype"), py::arg("format"), py::arg("group") = 0)
+      .def_property_readonly("n", [](const PackedWeight& w) { return w.m.n; })
+      .def_property_readonly("k", [](const PackedWeight& w) { return w.m.k; })
+      .def_property_readonly("np", [](const PackedWeight& w) { return w.m.np; })
+      .def_property_readonly("kp", [](const PackedWeight& w) { return w.m.kp; })
+      .def_property_readonly("group", [](const PackedWeight& w) { return w.m.group; })
+      .def_property_readonly("nbytes", [](const PackedWeight& w) { return w.m.data_bytes(); })
+      .def("matmul", &PackedWeight::matmul);
+
+  py::class_<MoE, std::shared_ptr<MoE>>(m, "MoE")
+      .def(py::init([](std::shared_ptr<ThreadPool> pool, int experts, int hidden, int inter, const std::string& fmt,
+                       int group_size, std::vector<int> groups, std::vector<uint8_t> present) {
+             return std::make_shared<MoE>(pool, MoEShape{experts, hidden, inter, parse_format(fmt), group_size},
+                                          groups, present);
+           }),
+           py::arg("pool"), py::arg("experts"), py::arg("hidden"), py::arg("inter"), py::arg("format") = "bf16",
+           py::arg("group_size") = 0, py::arg("groups") = std::vector<int>{},
+           py::arg("present") = std::vector<uint8_t>{})
+      .def("pack",
+           [](MoE& self, std::vector<int> experts, std::vector<uintptr_t> gate, std::vector<uintptr_t> up,
+              std::vector<uintptr_t> down, size_t ld_gate, size_t ld_up, size_t ld_down, const std::string& dtype) {
+             if (gate.size() != experts.size() || up.size() != experts.size() || down.size() != experts.size())
+               throw std::invalid_argument("pack: one gate, up and down address per expert");
+             std::vector<MoE::Source> src;
+             for (size_t i = 0; i < experts.size(); ++i)
+               src.push_back({ptr<const void>(gate[i]), ptr<const void>(up[i]), ptr<const void>(down[i]), ld_gate, ld_up,
+                              ld_down});
+             SrcType t = parse_src(dtype);
+             py::gil_scoped_release nogil;
+             self.pack(experts, src, t);
+           })
+      .def_property_readonly("slices",
+                             [](const MoE& self) {
+                               std::vector<std::tuple<int, int, int, int>> out;
+                               for (auto& s : self.slices()) out.emplace_back(s.i0, s.i1, s.group, s.node);
+                               return out;
+                             })
+      .def_property_readonly("packed_bytes", &MoE::packed_bytes)
+      .def("is_packed", &MoE::packed)
+      .def("packed_arrays",
+           [](MoE& self, int slice, int expert, int which) {
+             PackedMatrix& P = self.matrix(slice, expert, which);
+             if (!P.data) throw std::runtime_error("expert " + std::to_string(expert) + " is not packed");
+             py::object scales = py::none();
+             if (P.scales) scales = bytes_view(P.scales, P.scale_count() * sizeof(float));
+             return py::make_tuple(bytes_view(P.data, P.data_bytes()), scales, P.np, P.kp, P.group);
+           },
+           "(data bytes, scale bytes or None, np, kp, group) of one packed matrix (which: 0 gate, 1 up, 2 down)")
+      .def("load_packed",
+           [](MoE& self, int expert, std::vector<std::tuple<uintptr_t, size_t, uintptr_t, size_t>> parts) {
+             // parts: per (slice, which) in order: (data address, bytes, scales address, bytes)
+             if (parts.size() != self.slices().size() * 3)
+               throw std::invalid_argument("load_packed: 3 matrices per slice expected");
+             self.allocate_expert(expert);
+             for (size_t s = 0; s < self.slices().size(); ++s)
+               for (int which = 0; which < 3; ++which) {
+                 PackedMatrix& P = self.matrix(int(s), expert, which);
+                 auto [data, nbytes, scales, sbytes] = parts[s * 3 + which];
+                 if (P.data_bytes() != nbytes || P.scale_count() * sizeof(float) != sbytes)
+                   throw std::invalid_argument("load_packed: a cached matrix has the wrong size for this layout");
+                 std::memcpy(P.data, ptr<void>(data), nbytes);
+                 if (sbytes) std::memcpy(P.scales, ptr<void>(scales), sbytes);
+               }
+             self.mark_packed(expert);
+           })
+      .def("forward",
+           [](MoE& self, uintptr_t x, size_t ldx, uintptr_t ids, uintptr_t weights, size_t ldr, int k0, int k1,
+              int tokens, uintptr_t out, size_t ldo, bool out_f32, bool accumulate, const std::string& path) {
+             std::vector<Job> jobs{make_job(self, x, ldx, ids, weights, ldr, k0, k1, tokens, 0, out, ldo, out_f32,
+                                            accumulate, path)};
+             py::gil_scoped_release nogil;
+             run_jobs(self.pool(), jobs);
+           },
+           "synchronous forward on the calling thread and the pool (addresses; see ktflow/native.py)");
+
+  py::class_<Queue, std::shared_ptr<Queue>>(m, "Queue")
+      .def(py::init<std::shared_ptr<ThreadPool>>())
+      .def("submit", [](Queue& q, Batch& b) {
+        if (b.queue != &q) throw std::invalid_argument("this batch was made for another queue");
+        q.submit(&b);
+      })
+      .def("sync", [](Queue& q) {
+        py::gil_scoped_release nogil;
+        q.sync();
+      })
+      .def_property_readonly("handle", [](Queue& q) { return reinterpret_cast<uintptr_t>(&q); })
+      .def("set_recording", &Queue::set_recording)
+      .def("take_records", [](Queue& q) {
+        std::vector<std::tuple<uintptr_t, int64_t, int64_t, int64_t>> out;
+        for (auto& r : q.take_records())
+          out.emplace_back(reinterpret_cast<uintptr_t>(r.batch), r.submitted_ns, r.started_ns, r.finished_ns);
+        return out;
+      });
+
+  py::class_<Batch, std::shared_ptr<Batch>>(m, "Batch")
+      .def(py::init([](Queue& q) {
+        auto b = std::make_shared<Batch>();
+        b->queue = &q;
+        return b;
+      }))
+      .def("add",
+           [](Batch& b, MoE& moe, uintptr_t x, size_t ldx, uintptr_t ids, uintptr_t weights, size_t ldr, int k0,
+              int k1, int tokens, uintptr_t tokens_ptr, uintptr_t out, size_t ldo, bool out_f32, bool accumulate,
+              const std::string& path) {
+             if (&moe.pool() != &b.queue->pool()) throw std::invalid_argument("operator and queue use different pools");
+             b.jobs.push_back(make_job(moe, x, ldx, ids, weights, ldr, k0, k1, tokens, tokens_ptr, out, ldo, out_f32,
+                                       accumulate, path));
+           })
+      .def_property_readonly("handle", [](Batch& b) { return reinterpret_cast<uintptr_t>(&b); })
+      .def_property_readonly("timing", [](Batch& b) { return py::make_tuple(b.submitted_ns, b.started_ns, b.finished_ns); });
+}

@@ -1,0 +1,113 @@
+// AMX kernels: bf16 tile matmul (TDPBF16PS) for many tokens per expert, where the work is matrix
+// throughput. Int8/int4 weights are dequantized block by block to bf16 (AVX-512) and then go
+// through the same tiles. Tiles: C 0-3 (2 token blocks x 2 output blocks), A 4-5, B 6-7.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "ktf/common.h"
+
+namespace ktf {
+
+void dequant_block_avx512_export(const PackedMatrix& W, int b, bf16* out);
+
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// C (fp32, stride ldc floats) = A rows [16 * NM] x B blocks [16 * NN] over kp.
+template <int NM, int NN>
+void tiles(const bf16* A, size_t lda, const bf16* B0, const bf16* B1, int kp, float* C, size_t ldc) {
+  _tile_zero(0);
+  if constexpr (NN == 2) _tile_zero(1);
+  if constexpr (NM == 2) {
+    _tile_zero(2);
+    if constexpr (NN == 2) _tile_zero(3);
+  }
+  const size_t stride = lda * sizeof(bf16);
+  for (int k = 0; k < kp; k += 32) {
+    _tile_loadd(4, A + k, stride);
+    _tile_loadd(6, B0 + size_t(k) * NB, 64);
+    if constexpr (NN == 2) _tile_loadd(7, B1 + size_t(k) * NB, 64);
+    if constexpr (NM == 2) _tile_loadd(5, A + 16 * lda + k, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NN == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (NM == 2) {
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NN == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  const size_t cs = ldc * sizeof(float);
+  _tile_stored(0, C, cs);
+  if constexpr (NN == 2) _tile_stored(1, C + 16, cs);
+  if constexpr (NM == 2) {
+    _tile_stored(2, C + 16 * ldc, cs);
+    if constexpr (NN == 2) _tile_stored(3, C + 16 * ldc + 16, cs);
+  }
+}
+
+using TileFn = void (*)(const bf16*, size_t, const bf16*, const bf16*, int, float*, size_t);
+constexpr TileFn kTiles[2][2] = {{tiles<1, 1>, tiles<1, 2>}, {tiles<2, 1>, tiles<2, 2>}};
+
+void matmul_amx(const bf16* X, size_t ldx, int M, const PackedMatrix& W, int nb0, int nb1, float* Y, size_t ldy) {
+  configure_tiles();
+  const size_t block = size_t(W.kp) * NB;  // bf16 elements per output block
+  thread_local std::vector<bf16> wstore, xstore;
+  thread_local std::vector<float> cstore;
+  const bf16* wbase;
+  if (W.fmt == Format::BF16) {
+    wbase = static_cast<const bf16*>(W.data) + nb0 * block;
+  } else {  // dequantize the blocks once, reuse them for every token block
+    wstore.resize((nb1 - nb0) * block + 32);
+    bf16* w = reinterpret_cast<bf16*>(round_up(reinterpret_cast<uintptr_t>(wstore.data()), 64));
+    for (int b = nb0; b < nb1; ++b) dequant_block_avx512_export(W, b, w + (b - nb0) * block);
+    wbase = w;
+  }
+  // token rows in whole tiles: the tail (M % 32 rows) goes through a zero-padded copy
+  const int full = M / 32 * 32;
+  const int tail = M - full;
+  const bf16* xt = nullptr;
+  if (tail) {
+    xstore.assign(32 * size_t(W.kp), 0);
+    for (int r = 0; r < tail; ++r) std::memcpy(&xstore[r * size_t(W.kp)], X + (full + r) * ldx, W.kp * sizeof(bf16));
+    xt = xstore.data();
+    cstore.resize(32 * 32);
+  }
+  const int nblocks = nb1 - nb0;
+  for (int b = 0; b < nblocks; b += 2) {
+    const int nn = std::min(2, nblocks - b);
+    const bf16* B0 = wbase + b * block;
+    const bf16* B1 = nn == 2 ? B0 + block : B0;
+    for (int m = 0; m < full; m += 32)
+      kTiles[1][nn - 1](X + m * ldx, ldx, B0, B1, W.kp, Y + m * ldy + b * NB, ldy);
+    if (tail) {
+      const int nm = tail > 16 ? 2 : 1;
+      kTiles[nm - 1][nn - 1](xt, W.kp, B0, B1, W.kp, cstore.data(), 32);
+      for (int r = 0; r < tail; ++r)
+        std::memcpy(Y + (full + r) * ldy + b * NB, &cstore[r * 32], nn * NB * sizeof(float));
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace
+
+Kernels amx_kernels() { return Kernels{matmul_amx}; }
+
+}  // namespace ktf

@@ -1,0 +1,111 @@
+// Portable kernels: plain C++ that is correct on any x86-64 CPU (and the reference the ISA
+// kernels are tested against). Compiled with the baseline flags only.
+#include <algorithm>
+#include <vector>
+
+#include "ktf/common.h"
+
+namespace ktf {
+
+const char* format_name(Format f) {
+  switch (f) {
+    case Format::BF16: return "bf16";
+    case Format::INT8: return "int8";
+    case Format::INT4: return "int4";
+  }
+  return "?";
+}
+
+const char* path_name(Path p) {
+  switch (p) {
+    case Path::AUTO: return "auto";
+    case Path::GENERIC: return "generic";
+    case Path::AVX512: return "avx512";
+    case Path::AMX: return "amx";
+  }
+  return "?";
+}
+
+size_t PackedMatrix::data_bytes() const {
+  size_t elems = size_t(np) * kp;
+  switch (fmt) {
+    case Format::BF16: return elems * 2;
+    case Format::INT8: return elems;
+    case Format::INT4: return elems / 2;
+  }
+  return 0;
+}
+
+float f16_to_f32(uint16_t h) {
+  uint32_t sign = uint32_t(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+  if (exp == 0) {
+    if (man == 0) {
+      u = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do { ++e; man <<= 1; } while (!(man & 0x400));
+      u = sign | uint32_t(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
+    }
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | man << 13;
+  } else {
+    u = sign | (exp + 127 - 15) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Weight (n, k) of a packed matrix as float (0 in the padding).
+static inline float packed_at(const PackedMatrix& W, int n, int k) {
+  int b = n / NB, j = n % NB;
+  switch (W.fmt) {
+    case Format::BF16: {
+      const bf16* d = static_cast<const bf16*>(W.data);
+      return bf16_to_f32(d[((size_t(b) * (W.kp / 2) + k / 2) * NB + j) * 2 + (k & 1)]);
+    }
+    case Format::INT8: {
+      const int8_t* d = static_cast<const int8_t*>(W.data);
+      float s = W.scales[(size_t(b) * (W.kp / W.group) + k / W.group) * NB + j];
+      return s * d[(size_t(b) * W.kp + k) * NB + j];
+    }
+    case Format::INT4: {
+      const uint8_t* d = static_cast<const uint8_t*>(W.data);
+      uint8_t byte = d[(size_t(b) * (W.kp / 2) + k / 2) * NB + j];
+      int q = int((k & 1) ? byte >> 4 : byte & 15) - 8;
+      float s = W.scales[(size_t(b) * (W.kp / W.group) + k / W.group) * NB + j];
+      return s * q;
+    }
+  }
+  return 0.f;
+}
+
+static void matmul_generic(const bf16* X, size_t ldx, int M, const PackedMatrix& W, int nb0, int nb1, float* Y,
+                           size_t ldy) {
+  std::vector<float> w(W.kp), x(size_t(M) * W.kp);
+  for (int m = 0; m < M; ++m)
+    for (int k = 0; k < W.kp; ++k) x[size_t(m) * W.kp + k] = bf16_to_f32(X[m * ldx + k]);
+  for (int b = nb0; b < nb1; ++b)
+    for (int j = 0; j < NB; ++j) {
+      for (int k = 0; k < W.kp; ++k) w[k] = packed_at(W, b * NB + j, k);
+      for (int m = 0; m < M; ++m) {
+        const float* xm = &x[size_t(m) * W.kp];
+        float acc = 0.f;
+        for (int k = 0; k < W.kp; ++k) acc += xm[k] * w[k];
+        Y[m * ldy + (b - nb0) * NB + j] = acc;
+      }
+    }
+}
+
+void dequant_to_bf16(const PackedMatrix& W, int nb0, int nb1, bf16* out) {
+  for (int b = nb0; b < nb1; ++b)
+    for (int kk = 0; kk < W.kp / 2; ++kk)
+      for (int j = 0; j < NB; ++j)
+        for (int e = 0; e < 2; ++e)
+          out[((size_t(b - nb0) * (W.kp / 2) + kk) * NB + j) * 2 + e] =
+              f32_to_bf16(packed_at(W, b * NB + j, 2 * kk + e));
+}
+
+Kernels generic_kernels() { return Kernels{matmul_generic}; }
+
+}  // namespace ktf

@@ -1,0 +1,465 @@
+#include "ktf/moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+namespace ktf {
+
+// ------------------------------------------------------------------------------------- packing
+
+namespace {
+
+inline float load_src(const void* p, size_t i, SrcType t) {
+  switch (t) {
+    case SrcType::F32: return static_cast<const float*>(p)[i];
+    case SrcType::F16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case SrcType::BF16: return bf16_to_f32(static_cast<const bf16*>(p)[i]);
+  }
+  return 0.f;
+}
+
+// Rows [r0, r1) (whole blocks) of W [n, k] into P.
+void pack_rows(PackedMatrix& P, const void* src, size_t ld, SrcType type, int r0, int r1) {
+  std::vector<float> row(P.kp, 0.f);
+  const int qmax = P.fmt == Format::INT8 ? 127 : 7;
+  for (int r = r0; r < r1; ++r) {
+    const int b = r / NB, j = r % NB;
+    if (r < P.n)
+      for (int k = 0; k < P.k; ++k) row[k] = load_src(src, size_t(r) * ld + k, type);
+    else
+      std::fill(row.begin(), row.end(), 0.f);
+    if (P.fmt == Format::BF16) {
+      bf16* d = static_cast<bf16*>(P.data);
+      for (int k = 0; k < P.kp; ++k) d[((size_t(b) * (P.kp / 2) + k / 2) * NB + j) * 2 + (k & 1)] = f32_to_bf16(row[k]);
+      continue;
+    }
+    for (int g0 = 0; g0 < P.kp; g0 += P.group) {
+      float amax = 0.f;
+      for (int k = g0; k < g0 + P.group; ++k) amax = std::max(amax, std::fabs(row[k]));
+      const float s = amax > 0.f ? amax / qmax : 1.f;
+      P.scales[(size_t(b) * (P.kp / P.group) + g0 / P.group) * NB + j] = s;
+      for (int k = g0; k < g0 + P.group; ++k) {
+        int q = int(std::nearbyint(row[k] / s));
+        q = std::clamp(q, -qmax, qmax);
+        if (P.fmt == Format::INT8) {
+          static_cast<int8_t*>(P.data)[(size_t(b) * P.kp + k) * NB + j] = int8_t(q);
+        } else {
+          uint8_t& byte = static_cast<uint8_t*>(P.data)[(size_t(b) * (P.kp / 2) + k / 2) * NB + j];
+          const uint8_t v = uint8_t(q + 8);
+          byte = (k & 1) ? uint8_t((byte & 0x0f) | (v << 4)) : uint8_t((byte & 0xf0) | v);
+        }
+      }
+    }
+  }
+}
+
+void allocate(PackedMatrix& P, int n, int k, Format fmt, int group, int n_align, int node) {
+  P.fmt = fmt;
+  P.n = n;
+  P.k = k;
+  P.np = int(round_up(std::max(n, 1), n_align));
+  if (fmt == Format::BF16) {
+    P.group = 0;
+    P.kp = int(round_up(std::max(k, 1), KALIGN));
+  } else {
+    if (fmt == Format::INT4 && group == 0) group = 128;
+    if (group != 0 && group % KALIGN != 0)
+      throw std::invalid_argument("quantization group size must be a multiple of 32, got " + std::to_string(group));
+    P.kp = int(round_up(std::max(k, 1), group ? group : KALIGN));
+    P.group = group ? group : P.kp;
+  }
+  P.data = alloc_on_node(P.data_bytes(), node);
+  std::memset(P.data, 0, P.data_bytes());
+  P.scales = P.scale_count() ? static_cast<float*>(alloc_on_node(P.scale_count() * sizeof(float), node)) : nullptr;
+}
+
+}  // namespace
+
+void pack_matrix(PackedMatrix& P, const void* src, size_t ld, int n, int k, SrcType type, Format fmt, int group,
+                 int n_align, int node) {
+  allocate(P, n, k, fmt, group, n_align, node);
+  pack_rows(P, src, ld, type, 0, P.np);
+}
+
+void free_matrix(PackedMatrix& P, int node) {
+  free_on_node(P.data, P.data_bytes(), node);
+  if (P.scales) free_on_node(P.scales, P.scale_count() * sizeof(float), node);
+  P.data = nullptr;
+  P.scales = nullptr;
+}
+
+// ------------------------------------------------------------------------------------- MoE
+
+MoE::MoE(std::shared_ptr<ThreadPool> pool, MoEShape shape, std::vector<int> groups, std::vector<uint8_t> present)
+    : pool_(std::move(pool)), shape_(shape), present_(std::move(present)) {
+  if (shape_.experts <= 0 || shape_.hidden <= 0 || shape_.inter <= 0)
+    throw std::invalid_argument("MoE: experts, hidden and inter must be positive");
+  if (present_.empty()) present_.assign(shape_.experts, 1);
+  if (int(present_.size()) != shape_.experts) throw std::invalid_argument("MoE: present mask needs one entry per expert");
+  packed_.assign(shape_.experts, 0);
+  if (groups.empty())
+    for (int g = 0; g < pool_->groups(); ++g) groups.push_back(g);
+  for (int g : groups)
+    if (g < 0 || g >= pool_->groups())
+      throw std::invalid_argument("MoE: pool group " + std::to_string(g) + " does not exist (the pool has " +
+                                  std::to_string(pool_->groups()) + ")");
+  // intermediate slices with boundaries on whole 32-row blocks; uneven sizes allowed, empty ones dropped
+  const int G = int(groups.size()), I = shape_.inter;
+  for (int s = 0; s < G; ++s) {
+    int a = std::min(I, int(round_up(size_t(I) * s / G, KALIGN)));
+    int b = s + 1 == G ? I : std::min(I, int(round_up(size_t(I) * (s + 1) / G, KALIGN)));
+    if (b <= a) continue;
+    Slice sl{a, b, groups[s], pool_->numa_node(groups[s]), {}, {}, {}};
+    sl.gate.resize(shape_.experts);
+    sl.up.resize(shape_.experts);
+    sl.down.resize(shape_.experts);
+    slices_.push_back(std::move(sl));
+  }
+  h.resize(slices_.size());
+  part.resize(slices_.size());
+}
+
+MoE::~MoE() {
+  for (Slice& s : slices_)
+    for (int e = 0; e < shape_.experts; ++e)
+      for (PackedMatrix* P : {&s.gate[e], &s.up[e], &s.down[e]}) free_matrix(*P, s.node);
+}
+
+PackedMatrix& MoE::matrix(int slice, int expert, int which) {
+  if (slice < 0 || slice >= int(slices_.size()) || expert < 0 || expert >= shape_.experts || which < 0 || which > 2)
+    throw std::out_of_range("MoE::matrix: no such slice/expert/matrix");
+  Slice& s = slices_[slice];
+  return which == 0 ? s.gate[expert] : which == 1 ? s.up[expert] : s.down[expert];
+}
+
+size_t MoE::packed_bytes() const {
+  size_t total = 0;
+  for (const Slice& s : slices_)
+    for (int e = 0; e < shape_.experts; ++e)
+      for (const PackedMatrix* P : {&s.gate[e], &s.up[e], &s.down[e]})
+        if (P->data) total += P->data_bytes() + P->scale_count() * sizeof(float);
+  return total;
+}
+
+namespace {
+struct PackWork {
+  PackedMatrix* P;
+  const void* src;
+  size_t ld;
+  int r0, r1;
+};
+struct PackCtx {
+  std::vector<std::vector<PackWork>> lists;
+  SrcType type;
+};
+void pack_task(void* ctx, int group, int i) {
+  auto* c = static_cast<PackCtx*>(ctx);
+  const PackWork& w = c->lists[group][i];
+  pack_rows(*w.P, w.src, w.ld, c->type, w.r0, w.r1);
+}
+}  // namespace
+
+void MoE::allocate_expert(int e) {
+  if (e < 0 || e >= shape_.experts || !present_[e])
+    throw std::invalid_argument("expert " + std::to_string(e) + " is not held by this operator");
+  const int H = shape_.hidden;
+  for (Slice& s : slices_) {
+    const int n = s.i1 - s.i0;
+    for (PackedMatrix* P : {&s.gate[e], &s.up[e], &s.down[e]}) free_matrix(*P, s.node);
+    // gate/up rows padded to whole 32-row blocks: they are the down product's K
+    allocate(s.gate[e], n, H, shape_.fmt, shape_.group_size, KALIGN, s.node);
+    allocate(s.up[e], n, H, shape_.fmt, shape_.group_size, KALIGN, s.node);
+    allocate(s.down[e], H, n, shape_.fmt, shape_.group_size, NB, s.node);
+  }
+  packed_[e] = 0;
+}
+
+void MoE::pack(const std::vector<int>& experts, const std::vector<Source>& sources, SrcType type) {
+  if (experts.size() != sources.size()) throw std::invalid_argument("MoE::pack: one source per expert");
+  PackCtx ctx;
+  ctx.type = type;
+  ctx.lists.resize(pool_->groups());
+  for (size_t x = 0; x < experts.size(); ++x) {
+    const int e = experts[x];
+    if (e < 0 || e >= shape_.experts || !present_[e])
+      throw std::invalid_argument("MoE::pack: expert " + std::to_string(e) + " is not held by this operator");
+    const Source& src = sources[x];
+    allocate_expert(e);
+    for (Slice& s : slices_) {
+      const auto* g = static_cast<const char*>(src.gate);
+      const auto* u = static_cast<const char*>(src.up);
+      const auto* d = static_cast<const char*>(src.down);
+      const size_t es = type == SrcType::F32 ? 4 : 2;
+      const PackWork items[3] = {{&s.gate[e], g + size_t(s.i0) * src.ld_gate * es, src.ld_gate, 0, 0},
+                                 {&s.up[e], u + size_t(s.i0) * src.ld_up * es, src.ld_up, 0, 0},
+                                 {&s.down[e], d + size_t(s.i0) * es, src.ld_down, 0, 0}};
+      for (const PackWork& it : items)
+        for (int r = 0; r < it.P->np; r += 256) {
+          PackWork w = it;
+          w.r0 = r;
+          w.r1 = std::min(it.P->np, r + 256);
+          ctx.lists[s.group].push_back(w);
+        }
+    }
+  }
+  std::vector<int> counts;
+  for (auto& l : ctx.lists) counts.push_back(int(l.size()));
+  pool_->run(counts, pack_task, &ctx);
+  for (int e : experts) packed_[e] = 1;
+}
+
+// ------------------------------------------------------------------------------------- forward
+
+namespace {
+
+struct ExpertRows {
+  int expert, row0, rows;
+};
+
+struct JobState {
+  Job* job;
+  MoE* moe;
+  int T = 0, H = 0, hp = 0;
+  std::vector<ExpertRows> experts;  // active experts, rows contiguous in the gathered block
+  std::vector<int> row_token;
+  std::vector<float> row_weight;
+  std::vector<int> token_row0, token_rows;  // CSR: token t's rows
+};
+
+struct Task {
+  int job, slice, expert, nb0, nb1;  // expert: index into JobState::experts (-1: not per expert)
+};
+
+struct PhaseCtx {
+  std::vector<JobState>* states;
+  std::vector<std::vector<Task>> lists;
+};
+
+inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+void route(JobState& st) {
+  Job& j = *st.job;
+  MoE& m = *st.moe;
+  const int E = m.shape().experts;
+  const auto& present = m.present();
+  std::vector<int> count(E, 0);
+  for (int t = 0; t < st.T; ++t)
+    for (int s = j.k0; s < j.k1; ++s) {
+      const int64_t id = j.ids[size_t(t) * j.ldr + s];
+      if (id == -1) continue;
+      if (id < 0 || id >= E)
+        throw std::out_of_range("expert id " + std::to_string(id) + " at token " + std::to_string(t) + ", slot " +
+                                std::to_string(s) + " is outside [0, " + std::to_string(E) + ")");
+      if (present[id]) ++count[id];
+    }
+  std::vector<int> start(E, 0);
+  int R = 0;
+  for (int e = 0; e < E; ++e)
+    if (count[e]) {
+      st.experts.push_back({e, R, count[e]});
+      start[e] = R;
+      R += count[e];
+    }
+  st.row_token.assign(R, 0);
+  st.row_weight.assign(R, 0.f);
+  st.token_row0.assign(st.T + 1, 0);
+  st.token_rows.assign(R, 0);
+  std::vector<int> fill = start;
+  for (int t = 0; t < st.T; ++t) {
+    st.token_row0[t + 1] = st.token_row0[t];
+    for (int s = j.k0; s < j.k1; ++s) {
+      const int64_t id = j.ids[size_t(t) * j.ldr + s];
+      if (id < 0 || !present[id]) continue;
+      const int r = fill[id]++;
+      st.row_token[r] = t;
+      st.row_weight[r] = j.weights[size_t(t) * j.ldr + s];
+      st.token_rows[st.token_row0[t + 1]++] = r;
+    }
+  }
+}
+
+// tasks of a phase go to the list of the pool group that owns their slice
+void gather_task(void* ctx, int group, int i) {
+  auto* c = static_cast<PhaseCtx*>(ctx);
+  const Task& tk = c->lists[group][i];
+  JobState& st = (*c->states)[tk.job];
+  const ExpertRows& er = st.experts[tk.expert];
+  for (int r = er.row0; r < er.row0 + er.rows; ++r) {
+    bf16* dst = st.moe->xg.data() + size_t(r) * st.hp;
+    std::memcpy(dst, st.job->x + size_t(st.row_token[r]) * st.job->ldx, size_t(st.H) * sizeof(bf16));
+    std::fill(dst + st.H, dst + st.hp, bf16(0));
+  }
+}
+
+void up_task(void* ctx, int group, int i) {
+  auto* c = static_cast<PhaseCtx*>(ctx);
+  const Task& tk = c->lists[group][i];
+  JobState& st = (*c->states)[tk.job];
+  MoE& m = *st.moe;
+  const ExpertRows& er = st.experts[tk.expert];
+  const MoE::Slice& sl = m.slices()[tk.slice];
+  const PackedMatrix& G = sl.gate[er.expert];
+  const PackedMatrix& U = sl.up[er.expert];
+  const int cols = (tk.nb1 - tk.nb0) * NB;
+  thread_local std::vector<float> yg, yu;
+  yg.resize(size_t(er.rows) * cols);
+  yu.resize(size_t(er.rows) * cols);
+  const MatmulFn mm = matmul_for(resolve_path(st.job->path, er.rows));
+  const bf16* X = m.xg.data() + size_t(er.row0) * st.hp;
+  mm(X, st.hp, er.rows, G, tk.nb0, tk.nb1, yg.data(), cols);
+  mm(X, st.hp, er.rows, U, tk.nb0, tk.nb1, yu.data(), cols);
+  const int kp = G.np;  // the slice's h row length
+  for (int r = 0; r < er.rows; ++r) {
+    bf16* h = m.h[tk.slice].data() + size_t(er.row0 + r) * kp + tk.nb0 * NB;
+    const float* g = &yg[size_t(r) * cols];
+    const float* u = &yu[size_t(r) * cols];
+    // h is bf16, as the reference computes SiLU(gate) * up in the activation dtype
+    for (int c2 = 0; c2 < cols; ++c2) h[c2] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu(bf16_to_f32(f32_to_bf16(g[c2]))))) *
+                                                          bf16_to_f32(f32_to_bf16(u[c2])));
+  }
+}
+
+void down_task(void* ctx, int group, int i) {
+  auto* c = static_cast<PhaseCtx*>(ctx);
+  const Task& tk = c->lists[group][i];
+  JobState& st = (*c->states)[tk.job];
+  MoE& m = *st.moe;
+  const ExpertRows& er = st.experts[tk.expert];
+  const MoE::Slice& sl = m.slices()[tk.slice];
+  const PackedMatrix& D = sl.down[er.expert];
+  const int kp = sl.gate[er.expert].np;
+  const MatmulFn mm = matmul_for(resolve_path(st.job->path, er.rows));
+  float* y = m.part[tk.slice].data() + size_t(er.row0) * st.hp + tk.nb0 * NB;
+  mm(m.h[tk.slice].data() + size_t(er.row0) * kp, kp, er.rows, D, tk.nb0, tk.nb1, y, st.hp);
+}
+
+void reduce_task(void* ctx, int group, int i) {
+  auto* c = static_cast<PhaseCtx*>(ctx);
+  const Task& tk = c->lists[group][i];
+  JobState& st = (*c->states)[tk.job];
+  const Job& j = *st.job;
+  MoE& m = *st.moe;
+  std::vector<float> acc(st.H);
+  for (int t = tk.nb0; t < tk.nb1; ++t) {
+    if (j.accumulate) {
+      if (j.out_f32)
+        std::memcpy(acc.data(), static_cast<const float*>(j.out) + size_t(t) * j.ldo, st.H * sizeof(float));
+      else
+        for (int x = 0; x < st.H; ++x) acc[x] = bf16_to_f32(static_cast<const bf16*>(j.out)[size_t(t) * j.ldo + x]);
+    } else {
+      std::fill(acc.begin(), acc.end(), 0.f);
+    }
+    for (size_t s = 0; s < m.slices().size(); ++s)
+      for (int q = st.token_row0[t]; q < st.token_row0[t + 1]; ++q) {
+        const int r = st.token_rows[q];
+        const float w = st.row_weight[r];
+        const float* y = m.part[s].data() + size_t(r) * st.hp;
+        for (int x = 0; x < st.H; ++x) acc[x] += w * y[x];
+      }
+    if (j.out_f32)
+      std::memcpy(static_cast<float*>(j.out) + size_t(t) * j.ldo, acc.data(), st.H * sizeof(float));
+    else
+      for (int x = 0; x < st.H; ++x) static_cast<bf16*>(j.out)[size_t(t) * j.ldo + x] = f32_to_bf16(acc[x]);
+  }
+}
+
+double weight_bytes(Format f) { return f == Format::BF16 ? 2.0 : f == Format::INT8 ? 1.0 : 0.5; }
+
+// output blocks per task: about 512 KB of weights, more when many rows share them (so the rows
+// are not re-read for every few blocks), fewer when that leaves too few tasks
+int blocks_per_task(int kp, double bpw, int rows, int blocks, int matrices) {
+  const double block_bytes = NB * double(kp) * bpw * matrices;
+  int nbt = std::max(1, int((512 << 10) / block_bytes));
+  nbt = std::max(nbt, (rows + 31) / 32);
+  return std::min(nbt, blocks);
+}
+
+void run_phase(ThreadPool& pool, PhaseCtx& ctx, ThreadPool::TaskFn fn) {
+  std::vector<int> counts;
+  size_t total = 0;
+  for (auto& l : ctx.lists) {
+    counts.push_back(int(l.size()));
+    total += l.size();
+  }
+  if (total) pool.run(counts, fn, &ctx);
+  for (auto& l : ctx.lists) l.clear();
+}
+
+}  // namespace
+
+void run_jobs(ThreadPool& pool, std::vector<Job>& jobs) {
+  std::vector<std::unique_lock<std::mutex>> locks;
+  std::vector<JobState> states(jobs.size());
+  for (size_t q = 0; q < jobs.size(); ++q) {
+    Job& j = jobs[q];
+    if (!j.moe) throw std::invalid_argument("job without an operator");
+    if (&j.moe->pool() != &pool) throw std::invalid_argument("job's operator belongs to another thread pool");
+    for (size_t p = 0; p < q; ++p)
+      if (jobs[p].moe == j.moe) throw std::invalid_argument("two jobs of one batch use the same operator");
+    locks.emplace_back(j.moe->busy);
+    JobState& st = states[q];
+    st.job = &j;
+    st.moe = j.moe;
+    st.T = j.tokens_ptr ? *j.tokens_ptr : j.tokens;
+    if (st.T < 0) throw std::invalid_argument("negative token count");
+    st.H = j.moe->shape().hidden;
+    st.hp = int(round_up(st.H, KALIGN));
+    if (j.k0 < 0 || j.k1 < j.k0 || size_t(j.k1) > j.ldr) throw std::invalid_argument("bad routing column range");
+    route(st);
+    for (const ExpertRows& er : st.experts)
+      if (!j.moe->packed(er.expert))
+        throw std::runtime_error("expert " + std::to_string(er.expert) + " was routed to but never packed");
+    const size_t R = st.row_token.size();
+    MoE& m = *j.moe;
+    if (m.xg.size() < R * st.hp) m.xg.resize(R * st.hp);
+    for (size_t s = 0; s < m.slices().size(); ++s) {
+      const size_t kp = round_up(m.slices()[s].i1 - m.slices()[s].i0, KALIGN);
+      if (m.h[s].size() < R * kp) m.h[s].resize(R * kp);
+      if (m.part[s].size() < R * st.hp) m.part[s].resize(R * st.hp);
+    }
+  }
+  PhaseCtx ctx{&states, std::vector<std::vector<Task>>(pool.groups())};
+  // gather: one task per (job, expert)
+  for (size_t q = 0; q < states.size(); ++q)
+    for (size_t a = 0; a < states[q].experts.size(); ++a)
+      ctx.lists[states[q].moe->slices()[a % states[q].moe->slices().size()].group].push_back({int(q), 0, int(a), 0, 0});
+  run_phase(pool, ctx, gather_task);
+  // up: (job, slice, expert, output blocks of gate/up)
+  for (size_t q = 0; q < states.size(); ++q) {
+    MoE& m = *states[q].moe;
+    const double bpw = weight_bytes(m.shape().fmt);
+    for (size_t s = 0; s < m.slices().size(); ++s)
+      for (size_t a = 0; a < states[q].experts.size(); ++a) {
+        const ExpertRows& er = states[q].experts[a];
+        const PackedMatrix& G = m.slices()[s].gate[er.expert];
+        const int nbt = blocks_per_task(G.kp, bpw, er.rows, G.nblocks(), 2);
+        for (int b = 0; b < G.nblocks(); b += nbt)
+          ctx.lists[m.slices()[s].group].push_back({int(q), int(s), int(a), b, std::min(G.nblocks(), b + nbt)});
+      }
+  }
+  run_phase(pool, ctx, up_task);
+  // down: (job, slice, expert, output columns)
+  for (size_t q = 0; q < states.size(); ++q) {
+    MoE& m = *states[q].moe;
+    const double bpw = weight_bytes(m.shape().fmt);
+    for (size_t s = 0; s < m.slices().size(); ++s)
+      for (size_t a = 0; a < states[q].experts.size(); ++a) {
+        const ExpertRows& er = states[q].experts[a];
+        const PackedMatrix& D = m.slices()[s].down[er.expert];
+        const int nbt = blocks_per_task(D.kp, bpw, er.rows, D.nblocks(), 1);
+        for (int b = 0; b < D.nblocks(); b += nbt)
+          ctx.lists[m.slices()[s].group].push_back({int(q), int(s), int(a), b, std::min(D.nblocks(), b + nbt)});
+      }
+  }
+  run_phase(pool, ctx, down_task);
+  // reduce: token ranges
+  for (size_t q = 0; q < states.size(); ++q) {
+    const int T = states[q].T, per = std::max(1, std::min(64, T / (4 * pool.threads()) + 1));
+    for (int t = 0, n = 0; t < T; t += per, ++n)
+      ctx.lists[n % pool.groups()].push_back({int(q), 0, -1, t, std::min(T, t + per)});
+  }
+  run_phase(pool, ctx, reduce_task);
+}
+
+}  // namespace ktf

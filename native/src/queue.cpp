@@ -1,0 +1,98 @@
+#include "ktf/queue.h"
+
+#include <chrono>
+
+namespace ktf {
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+Queue::Queue(std::shared_ptr<ThreadPool> pool) : pool_(std::move(pool)) {
+  dispatcher_ = std::thread([this] { dispatch(); });
+}
+
+Queue::~Queue() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  work_.notify_all();
+  dispatcher_.join();
+}
+
+void Queue::submit(Batch* b) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    b->submitted_ns = now_ns();
+    pending_.push_back(b);
+    ++in_flight_;
+  }
+  work_.notify_one();
+}
+
+void Queue::wait() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  idle_.wait(lock, [&] { return in_flight_ == 0; });
+}
+
+void Queue::sync() {
+  std::exception_ptr e;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    idle_.wait(lock, [&] { return in_flight_ == 0; });
+    std::swap(e, error_);
+  }
+  if (e) std::rethrow_exception(e);
+}
+
+void Queue::set_recording(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  recording_ = on;
+  records_.clear();
+}
+
+std::vector<BatchRecord> Queue::take_records() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<BatchRecord> out;
+  out.swap(records_);
+  return out;
+}
+
+void Queue::dispatch() {
+  for (;;) {
+    Batch* b;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      work_.wait(lock, [&] { return stop_ || !pending_.empty(); });
+      if (pending_.empty()) return;  // stopping, and everything submitted has run
+      b = pending_.front();
+      pending_.pop_front();
+    }
+    std::exception_ptr err;
+    b->started_ns = now_ns();
+    try {
+      run_jobs(*pool_, b->jobs);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    b->finished_ns = now_ns();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (err && !error_) error_ = err;
+      if (recording_) records_.push_back({b, b->submitted_ns, b->started_ns, b->finished_ns});
+      --in_flight_;
+    }
+    idle_.notify_all();
+  }
+}
+
+}  // namespace ktf
+
+extern "C" void ktf_submit(void* batch) {
+  auto* b = static_cast<ktf::Batch*>(batch);
+  b->queue->submit(b);
+}
+
+extern "C" void ktf_sync(void* queue) { static_cast<ktf::Queue*>(queue)->wait(); }
