@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from .backends import get_backend
+from .backends import get_backend, resolve_backend
 from .config import DTYPE_BY_NAME
 from .errors import ConfigError, InputError, PlanError
 from .hw import HwProfile, resolve_hw
@@ -95,7 +95,8 @@ class Compiled:
             if self._backend is None:
                 device = "cuda" if plan.device == "cuda" else "cpu"
                 dtype = TORCH_DTYPE[plan.ir.act_dtype]
-                self._backend = get_backend(self.plans.options.backend)(device, dtype)
+                name = resolve_backend(self.plans.options.backend, dtype)
+                self._backend = get_backend(name)(device, dtype, options=self.plans.options)
             self._backend.prepare(plan.ir, self.model.weights)
             self._executors[phase] = Executor(plan, self._backend)
         return self._executors[phase]

@@ -31,7 +31,10 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="where GPU-placed nodes run: cuda, or cpu to run a hybrid plan without a GPU "
                    "(default auto: cuda when torch sees one)")
-    g.add_argument("--backend", default="torch_ref", help="backend for the plan's steps (default torch_ref)")
+    g.add_argument("--backend", default="auto", help="backend for the plan's steps: torch_ref, native or null "
+                   "(default auto: native for bfloat16 plans where the native module is built)")
+    g.add_argument("--expert-format", default="bf16", choices=["bf16", "int8", "int4"],
+                   help="weight format of CPU routed experts in the native backend (default bf16)")
     g.add_argument("--placement", choices=["auto", "cpu", "gpu"], default="auto",
                    help="auto: by the cost model under the VRAM budget (default); cpu / gpu: everything there")
     g.add_argument("--defer", default=None, metavar="D",
@@ -47,6 +50,7 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
 
 def _options(a: argparse.Namespace) -> dict:
     opts = dict(max_seq_len=a.max_seq_len, max_batch=a.max_batch, dtype=a.dtype, device=a.device, backend=a.backend,
+                expert_format=a.expert_format,
                 placement=a.placement, vram_budget_gb=a.vram_budget_gb, numa=a.numa, numa_nodes=a.numa_nodes)
     if getattr(a, "routing_profile", None):
         opts["routing_profile"] = a.routing_profile
@@ -129,7 +133,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     else:
         compiled = ktflow.compile(model, hw=a.hw, **_options(a))
     eos = None if a.ignore_eos else list(model.config.eos_ids) or None
-    print(f"weights ready in {compiled.prepare():.2f} s ({compiled.plans.options.backend} on {compiled.prefill.device})")
+    print(f"weights ready in {compiled.prepare():.2f} s ({compiled.executor('prefill').backend.name} on {compiled.prefill.device})")
     out, st = generate_with_stats(compiled, ids, a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                                   seed=a.seed, eos_token_id=eos)
     _print_generation(ids, out, st, tok)
@@ -180,7 +184,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     print(f"compiled in {time.perf_counter() - t0:.2f} s")
     print(compiled.summary(), end="")
     ids = torch.randint(0, model.config.vocab_size, (1, a.prompt_tokens), generator=torch.Generator().manual_seed(0))
-    print(f"weights ready in {compiled.prepare():.2f} s ({compiled.plans.options.backend} on {compiled.prefill.device})")
+    print(f"weights ready in {compiled.prepare():.2f} s ({compiled.executor('prefill').backend.name} on {compiled.prefill.device})")
     ktflow.generate(compiled, ids[:, :4], 2)  # warm-up: first-call costs stay out of the timings below
     out, st = generate_with_stats(compiled, ids, a.max_new_tokens)
     _print_generation(ids, out, st, note="  (random weights: the tokens mean nothing)")

@@ -20,7 +20,10 @@ class CompileOptions(BaseModel):
     max_batch: int = Field(1, gt=0, description="largest batch the memory budget is planned for")
     dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
         None, description="activation/compute dtype; default the checkpoint's")
-    backend: str = Field("torch_ref", description="backend that runs the plan's steps")
+    backend: str = Field("auto", description="backend that runs the plan's steps: torch_ref, native (CPU experts "
+                         "on the C++ kernels) or null; auto = native for bfloat16 plans where it is built")
+    expert_format: Literal["bf16", "int8", "int4"] = Field(
+        "bf16", description="weight format of CPU routed experts in the native backend")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where GPU-placed nodes run: cuda, or cpu (the same hybrid plan on a machine without "
         "a GPU); auto = cuda when torch sees one")

@@ -3,21 +3,35 @@ registers in BACKENDS, a plain dict from name to class."""
 
 from __future__ import annotations
 
+import torch
+
 from ..errors import ConfigError
 from .base import Backend, StepContext
+from .cpu_native import NativeBackend
 from .null import NullBackend
 from .torch_ref import TorchRefBackend
 
 BACKENDS: dict[str, type] = {
     "torch_ref": TorchRefBackend,
+    "native": NativeBackend,
     "null": NullBackend,
 }
 
 
+def resolve_backend(name: str, act_dtype: torch.dtype) -> str:
+    """'auto' is 'native' where the native module is built and the plan computes in bfloat16
+    (its kernels take bf16 activations), else 'torch_ref'."""
+    if name != "auto":
+        return name
+    from .. import native
+
+    return "native" if native.available() and act_dtype == torch.bfloat16 else "torch_ref"
+
+
 def get_backend(name: str) -> type:
     if name not in BACKENDS:
-        raise ConfigError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
+        raise ConfigError(f"unknown backend {name!r}; available: auto, {', '.join(BACKENDS)}")
     return BACKENDS[name]
 
 
-__all__ = ["BACKENDS", "Backend", "StepContext", "get_backend"]
+__all__ = ["BACKENDS", "Backend", "StepContext", "get_backend", "resolve_backend"]

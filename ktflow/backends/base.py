@@ -25,8 +25,9 @@ class StepContext:
 class Backend(Protocol):
     name: str
 
-    def __init__(self, gpu_device: str, dtype: torch.dtype) -> None:
-        """GPU-placed nodes run on torch device `gpu_device` ("cuda", or "cpu" without a GPU)."""
+    def __init__(self, gpu_device: str, dtype: torch.dtype, options: Any = None) -> None:
+        """GPU-placed nodes run on torch device `gpu_device` ("cuda", or "cpu" without a GPU);
+        `options` are the plan's CompileOptions (backends read what concerns them)."""
 
     def prepare(self, graph: Graph, weights: WeightSource | None) -> None:
         """Make the weights of `graph`'s nodes ready (once; later calls with the same nodes are free)."""

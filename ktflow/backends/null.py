@@ -13,7 +13,7 @@ from ..ir.types import TOKENS
 class NullBackend:
     name = "null"
 
-    def __init__(self, gpu_device: str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(self, gpu_device: str = "cpu", dtype: torch.dtype = torch.float32, options=None):
         self.gpu_device, self.dtype = gpu_device, dtype
         self.calls: list[tuple[str, str, tuple[int, ...]]] = []
         self.prepared: list[str] = []

@@ -59,7 +59,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 class TorchRefBackend:
     name = "torch_ref"
 
-    def __init__(self, gpu_device: str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(self, gpu_device: str = "cpu", dtype: torch.dtype = torch.float32, options: Any = None):
         self.devices = {Device.CPU: torch.device("cpu"), Device.GPU: torch.device(gpu_device)}
         self.dtype = dtype
         self.weights: dict[str, Weights] = {}

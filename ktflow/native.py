@@ -1,0 +1,274 @@
+"""The native CPU MoE backend from Python: the module (`ktflow._native`, built from native/ by
+`pip install`), a process-wide thread pool and queue, and `ExpertOp`, one fused routed-experts
+operator with checked tensor arguments and an on-disk cache of its packed weights.
+
+Tensors cross into C++ as addresses; every call here checks dtype, shape, device and
+contiguity first, so the C++ side can trust what it gets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from .errors import ConfigError, KtflowError
+
+try:
+    from . import _native
+except ImportError as _e:  # not built (a source checkout without `pip install -e .`)
+    _native = None
+    _IMPORT_ERROR = str(_e)
+else:
+    _IMPORT_ERROR = ""
+
+FORMATS = ("bf16", "int8", "int4")
+PATHS = ("auto", "generic", "avx512", "amx")
+LAYOUT_VERSION = 1  # bump when the packed layout changes: old cache files are then ignored
+_SRC_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def available() -> bool:
+    return _native is not None
+
+
+def module():
+    if _native is None:
+        raise KtflowError(f"the native CPU backend is not built ({_IMPORT_ERROR}); run `pip install -e .` "
+                          "(or `make install`) in the ktflow checkout, which compiles native/")
+    return _native
+
+
+def cpu_features() -> dict[str, bool]:
+    return dict(module().cpu_features())
+
+
+def kernel_paths() -> list[str]:
+    """Kernel paths this CPU can run, slowest first (generic always)."""
+    return list(module().paths())
+
+
+_POOL = None
+_QUEUE = None
+
+
+def pool():
+    """The process-wide worker pool: KTFLOW_THREADS threads (default: every CPU this process may
+    use) in KTFLOW_NUMA_GROUPS groups (default: one per NUMA node; more gives virtual groups)."""
+    global _POOL
+    if _POOL is None:
+        threads = int(os.environ.get("KTFLOW_THREADS", "0") or 0)
+        groups = int(os.environ.get("KTFLOW_NUMA_GROUPS", "0") or 0)
+        _POOL = module().Pool(threads=threads, groups=groups, pin=os.environ.get("KTFLOW_PIN", "1") != "0")
+    return _POOL
+
+
+def queue():
+    """The process-wide asynchronous queue on `pool()`."""
+    global _QUEUE
+    if _QUEUE is None:
+        _QUEUE = module().Queue(pool())
+    return _QUEUE
+
+
+def _check(t: torch.Tensor, name: str, dtype: torch.dtype | Sequence[torch.dtype], shape: tuple) -> None:
+    dtypes = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+    if t.device.type != "cpu":
+        raise ConfigError(f"{name} must be a CPU tensor, got one on {t.device}")
+    if t.dtype not in dtypes:
+        raise ConfigError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ConfigError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.dim() and t.stride(-1) != 1:
+        raise ConfigError(f"{name} must be contiguous in its last dimension")
+
+
+class ExpertOp:
+    """Routed experts [experts, hidden, inter] held by this process (those in `held`), packed in
+    `fmt`, split over pool groups `groups` by intermediate slices (NUMA tensor parallel; default:
+    every group of the pool).
+
+    `forward(x, ids, weights)` computes, for every token t and pick s in `ranks`,
+        out[t] += weights[t, s] * down(silu(gate(x[t])) * up(x[t]))   for expert ids[t, s]
+    skipping picks of experts not held here and ids of -1.
+    """
+
+    def __init__(self, experts: int, hidden: int, inter: int, held: Sequence[int] | None = None, fmt: str = "bf16",
+                 group_size: int = 0, groups: Sequence[int] | None = None):
+        if fmt not in FORMATS:
+            raise ConfigError(f"expert weight format {fmt!r} is not one of {', '.join(FORMATS)}")
+        self.experts, self.hidden, self.inter, self.fmt, self.group_size = experts, hidden, inter, fmt, group_size
+        self.held = sorted(set(range(experts) if held is None else held))
+        bad = [e for e in self.held if not 0 <= e < experts]
+        if bad:
+            raise ConfigError(f"held experts {bad} are outside [0, {experts})")
+        present = [0] * experts
+        for e in self.held:
+            present[e] = 1
+        self.op = module().MoE(pool(), experts, hidden, inter, fmt, group_size, list(groups or []), present)
+
+    # ------------------------------------------------------------------------------ weights
+    def pack(self, tensors: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+             cache: str | os.PathLike | None = None, fingerprint: str = "") -> str:
+        """Pack every held expert from `tensors(e)` = (gate [inter, hidden], up [inter, hidden],
+        down [hidden, inter]), float32/float16/bfloat16. With `cache` (a directory), the packed
+        weights are read from, or else written to, a safetensors file named by `fingerprint`
+        plus the format and the split. Returns 'cache' or 'packed'."""
+        path = self.cache_file(cache, fingerprint) if cache else None
+        if path is not None and path.exists():
+            try:
+                self._load_cache(path)
+                return "cache"
+            except (KtflowError, OSError, ValueError, RuntimeError):
+                pass  # unreadable or stale: pack again and rewrite it
+        keep, gates, ups, downs, dtype = [], [], [], [], None
+        for e in self.held:
+            g, u, d = tensors(e)
+            for t, name, shape in ((g, "gate", (self.inter, self.hidden)), (u, "up", (self.inter, self.hidden)),
+                                   (d, "down", (self.hidden, self.inter))):
+                if t.dtype not in _SRC_DTYPES:
+                    raise ConfigError(f"expert {e} {name}: dtype {t.dtype} cannot be packed (float32, float16, bfloat16)")
+                _check(t, f"expert {e} {name}", t.dtype, shape)
+                if dtype is None:
+                    dtype = t.dtype
+                elif t.dtype != dtype:
+                    raise ConfigError(f"expert {e} {name}: dtype {t.dtype} differs from the other experts' {dtype}")
+            g, u, d = (t.contiguous() for t in (g, u, d))
+            keep.append((g, u, d))
+            gates.append(g.data_ptr()), ups.append(u.data_ptr()), downs.append(d.data_ptr())
+        if self.held:
+            self.op.pack(self.held, gates, ups, downs, self.hidden, self.hidden, self.inter, _SRC_DTYPES[dtype])
+        if path is not None:
+            self._save_cache(path, fingerprint)
+        return "packed"
+
+    def cache_file(self, cache: str | os.PathLike, fingerprint: str) -> Path:
+        key = json.dumps(dict(fp=fingerprint, fmt=self.fmt, group=self.group_size, slices=self.op.slices,
+                              held=self.held, shape=[self.experts, self.hidden, self.inter], layout=LAYOUT_VERSION),
+                         sort_keys=True)
+        return Path(cache) / f"experts-{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
+
+    def _save_cache(self, path: Path, fingerprint: str) -> None:
+        from safetensors.numpy import save_file
+
+        arrays = {}
+        for e in self.held:
+            for s in range(len(self.op.slices)):
+                for which in range(3):
+                    data, scales, *_ = self.op.packed_arrays(s, e, which)
+                    arrays[f"{e}.{s}.{which}.data"] = np.frombuffer(data, dtype=np.uint8)
+                    if scales is not None:
+                        arrays[f"{e}.{s}.{which}.scales"] = np.frombuffer(scales, dtype=np.uint8)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        try:
+            save_file(arrays, str(tmp), metadata=dict(fingerprint=fingerprint, format=self.fmt,
+                                                     layout=str(LAYOUT_VERSION)))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _load_cache(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="numpy") as f:
+            if f.metadata().get("layout") != str(LAYOUT_VERSION):
+                raise KtflowError(f"{path}: packed with another layout version")
+            names = set(f.keys())
+            for e in self.held:
+                parts, arrays = [], []
+                for s in range(len(self.op.slices)):
+                    for which in range(3):
+                        data = f.get_tensor(f"{e}.{s}.{which}.data")
+                        key = f"{e}.{s}.{which}.scales"
+                        scales = f.get_tensor(key) if key in names else np.zeros(0, np.uint8)
+                        arrays += [data, scales]
+                        parts.append((data.ctypes.data, data.nbytes, scales.ctypes.data if scales.nbytes else 0,
+                                      scales.nbytes))
+                self.op.load_packed(e, parts)
+
+    @property
+    def packed_bytes(self) -> int:
+        return self.op.packed_bytes
+
+    # ------------------------------------------------------------------------------ compute
+    def _job_args(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+                  ranks: tuple[int, int] | None, path: str) -> tuple:
+        t = x.shape[0] if x.dim() == 2 else -1
+        _check(x, "x", torch.bfloat16, (t, self.hidden))
+        if ids.dim() != 2 or ids.shape[0] != t:
+            raise ConfigError(f"ids must have shape [{t}, k], got {list(ids.shape)}")
+        k = ids.shape[1]
+        _check(ids, "ids", torch.int64, (t, k))
+        _check(weights, "weights", torch.float32, (t, k))
+        _check(out, "out", (torch.bfloat16, torch.float32), (t, self.hidden))
+        for name, v in (("ids", ids), ("weights", weights)):
+            if v.stride(0) != k:
+                raise ConfigError(f"{name} must be contiguous")
+        lo, hi = ranks if ranks is not None else (0, k)
+        if not 0 <= lo <= hi <= k:
+            raise ConfigError(f"ranks {ranks} are not a range of the {k} picks")
+        if path not in PATHS:
+            raise ConfigError(f"kernel path {path!r} is not one of {', '.join(PATHS)}")
+        return (x.data_ptr(), x.stride(0), ids.data_ptr(), weights.data_ptr(), k, lo, hi, t)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None = None,
+                accumulate: bool = False, ranks: tuple[int, int] | None = None, path: str = "auto") -> torch.Tensor:
+        """Synchronous fused MoE on the pool. x [T, hidden] bf16, ids [T, k] int64, weights [T, k]
+        fp32; out [T, hidden] bf16 or fp32 (new fp32 if None), added to when `accumulate`."""
+        if out is None:
+            out = torch.zeros(x.shape[0], self.hidden, dtype=torch.float32)
+        args = self._job_args(x, ids, weights, out, ranks, path)
+        self.op.forward(*args, out.data_ptr(), out.stride(0), out.dtype == torch.float32, accumulate, path)
+        return out
+
+
+class Batch:
+    """Jobs submitted to the queue together (their tasks share each phase). Keeps the tensors
+    it was given alive; `handle` is the address `ktf_submit` takes as its context."""
+
+    def __init__(self, q=None):
+        self.queue = q or queue()
+        self.native = module().Batch(self.queue)
+        self._keep: list[torch.Tensor] = []
+
+    def add(self, op: ExpertOp, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+            accumulate: bool = False, ranks: tuple[int, int] | None = None, path: str = "auto",
+            tokens: torch.Tensor | None = None) -> None:
+        """Add a forward into `out`. With `tokens` (an int32 CPU tensor of one element, pinned for
+        a CUDA graph), the token count is read from it each time the batch runs."""
+        args = op._job_args(x, ids, weights, out, ranks, path)
+        tptr = 0
+        if tokens is not None:
+            _check(tokens, "tokens", torch.int32, (1,))
+            tptr = tokens.data_ptr()
+        self.native.add(op.op, *args, tptr, out.data_ptr(), out.stride(0), out.dtype == torch.float32, accumulate, path)
+        self._keep += [x, ids, weights, out] + ([tokens] if tokens is not None else [])
+
+    @property
+    def handle(self) -> int:
+        return self.native.handle
+
+    def submit(self) -> None:
+        self.queue.submit(self.native)
+
+
+def sync() -> None:
+    """Wait for everything submitted to the process queue; raises the first error a job hit."""
+    if _QUEUE is not None:
+        try:
+            _QUEUE.sync()
+        except (ValueError, IndexError, RuntimeError) as e:
+            raise KtflowError(f"native CPU task failed: {e}") from None
+
+
+def c_entry_points() -> dict[str, int]:
+    """Addresses of `void ktf_submit(void* batch)` and `void ktf_sync(void* queue)` and the
+    queue's context pointer: what cudaLaunchHostFunc needs to drive the queue from a stream."""
+    m = module()
+    return dict(submit=m.submit_fn_ptr(), sync=m.sync_fn_ptr(), queue=queue().handle)
