@@ -59,22 +59,27 @@ void allocate(PackedMatrix& P, int n, int k, Format fmt, int group, int n_align,
   P.n = n;
   P.k = k;
   P.np = int(round_up(std::max(n, 1), n_align));
-  if (fmt == Format::BF16) {
-    P.group = 0;
-    P.kp = int(round_up(std::max(k, 1), KALIGN));
-  } else {
-    if (fmt == Format::INT4 && group == 0) group = 128;
-    if (group != 0 && group % KALIGN != 0)
-      throw std::invalid_argument("quantization group size must be a multiple of 32, got " + std::to_string(group));
-    P.kp = int(round_up(std::max(k, 1), group ? group : KALIGN));
-    P.group = group ? group : P.kp;
-  }
+  P.kp = padded_k(k, fmt, group);
+  P.group = fmt == Format::BF16 ? 0 : effective_group(fmt, group) ? effective_group(fmt, group) : P.kp;
   P.data = alloc_on_node(P.data_bytes(), node);
   std::memset(P.data, 0, P.data_bytes());
   P.scales = P.scale_count() ? static_cast<float*>(alloc_on_node(P.scale_count() * sizeof(float), node)) : nullptr;
 }
 
 }  // namespace
+
+int effective_group(Format fmt, int group) {
+  if (fmt == Format::BF16) return 0;
+  if (fmt == Format::INT4 && group == 0) group = 128;
+  if (group != 0 && group % KALIGN != 0)
+    throw std::invalid_argument("quantization group size must be a multiple of 32, got " + std::to_string(group));
+  return group;
+}
+
+int padded_k(int k, Format fmt, int group) {
+  const int g = effective_group(fmt, group);
+  return int(round_up(std::max(k, 1), g ? g : KALIGN));
+}
 
 void pack_matrix(PackedMatrix& P, const void* src, size_t ld, int n, int k, SrcType type, Format fmt, int group,
                  int n_align, int node) {
@@ -110,7 +115,7 @@ MoE::MoE(std::shared_ptr<ThreadPool> pool, MoEShape shape, std::vector<int> grou
     int a = std::min(I, int(round_up(size_t(I) * s / G, KALIGN)));
     int b = s + 1 == G ? I : std::min(I, int(round_up(size_t(I) * (s + 1) / G, KALIGN)));
     if (b <= a) continue;
-    Slice sl{a, b, groups[s], pool_->numa_node(groups[s]), {}, {}, {}};
+    Slice sl{a, b, padded_k(b - a, shape_.fmt, shape_.group_size), groups[s], pool_->numa_node(groups[s]), {}, {}, {}};
     sl.gate.resize(shape_.experts);
     sl.up.resize(shape_.experts);
     sl.down.resize(shape_.experts);
@@ -167,9 +172,9 @@ void MoE::allocate_expert(int e) {
   for (Slice& s : slices_) {
     const int n = s.i1 - s.i0;
     for (PackedMatrix* P : {&s.gate[e], &s.up[e], &s.down[e]}) free_matrix(*P, s.node);
-    // gate/up rows padded to whole 32-row blocks: they are the down product's K
-    allocate(s.gate[e], n, H, shape_.fmt, shape_.group_size, KALIGN, s.node);
-    allocate(s.up[e], n, H, shape_.fmt, shape_.group_size, KALIGN, s.node);
+    // gate/up rows padded to the down product's padded K (their output is its input)
+    allocate(s.gate[e], n, H, shape_.fmt, shape_.group_size, s.kp, s.node);
+    allocate(s.up[e], n, H, shape_.fmt, shape_.group_size, s.kp, s.node);
     allocate(s.down[e], H, n, shape_.fmt, shape_.group_size, NB, s.node);
   }
   packed_[e] = 0;
@@ -309,7 +314,7 @@ void up_task(void* ctx, int group, int i) {
   const bf16* X = m.xg.data() + size_t(er.row0) * st.hp;
   mm(X, st.hp, er.rows, G, tk.nb0, tk.nb1, yg.data(), cols);
   mm(X, st.hp, er.rows, U, tk.nb0, tk.nb1, yu.data(), cols);
-  const int kp = G.np;  // the slice's h row length
+  const int kp = sl.kp;  // the slice's h row length (== G.np)
   for (int r = 0; r < er.rows; ++r) {
     bf16* h = m.h[tk.slice].data() + size_t(er.row0 + r) * kp + tk.nb0 * NB;
     const float* g = &yg[size_t(r) * cols];
@@ -328,7 +333,7 @@ void down_task(void* ctx, int group, int i) {
   const ExpertRows& er = st.experts[tk.expert];
   const MoE::Slice& sl = m.slices()[tk.slice];
   const PackedMatrix& D = sl.down[er.expert];
-  const int kp = sl.gate[er.expert].np;
+  const int kp = sl.kp;
   const MatmulFn mm = matmul_for(resolve_path(st.job->path, er.rows));
   float* y = m.part[tk.slice].data() + size_t(er.row0) * st.hp + tk.nb0 * NB;
   mm(m.h[tk.slice].data() + size_t(er.row0) * kp, kp, er.rows, D, tk.nb0, tk.nb1, y, st.hp);
@@ -404,7 +409,7 @@ void run_jobs(ThreadPool& pool, std::vector<Job>& jobs) {
     st.T = j.tokens_ptr ? *j.tokens_ptr : j.tokens;
     if (st.T < 0) throw std::invalid_argument("negative token count");
     st.H = j.moe->shape().hidden;
-    st.hp = int(round_up(st.H, KALIGN));
+    st.hp = padded_k(st.H, j.moe->shape().fmt, j.moe->shape().group_size);  // the gate/up K
     if (j.k0 < 0 || j.k1 < j.k0 || size_t(j.k1) > j.ldr) throw std::invalid_argument("bad routing column range");
     route(st);
     for (const ExpertRows& er : st.experts)
@@ -414,7 +419,7 @@ void run_jobs(ThreadPool& pool, std::vector<Job>& jobs) {
     MoE& m = *j.moe;
     if (m.xg.size() < R * st.hp) m.xg.resize(R * st.hp);
     for (size_t s = 0; s < m.slices().size(); ++s) {
-      const size_t kp = round_up(m.slices()[s].i1 - m.slices()[s].i0, KALIGN);
+      const size_t kp = m.slices()[s].kp;
       if (m.h[s].size() < R * kp) m.h[s].resize(R * kp);
       if (m.part[s].size() < R * st.hp) m.part[s].resize(R * st.hp);
     }

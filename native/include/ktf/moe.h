@@ -67,6 +67,7 @@ class MoE {
 
   struct Slice {
     int i0, i1;  // intermediate rows [i0, i1)
+    int kp;      // padded length of those rows: the down product's K, the gate/up outputs' length
     int group;   // pool group that computes it
     int node;    // NUMA node its memory lives on (-1: any)
     std::vector<PackedMatrix> gate, up, down;
@@ -100,5 +101,9 @@ void run_jobs(ThreadPool& pool, std::vector<Job>& jobs);
 void pack_matrix(PackedMatrix& P, const void* src, size_t ld, int n, int k, SrcType type, Format fmt, int group,
                  int n_align, int node);
 void free_matrix(PackedMatrix& P, int node);
+// The quantization group `group` means for `fmt` (0: per channel; int4 defaults to 128), and the
+// padded K of a matrix with k columns (a multiple of 32 and of the group).
+int effective_group(Format fmt, int group);
+int padded_k(int k, Format fmt, int group);
 
 }  // namespace ktf

@@ -1,0 +1,158 @@
+"""The native kernels against float64 references: every weight format on every kernel path this
+CPU has (forced), shapes that are not multiples of the tile sizes, 1 to 600 tokens, the fused
+MoE with masked experts, deferral rank ranges, accumulate, and NUMA slices (virtual groups)."""
+
+import pytest
+import torch
+
+from ktflow import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native module not built")
+
+FORMATS = [("bf16", 0), ("int8", 0), ("int8", 64), ("int4", 0), ("int4", 32)]
+# relative error of the result against float64 math on the unquantized weights
+TOL = {"bf16": 1e-2, "int8": 3e-2, "int4": 0.3}  # int4: two quantized products compound
+
+
+def paths():
+    return native.kernel_paths()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("path", ["generic", "avx512", "amx"])
+@pytest.mark.parametrize("fmt,group", FORMATS)
+def test_matmul_matches_float64(path, fmt, group):
+    if path not in paths():
+        pytest.skip(f"this CPU has no {path} path")
+    g = torch.Generator().manual_seed(hash((path, fmt, group)) % 1000)
+    n, k = 100, 200  # neither a multiple of 16 nor of 32 (k is padded to a multiple of 64 for group 64)
+    w = torch.randn(n, k, generator=g)
+    pw = native.module().PackedWeight(w.data_ptr(), n, k, k, "float32", fmt, group)
+    for m in (1, 3, 8, 9, 17, 33, 40):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        y = torch.empty(m, n)
+        pw.matmul(x.data_ptr(), k, m, y.data_ptr(), n, path)
+        ref = x.double() @ w.double().T
+        assert rel(y, ref) < TOL[fmt], (m, rel(y, ref))
+
+
+@pytest.mark.parametrize("fmt,group", FORMATS)
+def test_paths_agree_on_the_same_packed_weights(fmt, group):
+    """Every path computes the same product of the same quantized weights (up to fp32 summation order)."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 48, 160
+    w = torch.randn(n, k, generator=g)
+    pw = native.module().PackedWeight(w.data_ptr(), n, k, k, "float32", fmt, group)
+    x = torch.randn(37, k, generator=g).bfloat16()
+    outs = {}
+    for p in paths():
+        y = torch.empty(37, n)
+        pw.matmul(x.data_ptr(), k, 37, y.data_ptr(), n, p)
+        outs[p] = y
+    for p, y in outs.items():
+        assert rel(y, outs["generic"]) < 2e-3, p  # AMX/bf16 dequantization rounds the weights to bf16
+
+
+def reference_moe(x, ids, wts, gate, up, down, held, ranks):
+    """float64 fused MoE on the bf16-rounded inputs."""
+    lo, hi = ranks
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    xd = x.double()
+    for t in range(x.shape[0]):
+        for s in range(lo, hi):
+            e = int(ids[t, s])
+            if e < 0 or e not in held:
+                continue
+            h = torch.nn.functional.silu(gate[e].double() @ xd[t]) * (up[e].double() @ xd[t])
+            out[t] += float(wts[t, s]) * (down[e].double() @ h)
+    return out
+
+
+def make_experts(E, H, I, seed):
+    g = torch.Generator().manual_seed(seed)
+    gate = (torch.randn(E, I, H, generator=g) / H ** 0.5).bfloat16()
+    up = (torch.randn(E, I, H, generator=g) / H ** 0.5).bfloat16()
+    down = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16()
+    return gate, up, down
+
+
+def routing(T, E, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).long()
+    wts = torch.rand(T, k, generator=g)
+    return ids, wts
+
+
+CASES = [  # (T, k, E, path, format, group)
+    (1, 1, 4, "avx512", "bf16", 0), (1, 8, 16, "auto", "bf16", 0), (2, 6, 16, "auto", "int8", 0),
+    (7, 2, 8, "generic", "bf16", 0), (16, 8, 16, "avx512", "int4", 32), (33, 6, 12, "avx512", "int8", 64),
+    (64, 8, 16, "amx", "bf16", 0), (130, 2, 8, "amx", "int8", 0), (250, 6, 16, "auto", "int4", 0),
+    (600, 8, 16, "amx", "bf16", 0), (600, 8, 16, "avx512", "bf16", 0), (600, 1, 4, "auto", "int8", 0),
+]
+
+
+@pytest.mark.parametrize("T,k,E,path,fmt,group", CASES)
+@pytest.mark.parametrize("groups", [[0], "all"])
+def test_fused_moe_matches_float64(T, k, E, path, fmt, group, groups):
+    if path not in ("auto", *paths()):
+        pytest.skip(f"this CPU has no {path} path")
+    H, I = 200, 72  # not multiples of 16/32: padded inside
+    gate, up, down = make_experts(E, H, I, seed=T * 31 + k)
+    held = set(range(E)) - {1, E - 2}  # two experts live elsewhere (masked)
+    pool_groups = None if groups == "all" else groups
+    op = native.ExpertOp(E, H, I, held=held, fmt=fmt, group_size=group, groups=pool_groups)
+    op.pack(lambda e: (gate[e], up[e], down[e]))
+    ids, wts = routing(T, E, k, seed=T + k)
+    if T > 1:
+        ids[0, 0] = -1  # a padding pick
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).bfloat16()
+    ranks = (0, k) if k < 3 else (1, k)  # a deferral-style slice of the picks
+    ref = reference_moe(x, ids, wts, gate, up, down, held, ranks)
+    out = op.forward(x, ids, wts, ranks=ranks, path=path)
+    assert rel(out, ref) < TOL[fmt]
+    # accumulate adds into what is there; bf16 output works too
+    base = torch.randn(T, H).bfloat16()
+    acc = base.clone()
+    op.forward(x, ids, wts, out=acc, accumulate=True, ranks=ranks, path=path)
+    assert rel(acc.double() - base.double(), ref) < TOL[fmt] + 1e-2
+
+
+def test_numa_slices_sum_to_the_whole(monkeypatch):
+    """Splitting over two groups (intermediate slices + reduce) gives the unsplit result."""
+    pool = native.pool()
+    if pool.groups < 2:
+        pytest.skip("pool has one group (set KTFLOW_NUMA_GROUPS=2 to exercise the split)")
+    E, H, I = 8, 96, 100
+    gate, up, down = make_experts(E, H, I, seed=5)
+    one = native.ExpertOp(E, H, I, groups=[0])
+    two = native.ExpertOp(E, H, I, groups=[0, 1])
+    assert len(two.op.slices) == 2 and two.op.slices[0][1] % 32 == 0  # slice boundary on a 32-row block
+    for op in (one, two):
+        op.pack(lambda e: (gate[e], up[e], down[e]))
+    ids, wts = routing(20, E, 3, seed=1)
+    x = torch.randn(20, H).bfloat16()
+    a, b = one.forward(x, ids, wts), two.forward(x, ids, wts)
+    assert rel(b, a) < 1e-5
+
+
+def test_bad_arguments_name_the_tensor():
+    op = native.ExpertOp(4, 64, 32)
+    gate, up, down = make_experts(4, 64, 32, seed=0)
+    op.pack(lambda e: (gate[e], up[e], down[e]))
+    x = torch.randn(3, 64).bfloat16()
+    ids, wts = routing(3, 4, 2, seed=0)
+    with pytest.raises(Exception, match="x must be torch.bfloat16"):
+        op.forward(x.float(), ids, wts)
+    with pytest.raises(Exception, match=r"weights must have shape \[3, 2\]"):
+        op.forward(x, ids, wts[:, :1].contiguous())
+    with pytest.raises(Exception, match="ids must be torch.int64"):
+        op.forward(x, ids.int(), wts)
+    with pytest.raises(Exception, match="outside"):
+        op.forward(x, torch.full((3, 2), 9, dtype=torch.int64), wts)
+    with pytest.raises(Exception, match="format"):
+        native.ExpertOp(4, 64, 32, fmt="fp8")
+    with pytest.raises(Exception, match="multiple of 32"):
+        native.ExpertOp(4, 64, 32, fmt="int8", group_size=48).pack(lambda e: (gate[e], up[e], down[e]))
