@@ -48,6 +48,7 @@ class ParallelBuildExt(build_ext):
 
 setup(
     ext_modules=[Extension("ktflow._native", sorted(str(p.relative_to(HERE)) for p in (NATIVE / "src").glob("*.cpp")),
+                           depends=sorted(str(p.relative_to(HERE)) for p in (NATIVE / "include").rglob("*.h")),
                            language="c++", extra_link_args=["-pthread", "-ldl"])],
     cmdclass={"build_ext": ParallelBuildExt},
 )

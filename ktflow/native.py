@@ -8,6 +8,7 @@ contiguity first, so the C++ side can trust what it gets.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -55,6 +56,18 @@ def kernel_paths() -> list[str]:
 
 _POOL = None
 _QUEUE = None
+_INFLIGHT: list = []  # batches submitted since the last sync: kept alive until it
+
+
+@atexit.register
+def _drain() -> None:
+    """Let submitted work finish before the interpreter tears down the tensors it uses."""
+    if _QUEUE is not None:
+        try:
+            _QUEUE.sync()
+        except Exception:  # noqa: BLE001 - exiting; the error was the caller's to collect
+            pass
+        _INFLIGHT.clear()
 
 
 def pool():
@@ -255,6 +268,7 @@ class Batch:
         return self.native.handle
 
     def submit(self) -> None:
+        _INFLIGHT.append(self)
         self.queue.submit(self.native)
 
 
@@ -265,6 +279,8 @@ def sync() -> None:
             _QUEUE.sync()
         except (ValueError, IndexError, RuntimeError) as e:
             raise KtflowError(f"native CPU task failed: {e}") from None
+        finally:
+            _INFLIGHT.clear()
 
 
 def c_entry_points() -> dict[str, int]:

@@ -1,0 +1,285 @@
+// Native tests without Python, built with AddressSanitizer + UndefinedBehaviorSanitizer by
+// `make native-test` (part of `make test`): kernels and the fused MoE against a double-precision
+// reference on every path this CPU has, the thread pool under many small runs and exceptions, the
+// queue (errors surface at sync, C entry points, shutdown with work pending).
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ktf/common.h"
+#include "ktf/moe.h"
+#include "ktf/pool.h"
+#include "ktf/queue.h"
+
+using namespace ktf;
+
+static int failures = 0;
+#define CHECK(cond, ...)                                   \
+  do {                                                     \
+    if (!(cond)) {                                         \
+      ++failures;                                          \
+      std::fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+      std::fprintf(stderr, __VA_ARGS__);                   \
+      std::fprintf(stderr, "\n");                          \
+    }                                                      \
+  } while (0)
+
+static std::vector<bf16> random_bf16(size_t n, std::mt19937& rng, float scale) {
+  std::normal_distribution<float> d(0.f, scale);
+  std::vector<bf16> v(n);
+  for (auto& x : v) x = f32_to_bf16(d(rng));
+  return v;
+}
+
+static double rel_err(const std::vector<double>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+static double tol(Format f) { return f == Format::BF16 ? 1e-2 : f == Format::INT8 ? 3e-2 : 0.3; }
+
+static void test_matmul(Path path, Format fmt, int group) {
+  std::mt19937 rng(7);
+  const int n = 100, k = 200;
+  auto w = random_bf16(size_t(n) * k, rng, 1.f);
+  PackedMatrix P;
+  pack_matrix(P, w.data(), k, n, k, SrcType::BF16, fmt, group, NB, -1);
+  for (int M : {1, 3, 8, 9, 17, 40}) {
+    auto x = random_bf16(size_t(M) * P.kp, rng, 1.f);
+    for (int r = 0; r < M; ++r)
+      for (int c = k; c < P.kp; ++c) x[size_t(r) * P.kp + c] = 0;
+    std::vector<float> y(size_t(M) * P.np);
+    matmul_for(path)(x.data(), P.kp, M, P, 0, P.nblocks(), y.data(), P.np);
+    std::vector<double> got, ref;
+    for (int r = 0; r < M; ++r)
+      for (int c = 0; c < n; ++c) {
+        double acc = 0;
+        for (int q = 0; q < k; ++q) acc += double(bf16_to_f32(x[size_t(r) * P.kp + q])) * bf16_to_f32(w[size_t(c) * k + q]);
+        ref.push_back(acc);
+        got.push_back(y[size_t(r) * P.np + c]);
+      }
+    const double e = rel_err(got, ref);
+    CHECK(e < tol(fmt), "matmul %s %s group %d M %d: rel err %g", path_name(path), format_name(fmt), group, M, e);
+  }
+  free_matrix(P, -1);
+}
+
+struct Experts {
+  int E, H, I;
+  std::vector<bf16> gate, up, down;
+};
+
+static Experts make_experts(int E, int H, int I, std::mt19937& rng) {
+  return {E, H, I, random_bf16(size_t(E) * I * H, rng, 1.f / std::sqrt(float(H))),
+          random_bf16(size_t(E) * I * H, rng, 1.f / std::sqrt(float(H))),
+          random_bf16(size_t(E) * H * I, rng, 1.f / std::sqrt(float(I)))};
+}
+
+static std::vector<double> reference(const Experts& x, const std::vector<bf16>& in, const std::vector<int64_t>& ids,
+                                     const std::vector<float>& wts, int T, int k, int k0, int k1,
+                                     const std::vector<uint8_t>& present) {
+  std::vector<double> out(size_t(T) * x.H, 0.0), h(x.I);
+  for (int t = 0; t < T; ++t)
+    for (int s = k0; s < k1; ++s) {
+      const int64_t e = ids[size_t(t) * k + s];
+      if (e < 0 || !present[e]) continue;
+      for (int i = 0; i < x.I; ++i) {
+        double g = 0, u = 0;
+        for (int c = 0; c < x.H; ++c) {
+          const double v = bf16_to_f32(in[size_t(t) * x.H + c]);
+          g += v * bf16_to_f32(x.gate[(size_t(e) * x.I + i) * x.H + c]);
+          u += v * bf16_to_f32(x.up[(size_t(e) * x.I + i) * x.H + c]);
+        }
+        h[i] = g / (1 + std::exp(-g)) * u;
+      }
+      for (int c = 0; c < x.H; ++c) {
+        double acc = 0;
+        for (int i = 0; i < x.I; ++i) acc += h[i] * bf16_to_f32(x.down[(size_t(e) * x.H + c) * x.I + i]);
+        out[size_t(t) * x.H + c] += wts[size_t(t) * k + s] * acc;
+      }
+    }
+  return out;
+}
+
+static void test_moe(std::shared_ptr<ThreadPool> pool, int T, int k, int E, Path path, Format fmt, int group,
+                     std::vector<int> groups, std::mt19937& rng) {
+  const int H = 200, I = 72;
+  Experts x = make_experts(E, H, I, rng);
+  std::vector<uint8_t> present(E, 1);
+  present[1] = 0;
+  MoE moe(pool, MoEShape{E, H, I, fmt, group}, groups, present);
+  std::vector<int> held;
+  std::vector<MoE::Source> src;
+  for (int e = 0; e < E; ++e)
+    if (present[e]) {
+      held.push_back(e);
+      src.push_back({&x.gate[size_t(e) * I * H], &x.up[size_t(e) * I * H], &x.down[size_t(e) * H * I], size_t(H),
+                     size_t(H), size_t(I)});
+    }
+  moe.pack(held, src, SrcType::BF16);
+  auto in = random_bf16(size_t(T) * H, rng, 1.f);
+  std::vector<int64_t> ids(size_t(T) * k);
+  std::vector<float> wts(size_t(T) * k);
+  std::uniform_real_distribution<float> u(0.f, 1.f);
+  for (int t = 0; t < T; ++t) {
+    std::vector<int64_t> perm(E);
+    for (int e = 0; e < E; ++e) perm[e] = e;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int s = 0; s < k; ++s) {
+      ids[size_t(t) * k + s] = perm[s];
+      wts[size_t(t) * k + s] = u(rng);
+    }
+  }
+  if (T > 1) ids[0] = -1;
+  const int k0 = k > 2 ? 1 : 0;
+  std::vector<float> out(size_t(T) * H, 0.f);
+  std::vector<Job> jobs(1);
+  Job& j = jobs[0];
+  j.moe = &moe;
+  j.x = in.data();
+  j.ldx = H;
+  j.ids = ids.data();
+  j.weights = wts.data();
+  j.ldr = k;
+  j.k0 = k0;
+  j.k1 = k;
+  j.tokens = T;
+  j.out = out.data();
+  j.out_f32 = true;
+  j.ldo = H;
+  j.path = path;
+  run_jobs(*pool, jobs);
+  auto ref = reference(x, in, ids, wts, T, k, k0, k, present);
+  std::vector<double> got(out.begin(), out.end());
+  const double e = rel_err(got, ref);
+  CHECK(e < tol(fmt), "moe T %d k %d E %d %s %s group %d slices %zu: rel err %g", T, k, E, path_name(path),
+        format_name(fmt), group, moe.slices().size(), e);
+  // accumulate: a second run adds the same again
+  j.accumulate = true;
+  run_jobs(*pool, jobs);
+  for (size_t i = 0; i < got.size(); ++i) got[i] = out[i] / 2.0;
+  CHECK(rel_err(got, ref) < tol(fmt), "moe accumulate: rel err %g", rel_err(got, ref));
+}
+
+static void test_pool_stress(std::shared_ptr<ThreadPool> pool) {
+  std::atomic<long> sum{0};
+  for (int run = 0; run < 2000; ++run) {
+    std::vector<int> counts(pool->groups(), 0);
+    for (int g = 0; g < pool->groups(); ++g) counts[g] = (run * 7 + g) % 13;
+    long want = 0;
+    for (int c : counts) want += long(c) * (c - 1) / 2;
+    sum = 0;
+    pool->run(counts, [](void* ctx, int, int i) { static_cast<std::atomic<long>*>(ctx)->fetch_add(i); }, &sum);
+    CHECK(sum == want, "pool run %d: sum %ld, want %ld", run, sum.load(), want);
+  }
+  bool threw = false;
+  try {
+    pool->run(std::vector<int>(pool->groups(), 50), [](void*, int, int i) {
+      if (i == 17) throw std::runtime_error("task 17 failed");
+    }, nullptr);
+  } catch (const std::runtime_error& e) {
+    threw = std::string(e.what()) == "task 17 failed";
+  }
+  CHECK(threw, "a task's exception reaches the caller of run()");
+  sum = 0;
+  pool->run(std::vector<int>(pool->groups(), 3), [](void* ctx, int, int) { static_cast<std::atomic<long>*>(ctx)->fetch_add(1); }, &sum);
+  CHECK(sum == 3 * pool->groups(), "the pool works after an exception");
+}
+
+static void test_queue(std::shared_ptr<ThreadPool> pool, std::mt19937& rng) {
+  const int E = 4, H = 64, I = 32, T = 3, k = 2;
+  Experts x = make_experts(E, H, I, rng);
+  MoE moe(pool, MoEShape{E, H, I, Format::BF16, 0}, {}, {});
+  std::vector<int> held{0, 1, 2, 3};
+  std::vector<MoE::Source> src;
+  for (int e = 0; e < E; ++e)
+    src.push_back({&x.gate[size_t(e) * I * H], &x.up[size_t(e) * I * H], &x.down[size_t(e) * H * I], size_t(H), size_t(H),
+                   size_t(I)});
+  moe.pack(held, src, SrcType::BF16);
+  auto in = random_bf16(size_t(T) * H, rng, 1.f);
+  std::vector<int64_t> ids{0, 1, 2, 3, 1, 2}, bad{0, 9, 2, 3, 1, 2};
+  std::vector<float> wts{0.5f, 0.5f, 1.f, 0.2f, 0.3f, 0.7f};
+  std::vector<float> out(size_t(T) * H, 0.f);
+  int32_t tokens = T;
+  auto job = [&](const std::vector<int64_t>& which) {
+    Job j;
+    j.moe = &moe;
+    j.x = in.data();
+    j.ldx = H;
+    j.ids = which.data();
+    j.weights = wts.data();
+    j.ldr = k;
+    j.k1 = k;
+    j.tokens_ptr = &tokens;
+    j.out = out.data();
+    j.out_f32 = true;
+    j.ldo = H;
+    j.accumulate = true;
+    return j;
+  };
+  {
+    auto owner = std::make_unique<Queue>(pool);
+    Queue& q = *owner;
+    Batch good{&q, {job(ids)}}, broken{&q, {job(bad)}};
+    for (int i = 0; i < 500; ++i) ktf_submit(&good);  // the C entry points, as a CUDA stream calls them
+    ktf_sync(&q);
+    auto ref = reference(x, in, ids, wts, T, k, 0, k, std::vector<uint8_t>(E, 1));
+    std::vector<double> got(out.begin(), out.end());
+    for (auto& v : got) v /= 500.0;
+    CHECK(rel_err(got, ref) < 1e-2, "500 queued runs accumulate: rel err %g", rel_err(got, ref));
+    q.submit(&broken);
+    q.submit(&good);
+    bool threw = false;
+    try {
+      q.sync();
+    } catch (const std::out_of_range& e) {
+      threw = std::string(e.what()).find("expert id 9") != std::string::npos;
+    }
+    CHECK(threw, "a failing job's error surfaces at sync");
+    q.sync();  // reported once
+    for (int i = 0; i < 200; ++i) q.submit(&good);
+    owner.reset();  // destroying the queue with work pending finishes that work and stops
+  }
+}
+
+int main() {
+  const CpuFeatures& f = cpu_features();
+  std::printf("cpu: avx512 %d bf16 %d vnni %d amx %d\n", f.avx512, f.avx512_bf16, f.avx512_vnni, f.amx);
+  std::vector<Path> paths{Path::GENERIC};
+  if (path_available(Path::AVX512)) paths.push_back(Path::AVX512);
+  if (path_available(Path::AMX)) paths.push_back(Path::AMX);
+  const std::pair<Format, int> formats[] = {{Format::BF16, 0}, {Format::INT8, 0}, {Format::INT8, 64}, {Format::INT4, 32},
+                                            {Format::INT4, 0}};
+  for (Path p : paths)
+    for (auto [fmt, group] : formats) test_matmul(p, fmt, group);
+  auto pool = std::make_shared<ThreadPool>(0, 2, true);  // two groups: virtual on a one-node machine
+  std::mt19937 rng(11);
+  const int Ts[] = {1, 2, 7, 16, 33, 130};
+  const int ks[] = {1, 2, 6, 8};
+  int n = 0;
+  for (Path p : paths)
+    for (auto [fmt, group] : formats)
+      for (int T : Ts) {
+        const int k = ks[n++ % 4];
+        test_moe(pool, T, k, k + 4, p, fmt, group, n % 2 ? std::vector<int>{0} : std::vector<int>{}, rng);
+      }
+  test_moe(pool, 600, 8, 16, Path::AUTO, Format::BF16, 0, {}, rng);
+  test_pool_stress(pool);
+  test_queue(pool, rng);
+  test_pool_stress(std::make_shared<ThreadPool>(3, 3, false));
+  if (failures) {
+    std::printf("%d failures\n", failures);
+    return 1;
+  }
+  std::printf("native tests passed\n");
+  return 0;
+}
