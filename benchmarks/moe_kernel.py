@@ -1,0 +1,175 @@
+"""One MoE layer on the CPU, side by side: ktflow's native operator (bf16, int8, int4), a torch
+per-expert bf16 loop, and kt-kernel (KTransformers' CPU MoE, optional: `pip install --no-deps
+kt-kernel`), for T tokens with top-k routing, on two layer shapes. Also measures this machine's
+DRAM read bandwidth in the same run and prints each ktflow decode row as a fraction of it.
+
+Per row: us per call (median of repeats), GB/s of touched expert bytes (the distinct experts the
+call routes to, each read once), TFLOPS (2 * T * k * 3 * H * I / time). Appends JSONL to
+benchmarks/moe_kernel.jsonl.
+
+    python benchmarks/moe_kernel.py [--shapes qwen3,dsv3] [--tokens 1,2,4,...] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from common import append_jsonl, commit, machine
+from ktflow import native
+
+SHAPES = {  # name: (experts, top_k, hidden, inter)
+    "qwen3": (128, 8, 2048, 768),
+    "dsv3": (64, 8, 7168, 2048),  # 64 of DeepSeek-V3's 256 experts: the layer's bytes fit any host
+}
+TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
+BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
+
+
+def dram_read_gbps(seconds: float = 1.0) -> float:
+    """All-core read bandwidth: sum a 2 GiB buffer with the native pool's threads (torch sum
+    is single-pass and uses every intra-op thread)."""
+    a = torch.ones(2 << 28, dtype=torch.float32)  # 2 GiB
+    a.sum()
+    best, t_end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        a.sum()
+        best = max(best, a.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def routing(T: int, E: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(T, E, generator=g)
+    w, ids = scores.topk(k, dim=-1)
+    return ids.contiguous(), (w / w.sum(-1, keepdim=True)).float().contiguous()
+
+
+def touched_bytes(ids: torch.Tensor, H: int, I: int, fmt: str) -> float:
+    return ids.unique().numel() * 3 * H * I * BYTES[fmt]
+
+
+def timeit(fn, repeats: int, min_seconds: float = 0.3) -> float:
+    fn()
+    times = []
+    t_end = time.perf_counter() + min_seconds
+    while len(times) < repeats or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if len(times) > 200:
+            break
+    return statistics.median(times)
+
+
+class TorchLoop:
+    name = "torch-loop-bf16"
+
+    def __init__(self, gate, up, down):
+        self.gate, self.up, self.down = gate, up, down
+
+    def __call__(self, x, ids, wts):
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        for e in ids.unique().tolist():
+            rows, slot = torch.where(ids == e)
+            h = torch.nn.functional.silu(x[rows] @ self.gate[e].T) * (x[rows] @ self.up[e].T)
+            out.index_add_(0, rows, (h @ self.down[e].T).float() * wts[rows, slot, None])
+        return out
+
+
+class KtKernel:
+    """kt-kernel's AMX MoE (bf16 or int8), through its low-level API."""
+
+    def __init__(self, gate, up, down, k, fmt, threads):
+        import kt_kernel_ext as kt  # noqa: F401 - optional
+
+        E, I, H = gate.shape
+        self.kt, self.k, self.H = kt, k, H
+        self.cpu = kt.CPUInfer(threads)
+        cfg = kt.moe.MOEConfig(E, k, H, I, 0)
+        self.keep = [gate.contiguous(), up.contiguous(), down.contiguous(), torch.arange(E, dtype=torch.int64)]
+        cfg.gate_proj, cfg.up_proj, cfg.down_proj = (t.data_ptr() for t in self.keep[:3])
+        for name in ("gate_scale", "up_scale", "down_scale"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, 0)
+        if hasattr(cfg, "physical_to_logical_map"):
+            cfg.physical_to_logical_map = self.keep[3].data_ptr()
+        if hasattr(cfg, "pool"):
+            cfg.pool = self.cpu.backend_
+        if hasattr(cfg, "max_len"):
+            cfg.max_len = 4096
+        cls = kt.moe.AMXBF16_MOE if fmt == "bf16" else kt.moe.AMXInt8_MOE
+        self.moe = cls(cfg)
+        self.cpu.submit(self.moe.load_weights_task())
+        self.cpu.sync()
+        self.name = f"kt-kernel-{fmt}"
+
+    def __call__(self, x, ids, wts):
+        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        qlen = torch.tensor([x.shape[0]], dtype=torch.int32)
+        self.cpu.submit(self.moe.forward_task(qlen.data_ptr(), self.k, ids.data_ptr(), wts.data_ptr(),
+                                              x.data_ptr(), out.data_ptr(), False))
+        self.cpu.sync()
+        return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="qwen3,dsv3")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--formats", default="bf16,int8,int4")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch loop")
+    ap.add_argument("--torch-max-tokens", type=int, default=1024)
+    ap.add_argument("--out", default=str(__import__("pathlib").Path(__file__).parent / "moe_kernel.jsonl"))
+    a = ap.parse_args()
+    threads = native.pool().threads
+    torch.set_num_threads(threads)
+    dram = dram_read_gbps()
+    crossover = native.module().amx_crossover() if "amx" in native.kernel_paths() else None
+    info = dict(**machine(), commit=commit(), threads=threads, paths=native.kernel_paths(), dram_gbps=dram,
+                amx_crossover=crossover)
+    print(f"# {info}")
+    rows = []
+    print(f"{'shape':6s} {'impl':18s} {'T':>5s} {'us/call':>10s} {'GB/s':>7s} {'of DRAM':>7s} {'TFLOPS':>7s}")
+    for shape in a.shapes.split(","):
+        E, k, H, I = SHAPES[shape]
+        g = torch.Generator().manual_seed(0)
+        gate = (torch.randn(E, I, H, generator=g) / H ** 0.5).bfloat16()
+        up = (torch.randn(E, I, H, generator=g) / H ** 0.5).bfloat16()
+        down = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16()
+        impls = []
+        for fmt in a.formats.split(","):
+            op = native.ExpertOp(E, H, I, fmt=fmt)
+            op.pack(lambda e: (gate[e], up[e], down[e]))
+            impls.append((f"ktflow-{fmt}", fmt, lambda x, i, w, op=op: op.forward(x, i, w)))
+        if not a.no_torch:
+            impls.append(("torch-loop-bf16", "bf16", TorchLoop(gate, up, down)))
+        for fmt in ("bf16", "int8"):
+            try:
+                kk = KtKernel(gate, up, down, k, fmt, threads)
+                impls.append((kk.name, fmt, kk))
+            except Exception as e:  # noqa: BLE001 - optional baseline
+                print(f"# kt-kernel {fmt} unavailable: {type(e).__name__}: {e}")
+        for T in map(int, a.tokens.split(",")):
+            x = torch.randn(T, H, generator=g).bfloat16()
+            ids, wts = routing(T, E, k, seed=T)
+            for name, fmt, fn in impls:
+                if name.startswith("torch") and T > a.torch_max_tokens:
+                    continue
+                s = timeit(lambda: fn(x, ids, wts), a.repeats)
+                nbytes = touched_bytes(ids, H, I, fmt)
+                gbps, tflops = nbytes / s / 1e9, 2 * T * k * 3 * H * I / s / 1e12
+                frac = gbps / dram
+                print(f"{shape:6s} {name:18s} {T:5d} {s * 1e6:10.1f} {gbps:7.1f} {frac:7.0%} {tflops:7.2f}")
+                rows.append(dict(bench="moe_kernel", shape=shape, E=E, k=k, H=H, I=I, impl=name, T=T,
+                                 us=s * 1e6, gbps=gbps, dram_fraction=frac, tflops=tflops, **info))
+    append_jsonl(a.out, rows)
+
+
+if __name__ == "__main__":
+    main()
