@@ -3,6 +3,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
+
 #include "ktf/common.h"
 #include "ktf/moe.h"
 #include "ktf/pool.h"
@@ -87,6 +89,42 @@ Job make_job(MoE& moe, uintptr_t x, size_t ldx, uintptr_t ids, uintptr_t weights
   return j;
 }
 
+// All-thread DRAM read bandwidth: every pool thread sums its share of a buffer far larger than
+// the caches (the fastest of `repeats` passes).
+double stream_read_gbps(ThreadPool& pool, size_t bytes, int repeats) {
+  const size_t words = bytes / 8, chunk = (1 << 20) / 8;
+  std::vector<uint64_t> buf(words, 1);
+  struct Ctx {
+    const uint64_t* p;
+    size_t words, chunk;
+    std::atomic<uint64_t> sink{0};
+  } ctx{buf.data(), words, chunk};
+  const int tasks = int((words + chunk - 1) / chunk);
+  std::vector<int> counts(pool.groups(), 0);
+  for (int t = 0; t < tasks; ++t) ++counts[t % pool.groups()];
+  double best = 1e30;
+  for (int r = 0; r < repeats; ++r) {
+    // group g's tasks are indices 0..counts[g]: map (group, index) to a global chunk
+    struct Wrap {
+      Ctx* c;
+      int groups;
+    } w{&ctx, pool.groups()};
+    const int64_t t0 = now_ns();
+    pool.run(counts, [](void* c, int g, int i) {
+      auto* wr = static_cast<Wrap*>(c);
+      auto* x = wr->c;
+      const size_t chunk_index = size_t(i) * wr->groups + g;
+      uint64_t acc[8] = {};
+      const size_t lo = chunk_index * x->chunk, hi = std::min(x->words, lo + x->chunk);
+      for (size_t q = lo; q + 8 <= hi; q += 8)
+        for (int j = 0; j < 8; ++j) acc[j] += x->p[q + j];
+      x->sink += acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
+    }, &w);
+    best = std::min(best, double(now_ns() - t0) * 1e-9);
+  }
+  return double(words * 8) / best / 1e9;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -115,6 +153,11 @@ PYBIND11_MODULE(_native, m) {
     return calibrate_amx_crossover(k);
   });
   m.def("now_ns", &now_ns);
+  m.def("stream_read_gbps", [](ThreadPool& pool, size_t bytes, int repeats) {
+    py::gil_scoped_release nogil;
+    return stream_read_gbps(pool, bytes, repeats);
+  }, py::arg("pool"), py::arg("bytes") = size_t(2) << 30, py::arg("repeats") = 5,
+     "all-thread DRAM read bandwidth (GB/s) with the pool's threads");
   m.def("submit_fn_ptr", [] { return reinterpret_cast<uintptr_t>(&ktf_submit); },
         "address of void ktf_submit(void* batch), for cudaLaunchHostFunc");
   m.def("sync_fn_ptr", [] { return reinterpret_cast<uintptr_t>(&ktf_sync); },

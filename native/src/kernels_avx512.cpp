@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "ktf/common.h"
@@ -184,7 +185,43 @@ void matmul_avx512(const bf16* X, size_t ldx, int M, const PackedMatrix& W, int 
   }
 }
 
+// exp(x) for x in [-87, 87]: 2^n * p(r), r = x - n ln2, p a degree-6 polynomial (rel err ~1e-7)
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 round_bf16(__m512 f) {  // f rounded to bf16 precision, kept as fp32
+  return _mm512_castsi512_ps(_mm512_and_si512(round_to_bf16_bits(f), _mm512_set1_epi32(int(0xffff0000u))));
+}
+
 }  // namespace
+
+// h = bf16(bf16(silu(bf16(g))) * bf16(u)): the activation-dtype rounding of the reference
+void silu_mul_bf16_avx512(const float* g, const float* u, bf16* h, int n) {
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 gb = round_bf16(_mm512_loadu_ps(g + i));
+    const __m512 s = round_bf16(_mm512_div_ps(gb, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gb)))));
+    const __m512 prod = _mm512_mul_ps(s, round_bf16(_mm512_loadu_ps(u + i)));
+    _mm256_storeu_si256((__m256i*)(h + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_to_bf16_bits(prod), 16)));
+  }
+  for (; i < n; ++i) {
+    const float gb = bf16_to_f32(f32_to_bf16(g[i]));
+    const float s = bf16_to_f32(f32_to_bf16(gb / (1.f + std::exp(-gb))));
+    h[i] = f32_to_bf16(s * bf16_to_f32(f32_to_bf16(u[i])));
+  }
+}
 
 void dequant_block_avx512_export(const PackedMatrix& W, int b, bf16* out) { dequant_block_avx512(W, b, out); }
 

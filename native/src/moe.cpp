@@ -226,6 +226,8 @@ struct JobState {
   Job* job;
   MoE* moe;
   int T = 0, H = 0, hp = 0;
+  size_t ldxg = 0;           // row stride of the gathered rows (hp plus a cache line: no 4 KiB aliasing)
+  std::vector<size_t> ldh;   // per slice: row stride of h
   std::vector<ExpertRows> experts;  // active experts, rows contiguous in the gathered block
   std::vector<int> row_token;
   std::vector<float> row_weight;
@@ -291,7 +293,7 @@ void gather_task(void* ctx, int group, int i) {
   JobState& st = (*c->states)[tk.job];
   const ExpertRows& er = st.experts[tk.expert];
   for (int r = er.row0; r < er.row0 + er.rows; ++r) {
-    bf16* dst = st.moe->xg.data() + size_t(r) * st.hp;
+    bf16* dst = st.moe->xg.data() + size_t(r) * st.ldxg;
     std::memcpy(dst, st.job->x + size_t(st.row_token[r]) * st.job->ldx, size_t(st.H) * sizeof(bf16));
     std::fill(dst + st.H, dst + st.hp, bf16(0));
   }
@@ -311,15 +313,19 @@ void up_task(void* ctx, int group, int i) {
   yg.resize(size_t(er.rows) * cols);
   yu.resize(size_t(er.rows) * cols);
   const MatmulFn mm = matmul_for(resolve_path(st.job->path, er.rows));
-  const bf16* X = m.xg.data() + size_t(er.row0) * st.hp;
-  mm(X, st.hp, er.rows, G, tk.nb0, tk.nb1, yg.data(), cols);
-  mm(X, st.hp, er.rows, U, tk.nb0, tk.nb1, yu.data(), cols);
-  const int kp = sl.kp;  // the slice's h row length (== G.np)
+  const bf16* X = m.xg.data() + size_t(er.row0) * st.ldxg;
+  mm(X, st.ldxg, er.rows, G, tk.nb0, tk.nb1, yg.data(), cols);
+  mm(X, st.ldxg, er.rows, U, tk.nb0, tk.nb1, yu.data(), cols);
+  const bool vector = cpu_features().avx512_bf16;
   for (int r = 0; r < er.rows; ++r) {
-    bf16* h = m.h[tk.slice].data() + size_t(er.row0 + r) * kp + tk.nb0 * NB;
+    bf16* h = m.h[tk.slice].data() + size_t(er.row0 + r) * st.ldh[tk.slice] + tk.nb0 * NB;
     const float* g = &yg[size_t(r) * cols];
     const float* u = &yu[size_t(r) * cols];
     // h is bf16, as the reference computes SiLU(gate) * up in the activation dtype
+    if (vector) {
+      silu_mul_bf16_avx512(g, u, h, cols);
+      continue;
+    }
     for (int c2 = 0; c2 < cols; ++c2) h[c2] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu(bf16_to_f32(f32_to_bf16(g[c2]))))) *
                                                           bf16_to_f32(f32_to_bf16(u[c2])));
   }
@@ -333,10 +339,10 @@ void down_task(void* ctx, int group, int i) {
   const ExpertRows& er = st.experts[tk.expert];
   const MoE::Slice& sl = m.slices()[tk.slice];
   const PackedMatrix& D = sl.down[er.expert];
-  const int kp = sl.kp;
+  const size_t ldh = st.ldh[tk.slice];
   const MatmulFn mm = matmul_for(resolve_path(st.job->path, er.rows));
   float* y = m.part[tk.slice].data() + size_t(er.row0) * st.hp + tk.nb0 * NB;
-  mm(m.h[tk.slice].data() + size_t(er.row0) * kp, kp, er.rows, D, tk.nb0, tk.nb1, y, st.hp);
+  mm(m.h[tk.slice].data() + size_t(er.row0) * ldh, ldh, er.rows, D, tk.nb0, tk.nb1, y, st.hp);
 }
 
 void reduce_task(void* ctx, int group, int i) {
@@ -417,10 +423,12 @@ void run_jobs(ThreadPool& pool, std::vector<Job>& jobs) {
         throw std::runtime_error("expert " + std::to_string(er.expert) + " was routed to but never packed");
     const size_t R = st.row_token.size();
     MoE& m = *j.moe;
-    if (m.xg.size() < R * st.hp) m.xg.resize(R * st.hp);
+    st.ldxg = size_t(st.hp) + 32;
+    if (m.xg.size() < R * st.ldxg) m.xg.resize(R * st.ldxg);
     for (size_t s = 0; s < m.slices().size(); ++s) {
-      const size_t kp = m.slices()[s].kp;
-      if (m.h[s].size() < R * kp) m.h[s].resize(R * kp);
+      const size_t ldh = size_t(m.slices()[s].kp) + 32;
+      st.ldh.push_back(ldh);
+      if (m.h[s].size() < R * ldh) m.h[s].resize(R * ldh);
       if (m.part[s].size() < R * st.hp) m.part[s].resize(R * st.hp);
     }
   }

@@ -72,6 +72,8 @@ struct Kernels {
 };
 
 Kernels generic_kernels();
+// AVX-512 epilogue of the up product: h = bf16(bf16(silu(bf16(g))) * bf16(u)), n values
+void silu_mul_bf16_avx512(const float* g, const float* u, bf16* h, int n);
 Kernels avx512_kernels();
 Kernels amx_kernels();
 
