@@ -1,9 +1,13 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# the native pool in two groups (virtual on a one-node machine), so the NUMA split + reduce path
+# of the native operator runs in every test that uses it
+os.environ.setdefault("KTFLOW_NUMA_GROUPS", "2")
 
 DATA = Path(__file__).parent / "data"
 
