@@ -31,13 +31,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KTFLOW_CACHE_DIR") or Path.home() / ".cache" / "ktflow" / "packed")
 
 
-def _fingerprint(weights: WeightSource, node: Node) -> str:
-    """What the packed weights of `node` depend on: the checkpoint files (name, size, mtime),
-    the node's tensor keys and its experts and rows."""
+def _checkpoint_digest(weights: WeightSource) -> str:
+    """The checkpoint files' identity (name, size, mtime)."""
     h = hashlib.sha256()
     for name, f in sorted(weights.files.items()):
         st = os.stat(f.path)
         h.update(f"{name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()
+
+
+def _fingerprint(checkpoint: str, node: Node) -> str:
+    """What the packed weights of `node` depend on: the checkpoint, the node's tensor keys and
+    its experts and rows."""
+    h = hashlib.sha256(checkpoint.encode())
     h.update(repr([r.key for r in node.weights]).encode())
     h.update(repr((node.attrs.ids, node.attrs.rows)).encode())
     return h.hexdigest()
@@ -57,13 +63,15 @@ class NativeBackend(TorchRefBackend):
         return node.op == Op.ROUTED_EXPERTS and node.place is not None and node.place.device == Device.CPU
 
     def prepare(self, graph: Graph, weights: WeightSource | None) -> None:
-        for n in graph.nodes:
-            if self.runs_natively(n) and n.name not in self.ops and weights is not None:
-                self.ops[n.name] = self._pack(n, weights)
+        todo = [n for n in graph.nodes if self.runs_natively(n) and n.name not in self.ops]
+        if todo and weights is not None:
+            checkpoint = _checkpoint_digest(weights)
+            for n in todo:
+                self.ops[n.name] = self._pack(n, weights, checkpoint)
                 self.weights[n.name] = {}  # nothing for torch_ref to load
         super().prepare(graph, weights)
 
-    def _pack(self, n: Node, weights: WeightSource) -> native.ExpertOp:
+    def _pack(self, n: Node, weights: WeightSource, checkpoint: str) -> native.ExpertOp:
         a = n.attrs
         lo, hi = a.rows
         pool = native.pool()
@@ -75,7 +83,7 @@ class NativeBackend(TorchRefBackend):
             g, u, d = (weights.load_expert(refs[role], e) for role in ("gate", "up", "down"))
             return g[lo:hi], u[lo:hi], d[:, lo:hi].contiguous()
 
-        self.loaded[n.name] = op.pack(tensors, cache=cache_dir(), fingerprint=_fingerprint(weights, n))
+        self.loaded[n.name] = op.pack(tensors, cache=cache_dir(), fingerprint=_fingerprint(checkpoint, n))
         return op
 
     def run(self, node: Node, inputs: list[Any], ctx: StepContext) -> Any:

@@ -10,8 +10,6 @@
 
 namespace ktf {
 
-void dequant_block_avx512_export(const PackedMatrix& W, int b, bf16* out);
-
 namespace {
 
 struct alignas(64) TileConfig {
@@ -76,7 +74,7 @@ void matmul_amx(const bf16* X, size_t ldx, int M, const PackedMatrix& W, int nb0
   } else {  // dequantize the blocks once, reuse them for every token block
     wstore.resize((nb1 - nb0) * block + 32);
     bf16* w = reinterpret_cast<bf16*>(round_up(reinterpret_cast<uintptr_t>(wstore.data()), 64));
-    for (int b = nb0; b < nb1; ++b) dequant_block_avx512_export(W, b, w + (b - nb0) * block);
+    for (int b = nb0; b < nb1; ++b) dequant_block_avx512(W, b, w + (b - nb0) * block);
     wbase = w;
   }
   // token rows in whole tiles: the tail (M % 32 rows) goes through a zero-padded copy

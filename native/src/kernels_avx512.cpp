@@ -45,9 +45,11 @@ void convert_chunk(const bf16* X, size_t ldx, int c0, int len, float (*xs)[CHUNK
     for (int k = 0; k < len; k += 16) _mm512_store_ps(&xs[m][k], bf16x16_to_f32(X + m * ldx + c0 + k));
 }
 
-template <int MM>
-void int8_block(const bf16* X, size_t ldx, const PackedMatrix& W, int b, float* Y, size_t ldy) {
-  const int8_t* w = static_cast<const int8_t*>(W.data) + size_t(b) * W.kp * NB;
+// The shared frame of the quantized kernels: per K group, per chunk of activations converted to
+// fp32, `inner(c0, len, xs, a0, a1)` accumulates the integer weights times x into two partial
+// sums per row; each group's sum is then scaled by its per-row scales.
+template <int MM, class Inner>
+void grouped_block(const bf16* X, size_t ldx, const PackedMatrix& W, int b, float* Y, size_t ldy, Inner inner) {
   const float* sc = W.scales + size_t(b) * (W.kp / W.group) * NB;
   alignas(64) float xs[MM][CHUNK];
   __m512 tot[MM];
@@ -58,19 +60,7 @@ void int8_block(const bf16* X, size_t ldx, const PackedMatrix& W, int b, float* 
     for (int c0 = g0; c0 < g0 + W.group; c0 += CHUNK) {
       const int len = std::min(CHUNK, g0 + W.group - c0);
       convert_chunk<MM>(X, ldx, c0, len, xs);
-      for (int k = 0; k < len; k += 4) {
-        __m512i w4 = _mm512_load_si512(w + size_t(c0 + k) * NB);
-        __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(w4)));
-        __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(w4, 1)));
-        __m512 f2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(w4, 2)));
-        __m512 f3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(w4, 3)));
-        for (int m = 0; m < MM; ++m) {
-          a0[m] = _mm512_fmadd_ps(f0, _mm512_set1_ps(xs[m][k]), a0[m]);
-          a1[m] = _mm512_fmadd_ps(f1, _mm512_set1_ps(xs[m][k + 1]), a1[m]);
-          a0[m] = _mm512_fmadd_ps(f2, _mm512_set1_ps(xs[m][k + 2]), a0[m]);
-          a1[m] = _mm512_fmadd_ps(f3, _mm512_set1_ps(xs[m][k + 3]), a1[m]);
-        }
-      }
+      inner(c0, len, xs, a0, a1);
     }
     __m512 s = _mm512_loadu_ps(sc + size_t(g0 / W.group) * NB);
     for (int m = 0; m < MM; ++m) tot[m] = _mm512_fmadd_ps(_mm512_add_ps(a0[m], a1[m]), s, tot[m]);
@@ -79,38 +69,45 @@ void int8_block(const bf16* X, size_t ldx, const PackedMatrix& W, int b, float* 
 }
 
 template <int MM>
+void int8_block(const bf16* X, size_t ldx, const PackedMatrix& W, int b, float* Y, size_t ldy) {
+  const int8_t* w = static_cast<const int8_t*>(W.data) + size_t(b) * W.kp * NB;
+  grouped_block<MM>(X, ldx, W, b, Y, ldy, [w](int c0, int len, float (*xs)[CHUNK], __m512* a0, __m512* a1) {
+    for (int k = 0; k < len; k += 4) {
+      __m512i w4 = _mm512_load_si512(w + size_t(c0 + k) * NB);
+      __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(w4)));
+      __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(w4, 1)));
+      __m512 f2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(w4, 2)));
+      __m512 f3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(w4, 3)));
+      for (int m = 0; m < MM; ++m) {
+        a0[m] = _mm512_fmadd_ps(f0, _mm512_set1_ps(xs[m][k]), a0[m]);
+        a1[m] = _mm512_fmadd_ps(f1, _mm512_set1_ps(xs[m][k + 1]), a1[m]);
+        a0[m] = _mm512_fmadd_ps(f2, _mm512_set1_ps(xs[m][k + 2]), a0[m]);
+        a1[m] = _mm512_fmadd_ps(f3, _mm512_set1_ps(xs[m][k + 3]), a1[m]);
+      }
+    }
+  });
+}
+
+template <int MM>
 void int4_block(const bf16* X, size_t ldx, const PackedMatrix& W, int b, float* Y, size_t ldy) {
   const uint8_t* w = static_cast<const uint8_t*>(W.data) + size_t(b) * (W.kp / 2) * NB;
-  const float* sc = W.scales + size_t(b) * (W.kp / W.group) * NB;
-  const __m512i lo_mask = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
-  alignas(64) float xs[MM][CHUNK];
-  __m512 tot[MM];
-  for (int m = 0; m < MM; ++m) tot[m] = _mm512_setzero_ps();
-  for (int g0 = 0; g0 < W.kp; g0 += W.group) {
-    __m512 a0[MM], a1[MM];
-    for (int m = 0; m < MM; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
-    for (int c0 = g0; c0 < g0 + W.group; c0 += CHUNK) {
-      const int len = std::min(CHUNK, g0 + W.group - c0);
-      convert_chunk<MM>(X, ldx, c0, len, xs);
-      for (int k = 0; k < len; k += 8) {
-        __m512i w4 = _mm512_load_si512(w + size_t(c0 + k) / 2 * NB);
-        __m128i parts[4] = {_mm512_castsi512_si128(w4), _mm512_extracti32x4_epi32(w4, 1),
-                            _mm512_extracti32x4_epi32(w4, 2), _mm512_extracti32x4_epi32(w4, 3)};
-        for (int j = 0; j < 4; ++j) {
-          __m512i v = _mm512_cvtepu8_epi32(parts[j]);
-          __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(v, lo_mask), eight));
-          __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight));
-          for (int m = 0; m < MM; ++m) {
-            a0[m] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xs[m][k + 2 * j]), a0[m]);
-            a1[m] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xs[m][k + 2 * j + 1]), a1[m]);
-          }
+  grouped_block<MM>(X, ldx, W, b, Y, ldy, [w](int c0, int len, float (*xs)[CHUNK], __m512* a0, __m512* a1) {
+    const __m512i lo_mask = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
+    for (int k = 0; k < len; k += 8) {
+      __m512i w4 = _mm512_load_si512(w + size_t(c0 + k) / 2 * NB);
+      __m128i parts[4] = {_mm512_castsi512_si128(w4), _mm512_extracti32x4_epi32(w4, 1),
+                          _mm512_extracti32x4_epi32(w4, 2), _mm512_extracti32x4_epi32(w4, 3)};
+      for (int j = 0; j < 4; ++j) {
+        __m512i v = _mm512_cvtepu8_epi32(parts[j]);
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(v, lo_mask), eight));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight));
+        for (int m = 0; m < MM; ++m) {
+          a0[m] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xs[m][k + 2 * j]), a0[m]);
+          a1[m] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xs[m][k + 2 * j + 1]), a1[m]);
         }
       }
     }
-    __m512 s = _mm512_loadu_ps(sc + size_t(g0 / W.group) * NB);
-    for (int m = 0; m < MM; ++m) tot[m] = _mm512_fmadd_ps(_mm512_add_ps(a0[m], a1[m]), s, tot[m]);
-  }
-  for (int m = 0; m < MM; ++m) _mm512_storeu_ps(Y + m * ldy, tot[m]);
+  });
 }
 
 // fp32 bit patterns rounded to bf16 (nearest even) in the upper half of each lane
@@ -126,6 +123,8 @@ inline void store_pair(bf16* out, __m512 even, __m512 odd) {
   __m512i o = _mm512_and_si512(round_to_bf16_bits(odd), _mm512_set1_epi32(int(0xffff0000u)));
   _mm512_store_si512(out, _mm512_or_si512(e, o));
 }
+
+}  // namespace
 
 void dequant_block_avx512(const PackedMatrix& W, int b, bf16* out) {
   const float* sc = W.scales + size_t(b) * (W.kp / W.group) * NB;
@@ -149,6 +148,8 @@ void dequant_block_avx512(const PackedMatrix& W, int b, bf16* out) {
     }
   }
 }
+
+namespace {
 
 template <int MM>
 void run_block(const bf16* X, size_t ldx, const PackedMatrix& W, const bf16* wb, int b, float* Y, size_t ldy) {
@@ -222,8 +223,6 @@ void silu_mul_bf16_avx512(const float* g, const float* u, bf16* h, int n) {
     h[i] = f32_to_bf16(s * bf16_to_f32(f32_to_bf16(u[i])));
   }
 }
-
-void dequant_block_avx512_export(const PackedMatrix& W, int b, bf16* out) { dequant_block_avx512(W, b, out); }
 
 Kernels avx512_kernels() { return Kernels{matmul_avx512}; }
 

@@ -97,15 +97,6 @@ static void matmul_generic(const bf16* X, size_t ldx, int M, const PackedMatrix&
     }
 }
 
-void dequant_to_bf16(const PackedMatrix& W, int nb0, int nb1, bf16* out) {
-  for (int b = nb0; b < nb1; ++b)
-    for (int kk = 0; kk < W.kp / 2; ++kk)
-      for (int j = 0; j < NB; ++j)
-        for (int e = 0; e < 2; ++e)
-          out[((size_t(b - nb0) * (W.kp / 2) + kk) * NB + j) * 2 + e] =
-              f32_to_bf16(packed_at(W, b * NB + j, 2 * kk + e));
-}
-
 Kernels generic_kernels() { return Kernels{matmul_generic}; }
 
 }  // namespace ktf

@@ -351,7 +351,8 @@ void reduce_task(void* ctx, int group, int i) {
   JobState& st = (*c->states)[tk.job];
   const Job& j = *st.job;
   MoE& m = *st.moe;
-  std::vector<float> acc(st.H);
+  thread_local std::vector<float> acc;
+  acc.resize(st.H);
   for (int t = tk.nb0; t < tk.nb1; ++t) {
     if (j.accumulate) {
       if (j.out_f32)
@@ -384,6 +385,24 @@ int blocks_per_task(int kp, double bpw, int rows, int blocks, int matrices) {
   int nbt = std::max(1, int((512 << 10) / block_bytes));
   nbt = std::max(nbt, (rows + 31) / 32);
   return std::min(nbt, blocks);
+}
+
+// One task per (job, slice, expert, run of output blocks of `which` matrix), on the slice's group;
+// `matrices` of that shape are read per block (gate and up: 2).
+void plan_block_tasks(std::vector<JobState>& states, PhaseCtx& ctx, std::vector<PackedMatrix> MoE::Slice::*which,
+                      int matrices) {
+  for (size_t q = 0; q < states.size(); ++q) {
+    MoE& m = *states[q].moe;
+    const double bpw = weight_bytes(m.shape().fmt);
+    for (size_t s = 0; s < m.slices().size(); ++s)
+      for (size_t a = 0; a < states[q].experts.size(); ++a) {
+        const ExpertRows& er = states[q].experts[a];
+        const PackedMatrix& W = (m.slices()[s].*which)[er.expert];
+        const int nbt = blocks_per_task(W.kp, bpw, er.rows, W.nblocks(), matrices);
+        for (int b = 0; b < W.nblocks(); b += nbt)
+          ctx.lists[m.slices()[s].group].push_back({int(q), int(s), int(a), b, std::min(W.nblocks(), b + nbt)});
+      }
+  }
 }
 
 void run_phase(ThreadPool& pool, PhaseCtx& ctx, ThreadPool::TaskFn fn) {
@@ -438,33 +457,10 @@ void run_jobs(ThreadPool& pool, std::vector<Job>& jobs) {
     for (size_t a = 0; a < states[q].experts.size(); ++a)
       ctx.lists[states[q].moe->slices()[a % states[q].moe->slices().size()].group].push_back({int(q), 0, int(a), 0, 0});
   run_phase(pool, ctx, gather_task);
-  // up: (job, slice, expert, output blocks of gate/up)
-  for (size_t q = 0; q < states.size(); ++q) {
-    MoE& m = *states[q].moe;
-    const double bpw = weight_bytes(m.shape().fmt);
-    for (size_t s = 0; s < m.slices().size(); ++s)
-      for (size_t a = 0; a < states[q].experts.size(); ++a) {
-        const ExpertRows& er = states[q].experts[a];
-        const PackedMatrix& G = m.slices()[s].gate[er.expert];
-        const int nbt = blocks_per_task(G.kp, bpw, er.rows, G.nblocks(), 2);
-        for (int b = 0; b < G.nblocks(); b += nbt)
-          ctx.lists[m.slices()[s].group].push_back({int(q), int(s), int(a), b, std::min(G.nblocks(), b + nbt)});
-      }
-  }
+  // up: (job, slice, expert, output blocks of gate/up); down: (job, slice, expert, output columns)
+  plan_block_tasks(states, ctx, &MoE::Slice::gate, 2);
   run_phase(pool, ctx, up_task);
-  // down: (job, slice, expert, output columns)
-  for (size_t q = 0; q < states.size(); ++q) {
-    MoE& m = *states[q].moe;
-    const double bpw = weight_bytes(m.shape().fmt);
-    for (size_t s = 0; s < m.slices().size(); ++s)
-      for (size_t a = 0; a < states[q].experts.size(); ++a) {
-        const ExpertRows& er = states[q].experts[a];
-        const PackedMatrix& D = m.slices()[s].down[er.expert];
-        const int nbt = blocks_per_task(D.kp, bpw, er.rows, D.nblocks(), 1);
-        for (int b = 0; b < D.nblocks(); b += nbt)
-          ctx.lists[m.slices()[s].group].push_back({int(q), int(s), int(a), b, std::min(D.nblocks(), b + nbt)});
-      }
-  }
+  plan_block_tasks(states, ctx, &MoE::Slice::down, 1);
   run_phase(pool, ctx, down_task);
   // reduce: token ranges
   for (size_t q = 0; q < states.size(); ++q) {

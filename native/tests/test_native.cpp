@@ -110,6 +110,25 @@ static std::vector<double> reference(const Experts& x, const std::vector<bf16>& 
   return out;
 }
 
+// A job over x [T, H] bf16 with routing [T, k] (columns k0..k), into out [T, H] fp32.
+static Job fp32_job(MoE& moe, const std::vector<bf16>& x, const std::vector<int64_t>& ids,
+                    const std::vector<float>& wts, int k, int k0, std::vector<float>& out) {
+  Job j;
+  j.moe = &moe;
+  j.x = x.data();
+  j.ldx = moe.shape().hidden;
+  j.ids = ids.data();
+  j.weights = wts.data();
+  j.ldr = k;
+  j.k0 = k0;
+  j.k1 = k;
+  j.tokens = int(ids.size()) / k;
+  j.out = out.data();
+  j.out_f32 = true;
+  j.ldo = moe.shape().hidden;
+  return j;
+}
+
 static void test_moe(std::shared_ptr<ThreadPool> pool, int T, int k, int E, Path path, Format fmt, int group,
                      std::vector<int> groups, std::mt19937& rng) {
   const int H = 200, I = 72;
@@ -142,20 +161,8 @@ static void test_moe(std::shared_ptr<ThreadPool> pool, int T, int k, int E, Path
   if (T > 1) ids[0] = -1;
   const int k0 = k > 2 ? 1 : 0;
   std::vector<float> out(size_t(T) * H, 0.f);
-  std::vector<Job> jobs(1);
+  std::vector<Job> jobs{fp32_job(moe, in, ids, wts, k, k0, out)};
   Job& j = jobs[0];
-  j.moe = &moe;
-  j.x = in.data();
-  j.ldx = H;
-  j.ids = ids.data();
-  j.weights = wts.data();
-  j.ldr = k;
-  j.k0 = k0;
-  j.k1 = k;
-  j.tokens = T;
-  j.out = out.data();
-  j.out_f32 = true;
-  j.ldo = H;
   j.path = path;
   run_jobs(*pool, jobs);
   auto ref = reference(x, in, ids, wts, T, k, k0, k, present);
@@ -211,18 +218,8 @@ static void test_queue(std::shared_ptr<ThreadPool> pool, std::mt19937& rng) {
   std::vector<float> out(size_t(T) * H, 0.f);
   int32_t tokens = T;
   auto job = [&](const std::vector<int64_t>& which) {
-    Job j;
-    j.moe = &moe;
-    j.x = in.data();
-    j.ldx = H;
-    j.ids = which.data();
-    j.weights = wts.data();
-    j.ldr = k;
-    j.k1 = k;
+    Job j = fp32_job(moe, in, which, wts, k, 0, out);
     j.tokens_ptr = &tokens;
-    j.out = out.data();
-    j.out_f32 = true;
-    j.ldo = H;
     j.accumulate = true;
     return j;
   };

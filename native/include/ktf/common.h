@@ -72,6 +72,9 @@ struct Kernels {
 };
 
 Kernels generic_kernels();
+// Block b of an INT8/INT4 matrix dequantized into the BF16 layout at `out` (AVX-512; the AMX
+// kernels use it too)
+void dequant_block_avx512(const PackedMatrix& W, int b, bf16* out);
 // AVX-512 epilogue of the up product: h = bf16(bf16(silu(bf16(g))) * bf16(u)), n values
 void silu_mul_bf16_avx512(const float* g, const float* u, bf16* h, int n);
 Kernels avx512_kernels();
@@ -98,8 +101,6 @@ int amx_crossover();
 void set_amx_crossover(int rows);
 int calibrate_amx_crossover(int k);
 
-// Dequantize blocks [nb0, nb1) of an INT8/INT4 matrix into BF16 layout at `out` (same kp).
-void dequant_to_bf16(const PackedMatrix& W, int nb0, int nb1, bf16* out);
 
 // 64-byte aligned allocation on a NUMA node (node < 0 or no libnuma: the calling thread's).
 void* alloc_on_node(size_t bytes, int node);
