@@ -30,7 +30,7 @@ else:
 
 FORMATS = ("bf16", "int8", "int4")
 PATHS = ("auto", "generic", "avx512", "amx")
-LAYOUT_VERSION = 1  # bump when the packed layout changes: old cache files are then ignored
+LAYOUT_VERSION = 2  # bump when the packed layout changes: old cache files are then ignored
 _SRC_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 

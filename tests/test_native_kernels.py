@@ -56,6 +56,46 @@ def test_paths_agree_on_the_same_packed_weights(fmt, group):
         assert rel(y, outs["generic"]) < 2e-3, p  # AMX/bf16 dequantization rounds the weights to bf16
 
 
+def dequantized(pw, n, k):
+    """The packed weights as the generic path sees them (fp32 scale * integer), [n, k]."""
+    eye = torch.eye(k).bfloat16()
+    y = torch.empty(k, n)
+    pw.matmul(eye.data_ptr(), k, k, y.data_ptr(), n, "generic")
+    return y.T
+
+
+def quantize_activations(x, group, kp):
+    """int8 per (row, K group): q = round_half_even(x * 127 / amax) in fp32, scale amax / 127."""
+    xf = torch.nn.functional.pad(x.float(), (0, kp - x.shape[1]))
+    groups = xf.view(x.shape[0], -1, group)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    q = torch.round(groups * inv)
+    return (q * (amax / 127)).view(x.shape[0], kp)[:, :x.shape[1]]
+
+
+@pytest.mark.parametrize("fmt,group", [("int8", 0), ("int8", 64), ("int4", 0), ("int4", 32)])
+def test_integer_path_is_int8_activations_times_packed_weights(fmt, group):
+    """Few rows on AVX-512: exactly the int8-quantized activations (per row and weight group) times
+    the packed weights, including K past one 2048-long integer span (per-channel int8)."""
+    if "avx512" not in paths():
+        pytest.skip("this CPU has no avx512 path")
+    g = torch.Generator().manual_seed(11)
+    n, k = 40, 2100
+    w = torch.randn(n, k, generator=g)
+    pw = native.module().PackedWeight(w.data_ptr(), n, k, k, "float32", fmt, group)
+    wq = dequantized(pw, n, k).double()
+    kp = -(-k // 32) * 32 if group == 0 and fmt == "int8" else -(-k // (group or 128)) * (group or 128)
+    qgroup = kp if fmt == "int8" and group == 0 else (group or 128)
+    for m in (1, 2, 5, 8):
+        x = (torch.randn(m, k, generator=g) * torch.linspace(0.1, 3, k)).bfloat16()
+        y = torch.empty(m, n)
+        pw.matmul(x.data_ptr(), k, m, y.data_ptr(), n, "avx512")
+        ref = quantize_activations(x, qgroup, kp).double() @ wq.T
+        assert rel(y, ref) < 1e-6, (m, rel(y, ref))
+        assert rel(y, x.double() @ w.double().T) < TOL[fmt]
+
+
 def reference_moe(x, ids, wts, gate, up, down, held, ranks):
     """float64 fused MoE on the bf16-rounded inputs."""
     lo, hi = ranks
@@ -118,6 +158,24 @@ def test_fused_moe_matches_float64(T, k, E, path, fmt, group, groups):
     acc = base.clone()
     op.forward(x, ids, wts, out=acc, accumulate=True, ranks=ranks, path=path)
     assert rel(acc.double() - base.double(), ref) < TOL[fmt] + 1e-2
+
+
+@pytest.mark.parametrize("fmt,group", [("bf16", 0), ("int8", 0), ("int4", 32)])
+@pytest.mark.parametrize("T", [1, 3])
+def test_single_rows_read_in_place_from_a_strided_input(T, fmt, group):
+    """Experts with one row read it from x itself (hidden needs no K padding): right rows, right
+    stride, unaffected by what lies between the rows."""
+    E, H, I, k = 32, 128, 64, 4
+    gate, up, down = make_experts(E, H, I, seed=9)
+    op = native.ExpertOp(E, H, I, fmt=fmt, group_size=group)
+    op.pack(lambda e: (gate[e], up[e], down[e]))
+    ids, wts = routing(T, E, k, seed=4)
+    wide = torch.randn(T, H + 48).bfloat16()
+    wide[:, H:] = float("nan")  # must never be read
+    x = wide[:, :H]
+    out = op.forward(x, ids, wts)
+    ref = reference_moe(x, ids, wts, gate, up, down, set(range(E)), (0, k))
+    assert rel(out, ref) < TOL[fmt]
 
 
 def test_numa_slices_sum_to_the_whole(monkeypatch):

@@ -51,7 +51,7 @@ struct PackedWeight {
   ~PackedWeight() { free_matrix(m, -1); }
   // y [M, n] (fp32, row stride ldy) = x [M, k] (bf16, row stride ldx) . W^T
   void matmul(uintptr_t x, size_t ldx, int M, uintptr_t y, size_t ldy, const std::string& path) {
-    Path p = resolve_path(parse_path(path), M);
+    Path p = resolve_path(parse_path(path), M, m.fmt);
     MatmulFn fn = matmul_for(p);
     std::vector<bf16> xp(size_t(M) * m.kp, 0);
     for (int r = 0; r < M; ++r) std::memcpy(&xp[size_t(r) * m.kp], ptr<bf16>(x) + r * ldx, m.k * sizeof(bf16));

@@ -80,7 +80,7 @@ bool path_available(Path p) {
   switch (p) {
     case Path::AUTO:
     case Path::GENERIC: return true;
-    case Path::AVX512: return f.avx512_bf16;
+    case Path::AVX512: return f.avx512_bf16 && f.avx512_vnni;
     case Path::AMX: return f.amx;
   }
   return false;
@@ -98,11 +98,14 @@ MatmulFn matmul_for(Path path) {
   throw std::logic_error("matmul_for(AUTO): resolve the path first");
 }
 
-Path resolve_path(Path requested, int rows) {
+Path resolve_path(Path requested, int rows, Format fmt) {
   if (requested != Path::AUTO) return requested;
   const CpuFeatures& f = cpu_features();
+  const bool avx512 = path_available(Path::AVX512);
+  // quantized weights with few rows: the integer kernels read the packed bytes as they are
+  if (fmt != Format::BF16 && rows <= QUANT_ROWS_MAX && avx512) return Path::AVX512;
   if (f.amx && rows >= amx_crossover()) return Path::AMX;
-  if (f.avx512_bf16) return Path::AVX512;
+  if (avx512) return Path::AVX512;
   return Path::GENERIC;
 }
 

@@ -29,17 +29,28 @@ void configure_tiles() {
   _tile_loadconfig(&c);
 }
 
-// C (fp32, stride ldc floats) = A rows [16 * NM] x B blocks [16 * NN] over kp.
+// C (fp32, stride ldc floats) = A rows [16 * NM] x B blocks [16 * NN] over K length kn, added to
+// what C holds when `add` (the previous K chunks).
 template <int NM, int NN>
-void tiles(const bf16* A, size_t lda, const bf16* B0, const bf16* B1, int kp, float* C, size_t ldc) {
-  _tile_zero(0);
-  if constexpr (NN == 2) _tile_zero(1);
-  if constexpr (NM == 2) {
-    _tile_zero(2);
-    if constexpr (NN == 2) _tile_zero(3);
+void tiles(const bf16* A, size_t lda, const bf16* B0, const bf16* B1, int kn, float* C, size_t ldc, bool add) {
+  const size_t cs = ldc * sizeof(float);
+  if (add) {
+    _tile_loadd(0, C, cs);
+    if constexpr (NN == 2) _tile_loadd(1, C + 16, cs);
+    if constexpr (NM == 2) {
+      _tile_loadd(2, C + 16 * ldc, cs);
+      if constexpr (NN == 2) _tile_loadd(3, C + 16 * ldc + 16, cs);
+    }
+  } else {
+    _tile_zero(0);
+    if constexpr (NN == 2) _tile_zero(1);
+    if constexpr (NM == 2) {
+      _tile_zero(2);
+      if constexpr (NN == 2) _tile_zero(3);
+    }
   }
   const size_t stride = lda * sizeof(bf16);
-  for (int k = 0; k < kp; k += 32) {
+  for (int k = 0; k < kn; k += 32) {
     _tile_loadd(4, A + k, stride);
     _tile_loadd(6, B0 + size_t(k) * NB, 64);
     if constexpr (NN == 2) _tile_loadd(7, B1 + size_t(k) * NB, 64);
@@ -51,7 +62,6 @@ void tiles(const bf16* A, size_t lda, const bf16* B0, const bf16* B1, int kp, fl
       if constexpr (NN == 2) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  const size_t cs = ldc * sizeof(float);
   _tile_stored(0, C, cs);
   if constexpr (NN == 2) _tile_stored(1, C + 16, cs);
   if constexpr (NM == 2) {
@@ -60,8 +70,12 @@ void tiles(const bf16* A, size_t lda, const bf16* B0, const bf16* B1, int kp, fl
   }
 }
 
-using TileFn = void (*)(const bf16*, size_t, const bf16*, const bf16*, int, float*, size_t);
+using TileFn = void (*)(const bf16*, size_t, const bf16*, const bf16*, int, float*, size_t, bool);
 constexpr TileFn kTiles[2][2] = {{tiles<1, 1>, tiles<1, 2>}, {tiles<2, 1>, tiles<2, 2>}};
+
+// K chunk: the chunk of every token row (rows x 1 KiB) stays in L2 while the output blocks go by,
+// a pair of blocks' chunk (32 KiB) in L1 while the token rows go by.
+constexpr int KC = 512;
 
 void matmul_amx(const bf16* X, size_t ldx, int M, const PackedMatrix& W, int nb0, int nb1, float* Y, size_t ldy) {
   configure_tiles();
@@ -77,30 +91,31 @@ void matmul_amx(const bf16* X, size_t ldx, int M, const PackedMatrix& W, int nb0
     for (int b = nb0; b < nb1; ++b) dequant_block_avx512(W, b, w + (b - nb0) * block);
     wbase = w;
   }
-  // token rows in whole tiles: the tail (M % 32 rows) goes through a zero-padded copy
+  const int nblocks = nb1 - nb0, cols = nblocks * NB;
+  // token rows in whole tiles: the tail (M % 32 rows) goes through a zero-padded copy, its
+  // results through cstore [32][cols]
   const int full = M / 32 * 32;
   const int tail = M - full;
+  const int nm_tail = tail > 16 ? 2 : 1;
   const bf16* xt = nullptr;
   if (tail) {
     xstore.assign(32 * size_t(W.kp), 0);
     for (int r = 0; r < tail; ++r) std::memcpy(&xstore[r * size_t(W.kp)], X + (full + r) * ldx, W.kp * sizeof(bf16));
     xt = xstore.data();
-    cstore.resize(32 * 32);
+    cstore.resize(32 * size_t(cols));
   }
-  const int nblocks = nb1 - nb0;
-  for (int b = 0; b < nblocks; b += 2) {
-    const int nn = std::min(2, nblocks - b);
-    const bf16* B0 = wbase + b * block;
-    const bf16* B1 = nn == 2 ? B0 + block : B0;
-    for (int m = 0; m < full; m += 32)
-      kTiles[1][nn - 1](X + m * ldx, ldx, B0, B1, W.kp, Y + m * ldy + b * NB, ldy);
-    if (tail) {
-      const int nm = tail > 16 ? 2 : 1;
-      kTiles[nm - 1][nn - 1](xt, W.kp, B0, B1, W.kp, cstore.data(), 32);
-      for (int r = 0; r < tail; ++r)
-        std::memcpy(Y + (full + r) * ldy + b * NB, &cstore[r * 32], nn * NB * sizeof(float));
+  for (int k0 = 0; k0 < W.kp; k0 += KC) {
+    const int kn = std::min(KC, W.kp - k0);
+    for (int b = 0; b < nblocks; b += 2) {
+      const int nn = std::min(2, nblocks - b);
+      const bf16* B0 = wbase + b * block + size_t(k0) * NB;
+      const bf16* B1 = nn == 2 ? B0 + block : B0;
+      for (int m = 0; m < full; m += 32)
+        kTiles[1][nn - 1](X + m * ldx + k0, ldx, B0, B1, kn, Y + m * ldy + b * NB, ldy, k0 > 0);
+      if (tail) kTiles[nm_tail - 1][nn - 1](xt + k0, W.kp, B0, B1, kn, cstore.data() + b * NB, cols, k0 > 0);
     }
   }
+  for (int r = 0; r < tail; ++r) std::memcpy(Y + (full + r) * ldy, &cstore[size_t(r) * cols], cols * sizeof(float));
   _tile_release();
 }
 

@@ -1,8 +1,13 @@
-// AVX-512 kernels (F/BW/VL/DQ + BF16 + VNNI): bf16 weights through VDPBF16PS, int8/int4 weights
-// dequantized in registers and multiplied in fp32 with one scale per K group. Best for few
-// tokens per expert, where the work is streaming weights from DRAM. Built with its own flags and
-// only called after CPUID says the CPU has these instructions.
+// AVX-512 kernels (F/BW/VL/DQ + BF16 + VNNI): bf16 weights through VDPBF16PS; int8/int4 weights
+// with few rows through VPDPBUSD on the packed bytes against activations quantized to int8 per
+// (row, K group), with many rows dequantized block by block to bf16. Best for few tokens per
+// expert, where the work is streaming weights from DRAM. Built with its own flags and only called
+// after CPUID says the CPU has these instructions.
 #include <immintrin.h>
+
+// GCC 12's _mm512_extracti32x4_epi32 starts from a self-initialised undefined vector that its own
+// -Wuninitialized then reports at every inlined use.
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 #include <algorithm>
 #include <cmath>
@@ -13,8 +18,7 @@
 namespace ktf {
 namespace {
 
-constexpr int MMAX = 8;   // tokens per register block
-constexpr int CHUNK = 256;  // K values of activations converted to fp32 at a time
+constexpr int MMAX = QUANT_ROWS_MAX;  // tokens per register block
 
 inline __m512 bf16x16_to_f32(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
@@ -39,75 +43,192 @@ void bf16_block(const bf16* X, size_t ldx, const bf16* w, int kp, float* Y, size
   for (int m = 0; m < MM; ++m) _mm512_storeu_ps(Y + m * ldy, _mm512_add_ps(a0[m], a1[m]));
 }
 
-template <int MM>
-void convert_chunk(const bf16* X, size_t ldx, int c0, int len, float (*xs)[CHUNK]) {
-  for (int m = 0; m < MM; ++m)
-    for (int k = 0; k < len; k += 16) _mm512_store_ps(&xs[m][k], bf16x16_to_f32(X + m * ldx + c0 + k));
+// ---- quantized weights, few rows: int8 activations through VPDPBUSD
+
+// Activation rows quantized for the integer products: per (row, weight group) a symmetric int8
+// scale, and per (row, span) the sum of the int8 values (spans split a group every 2048 K so the
+// int32 sums cannot overflow: 2048 * 255 * 127 < 2^31).
+constexpr int SPAN = 2048;
+
+struct QuantRows {
+  int groups = 0, spans_per_group = 0;
+  const int8_t* q = nullptr;  // [M][ldq]
+  size_t ldq = 0;
+  const float* scale = nullptr;   // [M][groups]
+  const int32_t* qsum = nullptr;  // [M][groups * spans_per_group]
+};
+
+QuantRows quantize_rows(const bf16* X, size_t ldx, int M, const PackedMatrix& W) {
+  thread_local std::vector<int8_t> qstore;
+  thread_local std::vector<float> sstore;
+  thread_local std::vector<int32_t> sumstore;
+  QuantRows r;
+  r.groups = W.kp / W.group;
+  r.spans_per_group = (W.group + SPAN - 1) / SPAN;
+  r.ldq = size_t(W.kp) + 64;
+  qstore.resize(size_t(M) * r.ldq);
+  sstore.resize(size_t(M) * r.groups);
+  sumstore.resize(size_t(M) * r.groups * r.spans_per_group);
+  for (int m = 0; m < M; ++m) {
+    const bf16* x = X + m * ldx;
+    int8_t* q = qstore.data() + m * r.ldq;
+    for (int g = 0; g < r.groups; ++g) {
+      const int g0 = g * W.group, g1 = g0 + W.group;
+      __m512 amax = _mm512_setzero_ps();
+      for (int k = g0; k < g1; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16x16_to_f32(x + k)));
+      const float a = _mm512_reduce_max_ps(amax);
+      sstore[size_t(m) * r.groups + g] = a / 127.f;
+      const __m512 inv = _mm512_set1_ps(a > 0.f ? 127.f / a : 0.f);
+      for (int sp = 0; sp < r.spans_per_group; ++sp) {
+        const int s0 = g0 + sp * SPAN, s1 = std::min(g1, s0 + SPAN);
+        __m512i sum = _mm512_setzero_si512();
+        for (int k = s0; k < s1; k += 16) {
+          const __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(bf16x16_to_f32(x + k), inv));  // nearest even
+          _mm_storeu_si128((__m128i*)(q + k), _mm512_cvtsepi32_epi8(i));
+          sum = _mm512_add_epi32(sum, i);
+        }
+        sumstore[(size_t(m) * r.groups + g) * r.spans_per_group + sp] = _mm512_reduce_add_epi32(sum);
+      }
+    }
+  }
+  r.q = qstore.data();
+  r.scale = sstore.data();
+  r.qsum = sumstore.data();
+  return r;
 }
 
-// The shared frame of the quantized kernels: per K group, per chunk of activations converted to
-// fp32, `inner(c0, len, xs, a0, a1)` accumulates the integer weights times x into two partial
-// sums per row; each group's sum is then scaled by its per-row scales.
-template <int MM, class Inner>
-void grouped_block(const bf16* X, size_t ldx, const PackedMatrix& W, int b, float* Y, size_t ldy, Inner inner) {
-  const float* sc = W.scales + size_t(b) * (W.kp / W.group) * NB;
-  alignas(64) float xs[MM][CHUNK];
+inline __m512i x4(const int8_t* q) {  // four int8 activations broadcast to every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Y[m, 16 rows of block b] for MM quantized rows: per span, integer dot products of the biased
+// unsigned weights with the int8 activations (two accumulators), the bias taken out with the
+// activations' sum; per group, scaled by the weight scales times the row's activation scale.
+template <int MM, bool INT4>
+void quant_block(const QuantRows& xq, const PackedMatrix& W, int b, float* Y, size_t ldy) {
+  const uint8_t* w = static_cast<const uint8_t*>(W.data) + size_t(b) * W.kp * NB / (INT4 ? 2 : 1);
+  const float* sc = W.scales + size_t(b) * xq.groups * NB;
+  const __m512i nib = _mm512_set1_epi8(0x0f);
+  const int bias = INT4 ? INT4_BIAS : INT8_BIAS;
   __m512 tot[MM];
   for (int m = 0; m < MM; ++m) tot[m] = _mm512_setzero_ps();
-  for (int g0 = 0; g0 < W.kp; g0 += W.group) {
-    __m512 a0[MM], a1[MM];
-    for (int m = 0; m < MM; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
-    for (int c0 = g0; c0 < g0 + W.group; c0 += CHUNK) {
-      const int len = std::min(CHUNK, g0 + W.group - c0);
-      convert_chunk<MM>(X, ldx, c0, len, xs);
-      inner(c0, len, xs, a0, a1);
+  for (int g = 0; g < xq.groups; ++g) {
+    __m512 gsum[MM];
+    for (int m = 0; m < MM; ++m) gsum[m] = _mm512_setzero_ps();
+    for (int sp = 0; sp < xq.spans_per_group; ++sp) {
+      const int s0 = g * W.group + sp * SPAN, s1 = std::min((g + 1) * W.group, s0 + SPAN);
+      __m512i a0[MM], a1[MM];
+      for (int m = 0; m < MM; ++m) a0[m] = a1[m] = _mm512_setzero_si512();
+      for (int k = s0; k < s1; k += 8) {
+        __m512i w0, w1;
+        if constexpr (INT4) {  // one 64-byte octet: low nibbles k..k+3, high nibbles k+4..k+7
+          const __m512i v = _mm512_load_si512(w + size_t(k) * 8);
+          w0 = _mm512_and_si512(v, nib);
+          w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        } else {  // two 64-byte quads
+          w0 = _mm512_load_si512(w + size_t(k) * 16);
+          w1 = _mm512_load_si512(w + size_t(k) * 16 + 64);
+        }
+        for (int m = 0; m < MM; ++m) {
+          const int8_t* q = xq.q + m * xq.ldq + k;
+          a0[m] = _mm512_dpbusd_epi32(a0[m], w0, x4(q));
+          a1[m] = _mm512_dpbusd_epi32(a1[m], w1, x4(q + 4));
+        }
+      }
+      for (int m = 0; m < MM; ++m) {
+        const int32_t corr = bias * xq.qsum[(size_t(m) * xq.groups + g) * xq.spans_per_group + sp];
+        const __m512i a = _mm512_sub_epi32(_mm512_add_epi32(a0[m], a1[m]), _mm512_set1_epi32(corr));
+        gsum[m] = _mm512_add_ps(gsum[m], _mm512_cvtepi32_ps(a));
+      }
     }
-    __m512 s = _mm512_loadu_ps(sc + size_t(g0 / W.group) * NB);
-    for (int m = 0; m < MM; ++m) tot[m] = _mm512_fmadd_ps(_mm512_add_ps(a0[m], a1[m]), s, tot[m]);
+    const __m512 ws = _mm512_loadu_ps(sc + size_t(g) * NB);
+    for (int m = 0; m < MM; ++m)
+      tot[m] = _mm512_fmadd_ps(gsum[m], _mm512_mul_ps(ws, _mm512_set1_ps(xq.scale[size_t(m) * xq.groups + g])), tot[m]);
   }
   for (int m = 0; m < MM; ++m) _mm512_storeu_ps(Y + m * ldy, tot[m]);
 }
 
-template <int MM>
-void int8_block(const bf16* X, size_t ldx, const PackedMatrix& W, int b, float* Y, size_t ldy) {
-  const int8_t* w = static_cast<const int8_t*>(W.data) + size_t(b) * W.kp * NB;
-  grouped_block<MM>(X, ldx, W, b, Y, ldy, [w](int c0, int len, float (*xs)[CHUNK], __m512* a0, __m512* a1) {
-    for (int k = 0; k < len; k += 4) {
-      __m512i w4 = _mm512_load_si512(w + size_t(c0 + k) * NB);
-      __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(w4)));
-      __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(w4, 1)));
-      __m512 f2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(w4, 2)));
-      __m512 f3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(w4, 3)));
-      for (int m = 0; m < MM; ++m) {
-        a0[m] = _mm512_fmadd_ps(f0, _mm512_set1_ps(xs[m][k]), a0[m]);
-        a1[m] = _mm512_fmadd_ps(f1, _mm512_set1_ps(xs[m][k + 1]), a1[m]);
-        a0[m] = _mm512_fmadd_ps(f2, _mm512_set1_ps(xs[m][k + 2]), a0[m]);
-        a1[m] = _mm512_fmadd_ps(f3, _mm512_set1_ps(xs[m][k + 3]), a1[m]);
-      }
-    }
-  });
+// ---- dequantization into the BF16 layout (many rows: the blocks are then reused by every row)
+
+// One quad (16 rows x 4 K of biased unsigned values, row scales s) -> two K pairs of the BF16
+// layout at out and out + 32.
+inline void quad_to_bf16(__m512i v, __m512i bias, __m512 s, bf16* out) {
+  const __m512i rows4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512 f[4];
+  const __m128i part[4] = {_mm512_castsi512_si128(v), _mm512_extracti32x4_epi32(v, 1), _mm512_extracti32x4_epi32(v, 2),
+                           _mm512_extracti32x4_epi32(v, 3)};
+  for (int c = 0; c < 4; ++c) {  // rows 4c..4c+3, their 4 K each
+    const __m512 sc = _mm512_permutexvar_ps(_mm512_add_epi32(rows4, _mm512_set1_epi32(4 * c)), s);
+    f[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(part[c]), bias)), sc);
+  }
+  // 32-bit lanes of lo: (row r, pair 0), (row r, pair 1) for rows 0-7; hi: rows 8-15
+  const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
+  const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  _mm512_store_si512(out, _mm512_permutex2var_epi32(lo, even, hi));
+  _mm512_store_si512(out + 32, _mm512_permutex2var_epi32(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi));
 }
 
-template <int MM>
-void int4_block(const bf16* X, size_t ldx, const PackedMatrix& W, int b, float* Y, size_t ldy) {
-  const uint8_t* w = static_cast<const uint8_t*>(W.data) + size_t(b) * (W.kp / 2) * NB;
-  grouped_block<MM>(X, ldx, W, b, Y, ldy, [w](int c0, int len, float (*xs)[CHUNK], __m512* a0, __m512* a1) {
-    const __m512i lo_mask = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
-    for (int k = 0; k < len; k += 8) {
-      __m512i w4 = _mm512_load_si512(w + size_t(c0 + k) / 2 * NB);
-      __m128i parts[4] = {_mm512_castsi512_si128(w4), _mm512_extracti32x4_epi32(w4, 1),
-                          _mm512_extracti32x4_epi32(w4, 2), _mm512_extracti32x4_epi32(w4, 3)};
-      for (int j = 0; j < 4; ++j) {
-        __m512i v = _mm512_cvtepu8_epi32(parts[j]);
-        __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(v, lo_mask), eight));
-        __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight));
-        for (int m = 0; m < MM; ++m) {
-          a0[m] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xs[m][k + 2 * j]), a0[m]);
-          a1[m] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xs[m][k + 2 * j + 1]), a1[m]);
-        }
-      }
+}  // namespace
+
+void dequant_block_avx512(const PackedMatrix& W, int b, bf16* out) {
+  const float* sc = W.scales + size_t(b) * (W.kp / W.group) * NB;
+  const uint8_t* w = static_cast<const uint8_t*>(W.data) + size_t(b) * W.kp * NB / (W.fmt == Format::INT4 ? 2 : 1);
+  if (W.fmt == Format::INT8) {
+    const __m512i bias = _mm512_set1_epi32(INT8_BIAS);
+    for (int k = 0; k < W.kp; k += 4)
+      quad_to_bf16(_mm512_load_si512(w + size_t(k) * 16), bias, _mm512_loadu_ps(sc + size_t(k / W.group) * NB),
+                   out + size_t(k) * NB);
+    return;
+  }
+  const __m512i bias = _mm512_set1_epi32(INT4_BIAS), nib = _mm512_set1_epi8(0x0f);
+  for (int k = 0; k < W.kp; k += 8) {
+    const __m512i v = _mm512_load_si512(w + size_t(k) * 8);
+    const __m512 s = _mm512_loadu_ps(sc + size_t(k / W.group) * NB);
+    quad_to_bf16(_mm512_and_si512(v, nib), bias, s, out + size_t(k) * NB);
+    quad_to_bf16(_mm512_and_si512(_mm512_srli_epi16(v, 4), nib), bias, s, out + size_t(k + 4) * NB);
+  }
+}
+
+namespace {
+
+template <int... MM>
+struct Tables {
+  using Bf16Fn = void (*)(const bf16*, size_t, const bf16*, int, float*, size_t);
+  using QuantFn = void (*)(const QuantRows&, const PackedMatrix&, int, float*, size_t);
+  static constexpr Bf16Fn bf16[] = {nullptr, bf16_block<MM>...};
+  static constexpr QuantFn int8[] = {nullptr, quant_block<MM, false>...};
+  static constexpr QuantFn int4[] = {nullptr, quant_block<MM, true>...};
+};
+using Blocks = Tables<1, 2, 3, 4, 5, 6, 7, 8>;  // indexed by rows, 1..MMAX
+
+void matmul_avx512(const bf16* X, size_t ldx, int M, const PackedMatrix& W, int nb0, int nb1, float* Y, size_t ldy) {
+  if (W.fmt != Format::BF16 && M <= MMAX) {  // few rows: integer products on the packed bytes
+    const QuantRows xq = quantize_rows(X, ldx, M, W);
+    const auto fn = (W.fmt == Format::INT8 ? Blocks::int8 : Blocks::int4)[M];
+    for (int b = nb0; b < nb1; ++b) fn(xq, W, b, Y + size_t(b - nb0) * NB, ldy);
+    return;
+  }
+  // many rows with quantized weights: dequantize each block once into bf16, reuse it for all rows
+  thread_local std::vector<bf16> scratch_store;
+  bf16* scratch = nullptr;
+  if (W.fmt != Format::BF16) {
+    scratch_store.resize(size_t(W.kp) * NB + 32);
+    scratch = reinterpret_cast<bf16*>(round_up(reinterpret_cast<uintptr_t>(scratch_store.data()), 64));
+  }
+  for (int b = nb0; b < nb1; ++b) {
+    const bf16* wb = static_cast<const bf16*>(W.data) + size_t(b) * W.kp * NB;
+    if (scratch) {
+      dequant_block_avx512(W, b, scratch);
+      wb = scratch;
     }
-  });
+    for (int m0 = 0; m0 < M; m0 += MMAX) {
+      const int mm = std::min(MMAX, M - m0);
+      Blocks::bf16[mm](X + m0 * ldx, ldx, wb, W.kp, Y + m0 * ldy + size_t(b - nb0) * NB, ldy);
+    }
+  }
 }
 
 // fp32 bit patterns rounded to bf16 (nearest even) in the upper half of each lane
@@ -115,75 +236,6 @@ inline __m512i round_to_bf16_bits(__m512 f) {
   __m512i u = _mm512_castps_si512(f);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   return _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-}
-
-// 16 rows of (k, k+1) as interleaved bf16 pairs: one 64-byte row of the BF16 layout
-inline void store_pair(bf16* out, __m512 even, __m512 odd) {
-  __m512i e = _mm512_srli_epi32(round_to_bf16_bits(even), 16);
-  __m512i o = _mm512_and_si512(round_to_bf16_bits(odd), _mm512_set1_epi32(int(0xffff0000u)));
-  _mm512_store_si512(out, _mm512_or_si512(e, o));
-}
-
-}  // namespace
-
-void dequant_block_avx512(const PackedMatrix& W, int b, bf16* out) {
-  const float* sc = W.scales + size_t(b) * (W.kp / W.group) * NB;
-  if (W.fmt == Format::INT8) {
-    const int8_t* w = static_cast<const int8_t*>(W.data) + size_t(b) * W.kp * NB;
-    for (int k = 0; k < W.kp; k += 2) {
-      __m512 s = _mm512_loadu_ps(sc + size_t(k / W.group) * NB);
-      __m512 e = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i*)(w + size_t(k) * NB)))));
-      __m512 o = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i*)(w + size_t(k + 1) * NB)))));
-      store_pair(out + size_t(k) * NB, e, o);
-    }
-  } else {
-    const uint8_t* w = static_cast<const uint8_t*>(W.data) + size_t(b) * (W.kp / 2) * NB;
-    const __m512i lo_mask = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
-    for (int k = 0; k < W.kp; k += 2) {
-      __m512 s = _mm512_loadu_ps(sc + size_t(k / W.group) * NB);
-      __m512i v = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(w + size_t(k / 2) * NB)));
-      __m512 e = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(v, lo_mask), eight)));
-      __m512 o = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight)));
-      store_pair(out + size_t(k) * NB, e, o);
-    }
-  }
-}
-
-namespace {
-
-template <int MM>
-void run_block(const bf16* X, size_t ldx, const PackedMatrix& W, const bf16* wb, int b, float* Y, size_t ldy) {
-  if (wb) return bf16_block<MM>(X, ldx, wb, W.kp, Y, ldy);
-  if (W.fmt == Format::INT8) return int8_block<MM>(X, ldx, W, b, Y, ldy);
-  return int4_block<MM>(X, ldx, W, b, Y, ldy);
-}
-
-using BlockFn = void (*)(const bf16*, size_t, const PackedMatrix&, const bf16*, int, float*, size_t);
-constexpr BlockFn kBlock[MMAX + 1] = {nullptr,        run_block<1>, run_block<2>, run_block<3>, run_block<4>,
-                                      run_block<5>, run_block<6>, run_block<7>, run_block<8>};
-
-void matmul_avx512(const bf16* X, size_t ldx, int M, const PackedMatrix& W, int nb0, int nb1, float* Y, size_t ldy) {
-  // many tokens with quantized weights: dequantize each block once into bf16, reuse it for all rows
-  const bool dequant = W.fmt != Format::BF16 && M > MMAX;
-  thread_local std::vector<bf16, std::allocator<bf16>> scratch_store;
-  bf16* scratch = nullptr;
-  if (dequant) {
-    scratch_store.resize(size_t(W.kp) * NB + 32);
-    scratch = reinterpret_cast<bf16*>(round_up(reinterpret_cast<uintptr_t>(scratch_store.data()), 64));
-  }
-  for (int b = nb0; b < nb1; ++b) {
-    const bf16* wb = nullptr;
-    if (W.fmt == Format::BF16) {
-      wb = static_cast<const bf16*>(W.data) + size_t(b) * W.kp * NB;
-    } else if (dequant) {
-      dequant_block_avx512(W, b, scratch);
-      wb = scratch;
-    }
-    for (int m0 = 0; m0 < M; m0 += MMAX) {
-      const int mm = std::min(MMAX, M - m0);
-      kBlock[mm](X + m0 * ldx, ldx, W, wb, b, Y + m0 * ldy + size_t(b - nb0) * NB, ldy);
-    }
-  }
 }
 
 // exp(x) for x in [-87, 87]: 2^n * p(r), r = x - n ln2, p a degree-6 polynomial (rel err ~1e-7)

@@ -58,26 +58,12 @@ float f16_to_f32(uint16_t h) {
 
 // Weight (n, k) of a packed matrix as float (0 in the padding).
 static inline float packed_at(const PackedMatrix& W, int n, int k) {
-  int b = n / NB, j = n % NB;
-  switch (W.fmt) {
-    case Format::BF16: {
-      const bf16* d = static_cast<const bf16*>(W.data);
-      return bf16_to_f32(d[((size_t(b) * (W.kp / 2) + k / 2) * NB + j) * 2 + (k & 1)]);
-    }
-    case Format::INT8: {
-      const int8_t* d = static_cast<const int8_t*>(W.data);
-      float s = W.scales[(size_t(b) * (W.kp / W.group) + k / W.group) * NB + j];
-      return s * d[(size_t(b) * W.kp + k) * NB + j];
-    }
-    case Format::INT4: {
-      const uint8_t* d = static_cast<const uint8_t*>(W.data);
-      uint8_t byte = d[(size_t(b) * (W.kp / 2) + k / 2) * NB + j];
-      int q = int((k & 1) ? byte >> 4 : byte & 15) - 8;
-      float s = W.scales[(size_t(b) * (W.kp / W.group) + k / W.group) * NB + j];
-      return s * q;
-    }
-  }
-  return 0.f;
+  if (W.fmt == Format::BF16) return bf16_to_f32(static_cast<const bf16*>(W.data)[bf16_index(W.kp, n, k)]);
+  const float s = W.scales[(size_t(n / NB) * (W.kp / W.group) + k / W.group) * NB + n % NB];
+  const uint8_t* d = static_cast<const uint8_t*>(W.data);
+  if (W.fmt == Format::INT8) return s * float(int(d[int8_index(W.kp, n, k)]) - INT8_BIAS);
+  const uint8_t byte = d[int4_index(W.kp, n, k)];
+  return s * float(int(int4_high(k) ? byte >> 4 : byte & 15) - INT4_BIAS);
 }
 
 static void matmul_generic(const bf16* X, size_t ldx, int M, const PackedMatrix& W, int nb0, int nb1, float* Y,

@@ -31,7 +31,7 @@ void pack_rows(PackedMatrix& P, const void* src, size_t ld, SrcType type, int r0
       std::fill(row.begin(), row.end(), 0.f);
     if (P.fmt == Format::BF16) {
       bf16* d = static_cast<bf16*>(P.data);
-      for (int k = 0; k < P.kp; ++k) d[((size_t(b) * (P.kp / 2) + k / 2) * NB + j) * 2 + (k & 1)] = f32_to_bf16(row[k]);
+      for (int k = 0; k < P.kp; ++k) d[bf16_index(P.kp, r, k)] = f32_to_bf16(row[k]);
       continue;
     }
     for (int g0 = 0; g0 < P.kp; g0 += P.group) {
@@ -40,14 +40,14 @@ void pack_rows(PackedMatrix& P, const void* src, size_t ld, SrcType type, int r0
       const float s = amax > 0.f ? amax / qmax : 1.f;
       P.scales[(size_t(b) * (P.kp / P.group) + g0 / P.group) * NB + j] = s;
       for (int k = g0; k < g0 + P.group; ++k) {
-        int q = int(std::nearbyint(row[k] / s));
-        q = std::clamp(q, -qmax, qmax);
+        const int q = std::clamp(int(std::nearbyint(row[k] / s)), -qmax, qmax);
+        uint8_t* d = static_cast<uint8_t*>(P.data);
         if (P.fmt == Format::INT8) {
-          static_cast<int8_t*>(P.data)[(size_t(b) * P.kp + k) * NB + j] = int8_t(q);
+          d[int8_index(P.kp, r, k)] = uint8_t(q + INT8_BIAS);
         } else {
-          uint8_t& byte = static_cast<uint8_t*>(P.data)[(size_t(b) * (P.kp / 2) + k / 2) * NB + j];
-          const uint8_t v = uint8_t(q + 8);
-          byte = (k & 1) ? uint8_t((byte & 0x0f) | (v << 4)) : uint8_t((byte & 0xf0) | v);
+          uint8_t& byte = d[int4_index(P.kp, r, k)];
+          const uint8_t v = uint8_t(q + INT4_BIAS);
+          byte = int4_high(k) ? uint8_t((byte & 0x0f) | (v << 4)) : uint8_t((byte & 0xf0) | v);
         }
       }
     }
@@ -220,6 +220,8 @@ namespace {
 
 struct ExpertRows {
   int expert, row0, rows;
+  const bf16* x = nullptr;  // its input rows (the gathered block, or the token's own row)
+  size_t ldx = 0;
 };
 
 struct JobState {
@@ -236,6 +238,7 @@ struct JobState {
 
 struct Task {
   int job, slice, expert, nb0, nb1;  // expert: index into JobState::experts (-1: not per expert)
+  int c0 = 0, c1 = 0;                // reduce: output columns
 };
 
 struct PhaseCtx {
@@ -264,7 +267,7 @@ void route(JobState& st) {
   int R = 0;
   for (int e = 0; e < E; ++e)
     if (count[e]) {
-      st.experts.push_back({e, R, count[e]});
+      st.experts.push_back({e, R, count[e], nullptr, 0});
       start[e] = R;
       R += count[e];
     }
@@ -312,10 +315,9 @@ void up_task(void* ctx, int group, int i) {
   thread_local std::vector<float> yg, yu;
   yg.resize(size_t(er.rows) * cols);
   yu.resize(size_t(er.rows) * cols);
-  const MatmulFn mm = matmul_for(resolve_path(st.job->path, er.rows));
-  const bf16* X = m.xg.data() + size_t(er.row0) * st.ldxg;
-  mm(X, st.ldxg, er.rows, G, tk.nb0, tk.nb1, yg.data(), cols);
-  mm(X, st.ldxg, er.rows, U, tk.nb0, tk.nb1, yu.data(), cols);
+  const MatmulFn mm = matmul_for(resolve_path(st.job->path, er.rows, m.shape().fmt));
+  mm(er.x, er.ldx, er.rows, G, tk.nb0, tk.nb1, yg.data(), cols);
+  mm(er.x, er.ldx, er.rows, U, tk.nb0, tk.nb1, yu.data(), cols);
   const bool vector = cpu_features().avx512_bf16;
   for (int r = 0; r < er.rows; ++r) {
     bf16* h = m.h[tk.slice].data() + size_t(er.row0 + r) * st.ldh[tk.slice] + tk.nb0 * NB;
@@ -340,7 +342,7 @@ void down_task(void* ctx, int group, int i) {
   const MoE::Slice& sl = m.slices()[tk.slice];
   const PackedMatrix& D = sl.down[er.expert];
   const size_t ldh = st.ldh[tk.slice];
-  const MatmulFn mm = matmul_for(resolve_path(st.job->path, er.rows));
+  const MatmulFn mm = matmul_for(resolve_path(st.job->path, er.rows, m.shape().fmt));
   float* y = m.part[tk.slice].data() + size_t(er.row0) * st.hp + tk.nb0 * NB;
   mm(m.h[tk.slice].data() + size_t(er.row0) * ldh, ldh, er.rows, D, tk.nb0, tk.nb1, y, st.hp);
 }
@@ -351,14 +353,16 @@ void reduce_task(void* ctx, int group, int i) {
   JobState& st = (*c->states)[tk.job];
   const Job& j = *st.job;
   MoE& m = *st.moe;
+  const int c0 = tk.c0, n = tk.c1 - tk.c0;
   thread_local std::vector<float> acc;
-  acc.resize(st.H);
+  acc.resize(n);
   for (int t = tk.nb0; t < tk.nb1; ++t) {
+    const size_t o = size_t(t) * j.ldo + c0;
     if (j.accumulate) {
       if (j.out_f32)
-        std::memcpy(acc.data(), static_cast<const float*>(j.out) + size_t(t) * j.ldo, st.H * sizeof(float));
+        std::memcpy(acc.data(), static_cast<const float*>(j.out) + o, n * sizeof(float));
       else
-        for (int x = 0; x < st.H; ++x) acc[x] = bf16_to_f32(static_cast<const bf16*>(j.out)[size_t(t) * j.ldo + x]);
+        for (int x = 0; x < n; ++x) acc[x] = bf16_to_f32(static_cast<const bf16*>(j.out)[o + x]);
     } else {
       std::fill(acc.begin(), acc.end(), 0.f);
     }
@@ -366,53 +370,67 @@ void reduce_task(void* ctx, int group, int i) {
       for (int q = st.token_row0[t]; q < st.token_row0[t + 1]; ++q) {
         const int r = st.token_rows[q];
         const float w = st.row_weight[r];
-        const float* y = m.part[s].data() + size_t(r) * st.hp;
-        for (int x = 0; x < st.H; ++x) acc[x] += w * y[x];
+        const float* y = m.part[s].data() + size_t(r) * st.hp + c0;
+        for (int x = 0; x < n; ++x) acc[x] += w * y[x];
       }
     if (j.out_f32)
-      std::memcpy(static_cast<float*>(j.out) + size_t(t) * j.ldo, acc.data(), st.H * sizeof(float));
+      std::memcpy(static_cast<float*>(j.out) + o, acc.data(), n * sizeof(float));
     else
-      for (int x = 0; x < st.H; ++x) static_cast<bf16*>(j.out)[size_t(t) * j.ldo + x] = f32_to_bf16(acc[x]);
+      for (int x = 0; x < n; ++x) static_cast<bf16*>(j.out)[o + x] = f32_to_bf16(acc[x]);
   }
 }
 
 double weight_bytes(Format f) { return f == Format::BF16 ? 2.0 : f == Format::INT8 ? 1.0 : 0.5; }
 
-// output blocks per task: about 512 KB of weights, more when many rows share them (so the rows
-// are not re-read for every few blocks), fewer when that leaves too few tasks
-int blocks_per_task(int kp, double bpw, int rows, int blocks, int matrices) {
-  const double block_bytes = NB * double(kp) * bpw * matrices;
-  int nbt = std::max(1, int((512 << 10) / block_bytes));
-  nbt = std::max(nbt, (rows + 31) / 32);
-  return std::min(nbt, blocks);
-}
-
 // One task per (job, slice, expert, run of output blocks of `which` matrix), on the slice's group;
-// `matrices` of that shape are read per block (gate and up: 2).
-void plan_block_tasks(std::vector<JobState>& states, PhaseCtx& ctx, std::vector<PackedMatrix> MoE::Slice::*which,
-                      int matrices) {
+// `matrices` of that shape are read per block (gate and up: 2). A task reads about 1/8 of its
+// group's per-thread share of the phase's weights (so the dynamic claiming evens out the threads'
+// finish), between 32 KiB and 512 KiB, and at least one block per 32 rows (many rows per expert:
+// the rows are then not re-read for every few blocks).
+void plan_block_tasks(ThreadPool& pool, std::vector<JobState>& states, PhaseCtx& ctx,
+                      std::vector<PackedMatrix> MoE::Slice::*which, int matrices) {
+  auto block_bytes = [&](const MoE& m, const PackedMatrix& W) {
+    return NB * double(W.kp) * weight_bytes(m.shape().fmt) * matrices;
+  };
+  std::vector<double> target(pool.groups(), 0.0);
+  for (JobState& st : states)
+    for (const MoE::Slice& sl : st.moe->slices())
+      for (const ExpertRows& er : st.experts) {
+        const PackedMatrix& W = (sl.*which)[er.expert];
+        target[sl.group] += W.nblocks() * block_bytes(*st.moe, W);
+      }
+  for (int g = 0; g < pool.groups(); ++g)
+    target[g] = std::clamp(target[g] / (8.0 * pool.group_threads(g)), 32.0 * 1024, 512.0 * 1024);
   for (size_t q = 0; q < states.size(); ++q) {
     MoE& m = *states[q].moe;
-    const double bpw = weight_bytes(m.shape().fmt);
     for (size_t s = 0; s < m.slices().size(); ++s)
       for (size_t a = 0; a < states[q].experts.size(); ++a) {
         const ExpertRows& er = states[q].experts[a];
         const PackedMatrix& W = (m.slices()[s].*which)[er.expert];
-        const int nbt = blocks_per_task(W.kp, bpw, er.rows, W.nblocks(), matrices);
+        const int group = m.slices()[s].group;
+        int nbt = std::max({1, int(target[group] / block_bytes(m, W)), (er.rows + 31) / 32});
+        nbt = std::min(nbt, W.nblocks());
         for (int b = 0; b < W.nblocks(); b += nbt)
-          ctx.lists[m.slices()[s].group].push_back({int(q), int(s), int(a), b, std::min(W.nblocks(), b + nbt)});
+          ctx.lists[group].push_back({int(q), int(s), int(a), b, std::min(W.nblocks(), b + nbt)});
       }
   }
 }
 
-void run_phase(ThreadPool& pool, PhaseCtx& ctx, ThreadPool::TaskFn fn) {
+// Runs the phase's tasks on the pool; on the calling thread alone when `small` (a pool run costs
+// a few microseconds of wake-up and barrier).
+void run_phase(ThreadPool& pool, PhaseCtx& ctx, ThreadPool::TaskFn fn, bool small = false) {
   std::vector<int> counts;
   size_t total = 0;
   for (auto& l : ctx.lists) {
     counts.push_back(int(l.size()));
     total += l.size();
   }
-  if (total) pool.run(counts, fn, &ctx);
+  if (small) {
+    for (int g = 0; g < int(ctx.lists.size()); ++g)
+      for (int i = 0; i < counts[g]; ++i) fn(&ctx, g, i);
+  } else if (total) {
+    pool.run(counts, fn, &ctx);
+  }
   for (auto& l : ctx.lists) l.clear();
 }
 
@@ -452,23 +470,43 @@ void run_jobs(ThreadPool& pool, std::vector<Job>& jobs) {
     }
   }
   PhaseCtx ctx{&states, std::vector<std::vector<Task>>(pool.groups())};
-  // gather: one task per (job, expert)
-  for (size_t q = 0; q < states.size(); ++q)
-    for (size_t a = 0; a < states[q].experts.size(); ++a)
-      ctx.lists[states[q].moe->slices()[a % states[q].moe->slices().size()].group].push_back({int(q), 0, int(a), 0, 0});
-  run_phase(pool, ctx, gather_task);
-  // up: (job, slice, expert, output blocks of gate/up); down: (job, slice, expert, output columns)
-  plan_block_tasks(states, ctx, &MoE::Slice::gate, 2);
-  run_phase(pool, ctx, up_task);
-  plan_block_tasks(states, ctx, &MoE::Slice::down, 1);
-  run_phase(pool, ctx, down_task);
-  // reduce: token ranges
+  // gather: one task per (job, expert) with more than one row; a single row is read where it is
+  // when no K padding has to be added to it
+  size_t gather_bytes = 0;
   for (size_t q = 0; q < states.size(); ++q) {
-    const int T = states[q].T, per = std::max(1, std::min(64, T / (4 * pool.threads()) + 1));
-    for (int t = 0, n = 0; t < T; t += per, ++n)
-      ctx.lists[n % pool.groups()].push_back({int(q), 0, -1, t, std::min(T, t + per)});
+    JobState& st = states[q];
+    for (size_t a = 0; a < st.experts.size(); ++a) {
+      ExpertRows& er = st.experts[a];
+      if (er.rows == 1 && st.H == st.hp) {
+        er.x = st.job->x + size_t(st.row_token[er.row0]) * st.job->ldx;
+        er.ldx = st.job->ldx;
+        continue;
+      }
+      er.x = st.moe->xg.data() + size_t(er.row0) * st.ldxg;
+      er.ldx = st.ldxg;
+      gather_bytes += size_t(er.rows) * st.hp * sizeof(bf16);
+      ctx.lists[st.moe->slices()[a % st.moe->slices().size()].group].push_back({int(q), 0, int(a), 0, 0});
+    }
   }
-  run_phase(pool, ctx, reduce_task);
+  run_phase(pool, ctx, gather_task, gather_bytes <= (64 << 10));
+  // up: (job, slice, expert, output blocks of gate/up); down: (job, slice, expert, output columns)
+  plan_block_tasks(pool, states, ctx, &MoE::Slice::gate, 2);
+  run_phase(pool, ctx, up_task);
+  plan_block_tasks(pool, states, ctx, &MoE::Slice::down, 1);
+  run_phase(pool, ctx, down_task);
+  // reduce: token ranges; with fewer tokens than threads, each token's columns in pieces as well
+  size_t reduce_bytes = 0;
+  for (size_t q = 0; q < states.size(); ++q) {
+    const JobState& st = states[q];
+    const int T = st.T, per = std::max(1, std::min(64, T / (4 * pool.threads()) + 1));
+    const int pieces = T >= pool.threads() ? 1 : (pool.threads() + T - 1) / T;
+    const int width = int(round_up((st.H + pieces - 1) / pieces, 16));
+    reduce_bytes += st.row_token.size() * st.moe->slices().size() * st.H * sizeof(float);
+    for (int t = 0, n = 0; t < T; t += per)
+      for (int c = 0; c < st.H; c += width, ++n)
+        ctx.lists[n % pool.groups()].push_back({int(q), 0, -1, t, std::min(T, t + per), c, std::min(st.H, c + width)});
+  }
+  run_phase(pool, ctx, reduce_task, reduce_bytes <= (16 << 10));
 }
 
 }  // namespace ktf

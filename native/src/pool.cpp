@@ -160,10 +160,7 @@ void ThreadPool::worker_main(int group, int) {
       }
     }
     seen = g;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (stop_) return;
-    }
+    if (stop_.load(std::memory_order_acquire)) return;
     work(group);
     if (checked_in_.fetch_add(1, std::memory_order_acq_rel) + 1 == int(workers_.size())) {
       std::lock_guard<std::mutex> lock(mutex_);

@@ -31,11 +31,15 @@ float f16_to_f32(uint16_t h);
 
 inline size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
 
-// Packed weight formats. The layouts (NB = 16 output rows per block, K padded to KALIGN):
-//   BF16: bf16  [np/16][kp/2][16][2]   (a block's K-pairs are one AMX B tile row each)
-//   INT8: int8  [np/16][kp][16]        symmetric, scale per (row, K group)
-//   INT4: uint8 [np/16][kp/2][16]      two K neighbours per byte (low nibble even k), value + 8
-// scales: float [np/16][kp/group][16] (INT8, INT4 only).
+// Packed weight formats. The layouts (NB = 16 output rows per block, K padded to KALIGN) put the
+// K neighbours a dot-product instruction consumes together in one 32-bit lane, 16 rows side by
+// side, so one 64-byte load feeds one VDPBF16PS / VPDPBUSD and the blocks are AMX B tiles:
+//   BF16: bf16  [np/16][kp/2][16][2]   K pairs
+//   INT8: uint8 [np/16][kp/4][16][4]   K quads, value + 128 (symmetric, |q| <= 127)
+//   INT4: uint8 [np/16][kp/8][16][4]   K octets: byte i of a row holds k = 8q + i in its low
+//                                      nibble and k = 8q + 4 + i in its high one, value + 8
+// The unsigned bias lets VPDPBUSD multiply weights (unsigned) by int8 activations (signed); it is
+// taken out with the activations' sum. scales: float [np/16][kp/group][16] (INT8, INT4 only).
 enum class Format : int { BF16 = 0, INT8 = 1, INT4 = 2 };
 enum class SrcType : int { F32 = 0, F16 = 1, BF16 = 2 };
 
@@ -43,6 +47,20 @@ constexpr int NB = 16;
 constexpr int KALIGN = 32;
 
 const char* format_name(Format f);
+
+// Element (n, k) of a packed matrix with padded K kp: index of its bf16 / byte, and for INT4
+// whether it is the high nibble.
+inline size_t bf16_index(int kp, int n, int k) {
+  return ((size_t(n / NB) * (kp / 2) + k / 2) * NB + n % NB) * 2 + (k & 1);
+}
+inline size_t int8_index(int kp, int n, int k) {
+  return ((size_t(n / NB) * (kp / 4) + k / 4) * NB + n % NB) * 4 + (k & 3);
+}
+inline size_t int4_index(int kp, int n, int k) {
+  return ((size_t(n / NB) * (kp / 8) + k / 8) * NB + n % NB) * 4 + (k & 3);
+}
+inline bool int4_high(int k) { return (k & 4) != 0; }
+constexpr int INT8_BIAS = 128, INT4_BIAS = 8;
 
 struct PackedMatrix {  // y = W x with W [n, k]
   Format fmt = Format::BF16;
@@ -94,7 +112,9 @@ const CpuFeatures& cpu_features();
 // is not available on this CPU.
 MatmulFn matmul_for(Path path);
 bool path_available(Path p);
-Path resolve_path(Path requested, int rows);
+// Rows up to which the AVX-512 kernels multiply INT8/INT4 weights as integers (int8 activations).
+constexpr int QUANT_ROWS_MAX = 8;
+Path resolve_path(Path requested, int rows, Format fmt);
 
 // Rows at and above which AMX beats AVX-512 on this machine (measured once, see calibrate()).
 int amx_crossover();

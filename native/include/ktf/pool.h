@@ -57,7 +57,7 @@ class ThreadPool {
   std::exception_ptr error_;
   std::mutex mutex_, run_mutex_;
   std::condition_variable wake_, done_;
-  bool stop_ = false;
+  std::atomic<bool> stop_{false};
   long spin_ns_;
 };
 
