@@ -42,6 +42,8 @@ class ParallelBuildExt(build_ext):
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
             objects = [o for objs in pool.map(compile_one, ext.sources) for o in objs]
         ext.extra_objects = objects
+        # the link step's up-to-date check looks at sources + depends: keep the sources in it
+        ext.depends = list(ext.depends) + list(ext.sources)
         ext.sources = []
         super().build_extension(ext)
 

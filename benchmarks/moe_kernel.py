@@ -7,14 +7,20 @@ Per row: us per call (median of repeats), GB/s of touched expert bytes (the dist
 call routes to, each read once), TFLOPS (2 * T * k * 3 * H * I / time). Appends JSONL to
 benchmarks/moe_kernel.jsonl.
 
+ktflow's rows cycle through several packed copies of the layer (as a model's decode step goes
+through every layer before it comes back to one), enough that the experts of one call are out of
+the last-level cache when their copy comes round again; the baselines run one copy.
+
     python benchmarks/moe_kernel.py [--shapes qwen3,dsv3] [--tokens 1,2,4,...] [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -27,6 +33,26 @@ SHAPES = {  # name: (experts, top_k, hidden, inter)
 }
 TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
 BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
+PHASES = ("route", "gather", "up", "down", "reduce")  # of the native operator, us of the last call
+
+
+def kernel_table(shapes: list[str], threads: int) -> list[dict]:
+    """One thread's matmul kernel on in-cache data (the gate shape of each layer, n = 256 rows of
+    it), per path and rows: the compute ceiling the layer rows are measured against."""
+    out = []
+    print(f"{'kernel':22s} {'rows':>5s} {'TFLOPS/thread':>14s} {'x threads':>10s}")
+    for shape in shapes:
+        _, _, H, _ = SHAPES[shape]
+        for path in native.kernel_paths():
+            if path == "generic":
+                continue
+            for fmt in ("bf16", "int8"):
+                for M in (1, 8, 32, 128, 256):
+                    tf = native.module().kernel_tflops(path, M, 256, H, fmt)
+                    print(f"{shape + ' ' + path + ' ' + fmt:22s} {M:5d} {tf:14.3f} {tf * threads:10.2f}")
+                    out.append(dict(bench="moe_kernel.kernel", shape=shape, path=path, fmt=fmt, rows=M, n=256, k=H,
+                                    tflops_per_thread=tf))
+    return out
 
 
 def dram_read_gbps() -> dict[str, float]:
@@ -44,6 +70,36 @@ def dram_read_gbps() -> dict[str, float]:
     return dict(torch_sum=best, native_stream=stream, dram=max(best, stream))
 
 
+def llc_bytes() -> int:
+    """Size of the last-level cache CPU 0 sees (64 MiB when the OS does not say)."""
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"), reverse=True):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        return int(size.rstrip("KMG")) * unit
+    return 64 << 20
+
+
+def layer_copies(k: int, H: int, I: int, fmt: str, llc: int) -> int:
+    """Copies to cycle through: between two calls on one copy, the other copies' calls (one token:
+    k experts each) read at least twice the last-level cache."""
+    per_call = k * 3 * H * I * BYTES[fmt]
+    return max(2, min(8, math.ceil(2 * llc / per_call) + 1))
+
+
+class Cycle:
+    """Calls its functions in turn."""
+
+    def __init__(self, fns):
+        self.fns, self.i = fns, 0
+
+    def __call__(self, *args):
+        self.i += 1
+        return self.fns[self.i % len(self.fns)](*args)
+
+
 def routing(T: int, E: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     scores = torch.rand(T, E, generator=g)
@@ -57,8 +113,9 @@ def touched_bytes(ids: torch.Tensor, H: int, I: int, fmt: str) -> float:
 
 def timeit(fn, calls: list, repeats: int, min_seconds: float = 0.3) -> float:
     """Median seconds per call, cycling through `calls` (different routings each call, so the
-    touched experts are not left in the caches by the previous call)."""
-    fn(*calls[-1])
+    touched experts are not left in the caches by the previous call). Warms every copy of a Cycle."""
+    for _ in range(len(getattr(fn, "fns", [fn]))):
+        fn(*calls[-1])
     times = []
     t_end = time.perf_counter() + min_seconds
     while len(times) < repeats or time.perf_counter() < t_end:
@@ -140,11 +197,16 @@ def main() -> None:
     bw = dram_read_gbps()
     dram = bw["dram"]
     crossover = native.module().amx_crossover() if "amx" in native.kernel_paths() else None
-    info = dict(**machine(), commit=commit(), threads=threads, paths=native.kernel_paths(), dram_gbps=dram, dram_torch_sum_gbps=bw["torch_sum"],
-                dram_native_stream_gbps=bw["native_stream"],
-                amx_crossover=crossover)
+    llc = llc_bytes()
+    info = dict(**machine(), commit=commit(), threads=threads, paths=native.kernel_paths(), dram_gbps=dram,
+                dram_torch_sum_gbps=bw["torch_sum"], dram_native_stream_gbps=bw["native_stream"],
+                amx_crossover=crossover, llc_bytes=llc)
     print(f"# {info}")
-    rows = []
+    rows, failures = [], []
+    kernels = kernel_table(a.shapes.split(","), threads)
+    for r in kernels:
+        r.update(info)
+    rows += kernels
     print(f"{'shape':6s} {'impl':18s} {'T':>5s} {'us/call':>10s} {'GB/s':>7s} {'of DRAM':>7s} {'TFLOPS':>7s}")
     for shape in a.shapes.split(","):
         E, k, H, I = SHAPES[shape]
@@ -154,9 +216,11 @@ def main() -> None:
         down = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16()
         impls = []
         for fmt in a.formats.split(","):
-            op = native.ExpertOp(E, H, I, fmt=fmt)
-            op.pack(lambda e: (gate[e], up[e], down[e]))
-            impls.append((f"ktflow-{fmt}", fmt, lambda x, i, w, op=op: op.forward(x, i, w)))
+            ops = [native.ExpertOp(E, H, I, fmt=fmt) for _ in range(layer_copies(k, H, I, fmt, llc))]
+            for op in ops:
+                op.pack(lambda e: (gate[e], up[e], down[e]))
+            impls.append((f"ktflow-{fmt}", fmt, Cycle([op.forward for op in ops])))
+            print(f"# ktflow-{fmt}: {len(ops)} copies of the layer")
         if not a.no_torch:
             impls.append(("torch-loop-bf16", "bf16", TorchLoop(gate, up, down)))
         for fmt in ("bf16", "int8"):
@@ -172,14 +236,26 @@ def main() -> None:
             for name, fmt, fn in impls:
                 if name.startswith("torch") and T > a.torch_max_tokens:
                     continue
-                s = timeit(fn, calls, a.repeats)
+                try:
+                    s = timeit(fn, calls, a.repeats)
+                except Exception as e:  # noqa: BLE001 - report it, finish the table, exit non-zero
+                    failures.append(f"{shape} {name} T={T}: {type(e).__name__}: {e}")
+                    print(f"# FAILED {failures[-1]}")
+                    continue
                 nbytes = statistics.mean(touched_bytes(ids, H, I, fmt) for _, ids, _ in calls)
                 gbps, tflops = nbytes / s / 1e9, 2 * T * k * 3 * H * I / s / 1e12
                 frac = gbps / dram
-                print(f"{shape:6s} {name:18s} {T:5d} {s * 1e6:10.1f} {gbps:7.1f} {frac:7.0%} {tflops:7.2f}")
+                phases = {}
+                if isinstance(fn, Cycle):  # ktflow: where the last call's time went
+                    ns = fn.fns[0].__self__.op.last_phase_ns
+                    phases = {p: v / 1e3 for p, v in zip(PHASES, ns)}
+                print(f"{shape:6s} {name:18s} {T:5d} {s * 1e6:10.1f} {gbps:7.1f} {frac:7.0%} {tflops:7.2f}"
+                      + ("   " + " ".join(f"{p} {v:.0f}" for p, v in phases.items()) if phases else ""))
                 rows.append(dict(bench="moe_kernel", shape=shape, E=E, k=k, H=H, I=I, impl=name, T=T,
-                                 us=s * 1e6, gbps=gbps, dram_fraction=frac, tflops=tflops, **info))
+                                 us=s * 1e6, gbps=gbps, dram_fraction=frac, tflops=tflops, phases_us=phases, **info))
     append_jsonl(a.out, rows)
+    if failures:
+        raise SystemExit("failed:\n  " + "\n  ".join(failures))
 
 
 if __name__ == "__main__":

@@ -103,3 +103,27 @@ print("submitted")
                        cwd=str(__import__("pathlib").Path(__file__).parent))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "submitted" in r.stdout
+
+
+def test_one_operator_twice_in_a_batch_and_layers_sharing_scratch(op):
+    """Jobs of one batch get their own scratch even on the same operator (a deferred rank range
+    beside the immediate one), and operators of one pool (layers) share it without mixing results."""
+    E, H, I = 8, 64, 48
+    gate, up, down = op.ref
+    other = native.ExpertOp(E, H, I)
+    g2, u2, d2 = make_experts(E, H, I, seed=3)
+    other.pack(lambda e: (g2[e], u2[e], d2[e]))
+    x = torch.randn(300, H).bfloat16()
+    ids, wts = routing(300, E, 4, seed=6)
+    first, second = torch.zeros(300, H), torch.zeros(300, H)
+    b = native.Batch()
+    b.add(op, x, ids, wts, first, ranks=(0, 2))
+    b.add(op, x, ids, wts, second, ranks=(2, 4))
+    small = torch.zeros(3, H)
+    b.add(other, x[:3], ids[:3], wts[:3], small)
+    b.submit()
+    native.sync()
+    held = set(range(E))
+    assert rel(first, reference_moe(x, ids, wts, gate, up, down, held, (0, 2))) < 1e-2
+    assert rel(second, reference_moe(x, ids, wts, gate, up, down, held, (2, 4))) < 1e-2
+    assert rel(small, reference_moe(x[:3], ids[:3], wts[:3], g2, u2, d2, held, (0, 4))) < 1e-2

@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <atomic>
+#include <random>
 
 #include "ktf/common.h"
 #include "ktf/moe.h"
@@ -114,10 +115,18 @@ double stream_read_gbps(ThreadPool& pool, size_t bytes, int repeats) {
       auto* wr = static_cast<Wrap*>(c);
       auto* x = wr->c;
       const size_t chunk_index = size_t(i) * wr->groups + g;
+      // the chunk as four streams read side by side (as a kernel reads gate and up, or several
+      // weight blocks): one stream per core leaves DRAM bandwidth unused on some CPUs
       uint64_t acc[8] = {};
       const size_t lo = chunk_index * x->chunk, hi = std::min(x->words, lo + x->chunk);
-      for (size_t q = lo; q + 8 <= hi; q += 8)
-        for (int j = 0; j < 8; ++j) acc[j] += x->p[q + j];
+      const size_t quarter = (hi - lo) / 4 / 8 * 8;
+      const uint64_t* s = x->p + lo;
+      for (size_t q = 0; q < quarter; q += 8)
+        for (int j = 0; j < 8; j += 2) {
+          acc[j] += s[q + j] + s[quarter + q + j] + s[2 * quarter + q + j] + s[3 * quarter + q + j];
+          acc[j + 1] += s[q + j + 1] + s[quarter + q + j + 1] + s[2 * quarter + q + j + 1] + s[3 * quarter + q + j + 1];
+        }
+      for (size_t q = lo + 4 * quarter; q < hi; ++q) acc[0] += x->p[q];
       x->sink += acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
     }, &w);
     best = std::min(best, double(now_ns() - t0) * 1e-9);
@@ -153,6 +162,31 @@ PYBIND11_MODULE(_native, m) {
     return calibrate_amx_crossover(k);
   });
   m.def("now_ns", &now_ns);
+  m.def("kernel_tflops", [](const std::string& path, int M, int n, int k, const std::string& fmt, double seconds) {
+    // one thread, data in cache: the matmul kernel's own throughput (n x k weights, M rows)
+    std::vector<float> w(size_t(n) * k);
+    std::mt19937 rng(1);
+    std::uniform_real_distribution<float> u(-1.f, 1.f);
+    for (float& v : w) v = u(rng);
+    PackedMatrix P;
+    pack_matrix(P, w.data(), k, n, k, SrcType::F32, parse_format(fmt), 0, NB, -1);
+    std::vector<bf16> x(size_t(M) * P.kp);
+    for (bf16& v : x) v = f32_to_bf16(u(rng));
+    std::vector<float> y(size_t(M) * P.np);
+    const MatmulFn fn = matmul_for(resolve_path(parse_path(path), M, P.fmt));
+    double flops = 0;
+    py::gil_scoped_release nogil;
+    fn(x.data(), P.kp, M, P, 0, P.nblocks(), y.data(), P.np);
+    const int64_t t0 = now_ns();
+    int64_t t1 = t0;
+    while (double(t1 - t0) < seconds * 1e9) {
+      fn(x.data(), P.kp, M, P, 0, P.nblocks(), y.data(), P.np);
+      flops += 2.0 * M * P.np * P.kp;
+      t1 = now_ns();
+    }
+    free_matrix(P, -1);
+    return flops / (double(t1 - t0) * 1e-9) / 1e12;
+  }, py::arg("path"), py::arg("M"), py::arg("n"), py::arg("k"), py::arg("fmt") = "bf16", py::arg("seconds") = 0.2);
   m.def("stream_read_gbps", [](ThreadPool& pool, size_t bytes, int repeats) {
     py::gil_scoped_release nogil;
     return stream_read_gbps(pool, bytes, repeats);
@@ -212,6 +246,10 @@ PYBIND11_MODULE(_native, m) {
                              })
       .def_property_readonly("packed_bytes", &MoE::packed_bytes)
       .def("is_packed", &MoE::packed)
+      .def_property_readonly("last_phase_ns", [](MoE& m) {
+        const Workspace& w = m.workspace();
+        return std::vector<int64_t>(w.phase_ns, w.phase_ns + 5);
+      }, "nanoseconds of the pool's last batch: route, gather, up, down, reduce")
       .def("packed_arrays",
            [](MoE& self, int slice, int expert, int which) {
              PackedMatrix& P = self.matrix(slice, expert, which);

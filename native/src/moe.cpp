@@ -1,4 +1,5 @@
 #include "ktf/moe.h"
+#include "ktf/queue.h"
 
 #include <algorithm>
 #include <cmath>
@@ -94,6 +95,35 @@ void free_matrix(PackedMatrix& P, int node) {
   P.scales = nullptr;
 }
 
+// ------------------------------------------------------------------------------------- workspace
+
+void* Workspace::reserve(size_t bytes) {
+  bytes = round_up(std::max<size_t>(bytes, 64), 1 << 16);
+  if (bytes > bytes_) {
+    std::free(data_);
+    data_ = nullptr;
+    bytes_ = 0;
+    data_ = std::aligned_alloc(64, bytes);  // untouched: pages land where the tasks first write them
+    if (!data_) throw std::bad_alloc();
+    bytes_ = bytes;
+  }
+  return data_;
+}
+
+Workspace::~Workspace() { std::free(data_); }
+
+std::shared_ptr<Workspace> Workspace::of(const ThreadPool& pool) {
+  static std::mutex mutex;
+  static std::map<const ThreadPool*, std::weak_ptr<Workspace>> registry;
+  std::lock_guard<std::mutex> lock(mutex);
+  std::shared_ptr<Workspace> w = registry[&pool].lock();
+  if (!w) {
+    w = std::make_shared<Workspace>();
+    registry[&pool] = w;
+  }
+  return w;
+}
+
 // ------------------------------------------------------------------------------------- MoE
 
 MoE::MoE(std::shared_ptr<ThreadPool> pool, MoEShape shape, std::vector<int> groups, std::vector<uint8_t> present)
@@ -121,8 +151,7 @@ MoE::MoE(std::shared_ptr<ThreadPool> pool, MoEShape shape, std::vector<int> grou
     sl.down.resize(shape_.experts);
     slices_.push_back(std::move(sl));
   }
-  h.resize(slices_.size());
-  part.resize(slices_.size());
+  workspace_ = Workspace::of(*pool_);
 }
 
 MoE::~MoE() {
@@ -230,6 +259,9 @@ struct JobState {
   int T = 0, H = 0, hp = 0;
   size_t ldxg = 0;           // row stride of the gathered rows (hp plus a cache line: no 4 KiB aliasing)
   std::vector<size_t> ldh;   // per slice: row stride of h
+  bf16* xg = nullptr;        // gathered rows [R][ldxg]          (in the pool's workspace)
+  std::vector<bf16*> h;      // per slice: SiLU products [R][ldh]
+  std::vector<float*> part;  // per slice: partial outputs [R][hp]
   std::vector<ExpertRows> experts;  // active experts, rows contiguous in the gathered block
   std::vector<int> row_token;
   std::vector<float> row_weight;
@@ -296,7 +328,7 @@ void gather_task(void* ctx, int group, int i) {
   JobState& st = (*c->states)[tk.job];
   const ExpertRows& er = st.experts[tk.expert];
   for (int r = er.row0; r < er.row0 + er.rows; ++r) {
-    bf16* dst = st.moe->xg.data() + size_t(r) * st.ldxg;
+    bf16* dst = st.xg + size_t(r) * st.ldxg;
     std::memcpy(dst, st.job->x + size_t(st.row_token[r]) * st.job->ldx, size_t(st.H) * sizeof(bf16));
     std::fill(dst + st.H, dst + st.hp, bf16(0));
   }
@@ -320,7 +352,7 @@ void up_task(void* ctx, int group, int i) {
   mm(er.x, er.ldx, er.rows, U, tk.nb0, tk.nb1, yu.data(), cols);
   const bool vector = cpu_features().avx512_bf16;
   for (int r = 0; r < er.rows; ++r) {
-    bf16* h = m.h[tk.slice].data() + size_t(er.row0 + r) * st.ldh[tk.slice] + tk.nb0 * NB;
+    bf16* h = st.h[tk.slice] + size_t(er.row0 + r) * st.ldh[tk.slice] + tk.nb0 * NB;
     const float* g = &yg[size_t(r) * cols];
     const float* u = &yu[size_t(r) * cols];
     // h is bf16, as the reference computes SiLU(gate) * up in the activation dtype
@@ -343,8 +375,8 @@ void down_task(void* ctx, int group, int i) {
   const PackedMatrix& D = sl.down[er.expert];
   const size_t ldh = st.ldh[tk.slice];
   const MatmulFn mm = matmul_for(resolve_path(st.job->path, er.rows, m.shape().fmt));
-  float* y = m.part[tk.slice].data() + size_t(er.row0) * st.hp + tk.nb0 * NB;
-  mm(m.h[tk.slice].data() + size_t(er.row0) * ldh, ldh, er.rows, D, tk.nb0, tk.nb1, y, st.hp);
+  float* y = st.part[tk.slice] + size_t(er.row0) * st.hp + tk.nb0 * NB;
+  mm(st.h[tk.slice] + size_t(er.row0) * ldh, ldh, er.rows, D, tk.nb0, tk.nb1, y, st.hp);
 }
 
 void reduce_task(void* ctx, int group, int i) {
@@ -370,7 +402,7 @@ void reduce_task(void* ctx, int group, int i) {
       for (int q = st.token_row0[t]; q < st.token_row0[t + 1]; ++q) {
         const int r = st.token_rows[q];
         const float w = st.row_weight[r];
-        const float* y = m.part[s].data() + size_t(r) * st.hp + c0;
+        const float* y = st.part[s] + size_t(r) * st.hp + c0;
         for (int x = 0; x < n; ++x) acc[x] += w * y[x];
       }
     if (j.out_f32)
@@ -437,15 +469,14 @@ void run_phase(ThreadPool& pool, PhaseCtx& ctx, ThreadPool::TaskFn fn, bool smal
 }  // namespace
 
 void run_jobs(ThreadPool& pool, std::vector<Job>& jobs) {
-  std::vector<std::unique_lock<std::mutex>> locks;
+  if (jobs.empty()) return;
+  int64_t stamp[6];
+  stamp[0] = now_ns();
   std::vector<JobState> states(jobs.size());
   for (size_t q = 0; q < jobs.size(); ++q) {
     Job& j = jobs[q];
     if (!j.moe) throw std::invalid_argument("job without an operator");
     if (&j.moe->pool() != &pool) throw std::invalid_argument("job's operator belongs to another thread pool");
-    for (size_t p = 0; p < q; ++p)
-      if (jobs[p].moe == j.moe) throw std::invalid_argument("two jobs of one batch use the same operator");
-    locks.emplace_back(j.moe->busy);
     JobState& st = states[q];
     st.job = &j;
     st.moe = j.moe;
@@ -458,15 +489,34 @@ void run_jobs(ThreadPool& pool, std::vector<Job>& jobs) {
     for (const ExpertRows& er : st.experts)
       if (!j.moe->packed(er.expert))
         throw std::runtime_error("expert " + std::to_string(er.expert) + " was routed to but never packed");
-    const size_t R = st.row_token.size();
-    MoE& m = *j.moe;
     st.ldxg = size_t(st.hp) + 32;
-    if (m.xg.size() < R * st.ldxg) m.xg.resize(R * st.ldxg);
-    for (size_t s = 0; s < m.slices().size(); ++s) {
-      const size_t ldh = size_t(m.slices()[s].kp) + 32;
-      st.ldh.push_back(ldh);
-      if (m.h[s].size() < R * ldh) m.h[s].resize(R * ldh);
-      if (m.part[s].size() < R * st.hp) m.part[s].resize(R * st.hp);
+    for (const MoE::Slice& sl : j.moe->slices()) st.ldh.push_back(size_t(sl.kp) + 32);
+  }
+  // every job's scratch, carved from the pool's workspace (held for the whole batch)
+  Workspace& ws = jobs[0].moe->workspace();
+  std::lock_guard<std::mutex> busy(ws.busy);
+  size_t bytes = 0;
+  auto carve = [&bytes](size_t n) {
+    const size_t at = bytes;
+    bytes = round_up(bytes + n, 64);
+    return at;
+  };
+  std::vector<size_t> at;  // offsets: per job xg, then per slice h and part
+  for (JobState& st : states) {
+    const size_t R = st.row_token.size();
+    at.push_back(carve(R * st.ldxg * sizeof(bf16)));
+    for (size_t s = 0; s < st.ldh.size(); ++s) {
+      at.push_back(carve(R * st.ldh[s] * sizeof(bf16)));
+      at.push_back(carve(R * st.hp * sizeof(float)));
+    }
+  }
+  auto* base = static_cast<uint8_t*>(ws.reserve(bytes));
+  size_t next = 0;
+  for (JobState& st : states) {
+    st.xg = reinterpret_cast<bf16*>(base + at[next++]);
+    for (size_t s = 0; s < st.ldh.size(); ++s) {
+      st.h.push_back(reinterpret_cast<bf16*>(base + at[next++]));
+      st.part.push_back(reinterpret_cast<float*>(base + at[next++]));
     }
   }
   PhaseCtx ctx{&states, std::vector<std::vector<Task>>(pool.groups())};
@@ -482,18 +532,22 @@ void run_jobs(ThreadPool& pool, std::vector<Job>& jobs) {
         er.ldx = st.job->ldx;
         continue;
       }
-      er.x = st.moe->xg.data() + size_t(er.row0) * st.ldxg;
+      er.x = st.xg + size_t(er.row0) * st.ldxg;
       er.ldx = st.ldxg;
       gather_bytes += size_t(er.rows) * st.hp * sizeof(bf16);
       ctx.lists[st.moe->slices()[a % st.moe->slices().size()].group].push_back({int(q), 0, int(a), 0, 0});
     }
   }
+  stamp[1] = now_ns();
   run_phase(pool, ctx, gather_task, gather_bytes <= (64 << 10));
+  stamp[2] = now_ns();
   // up: (job, slice, expert, output blocks of gate/up); down: (job, slice, expert, output columns)
   plan_block_tasks(pool, states, ctx, &MoE::Slice::gate, 2);
   run_phase(pool, ctx, up_task);
+  stamp[3] = now_ns();
   plan_block_tasks(pool, states, ctx, &MoE::Slice::down, 1);
   run_phase(pool, ctx, down_task);
+  stamp[4] = now_ns();
   // reduce: token ranges; with fewer tokens than threads, each token's columns in pieces as well
   size_t reduce_bytes = 0;
   for (size_t q = 0; q < states.size(); ++q) {
@@ -507,6 +561,8 @@ void run_jobs(ThreadPool& pool, std::vector<Job>& jobs) {
         ctx.lists[n % pool.groups()].push_back({int(q), 0, -1, t, std::min(T, t + per), c, std::min(st.H, c + width)});
   }
   run_phase(pool, ctx, reduce_task, reduce_bytes <= (16 << 10));
+  stamp[5] = now_ns();
+  for (int i = 0; i < 5; ++i) ws.phase_ns[i] = stamp[i + 1] - stamp[i];
 }
 
 }  // namespace ktf

@@ -9,6 +9,7 @@
 // The kernel of every matmul is chosen by the rows it has (AVX-512 for few, AMX for many).
 #pragma once
 
+#include <map>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -25,6 +26,24 @@ struct MoEShape {
 };
 
 class MoE;
+
+// Scratch memory of run_jobs (gathered rows, SiLU products, partial outputs), shared by every
+// operator of one pool: a model's layers run one batch at a time, so one buffer that grows to the
+// largest batch seen serves them all. Lock `busy` for the whole batch.
+class Workspace {
+ public:
+  std::mutex busy;
+  // nanoseconds of the last batch's phases: route (and scratch), gather, up, down, reduce
+  int64_t phase_ns[5] = {};
+  void* reserve(size_t bytes);  // 64-byte aligned; contents undefined; invalidates older pointers
+  ~Workspace();
+  // the workspace of `pool` (created with its first operator, freed with its last)
+  static std::shared_ptr<Workspace> of(const ThreadPool& pool);
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
 
 // One forward call: x [T, H] bf16 (row stride ldx); ids [T, ldr] int64 and weights [T, ldr] fp32
 // of which columns [k0, k1) are used; out [T, H] bf16 or fp32 (row stride ldo).
@@ -81,14 +100,11 @@ class MoE {
   ThreadPool& pool() { return *pool_; }
   size_t packed_bytes() const;
 
-  // scratch, reused across calls (one call at a time per MoE)
-  std::mutex busy;
-  std::vector<bf16> xg;                 // gathered rows [R][hp]
-  std::vector<std::vector<bf16>> h;     // per slice [R][kp_slice]
-  std::vector<std::vector<float>> part;  // per slice [T][hp]
+  Workspace& workspace() { return *workspace_; }
 
  private:
   std::shared_ptr<ThreadPool> pool_;
+  std::shared_ptr<Workspace> workspace_;
   MoEShape shape_;
   std::vector<uint8_t> present_, packed_;
   std::vector<Slice> slices_;
