@@ -32,7 +32,9 @@ SHAPES = {  # name: (experts, top_k, hidden, inter)
     "dsv3": (64, 8, 7168, 2048),  # 64 of DeepSeek-V3's 256 experts: the layer's bytes fit any host
 }
 TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
-BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
+# bytes read per weight: int8 per output channel (one fp32 scale per row, negligible), int4 in
+# groups of 128 with one fp32 scale each
+BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 128}
 PHASES = ("route", "gather", "up", "down", "reduce")  # of the native operator, us of the last call
 
 
@@ -46,7 +48,7 @@ def kernel_table(shapes: list[str], threads: int) -> list[dict]:
         for path in native.kernel_paths():
             if path == "generic":
                 continue
-            for fmt in ("bf16", "int8"):
+            for fmt in ("bf16", "int8", "int4"):
                 for M in (1, 8, 32, 128, 256):
                     tf = native.module().kernel_tflops(path, M, 256, H, fmt)
                     print(f"{shape + ' ' + path + ' ' + fmt:22s} {M:5d} {tf:14.3f} {tf * threads:10.2f}")
@@ -90,14 +92,18 @@ def layer_copies(k: int, H: int, I: int, fmt: str, llc: int) -> int:
 
 
 class Cycle:
-    """Calls its functions in turn."""
+    """Calls the forwards of several copies of a native layer in turn, keeping each call's phase
+    times (microseconds: route, gather, up, down, reduce)."""
 
-    def __init__(self, fns):
-        self.fns, self.i = fns, 0
+    def __init__(self, ops):
+        self.ops, self.i, self.phases = ops, 0, []
 
     def __call__(self, *args):
         self.i += 1
-        return self.fns[self.i % len(self.fns)](*args)
+        op = self.ops[self.i % len(self.ops)]
+        out = op.forward(*args)
+        self.phases.append([v / 1e3 for v in op.op.last_phase_ns])
+        return out
 
 
 def routing(T: int, E: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,8 +120,10 @@ def touched_bytes(ids: torch.Tensor, H: int, I: int, fmt: str) -> float:
 def timeit(fn, calls: list, repeats: int, min_seconds: float = 0.3) -> float:
     """Median seconds per call, cycling through `calls` (different routings each call, so the
     touched experts are not left in the caches by the previous call). Warms every copy of a Cycle."""
-    for _ in range(len(getattr(fn, "fns", [fn]))):
+    for _ in range(len(getattr(fn, "ops", [fn]))):
         fn(*calls[-1])
+    if isinstance(fn, Cycle):
+        fn.phases.clear()
     times = []
     t_end = time.perf_counter() + min_seconds
     while len(times) < repeats or time.perf_counter() < t_end:
@@ -207,7 +215,10 @@ def main() -> None:
     for r in kernels:
         r.update(info)
     rows += kernels
-    print(f"{'shape':6s} {'impl':18s} {'T':>5s} {'us/call':>10s} {'GB/s':>7s} {'of DRAM':>7s} {'TFLOPS':>7s}")
+    print(f"{'shape':6s} {'impl':18s} {'T':>5s} {'us/call':>10s} {'GB/s':>7s} {'of DRAM':>7s} {'TFLOPS':>7s}"
+          f" {'op':>7s}  {' '.join(PHASES)} (us)")
+    print("# of DRAM: touched bytes / call time / DRAM read bandwidth; op: the same for the native\n"
+          "# operator's own time (its phases, without the Python call), then the phases' medians")
     for shape in a.shapes.split(","):
         E, k, H, I = SHAPES[shape]
         g = torch.Generator().manual_seed(0)
@@ -219,7 +230,7 @@ def main() -> None:
             ops = [native.ExpertOp(E, H, I, fmt=fmt) for _ in range(layer_copies(k, H, I, fmt, llc))]
             for op in ops:
                 op.pack(lambda e: (gate[e], up[e], down[e]))
-            impls.append((f"ktflow-{fmt}", fmt, Cycle([op.forward for op in ops])))
+            impls.append((f"ktflow-{fmt}", fmt, Cycle(ops)))
             print(f"# ktflow-{fmt}: {len(ops)} copies of the layer")
         if not a.no_torch:
             impls.append(("torch-loop-bf16", "bf16", TorchLoop(gate, up, down)))
@@ -245,14 +256,15 @@ def main() -> None:
                 nbytes = statistics.mean(touched_bytes(ids, H, I, fmt) for _, ids, _ in calls)
                 gbps, tflops = nbytes / s / 1e9, 2 * T * k * 3 * H * I / s / 1e12
                 frac = gbps / dram
-                phases = {}
-                if isinstance(fn, Cycle):  # ktflow: where the last call's time went
-                    ns = fn.fns[0].__self__.op.last_phase_ns
-                    phases = {p: v / 1e3 for p, v in zip(PHASES, ns)}
+                phases, op_frac = {}, None
+                if isinstance(fn, Cycle):  # ktflow: where the time went (medians over the calls)
+                    phases = {p: statistics.median(c[i] for c in fn.phases) for i, p in enumerate(PHASES)}
+                    op_frac = nbytes / (sum(phases.values()) * 1e-6) / 1e9 / dram
                 print(f"{shape:6s} {name:18s} {T:5d} {s * 1e6:10.1f} {gbps:7.1f} {frac:7.0%} {tflops:7.2f}"
-                      + ("   " + " ".join(f"{p} {v:.0f}" for p, v in phases.items()) if phases else ""))
+                      + (f" {op_frac:7.0%}  " + " ".join(f"{v:.0f}" for v in phases.values()) if phases else ""))
                 rows.append(dict(bench="moe_kernel", shape=shape, E=E, k=k, H=H, I=I, impl=name, T=T,
-                                 us=s * 1e6, gbps=gbps, dram_fraction=frac, tflops=tflops, phases_us=phases, **info))
+                                 us=s * 1e6, gbps=gbps, dram_fraction=frac, tflops=tflops, phases_us=phases,
+                                 op_dram_fraction=op_frac, **info))
     append_jsonl(a.out, rows)
     if failures:
         raise SystemExit("failed:\n  " + "\n  ".join(failures))
