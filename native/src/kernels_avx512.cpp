@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <vector>
 
 #include "ktf/common.h"
@@ -20,12 +19,10 @@ namespace ktf {
 namespace {
 
 constexpr int MMAX = QUANT_ROWS_MAX;  // tokens per register block
-// software prefetch distance along a weight stream (A/B switch KTFLOW_PREFETCH=0 while measuring)
+// Software prefetch 4 KiB ahead along a weight stream: on the 16-core Xeon host it took int4
+// decode from 54-68% to 85-92% of DRAM bandwidth (the hardware prefetcher alone falls behind on
+// the short per-task streams); bf16 and int8 unchanged within the run-to-run noise.
 constexpr int PF_BYTES = 4096;
-const bool kPrefetch = [] {
-  const char* v = std::getenv("KTFLOW_PREFETCH");
-  return !(v && v[0] == '0');
-}();
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + PF_BYTES, _MM_HINT_T0); }
 
 inline __m512 bf16x16_to_f32(const bf16* p) {
@@ -40,10 +37,8 @@ void bf16_block(const bf16* X, size_t ldx, const bf16* w, int kp, float* Y, size
   for (int q = 0; q < pairs; q += 2) {
     __m512i w0 = _mm512_load_si512(w + size_t(q) * 32);
     __m512i w1 = _mm512_load_si512(w + size_t(q + 1) * 32);
-    if (kPrefetch) {
-      prefetch(w + size_t(q) * 32);
-      prefetch(w + size_t(q + 1) * 32);
-    }
+    prefetch(w + size_t(q) * 32);
+    prefetch(w + size_t(q + 1) * 32);
     for (int m = 0; m < MM; ++m) {
       int32_t p0, p1;
       std::memcpy(&p0, X + m * ldx + 2 * q, 4);
@@ -137,16 +132,14 @@ void quant_block(const QuantRows& xq, const PackedMatrix& W, int b, float* Y, si
         __m512i w0, w1;
         if constexpr (INT4) {  // one 64-byte octet: low nibbles k..k+3, high nibbles k+4..k+7
           const __m512i v = _mm512_load_si512(w + size_t(k) * 8);
-          if (kPrefetch) prefetch(w + size_t(k) * 8);
+          prefetch(w + size_t(k) * 8);
           w0 = _mm512_and_si512(v, nib);
           w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
         } else {  // two 64-byte quads
           w0 = _mm512_load_si512(w + size_t(k) * 16);
           w1 = _mm512_load_si512(w + size_t(k) * 16 + 64);
-          if (kPrefetch) {
-            prefetch(w + size_t(k) * 16);
-            prefetch(w + size_t(k) * 16 + 64);
-          }
+          prefetch(w + size_t(k) * 16);
+          prefetch(w + size_t(k) * 16 + 64);
         }
         for (int m = 0; m < MM; ++m) {
           const int8_t* q = xq.q + m * xq.ldq + k;
