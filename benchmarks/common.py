@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import os
 import subprocess
 from pathlib import Path
 
@@ -11,7 +12,10 @@ HERE = Path(__file__).parent
 
 
 def commit() -> str:
-    """The short commit of the working tree, with '+dirty' when it has uncommitted changes."""
+    """The short commit of the working tree, with '+dirty' when it has uncommitted changes;
+    KTFLOW_COMMIT overrides it (a copied tree whose .git is not the one it came from)."""
+    if os.environ.get("KTFLOW_COMMIT"):
+        return os.environ["KTFLOW_COMMIT"]
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=HERE).stdout.strip()
