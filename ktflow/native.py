@@ -234,8 +234,8 @@ class ExpertOp:
                 accumulate: bool = False, ranks: tuple[int, int] | None = None, path: str = "auto") -> torch.Tensor:
         """Synchronous fused MoE on the pool. x [T, hidden] bf16, ids [T, k] int64, weights [T, k]
         fp32; out [T, hidden] bf16 or fp32 (new fp32 if None), added to when `accumulate`."""
-        if out is None:
-            out = torch.zeros(x.shape[0], self.hidden, dtype=torch.float32)
+        if out is None:  # every element is written (empty, not zeros: no torch thread-pool fill)
+            out = torch.empty(x.shape[0], self.hidden, dtype=torch.float32)
         args = self._job_args(x, ids, weights, out, ranks, path)
         self.op.forward(*args, out.data_ptr(), out.stride(0), out.dtype == torch.float32, accumulate, path)
         return out
