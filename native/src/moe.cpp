@@ -116,6 +116,8 @@ std::shared_ptr<Workspace> Workspace::of(const ThreadPool& pool) {
   static std::mutex mutex;
   static std::map<const ThreadPool*, std::weak_ptr<Workspace>> registry;
   std::lock_guard<std::mutex> lock(mutex);
+  for (auto it = registry.begin(); it != registry.end();)  // pools whose operators are all gone
+    it = it->second.expired() ? registry.erase(it) : std::next(it);
   std::shared_ptr<Workspace> w = registry[&pool].lock();
   if (!w) {
     w = std::make_shared<Workspace>();
@@ -322,10 +324,18 @@ void route(JobState& st) {
 }
 
 // tasks of a phase go to the list of the pool group that owns their slice
-void gather_task(void* ctx, int group, int i) {
+struct TaskRef {
+  const Task& tk;
+  JobState& st;
+};
+inline TaskRef task_at(void* ctx, int group, int i) {  // a phase function's task and its job
   auto* c = static_cast<PhaseCtx*>(ctx);
   const Task& tk = c->lists[group][i];
-  JobState& st = (*c->states)[tk.job];
+  return {tk, (*c->states)[tk.job]};
+}
+
+void gather_task(void* ctx, int group, int i) {
+  const auto [tk, st] = task_at(ctx, group, i);
   const ExpertRows& er = st.experts[tk.expert];
   for (int r = er.row0; r < er.row0 + er.rows; ++r) {
     bf16* dst = st.xg + size_t(r) * st.ldxg;
@@ -335,9 +345,7 @@ void gather_task(void* ctx, int group, int i) {
 }
 
 void up_task(void* ctx, int group, int i) {
-  auto* c = static_cast<PhaseCtx*>(ctx);
-  const Task& tk = c->lists[group][i];
-  JobState& st = (*c->states)[tk.job];
+  const auto [tk, st] = task_at(ctx, group, i);
   MoE& m = *st.moe;
   const ExpertRows& er = st.experts[tk.expert];
   const MoE::Slice& sl = m.slices()[tk.slice];
@@ -366,9 +374,7 @@ void up_task(void* ctx, int group, int i) {
 }
 
 void down_task(void* ctx, int group, int i) {
-  auto* c = static_cast<PhaseCtx*>(ctx);
-  const Task& tk = c->lists[group][i];
-  JobState& st = (*c->states)[tk.job];
+  const auto [tk, st] = task_at(ctx, group, i);
   MoE& m = *st.moe;
   const ExpertRows& er = st.experts[tk.expert];
   const MoE::Slice& sl = m.slices()[tk.slice];
@@ -380,9 +386,7 @@ void down_task(void* ctx, int group, int i) {
 }
 
 void reduce_task(void* ctx, int group, int i) {
-  auto* c = static_cast<PhaseCtx*>(ctx);
-  const Task& tk = c->lists[group][i];
-  JobState& st = (*c->states)[tk.job];
+  const auto [tk, st] = task_at(ctx, group, i);
   const Job& j = *st.job;
   MoE& m = *st.moe;
   const int c0 = tk.c0, n = tk.c1 - tk.c0;
