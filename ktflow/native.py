@@ -271,6 +271,10 @@ class Batch:
         _INFLIGHT.append(self)
         self.queue.submit(self.native)
 
+    def wait(self) -> None:
+        """Wait until this batch has run (later batches may still run; errors surface at `sync`)."""
+        self.native.wait()
+
 
 def sync() -> None:
     """Wait for everything submitted to the process queue; raises the first error a job hit."""
@@ -284,7 +288,8 @@ def sync() -> None:
 
 
 def c_entry_points() -> dict[str, int]:
-    """Addresses of `void ktf_submit(void* batch)` and `void ktf_sync(void* queue)` and the
-    queue's context pointer: what cudaLaunchHostFunc needs to drive the queue from a stream."""
+    """Addresses of `void ktf_submit(void* batch)`, `void ktf_sync(void* queue)` and
+    `void ktf_wait_batch(void* batch)`, and the queue's context pointer: what cudaLaunchHostFunc
+    needs to drive the queue from a stream."""
     m = module()
-    return dict(submit=m.submit_fn_ptr(), sync=m.sync_fn_ptr(), queue=queue().handle)
+    return dict(submit=m.submit_fn_ptr(), sync=m.sync_fn_ptr(), wait_batch=m.wait_batch_fn_ptr(), queue=queue().handle)

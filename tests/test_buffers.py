@@ -62,3 +62,26 @@ def test_capture_regions(hybrid, demo_dir):
     assert hybrid.prefill.capture == []  # prefill runs eagerly
     cpu_only = ktflow.compile(ktflow.load(demo_dir), hw="cpu")
     assert cpu_only.decode.capture == [] and not any(s.kind in ("record", "wait") for s in cpu_only.decode.steps)
+
+
+def test_cpu_task_values_live_from_submit_to_sync(hybrid):
+    """The CPU runs a task asynchronously between its submit and its sync: its inputs (the
+    exchange buffer the GPU copied into) must not be reused before the sync, nor may its output
+    share bytes with anything written after the submit (a deferred task's sync is a layer later)."""
+    plan = hybrid.decode
+    g = plan.ir
+    at = {(s.kind, s.node): i for i, s in enumerate(plan.steps)}
+    buf = {b.value: b for b in plan.buffers}
+    sync_of = {n.inputs[1]: n.name for n in g.nodes if n.op.value == "sync"}
+    checked = 0
+    for sub in (n for n in g.nodes if n.op.value == "submit"):
+        s0 = at[("submit", sub.name)]
+        s1 = max(at[("sync", sync_of[m])] for m in sub.attrs.members if m in sync_of)
+        for m in sub.attrs.members:
+            if m in buf:
+                assert buf[m].first_step <= s0, m
+            for i in g.by_name(m).inputs:
+                if i in buf:
+                    assert buf[i].last_step >= s1, (m, i)
+                    checked += 1
+    assert checked and any(n.name.endswith(".def") for n in g.nodes)

@@ -19,7 +19,8 @@ def plan_buffers(g: Graph, steps: list[Step], tokens: int) -> tuple[list[Buffer]
     values. Within an arena, values are placed in order of their first step at the lowest
     256-byte-aligned offset that no value live at the same time occupies (first fit).
     A sync's value is its task's (no buffer of its own; the task's stays live until the sync's
-    readers are done). Guarantees: values live at once never share bytes of one arena;
+    readers are done). A CPU task runs asynchronously from its submit to its sync, so its nodes'
+    values are live from the submit and their inputs until the sync. Guarantees: values live at once never share bytes of one arena;
     completion tokens and the token-id input (host memory handed in by the caller) take no buffer.
     """
     alias = {n.name: n.inputs[1] for n in g.nodes if n.op == Op.SYNC}  # a sync passes its task's value on
@@ -39,6 +40,7 @@ def plan_buffers(g: Graph, steps: list[Step], tokens: int) -> tuple[list[Buffer]
             last[home(r)] = i
     for o in g.outputs:
         last[home(o)] = len(steps) - 1
+    _extend_async_tasks(g, steps, first, last, home)
     pinned = set()
     for n in g.nodes:
         if n.op == Op.COPY:
@@ -66,3 +68,21 @@ def plan_buffers(g: Graph, steps: list[Step], tokens: int) -> tuple[list[Buffer]
         arenas[arena] = max(arenas.get(arena, 0), offset + size)
         buffers.append(Buffer(value=name, arena=arena, offset=offset, bytes=size, first_step=start, last_step=end))
     return buffers, arenas
+
+
+def _extend_async_tasks(g: Graph, steps: list[Step], first: dict[str, int], last: dict[str, int], home) -> None:
+    """Widen the lifetimes of CPU task values to the task's real extent: the CPU may write a
+    member's output any time after the submit and read the member's inputs until the sync."""
+    at = {(s.kind, s.node): i for i, s in enumerate(steps)}
+    sync_of = {n.inputs[1]: n.name for n in g.nodes if n.op == Op.SYNC}
+    for sub in (n for n in g.nodes if n.op == Op.SUBMIT):
+        start = at[("submit", sub.name)]
+        ends = [at[("sync", sync_of[m])] for m in sub.attrs.members if m in sync_of]
+        if not ends:
+            continue
+        end = max(ends)
+        for m in sub.attrs.members:
+            v = home(m)
+            first[v] = min(first.get(v, start), start)
+            for i in g.by_name(m).inputs:
+                last[home(i)] = max(last.get(home(i), end), end)

@@ -196,6 +196,8 @@ PYBIND11_MODULE(_native, m) {
         "address of void ktf_submit(void* batch), for cudaLaunchHostFunc");
   m.def("sync_fn_ptr", [] { return reinterpret_cast<uintptr_t>(&ktf_sync); },
         "address of void ktf_sync(void* queue), for cudaLaunchHostFunc");
+  m.def("wait_batch_fn_ptr", [] { return reinterpret_cast<uintptr_t>(&ktf_wait_batch); },
+        "address of void ktf_wait_batch(void* batch), for cudaLaunchHostFunc");
 
   py::class_<ThreadPool, std::shared_ptr<ThreadPool>>(m, "Pool")
       .def(py::init<int, int, bool>(), py::arg("threads") = 0, py::arg("groups") = 0, py::arg("pin") = true)
@@ -320,5 +322,9 @@ PYBIND11_MODULE(_native, m) {
                                        accumulate, path));
            })
       .def_property_readonly("handle", [](Batch& b) { return reinterpret_cast<uintptr_t>(&b); })
+      .def("wait", [](Batch& b) {
+        py::gil_scoped_release nogil;
+        b.queue->wait_batch(&b);
+      }, "wait until this batch has run (errors stay for the queue's sync)")
       .def_property_readonly("timing", [](Batch& b) { return py::make_tuple(b.submitted_ns, b.started_ns, b.finished_ns); });
 }

@@ -27,6 +27,7 @@ void Queue::submit(Batch* b) {
     std::lock_guard<std::mutex> lock(mutex_);
     b->submitted_ns = now_ns();
     pending_.push_back(b);
+    ++b->submits;
     ++in_flight_;
   }
   work_.notify_one();
@@ -35,6 +36,11 @@ void Queue::submit(Batch* b) {
 void Queue::wait() {
   std::unique_lock<std::mutex> lock(mutex_);
   idle_.wait(lock, [&] { return in_flight_ == 0; });
+}
+
+void Queue::wait_batch(const Batch* b) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  idle_.wait(lock, [&] { return b->finishes == b->submits; });
 }
 
 void Queue::sync() {
@@ -82,6 +88,7 @@ void Queue::dispatch() {
       std::lock_guard<std::mutex> lock(mutex_);
       if (err && !error_) error_ = err;
       if (recording_) records_.push_back({b, b->submitted_ns, b->started_ns, b->finished_ns});
+      ++b->finishes;
       --in_flight_;
     }
     idle_.notify_all();
@@ -96,3 +103,8 @@ extern "C" void ktf_submit(void* batch) {
 }
 
 extern "C" void ktf_sync(void* queue) { static_cast<ktf::Queue*>(queue)->wait(); }
+
+extern "C" void ktf_wait_batch(void* batch) {
+  auto* b = static_cast<ktf::Batch*>(batch);
+  b->queue->wait_batch(b);
+}

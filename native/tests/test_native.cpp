@@ -243,6 +243,19 @@ static void test_queue(std::shared_ptr<ThreadPool> pool, std::mt19937& rng) {
     }
     CHECK(threw, "a failing job's error surfaces at sync");
     q.sync();  // reported once
+    Batch first{&q, {job(ids)}}, second{&q, {job(ids)}};
+    for (int i = 0; i < 20; ++i) {
+      ktf_submit(&first);
+      ktf_submit(&second);
+      ktf_wait_batch(&first);  // as a captured graph's wait node calls it
+      const int64_t done_first = int64_t(first.finishes), sub_first = int64_t(first.submits),
+                    done_second = int64_t(second.finishes);
+      CHECK(done_first == sub_first, "wait_batch returns once its batch has run (%lld of %lld)", (long long)done_first,
+            (long long)sub_first);
+      CHECK(done_second <= i + 1, "a later batch never runs before an earlier one");
+    }
+    q.sync();
+    CHECK(second.finishes == second.submits, "every submission of the second batch ran");
     for (int i = 0; i < 200; ++i) q.submit(&good);
     owner.reset();  // destroying the queue with work pending finishes that work and stops
   }

@@ -5,6 +5,7 @@
 // cudaLaunchHostFunc calls, so a CUDA stream (or a captured graph) can drive the queue.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -28,6 +29,8 @@ struct Batch {
   std::vector<Job> jobs;
   // timestamps (steady clock, ns) of the latest run
   int64_t submitted_ns = 0, started_ns = 0, finished_ns = 0;
+  // times submitted and times finished (written under the queue's mutex): wait_batch waits for equality
+  std::atomic<uint64_t> submits{0}, finishes{0};
 };
 
 struct BatchRecord {
@@ -45,6 +48,7 @@ class Queue {
   void submit(Batch* b);  // never blocks on work
   void sync();            // waits, then rethrows the first error since the last sync
   void wait();            // waits; errors stay for the next sync (for C callers)
+  void wait_batch(const Batch* b);  // waits until every submission of b has run (not later batches)
   ThreadPool& pool() { return *pool_; }
   std::vector<BatchRecord> take_records();  // run times since the last call
   void set_recording(bool on);
@@ -72,4 +76,6 @@ extern "C" {
 void ktf_submit(void* batch);
 // ctx: a ktf::Queue*; waits for everything submitted to it
 void ktf_sync(void* queue);
+// ctx: a ktf::Batch*; waits until that batch has run (batches submitted after it may still run)
+void ktf_wait_batch(void* batch);
 }
