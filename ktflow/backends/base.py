@@ -20,6 +20,9 @@ class StepContext:
     position: int  # absolute position of the first new token
     state: Any  # ktflow.runtime.state.State: KV caches
     token_ids: torch.Tensor  # [batch * seq] int64
+    #: the position as a one-element int64 tensor on the GPU device: set for steps run with
+    #: static shapes (captured as CUDA graphs), where rules must not read `position`
+    position_t: torch.Tensor | None = None
 
 
 class Backend(Protocol):

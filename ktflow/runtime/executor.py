@@ -45,10 +45,12 @@ class Executor:
         node = self.graph.by_name(step.node)
         values[step.writes[0]] = self.backend.run(node, [values[i] for i in node.inputs], ctx)
 
-    def run(self, input_ids: torch.Tensor, state: State) -> torch.Tensor:
-        """Run one step over input_ids [batch, seq] from state.position; returns logits [batch, seq, vocab]."""
+    def run(self, input_ids: torch.Tensor, state: State, position_t: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step over input_ids [batch, seq] from state.position; returns logits [batch, seq, vocab].
+        With `position_t` (the position as a tensor), backends run their static-shape rules."""
         b, s = input_ids.shape
-        ctx = StepContext(batch=b, seq=s, position=state.position, state=state, token_ids=input_ids.reshape(-1))
+        ctx = StepContext(batch=b, seq=s, position=state.position, state=state, token_ids=input_ids.reshape(-1),
+                          position_t=position_t)
         values: dict[str, Any] = {}
         for i, step in enumerate(self.plan.steps):
             self.handlers[step.kind](step, values, ctx)
