@@ -94,12 +94,36 @@ class Compiled:
             plan = self.prefill if phase == "prefill" else self.decode
             if self._backend is None:
                 device = "cuda" if plan.device == "cuda" else "cpu"
+                if device == "cuda":
+                    check_gpu(self.plans)
                 dtype = TORCH_DTYPE[plan.ir.act_dtype]
-                name = resolve_backend(self.plans.options.backend, dtype)
+                name = resolve_backend(self.plans.options.backend, dtype, device)
                 self._backend = get_backend(name)(device, dtype, options=self.plans.options)
             self._backend.prepare(plan.ir, self.model.weights)
             self._executors[phase] = Executor(plan, self._backend)
         return self._executors[phase]
+
+
+#: how far this GPU's memory may be from the one a plan was compiled for
+GPU_MEMORY_TOLERANCE = 0.03
+
+
+def check_gpu(pf: PlanFile) -> None:
+    """A plan whose GPU nodes run on CUDA needs a CUDA device here, with the memory it was
+    placed for (its VRAM budget and expert placement assume that size)."""
+    where = f"{pf.model.model_type} plan compiled for {pf.hw.name}"
+    if not torch.cuda.is_available():
+        raise PlanError(f"this {where} runs its GPU nodes on CUDA, but torch sees no CUDA device on this machine; "
+                        "compile it for this machine (`ktflow compile --hw this`, or hw=None / device='cpu' in "
+                        "ktflow.compile) and run that plan")
+    if not pf.hw.gpus:
+        return
+    planned = pf.hw.gpus[0].memory_bytes
+    here = float(torch.cuda.get_device_properties(0).total_memory)
+    if abs(here - planned) > GPU_MEMORY_TOLERANCE * planned:
+        raise PlanError(f"this {where} was placed for a GPU with {planned / 2**30:.1f} GiB of memory "
+                        f"({pf.hw.gpus[0].name}); this GPU ({torch.cuda.get_device_name(0)}) has {here / 2**30:.1f} GiB. "
+                        "Recompile it for this machine (`ktflow compile --hw this`, or `ktflow hw probe`)")
 
 
 def _device(opts: CompileOptions, hw: HwProfile) -> str:

@@ -31,8 +31,9 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="where GPU-placed nodes run: cuda, or cpu to run a hybrid plan without a GPU "
                    "(default auto: cuda when torch sees one)")
-    g.add_argument("--backend", default="auto", help="backend for the plan's steps: torch_ref, native or null "
-                   "(default auto: native for bfloat16 plans where the native module is built)")
+    g.add_argument("--backend", default="auto", help="backend for the plan's steps: torch_ref, native, cuda_graph "
+                   "or null (default auto, for bfloat16 plans where the native module is built: cuda_graph when GPU "
+                   "nodes run on CUDA, else native; torch_ref otherwise)")
     g.add_argument("--expert-format", default="bf16", choices=["bf16", "int8", "int4"],
                    help="weight format of CPU routed experts in the native backend (default bf16)")
     g.add_argument("--placement", choices=["auto", "cpu", "gpu"], default="auto",
@@ -134,10 +135,26 @@ def cmd_run(a: argparse.Namespace) -> int:
         compiled = ktflow.compile(model, hw=a.hw, **_options(a))
     eos = None if a.ignore_eos else list(model.config.eos_ids) or None
     print(f"weights ready in {compiled.prepare():.2f} s ({compiled.executor('prefill').backend.name} on {compiled.prefill.device})")
+    if a.trace:  # the prompt's step and the first decode step run instrumented
+        compiled.executor("prefill").trace = compiled.executor("decode").trace = 1
     out, st = generate_with_stats(compiled, ids, a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                                   seed=a.seed, eos_token_id=eos)
     _print_generation(ids, out, st, tok)
+    if a.trace:
+        _write_measured_trace(compiled, a.trace)
     return 0
+
+
+def _write_measured_trace(compiled, path: str) -> None:
+    from ktflow.timeline import with_measured_steps, write_chrome_trace
+
+    plans = {}
+    for phase in ("prefill", "decode"):
+        plan, measured = getattr(compiled, phase), compiled.executor(phase).measured
+        plans[phase] = with_measured_steps(plan, measured) if measured else plan.model_copy(update={"steps": []})
+    write_chrome_trace(compiled.plans.model_copy(update=plans), path, label="measured")
+    ran = [p for p in ("prefill", "decode") if compiled.executor(p).measured]
+    print(f"wrote {path}: measured {' and '.join(ran)} step (compare with `ktflow compile --trace`)")
 
 
 def _print_generation(ids, out, st, tok=None, note: str = "") -> None:
@@ -251,6 +268,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--top-p", type=float, default=1.0)
     r.add_argument("--seed", type=int, default=None, help="seed for sampling")
     r.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos token")
+    r.add_argument("--trace", metavar="JSON", help="run the prompt step and the first decode step instrumented "
+                   "(CUDA events per GPU step, the CPU queue's timestamps) and write their measured timelines "
+                   "as a Chrome trace, in the format of `ktflow compile --trace`")
     _add_compile_options(r)
     r.set_defaults(fn=cmd_run)
 

@@ -21,7 +21,9 @@ class CompileOptions(BaseModel):
     dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
         None, description="activation/compute dtype; default the checkpoint's")
     backend: str = Field("auto", description="backend that runs the plan's steps: torch_ref, native (CPU experts "
-                         "on the C++ kernels) or null; auto = native for bfloat16 plans where it is built")
+                         "on the C++ kernels), cuda_graph (native experts, each decode step one CUDA graph) or null; "
+                         "auto = cuda_graph (GPU on CUDA) or native (no GPU) for bfloat16 plans where the native "
+                         "module is built, else torch_ref")
     expert_format: Literal["bf16", "int8", "int4"] = Field(
         "bf16", description="weight format of CPU routed experts in the native backend")
     device: Literal["auto", "cpu", "cuda"] = Field(

@@ -95,13 +95,14 @@ def step_utilisation(plan: Plan) -> dict[str, float]:
     return {lane: _busy(iv) / total for lane, iv in sorted(lanes.items())}
 
 
-def chrome_trace(pf: PlanFile) -> dict:
-    """The predicted timelines of both plans in Chrome trace format (open in Perfetto or
-    chrome://tracing): one process per plan, one thread per lane, one complete event per step."""
+def chrome_trace(pf: PlanFile, label: str = "predicted") -> dict:
+    """The timelines of both plans in Chrome trace format (open in Perfetto or chrome://tracing):
+    one process per plan, one thread per lane, one complete event per step. `label` names what
+    the step times are (predicted by the cost model, or measured by `ktflow run --trace`)."""
     events = []
     for pid, plan in enumerate((pf.prefill, pf.decode)):
         events.append({"ph": "M", "name": "process_name", "pid": pid,
-                       "args": {"name": f"{plan.phase} plan (predicted, {plan.step_tokens} tokens/step)"}})
+                       "args": {"name": f"{plan.phase} plan ({label}, {plan.step_tokens} tokens/step)"}})
         lanes = sorted({s.lane for s in plan.steps}, key=lane_order)
         for tid, lane in enumerate(lanes):
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": lane}})
@@ -116,7 +117,13 @@ def chrome_trace(pf: PlanFile) -> dict:
                                                                          "hardware": pf.hw.name}}
 
 
-def write_chrome_trace(pf: PlanFile, path) -> None:
+def write_chrome_trace(pf: PlanFile, path, label: str = "predicted") -> None:
     from .fsutil import write_atomic
 
-    write_atomic(path, json.dumps(chrome_trace(pf)))
+    write_atomic(path, json.dumps(chrome_trace(pf, label)))
+
+
+def with_measured_steps(plan: Plan, steps) -> Plan:
+    """`plan` with its steps' times replaced by measured ones (same steps, same order)."""
+    return plan.model_copy(update={"steps": list(steps),
+                                   "predicted_step_us": max((s.end_us for s in steps), default=0.0)})

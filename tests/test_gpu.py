@@ -39,11 +39,10 @@ def test_bf16_demo_on_gpu_close_to_cpu(demo_dir):
 
 def test_hybrid_plan_on_gpu_and_cpu_matches_hf(tiny_dirs):
     """Attention and dense work on the GPU, experts split between the GPU and the CPU."""
-    from ktflow.hw import PRESETS, Overheads
     from ktflow.ir.ops import Op
+    from test_cuda_graph import hw_here
 
-    hw = PRESETS["paper-a100"].model_copy(update={"overheads": Overheads(gpu_launch_us=0, cpu_submit_us=0,
-                                                                         cpu_sync_us=0)})
+    hw = hw_here()
     d, hf = tiny_dirs("deepseek_v3")
     model = ktflow.load(d)
     opts = dict(hw=hw, device="cuda", max_seq_len=64)
@@ -60,12 +59,11 @@ def test_hybrid_plan_on_gpu_and_cpu_matches_hf(tiny_dirs):
 
 
 def test_deferral_on_a_hybrid_gpu_plan_matches_the_papers_formula(tiny_dirs):
-    from ktflow.hw import PRESETS, Overheads
     from ktflow.ir.ops import Op
+    from test_cuda_graph import hw_here
     from test_defer import assert_deferred_decode_matches
 
-    hw = PRESETS["paper-a100"].model_copy(update={"overheads": Overheads(gpu_launch_us=0, cpu_submit_us=0,
-                                                                         cpu_sync_us=0)})
+    hw = hw_here()
     d, hf = tiny_dirs("deepseek_v3")
     model = ktflow.load(d)
     probe = ktflow.compile(model, hw=hw, vram_budget_gb=1.0, max_seq_len=64)

@@ -8,24 +8,29 @@ import torch
 from ..errors import ConfigError
 from .base import Backend, StepContext
 from .cpu_native import NativeBackend
+from .cuda_graph import CudaGraphBackend
 from .null import NullBackend
 from .torch_ref import TorchRefBackend
 
 BACKENDS: dict[str, type] = {
     "torch_ref": TorchRefBackend,
     "native": NativeBackend,
+    "cuda_graph": CudaGraphBackend,
     "null": NullBackend,
 }
 
 
-def resolve_backend(name: str, act_dtype: torch.dtype) -> str:
-    """'auto' is 'native' where the native module is built and the plan computes in bfloat16
-    (its kernels take bf16 activations), else 'torch_ref'."""
+def resolve_backend(name: str, act_dtype: torch.dtype, device: str = "cpu") -> str:
+    """'auto' is, where the native module is built and the plan computes in bfloat16 (its
+    kernels take bf16 activations): 'cuda_graph' for plans whose GPU nodes run on CUDA, else
+    'native'; otherwise 'torch_ref'."""
     if name != "auto":
         return name
     from .. import native
 
-    return "native" if native.available() and act_dtype == torch.bfloat16 else "torch_ref"
+    if not (native.available() and act_dtype == torch.bfloat16):
+        return "torch_ref"
+    return "cuda_graph" if device == "cuda" else "native"
 
 
 def get_backend(name: str) -> type:

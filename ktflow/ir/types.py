@@ -44,6 +44,10 @@ class TensorType:
     def __str__(self) -> str:
         return "[" + ",".join(str(d) for d in self.shape) + "]" + self.dtype.value
 
+    def concrete(self, tokens: int) -> tuple[int, ...]:
+        """The shape with the token dimension set to `tokens`."""
+        return tuple(tokens if d == TOKENS else int(d) for d in self.shape)
+
     def numel(self, tokens: int) -> int:
         n = 1
         for d in self.shape:

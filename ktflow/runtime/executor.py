@@ -6,6 +6,7 @@ the backend. The sequence state (KV caches, position) lives in `State` and is ad
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -40,6 +41,12 @@ class Executor:
         self.handlers: dict[str, Callable[[Step, dict, StepContext], None]] = {
             "launch": self._launch, "copy": self._launch, "submit": self._launch, "sync": self._launch,
             "record": _nothing, "wait": _nothing}
+        # a backend may run a whole plan its own way (cuda_graph: decode captured as one graph)
+        make_runner = getattr(backend, "step_runner", None)
+        self.runner = make_runner(plan) if make_runner else None
+        #: runs left to trace: each traced run keeps its steps with measured times in `measured`
+        self.trace = 0
+        self.measured: list[Step] | None = None
 
     def _launch(self, step: Step, values: dict, ctx: StepContext) -> None:
         node = self.graph.by_name(step.node)
@@ -48,14 +55,31 @@ class Executor:
     def run(self, input_ids: torch.Tensor, state: State, position_t: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step over input_ids [batch, seq] from state.position; returns logits [batch, seq, vocab].
         With `position_t` (the position as a tensor), backends run their static-shape rules."""
+        tracing = self.trace > 0
+        self.trace = max(self.trace - 1, 0)
+        if self.runner is not None and position_t is None:
+            if tracing:
+                logits, self.measured = self.runner.run(input_ids, state, trace=True)
+                return logits
+            return self.runner.run(input_ids, state)
         b, s = input_ids.shape
         ctx = StepContext(batch=b, seq=s, position=state.position, state=state, token_ids=input_ids.reshape(-1),
                           position_t=position_t)
         values: dict[str, Any] = {}
+        timed = [] if tracing else None
+        t0 = time.perf_counter()
         for i, step in enumerate(self.plan.steps):
             self.handlers[step.kind](step, values, ctx)
+            if timed is not None:  # steps run one after another here: host time, GPU work synced
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                now = (time.perf_counter() - t0) * 1e6
+                start = timed[-1].end_us if timed else 0.0
+                timed.append(step.model_copy(update={"start_us": round(start, 3), "end_us": round(now, 3)}))
             for name in self.frees[i]:
                 values.pop(name, None)
+        if timed is not None:
+            self.measured = timed
         state.position += s
         logits = values[self.graph.outputs[0]]
         return logits.view(b, s, -1)

@@ -1,0 +1,379 @@
+"""The CUDA-graph backend: a hybrid decode step, every layer, as one CUDA graph.
+
+GPU-placed nodes run as PyTorch CUDA ops (the static-shape rules of static_rules.py where
+torch_ref's are not capturable); CPU routed experts run on the native queue (cpu_native). The
+decode plan's steps are issued in plan order onto two CUDA streams, one per GPU lane of the plan
+(`gpu`: compute, and the host functions that drive the CPU; `copy`: PCIe copies), ordered by the
+plan's record/wait events:
+
+- copy to the CPU: the value is written into its slot of the pinned exchange arena, laid out by
+  the plan's buffer plan (one arena for the whole step, slots reused across layers);
+- submit: a host node (`cuLaunchHostFunc`) calling `ktf_submit(batch)`: it only enqueues the
+  task's prepared native batch, whose jobs read and write the pinned slots; the stream goes on
+  with the GPU work the plan put between submit and sync (the shared expert; under deferral the
+  next layer's attention and router);
+- sync: a host node calling `ktf_wait_batch(batch)`: the stream waits for that task only, not
+  for deferred tasks queued after it;
+- copy to the GPU: from the task's pinned slot after the sync.
+
+For each batch size the first decode step runs eagerly on those streams (warming up and giving
+that step's logits), then the same issue sequence is captured once into a graph with
+`torch.cuda.graph`; later steps write the token ids and the position into pinned inputs and
+replay it: one graph launch per token. KV caches are static: one set per batch size, owned by the
+backend and lent to the sequence that prefilled last. Prefill runs eagerly as in cpu_native.
+
+`trace=True` runs a step eagerly with CUDA events around every GPU step and the native queue's
+timestamps for the CPU tasks, and returns it as the plan's steps with measured times.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import native
+from ..errors import ConfigError, InputError, KtflowError
+from ..ir.graph import Graph, Node
+from ..ir.ops import Op
+from ..ir.types import Device, DType
+from ..plan import Plan, Step
+from .base import StepContext
+from .cpu_native import NativeBackend
+from .static_rules import StaticRules
+
+_TORCH_DTYPE = {DType.F32: torch.float32, DType.BF16: torch.bfloat16, DType.F16: torch.float16, DType.I64: torch.int64}
+
+
+class HostFunctions:
+    """`cuLaunchHostFunc` of the CUDA driver (libcuda), through ctypes: a host function called in
+    stream order, recorded as a host node when the stream is being captured."""
+
+    def __init__(self):
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise KtflowError(f"cannot load the CUDA driver library libcuda.so.1 ({e})") from None
+        self._launch = lib.cuLaunchHostFunc
+        self._launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self._launch.restype = ctypes.c_int
+        fns = native.c_entry_points()
+        self.submit_fn, self.wait_fn = fns["submit"], fns["wait_batch"]
+
+    def launch(self, stream: torch.cuda.Stream, fn: int, arg: int) -> None:
+        rc = self._launch(stream.cuda_stream, fn, arg)
+        if rc != 0:
+            raise KtflowError(f"cuLaunchHostFunc failed (CUDA driver error {rc})")
+
+
+@dataclass
+class Task:
+    """A submitted CPU task: native batches run in order (one per NUMA shard: shards after the
+    first add into the same output), and the pinned slot holding its result."""
+
+    root: str
+    batches: list[native.Batch]
+
+
+@dataclass
+class Bound:
+    """Everything one batch size's decode step is bound to: pinned inputs, the exchange arena
+    and its views, the native tasks, the graph and its outputs."""
+
+    batch: int
+    tokens: torch.Tensor  # pinned int64 [batch]
+    position: torch.Tensor  # pinned int64 [1]
+    position_dev: torch.Tensor  # int64 [1] on the GPU
+    arena: torch.Tensor  # pinned uint8
+    slots: dict[str, Any]  # value -> pinned view (routings: (ids, weights))
+    tasks: dict[str, Task]  # submit node -> task
+    logits: torch.Tensor  # pinned float32 [batch, vocab]: the graph's output
+    graph: torch.cuda.CUDAGraph | None = None
+    keep: list = field(default_factory=list)  # values the graph reads or writes
+
+
+class CudaGraphBackend(StaticRules, NativeBackend):
+    name = "cuda_graph"
+
+    def __init__(self, gpu_device: str = "cuda", dtype: torch.dtype = torch.bfloat16, options: Any = None):
+        if gpu_device != "cuda" or not torch.cuda.is_available():
+            raise ConfigError("the cuda_graph backend runs GPU nodes on a CUDA device, and torch sees none "
+                              + ("" if torch.cuda.is_available() else "here ") + "; compile for this machine "
+                              "(`ktflow compile --hw this`, or device='cpu') or use backend='native'")
+        if dtype != torch.bfloat16:
+            raise ConfigError(f"the cuda_graph backend computes in bfloat16 (the native experts' activations); "
+                              f"this plan computes in {dtype}: compile with dtype='bfloat16' or use backend='native'")
+        super().__init__(gpu_device, dtype, options)
+        self.kv: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (layer, batch) -> static caches
+        self.kv_owner: dict[int, Any] = {}  # batch -> weakref to the state using those caches
+        self.rope = None
+
+    def cache(self, ctx: StepContext, attrs, dev: torch.device) -> tuple[torch.Tensor, ...]:
+        """The static caches of this batch size (the graph captured their addresses), lent to
+        the sequence that prefilled last."""
+        state, b = ctx.state, ctx.batch
+        if attrs.layer not in state.kv:
+            key = (attrs.layer, b)
+            if key not in self.kv:
+                self.kv[key] = super().cache(ctx, attrs, dev)  # allocates into state.kv
+            state.kv[attrs.layer] = self.kv[key]
+            self.kv_owner[b] = weakref.ref(state)
+        return state.kv[attrs.layer]
+
+    def step_runner(self, plan: Plan):
+        """Decode plans with GPU work run through a DecodeGraph; prefill runs eagerly (None)."""
+        if plan.phase != "decode" or not plan.capture:
+            return None
+        if self.rope is None:
+            self.static_setup(plan.max_seq_len)
+        return DecodeGraph(plan, self)
+
+
+class DecodeGraph:
+    """Runs a decode plan: captured once per batch size, replayed per token (see module doc)."""
+
+    def __init__(self, plan: Plan, be: CudaGraphBackend):
+        self.plan, self.be, self.g = plan, be, plan.ir
+        self.gpu, self.copy = torch.cuda.Stream(), torch.cuda.Stream()
+        self.host = HostFunctions()
+        self.bound: dict[int, Bound] = {}
+        self.capture = True  # False: every step eager on the streams (same issue order, no graph)
+        self.steps_run = 0
+        self.current = ""  # the node being issued (named in out-of-memory errors)
+        self._check_nodes()
+        self.sync_of = {n.inputs[1]: n.name for n in self.g.nodes if n.op == Op.SYNC}
+        self.home = {n.name: n.inputs[1] for n in self.g.nodes if n.op == Op.SYNC}
+
+    def _check_nodes(self) -> None:
+        for n in self.g.nodes:
+            if n.place.device != Device.CPU or n.op in (Op.INPUT, Op.SUBMIT, Op.SYNC, Op.COPY):
+                continue
+            if n.op == Op.ROUTED_EXPERTS and n.name in self.be.ops:
+                continue
+            if n.op == Op.REDUCE and all(i in self.be.ops for i in n.inputs):
+                continue
+            raise ConfigError(f"node {n.name} ({n.op.value}) is placed on the CPU, but inside a CUDA graph only "
+                              "routed experts (and their NUMA reduce) run there; use backend='native' for this plan")
+
+    # ------------------------------------------------------------------------------ binding
+    def _bind(self, b: int) -> Bound:
+        plan, g = self.plan, self.g
+        if b > plan.step_tokens:
+            raise InputError(f"batch {b} is larger than the max_batch {plan.step_tokens} this decode plan was "
+                             "compiled for; compile with a larger max_batch")
+        pin = dict(pin_memory=True)
+        arena = torch.zeros(max(plan.arenas.get("pinned", 0), 1), dtype=torch.uint8, **pin)
+        slots: dict[str, Any] = {}
+        for buf in plan.buffers:
+            if buf.arena != "pinned":
+                continue
+            t = g.by_name(buf.value).out
+            if t.dtype == DType.ROUTE:
+                k = t.shape[1]
+                ids = arena[buf.offset:buf.offset + b * k * 8].view(torch.int64).view(b, k)
+                wts = arena[buf.offset + b * k * 8:buf.offset + b * k * 12].view(torch.float32).view(b, k)
+                slots[buf.value] = (ids, wts)
+            else:
+                dt = _TORCH_DTYPE[t.dtype]
+                n = t.numel(b) * dt.itemsize
+                slots[buf.value] = arena[buf.offset:buf.offset + n].view(dt).view(t.concrete(b))
+        tasks = {}
+        for sub in (n for n in g.nodes if n.op == Op.SUBMIT):
+            tasks[sub.name] = self._task(sub, slots, b)
+        vocab = g.by_name(g.outputs[0]).out.shape[-1]
+        return Bound(batch=b, tokens=torch.zeros(b, dtype=torch.int64, **pin),
+                     position=torch.zeros(1, dtype=torch.int64, **pin),
+                     position_dev=torch.zeros(1, dtype=torch.int64, device="cuda"), arena=arena, slots=slots,
+                     tasks=tasks, logits=torch.zeros(b, vocab, dtype=torch.float32, **pin))
+
+    def _task(self, sub: Node, slots: dict, b: int) -> Task:
+        root = sub.attrs.root
+        out = slots[root]
+        shards = [m for m in sub.attrs.members if m in self.be.ops]
+        batches = []
+        for i, m in enumerate(shards):
+            node = self.g.by_name(m)
+            x, routing = (slots[self.home.get(v, v)] for v in node.inputs)
+            batch = native.Batch()
+            batch.add(self.be.ops[m], x, routing[0], routing[1], out, accumulate=i > 0, ranks=node.attrs.rank_range)
+            batches.append(batch)
+        return Task(root, batches)
+
+    # ------------------------------------------------------------------------------ running
+    def run(self, input_ids: torch.Tensor, state, trace: bool = False):
+        """One decode step over input_ids [batch, 1] at state.position; returns logits [batch, 1, vocab]
+        (float32, CPU). With trace, also the plan's steps with measured times."""
+        b = input_ids.shape[0]
+        self._check_cache(state, b)
+        bound = self.bound.get(b)
+        if bound is None:
+            bound = self.bound[b] = self._bind(b)
+        bound.tokens.copy_(input_ids.reshape(-1))
+        bound.position[0] = state.position
+        measured = None
+        if trace or not self.capture or bound.graph is None:
+            measured = self._eager(bound, state, trace)
+            if self.capture and bound.graph is None and not trace:
+                self._capture(bound, state)
+        else:
+            bound.graph.replay()
+            self.gpu.synchronize()
+        native.sync()  # raises here if a CPU task failed
+        state.position += 1
+        self.steps_run += 1
+        logits = bound.logits.clone().view(b, 1, -1)
+        return (logits, measured) if trace else logits
+
+    def _check_cache(self, state, b: int) -> None:
+        owner = self.be.kv_owner.get(b)
+        if owner is None or owner() is not state:
+            raise InputError("this sequence's KV cache is no longer its own: the cuda_graph backend keeps one static "
+                             f"cache per batch size ({b}), and a later prefill of that batch size took it over; "
+                             "decode a sequence before starting the next one of the same batch size")
+
+    def _ctx(self, bound: Bound, state) -> StepContext:
+        return StepContext(batch=bound.batch, seq=1, position=state.position, state=state,
+                           token_ids=bound.tokens, position_t=bound.position_dev)
+
+    def _eager(self, bound: Bound, state, trace: bool):
+        self.gpu.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.gpu):
+            timer = _Timer(self) if trace else None
+            self._issue(bound, state, timer)
+        self.gpu.synchronize()
+        return timer.steps(bound) if timer else None
+
+    def _capture(self, bound: Bound, state) -> None:
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        try:
+            with torch.cuda.graph(graph, stream=self.gpu):
+                bound.keep = self._issue(bound, state, None)
+        except torch.cuda.OutOfMemoryError:
+            raise self._oom(bound) from None
+        bound.graph = graph
+
+    def _oom(self, bound: Bound) -> KtflowError:
+        free, total = torch.cuda.mem_get_info()
+        m = self.plan.memory
+        return KtflowError(f"CUDA out of memory while capturing the decode step for batch {bound.batch}, at "
+                           f"{self.current}: {torch.cuda.memory_allocated() / 1e9:.2f} GB allocated by torch, "
+                           f"{free / 1e9:.2f} GB free of {total / 1e9:.2f} GB; the plan predicted a peak of "
+                           f"{m.gpu_bytes / 1e9:.2f} GB (weights, KV cache {m.kv_cache_bytes / 1e9:.2f} GB, "
+                           f"activations {m.activation_bytes / 1e6:.1f} MB, reserve). Lower max_seq_len or "
+                           "max_batch, or the VRAM budget (vram_budget_gb), and recompile")
+
+    def _issue(self, bound: Bound, state, timer) -> list:
+        """Issue the plan's steps in order on the streams; returns every value (kept alive with
+        the graph that reads them)."""
+        ctx = self._ctx(bound, state)
+        be, g = self.be, self.g
+        values: dict[str, Any] = {}
+        events: dict[str, torch.cuda.Event] = {}
+        streams = {"gpu": self.gpu, "copy": self.copy}
+        bound.position_dev.copy_(bound.position, non_blocking=True)
+        for i, step in enumerate(self.plan.steps):
+            self.current = step.node
+            stream = streams.get(step.lane)
+            if step.kind == "record":
+                if stream is not None:
+                    events[step.event] = torch.cuda.Event()
+                    events[step.event].record(stream)
+                continue
+            if step.kind == "wait":
+                if stream is not None and step.event in events:  # CPU-lane events: host nodes order them
+                    stream.wait_event(events[step.event])
+                continue
+            node = g.by_name(step.node)
+            if timer:
+                timer.start(i, stream)
+            if step.kind == "launch" and node.place.device == Device.CPU:
+                values[node.name] = bound.tokens if node.op == Op.INPUT else bound.slots.get(node.name)
+            elif step.kind == "launch":
+                values[node.name] = be.run(node, [values[v] for v in node.inputs], ctx)
+            elif step.kind == "copy":
+                values[node.name] = self._copy(node, values[node.inputs[0]], bound, stream)
+            elif step.kind == "submit":
+                for batch in bound.tasks[node.name].batches:
+                    self.host.launch(stream, self.host.submit_fn, batch.handle)
+            elif step.kind == "sync":
+                task = next(t for t in bound.tasks.values() if t.root == node.inputs[1])
+                self.host.launch(stream, self.host.wait_fn, task.batches[-1].handle)
+                values[node.name] = bound.slots[task.root]
+            if timer:
+                timer.end(i, stream)
+        out = values[g.outputs[0]]
+        bound.logits.copy_(out.view(bound.batch, -1), non_blocking=True)
+        self.gpu.wait_stream(self.copy)
+        self.current = ""
+        return list(values.values())
+
+    def _copy(self, node: Node, src: Any, bound: Bound, stream: torch.cuda.Stream) -> Any:
+        if node.attrs.dst == "cpu":
+            dst = bound.slots[node.name]
+            with torch.cuda.stream(stream):
+                for d, s in zip(dst, src, strict=True) if isinstance(dst, tuple) else ((dst, src),):
+                    d.copy_(s.view(d.shape), non_blocking=True)
+            return dst
+        if isinstance(src, tuple):  # a routing the CPU produced
+            outs = tuple(torch.empty(s.shape, dtype=s.dtype, device="cuda") for s in src)
+        else:
+            outs = (torch.empty(src.shape, dtype=src.dtype, device="cuda"),)
+        with torch.cuda.stream(stream):
+            for d, s in zip(outs, src if isinstance(src, tuple) else (src,), strict=True):
+                d.copy_(s, non_blocking=True)
+        return outs if isinstance(src, tuple) else outs[0]
+
+
+class _Timer:
+    """CUDA events around each GPU/copy-lane step of one eager step, anchored to the native
+    queue's clock; CPU tasks timed by the queue (started/finished of each batch)."""
+
+    def __init__(self, runner: DecodeGraph):
+        self.runner = runner
+        self.events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+        torch.cuda.synchronize()
+        self.anchor = torch.cuda.Event(enable_timing=True)
+        self.anchor.record(runner.gpu)
+        self.anchor_ns = native.module().now_ns()
+
+    def start(self, i: int, stream) -> None:
+        if stream is not None:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(stream)
+            self.events[i] = (e, e)
+
+    def end(self, i: int, stream) -> None:
+        if stream is not None:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(stream)
+            self.events[i] = (self.events[i][0], e)
+
+    def steps(self, bound: Bound) -> list[Step]:
+        """The plan's steps with measured start/end (us from the step's start)."""
+        r = self.runner
+
+        def us(e: torch.cuda.Event) -> float:
+            return self.anchor.elapsed_time(e) * 1e3
+
+        task_time: dict[str, tuple[float, float]] = {}
+        for sub, task in bound.tasks.items():
+            members = r.g.by_name(sub).attrs.members
+            times = [b.native.timing for b in task.batches]
+            span = ((min(t[1] for t in times) - self.anchor_ns) / 1e3, (max(t[2] for t in times) - self.anchor_ns) / 1e3)
+            for m in members:
+                task_time[m] = span
+        out, last = [], 0.0
+        for i, s in enumerate(r.plan.steps):
+            if i in self.events:
+                a, b = (us(e) for e in self.events[i])
+            elif s.node in task_time and s.kind == "launch":
+                a, b = task_time[s.node]
+            else:
+                a = b = last
+            last = max(last, b) if s.kind not in ("record", "wait") else last
+            out.append(s.model_copy(update={"start_us": round(a, 3), "end_us": round(b, 3)}))
+        return out
