@@ -148,15 +148,36 @@ class DecodeGraph:
         self.home = {n.name: n.inputs[1] for n in self.g.nodes if n.op == Op.SYNC}
 
     def _check_nodes(self) -> None:
+        """CPU nodes a graph can hold: routed experts (tasks, with their NUMA reduce), and a
+        prologue of nodes computed from the token ids alone (an embedding placed on the CPU),
+        run on the host before each launch into their pinned slots."""
+        self.prologue: list[Node] = []
+        host_only = set()
         for n in self.g.nodes:
-            if n.place.device != Device.CPU or n.op in (Op.INPUT, Op.SUBMIT, Op.SYNC, Op.COPY):
+            if n.place.device != Device.CPU or n.op in (Op.SUBMIT, Op.SYNC, Op.COPY):
+                continue
+            if n.op == Op.INPUT:
+                host_only.add(n.name)
                 continue
             if n.op == Op.ROUTED_EXPERTS and n.name in self.be.ops:
                 continue
             if n.op == Op.REDUCE and all(i in self.be.ops for i in n.inputs):
                 continue
+            if all(i in host_only for i in n.inputs):
+                host_only.add(n.name)
+                self.prologue.append(n)
+                continue
             raise ConfigError(f"node {n.name} ({n.op.value}) is placed on the CPU, but inside a CUDA graph only "
-                              "routed experts (and their NUMA reduce) run there; use backend='native' for this plan")
+                              "routed experts (with their NUMA reduce) and nodes computed from the token ids alone "
+                              "run there; use backend='native' for this plan")
+
+    def _run_prologue(self, bound: "Bound", state) -> None:
+        values: dict[str, Any] = {n.name: bound.tokens for n in self.g.nodes if n.op == Op.INPUT}
+        ctx = StepContext(batch=bound.batch, seq=1, position=state.position, state=state, token_ids=bound.tokens)
+        for n in self.prologue:
+            values[n.name] = self.be.run(n, [values[i] for i in n.inputs], ctx)
+            if n.name in bound.slots:
+                bound.slots[n.name].copy_(values[n.name])
 
     # ------------------------------------------------------------------------------ binding
     def _bind(self, b: int) -> Bound:
@@ -213,6 +234,7 @@ class DecodeGraph:
             bound = self.bound[b] = self._bind(b)
         bound.tokens.copy_(input_ids.reshape(-1))
         bound.position[0] = state.position
+        self._run_prologue(bound, state)
         measured = None
         if trace or not self.capture or bound.graph is None:
             measured = self._eager(bound, state, trace)
@@ -290,7 +312,7 @@ class DecodeGraph:
             node = g.by_name(step.node)
             if timer:
                 timer.start(i, stream)
-            if step.kind == "launch" and node.place.device == Device.CPU:
+            if step.kind == "launch" and node.place.device == Device.CPU:  # input, prologue or a task's part
                 values[node.name] = bound.tokens if node.op == Op.INPUT else bound.slots.get(node.name)
             elif step.kind == "launch":
                 values[node.name] = be.run(node, [values[v] for v in node.inputs], ctx)
