@@ -64,6 +64,10 @@ def test_native_with_numa_shards_and_deferral(tiny_dirs):
     g = nat.decode.ir
     assert any(n.op == Op.ROUTED_EXPERTS and n.place.numa == 1 for n in g.nodes)
     assert any(n.op == Op.ROUTED_EXPERTS and n.attrs.rank_range[0] > 0 for n in g.nodes)
+    be = nat.executor("decode").backend
+    deferred = [n.name for n in g.nodes if n.name.endswith(".def.numa0")]
+    assert deferred and all(be.ops[m] is be.ops[m.replace(".def", "")] for m in deferred)  # packed once
+    assert {be.loaded[m] for m in deferred} == {"shared"}
 
 
 def test_packed_weights_come_back_from_the_cache(tiny_dirs, tmp_path, monkeypatch):

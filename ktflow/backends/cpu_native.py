@@ -58,6 +58,9 @@ class NativeBackend(TorchRefBackend):
         self.expert_format = getattr(options, "expert_format", "bf16")
         self.ops: dict[str, native.ExpertOp] = {}
         self.loaded: dict[str, str] = {}  # node -> 'cache' or 'packed'
+        # one operator per (tensors, experts, rows, NUMA node): a deferred node (`.def`, other ranks
+        # of the same experts) and other plans' nodes over the same weights share its packed copy
+        self._packed: dict[tuple, native.ExpertOp] = {}
 
     def runs_natively(self, node: Node) -> bool:
         return node.op == Op.ROUTED_EXPERTS and node.place is not None and node.place.device == Device.CPU
@@ -67,7 +70,12 @@ class NativeBackend(TorchRefBackend):
         if todo and weights is not None:
             checkpoint = _checkpoint_digest(weights)
             for n in todo:
-                self.ops[n.name] = self._pack(n, weights, checkpoint)
+                key = (tuple(r.key for r in n.weights), n.attrs.ids, n.attrs.rows, n.place.numa)
+                if key not in self._packed:
+                    self._packed[key] = self._pack(n, weights, checkpoint)
+                else:
+                    self.loaded[n.name] = "shared"
+                self.ops[n.name] = self._packed[key]
                 self.weights[n.name] = {}  # nothing for torch_ref to load
         super().prepare(graph, weights)
 
