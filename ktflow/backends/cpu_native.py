@@ -27,8 +27,13 @@ from .base import StepContext
 from .torch_ref import TorchRefBackend
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("KTFLOW_CACHE_DIR") or Path.home() / ".cache" / "ktflow" / "packed")
+def cache_dir() -> Path | None:
+    """Where packed experts are cached: KTFLOW_CACHE_DIR (default ~/.cache/ktflow/packed); 'off':
+    nowhere (pack at every load; for disks without room for a second copy of the experts)."""
+    env = os.environ.get("KTFLOW_CACHE_DIR")
+    if env == "off":
+        return None
+    return Path(env or Path.home() / ".cache" / "ktflow" / "packed")
 
 
 def _checkpoint_digest(weights: WeightSource) -> str:

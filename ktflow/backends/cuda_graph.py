@@ -117,7 +117,7 @@ class CudaGraphBackend(StaticRules, NativeBackend):
         the sequence that prefilled last."""
         state, b = ctx.state, ctx.batch
         if attrs.layer not in state.kv:
-            key = (attrs.layer, b)
+            key = (attrs.layer, b, str(dev), state.max_seq_len)
             if key not in self.kv:
                 self.kv[key] = super().cache(ctx, attrs, dev)  # allocates into state.kv
             state.kv[attrs.layer] = self.kv[key]
@@ -128,7 +128,7 @@ class CudaGraphBackend(StaticRules, NativeBackend):
         """Decode plans with GPU work run through a DecodeGraph; prefill runs eagerly (None)."""
         if plan.phase != "decode" or not plan.capture:
             return None
-        if self.rope is None:
+        if self.rope is None or self.rope.max_seq_len < plan.max_seq_len:
             self.static_setup(plan.max_seq_len)
         return DecodeGraph(plan, self)
 

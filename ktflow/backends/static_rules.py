@@ -161,8 +161,12 @@ class StaticRules:
     run the rules above; everything else runs as the base class runs it."""
 
     def static_setup(self, max_seq_len: int) -> None:
+        """Rope tables for positions < max_seq_len (earlier, shorter tables stay alive: graphs
+        captured before read them)."""
+        if getattr(self, "rope", None) is not None:
+            self._retired = getattr(self, "_retired", []) + [self.rope]
         self.rope = RopeTables(max_seq_len, self.dtype)
-        self._stacked: dict[str, dict] = {}
+        self._stacked: dict[str, dict] = getattr(self, "_stacked", {})
 
     def stacked(self, name: str, w: dict) -> dict:
         if name not in self._stacked:

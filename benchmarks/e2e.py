@@ -1,0 +1,360 @@
+"""End-to-end prefill and decode speed of hybrid execution (GPU machine).
+
+Writes a random-weight checkpoint of a real model's shape (Qwen3-30B-A3B: 48 layers, 128
+experts top-8, H 2048, I 768; DeepSeek-V2-Lite: 27 layers, 64 experts top-6 + 2 shared, H 2048,
+I 1408, MLA) tensor by tensor: the key names and shapes come from ktflow's own spec of that
+config (the names the HF checkpoints use), each tensor's bytes are streamed into safetensors
+shards, and no module is ever built. Then, llama-bench style (random token ids, `--reps`
+repetitions, mean +- sd), for these variants of one model:
+
+  cpu          every node on the CPU, native experts
+  eager        GPU dense work (torch ops, one launch per op) + native CPU experts, synchronous
+  graph        the cuda_graph backend: each decode step one CUDA graph, experts through host nodes
+  graph+d<k>   the same with Expert Deferral, k deferred picks per token (and d=auto)
+
+prefill tokens/s for each prompt length (cpu and eager; prefill runs the same eager path in the
+graph variants) and decode tokens/s for `--decode` tokens after a 32-token prompt. For each
+decode variant also: CPU busy % (the native queue's task times over the wall time), GPU busy %
+and API launches per token (torch.profiler over 16 steps), predicted vs measured per-layer time,
+peak VRAM vs the plan, and the roofline bound: routed-expert bytes per token over the measured
+DRAM bandwidth. Every routed expert stays on the CPU (the VRAM budget holds the dense weights
+and the KV cache only), as on a machine whose GPU cannot hold the experts.
+
+    python benchmarks/e2e.py --model dsv2lite             # the full table for one model
+    python benchmarks/e2e.py --model qwen3 --layers 24    # fewer layers where the disk is small
+
+Rows go to benchmarks/e2e.jsonl. The checkpoint dir (--dir, default /tmp/ktflow-e2e/<model>) is
+reused when it exists and matches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import HERE, append_jsonl, commit, machine  # noqa: E402
+
+MODELS = {
+    "qwen3": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, torch_dtype="bfloat16",
+        tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[]),
+    "dsv2lite": dict(
+        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
+        intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+        num_key_value_heads=16, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
+        first_k_dense_replace=1, moe_layer_freq=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False,
+        routed_scaling_factor=1.0, scoring_func="softmax", max_position_embeddings=163840, rope_theta=10000.0,
+        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+        rms_norm_eps=1e-6, torch_dtype="bfloat16", tie_word_embeddings=False),
+}
+SHARD_BYTES = 4 << 30
+
+
+# ------------------------------------------------------------------------------------ checkpoint
+
+
+def _tensors(directory: Path) -> list[tuple[str, tuple[int, ...]]]:
+    """(key, shape) of every tensor ktflow's spec of this config reads, experts expanded."""
+    import ktflow
+
+    spec = ktflow.load(directory).graph(None)
+    out, seen = [], set()
+    for n in spec.nodes:
+        for ref in n.weights:
+            keys = [ref.key.format(e=e) for e in range(ref.experts)] if ref.experts else [ref.key]
+            for k in keys:
+                if k not in seen:
+                    seen.add(k)
+                    out.append((k, tuple(ref.shape)))
+    return out
+
+
+def write_checkpoint(cfg: dict, directory: Path) -> None:
+    """config.json, then bf16 safetensors shards written tensor by tensor from a pool of random
+    values (norm weights are ones), and the shard index."""
+    marker = directory / ".complete"
+    if marker.exists() and json.loads((directory / "config.json").read_text()) == cfg:
+        print(f"using checkpoint {directory}")
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+    tensors = _tensors(directory)
+    gen = np.random.default_rng(0)
+    pool = (gen.standard_normal(1 << 25, dtype=np.float32) * 0.02).astype(np.float32)
+    pool16 = (pool.view(np.uint32) >> 16).astype(np.uint16)  # bf16 bit patterns
+    ones = np.full(1 << 16, 0x3F80, dtype=np.uint16)
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for key, shape in tensors:
+        nbytes = int(np.prod(shape)) * 2
+        if size + nbytes > SHARD_BYTES and shards[-1]:
+            shards.append([])
+            size = 0
+        shards[-1].append((key, shape))
+        size += nbytes
+    index, t0, written = {}, time.perf_counter(), 0
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        header, off = {}, 0
+        for key, shape in shard:
+            n = int(np.prod(shape)) * 2
+            header[key] = dict(dtype="BF16", shape=list(shape), data_offsets=[off, off + n])
+            off += n
+            index[key] = name
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        tmp = directory / (name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw)
+            for key, shape in shard:
+                n = int(np.prod(shape))
+                src = ones if key.endswith("norm.weight") or "layernorm" in key else pool16
+                start = int(gen.integers(0, len(src) - min(n, len(src)) + 1))
+                left = n
+                while left:  # the pool repeated from a random start
+                    take = min(left, len(src) - start)
+                    f.write(src[start:start + take].tobytes())
+                    left -= take
+                    start = 0
+                written += n * 2
+        os.replace(tmp, directory / name)
+        print(f"  wrote {name} ({written / 1e9:.1f} GB, {written / 1e9 / (time.perf_counter() - t0):.2f} GB/s)",
+              flush=True)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    marker.write_text("ok")
+
+
+# ------------------------------------------------------------------------------------ measuring
+
+
+def mean_sd(xs: list[float]) -> tuple[float, float]:
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def _sync():
+    torch.cuda.synchronize()
+
+
+def prefill_rate(compiled, vocab: int, tokens: int, reps: int) -> list[float]:
+    import ktflow
+
+    g = torch.Generator().manual_seed(tokens)
+    ktflow.execute(compiled, torch.randint(0, vocab, (1, min(tokens, 16)), generator=g))  # warm
+    out = []
+    for _ in range(reps):
+        ids = torch.randint(0, vocab, (1, tokens), generator=g)
+        _sync()
+        t0 = time.perf_counter()
+        ktflow.execute(compiled, ids)
+        _sync()
+        out.append(tokens / (time.perf_counter() - t0))
+    return out
+
+
+def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False):
+    """32-token prompt, then `new` greedy decode steps; returns (tokens/s, CPU busy fraction)."""
+    import ktflow
+    from ktflow import native
+
+    g = torch.Generator().manual_seed(seed)
+    logits, state = ktflow.execute(compiled, torch.randint(0, vocab, (1, 32), generator=g))
+    nxt = logits[:, -1:].argmax(-1)
+    if records:
+        native.queue().set_recording(True)
+    _sync()
+    t0 = time.perf_counter_ns()
+    n0 = native.module().now_ns()
+    for _ in range(new):
+        logits, state = ktflow.execute(compiled, nxt, state)
+        nxt = logits[:, -1:].argmax(-1)
+    _sync()
+    wall = time.perf_counter_ns() - t0
+    busy = None
+    if records:
+        recs = native.queue().take_records()
+        native.queue().set_recording(False)
+        spans = sorted((max(s, n0), f) for _, _, s, f in recs)
+        merged, end = 0, 0
+        for s, f in spans:  # union of the task intervals
+            if f > end:
+                merged += f - max(s, end)
+                end = f
+        busy = merged / wall
+    return new / (wall * 1e-9), busy
+
+
+def profile_decode(compiled, vocab: int, steps: int = 16) -> dict:
+    """GPU busy fraction and CUDA API launches per token over `steps` decode steps."""
+    import ktflow
+    from torch.profiler import ProfilerActivity, profile
+
+    logits, state = ktflow.execute(compiled, torch.randint(0, vocab, (1, 32)))
+    nxt = logits[:, -1:].argmax(-1)
+    for _ in range(2):
+        logits, state = ktflow.execute(compiled, nxt, state)
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            logits, state = ktflow.execute(compiled, nxt, state)
+        _sync()
+        wall = time.perf_counter() - t0
+    launches = {"cudaGraphLaunch": 0, "cudaLaunchKernel": 0, "cuLaunchKernel": 0, "cudaMemcpyAsync": 0,
+                "cuLaunchHostFunc": 0, "cudaLaunchKernelExC": 0}
+    spans = []
+    for e in prof.events():
+        if e.name in launches:
+            launches[e.name] += 1
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
+            spans.append((e.time_range.start, e.time_range.end))
+    busy, end = 0.0, float("-inf")
+    for s, f in sorted(spans):
+        if f > end:
+            busy += f - max(s, end)
+            end = f
+    total = sum(launches.values())
+    return dict(gpu_busy=busy * 1e-6 / wall, launches_per_token=total / steps,
+                graph_launches_per_token=launches["cudaGraphLaunch"] / steps)
+
+
+def expert_bytes_per_token(plan, fmt: str) -> float:
+    """Routed-expert weight bytes one decode token reads on the CPU (its top-k picks)."""
+    from ktflow.ir.ops import Op
+
+    per_weight = {"bf16": 2.0, "int8": 1.0 + 4 / 2048, "int4": 0.5 + 4 / 128}[fmt]
+    total = 0.0
+    for n in plan.ir.nodes:
+        if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "cpu":
+            lo, hi = n.attrs.rank_range
+            rows = (n.attrs.rows[1] - n.attrs.rows[0])
+            total += (hi - lo) * 3 * n.attrs.hidden * rows * per_weight
+    return total
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), required=True)
+    ap.add_argument("--layers", type=int, default=0, help="fewer layers than the real model (0: all)")
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--prompts", default="32,512,2048,8192")
+    ap.add_argument("--variants", default="cpu,eager,graph,graph+d1,graph+d2,graph+d3,graph+d4,graph+dauto")
+    ap.add_argument("--expert-format", default="bf16", choices=["bf16", "int8", "int4"])
+    ap.add_argument("--out", default=str(HERE / "e2e.jsonl"))
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("e2e.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import ktflow
+    from ktflow import native
+    from ktflow.backends.cuda_graph import CudaGraphBackend
+    from ktflow.hw import probe
+    from ktflow.ir.ops import Op
+    from ktflow.timeline import layer_times
+
+    cfg = dict(MODELS[a.model])
+    if a.layers:
+        cfg["num_hidden_layers"] = a.layers
+    d = Path(a.dir or f"/tmp/ktflow-e2e/{a.model}{'-' + str(a.layers) + 'l' if a.layers else ''}")
+    t0 = time.perf_counter()
+    write_checkpoint(cfg, d)
+    print(f"checkpoint ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    hw = probe(quick=True)
+    dram = native.module().stream_read_gbps(native.pool())
+    prompts = [int(p) for p in a.prompts.split(",")]
+    max_seq = max(prompts + [32 + a.decode]) + 8
+    model = ktflow.load(d)
+    base = dict(hw=hw, max_seq_len=max_seq, expert_format=a.expert_format)
+    probe_plan = ktflow.compile(model, device="cuda", vram_budget_gb=1000, **base).decode
+    dense = sum(n.weight_elems() * 2 for n in probe_plan.ir.nodes if n.op != Op.ROUTED_EXPERTS)
+    per_expert = min(n.weight_elems() / n.attrs.experts for n in probe_plan.ir.nodes if n.op == Op.ROUTED_EXPERTS) * 2
+    budget = (dense + probe_plan.memory.kv_cache_bytes + 0.5 * per_expert) / 1e9  # no routed expert fits
+    rows, shared = [], None
+    info = dict(commit=commit(), **machine(), gpu=torch.cuda.get_device_name(0), model=a.model,
+                layers=cfg["num_hidden_layers"], expert_format=a.expert_format, dram_gbps=round(dram, 1))
+    print(f"{a.model}, {cfg['num_hidden_layers']} layers, experts {a.expert_format}; DRAM {dram:.1f} GB/s; "
+          f"VRAM budget {budget:.2f} GB (dense weights + KV cache)", flush=True)
+    vocab = cfg["vocab_size"]
+    for v in a.variants.split(","):
+        opts = dict(base)
+        if v == "cpu":
+            opts.update(device="cpu", placement="cpu", backend="native")
+        else:
+            opts.update(device="cuda", vram_budget_gb=budget, backend="native" if v == "eager" else "cuda_graph")
+            if "+d" in v:
+                k = v.split("+d")[1]
+                opts["defer"] = "auto" if k == "auto" else int(k)
+        c = ktflow.compile(model, **opts)
+        if shared is None:
+            shared = CudaGraphBackend("cuda", torch.bfloat16, options=c.plans.options)
+        # one backend for every variant (benchmark only): packed experts and GPU weights loaded once;
+        # plans without GPU work (cpu) and the eager variant do not use its graph runner
+        c._backend = shared
+        t1 = time.perf_counter()
+        c.prepare()
+        print(f"  {v}: compiled, weights ready in {time.perf_counter() - t1:.1f} s", flush=True)
+        if v == "eager":  # the decode plan runs op by op: no graph runner
+            c.executor("decode").runner = None
+        cpu_experts = [n for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "gpu"]
+        assert not cpu_experts, "a routed expert landed on the GPU: the budget is meant to hold none"
+        row = dict(info, variant=v)
+        if v in ("cpu", "eager"):
+            for p in prompts:
+                if v == "cpu" and p > 2048:
+                    continue  # torch_ref's CPU attention materialises [heads, p, p] scores: minutes per rep
+                rates = prefill_rate(c, vocab, p, a.reps)
+                m, sd = mean_sd(rates)
+                row[f"prefill_{p}_tok_s"], row[f"prefill_{p}_sd"] = round(m, 1), round(sd, 1)
+                print(f"  {v:12s} prefill {p:5d}: {m:9.1f} +- {sd:6.1f} tok/s", flush=True)
+        if v != "cpu":
+            decode_run(c, vocab, 4, seed=99)  # capture (graph variants) and warm
+        torch.cuda.reset_peak_memory_stats()
+        runs = [decode_run(c, vocab, a.decode, seed=r, records=v.startswith("graph")) for r in range(a.reps)]
+        m, sd = mean_sd([r[0] for r in runs])
+        busy = [r[1] for r in runs if r[1] is not None]
+        plan = c.decode
+        layers = [t for t in layer_times(plan) if t.layer is not None]
+        predicted_layer = statistics.mean(t.span_us for t in layers)
+        bpt = expert_bytes_per_token(plan, a.expert_format)
+        bound = dram * 1e9 / bpt
+        row.update(decode_tok_s=round(m, 2), decode_sd=round(sd, 2), cpu_busy=round(statistics.mean(busy), 3) if busy else None,
+                   predicted_step_us=round(plan.predicted_step_us, 1), measured_step_us=round(1e6 / m, 1),
+                   predicted_layer_us=round(predicted_layer, 1),
+                   measured_layer_us=round(1e6 / m / cfg["num_hidden_layers"], 1),
+                   expert_bytes_per_token=bpt, roofline_tok_s=round(bound, 2), roofline_fraction=round(m / bound, 3),
+                   peak_vram_gb=round(torch.cuda.max_memory_allocated() / 1e9, 3),
+                   predicted_vram_gb=round((plan.memory.gpu_bytes - c.plans.options.vram_reserve_gb * 1e9) / 1e9, 3)
+                   if plan.memory.gpu_bytes else 0.0,
+                   defer=str(c.plans.options.defer))
+        if v != "cpu":
+            row.update(profile_decode(c, vocab))
+        print(f"  {v:12s} decode: {m:7.2f} +- {sd:5.2f} tok/s ({100 * m / bound:.0f}% of the roofline {bound:.1f}); "
+              f"step {1e6 / m:.0f} us vs predicted {plan.predicted_step_us:.0f} us; "
+              f"CPU busy {row['cpu_busy']}, GPU busy {row.get('gpu_busy')}, launches/token "
+              f"{row.get('launches_per_token')}; peak VRAM {row['peak_vram_gb']} GB vs plan {row['predicted_vram_gb']} GB",
+              flush=True)
+        rows.append(row)
+    append_jsonl(a.out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
