@@ -289,7 +289,7 @@ def main() -> int:
                 if n.op != Op.ROUTED_EXPERTS and n.place.device.value == "gpu")
     per_expert = min(n.weight_elems() / n.attrs.experts for n in probe_plan.ir.nodes if n.op == Op.ROUTED_EXPERTS) * 2
     budget = (dense + probe_plan.memory.kv_cache_bytes + 0.5 * per_expert) / 1e9  # no routed expert fits
-    rows, shared = [], None
+    shared = None
     info = dict(commit=commit(), **machine(), gpu=torch.cuda.get_device_name(0), model=a.model,
                 layers=cfg["num_hidden_layers"], expert_format=a.expert_format, dram_gbps=round(dram, 1))
     print(f"{a.model}, {cfg['num_hidden_layers']} layers, experts {a.expert_format}; DRAM {dram:.1f} GB/s; "
@@ -361,8 +361,7 @@ def main() -> int:
               f"CPU busy {row['cpu_busy']}, GPU busy {row.get('gpu_busy')}, launches/token "
               f"{row.get('launches_per_token')}; peak VRAM {row['peak_vram_gb']} GB vs plan {row['predicted_vram_gb']} GB",
               flush=True)
-        rows.append(row)
-    append_jsonl(a.out, rows)
+        append_jsonl(a.out, [row])  # row by row: a run cut short keeps what it measured
     return 0
 
 

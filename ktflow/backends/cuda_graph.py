@@ -139,6 +139,8 @@ class DecodeGraph:
     def __init__(self, plan: Plan, be: CudaGraphBackend):
         self.plan, self.be, self.g = plan, be, plan.ir
         self.gpu, self.copy = torch.cuda.Stream(), torch.cuda.Stream()
+        # waiting for a step's end sleeps instead of spinning a core the native workers need
+        self.done = torch.cuda.Event(blocking=True)
         self.host = HostFunctions()
         self.bound: dict[int, Bound] = {}
         self.capture = True  # False: every step eager on the streams (same issue order, no graph)
@@ -244,7 +246,7 @@ class DecodeGraph:
         else:
             with torch.cuda.stream(self.gpu):  # replay launches on the current stream
                 bound.graph.replay()
-            self.gpu.synchronize()
+            self._wait()
         native.sync()  # raises here if a CPU task failed
         state.position += 1
         self.steps_run += 1
@@ -267,8 +269,12 @@ class DecodeGraph:
         with torch.cuda.stream(self.gpu):
             timer = _Timer(self) if trace else None
             self._issue(bound, state, timer)
-        self.gpu.synchronize()
+        self._wait()
         return timer.steps(bound) if timer else None
+
+    def _wait(self) -> None:
+        self.done.record(self.gpu)
+        self.done.synchronize()
 
     def _capture(self, bound: Bound, state) -> None:
         graph = torch.cuda.CUDAGraph()
