@@ -67,71 +67,53 @@ SHARD_BYTES = 4 << 30
 # ------------------------------------------------------------------------------------ checkpoint
 
 
-def _tensors(directory: Path) -> list[tuple[str, tuple[int, ...]]]:
-    """(key, shape) of every tensor ktflow's spec of this config reads, experts expanded."""
-    import ktflow
-
-    spec = ktflow.load(directory).graph(None)
-    out, seen = [], set()
-    for n in spec.nodes:
-        for ref in n.weights:
-            keys = [ref.key.format(e=e) for e in range(ref.experts)] if ref.experts else [ref.key]
-            for k in keys:
-                if k not in seen:
-                    seen.add(k)
-                    out.append((k, tuple(ref.shape)))
-    return out
-
-
 def write_checkpoint(cfg: dict, directory: Path) -> None:
-    """config.json, then bf16 safetensors shards written tensor by tensor from a pool of random
-    values (norm weights are ones), and the shard index."""
+    """config.json, then bf16 safetensors shards of every tensor ktflow's spec of this config reads
+    (ktflow.checkpoint's streaming writer, one tensor at a time), and the shard index. Large
+    tensors are cut from a pool of random values (fast enough for 30+ GB); norms, biases and
+    routers come from `random_tensor`."""
+    import ktflow
+    from ktflow.checkpoint import checkpoint_entries, random_tensor, write_safetensors
+
     marker = directory / ".complete"
     if marker.exists() and json.loads((directory / "config.json").read_text()) == cfg:
         print(f"using checkpoint {directory}")
         return
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg, indent=1))
-    tensors = _tensors(directory)
-    gen = np.random.default_rng(0)
-    pool = (gen.standard_normal(1 << 25, dtype=np.float32) * 0.02).astype(np.float32)
-    pool16 = (pool.view(np.uint32) >> 16).astype(np.uint16)  # bf16 bit patterns
-    ones = np.full(1 << 16, 0x3F80, dtype=np.uint16)
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    entries = checkpoint_entries(ktflow.load(directory).graph(None), torch.bfloat16)
+    rng = np.random.default_rng(0)
+    pool = torch.from_numpy(rng.standard_normal(1 << 25, dtype=np.float32) * 0.02).bfloat16()
+    gen = torch.Generator().manual_seed(0)
+
+    def make(key: str) -> torch.Tensor:
+        shape = shapes[key]
+        n = int(np.prod(shape))
+        if n <= 1 << 20:
+            return random_tensor(key, shape, gen)
+        parts, pos, left = [], int(rng.integers(0, len(pool))), n
+        while left:  # the pool repeated from a random start
+            take = min(left, len(pool) - pos)
+            parts.append(pool[pos:pos + take])
+            left, pos = left - take, 0
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(shape)
+
+    shapes = {k: s for k, s, _ in entries}
+    shards: list[list] = [[]]
     size = 0
-    for key, shape in tensors:
-        nbytes = int(np.prod(shape)) * 2
+    for e in entries:
+        nbytes = int(np.prod(e[1])) * e[2].itemsize
         if size + nbytes > SHARD_BYTES and shards[-1]:
             shards.append([])
             size = 0
-        shards[-1].append((key, shape))
+        shards[-1].append(e)
         size += nbytes
     index, t0, written = {}, time.perf_counter(), 0
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        header, off = {}, 0
-        for key, shape in shard:
-            n = int(np.prod(shape)) * 2
-            header[key] = dict(dtype="BF16", shape=list(shape), data_offsets=[off, off + n])
-            off += n
-            index[key] = name
-        raw = json.dumps(header).encode()
-        raw += b" " * (-len(raw) % 8)
-        tmp = directory / (name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(len(raw).to_bytes(8, "little") + raw)
-            for key, shape in shard:
-                n = int(np.prod(shape))
-                src = ones if key.endswith("norm.weight") or "layernorm" in key else pool16
-                start = int(gen.integers(0, len(src) - min(n, len(src)) + 1))
-                left = n
-                while left:  # the pool repeated from a random start
-                    take = min(left, len(src) - start)
-                    f.write(src[start:start + take].tobytes())
-                    left -= take
-                    start = 0
-                written += n * 2
-        os.replace(tmp, directory / name)
+        write_safetensors(directory / name, shard, make)
+        index.update({k: name for k, _, _ in shard})
+        written += sum(int(np.prod(sh)) * dt.itemsize for _, sh, dt in shard)
         print(f"  wrote {name} ({written / 1e9:.1f} GB, {written / 1e9 / (time.perf_counter() - t0):.2f} GB/s)",
               flush=True)
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))

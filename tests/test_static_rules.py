@@ -28,7 +28,7 @@ def test_static_decode_rules_match_torch_ref(case, tiny_dirs):
     ops = {n.op.value for n in c.decode.ir.nodes if n.place.device.value == "gpu"}
     assert {"attention", "routed_experts"} <= ops  # both static rules are exercised
     be = StaticRef("cpu", torch.float32)
-    be.static_setup(c.max_seq_len)
+    be.static_setup()
     be.prepare(c.decode.ir, model.weights)
     be.prepare(c.prefill.ir, model.weights)
     ref = Executor(c.decode, be)

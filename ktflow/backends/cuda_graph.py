@@ -71,15 +71,6 @@ class HostFunctions:
 
 
 @dataclass
-class Task:
-    """A submitted CPU task: native batches run in order (one per NUMA shard: shards after the
-    first add into the same output), and the pinned slot holding its result."""
-
-    root: str
-    batches: list[native.Batch]
-
-
-@dataclass
 class Bound:
     """Everything one batch size's decode step is bound to: pinned inputs, the exchange arena
     and its views, the native tasks, the graph and its outputs."""
@@ -90,7 +81,9 @@ class Bound:
     position_dev: torch.Tensor  # int64 [1] on the GPU
     arena: torch.Tensor  # pinned uint8
     slots: dict[str, Any]  # value -> pinned view (routings: (ids, weights))
-    tasks: dict[str, Task]  # submit node -> task
+    #: task root -> its native batches, run in order (one per NUMA shard: shards after the first add
+    #: into the same output); none for a prologue node, computed before the launch
+    tasks: dict[str, list[native.Batch]]
     logits: torch.Tensor  # pinned float32 [batch, vocab]: the graph's output
     graph: torch.cuda.CUDAGraph | None = None
     keep: list = field(default_factory=list)  # values the graph reads or writes
@@ -101,16 +94,17 @@ class CudaGraphBackend(StaticRules, NativeBackend):
 
     def __init__(self, gpu_device: str = "cuda", dtype: torch.dtype = torch.bfloat16, options: Any = None):
         if gpu_device != "cuda" or not torch.cuda.is_available():
-            raise ConfigError("the cuda_graph backend runs GPU nodes on a CUDA device, and torch sees none "
-                              + ("" if torch.cuda.is_available() else "here ") + "; compile for this machine "
-                              "(`ktflow compile --hw this`, or device='cpu') or use backend='native'")
+            raise ConfigError("the cuda_graph backend runs GPU nodes on a CUDA device: "
+                              + ("torch sees none here; compile for this machine (`ktflow compile --hw this`, or "
+                                 "device='cpu')" if not torch.cuda.is_available() else
+                                 f"this plan runs them on {gpu_device}") + ", or use backend='native'")
         if dtype != torch.bfloat16:
             raise ConfigError(f"the cuda_graph backend computes in bfloat16 (the native experts' activations); "
                               f"this plan computes in {dtype}: compile with dtype='bfloat16' or use backend='native'")
         super().__init__(gpu_device, dtype, options)
         self.kv: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (layer, batch) -> static caches
         self.kv_owner: dict[int, Any] = {}  # batch -> weakref to the state using those caches
-        self.rope = None
+        self.static_setup()
 
     def cache(self, ctx: StepContext, attrs, dev: torch.device) -> tuple[torch.Tensor, ...]:
         """The static caches of this batch size (the graph captured their addresses), lent to
@@ -128,8 +122,6 @@ class CudaGraphBackend(StaticRules, NativeBackend):
         """Decode plans with GPU work run through a DecodeGraph; prefill runs eagerly (None)."""
         if plan.phase != "decode" or not plan.capture:
             return None
-        if self.rope is None or self.rope.max_seq_len < plan.max_seq_len:
-            self.static_setup(plan.max_seq_len)
         return DecodeGraph(plan, self)
 
 
@@ -144,11 +136,9 @@ class DecodeGraph:
         self.host = HostFunctions()
         self.bound: dict[int, Bound] = {}
         self.capture = True  # False: every step eager on the streams (same issue order, no graph)
-        self.steps_run = 0
         self.current = ""  # the node being issued (named in out-of-memory errors)
         self._check_nodes()
-        self.sync_of = {n.inputs[1]: n.name for n in self.g.nodes if n.op == Op.SYNC}
-        self.home = {n.name: n.inputs[1] for n in self.g.nodes if n.op == Op.SYNC}
+        self.home = {n.name: n.inputs[1] for n in self.g.nodes if n.op == Op.SYNC}  # sync -> its task's root
 
     def _check_nodes(self) -> None:
         """CPU nodes a graph can hold: routed experts (tasks, with their NUMA reduce), and a
@@ -204,16 +194,14 @@ class DecodeGraph:
                 dt = _TORCH_DTYPE[t.dtype]
                 n = t.numel(b) * dt.itemsize
                 slots[buf.value] = arena[buf.offset:buf.offset + n].view(dt).view(t.concrete(b))
-        tasks = {}
-        for sub in (n for n in g.nodes if n.op == Op.SUBMIT):
-            tasks[sub.name] = self._task(sub, slots, b)
+        tasks = {n.attrs.task: self._task(n, slots) for n in g.nodes if n.op == Op.SUBMIT}
         vocab = g.by_name(g.outputs[0]).out.shape[-1]
         return Bound(batch=b, tokens=torch.zeros(b, dtype=torch.int64, **pin),
                      position=torch.zeros(1, dtype=torch.int64, **pin),
                      position_dev=torch.zeros(1, dtype=torch.int64, device="cuda"), arena=arena, slots=slots,
                      tasks=tasks, logits=torch.zeros(b, vocab, dtype=torch.float32, **pin))
 
-    def _task(self, sub: Node, slots: dict, b: int) -> Task:
+    def _task(self, sub: Node, slots: dict) -> list[native.Batch]:
         root = sub.attrs.task
         out = slots[root]
         shards = [m for m in sub.attrs.members if m in self.be.ops]
@@ -224,7 +212,7 @@ class DecodeGraph:
             batch = native.Batch()
             batch.add(self.be.ops[m], x, routing[0], routing[1], out, accumulate=i > 0, ranks=node.attrs.rank_range)
             batches.append(batch)
-        return Task(root, batches)
+        return batches
 
     # ------------------------------------------------------------------------------ running
     def run(self, input_ids: torch.Tensor, state, trace: bool = False):
@@ -249,7 +237,6 @@ class DecodeGraph:
             self._wait()
         native.sync()  # raises here if a CPU task failed
         state.position += 1
-        self.steps_run += 1
         logits = bound.logits.clone().view(b, 1, -1)
         return (logits, measured) if trace else logits
 
@@ -331,13 +318,13 @@ class DecodeGraph:
                 values[node.name] = self._copy(node, values[node.inputs[0]], bound, stream)
                 copied = True
             elif step.kind == "submit":
-                for batch in bound.tasks[node.name].batches:
+                for batch in bound.tasks[node.attrs.task]:
                     self.host.launch(stream, self.host.submit_fn, batch.handle)
             elif step.kind == "sync":  # a task without batches is a prologue node, computed before the launch
-                task = next(t for t in bound.tasks.values() if t.root == node.inputs[1])
-                if task.batches:
-                    self.host.launch(stream, self.host.wait_fn, task.batches[-1].handle)
-                values[node.name] = bound.slots[task.root]
+                batches = bound.tasks[node.inputs[1]]
+                if batches:
+                    self.host.launch(stream, self.host.wait_fn, batches[-1].handle)
+                values[node.name] = bound.slots[node.inputs[1]]
             if timer:
                 timer.end(i, stream)
         out = values[g.outputs[0]]
@@ -396,9 +383,12 @@ class _Timer:
             return self.anchor.elapsed_time(e) * 1e3
 
         task_time: dict[str, tuple[float, float]] = {}
-        for sub, task in bound.tasks.items():
-            members = r.g.by_name(sub).attrs.members
-            times = [b.native.timing for b in task.batches]
+        submits = {n.attrs.task: n for n in r.g.nodes if n.op == Op.SUBMIT}
+        for root, batches in bound.tasks.items():
+            if not batches:  # a prologue node: it ran before the step, on the host
+                continue
+            members = submits[root].attrs.members
+            times = [b.native.timing for b in batches]
             span = ((min(t[1] for t in times) - self.anchor_ns) / 1e3, (max(t[2] for t in times) - self.anchor_ns) / 1e3)
             for m in members:
                 task_time[m] = span

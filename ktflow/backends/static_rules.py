@@ -5,7 +5,7 @@ torch_ref's rules take the position as a Python int and size everything by it (c
 graph. These rules read the position from `ctx.position_t` (a one-element int64 tensor on the
 rule's device, rewritten before each replay) and keep every shape static:
 
-- rope: cos/sin rows looked up in a table of all `max_seq_len` positions;
+- rope: cos/sin rows looked up in a table of every position the KV cache holds;
 - KV cache: the new rows written with `index_copy_` at the position;
 - GQA: `scaled_dot_product_attention` over the whole static cache with a mask of the positions
   reached (and the sliding window);
@@ -30,21 +30,22 @@ from .. import rope as rope_mod
 from ..ir.ops import AttentionAttrs, Op
 from ..ir.types import Device
 from .base import StepContext
-from .torch_ref import linear, rms_norm
+from .torch_ref import gqa_project, linear, mla_project
 
 
 class RopeTables:
-    """cos/sin of every position < max_seq_len, per rope and device (built once)."""
+    """cos/sin of every position < length, per rope, device and length (built once each, kept:
+    captured graphs read them)."""
 
-    def __init__(self, max_seq_len: int, dtype: torch.dtype):
-        self.max_seq_len, self.dtype = max_seq_len, dtype
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
         self.tables: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def at(self, r, pos: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (r, pos.device)
+    def at(self, r, pos: torch.Tensor, s: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (r, pos.device, length)
         if key not in self.tables:
             freqs = rope_mod.inv_freq(r).to(pos.device)
-            self.tables[key] = rope_mod.cos_sin(r, freqs, torch.arange(self.max_seq_len, device=pos.device), self.dtype)
+            self.tables[key] = rope_mod.cos_sin(r, freqs, torch.arange(length, device=pos.device), self.dtype)
         cos, sin = self.tables[key]
         rows = pos + torch.arange(s, device=pos.device)
         return cos.index_select(0, rows), sin.index_select(0, rows)
@@ -62,14 +63,7 @@ def _visible(a: AttentionAttrs, pos: torch.Tensor, s: int, length: int) -> torch
 
 def gqa(be, a: AttentionAttrs, w, x: torch.Tensor, ctx: StepContext, dev) -> torch.Tensor:
     b, s, pos = ctx.batch, ctx.seq, ctx.position_t
-    x = x.view(b, s, -1)
-    q = linear(x, w, "q").view(b, s, a.heads, a.head_dim)
-    k = linear(x, w, "k").view(b, s, a.kv_heads, a.head_dim)
-    v = linear(x, w, "v").view(b, s, a.kv_heads, a.head_dim)
-    if a.qk_norm:
-        q, k = rms_norm(q, w["q_norm"], a.norm_eps), rms_norm(k, w["k_norm"], a.norm_eps)
-    cos, sin = be.rope.at(a.rope, pos, s)
-    q, k = rope_mod.apply(q, cos, sin, a.rope.pairs), rope_mod.apply(k, cos, sin, a.rope.pairs)
+    q, k, v = gqa_project(a, w, x.view(b, s, -1), *be.rope.at(a.rope, pos, s, ctx.state.max_seq_len))
     kc, vc = be.cache(ctx, a, dev)
     rows = pos + torch.arange(s, device=pos.device)
     kc.index_copy_(2, rows, k.transpose(1, 2))
@@ -88,20 +82,8 @@ def absorbed_kv_b(a: AttentionAttrs, kv_b: torch.Tensor) -> tuple[torch.Tensor, 
 
 def mla(be, a: AttentionAttrs, w, x: torch.Tensor, ctx: StepContext, dev) -> torch.Tensor:
     b, s, pos = ctx.batch, ctx.seq, ctx.position_t
-    nope, rdim, kvl = a.qk_nope_dim, a.qk_rope_dim, a.kv_lora_rank
-    x = x.view(b, s, -1)
-    if a.q_lora_rank:
-        q = linear(rms_norm(linear(x, w, "q_a"), w["q_a_norm"], a.norm_eps), w, "q_b")
-    else:
-        q = linear(x, w, "q")
-    q = q.view(b, s, a.heads, nope + rdim)
-    q_nope, q_rope = q[..., :nope], q[..., nope:]
-    kv = linear(x, w, "kv_a")
-    latent = rms_norm(kv[..., :kvl], w["kv_a_norm"], a.norm_eps)
-    k_rope = kv[..., kvl:].view(b, s, 1, rdim)
-    cos, sin = be.rope.at(a.rope, pos, s)
-    q_rope = rope_mod.apply(q_rope, cos, sin, a.rope.pairs)
-    k_rope = rope_mod.apply(k_rope, cos, sin, a.rope.pairs)
+    q_nope, q_rope, latent, k_rope = mla_project(a, w, x.view(b, s, -1),
+                                                 *be.rope.at(a.rope, pos, s, ctx.state.max_seq_len))
     lc, rc = be.cache(ctx, a, dev)
     rows = pos + torch.arange(s, device=pos.device)
     lc.index_copy_(1, rows, latent)
@@ -121,12 +103,11 @@ def attention(be, node, w, ins, ctx, dev):
     return (mla if node.attrs.kind == "mla" else gqa)(be, node.attrs, w, ins[0], ctx, dev)
 
 
-def stack_experts(w: dict) -> dict:
+def stack_experts(w: dict, experts: int) -> dict:
     """A GPU routed-experts node's weights {role: {expert: tensor}} as stacked tensors and a map
-    from expert id to its row in them (-1: held elsewhere)."""
+    from each of the layer's `experts` ids to its row in them (-1: held elsewhere)."""
     held = sorted(w["gate"])
     dev = w["gate"][held[0]].device
-    experts = max(held) + 1
     local = torch.full((experts,), -1, dtype=torch.int64, device=dev)
     local[torch.tensor(held, device=dev)] = torch.arange(len(held), device=dev)
     return dict(local=local, **{r: torch.stack([w[r][e] for e in held]) for r in ("gate", "up", "down")})
@@ -136,13 +117,11 @@ def routed_experts(be, node, w, ins, ctx, dev):
     """Each token's picks in the node's rank range, gathered from the stacked weights (reads
     only the picked experts; no host-side look at the ids)."""
     x, (ids, wts) = ins
-    st = be.stacked(node.name, w)
+    st = be.stacked(node.name, w, node.attrs.experts)
     lo, hi = node.attrs.rank_range
     ids, wts = ids[:, lo:hi], wts[:, lo:hi]
-    local = st["local"]
-    inside = ids < local.shape[0]
-    slot = local[ids.clamp(max=local.shape[0] - 1)]
-    held = inside & (slot >= 0)
+    slot = st["local"][ids]
+    held = slot >= 0
     slot = slot.clamp(min=0).reshape(-1)
     t, k = ids.shape
     xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [t*k, H, 1]
@@ -160,17 +139,13 @@ class StaticRules:
     """Mixin for a TorchRefBackend subclass: GPU-placed nodes of a step with `ctx.position_t` set
     run the rules above; everything else runs as the base class runs it."""
 
-    def static_setup(self, max_seq_len: int) -> None:
-        """Rope tables for positions < max_seq_len (earlier, shorter tables stay alive: graphs
-        captured before read them)."""
-        if getattr(self, "rope", None) is not None:
-            self._retired = getattr(self, "_retired", []) + [self.rope]
-        self.rope = RopeTables(max_seq_len, self.dtype)
-        self._stacked: dict[str, dict] = getattr(self, "_stacked", {})
+    def static_setup(self) -> None:
+        self.rope = RopeTables(self.dtype)
+        self._stacked: dict[str, dict] = {}
 
-    def stacked(self, name: str, w: dict) -> dict:
+    def stacked(self, name: str, w: dict, experts: int) -> dict:
         if name not in self._stacked:
-            self._stacked[name] = stack_experts(w)
+            self._stacked[name] = stack_experts(w, experts)
         return self._stacked[name]
 
     def run(self, node, inputs: list, ctx: StepContext):

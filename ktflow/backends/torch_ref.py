@@ -156,16 +156,20 @@ def _rmsnorm(be, node, w, ins, ctx, dev):
     return rms_norm(ins[0], w["weight"], node.attrs.eps)
 
 
-def _gqa(be, a: AttentionAttrs, w, x, ctx, dev):
-    b, s, p = ctx.batch, ctx.seq, ctx.position
-    x = x.view(b, s, -1)
+def gqa_project(a: AttentionAttrs, w, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """x [B,S,H] -> q [B,S,heads,d], k and v [B,S,kv_heads,d]: projections, q/k norms, rope."""
+    b, s = x.shape[:2]
     q = linear(x, w, "q").view(b, s, a.heads, a.head_dim)
     k = linear(x, w, "k").view(b, s, a.kv_heads, a.head_dim)
     v = linear(x, w, "v").view(b, s, a.kv_heads, a.head_dim)
     if a.qk_norm:
         q, k = rms_norm(q, w["q_norm"], a.norm_eps), rms_norm(k, w["k_norm"], a.norm_eps)
-    cos, sin = be.rope_tables(a, ctx, dev)
-    q, k = rope_mod.apply(q, cos, sin, a.rope.pairs), rope_mod.apply(k, cos, sin, a.rope.pairs)
+    return rope_mod.apply(q, cos, sin, a.rope.pairs), rope_mod.apply(k, cos, sin, a.rope.pairs), v
+
+
+def _gqa(be, a: AttentionAttrs, w, x, ctx, dev):
+    b, s, p = ctx.batch, ctx.seq, ctx.position
+    q, k, v = gqa_project(a, w, x.view(b, s, -1), *be.rope_tables(a, ctx, dev))
     kc, vc = be.cache(ctx, a, dev)
     kc[:, :, p:p + s] = k.transpose(1, 2)
     vc[:, :, p:p + s] = v.transpose(1, 2)
@@ -176,22 +180,27 @@ def _gqa(be, a: AttentionAttrs, w, x, ctx, dev):
     return linear(out, w, "o").view(b * s, -1)
 
 
-def _mla(be, a: AttentionAttrs, w, x, ctx, dev):
-    b, s, p = ctx.batch, ctx.seq, ctx.position
-    nope, rdim, vd, kvl = a.qk_nope_dim, a.qk_rope_dim, a.v_head_dim, a.kv_lora_rank
-    x = x.view(b, s, -1)
+def mla_project(a: AttentionAttrs, w, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """x [B,S,H] -> q_nope [B,S,heads,nope], roped q_rope [B,S,heads,rope], the normalised latent
+    [B,S,kv_lora_rank] and the roped key [B,S,1,rope] (what the cache holds)."""
+    b, s = x.shape[:2]
+    nope, rdim, kvl = a.qk_nope_dim, a.qk_rope_dim, a.kv_lora_rank
     if a.q_lora_rank:
         q = linear(rms_norm(linear(x, w, "q_a"), w["q_a_norm"], a.norm_eps), w, "q_b")
     else:
         q = linear(x, w, "q")
     q = q.view(b, s, a.heads, nope + rdim)
-    q_nope, q_rope = q[..., :nope], q[..., nope:]
     kv = linear(x, w, "kv_a")
     latent = rms_norm(kv[..., :kvl], w["kv_a_norm"], a.norm_eps)
     k_rope = kv[..., kvl:].view(b, s, 1, rdim)
-    cos, sin = be.rope_tables(a, ctx, dev)
-    q_rope = rope_mod.apply(q_rope, cos, sin, a.rope.pairs)
-    k_rope = rope_mod.apply(k_rope, cos, sin, a.rope.pairs)
+    return (q[..., :nope], rope_mod.apply(q[..., nope:], cos, sin, a.rope.pairs), latent,
+            rope_mod.apply(k_rope, cos, sin, a.rope.pairs))
+
+
+def _mla(be, a: AttentionAttrs, w, x, ctx, dev):
+    b, s, p = ctx.batch, ctx.seq, ctx.position
+    nope, rdim, vd = a.qk_nope_dim, a.qk_rope_dim, a.v_head_dim
+    q_nope, q_rope, latent, k_rope = mla_project(a, w, x.view(b, s, -1), *be.rope_tables(a, ctx, dev))
     lc, rc = be.cache(ctx, a, dev)
     lc[:, p:p + s] = latent
     rc[:, p:p + s] = k_rope[:, :, 0]
