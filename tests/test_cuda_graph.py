@@ -180,3 +180,17 @@ def test_gpu_memory_size_check(demo_dir, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(total_memory=int(planned * 1.01)))
     check_gpu(c.plans)  # within the tolerance: the same GPU as reported by another driver
+
+
+@gpu
+def test_a_plan_for_this_machine_captures_replays_and_traces(demo_dir):
+    """This machine's profile with a small budget: the token ids reach the GPU through the copy
+    lane with no GPU event before them (the copy stream must still be part of the capture)."""
+    c = ktflow.compile(ktflow.load(demo_dir), hw=None, device="cuda", vram_budget_gb=0.01, max_seq_len=64)
+    assert any(n.op == Op.SUBMIT for n in c.decode.ir.nodes)
+    c.executor("decode").trace = 1
+    out = ktflow.generate(c, torch.tensor([[1, 2, 3, 4]]), 6)
+    assert out.shape == (1, 10)
+    assert c.executor("decode").runner.bound[1].graph is not None
+    measured = c.executor("decode").measured
+    assert measured and [s.node for s in measured] == [s.node for s in c.decode.steps]

@@ -292,7 +292,9 @@ class DecodeGraph:
         events: dict[str, torch.cuda.Event] = {}
         streams = {"gpu": self.gpu, "copy": self.copy}
         bound.position_dev.copy_(bound.position, non_blocking=True)
-        copied = False
+        # fork the copy stream from the step's stream (under capture this makes it part of the graph;
+        # a copy whose only ordering is a CPU-lane event, such as the token ids', would escape it)
+        self.copy.wait_stream(self.gpu)
         for i, step in enumerate(self.plan.steps):
             self.current = step.node
             stream = streams.get(step.lane)
@@ -316,7 +318,6 @@ class DecodeGraph:
                 values[node.name] = be.run(node, [values[v] for v in node.inputs], ctx)
             elif step.kind == "copy":
                 values[node.name] = self._copy(node, values[node.inputs[0]], bound, stream)
-                copied = True
             elif step.kind == "submit":
                 for batch in bound.tasks[node.attrs.task]:
                     self.host.launch(stream, self.host.submit_fn, batch.handle)
@@ -329,8 +330,7 @@ class DecodeGraph:
                 timer.end(i, stream)
         out = values[g.outputs[0]]
         bound.logits.copy_(out.view(bound.batch, -1), non_blocking=True)
-        if copied:  # join the copy stream (its last copies were waited for by readers; this is the capture's join)
-            self.gpu.wait_stream(self.copy)
+        self.gpu.wait_stream(self.copy)  # join it back
         self.current = ""
         return list(values.values())
 
