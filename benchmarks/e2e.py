@@ -9,8 +9,10 @@ repetitions, mean +- sd), for these variants of one model:
 
   cpu          every node on the CPU, native experts
   eager        GPU dense work (torch ops, one launch per op) + native CPU experts, synchronous
-  graph        the cuda_graph backend: each decode step one CUDA graph, experts through host nodes
-  graph+d<k>   the same with Expert Deferral, k deferred picks per token (and d=auto)
+  graph        the cuda_graph backend: each decode step one CUDA graph, experts through host-node
+               submits and a wait on each task's done flag (cuStreamWaitValue32)
+  graph+hostwait  the same with the other wait: a host node blocking until the task has run
+  graph+d<k>   the graph with Expert Deferral, k deferred picks per token (and d=auto)
 
 prefill tokens/s for each prompt length (cpu and eager; prefill runs the same eager path in the
 graph variants) and decode tokens/s for `--decode` tokens after a 32-token prompt. For each
@@ -238,7 +240,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--prompts", default="32,512,2048,8192")
-    ap.add_argument("--variants", default="cpu,eager,graph,graph+d1,graph+d2,graph+d3,graph+d4,graph+dauto")
+    ap.add_argument("--variants",
+                    default="cpu,eager,graph,graph+hostwait,graph+d1,graph+d2,graph+d3,graph+d4,graph+dauto")
     ap.add_argument("--expert-format", default="bf16", choices=["bf16", "int8", "int4"])
     ap.add_argument("--out", default=str(HERE / "e2e.jsonl"))
     a = ap.parse_args()
@@ -259,7 +262,7 @@ def main() -> int:
     t0 = time.perf_counter()
     write_checkpoint(cfg, d)
     print(f"checkpoint ready in {time.perf_counter() - t0:.1f} s", flush=True)
-    hw = probe(quick=True)
+    hw = probe()  # full sizes: the CPU expert rate the cost model uses must come from past the caches
     dram = native.module().stream_read_gbps(native.pool())
     prompts = [int(p) for p in a.prompts.split(",")]
     max_seq = max(prompts + [32 + a.decode]) + 8
@@ -273,7 +276,8 @@ def main() -> int:
     budget = (dense + probe_plan.memory.kv_cache_bytes + 0.5 * per_expert) / 1e9  # no routed expert fits
     shared = None
     info = dict(commit=commit(), **machine(), gpu=torch.cuda.get_device_name(0), model=a.model,
-                layers=cfg["num_hidden_layers"], expert_format=a.expert_format, dram_gbps=round(dram, 1))
+                layers=cfg["num_hidden_layers"], expert_format=a.expert_format, dram_gbps=round(dram, 1),
+                threads=native.pool().threads(), probed_expert_gbps=round(hw.cpu.gemv_gbps, 1))
     print(f"{a.model}, {cfg['num_hidden_layers']} layers, experts {a.expert_format}; DRAM {dram:.1f} GB/s; "
           f"VRAM budget {budget:.2f} GB (dense weights + KV cache)", flush=True)
     vocab = cfg["vocab_size"]
@@ -297,11 +301,14 @@ def main() -> int:
             c = ktflow.compile(model, **opts)
         if shared is None:
             shared = CudaGraphBackend("cuda", torch.bfloat16, options=c.plans.options)
+            default_wait = shared.wait
+        shared.wait = "host" if v == "graph+hostwait" else default_wait
         # one backend for every variant (benchmark only): packed experts and GPU weights loaded once;
         # plans without GPU work (cpu) and the eager variant do not use its graph runner
         c._backend = shared
         t1 = time.perf_counter()
         c.prepare()
+        weights_gb = torch.cuda.memory_allocated() / 1e9  # GPU weights of every variant so far (shared)
         print(f"  {v}: compiled, weights ready in {time.perf_counter() - t1:.1f} s", flush=True)
         if v == "eager":  # the decode plan runs op by op: no graph runner
             c.executor("decode").runner = None
@@ -333,6 +340,11 @@ def main() -> int:
                    measured_layer_us=round(1e6 / m / cfg["num_hidden_layers"], 1),
                    expert_bytes_per_token=bpt, roofline_tok_s=round(bound, 2), roofline_fraction=round(m / bound, 3),
                    peak_vram_gb=round(torch.cuda.max_memory_allocated() / 1e9, 3),
+                   allocated_after_prepare_gb=round(weights_gb, 3), wait=shared.wait if v.startswith("graph") else None,
+                   predicted_gpu_weights_gb=round(sum(n.weight_elems() * 2 for n in plan.ir.nodes
+                                                      if n.place.device.value == "gpu") / 1e9, 3),
+                   predicted_kv_gb=round(plan.memory.kv_cache_bytes / 1e9, 3),
+                   predicted_activation_mb=round(plan.memory.activation_bytes / 1e6, 2),
                    predicted_vram_gb=round((plan.memory.gpu_bytes - c.plans.options.vram_reserve_gb * 1e9) / 1e9, 3)
                    if plan.memory.gpu_bytes else 0.0,
                    defer=str(c.plans.options.defer))

@@ -252,8 +252,10 @@ def probe(quick: bool = False, log: Callable[[str], None] = lambda s: None) -> H
     """Measure this machine. `quick` uses small sizes (seconds, for tests; numbers less exact).
 
     DRAM: read bandwidth of a float32 sum over a buffer far larger than the caches, all cores.
-    CPU GEMM: bf16 square matrix product through torch (oneDNN: AMX where present). GEMV: bytes
-    of a bf16 weight matrix streamed per second by a matrix-vector product. GPU: device copy
+    CPU GEMM: bf16 square matrix product through torch (oneDNN: AMX where present). GEMV: weight
+    bytes per second the kernel that runs CPU experts streams at decode: the native routed-experts
+    operator on its pool, one token picking 8 of 64 bf16 experts (torch's bf16 matrix-vector
+    product where the native module is not built; it streams several times slower). GPU: device copy
     (read + write bytes), bf16 GEMM, pinned host<->device copies, and the time per tiny kernel
     launch. Per-node DRAM bandwidth is the measured total split evenly over the nodes.
     """
@@ -282,9 +284,13 @@ def probe(quick: bool = False, log: Callable[[str], None] = lambda s: None) -> H
     m = 512 if quick else 2048
     gemm = gemm_tflops(m)
     log(f"CPU bf16 GEMM {m}x{m}x{m}: {gemm:.2f} TFLOPS")
-    rows = 2048 if quick else 16384
-    gemv = gemv_gbps(rows)
-    log(f"CPU bf16 GEMV {rows}x8192: {gemv:.1f} GB/s of weights")
+    gemv = _native_expert_gbps(quick)
+    if gemv is not None:
+        log(f"CPU routed experts (native kernel, 1 token, top-8 of 64): {gemv:.1f} GB/s of weights")
+    else:
+        rows = 2048 if quick else 16384
+        gemv = gemv_gbps(rows)
+        log(f"CPU bf16 GEMV {rows}x8192 (torch; the native module is not built): {gemv:.1f} GB/s of weights")
     measured += ["dram_gbps", "gemm_tflops", "gemv_gbps"]
 
     numa = [NumaNode(cores=node.cores, memory_bytes=node.memory_bytes, dram_gbps=dram / len(base.cpu.numa))
@@ -296,6 +302,35 @@ def probe(quick: bool = False, log: Callable[[str], None] = lambda s: None) -> H
         measured += ["hbm_gbps", "bf16_tflops", "pcie_h2d_gbps", "pcie_d2h_gbps", "gpu_launch_us"]
     return HwProfile(name="probed", description=f"measured on this machine{' (quick)' if quick else ''}",
                      cpu=cpu, gpus=gpus, overheads=overheads, measured=measured)
+
+
+def _native_expert_gbps(quick: bool) -> float | None:
+    """Weight bytes/s of the native routed-experts operator at decode: 64 bf16 experts (201 MB
+    quick, 1.1 GB full: past the caches), 32 one-token calls each picking 8 random experts."""
+    import torch
+
+    from . import native
+
+    if not native.available():
+        return None
+    experts, k, calls = 64, 8, 32
+    hidden, inter = (1024, 512) if quick else (2048, 1408)
+    g = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(inter, hidden, generator=g).bfloat16() for _ in range(2))
+    down = torch.randn(hidden, inter, generator=g).bfloat16()
+    op = native.ExpertOp(experts, hidden, inter)
+    op.pack(lambda e: (gate, up, down))  # every expert its own packed copy: the bytes are real
+    x = torch.randn(1, hidden, generator=g).bfloat16()
+    picks = [torch.randperm(experts, generator=g)[:k].view(1, k) for _ in range(calls)]
+    weights = torch.full((1, k), 1.0 / k)
+    out = torch.empty(1, hidden)
+
+    def run():
+        for ids in picks:
+            op.forward(x, ids, weights, out)
+
+    seconds = _best_seconds(run, 2 if quick else 5)
+    return calls * k * 3 * hidden * inter * 2 / seconds / GB
 
 
 def _probe_gpu(torch, quick: bool, reps: int, overheads: Overheads, log) -> tuple[list[GpuSpec], Overheads]:

@@ -70,12 +70,21 @@ def _drain() -> None:
         _INFLIGHT.clear()
 
 
+def default_threads() -> int:
+    """Every CPU this process may use, less one where there are 8 or more: the thread that drives
+    the queue (the Python step loop, or the CUDA driver's host-function thread running submits)
+    needs a core the spinning workers do not take. On the GPU host (16 cores) 15 workers decoded
+    13% faster than 16 (benchmarks/RESULTS.md)."""
+    n = len(os.sched_getaffinity(0))
+    return n - 1 if n >= 8 else n
+
+
 def pool():
-    """The process-wide worker pool: KTFLOW_THREADS threads (default: every CPU this process may
-    use) in KTFLOW_NUMA_GROUPS groups (default: one per NUMA node; more gives virtual groups)."""
+    """The process-wide worker pool: KTFLOW_THREADS threads (default: `default_threads()`) in
+    KTFLOW_NUMA_GROUPS groups (default: one per NUMA node; more gives virtual groups)."""
     global _POOL
     if _POOL is None:
-        threads = int(os.environ.get("KTFLOW_THREADS", "0") or 0)
+        threads = int(os.environ.get("KTFLOW_THREADS", "0") or 0) or default_threads()
         groups = int(os.environ.get("KTFLOW_NUMA_GROUPS", "0") or 0)
         _POOL = module().Pool(threads=threads, groups=groups, pin=os.environ.get("KTFLOW_PIN", "1") != "0")
     return _POOL
@@ -266,6 +275,13 @@ class Batch:
     @property
     def handle(self) -> int:
         return self.native.handle
+
+    def set_done_flag(self, flag: torch.Tensor) -> None:
+        """`flag` (one int32 element, pinned for a GPU to read) is set to 0 at each submit and to
+        1 once the batch has run, after its outputs are written (also when it failed)."""
+        _check(flag, "done flag", torch.int32, (1,))
+        self.native.set_done_flag(flag.data_ptr())
+        self._keep.append(flag)
 
     def submit(self) -> None:
         _INFLIGHT.append(self)

@@ -17,7 +17,8 @@ FAMILIES = ["deepseek_v3", "deepseek_v2_lite", "qwen2_moe", "qwen3_moe", "mixtra
 TOL = 2e-2  # of a token's logits norm: bf16 on both sides, different kernels
 #: a token whose router sees a near tie may pick another expert in bf16 on one side (on the CPU
 #: too: deepseek_v3's prompt below has one such token of 24, at 19% error, native vs torch_ref);
-#: at most this fraction of a step's tokens may, and the whole run stays within FLIP_TOL
+#: at most this fraction of the run's tokens (prompt and decode steps together: a 2-token decode
+#: step alone cannot tell one such tie from a broken step) may, and the whole run stays within FLIP_TOL
 FLIPS, FLIP_TOL = 0.1, 5e-2
 
 
@@ -78,10 +79,10 @@ def test_hybrid_graph_matches_torch_ref_on_the_same_plan(case, defer, tiny_dirs)
     errs = [rel(a, b) for a, b in zip(got, want, strict=True)]
     print(f"\n  {case} defer={defer}: per step relative error vs torch_ref {[f'{e:.4f}' for e in errs]}, "
           f"native eager vs torch_ref {[f'{rel(a, b):.4f}' for a, b in zip(eager, want, strict=True)]}")
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        per_token = ((a - b).float().norm(dim=-1) / b.float().norm(dim=-1)).flatten()
-        assert (per_token > TOL).float().mean() <= FLIPS, (i, per_token.tolist())
-    assert rel(torch.cat(got, 1), torch.cat(want, 1)) <= FLIP_TOL
+    a, b = torch.cat(got, 1).float(), torch.cat(want, 1).float()
+    per_token = ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
+    assert (per_token > TOL).float().mean() <= FLIPS, per_token.tolist()
+    assert rel(a, b) <= FLIP_TOL
 
 
 @gpu
@@ -95,6 +96,22 @@ def test_graph_replay_equals_eager_issue_of_the_same_step(defer, tiny_dirs):
     a, b = run_steps(graph, ids, 5), run_steps(eager, ids, 5)
     assert graph.executor("decode").runner.bound[2].graph is not None
     assert eager.executor("decode").runner.bound[2].graph is None
+    for x, y in zip(a, b, strict=True):
+        assert (x - y).abs().max() <= 1e-3 * y.abs().max()
+
+
+@gpu
+def test_both_waits_give_the_same_steps(tiny_dirs):
+    """A captured sync as a wait on the task's done flag (the default where the driver has
+    stream memory operations) and as a blocking host node: the same logits, deferral included."""
+    d, _ = tiny_dirs("qwen3_moe")
+    model = ktflow.load(d)
+    flag, host = hybrid(model, defer=1), hybrid(model, defer=1)
+    assert flag.executor("decode").runner.be.wait == "flag"  # what the GPU machine's driver supports
+    host.executor("decode").runner.be.wait = "host"
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    a, b = run_steps(flag, ids, 5), run_steps(host, ids, 5)
+    assert host.executor("decode").runner.bound[2].graph is not None
     for x, y in zip(a, b, strict=True):
         assert (x - y).abs().max() <= 1e-3 * y.abs().max()
 

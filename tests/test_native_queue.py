@@ -133,3 +133,35 @@ def test_one_operator_twice_in_a_batch_and_layers_sharing_scratch(op):
     assert rel(first, reference_moe(x, ids, wts, gate, up, down, held, (0, 2))) < 1e-2
     assert rel(second, reference_moe(x, ids, wts, gate, up, down, held, (2, 4))) < 1e-2
     assert rel(small, reference_moe(x[:3], ids[:3], wts[:3], g2, u2, d2, held, (0, 4))) < 1e-2
+
+
+def test_done_flag_is_cleared_at_submit_and_set_after_the_outputs(op):
+    """The word a CUDA stream waits on (cuStreamWaitValue32): 0 from submit, 1 once the batch's
+    outputs are written; a failed batch sets it too, so a waiting stream never hangs."""
+    x = torch.randn(64, 64).bfloat16()
+    ids, wts = routing(64, 8, 2, seed=4)
+    out = torch.zeros(64, 64)
+    flag = torch.full((1,), 7, dtype=torch.int32)
+    b = native.Batch()
+    b.add(op, x, ids, wts, out)
+    b.set_done_flag(flag)
+    ref = reference_moe(x, ids, wts, *op.ref, set(range(8)), (0, 2))
+    for _ in range(20):
+        out.zero_()
+        b.submit()
+        while int(flag[0]) != 1:  # the polling a stream's wait-value node does
+            pass
+        assert rel(out, ref) < 1e-2  # read before any sync: the flag alone orders it
+    native.sync()
+    bad = ids.clone()
+    bad[0, 0] = 99
+    b_bad = native.Batch()
+    b_bad.add(op, x, bad, wts, out)
+    b_bad.set_done_flag(flag)
+    b_bad.submit()
+    while int(flag[0]) != 1:
+        pass
+    with pytest.raises(KtflowError, match="expert id 99"):
+        native.sync()
+    with pytest.raises(Exception, match="int32"):
+        b.set_done_flag(torch.zeros(1, dtype=torch.int64))

@@ -12,8 +12,12 @@ plan's record/wait events:
   task's prepared native batch, whose jobs read and write the pinned slots; the stream goes on
   with the GPU work the plan put between submit and sync (the shared expert; under deferral the
   next layer's attention and router);
-- sync: a host node calling `ktf_wait_batch(batch)`: the stream waits for that task only, not
-  for deferred tasks queued after it;
+- sync: the stream waits for that task only, not for deferred tasks queued after it. Two ways
+  (the backend's `wait`): "flag", the default, a wait-value operation (`cuStreamWaitValue32`) on
+  the batch's done flag, a pinned word the native dispatcher sets once the outputs are written;
+  the GPU polls it and no host thread blocks; "host", a host node calling
+  `ktf_wait_batch(batch)`, which holds the driver's one host-function thread until the task has
+  run (a submit behind it on another stream waits too);
 - copy to the GPU: from the task's pinned slot after the sync.
 
 For each batch size the first decode step runs eagerly on those streams (warming up and giving
@@ -49,9 +53,15 @@ from .static_rules import StaticRules
 _TORCH_DTYPE = {DType.F32: torch.float32, DType.BF16: torch.bfloat16, DType.F16: torch.float16, DType.I64: torch.int64}
 
 
-class HostFunctions:
-    """`cuLaunchHostFunc` of the CUDA driver (libcuda), through ctypes: a host function called in
-    stream order, recorded as a host node when the stream is being captured."""
+class Driver:
+    """CUDA driver (libcuda) calls torch does not expose, through ctypes:
+
+    - `cuLaunchHostFunc`: a host function called in stream order (a host node under capture);
+    - `cuStreamWaitValue32`: the stream waits until a 32-bit word reaches a value (a wait-value
+      node under capture), polled by the GPU's front end: no host thread takes part;
+    - `cuMemHostGetDevicePointer`: the device address of a pinned host word."""
+
+    WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0
 
     def __init__(self):
         try:
@@ -61,13 +71,47 @@ class HostFunctions:
         self._launch = lib.cuLaunchHostFunc
         self._launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         self._launch.restype = ctypes.c_int
+        # the _v2 entry points are the ones cuda.h names since CUDA 12 (stream memory operations on by default)
+        self._wait = getattr(lib, "cuStreamWaitValue32_v2", None) or getattr(lib, "cuStreamWaitValue32", None)
+        if self._wait is not None:
+            self._wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            self._wait.restype = ctypes.c_int
+        self._devptr = lib.cuMemHostGetDevicePointer_v2
+        self._devptr.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+        self._devptr.restype = ctypes.c_int
         fns = native.c_entry_points()
         self.submit_fn, self.wait_fn = fns["submit"], fns["wait_batch"]
 
-    def launch(self, stream: torch.cuda.Stream, fn: int, arg: int) -> None:
+    def launch_host(self, stream: torch.cuda.Stream, fn: int, arg: int) -> None:
         rc = self._launch(stream.cuda_stream, fn, arg)
         if rc != 0:
             raise KtflowError(f"cuLaunchHostFunc failed (CUDA driver error {rc})")
+
+    def device_address(self, pinned: torch.Tensor) -> int:
+        out = ctypes.c_uint64(0)
+        rc = self._devptr(ctypes.byref(out), pinned.data_ptr(), 0)
+        if rc != 0:
+            raise KtflowError(f"cuMemHostGetDevicePointer failed (CUDA driver error {rc}): the word is not pinned")
+        return out.value
+
+    def wait_value(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
+        rc = self._wait(stream.cuda_stream, address, value, self.WAIT_GEQ)
+        if rc != 0:
+            raise KtflowError(f"cuStreamWaitValue32 failed (CUDA driver error {rc})")
+
+    def can_wait_value(self) -> bool:
+        """Whether this driver and GPU run stream wait-value operations on pinned host memory
+        (tried once on a word already set)."""
+        if self._wait is None:
+            return False
+        word = torch.ones(1, dtype=torch.int32, pin_memory=True)
+        stream = torch.cuda.Stream()
+        try:
+            self.wait_value(stream, self.device_address(word), 1)
+            stream.synchronize()
+        except (KtflowError, RuntimeError):
+            return False
+        return True
 
 
 @dataclass
@@ -84,6 +128,8 @@ class Bound:
     #: task root -> its native batches, run in order (one per NUMA shard: shards after the first add
     #: into the same output); none for a prologue node, computed before the launch
     tasks: dict[str, list[native.Batch]]
+    flags: torch.Tensor  # pinned int32, one done flag per native batch
+    done_at: dict[str, int]  # task root -> device address of its last batch's done flag
     logits: torch.Tensor  # pinned float32 [batch, vocab]: the graph's output
     graph: torch.cuda.CUDAGraph | None = None
     keep: list = field(default_factory=list)  # values the graph reads or writes
@@ -92,7 +138,15 @@ class Bound:
 class CudaGraphBackend(StaticRules, NativeBackend):
     name = "cuda_graph"
 
-    def __init__(self, gpu_device: str = "cuda", dtype: torch.dtype = torch.bfloat16, options: Any = None):
+    #: how a captured step waits for a CPU task: "flag" (the stream waits on the task's done flag,
+    #: cuStreamWaitValue32) or "host" (a host node calling ktf_wait_batch, which blocks the driver's
+    #: host-function thread until the task has run); "auto": flag where the driver supports it
+    WAITS = ("auto", "flag", "host")
+
+    def __init__(self, gpu_device: str = "cuda", dtype: torch.dtype = torch.bfloat16, options: Any = None,
+                 wait: str = "auto"):
+        if wait not in self.WAITS:
+            raise ConfigError(f"wait={wait!r}: the cuda_graph backend waits for CPU tasks with one of {self.WAITS}")
         if gpu_device != "cuda" or not torch.cuda.is_available():
             raise ConfigError("the cuda_graph backend runs GPU nodes on a CUDA device: "
                               + ("torch sees none here; compile for this machine (`ktflow compile --hw this`, or "
@@ -102,6 +156,13 @@ class CudaGraphBackend(StaticRules, NativeBackend):
             raise ConfigError(f"the cuda_graph backend computes in bfloat16 (the native experts' activations); "
                               f"this plan computes in {dtype}: compile with dtype='bfloat16' or use backend='native'")
         super().__init__(gpu_device, dtype, options)
+        self.driver = Driver()
+        if wait == "auto":
+            wait = "flag" if self.driver.can_wait_value() else "host"
+        elif wait == "flag" and not self.driver.can_wait_value():
+            raise ConfigError("wait='flag' needs stream memory operations (cuStreamWaitValue32 on pinned host memory), "
+                              "which this driver or GPU refuses; use wait='host'")
+        self.wait = wait
         self.kv: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (layer, batch) -> static caches
         self.kv_owner: dict[int, Any] = {}  # batch -> weakref to the state using those caches
         self.static_setup()
@@ -133,7 +194,7 @@ class DecodeGraph:
         self.gpu, self.copy = torch.cuda.Stream(), torch.cuda.Stream()
         # waiting for a step's end sleeps instead of spinning a core the native workers need
         self.done = torch.cuda.Event(blocking=True)
-        self.host = HostFunctions()
+        self.driver = be.driver
         self.bound: dict[int, Bound] = {}
         self.capture = True  # False: every step eager on the streams (same issue order, no graph)
         self.current = ""  # the node being issued (named in out-of-memory errors)
@@ -195,11 +256,20 @@ class DecodeGraph:
                 n = t.numel(b) * dt.itemsize
                 slots[buf.value] = arena[buf.offset:buf.offset + n].view(dt).view(t.concrete(b))
         tasks = {n.attrs.task: self._task(n, slots) for n in g.nodes if n.op == Op.SUBMIT}
+        # a done flag per native batch; a task's sync waits on its last batch's (shards run in order)
+        flags = torch.zeros(max(sum(map(len, tasks.values())), 1), dtype=torch.int32, **pin)
+        done_at, i, base = {}, 0, self.driver.device_address(flags)
+        for root, batches in tasks.items():
+            for batch in batches:
+                batch.set_done_flag(flags[i:i + 1])
+                i += 1
+            if batches:
+                done_at[root] = base + (i - 1) * flags.itemsize
         vocab = g.by_name(g.outputs[0]).out.shape[-1]
         return Bound(batch=b, tokens=torch.zeros(b, dtype=torch.int64, **pin),
                      position=torch.zeros(1, dtype=torch.int64, **pin),
                      position_dev=torch.zeros(1, dtype=torch.int64, device="cuda"), arena=arena, slots=slots,
-                     tasks=tasks, logits=torch.zeros(b, vocab, dtype=torch.float32, **pin))
+                     tasks=tasks, flags=flags, done_at=done_at, logits=torch.zeros(b, vocab, dtype=torch.float32, **pin))
 
     def _task(self, sub: Node, slots: dict) -> list[native.Batch]:
         root = sub.attrs.task
@@ -320,11 +390,14 @@ class DecodeGraph:
                 values[node.name] = self._copy(node, values[node.inputs[0]], bound, stream)
             elif step.kind == "submit":
                 for batch in bound.tasks[node.attrs.task]:
-                    self.host.launch(stream, self.host.submit_fn, batch.handle)
+                    self.driver.launch_host(stream, self.driver.submit_fn, batch.handle)
             elif step.kind == "sync":  # a task without batches is a prologue node, computed before the launch
-                batches = bound.tasks[node.inputs[1]]
-                if batches:
-                    self.host.launch(stream, self.host.wait_fn, batches[-1].handle)
+                root = node.inputs[1]
+                if bound.tasks[root]:
+                    if self.be.wait == "flag":
+                        self.driver.wait_value(stream, bound.done_at[root], 1)
+                    else:
+                        self.driver.launch_host(stream, self.driver.wait_fn, bound.tasks[root][-1].handle)
                 values[node.name] = bound.slots[node.inputs[1]]
             if timer:
                 timer.end(i, stream)

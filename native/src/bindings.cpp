@@ -322,6 +322,10 @@ PYBIND11_MODULE(_native, m) {
                                        accumulate, path));
            })
       .def_property_readonly("handle", [](Batch& b) { return reinterpret_cast<uintptr_t>(&b); })
+      .def("set_done_flag", [](Batch& b, uintptr_t flag) {
+        if (flag % alignof(std::atomic<uint32_t>)) throw std::invalid_argument("a done flag must be 4-byte aligned");
+        b.done_flag = reinterpret_cast<std::atomic<uint32_t>*>(flag);
+      }, "address of a uint32 word set to 0 at submit and 1 once the batch has run (0: none)")
       .def("wait", [](Batch& b) {
         py::gil_scoped_release nogil;
         b.queue->wait_batch(&b);

@@ -1,5 +1,7 @@
 #include "ktf/queue.h"
 
+#include <immintrin.h>
+
 #include <chrono>
 
 namespace ktf {
@@ -26,7 +28,9 @@ void Queue::submit(Batch* b) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     b->submitted_ns = now_ns();
+    if (b->done_flag) b->done_flag->store(0, std::memory_order_relaxed);  // before it can run
     pending_.push_back(b);
+    pending_count_.fetch_add(1, std::memory_order_release);
     ++b->submits;
     ++in_flight_;
   }
@@ -69,12 +73,21 @@ std::vector<BatchRecord> Queue::take_records() {
 void Queue::dispatch() {
   for (;;) {
     Batch* b;
+    // spin before sleeping: decode submits every millisecond or so
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int spins = 0; pending_count_.load(std::memory_order_acquire) == 0; ++spins) {
+      _mm_pause();
+      if (spins % 64 == 0 && std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+                                     .count() > pool_->spin_ns())
+        break;
+    }
     {
       std::unique_lock<std::mutex> lock(mutex_);
       work_.wait(lock, [&] { return stop_ || !pending_.empty(); });
       if (pending_.empty()) return;  // stopping, and everything submitted has run
       b = pending_.front();
       pending_.pop_front();
+      pending_count_.fetch_sub(1, std::memory_order_relaxed);
     }
     std::exception_ptr err;
     b->started_ns = now_ns();
@@ -90,6 +103,7 @@ void Queue::dispatch() {
       if (recording_) records_.push_back({b, b->submitted_ns, b->started_ns, b->finished_ns});
       ++b->finishes;
       --in_flight_;
+      if (b->done_flag) b->done_flag->store(1, std::memory_order_release);  // outputs are written
     }
     idle_.notify_all();
   }

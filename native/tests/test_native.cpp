@@ -2,6 +2,8 @@
 // `make native-test` (part of `make test`): kernels and the fused MoE against a double-precision
 // reference on every path this CPU has, the thread pool under many small runs and exceptions, the
 // queue (errors surface at sync, C entry points, shutdown with work pending).
+#include <immintrin.h>
+
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -256,6 +258,23 @@ static void test_queue(std::shared_ptr<ThreadPool> pool, std::mt19937& rng) {
     }
     q.sync();
     CHECK(second.finishes == second.submits, "every submission of the second batch ran");
+    std::atomic<uint32_t> flag{7};
+    first.done_flag = &flag;
+    for (int i = 0; i < 50; ++i) {
+      ktf_submit(&second);
+      ktf_submit(&first);
+      while (flag.load(std::memory_order_acquire) != 1) _mm_pause();  // as a stream's wait-value node polls it
+      CHECK(first.finishes == first.submits, "the done flag is set only once its batch has run");
+    }
+    first.done_flag = nullptr;
+    broken.done_flag = &flag;
+    q.submit(&broken);
+    while (flag.load(std::memory_order_acquire) != 1) _mm_pause();  // a failed batch sets it too: nothing hangs
+    try {
+      q.sync();
+    } catch (const std::out_of_range&) {
+    }
+    first.done_flag = broken.done_flag = nullptr;
     for (int i = 0; i < 200; ++i) q.submit(&good);
     owner.reset();  // destroying the queue with work pending finishes that work and stops
   }

@@ -31,6 +31,7 @@ class ThreadPool {
   int numa_node(int group) const { return group_node_[group]; }  // -1: allocate anywhere
   const std::vector<int>& group_cpus(int group) const { return group_cpus_[group]; }
   int group_threads(int group) const;
+  long spin_ns() const { return spin_ns_; }  // how long an idle thread spins before it sleeps
 
   // Runs task i of group g for every g < groups(), i < counts[g]; returns when all ran; rethrows
   // the first exception a task raised (the rest of that run is skipped). One run at a time.

@@ -3,6 +3,12 @@
 // submitted so far has run and rethrows the first error a batch raised. Both also exist as plain
 // C functions taking a context pointer (ktf_submit(batch), ktf_sync(queue)), the shape
 // cudaLaunchHostFunc calls, so a CUDA stream (or a captured graph) can drive the queue.
+//
+// A batch may carry a done flag: a 32-bit word (in pinned memory a GPU can read) that submit sets
+// to 0 and the dispatcher sets to 1 once the batch has run, failed or not, after its outputs are
+// written. A CUDA stream can wait on it (cuStreamWaitValue32) without a host function. Like the
+// pool's workers, the dispatcher spins for a while (KTFLOW_SPIN_US) before it sleeps, so a
+// submit during decode starts without a wake-up.
 #pragma once
 
 #include <atomic>
@@ -31,6 +37,8 @@ struct Batch {
   int64_t submitted_ns = 0, started_ns = 0, finished_ns = 0;
   // times submitted and times finished (written under the queue's mutex): wait_batch waits for equality
   std::atomic<uint64_t> submits{0}, finishes{0};
+  // optional: 0 from submit until the batch has run, then 1 (see above)
+  std::atomic<uint32_t>* done_flag = nullptr;
 };
 
 struct BatchRecord {
@@ -59,6 +67,7 @@ class Queue {
   std::mutex mutex_;
   std::condition_variable work_, idle_;
   std::deque<Batch*> pending_;
+  std::atomic<int> pending_count_{0};  // pending_.size(), read by the spinning dispatcher without the mutex
   int in_flight_ = 0;
   bool stop_ = false;
   std::exception_ptr error_;
