@@ -277,7 +277,7 @@ def main() -> int:
     shared = None
     info = dict(commit=commit(), **machine(), gpu=torch.cuda.get_device_name(0), model=a.model,
                 layers=cfg["num_hidden_layers"], expert_format=a.expert_format, dram_gbps=round(dram, 1),
-                threads=native.pool().threads(), probed_expert_gbps=round(hw.cpu.gemv_gbps, 1))
+                threads=native.pool().threads, probed_expert_gbps=round(hw.cpu.gemv_gbps, 1))
     print(f"{a.model}, {cfg['num_hidden_layers']} layers, experts {a.expert_format}; DRAM {dram:.1f} GB/s; "
           f"VRAM budget {budget:.2f} GB (dense weights + KV cache)", flush=True)
     vocab = cfg["vocab_size"]
