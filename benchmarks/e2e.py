@@ -32,6 +32,7 @@ reused when it exists and matches.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -262,6 +263,7 @@ def main() -> int:
     t0 = time.perf_counter()
     write_checkpoint(cfg, d)
     print(f"checkpoint ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    native.pool(spare=2)  # the pool the cuda_graph backend makes (the first caller sizes it): probe with it
     hw = probe()  # full sizes: the CPU expert rate the cost model uses must come from past the caches
     dram = native.module().stream_read_gbps(native.pool())
     prompts = [int(p) for p in a.prompts.split(",")]
@@ -283,9 +285,12 @@ def main() -> int:
     vocab = cfg["vocab_size"]
     variants = a.variants.split(",")
     for v in sorted(variants, key=lambda v: v == "cpu"):  # the slow all-CPU baseline last
+        c = None
+        gc.collect()  # the previous variant's graphs and arenas (peak VRAM is per variant)
         opts = dict(base)
         if v == "cpu":
             opts.update(device="cpu", placement="cpu", backend="native")
+            torch.set_num_threads(len(os.sched_getaffinity(0)))  # CPU attention runs in torch (the backend set 1)
         else:
             opts.update(device="cuda", vram_budget_gb=budget, backend="native" if v == "eager" else "cuda_graph")
             if "+d" in v:

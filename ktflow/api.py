@@ -17,7 +17,7 @@ from .ir.ops import Op
 from .ir.types import Device
 from .model import Model, load
 from .options import CompileContext, CompileOptions
-from .cost import activation_peak
+from .cost import activation_peak, gpu_workspace_bytes
 from .passes import run_pipeline
 from .passes.buffers import plan_buffers
 from .passes.schedule import schedule
@@ -150,9 +150,10 @@ def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
                         * g.act_dtype.itemsize)
     act = activation_peak(g, ctx.tokens)
     on_gpu = any(n.place.device == Device.GPU for n in g.nodes)
+    ws = gpu_workspace_bytes(ctx.hw) if on_gpu else 0.0
     return MemoryEstimate(weight_bytes=weights[Device.CPU] + weights[Device.GPU],
-                          kv_cache_bytes=kv[Device.CPU] + kv[Device.GPU], activation_bytes=act,
-                          gpu_bytes=(weights[Device.GPU] + kv[Device.GPU] + act + ctx.options.vram_reserve_gb * 1e9)
+                          kv_cache_bytes=kv[Device.CPU] + kv[Device.GPU], activation_bytes=act, workspace_bytes=ws,
+                          gpu_bytes=(weights[Device.GPU] + kv[Device.GPU] + act + ws + ctx.options.vram_reserve_gb * 1e9)
                           if on_gpu else 0.0,
                           host_bytes=weights[Device.CPU] + kv[Device.CPU] + act)
 

@@ -139,6 +139,16 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
                 gpu_s=gpu.seconds(flops, nbytes) if gpu else None)
 
 
+#: GPU streams that run matrix products in a hybrid run: prefill's (the caller's stream) and the
+#: decode graph's; each holds its own BLAS workspace
+COMPUTE_STREAMS = 2
+
+
+def gpu_workspace_bytes(hw: HwProfile) -> float:
+    """GPU memory the BLAS workspaces take (none without a GPU)."""
+    return COMPUTE_STREAMS * hw.gpus[0].workspace_bytes if hw.gpus else 0.0
+
+
 def activation_peak(g: Graph, tokens: int) -> float:
     """Largest total of live activations while the graph runs a step of `tokens` tokens (values
     freed after their last reader), in bytes."""

@@ -38,6 +38,9 @@ class GpuSpec(_Frozen):
     # attention over a short cache, norms): peak numbers overstate them. Presets are calibrated
     # against a measured layer timeline; the runtime's measured step times refine it.
     efficiency: float = Field(1.0, gt=0, le=1)
+    # GPU memory the BLAS library takes per CUDA stream that runs matrix products (torch's cuBLAS
+    # workspace: 32 MiB on Hopper, measured by the probe); a plan counts one per compute stream
+    workspace_bytes: float = Field(32 * 2**20, ge=0)
 
 
 class NumaNode(_Frozen):
@@ -357,10 +360,15 @@ def _probe_gpu(torch, quick: bool, reps: int, overheads: Overheads, log) -> tupl
             tiny.add_(1)
 
     launch_us = _best_seconds(many, reps, sync) / launches * 1e6
+    before = torch.cuda.memory_allocated()
+    with torch.cuda.stream(torch.cuda.Stream()):  # a new stream's first matrix product allocates its workspace
+        product = ga[:1] @ gb
+    sync()
+    workspace = torch.cuda.memory_allocated() - before - product.numel() * product.element_size()
     log(f"GPU {p.name}: HBM {hbm:.0f} GB/s, bf16 {tflops:.0f} TFLOPS, PCIe {h2d:.1f}/{d2h:.1f} GB/s h2d/d2h, "
-        f"launch {launch_us:.1f} us")
+        f"launch {launch_us:.1f} us, BLAS workspace {workspace / 2**20:.0f} MiB per stream")
     return ([GpuSpec(name=p.name, memory_bytes=float(p.total_memory), hbm_gbps=hbm, bf16_tflops=tflops,
-                     pcie_h2d_gbps=h2d, pcie_d2h_gbps=d2h)],
+                     pcie_h2d_gbps=h2d, pcie_d2h_gbps=d2h, workspace_bytes=float(max(workspace, 0)))],
             overheads.model_copy(update=dict(gpu_launch_us=launch_us)))
 
 

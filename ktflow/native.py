@@ -70,21 +70,21 @@ def _drain() -> None:
         _INFLIGHT.clear()
 
 
-def default_threads() -> int:
-    """Every CPU this process may use, less one where there are 8 or more: the thread that drives
-    the queue (the Python step loop, or the CUDA driver's host-function thread running submits)
-    needs a core the spinning workers do not take. On the GPU host (16 cores) 15 workers decoded
-    13% faster than 16 (benchmarks/RESULTS.md)."""
+def default_threads(spare: int = 1) -> int:
+    """Every CPU this process may use, less `spare` where there are 8 or more: cores for the
+    threads outside the pool that drive it (the Python step loop; under a CUDA graph also the
+    driver's host-function thread), which the spinning pinned workers would otherwise starve."""
     n = len(os.sched_getaffinity(0))
-    return n - 1 if n >= 8 else n
+    return max(1, n - spare) if n >= 8 else n
 
 
-def pool():
-    """The process-wide worker pool: KTFLOW_THREADS threads (default: `default_threads()`) in
-    KTFLOW_NUMA_GROUPS groups (default: one per NUMA node; more gives virtual groups)."""
+def pool(spare: int = 1):
+    """The process-wide worker pool: KTFLOW_THREADS threads (default: `default_threads(spare)`;
+    the first call creates the pool, so the first caller's `spare` holds) in KTFLOW_NUMA_GROUPS
+    groups (default: one per NUMA node; more gives virtual groups)."""
     global _POOL
     if _POOL is None:
-        threads = int(os.environ.get("KTFLOW_THREADS", "0") or 0) or default_threads()
+        threads = int(os.environ.get("KTFLOW_THREADS", "0") or 0) or default_threads(spare)
         groups = int(os.environ.get("KTFLOW_NUMA_GROUPS", "0") or 0)
         _POOL = module().Pool(threads=threads, groups=groups, pin=os.environ.get("KTFLOW_PIN", "1") != "0")
     return _POOL

@@ -41,8 +41,8 @@ class CompileOptions(BaseModel):
     numa_nodes: int | None = Field(None, gt=0, description="NUMA node count (default: the profile's)")
     numa_block: int = Field(64, gt=0, description="tp slices are multiples of this many intermediate rows")
     vram_budget_gb: float | None = Field(None, gt=0, description="GPU memory for weights and KV caches; default "
-                                         "the GPU's memory less one prefill step's activations and the reserve")
-    vram_reserve_gb: float = Field(1.0, ge=0, description="GPU memory kept free (CUDA context, workspaces)")
+                                         "the GPU's memory less one prefill step's activations, the BLAS workspaces and the reserve")
+    vram_reserve_gb: float = Field(1.0, ge=0, description="GPU memory kept free (CUDA context, allocator slack)")
     prefill_tokens: int = Field(512, gt=0, description="prompt length the prefill plan's costs are predicted for")
     routing_profile: str | None = Field(None, description="routing profile JSON (per-layer expert frequencies)")
 

@@ -70,7 +70,8 @@ class MemoryEstimate(BaseModel):
     weight_bytes: float  # all weights, both devices
     kv_cache_bytes: float  # for max_seq_len x max_batch, both devices
     activation_bytes: float  # largest live activation set of one step
-    gpu_bytes: float  # predicted peak VRAM: GPU weights + GPU KV caches + activations + reserve
+    workspace_bytes: float = 0.0  # BLAS workspaces: one per GPU compute stream (prefill's, decode's)
+    gpu_bytes: float  # predicted peak VRAM: GPU weights + GPU KV caches + activations + workspaces + reserve
     host_bytes: float  # predicted host RAM: CPU weights + CPU KV caches + activations
 
 
@@ -187,7 +188,8 @@ class PlanFile(BaseModel):
                        f"predicted {plan.predicted_step_us / 1e3:.3f} ms/step "
                        f"({plan.step_tokens / max(plan.predicted_step_us, 1e-9) * 1e6:.1f} tokens/s)")
             out.append(f"          memory: weights {mem.weight_bytes / 1e9:.2f} GB, KV cache {mem.kv_cache_bytes / 1e9:.3f} GB, "
-                       f"activations {mem.activation_bytes / 1e6:.1f} MB; peak VRAM {mem.gpu_bytes / 1e9:.2f} GB, "
+                       f"activations {mem.activation_bytes / 1e6:.1f} MB, BLAS workspaces {mem.workspace_bytes / 1e6:.0f} MB; "
+                       f"peak VRAM {mem.gpu_bytes / 1e9:.2f} GB, "
                        f"host RAM {mem.host_bytes / 1e9:.2f} GB")
             out.append("          ops: " + ", ".join(f"{k} {v}" for k, v in sorted(ops.items())))
         return "\n".join(out) + "\n"

@@ -26,6 +26,11 @@ that step's logits), then the same issue sequence is captured once into a graph 
 replay it: one graph launch per token. KV caches are static: one set per batch size, owned by the
 backend and lent to the sequence that prefilled last. Prefill runs eagerly as in cpu_native.
 
+CPU threads: the native pool's pinned workers spin between tasks, so they get every CPU but two
+(the Python thread, and the driver's host-function thread that runs the submits), and torch's
+own CPU ops one thread (`torch.set_num_threads(1)`, process-wide): an OpenMP team spinning after
+a parallel op (a logits copy, a caller's sampling on the CPU) takes the workers' cores.
+
 `trace=True` runs a step eagerly with CUDA events around every GPU step and the native queue's
 timestamps for the CPU tasks, and returns it as the plan's steps with measured times.
 """
@@ -155,6 +160,13 @@ class CudaGraphBackend(StaticRules, NativeBackend):
         if dtype != torch.bfloat16:
             raise ConfigError(f"the cuda_graph backend computes in bfloat16 (the native experts' activations); "
                               f"this plan computes in {dtype}: compile with dtype='bfloat16' or use backend='native'")
+        # the native workers are pinned and spin between tasks: they get all CPUs but two (the Python
+        # thread and the driver's host-function thread that runs submits), and torch's own CPU ops
+        # (the embedding, the logits copy, a caller's sampling) one thread: an OpenMP team that spins
+        # after each parallel op would take the workers' cores (GPU host, DeepSeek-V2-Lite shape:
+        # decode 32 tok/s with one torch thread, 22 with sixteen; benchmarks/RESULTS.md)
+        native.pool(spare=2)
+        torch.set_num_threads(1)
         super().__init__(gpu_device, dtype, options)
         self.driver = Driver()
         if wait == "auto":
@@ -350,7 +362,8 @@ class DecodeGraph:
                            f"{self.current}: {torch.cuda.memory_allocated() / 1e9:.2f} GB allocated by torch, "
                            f"{free / 1e9:.2f} GB free of {total / 1e9:.2f} GB; the plan predicted a peak of "
                            f"{m.gpu_bytes / 1e9:.2f} GB (weights, KV cache {m.kv_cache_bytes / 1e9:.2f} GB, "
-                           f"activations {m.activation_bytes / 1e6:.1f} MB, reserve). Lower max_seq_len or "
+                           f"activations {m.activation_bytes / 1e6:.1f} MB, BLAS workspaces {m.workspace_bytes / 1e6:.0f} MB, "
+                           "reserve). Lower max_seq_len or "
                            "max_batch, or the VRAM budget (vram_budget_gb), and recompile")
 
     def _issue(self, bound: Bound, state, timer) -> list:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..cost import activation_peak, node_cost, transfer_seconds
+from ..cost import activation_peak, gpu_workspace_bytes, node_cost, transfer_seconds
 from ..errors import ConfigError
 from ..ir.graph import Graph, Node
 from ..ir.ops import FACTS, Op, Work
@@ -27,13 +27,13 @@ class Unit:
 
 def gpu_budget(g: Graph, ctx: CompileContext) -> float:
     """Bytes of GPU memory for weights and KV caches: the VRAM budget option, or the GPU's memory
-    less the activations of one prefill step and the fixed reserve."""
+    less the activations of one prefill step, the BLAS workspaces and the fixed reserve."""
     o = ctx.options
     if o.vram_budget_gb is not None:
         return o.vram_budget_gb * 1e9
     gpu = ctx.hw.gpus[0]
     act = activation_peak(g, o.prefill_tokens)
-    budget = gpu.memory_bytes - o.vram_reserve_gb * 1e9 - act
+    budget = gpu.memory_bytes - o.vram_reserve_gb * 1e9 - act - gpu_workspace_bytes(ctx.hw)
     if budget <= 0:
         raise ConfigError(f"nothing fits on the GPU: {gpu.name} has {gpu.memory_bytes / 1e9:.1f} GB, the activations of "
                           f"a {o.prefill_tokens}-token prefill step take {act / 1e9:.2f} GB and the reserve "
