@@ -265,7 +265,8 @@ def main() -> int:
     print(f"checkpoint ready in {time.perf_counter() - t0:.1f} s", flush=True)
     native.pool(spare=2)  # the pool the cuda_graph backend makes (the first caller sizes it): probe with it
     hw = probe()  # full sizes: the CPU expert rate the cost model uses must come from past the caches
-    dram = native.module().stream_read_gbps(native.pool())
+    # the physical limit: DRAM read bandwidth with every CPU (a one-off pool; the workers' pool leaves two)
+    dram = native.module().stream_read_gbps(native.module().Pool(threads=0, groups=0, pin=True))
     prompts = [int(p) for p in a.prompts.split(",")]
     max_seq = max(prompts + [32 + a.decode]) + 8
     model = ktflow.load(d)

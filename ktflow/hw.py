@@ -307,17 +307,36 @@ def probe(quick: bool = False, log: Callable[[str], None] = lambda s: None) -> H
                      cpu=cpu, gpus=gpus, overheads=overheads, measured=measured)
 
 
+def last_level_cache_bytes() -> int:
+    """Size of CPU 0's largest cache, from sysfs (32 MiB where it does not say)."""
+    best = 0
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (d / "size").read_text().strip()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        if size.rstrip("KMG").isdigit():
+            best = max(best, int(size.rstrip("KMG")) * mult)
+    return best or 32 << 20
+
+
 def _native_expert_gbps(quick: bool) -> float | None:
-    """Weight bytes/s of the native routed-experts operator at decode: 64 bf16 experts (201 MB
-    quick, 1.1 GB full: past the caches), 32 one-token calls each picking 8 random experts."""
+    """Weight bytes/s of the native routed-experts operator at decode: 32 one-token calls, each
+    picking 8 random experts of a set of bf16 experts (2048 x 1408, DeepSeek-V2-Lite's) eight
+    times the last-level cache, at least 64 (a smaller set is partly served from the cache and
+    overstates DRAM-bound decode: 64 experts read 127 GB/s on the GPU host, whose decode streams
+    about 100); quick: 64 experts of 1024 x 512 (201 MB)."""
     import torch
 
     from . import native
 
     if not native.available():
         return None
-    experts, k, calls = 64, 8, 32
+    k, calls = 8, 32
     hidden, inter = (1024, 512) if quick else (2048, 1408)
+    per_expert = 3 * hidden * inter * 2
+    experts = 64 if quick else min(1024, max(64, -(-8 * last_level_cache_bytes() // per_expert)))
     g = torch.Generator().manual_seed(0)
     gate, up = (torch.randn(inter, hidden, generator=g).bfloat16() for _ in range(2))
     down = torch.randn(hidden, inter, generator=g).bfloat16()

@@ -175,6 +175,9 @@ class CudaGraphBackend(StaticRules, NativeBackend):
             raise ConfigError("wait='flag' needs stream memory operations (cuStreamWaitValue32 on pinned host memory), "
                               "which this driver or GPU refuses; use wait='host'")
         self.wait = wait
+        # the lanes' streams, shared by every decode plan this backend runs: each stream that runs a
+        # matrix product keeps a BLAS workspace for good, so a stream pair per plan would leak one each
+        self.gpu_stream, self.copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
         self.kv: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (layer, batch) -> static caches
         self.kv_owner: dict[int, Any] = {}  # batch -> weakref to the state using those caches
         self.static_setup()
@@ -203,7 +206,7 @@ class DecodeGraph:
 
     def __init__(self, plan: Plan, be: CudaGraphBackend):
         self.plan, self.be, self.g = plan, be, plan.ir
-        self.gpu, self.copy = torch.cuda.Stream(), torch.cuda.Stream()
+        self.gpu, self.copy = be.gpu_stream, be.copy_stream
         # waiting for a step's end sleeps instead of spinning a core the native workers need
         self.done = torch.cuda.Event(blocking=True)
         self.driver = be.driver
