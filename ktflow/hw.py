@@ -257,8 +257,9 @@ def probe(quick: bool = False, log: Callable[[str], None] = lambda s: None) -> H
     DRAM: read bandwidth of a float32 sum over a buffer far larger than the caches, all cores.
     CPU GEMM: bf16 square matrix product through torch (oneDNN: AMX where present). GEMV: weight
     bytes per second the kernel that runs CPU experts streams at decode: the native routed-experts
-    operator on its pool, one token picking 8 of 64 bf16 experts (torch's bf16 matrix-vector
-    product where the native module is not built; it streams several times slower). GPU: device copy
+    operator on its pool, one token picking 8 bf16 experts of a set 8x the last-level cache
+    (torch's bf16 matrix-vector product where the native module is not built; it streams
+    several times slower). GPU: device copy
     (read + write bytes), bf16 GEMM, pinned host<->device copies, and the time per tiny kernel
     launch. Per-node DRAM bandwidth is the measured total split evenly over the nodes.
     """
@@ -289,7 +290,7 @@ def probe(quick: bool = False, log: Callable[[str], None] = lambda s: None) -> H
     log(f"CPU bf16 GEMM {m}x{m}x{m}: {gemm:.2f} TFLOPS")
     gemv = _native_expert_gbps(quick)
     if gemv is not None:
-        log(f"CPU routed experts (native kernel, 1 token, top-8 of 64): {gemv:.1f} GB/s of weights")
+        log(f"CPU routed experts (native kernel, 1 token, 8 picks): {gemv:.1f} GB/s of weights")
     else:
         rows = 2048 if quick else 16384
         gemv = gemv_gbps(rows)
@@ -325,8 +326,8 @@ def _native_expert_gbps(quick: bool) -> float | None:
     """Weight bytes/s of the native routed-experts operator at decode: 32 one-token calls, each
     picking 8 random experts of a set of bf16 experts (2048 x 1408, DeepSeek-V2-Lite's) eight
     times the last-level cache, at least 64 (a smaller set is partly served from the cache and
-    overstates DRAM-bound decode: 64 experts read 127 GB/s on the GPU host, whose decode streams
-    about 100); quick: 64 experts of 1024 x 512 (201 MB)."""
+    overstates DRAM-bound decode: 64 experts read 127 GB/s on the GPU host, where decode streamed
+    at most 114); quick: 64 experts of 1024 x 512 (201 MB)."""
     import torch
 
     from . import native

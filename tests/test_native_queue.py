@@ -4,6 +4,7 @@ and shutdown with work pending."""
 import ctypes
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -135,6 +136,13 @@ def test_one_operator_twice_in_a_batch_and_layers_sharing_scratch(op):
     assert rel(small, reference_moe(x[:3], ids[:3], wts[:3], g2, u2, d2, held, (0, 4))) < 1e-2
 
 
+def _wait_for_flag(flag, seconds=30.0):
+    """Poll like a stream's wait-value node; fail (not hang) if the flag is never set."""
+    deadline = time.monotonic() + seconds
+    while int(flag[0]) != 1:
+        assert time.monotonic() < deadline, "the done flag was never set"
+
+
 def test_done_flag_is_cleared_at_submit_and_set_after_the_outputs(op):
     """The word a CUDA stream waits on (cuStreamWaitValue32): 0 from submit, 1 once the batch's
     outputs are written; a failed batch sets it too, so a waiting stream never hangs."""
@@ -149,8 +157,7 @@ def test_done_flag_is_cleared_at_submit_and_set_after_the_outputs(op):
     for _ in range(20):
         out.zero_()
         b.submit()
-        while int(flag[0]) != 1:  # the polling a stream's wait-value node does
-            pass
+        _wait_for_flag(flag)
         assert rel(out, ref) < 1e-2  # read before any sync: the flag alone orders it
     native.sync()
     bad = ids.clone()
@@ -159,8 +166,7 @@ def test_done_flag_is_cleared_at_submit_and_set_after_the_outputs(op):
     b_bad.add(op, x, bad, wts, out)
     b_bad.set_done_flag(flag)
     b_bad.submit()
-    while int(flag[0]) != 1:
-        pass
+    _wait_for_flag(flag)
     with pytest.raises(KtflowError, match="expert id 99"):
         native.sync()
     with pytest.raises(Exception, match="int32"):

@@ -51,11 +51,12 @@ from ..ir.ops import Op
 from ..ir.types import Device, DType
 from ..passes.buffers import plan_buffers
 from ..plan import Plan, Step
+from ..weights import TORCH_DTYPE
 from .base import StepContext
 from .cpu_native import NativeBackend
 from .static_rules import StaticRules
 
-_TORCH_DTYPE = {DType.F32: torch.float32, DType.BF16: torch.bfloat16, DType.F16: torch.float16, DType.I64: torch.int64}
+_TORCH_DTYPE = {**TORCH_DTYPE, DType.I64: torch.int64}  # and the integer values an arena may hold
 
 
 class Driver:
@@ -133,7 +134,6 @@ class Bound:
     #: task root -> its native batches, run in order (one per NUMA shard: shards after the first add
     #: into the same output); none for a prologue node, computed before the launch
     tasks: dict[str, list[native.Batch]]
-    flags: torch.Tensor  # pinned int32, one done flag per native batch
     done_at: dict[str, int]  # task root -> device address of its last batch's done flag
     logits: torch.Tensor  # pinned float32 [batch, vocab]: the graph's output
     graph: torch.cuda.CUDAGraph | None = None
@@ -163,8 +163,8 @@ class CudaGraphBackend(StaticRules, NativeBackend):
         # the native workers are pinned and spin between tasks: they get all CPUs but two (the Python
         # thread and the driver's host-function thread that runs submits), and torch's own CPU ops
         # (the embedding, the logits copy, a caller's sampling) one thread: an OpenMP team that spins
-        # after each parallel op would take the workers' cores (GPU host, DeepSeek-V2-Lite shape:
-        # decode 32 tok/s with one torch thread, 22 with sixteen; benchmarks/RESULTS.md)
+        # after each parallel op would take the workers' cores (GPU host, DeepSeek-V2-Lite shape, 15
+        # workers: decode 31.8 tok/s with one torch thread, 23.0 with sixteen; benchmarks/RESULTS.md)
         native.pool(spare=2)
         torch.set_num_threads(1)
         super().__init__(gpu_device, dtype, options)
@@ -221,6 +221,7 @@ class DecodeGraph:
         prologue of nodes computed from the token ids alone (an embedding placed on the CPU),
         run on the host before each launch into their pinned slots."""
         self.prologue: list[Node] = []
+        self.inputs = [n.name for n in self.g.nodes if n.op == Op.INPUT]
         host_only = set()
         for n in self.g.nodes:
             if n.place.device != Device.CPU or n.op in (Op.SUBMIT, Op.SYNC, Op.COPY):
@@ -241,7 +242,9 @@ class DecodeGraph:
                               "run there; use backend='native' for this plan")
 
     def _run_prologue(self, bound: "Bound", state) -> None:
-        values: dict[str, Any] = {n.name: bound.tokens for n in self.g.nodes if n.op == Op.INPUT}
+        if not self.prologue:
+            return
+        values: dict[str, Any] = dict.fromkeys(self.inputs, bound.tokens)
         ctx = StepContext(batch=bound.batch, seq=1, position=state.position, state=state, token_ids=bound.tokens)
         for n in self.prologue:
             values[n.name] = self.be.run(n, [values[i] for i in n.inputs], ctx)
@@ -284,7 +287,7 @@ class DecodeGraph:
         return Bound(batch=b, tokens=torch.zeros(b, dtype=torch.int64, **pin),
                      position=torch.zeros(1, dtype=torch.int64, **pin),
                      position_dev=torch.zeros(1, dtype=torch.int64, device="cuda"), arena=arena, slots=slots,
-                     tasks=tasks, flags=flags, done_at=done_at, logits=torch.zeros(b, vocab, dtype=torch.float32, **pin))
+                     tasks=tasks, done_at=done_at, logits=torch.zeros(b, vocab, dtype=torch.float32, **pin))
 
     def _task(self, sub: Node, slots: dict) -> list[native.Batch]:
         root = sub.attrs.task
