@@ -219,6 +219,44 @@ class ExpertOp:
         return self.op.packed_bytes
 
     # ------------------------------------------------------------------------------ compute
+    # ------------------------------------------------------------------------------ arenas
+    def arena(self, slice_: int = 0) -> torch.Tensor:
+        """Slice `slice_`'s packed experts as a uint8 CPU tensor over the operator's own memory
+        (no copy; valid while the operator lives): held experts in id order, `expert_stride`
+        bytes apart (see `layout`). One page-aligned range, so it can be pinned as a whole."""
+        import ctypes
+
+        address, nbytes, _ = self.op.arena(slice_)
+        buf = (ctypes.c_uint8 * nbytes).from_address(address)
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
+    def expert_stride(self, slice_: int = 0) -> int:
+        return self.op.arena(slice_)[2]
+
+    def arena_slot(self, expert: int) -> int:
+        """The block index of a held expert in every slice's arena."""
+        slot = self.op.arena_slot(expert)
+        if slot < 0:
+            raise ConfigError(f"expert {expert} is not held by this operator")
+        return slot
+
+    def layout(self, slice_: int, which: int) -> dict:
+        """Where packed matrix `which` (0 gate, 1 up, 2 down) lies in an expert's block, and its
+        padded shape: data/scales offsets and bytes, n, k, np, kp, group."""
+        keys = ("data_offset", "data_bytes", "scales_offset", "scales_bytes", "n", "k", "np", "kp", "group")
+        return dict(zip(keys, self.op.layout(slice_, which), strict=True))
+
+    @property
+    def slices(self) -> list[tuple[int, int, int, int]]:
+        """(first row, end row, pool group, NUMA node) of each intermediate slice."""
+        return list(self.op.slices)
+
+    def _mask_arg(self, mask: torch.Tensor | None) -> int:
+        if mask is None:
+            return 0
+        _check(mask, "expert mask", torch.uint8, (self.experts,))
+        return mask.data_ptr()
+
     def _job_args(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
                   ranks: tuple[int, int] | None, path: str) -> tuple:
         t = x.shape[0] if x.dim() == 2 else -1
@@ -240,13 +278,16 @@ class ExpertOp:
         return (x.data_ptr(), x.stride(0), ids.data_ptr(), weights.data_ptr(), k, lo, hi, t)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None = None,
-                accumulate: bool = False, ranks: tuple[int, int] | None = None, path: str = "auto") -> torch.Tensor:
+                accumulate: bool = False, ranks: tuple[int, int] | None = None, path: str = "auto",
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         """Synchronous fused MoE on the pool. x [T, hidden] bf16, ids [T, k] int64, weights [T, k]
-        fp32; out [T, hidden] bf16 or fp32 (new fp32 if None), added to when `accumulate`."""
+        fp32; out [T, hidden] bf16 or fp32 (new fp32 if None), added to when `accumulate`. `mask`
+        (uint8 [experts]): compute only the experts it marks non-zero."""
         if out is None:  # every element is written (empty, not zeros: no torch thread-pool fill)
             out = torch.empty(x.shape[0], self.hidden, dtype=torch.float32)
         args = self._job_args(x, ids, weights, out, ranks, path)
-        self.op.forward(*args, out.data_ptr(), out.stride(0), out.dtype == torch.float32, accumulate, path)
+        self.op.forward(*args, out.data_ptr(), out.stride(0), out.dtype == torch.float32, accumulate, path,
+                        self._mask_arg(mask))
         return out
 
 
@@ -261,16 +302,18 @@ class Batch:
 
     def add(self, op: ExpertOp, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
             accumulate: bool = False, ranks: tuple[int, int] | None = None, path: str = "auto",
-            tokens: torch.Tensor | None = None) -> None:
+            tokens: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> None:
         """Add a forward into `out`. With `tokens` (an int32 CPU tensor of one element, pinned for
-        a CUDA graph), the token count is read from it each time the batch runs."""
+        a CUDA graph), the token count is read from it each time the batch runs; `mask` as in
+        `ExpertOp.forward`."""
         args = op._job_args(x, ids, weights, out, ranks, path)
         tptr = 0
         if tokens is not None:
             _check(tokens, "tokens", torch.int32, (1,))
             tptr = tokens.data_ptr()
-        self.native.add(op.op, *args, tptr, out.data_ptr(), out.stride(0), out.dtype == torch.float32, accumulate, path)
-        self._keep += [x, ids, weights, out] + ([tokens] if tokens is not None else [])
+        self.native.add(op.op, *args, tptr, out.data_ptr(), out.stride(0), out.dtype == torch.float32, accumulate, path,
+                        op._mask_arg(mask))
+        self._keep += [x, ids, weights, out] + [t for t in (tokens, mask) if t is not None]
 
     @property
     def handle(self) -> int:

@@ -69,8 +69,9 @@ py::memoryview bytes_view(void* p, size_t n) { return py::memoryview::from_memor
 
 Job make_job(MoE& moe, uintptr_t x, size_t ldx, uintptr_t ids, uintptr_t weights, size_t ldr, int k0, int k1,
              int tokens, uintptr_t tokens_ptr, uintptr_t out, size_t ldo, bool out_f32, bool accumulate,
-             const std::string& path) {
+             const std::string& path, uintptr_t mask) {
   Job j;
+  j.mask = ptr<const uint8_t>(mask);
   j.moe = &moe;
   j.x = ptr<const bf16>(x);
   j.ldx = ldx;
@@ -278,11 +279,30 @@ PYBIND11_MODULE(_native, m) {
                }
              self.mark_packed(expert);
            })
+      .def("arena",
+           [](MoE& self, int slice) {
+             if (slice < 0 || slice >= int(self.slices().size())) throw std::out_of_range("no such slice");
+             const MoE::Slice& s = self.slices()[slice];
+             return py::make_tuple(reinterpret_cast<uintptr_t>(s.arena), s.arena_bytes, s.expert_stride);
+           },
+           "(address, bytes, expert stride) of a slice's arena: held experts in id order, one block each")
+      .def("arena_slot", &MoE::arena_slot, "an expert's block index in every slice's arena (-1: not held)")
+      .def("layout",
+           [](MoE& self, int slice, int which) {
+             if (slice < 0 || slice >= int(self.slices().size()) || which < 0 || which > 2)
+               throw std::out_of_range("no such slice or matrix");
+             const MoE::MatrixLayout& L = self.slices()[slice].layout[which];
+             return py::make_tuple(L.data_offset, L.data_bytes, L.scales_offset, L.scales_bytes, L.n, L.k, L.np, L.kp,
+                                   L.group);
+           },
+           "(data offset, data bytes, scales offset, scales bytes, n, k, np, kp, group) of matrix `which` "
+           "(0 gate, 1 up, 2 down) in an expert's block of a slice's arena")
       .def("forward",
            [](MoE& self, uintptr_t x, size_t ldx, uintptr_t ids, uintptr_t weights, size_t ldr, int k0, int k1,
-              int tokens, uintptr_t out, size_t ldo, bool out_f32, bool accumulate, const std::string& path) {
+              int tokens, uintptr_t out, size_t ldo, bool out_f32, bool accumulate, const std::string& path,
+              uintptr_t mask) {
              std::vector<Job> jobs{make_job(self, x, ldx, ids, weights, ldr, k0, k1, tokens, 0, out, ldo, out_f32,
-                                            accumulate, path)};
+                                            accumulate, path, mask)};
              py::gil_scoped_release nogil;
              run_jobs(self.pool(), jobs);
            },
@@ -316,10 +336,10 @@ PYBIND11_MODULE(_native, m) {
       .def("add",
            [](Batch& b, MoE& moe, uintptr_t x, size_t ldx, uintptr_t ids, uintptr_t weights, size_t ldr, int k0,
               int k1, int tokens, uintptr_t tokens_ptr, uintptr_t out, size_t ldo, bool out_f32, bool accumulate,
-              const std::string& path) {
+              const std::string& path, uintptr_t mask) {
              if (&moe.pool() != &b.queue->pool()) throw std::invalid_argument("operator and queue use different pools");
              b.jobs.push_back(make_job(moe, x, ldx, ids, weights, ldr, k0, k1, tokens, tokens_ptr, out, ldo, out_f32,
-                                       accumulate, path));
+                                       accumulate, path, mask));
            })
       .def_property_readonly("handle", [](Batch& b) { return reinterpret_cast<uintptr_t>(&b); })
       .def("set_done_flag", [](Batch& b, uintptr_t flag) {

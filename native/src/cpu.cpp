@@ -199,4 +199,25 @@ void free_on_node(void* p, size_t bytes, int node) {
     std::free(p);
 }
 
+void* alloc_pages_on_node(size_t bytes, int node) {
+  bytes = round_up(std::max<size_t>(bytes, 1), 4096);
+  if (node >= 0 && libnuma().alloc_onnode) {  // numa_alloc_onnode maps whole pages
+    void* p = libnuma().alloc_onnode(bytes, node);
+    if (!p) throw std::bad_alloc();
+    return p;
+  }
+  void* p = std::aligned_alloc(4096, bytes);
+  if (!p) throw std::bad_alloc();
+  return p;
+}
+
+void free_pages_on_node(void* p, size_t bytes, int node) {
+  if (!p) return;
+  bytes = round_up(std::max<size_t>(bytes, 1), 4096);
+  if (node >= 0 && libnuma().alloc_onnode)
+    libnuma().free_fn(p, bytes);
+  else
+    std::free(p);
+}
+
 }  // namespace ktf

@@ -55,17 +55,24 @@ void pack_rows(PackedMatrix& P, const void* src, size_t ld, SrcType type, int r0
   }
 }
 
-void allocate(PackedMatrix& P, int n, int k, Format fmt, int group, int n_align, int node) {
+// P's fields for W [n, k] in `fmt`; its memory is placed by the caller.
+void shape_matrix(PackedMatrix& P, int n, int k, Format fmt, int group, int n_align) {
   P.fmt = fmt;
   P.n = n;
   P.k = k;
   P.np = int(round_up(std::max(n, 1), n_align));
   P.kp = padded_k(k, fmt, group);
   P.group = fmt == Format::BF16 ? 0 : effective_group(fmt, group) ? effective_group(fmt, group) : P.kp;
+}
+
+void allocate(PackedMatrix& P, int n, int k, Format fmt, int group, int n_align, int node) {
+  shape_matrix(P, n, k, fmt, group, n_align);
   P.data = alloc_on_node(P.data_bytes(), node);
   std::memset(P.data, 0, P.data_bytes());
   P.scales = P.scale_count() ? static_cast<float*>(alloc_on_node(P.scale_count() * sizeof(float), node)) : nullptr;
 }
+
+constexpr size_t PAGE = 4096, MATRIX_ALIGN = 256;
 
 }  // namespace
 
@@ -153,13 +160,36 @@ MoE::MoE(std::shared_ptr<ThreadPool> pool, MoEShape shape, std::vector<int> grou
     sl.down.resize(shape_.experts);
     slices_.push_back(std::move(sl));
   }
+  slot_.assign(shape_.experts, -1);
+  int held = 0;
+  for (int e = 0; e < shape_.experts; ++e)
+    if (present_[e]) slot_[e] = held++;
+  // one arena per slice: gate/up rows padded to the down product's padded K (their output is its input)
+  for (Slice& sl : slices_) {
+    const int n = sl.i1 - sl.i0, H = shape_.hidden;
+    const int dims[3][3] = {{n, H, sl.kp}, {n, H, sl.kp}, {H, n, NB}};  // n, k, n_align per matrix
+    size_t at = 0;
+    for (int w = 0; w < 3; ++w) {
+      PackedMatrix P;
+      shape_matrix(P, dims[w][0], dims[w][1], shape_.fmt, shape_.group_size, dims[w][2]);
+      MatrixLayout& L = sl.layout[w];
+      L.n = P.n, L.k = P.k, L.np = P.np, L.kp = P.kp, L.group = P.group;
+      L.data_offset = at;
+      L.data_bytes = P.data_bytes();
+      at = round_up(at + L.data_bytes, MATRIX_ALIGN);
+      L.scales_offset = at;
+      L.scales_bytes = P.scale_count() * sizeof(float);
+      at = round_up(at + L.scales_bytes, MATRIX_ALIGN);
+    }
+    sl.expert_stride = at;
+    sl.arena_bytes = round_up(std::max<size_t>(at * held, 1), PAGE);
+    sl.arena = static_cast<uint8_t*>(alloc_pages_on_node(sl.arena_bytes, sl.node));
+  }
   workspace_ = Workspace::of(*pool_);
 }
 
 MoE::~MoE() {
-  for (Slice& s : slices_)
-    for (int e = 0; e < shape_.experts; ++e)
-      for (PackedMatrix* P : {&s.gate[e], &s.up[e], &s.down[e]}) free_matrix(*P, s.node);
+  for (Slice& s : slices_) free_pages_on_node(s.arena, s.arena_bytes, s.node);
 }
 
 PackedMatrix& MoE::matrix(int slice, int expert, int which) {
@@ -173,8 +203,8 @@ size_t MoE::packed_bytes() const {
   size_t total = 0;
   for (const Slice& s : slices_)
     for (int e = 0; e < shape_.experts; ++e)
-      for (const PackedMatrix* P : {&s.gate[e], &s.up[e], &s.down[e]})
-        if (P->data) total += P->data_bytes() + P->scale_count() * sizeof(float);
+      if (s.gate[e].data)
+        for (const MatrixLayout& L : s.layout) total += L.data_bytes + L.scales_bytes;
   return total;
 }
 
@@ -199,14 +229,17 @@ void pack_task(void* ctx, int group, int i) {
 void MoE::allocate_expert(int e) {
   if (e < 0 || e >= shape_.experts || !present_[e])
     throw std::invalid_argument("expert " + std::to_string(e) + " is not held by this operator");
-  const int H = shape_.hidden;
   for (Slice& s : slices_) {
-    const int n = s.i1 - s.i0;
-    for (PackedMatrix* P : {&s.gate[e], &s.up[e], &s.down[e]}) free_matrix(*P, s.node);
-    // gate/up rows padded to the down product's padded K (their output is its input)
-    allocate(s.gate[e], n, H, shape_.fmt, shape_.group_size, s.kp, s.node);
-    allocate(s.up[e], n, H, shape_.fmt, shape_.group_size, s.kp, s.node);
-    allocate(s.down[e], H, n, shape_.fmt, shape_.group_size, NB, s.node);
+    uint8_t* block = s.arena + size_t(slot_[e]) * s.expert_stride;
+    std::memset(block, 0, s.expert_stride);
+    PackedMatrix* mats[3] = {&s.gate[e], &s.up[e], &s.down[e]};
+    for (int w = 0; w < 3; ++w) {
+      const MatrixLayout& L = s.layout[w];
+      PackedMatrix& P = *mats[w];
+      P.fmt = shape_.fmt, P.n = L.n, P.k = L.k, P.np = L.np, P.kp = L.kp, P.group = L.group;
+      P.data = block + L.data_offset;
+      P.scales = L.scales_bytes ? reinterpret_cast<float*>(block + L.scales_offset) : nullptr;
+    }
   }
   packed_[e] = 0;
 }
@@ -295,7 +328,7 @@ void route(JobState& st) {
       if (id < 0 || id >= E)
         throw std::out_of_range("expert id " + std::to_string(id) + " at token " + std::to_string(t) + ", slot " +
                                 std::to_string(s) + " is outside [0, " + std::to_string(E) + ")");
-      if (present[id]) ++count[id];
+      if (present[id] && (!j.mask || j.mask[id])) ++count[id];
     }
   std::vector<int> start(E, 0);
   int R = 0;
@@ -314,7 +347,7 @@ void route(JobState& st) {
     st.token_row0[t + 1] = st.token_row0[t];
     for (int s = j.k0; s < j.k1; ++s) {
       const int64_t id = j.ids[size_t(t) * j.ldr + s];
-      if (id < 0 || !present[id]) continue;
+      if (id < 0 || !present[id] || (j.mask && !j.mask[id])) continue;
       const int r = fill[id]++;
       st.row_token[r] = t;
       st.row_weight[r] = j.weights[size_t(t) * j.ldr + s];

@@ -177,6 +177,37 @@ static void test_moe(std::shared_ptr<ThreadPool> pool, int T, int k, int E, Path
   run_jobs(*pool, jobs);
   for (size_t i = 0; i < got.size(); ++i) got[i] = out[i] / 2.0;
   CHECK(rel_err(got, ref) < tol(fmt), "moe accumulate: rel err %g", rel_err(got, ref));
+  // a mask computes only the experts it names (the others' picks are skipped like ids of -1)
+  std::vector<uint8_t> mask(E, 0), both(E, 0);
+  for (int e = 0; e < E; e += 2) mask[e] = 1;
+  for (int e = 0; e < E; ++e) both[e] = mask[e] && present[e];
+  std::fill(out.begin(), out.end(), 0.f);
+  j.accumulate = false;
+  j.mask = mask.data();
+  run_jobs(*pool, jobs);
+  auto masked = reference(x, in, ids, wts, T, k, k0, k, both);
+  got.assign(out.begin(), out.end());
+  CHECK(rel_err(got, masked) < tol(fmt), "moe with an expert mask: rel err %g", rel_err(got, masked));
+  // every held expert's matrices lie in its slice's arena: block arena_slot(e), at the layout's offsets
+  for (const MoE::Slice& sl : moe.slices()) {
+    CHECK(reinterpret_cast<uintptr_t>(sl.arena) % 4096 == 0 && sl.arena_bytes % 4096 == 0, "arena is page aligned");
+    for (int e = 0; e < E; ++e) {
+      if (!present[e]) {
+        CHECK(moe.arena_slot(e) == -1, "expert %d is not held but has a slot", e);
+        continue;
+      }
+      const uint8_t* block = sl.arena + size_t(moe.arena_slot(e)) * sl.expert_stride;
+      const PackedMatrix* mats[3] = {&sl.gate[e], &sl.up[e], &sl.down[e]};
+      for (int w = 0; w < 3; ++w) {
+        const MoE::MatrixLayout& L = sl.layout[w];
+        CHECK(static_cast<const uint8_t*>(mats[w]->data) == block + L.data_offset && mats[w]->data_bytes() == L.data_bytes,
+              "expert %d matrix %d data is not where the layout says", e, w);
+        CHECK(L.scales_bytes == 0 || reinterpret_cast<const uint8_t*>(mats[w]->scales) == block + L.scales_offset,
+              "expert %d matrix %d scales are not where the layout says", e, w);
+        CHECK(block + L.scales_offset + L.scales_bytes <= sl.arena + sl.arena_bytes, "expert %d overruns the arena", e);
+      }
+    }
+  }
 }
 
 static void test_pool_stress(std::shared_ptr<ThreadPool> pool) {

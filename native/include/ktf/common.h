@@ -125,5 +125,8 @@ int calibrate_amx_crossover(int k);
 // 64-byte aligned allocation on a NUMA node (node < 0 or no libnuma: the calling thread's).
 void* alloc_on_node(size_t bytes, int node);
 void free_on_node(void* p, size_t bytes, int node);
+// Page-aligned, page-padded allocation on a NUMA node (a range that can be pinned on its own).
+void* alloc_pages_on_node(size_t bytes, int node);
+void free_pages_on_node(void* p, size_t bytes, int node);
 
 }  // namespace ktf

@@ -62,6 +62,7 @@ struct Job {
   size_t ldo = 0;
   bool accumulate = false;
   Path path = Path::AUTO;
+  const uint8_t* mask = nullptr;  // when set, only experts e with mask[e] != 0 are computed
 };
 
 class MoE {
@@ -84,17 +85,31 @@ class MoE {
   // (Re)allocate expert e's matrices in every slice, zeroed, with the packer's shapes.
   void allocate_expert(int e);
 
+  // Where one packed matrix of an expert lies in its slice's arena, relative to the expert's block.
+  struct MatrixLayout {
+    size_t data_offset = 0, data_bytes = 0, scales_offset = 0, scales_bytes = 0;
+    int n = 0, k = 0, np = 0, kp = 0, group = 0;
+  };
+  // A slice's experts live in one page-aligned arena (so it can be pinned for GPU copies as one
+  // range): the held experts in id order, `expert_stride` bytes apart, each block holding gate,
+  // up and down (data, then scales) at the offsets of `layout`.
   struct Slice {
     int i0, i1;  // intermediate rows [i0, i1)
     int kp;      // padded length of those rows: the down product's K, the gate/up outputs' length
     int group;   // pool group that computes it
     int node;    // NUMA node its memory lives on (-1: any)
     std::vector<PackedMatrix> gate, up, down;
+    MatrixLayout layout[3];
+    size_t expert_stride = 0;
+    uint8_t* arena = nullptr;
+    size_t arena_bytes = 0;
   };
   const MoEShape& shape() const { return shape_; }
   const std::vector<Slice>& slices() const { return slices_; }
   const std::vector<uint8_t>& present() const { return present_; }
   PackedMatrix& matrix(int slice, int expert, int which);  // which: 0 gate, 1 up, 2 down
+  // Position of expert e's block in each slice's arena (its rank among the held experts), -1 if not held.
+  int arena_slot(int expert) const { return slot_[expert]; }
   bool packed(int expert) const { return packed_[expert] != 0; }
   void mark_packed(int expert) { packed_[expert] = 1; }
   ThreadPool& pool() { return *pool_; }
@@ -107,6 +122,7 @@ class MoE {
   std::shared_ptr<Workspace> workspace_;
   MoEShape shape_;
   std::vector<uint8_t> present_, packed_;
+  std::vector<int> slot_;
   std::vector<Slice> slices_;
 };
 
