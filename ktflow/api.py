@@ -17,8 +17,9 @@ from .ir.ops import Op
 from .ir.types import Device
 from .model import Model, load
 from .options import CompileContext, CompileOptions
-from .cost import activation_peak, gpu_workspace_bytes
-from .passes import run_pipeline
+from .memory import (activation_peak, gpu_activation_peak, gpu_workspace_bytes, prefill_room, resident_gpu_bytes,
+                     staging_bytes)
+from .passes import PIPELINE, run_pipeline
 from .passes.buffers import plan_buffers
 from .passes.schedule import schedule
 from .plan import MemoryEstimate, ModelInfo, Plan, PlanFile
@@ -29,7 +30,9 @@ from .weights import TORCH_DTYPE
 
 
 class Compiled:
-    """A model's prefill and decode plans, with the model they run (when it is loaded).
+    """A model's plans: prefill plans for buckets of prompt length (ascending `step_tokens`; a
+    step longer than the last runs as chunks of it) and one decode plan, with the model they run
+    (when it is loaded).
 
     `save(path)` writes the plan file; `Compiled.load(path, model)` reads it back, checking
     that it was compiled by this ktflow version for this model.
@@ -38,10 +41,11 @@ class Compiled:
     def __init__(self, plans: PlanFile, model: Model | None):
         self.plans, self.model = plans, model
         self._backend: Any = None
-        self._executors: dict[str, Executor] = {}
+        self._executors: dict[int, Executor] = {}
 
     @property
-    def prefill(self) -> Plan:
+    def prefill(self) -> list[Plan]:
+        """The prefill plans, one per prompt-length bucket, ascending."""
         return self.plans.prefill
 
     @property
@@ -50,11 +54,21 @@ class Compiled:
 
     @property
     def max_seq_len(self) -> int:
-        return self.prefill.max_seq_len
+        return self.decode.max_seq_len
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Most tokens one prefill step runs; longer prompts run as chunks of this many."""
+        return self.prefill[-1].step_tokens
 
     @property
     def vocab_size(self) -> int:
-        return self.prefill.ir.by_name("lm_head").attrs.vocab
+        return self.decode.ir.by_name(self.decode.ir.outputs[0]).attrs.vocab
+
+    def prefill_plan(self, tokens: int) -> Plan:
+        """The prefill plan of the smallest bucket that holds a step of `tokens` tokens (the
+        largest bucket for a longer step, which runs as chunks)."""
+        return self.plans.prefill_for(tokens)
 
     def save(self, path: str | os.PathLike) -> None:
         self.plans.save(path)
@@ -74,24 +88,27 @@ class Compiled:
         return self.plans.summary()
 
     def as_text(self) -> str:
-        return self.prefill.as_text() + "\n" + self.decode.as_text()
+        return "\n".join(p.as_text() for p in (*self.prefill, self.decode))
 
     # -------------------------------------------------------------------------------- running
     def prepare(self) -> float:
-        """Make both plans ready to run (the backend loads the weights); returns seconds taken.
+        """Make every plan ready to run (the backend loads the weights); returns seconds taken.
         `execute` does this on first use; call it first to keep loading out of timings."""
         import time
 
         t0 = time.perf_counter()
-        self.executor("prefill")
-        self.executor("decode")
+        for plan in (self.decode, *self.prefill):  # decode first: prefill plans stream from its packed experts
+            self.executor(plan)
         return time.perf_counter() - t0
 
-    def executor(self, phase: str) -> Executor:
-        if phase not in self._executors:
+    def executor(self, plan: Plan | str) -> Executor:
+        """The executor of `plan` (or of the decode plan / the first prefill plan, by phase name)."""
+        if isinstance(plan, str):
+            plan = self.decode if plan == "decode" else self.prefill[0]
+        key = id(plan)
+        if key not in self._executors:
             if self.model is None:
                 raise PlanError("this plan has no model attached; use Compiled.load(path, model)")
-            plan = self.prefill if phase == "prefill" else self.decode
             if self._backend is None:
                 device = "cuda" if plan.device == "cuda" else "cpu"
                 if device == "cuda":
@@ -100,8 +117,8 @@ class Compiled:
                 name = resolve_backend(self.plans.options.backend, dtype, device)
                 self._backend = get_backend(name)(device, dtype, options=self.plans.options)
             self._backend.prepare(plan.ir, self.model.weights)
-            self._executors[phase] = Executor(plan, self._backend)
-        return self._executors[phase]
+            self._executors[key] = Executor(plan, self._backend)
+        return self._executors[key]
 
 
 #: how far this GPU's memory may be from the one a plan was compiled for
@@ -138,30 +155,116 @@ def _device(opts: CompileOptions, hw: HwProfile) -> str:
 
 def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
     """Predicted memory per device: weights and KV caches where their nodes are placed (a GPU
-    expert has no host copy), one step's activations on each device that runs nodes, and the
-    GPU reserve."""
+    expert has no host copy; streamed experts live in host memory, their fetch stages them), a
+    step's activations on each device that runs nodes (GPU: live values and the running node's
+    scratch, for the longest context a step may follow), the staging of streamed experts, the
+    BLAS workspaces and the GPU reserve."""
     weights = {Device.CPU: 0.0, Device.GPU: 0.0}
-    kv = {Device.CPU: 0.0, Device.GPU: 0.0}
     for n in g.nodes:
-        dev = n.place.device
-        weights[dev] += n.weight_elems() * ctx.weight_itemsize
-        if n.op == Op.ATTENTION:
-            kv[dev] += (n.attrs.kv_cache_elems_per_token() * ctx.max_seq_len * ctx.options.max_batch
-                        * g.act_dtype.itemsize)
-    act = activation_peak(g, ctx.tokens)
+        weights[Device.CPU if n.op == Op.FETCH else n.place.device] += n.weight_elems() * ctx.weight_itemsize
+    kv_tokens = ctx.max_seq_len * ctx.options.max_batch
+    _, kv_gpu = resident_gpu_bytes(g, ctx.weight_itemsize, kv_tokens)
+    kv_all = sum(n.attrs.kv_cache_elems_per_token() for n in g.nodes if n.op == Op.ATTENTION) * kv_tokens \
+        * g.act_dtype.itemsize
     on_gpu = any(n.place.device == Device.GPU for n in g.nodes)
-    ws = gpu_workspace_bytes(ctx.hw) if on_gpu else 0.0
-    return MemoryEstimate(weight_bytes=weights[Device.CPU] + weights[Device.GPU],
-                          kv_cache_bytes=kv[Device.CPU] + kv[Device.GPU], activation_bytes=act, workspace_bytes=ws,
-                          gpu_bytes=(weights[Device.GPU] + kv[Device.GPU] + act + ws + ctx.options.vram_reserve_gb * 1e9)
-                          if on_gpu else 0.0,
-                          host_bytes=weights[Device.CPU] + kv[Device.CPU] + act)
+    act = activation_peak(g, ctx.tokens)
+    if not on_gpu:
+        return MemoryEstimate(weight_bytes=weights[Device.CPU], kv_cache_bytes=kv_all, activation_bytes=act,
+                              gpu_bytes=0.0, host_bytes=weights[Device.CPU] + kv_all + act)
+    past = max(ctx.max_seq_len - ctx.tokens, 0) if ctx.phase == "prefill" else 0
+    gpu_act = gpu_activation_peak(g, ctx.tokens, past)
+    staging = staging_bytes(g)
+    ws = gpu_workspace_bytes(ctx.hw)
+    return MemoryEstimate(weight_bytes=weights[Device.CPU] + weights[Device.GPU], kv_cache_bytes=kv_all,
+                          activation_bytes=gpu_act, workspace_bytes=ws, staging_bytes=staging,
+                          gpu_bytes=weights[Device.GPU] + kv_gpu + gpu_act + staging + ws + ctx.options.vram_reserve_gb * 1e9,
+                          host_bytes=weights[Device.CPU] + (kv_all - kv_gpu) + act)
+
+
+def _compile_plan(spec: Graph, ctx: CompileContext, print_after: str | None) -> Plan:
+    g, timings = run_pipeline(spec, ctx, print_after=print_after)
+    steps = schedule(g, ctx)
+    buffers, arenas = plan_buffers(g, steps, ctx.tokens)
+    gpu_work = any(n.place.device == Device.GPU for n in g.nodes)
+    return Plan(phase=ctx.phase, device=ctx.device, max_seq_len=ctx.max_seq_len, step_tokens=ctx.tokens,
+                graph=g.to_dict(), steps=steps, predicted_step_us=max((s.end_us for s in steps), default=0.0),
+                memory=_memory(g, ctx), pass_seconds=timings, buffers=buffers, arenas=arenas,
+                capture=[(0, len(steps) - 1)] if ctx.phase == "decode" and gpu_work else [])
+
+
+def _bucket_grid(max_seq: int) -> list[int]:
+    """Candidate bucket bounds: powers of two from 256 below max_seq_len, and max_seq_len."""
+    grid, t = [], 256
+    while t < max_seq:
+        grid.append(t)
+        t *= 2
+    return grid + [max_seq]
+
+
+def _largest_step(spec: Graph, ctx_for, candidates: list[int]) -> int:
+    """The most tokens one prefill step may take: the largest candidate whose activations fit
+    the GPU next to the resident weights and KV caches with staging for a whole layer in every
+    slot; failing that, the largest whose activations fit at all (its layers then stream less or
+    not at all); failing that, halving below the smallest. A profile without a GPU: no limit."""
+    ctx = ctx_for(candidates[0])
+    if not ctx.hw.has_gpu or ctx.device != "cuda":
+        return candidates[-1]
+    placed, _ = run_pipeline(spec, ctx, pipeline=PIPELINE[:2])
+    kw = dict(weight_itemsize=ctx.weight_itemsize, kv_tokens=ctx.max_seq_len * ctx.options.max_batch,
+              reserve_bytes=ctx.options.vram_reserve_gb * 1e9)
+    layer = max((n.weight_elems() * ctx.weight_itemsize for n in placed.nodes
+                 if n.op == Op.ROUTED_EXPERTS and n.place.device == Device.CPU), default=0.0)
+    staging = layer * (ctx.options.staging_slots + 1)
+    fits = [t for t in candidates if prefill_room(placed, ctx.hw, tokens=t, **kw) >= staging]
+    if fits:
+        return max(fits)
+    fits = [t for t in candidates if prefill_room(placed, ctx.hw, tokens=t, **kw) >= 0]
+    if fits:
+        return max(fits)
+    t = candidates[0]
+    while t > 1:
+        t //= 2
+        if prefill_room(placed, ctx.hw, tokens=t, **kw) >= 0:
+            return t
+    weights, kv = resident_gpu_bytes(placed, ctx.weight_itemsize, kw["kv_tokens"])
+    raise ConfigError(f"no prefill step fits on the GPU: {ctx.hw.gpus[0].name} has "
+                      f"{ctx.hw.gpus[0].memory_bytes / 1e9:.2f} GB; resident weights take {weights / 1e9:.2f} GB, "
+                      f"KV caches {kv / 1e9:.2f} GB, the reserve {ctx.options.vram_reserve_gb:.1f} GB, and one token's "
+                      f"activations {gpu_activation_peak(placed, 1, streamed=True) / 1e6:.1f} MB; lower vram_budget_gb, "
+                      "max_seq_len or max_batch")
+
+
+def _signature(plan: Plan) -> tuple:
+    """What a prefill bucket decided: where each routed-experts node runs and which experts."""
+    return tuple((n.name, n.place.device.value, n.attrs.ids, len(n.inputs)) for n in plan.ir.nodes
+                 if n.op == Op.ROUTED_EXPERTS)
+
+
+def _prefill_plans(spec: Graph, ctx_for, opts: CompileOptions, max_seq: int, print_after: str | None) -> list[Plan]:
+    """One prefill plan per bucket. Buckets: the prefill_buckets option, else the grid of
+    `_bucket_grid` with neighbours whose decisions agree merged (the larger bound kept). Bounds
+    above the largest step that fits (or prefill_chunk) are cut to it: longer prompts chunk."""
+    auto = opts.prefill_buckets is None
+    cands = sorted({min(t, max_seq) for t in (opts.prefill_buckets or _bucket_grid(max_seq))})
+    if any(t < 1 for t in cands):
+        raise ConfigError(f"prefill_buckets must be positive token counts, got {opts.prefill_buckets}")
+    limit = opts.prefill_chunk or _largest_step(spec, ctx_for, cands)
+    cands = sorted({min(t, limit) for t in cands})
+    plans: list[Plan] = []
+    for t in cands:
+        plan = _compile_plan(spec, ctx_for(t), print_after if t == cands[-1] else None)
+        if auto and plans and _signature(plans[-1]) == _signature(plan):
+            plans[-1] = plan  # same decisions: the larger bucket covers both
+        else:
+            plans.append(plan)
+    return plans
 
 
 def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, print_after: str | None = None,
             **options: Any) -> Compiled:
-    """Compile `model` into a prefill and a decode plan for hardware `hw` (a profile, a preset
-    name, a profile JSON path, or None for this machine). Options: see `CompileOptions`."""
+    """Compile `model` into prefill plans (one per prompt-length bucket) and a decode plan for
+    hardware `hw` (a profile, a preset name, a profile JSON path, or None for this machine).
+    Options: see `CompileOptions`."""
     try:
         opts = CompileOptions(**options)
     except ValidationError as e:
@@ -179,28 +282,19 @@ def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, pr
 
         routing = RoutingProfile.load(opts.routing_profile)
         routing.check_against(spec)
-    plans = {}
-    for phase in ("prefill", "decode"):
-        if phase == "prefill":
-            tokens, batch = min(opts.prefill_tokens, max_seq), 1
-            context = (tokens + 1) // 2
-        else:
-            tokens = batch = opts.max_batch
-            context = max_seq // 2
-        ctx = CompileContext(hw=hwp, options=opts, phase=phase, tokens=tokens, batch=batch, context=context,
-                             weight_itemsize=cfg.weight_dtype.itemsize, max_seq_len=max_seq, device=device,
-                             routing=routing)
-        g, timings = run_pipeline(spec, ctx, print_after=print_after)
-        steps = schedule(g, ctx)
-        buffers, arenas = plan_buffers(g, steps, tokens)
-        gpu_work = any(n.place.device == Device.GPU for n in g.nodes)
-        plans[phase] = Plan(phase=phase, device=device, max_seq_len=max_seq, step_tokens=tokens, graph=g.to_dict(),
-                            steps=steps, predicted_step_us=max((s.end_us for s in steps), default=0.0),
-                            memory=_memory(g, ctx), pass_seconds=timings, buffers=buffers, arenas=arenas,
-                            capture=[(0, len(steps) - 1)] if phase == "decode" and gpu_work else [])
+
+    def context(phase: str, tokens: int) -> CompileContext:
+        batch = tokens if phase == "decode" else 1
+        attended = max_seq // 2 if phase == "decode" else (tokens + 1) // 2
+        return CompileContext(hw=hwp, options=opts, phase=phase, tokens=tokens, batch=batch, context=attended,
+                              weight_itemsize=cfg.weight_dtype.itemsize, max_seq_len=max_seq, device=device,
+                              routing=routing)
+
+    decode = _compile_plan(spec, context("decode", opts.max_batch), print_after)
+    prefill = _prefill_plans(spec, lambda t: context("prefill", t), opts, max_seq, print_after)
     info = ModelInfo(model_type=cfg.model_type, fingerprint=model.fingerprint, path=str(model.path.resolve()),
                      layers=cfg.num_hidden_layers)
-    pf = PlanFile(model=info, hw=hwp, options=opts, prefill=plans["prefill"], decode=plans["decode"])
+    pf = PlanFile(model=info, hw=hwp, options=opts, prefill=prefill, decode=decode)
     return Compiled(pf, model)
 
 
@@ -230,17 +324,35 @@ def _check_ids(compiled: Compiled, input_ids: Any, state: State | None) -> torch
     return input_ids.to(torch.int64)
 
 
+LOGITS = ("all", "last")
+
+
 @torch.inference_mode()
-def execute(compiled: Compiled, input_ids: torch.Tensor, state: State | None = None) -> tuple[torch.Tensor, State]:
+def execute(compiled: Compiled, input_ids: torch.Tensor, state: State | None = None, *,
+            logits: str = "all") -> tuple[torch.Tensor, State]:
     """Run `input_ids` [batch, tokens]. With state=None: prefill from position 0; with a state:
-    continue those sequences (one token = a decode step). Returns (logits [batch, tokens, vocab]
-    float32 on the device of input_ids, state)."""
+    continue those sequences (one token = a decode step). Returns (logits float32 on the device of
+    input_ids, state): [batch, tokens, vocab], or with logits='last' the last position's only,
+    [batch, 1, vocab]. A prompt longer than the largest prefill bucket runs as chunks of it."""
+    if logits not in LOGITS:
+        raise InputError(f"logits={logits!r}: ask for 'all' (every position) or 'last' (the last position's)")
     ids = _check_ids(compiled, input_ids, state)
     if state is None:
         state = State(compiled.plans.model.fingerprint, ids.shape[0], compiled.max_seq_len)
-    phase = "decode" if ids.shape[1] == 1 and state.position > 0 else "prefill"
-    logits = compiled.executor(phase).run(ids, state)
-    return logits.to(input_ids.device), state
+    b, s = ids.shape
+    if s == 1 and state.position > 0:
+        out = compiled.executor(compiled.decode).run(ids, state)
+        return out.to(input_ids.device), state
+    rows = max(1, compiled.chunk_tokens // b)
+    pieces = []
+    for lo in range(0, s, rows):
+        part = ids[:, lo:lo + rows]
+        final = lo + rows >= s
+        want = logits if final else ("all" if logits == "all" else "none")
+        out = compiled.executor(compiled.prefill_plan(part.numel())).run(part, state, logits=want)
+        if out is not None:
+            pieces.append(out.to(input_ids.device))
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)), state
 
 
 def generate(compiled: Compiled, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,

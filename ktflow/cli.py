@@ -85,9 +85,10 @@ def cmd_compile(a: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - t0
     print(compiled.summary(), end="")
     if a.explain:
-        from ktflow.plan import placement_table
+        from ktflow.plan import placement_table, prefill_table
 
         print(placement_table(compiled.decode), end="")
+        print(prefill_table(compiled.plans), end="")
     if a.text:
         print(compiled.as_text(), end="")
     where = "".join(f", wrote {f}" for f in (a.output, a.trace, a.report) if f)
@@ -134,9 +135,10 @@ def cmd_run(a: argparse.Namespace) -> int:
     else:
         compiled = ktflow.compile(model, hw=a.hw, **_options(a))
     eos = None if a.ignore_eos else list(model.config.eos_ids) or None
-    print(f"weights ready in {compiled.prepare():.2f} s ({compiled.executor('prefill').backend.name} on {compiled.prefill.device})")
-    if a.trace:  # the prompt's step and the first decode step run instrumented
-        compiled.executor("prefill").trace = compiled.executor("decode").trace = 1
+    _print_ready(compiled)
+    if a.trace:  # the prompt's (first) step and the first decode step run instrumented
+        prompt_plan = compiled.prefill_plan(min(ids.numel(), compiled.chunk_tokens))
+        compiled.executor(prompt_plan).trace = compiled.executor(compiled.decode).trace = 1
     out, st = generate_with_stats(compiled, ids, a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                                   seed=a.seed, eos_token_id=eos)
     _print_generation(ids, out, st, tok)
@@ -148,13 +150,21 @@ def cmd_run(a: argparse.Namespace) -> int:
 def _write_measured_trace(compiled, path: str) -> None:
     from ktflow.timeline import with_measured_steps, write_chrome_trace
 
-    plans = {}
-    for phase in ("prefill", "decode"):
-        plan, measured = getattr(compiled, phase), compiled.executor(phase).measured
-        plans[phase] = with_measured_steps(plan, measured) if measured else plan.model_copy(update={"steps": []})
+    def measured(plan):
+        steps = compiled.executor(plan).measured
+        return with_measured_steps(plan, steps) if steps else plan.model_copy(update={"steps": []})
+
+    plans = dict(prefill=[measured(p) for p in compiled.prefill], decode=measured(compiled.decode))
     write_chrome_trace(compiled.plans.model_copy(update=plans), path, label="measured")
-    ran = [p for p in ("prefill", "decode") if compiled.executor(p).measured]
+    ran = [f"{p.phase} ({p.step_tokens}-token plan)" if p.phase == "prefill" else p.phase
+           for p in compiled.plans.plans if compiled.executor(p).measured]
     print(f"wrote {path}: measured {' and '.join(ran)} step (compare with `ktflow compile --trace`)")
+
+
+def _print_ready(compiled) -> None:
+    seconds = compiled.prepare()
+    be = compiled.executor(compiled.decode).backend.name
+    print(f"weights ready in {seconds:.2f} s ({be} on {compiled.decode.device})")
 
 
 def _print_generation(ids, out, st, tok=None, note: str = "") -> None:
@@ -174,15 +184,17 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
     pf = PlanFile.load(a.plan)
     print(pf.summary(), end="")
-    for plan in (pf.prefill, pf.decode):
+    for plan in pf.plans:
         moe = [t for t in layer_times(plan) if t.layer is not None]
         if moe:
             mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-            print(f"{plan.phase:8s}  per layer (mean): {mean([t.span_us for t in moe]):.1f} us, GPU busy "
+            label = f"prefill{plan.step_tokens}" if plan.phase == "prefill" else plan.phase
+            print(f"{label:8s}  per layer (mean): {mean([t.span_us for t in moe]):.1f} us, GPU busy "
                   f"{100 * mean([t.gpu_busy for t in moe]):.0f}%, CPU busy {100 * mean([t.cpu_busy for t in moe]):.0f}%, "
+                  f"PCIe busy {100 * mean([t.copy_us / t.span_us for t in moe if t.span_us]):.0f}%, "
                   f"overlap {mean([t.overlap_us for t in moe]):.1f} us")
     if a.text:
-        print(pf.prefill.as_text() + "\n" + pf.decode.as_text(), end="")
+        print("\n".join(p.as_text() for p in pf.plans), end="")
     return 0
 
 
@@ -201,7 +213,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     print(f"compiled in {time.perf_counter() - t0:.2f} s")
     print(compiled.summary(), end="")
     ids = torch.randint(0, model.config.vocab_size, (1, a.prompt_tokens), generator=torch.Generator().manual_seed(0))
-    print(f"weights ready in {compiled.prepare():.2f} s ({compiled.executor('prefill').backend.name} on {compiled.prefill.device})")
+    _print_ready(compiled)
     ktflow.generate(compiled, ids[:, :4], 2)  # warm-up: first-call costs stay out of the timings below
     out, st = generate_with_stats(compiled, ids, a.max_new_tokens)
     _print_generation(ids, out, st, note="  (random weights: the tokens mean nothing)")

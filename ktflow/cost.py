@@ -25,7 +25,7 @@ from .errors import ConfigError
 from .fsutil import read_model_json
 from .hw import HwProfile
 from .ir.graph import Graph, Node
-from .ir.ops import FACTS, Op, Work
+from .ir.ops import FACTS, FetchAttrs, Op, Work, experts_hit_fraction
 from .ir.types import Cost, Device, DType
 
 
@@ -101,6 +101,22 @@ def transfer_seconds(nbytes: float, hw: HwProfile, direction: str) -> float:
     return nbytes / (bw * 1e9) + hw.overheads.gpu_launch_us * 1e-6
 
 
+def fetch_seconds(a: FetchAttrs, hw: HwProfile, act: DType) -> float:
+    """Streaming experts to the GPU: the packed bytes over PCIe, then one conversion pass on the
+    GPU reading them and writing the GPU layout."""
+    g = hw.gpus[0]
+    converted = len(a.subset) * 3 * a.hidden * a.inter * act.itemsize
+    return transfer_seconds(a.link_bytes, hw, "h2d") + (a.link_bytes + converted) / (g.hbm_gbps * 1e9 * g.efficiency)
+
+
+def rows_per_expert(n: Node, work: Work) -> float:
+    """Expected tokens per expert a routed-experts step computes (over the experts it hits)."""
+    a = n.attrs
+    flops = FACTS[n.op].flops(a, work)
+    hit = experts_hit_fraction(a, work) * len(a.ids)
+    return flops / (6.0 * a.hidden * a.inter * a.slice_fraction) / max(hit, 1e-9)
+
+
 def node_work(n: Node, g: Graph, work: Work, weight_itemsize: int) -> tuple[float, float]:
     """(FLOPs, bytes) of one step of `n`: weights read (the op's fraction), state read (KV cache)
     and activations in and out."""
@@ -117,6 +133,9 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
     """FLOPs, bytes and seconds of one step of `n` on each device. A NUMA shard (placement with a
     numa index) gets 1/numa_nodes of the CPU's throughput and bandwidth: its node's share."""
     pricing = FACTS[n.op].pricing
+    if pricing == "fetch":
+        s = fetch_seconds(n.attrs, hw, g.act_dtype)
+        return Cost(tokens=work.tokens, flops=0.0, bytes=n.attrs.link_bytes, cpu_s=s, gpu_s=s)
     if pricing != "compute":
         nbytes = n.out.numel(work.tokens) * n.out.dtype.itemsize
         if pricing == "copy":
@@ -126,6 +145,9 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
         return Cost(tokens=work.tokens, flops=0.0, bytes=nbytes if pricing == "copy" else 0.0, cpu_s=s, gpu_s=s)
     flops, nbytes = node_work(n, g, work, weight_itemsize)
     cpu = roof(hw, Device.CPU, g.act_dtype)
+    half = 0.5 if g.act_dtype == DType.F32 else 1.0
+    if n.op == Op.ROUTED_EXPERTS and flops > 0:  # the native operator's measured rate at this many rows per expert
+        cpu = Roof(hw.cpu.expert_rate(rows_per_expert(n, work)) * half, cpu.bandwidth, cpu.overhead)
     sockets = len(hw.cpu.numa)
     if n.place is not None and n.place.numa is not None:
         cpu = Roof(cpu.flops / numa_nodes, cpu.bandwidth / numa_nodes, cpu.overhead)
@@ -135,31 +157,9 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
         remote = (sockets - 1) / sockets / (hw.cpu.cross_socket_gbps * 1e9)
         cpu = Roof(cpu.flops, 1.0 / max(1.0 / cpu.bandwidth, remote), cpu.overhead)
     gpu = roof(hw, Device.GPU, g.act_dtype)
+    if gpu is not None:  # measured prefill rates where the probe took them
+        measured = {Op.ATTENTION: hw.gpus[0].attention_tflops, Op.ROUTED_EXPERTS: hw.gpus[0].grouped_tflops}.get(n.op)
+        if measured:
+            gpu = Roof(measured * 1e12 * half, gpu.bandwidth, gpu.overhead)
     return Cost(tokens=work.tokens, flops=flops, bytes=nbytes, cpu_s=cpu.seconds(flops, nbytes),
                 gpu_s=gpu.seconds(flops, nbytes) if gpu else None)
-
-
-#: GPU streams that run matrix products in a hybrid run: prefill's (the caller's stream) and the
-#: decode graph's; each holds its own BLAS workspace
-COMPUTE_STREAMS = 2
-
-
-def gpu_workspace_bytes(hw: HwProfile) -> float:
-    """GPU memory the BLAS workspaces take (none without a GPU)."""
-    return COMPUTE_STREAMS * hw.gpus[0].workspace_bytes if hw.gpus else 0.0
-
-
-def activation_peak(g: Graph, tokens: int) -> float:
-    """Largest total of live activations while the graph runs a step of `tokens` tokens (values
-    freed after their last reader), in bytes."""
-    live: dict[str, float] = {}
-    users_left = {n.name: len(g.users(n.name)) for n in g.nodes}
-    peak = 0.0
-    for n in g.nodes:
-        live[n.name] = n.out.numel(tokens) * n.out.dtype.itemsize
-        peak = max(peak, sum(live.values()))
-        for i in n.inputs:
-            users_left[i] -= 1
-            if users_left[i] == 0:
-                live.pop(i, None)
-    return peak

@@ -41,6 +41,10 @@ class GpuSpec(_Frozen):
     # GPU memory the BLAS library takes per CUDA stream that runs matrix products (torch's cuBLAS
     # workspace: 32 MiB on Hopper, measured by the probe); a plan counts one per compute stream
     workspace_bytes: float = Field(32 * 2**20, ge=0)
+    # measured prefill rates (TFLOPS), used instead of bf16_tflops x efficiency where present: causal
+    # flash attention over a long prompt, and routed experts as one grouped matrix product
+    attention_tflops: float | None = Field(None, gt=0)
+    grouped_tflops: float | None = Field(None, gt=0)
 
 
 class NumaNode(_Frozen):
@@ -64,6 +68,26 @@ class CpuSpec(_Frozen):
     isa: IsaFlags = IsaFlags()
     gemm_tflops: float = Field(gt=0)  # bf16 matrix throughput, all cores (measured or quoted)
     gemv_gbps: float = Field(gt=0)  # weight bytes/s a bf16 matrix-vector product streams, all cores
+    # the native routed-experts operator's measured rate by rows per expert: (rows, TFLOPS) pairs,
+    # rows ascending; empty: gemm_tflops at every size. Few rows per expert run far below the
+    # square-GEMM rate (AVX-512 kernels, small AMX tiles), many rows close to it.
+    expert_tflops: list[tuple[float, float]] = []
+
+    def expert_rate(self, rows: float) -> float:
+        """FLOP/s of the routed-experts operator at `rows` tokens per expert: the measured table,
+        interpolated in log(rows) and held flat past its ends (gemm_tflops without a table)."""
+        import math
+
+        table = self.expert_tflops
+        if not table:
+            return self.gemm_tflops * 1e12
+        if rows <= table[0][0]:
+            return table[0][1] * 1e12
+        for (r0, t0), (r1, t1) in zip(table, table[1:]):
+            if rows <= r1:
+                f = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
+                return (t0 + f * (t1 - t0)) * 1e12
+        return table[-1][1] * 1e12
 
     @property
     def cores(self) -> int:

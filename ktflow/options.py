@@ -43,7 +43,20 @@ class CompileOptions(BaseModel):
     vram_budget_gb: float | None = Field(None, gt=0, description="GPU memory for weights and KV caches; default "
                                          "the GPU's memory less one prefill step's activations, the BLAS workspaces and the reserve")
     vram_reserve_gb: float = Field(1.0, ge=0, description="GPU memory kept free (CUDA context, allocator slack)")
-    prefill_tokens: int = Field(512, gt=0, description="prompt length the prefill plan's costs are predicted for")
+    prefill_tokens: int = Field(512, gt=0, description="prompt tokens whose activations the default VRAM budget "
+                                "leaves room for on the GPU")
+    prefill_buckets: list[int] | None = Field(
+        None, description="upper bounds (tokens per step) of the prefill plans; None: chosen where the compiler's "
+        "decisions change, over powers of two up to max_seq_len")
+    prefill_experts: Literal["auto", "cpu", "stream", "split"] = Field(
+        "auto", description="where prefill computes the routed experts the decode placement left on the CPU: cpu, "
+        "stream (weights copied to GPU staging slots, computed there), split (some streamed, the rest on the "
+        "CPU, sized to finish together) or auto (per layer and bucket, the fastest by the cost model)")
+    prefill_chunk: int | None = Field(
+        None, gt=0, description="most tokens one prefill step processes (longer prompts run as chunks); None: the "
+        "most whose activations fit the GPU")
+    staging_slots: int = Field(2, ge=1, le=8, description="GPU staging slots for streamed experts: with 2 or more "
+                               "the copy of layer j+1's experts overlaps layer j's compute")
     routing_profile: str | None = Field(None, description="routing profile JSON (per-layer expert frequencies)")
 
 
@@ -61,6 +74,11 @@ class CompileContext:
     max_seq_len: int
     device: Literal["cpu", "cuda"]
     routing: RoutingProfile | None = None
+
+    @property
+    def label(self) -> str:
+        """The plan's name in messages and dumps: decode, or prefill<tokens> (one per bucket)."""
+        return "decode" if self.phase == "decode" else f"prefill{self.tokens}"
 
     @property
     def numa_nodes(self) -> int:

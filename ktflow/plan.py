@@ -28,12 +28,12 @@ FILE_FORMAT = "ktflow-plan"
 
 
 class Step(BaseModel):
-    """One step on one lane. launch/copy/submit/sync run their node; record marks `event` on its
+    """One step on one lane. launch/copy/fetch/submit/sync run their node; record marks `event` on its
     lane after the node that produced a value another lane reads; wait holds its lane until
     `event` is recorded, before the node that reads it."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    kind: Literal["launch", "copy", "submit", "sync", "record", "wait"]
+    kind: Literal["launch", "copy", "fetch", "submit", "sync", "record", "wait"]
     node: str
     lane: str
     reads: list[str]
@@ -46,11 +46,11 @@ class Step(BaseModel):
 class Buffer(BaseModel):
     """Where a step's value lives: an offset in an arena, live from its producing step to its
     last reader. Arenas: gpu (device memory), host, pinned (the exchange buffer PCIe copies
-    read and write)."""
+    read and write), staging (GPU slots streamed expert weights are fetched into)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     value: str
-    arena: Literal["gpu", "host", "pinned"]
+    arena: Literal["gpu", "host", "pinned", "staging"]
     offset: int
     bytes: int
     first_step: int
@@ -71,7 +71,8 @@ class MemoryEstimate(BaseModel):
     kv_cache_bytes: float  # for max_seq_len x max_batch, both devices
     activation_bytes: float  # largest live activation set of one step
     workspace_bytes: float = 0.0  # BLAS workspaces: one per GPU compute stream (prefill's, decode's)
-    gpu_bytes: float  # predicted peak VRAM: GPU weights + GPU KV caches + activations + workspaces + reserve
+    staging_bytes: float = 0.0  # streamed experts: GPU staging slots and the landing buffer
+    gpu_bytes: float  # predicted peak VRAM: GPU weights + GPU KV caches + activations + staging + workspaces + reserve
     host_bytes: float  # predicted host RAM: CPU weights + CPU KV caches + activations
 
 
@@ -80,7 +81,7 @@ class Plan(BaseModel):
     phase: Literal["prefill", "decode"]
     device: Literal["cpu", "cuda"]  # the torch device GPU-placed nodes run on (cpu: no GPU present)
     max_seq_len: int
-    step_tokens: int  # tokens per step the predictions are for
+    step_tokens: int  # tokens per step the predictions are for; a prefill plan runs steps of up to this many
     graph: dict
     steps: list[Step]
     predicted_step_us: float
@@ -109,6 +110,46 @@ class Plan(BaseModel):
         return "\n".join(lines) + "\n"
 
 
+def prefill_decisions(plan: "Plan") -> str:
+    """Where a prefill plan computes each MoE layer's CPU-side routed experts, compactly: runs of
+    layers with the same decision (cpu, stream, or split with n of N streamed)."""
+    from .ir.ops import Op
+
+    g = plan.ir
+    per_layer: dict[int, list] = {}
+    for n in g.nodes:
+        if n.op == Op.ROUTED_EXPERTS:
+            per_layer.setdefault(n.attrs.layer, []).append(n)
+    words = []
+    for layer, nodes in sorted(per_layer.items()):
+        cpu = sum(len(n.attrs.ids) for n in nodes if n.place.device.value == "cpu" and n.attrs.rows[0] == 0)
+        streamed = sum(len(n.attrs.ids) for n in nodes if len(n.inputs) == 3)
+        words.append((layer, "cpu" if not streamed else "stream" if not cpu else f"split {streamed}/{cpu + streamed}"))
+    runs: list[list] = []
+    for layer, w in words:
+        if runs and runs[-1][2] == w and runs[-1][1] == layer - 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer, w])
+    return ", ".join(f"L{a}{'' if a == b else f'-{b}'} {w}" for a, b, w in runs) or "no routed experts"
+
+
+def prefill_table(pf: "PlanFile") -> str:
+    """Per prefill bucket: its predicted step, and for each routed-experts node and fetch where
+    it runs and why (the times the compiler compared)."""
+    from .ir.ops import Op
+
+    lines = ["prefill buckets (routed experts; longer prompts run as chunks of the last bucket)"]
+    for plan in pf.prefill:
+        rate = plan.step_tokens / plan.predicted_step_us * 1e6 if plan.predicted_step_us else 0.0
+        lines.append(f"  up to {plan.step_tokens} tokens: predicted {plan.predicted_step_us / 1e3:.3f} ms/step "
+                     f"({rate:.0f} tokens/s); {prefill_decisions(plan)}")
+        for n in plan.ir.nodes:
+            if n.op in (Op.ROUTED_EXPERTS, Op.FETCH) and n.place.cause:
+                lines.append(f"    {n.name:24s} {n.place.device.value:4s} {n.place.cause}")
+    return "\n".join(lines) + "\n"
+
+
 def placement_table(plan: "Plan") -> str:
     """One row per node: where it runs, its weights, its predicted time there, and why."""
     from .ir.types import _si
@@ -129,7 +170,8 @@ def placement_table(plan: "Plan") -> str:
 
 
 class PlanFile(BaseModel):
-    """What `ktflow compile -o plan.json` writes."""
+    """What `ktflow compile -o plan.json` writes: prefill plans for buckets of prompt length
+    (ascending step_tokens; a longer prompt runs as chunks of the last) and the decode plan."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     format: Literal["ktflow-plan"] = FILE_FORMAT
@@ -138,8 +180,19 @@ class PlanFile(BaseModel):
     model: ModelInfo
     hw: HwProfile
     options: CompileOptions
-    prefill: Plan
+    prefill: list[Plan]
     decode: Plan
+
+    @property
+    def plans(self) -> list[Plan]:
+        return [*self.prefill, self.decode]
+
+    def prefill_for(self, tokens: int) -> Plan:
+        """The plan of the smallest bucket holding a step of `tokens` tokens (else the largest)."""
+        for plan in self.prefill:
+            if tokens <= plan.step_tokens:
+                return plan
+        return self.prefill[-1]
 
     def save(self, path: str | os.PathLike) -> None:
         write_atomic(path, self.model_dump_json(indent=1))
@@ -163,6 +216,8 @@ class PlanFile(BaseModel):
             pf = PlanFile.model_validate(raw)
         except Exception as e:
             raise PlanError(f"plan file {p} is malformed: {e}") from None
+        if not pf.prefill or [b.step_tokens for b in pf.prefill] != sorted({b.step_tokens for b in pf.prefill}):
+            raise PlanError(f"plan file {p} is malformed: its prefill plans must have ascending, distinct step_tokens")
         if fingerprint is not None and pf.model.fingerprint != fingerprint:
             raise PlanError(f"{p} was compiled for another model ({pf.model.model_type} at {pf.model.path}, "
                             f"config fingerprint {pf.model.fingerprint}); this model's fingerprint is {fingerprint}. "
@@ -176,7 +231,7 @@ class PlanFile(BaseModel):
                f"hardware  {self.hw.name}: {self.hw.cpu.name}"
                + (f" + {', '.join(g.name for g in self.hw.gpus)}" if self.hw.gpus else ""),
                "options   " + ", ".join(f"{k}={v}" for k, v in self.options.model_dump().items())]
-        for plan in (self.prefill, self.decode):
+        for plan in self.plans:
             g = plan.ir
             ops: dict[str, int] = {}
             for n in g.nodes:
@@ -188,8 +243,10 @@ class PlanFile(BaseModel):
                        f"predicted {plan.predicted_step_us / 1e3:.3f} ms/step "
                        f"({plan.step_tokens / max(plan.predicted_step_us, 1e-9) * 1e6:.1f} tokens/s)")
             out.append(f"          memory: weights {mem.weight_bytes / 1e9:.2f} GB, KV cache {mem.kv_cache_bytes / 1e9:.3f} GB, "
-                       f"activations {mem.activation_bytes / 1e6:.1f} MB, BLAS workspaces {mem.workspace_bytes / 1e6:.0f} MB; "
-                       f"peak VRAM {mem.gpu_bytes / 1e9:.2f} GB, "
-                       f"host RAM {mem.host_bytes / 1e9:.2f} GB")
+                       f"activations {mem.activation_bytes / 1e6:.1f} MB, BLAS workspaces {mem.workspace_bytes / 1e6:.0f} MB"
+                       + (f", staging {mem.staging_bytes / 1e9:.2f} GB" if mem.staging_bytes else "")
+                       + f"; peak VRAM {mem.gpu_bytes / 1e9:.2f} GB, host RAM {mem.host_bytes / 1e9:.2f} GB")
+            if plan.phase == "prefill":
+                out.append("          experts: " + prefill_decisions(plan))
             out.append("          ops: " + ", ".join(f"{k} {v}" for k, v in sorted(ops.items())))
         return "\n".join(out) + "\n"

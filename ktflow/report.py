@@ -8,7 +8,7 @@ import jinja2
 
 from .fsutil import write_atomic
 from .ir.types import _si
-from .plan import PlanFile
+from .plan import PlanFile, prefill_decisions
 from .timeline import layer_times, step_utilisation
 
 TEMPLATE = """<!doctype html>
@@ -28,11 +28,22 @@ code { background: #f4f4f4; padding: 0 3px }
 <p>Options: {% for k, v in pf.options.model_dump().items() %}<code>{{ k }}={{ v }}</code> {% endfor %}</p>
 
 <h2>Memory</h2>
-<table><tr><th>plan</th><th>peak VRAM</th><th>host RAM</th><th>all weights</th><th>KV cache</th><th>activations</th></tr>
-{% for p in plans %}<tr><td>{{ p.phase }}</td><td class="num">{{ gb(p.memory.gpu_bytes) }}</td>
+<table><tr><th>plan</th><th>peak VRAM</th><th>host RAM</th><th>all weights</th><th>KV cache</th><th>activations</th><th>staging</th></tr>
+{% for p in plans %}<tr><td>{{ p.phase }}{% if p.phase == "prefill" %} (up to {{ p.step_tokens }} tokens){% endif %}</td>
+<td class="num">{{ gb(p.memory.gpu_bytes) }}</td>
 <td class="num">{{ gb(p.memory.host_bytes) }}</td><td class="num">{{ gb(p.memory.weight_bytes) }}</td>
-<td class="num">{{ gb(p.memory.kv_cache_bytes) }}</td><td class="num">{{ gb(p.memory.activation_bytes) }}</td></tr>
+<td class="num">{{ gb(p.memory.kv_cache_bytes) }}</td><td class="num">{{ gb(p.memory.activation_bytes) }}</td>
+<td class="num">{{ gb(p.memory.staging_bytes) }}</td></tr>
 {% endfor %}</table>
+
+<h2>Prefill buckets: where the routed experts compute</h2>
+<table><tr><th>bucket (tokens per step)</th><th>predicted step</th><th>tokens/s</th><th>routed experts per layer</th></tr>
+{% for p in pf.prefill %}<tr><td class="num">{{ p.step_tokens }}</td><td class="num">{{ "%.3f"|format(p.predicted_step_us / 1000) }} ms</td>
+<td class="num">{{ "%.0f"|format(p.step_tokens / p.predicted_step_us * 1e6 if p.predicted_step_us else 0) }}</td>
+<td>{{ decisions(p) }}</td></tr>
+{% endfor %}</table>
+<p>Longer prompts run as chunks of {{ pf.prefill[-1].step_tokens }} tokens. The causes of each decision are in the
+placement tables below.</p>
 
 {% for p in plans %}
 <h2>{{ p.phase }} plan: predicted {{ "%.3f"|format(p.predicted_step_us / 1000) }} ms per {{ p.step_tokens }}-token step</h2>
@@ -55,13 +66,15 @@ code { background: #f4f4f4; padding: 0 3px }
 <td>{{ n.place.cause }}</td></tr>
 {% endfor %}</table>{% else %}<p>No deferral (option <code>defer</code> unset or 0; prefill plans never defer).</p>{% endif %}
 
-<h2>Placement</h2>
-<table><tr><th>node</th><th>op</th><th>device</th><th>weights</th><th>decode time</th><th>cause</th></tr>
-{% for n in pf.decode.ir.nodes %}<tr><td>{{ n.name }}</td><td>{{ n.op.value }}</td>
+{% for p in [pf.decode, pf.prefill[-1]] %}
+<h2>Placement, {{ p.phase }} plan{% if p.phase == "prefill" %} (largest bucket, {{ p.step_tokens }} tokens){% endif %}</h2>
+<table><tr><th>node</th><th>op</th><th>device</th><th>weights</th><th>step time</th><th>cause</th></tr>
+{% for n in p.ir.nodes %}<tr><td>{{ n.name }}</td><td>{{ n.op.value }}</td>
 <td class="{{ n.place.device.value }}">{{ n.place.device.value }}{% if n.place.stream %} ({{ n.place.stream }} lane){% endif %}</td>
 <td class="num">{{ si(n.weight_elems()) }}</td><td class="num">{{ si(n.cost.on(n.place.device)) }}s</td>
 <td>{{ n.place.cause }}</td></tr>
 {% endfor %}</table>
+{% endfor %}
 </body></html>
 """
 
@@ -69,7 +82,7 @@ code { background: #f4f4f4; padding: 0 3px }
 def render_report(pf: PlanFile) -> str:
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     return env.from_string(TEMPLATE).render(
-        pf=pf, plans=(pf.prefill, pf.decode), layers=layer_times, util=step_utilisation, si=_si,
+        pf=pf, plans=pf.plans, layers=layer_times, util=step_utilisation, si=_si, decisions=prefill_decisions,
         gb=lambda b: f"{b / 1e9:.2f} GB")
 
 

@@ -60,8 +60,9 @@ def _clip(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tu
 
 def layer_times(plan: Plan) -> list[LayerTime]:
     lanes: dict[str, list] = {"gpu": [], "cpu": [], "copy": []}
-    for s in plan.steps:  # the CPU counts as busy while any of its NUMA lanes is
-        lanes["cpu" if s.lane.startswith("cpu") else s.lane].append((s.start_us, s.end_us))
+    for s in plan.steps:  # the CPU counts as busy while any of its NUMA lanes is; PCIe while either copy lane is
+        lane = "cpu" if s.lane.startswith("cpu") else "copy" if s.lane == "fetch" else s.lane
+        lanes[lane].append((s.start_us, s.end_us))
     ends = sorted((int(m.group(1)), s.end_us) for s in plan.steps
                   if s.kind not in ("record", "wait") and (m := _LAYER.match(s.node)) and s.node.endswith(".ffn_res"))
 
@@ -96,11 +97,14 @@ def step_utilisation(plan: Plan) -> dict[str, float]:
 
 
 def chrome_trace(pf: PlanFile, label: str = "predicted") -> dict:
-    """The timelines of both plans in Chrome trace format (open in Perfetto or chrome://tracing):
-    one process per plan, one thread per lane, one complete event per step. `label` names what
-    the step times are (predicted by the cost model, or measured by `ktflow run --trace`)."""
+    """The timelines of every plan (each prefill bucket, then decode) in Chrome trace format (open
+    in Perfetto or chrome://tracing): one process per plan, one thread per lane, one complete event
+    per step. `label` names what the step times are (predicted by the cost model, or measured by
+    `ktflow run --trace`). A plan without steps (not measured) is left out."""
     events = []
-    for pid, plan in enumerate((pf.prefill, pf.decode)):
+    for pid, plan in enumerate(pf.plans):
+        if not plan.steps:
+            continue
         events.append({"ph": "M", "name": "process_name", "pid": pid,
                        "args": {"name": f"{plan.phase} plan ({label}, {plan.step_tokens} tokens/step)"}})
         lanes = sorted({s.lane for s in plan.steps}, key=lane_order)

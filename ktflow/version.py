@@ -1,3 +1,3 @@
 __version__ = "0.1.0"
 #: bumped whenever the plan JSON layout changes
-PLAN_FORMAT = 2
+PLAN_FORMAT = 3

@@ -171,8 +171,8 @@ def test_a_plan_for_another_gpu_memory_size_is_refused(demo_dir):
 def _cuda_plan(demo_dir):
     """A plan as if compiled where GPU nodes run on CUDA (the device field is what matters)."""
     c = ktflow.compile(ktflow.load(demo_dir), hw="paper-a100", device="cpu", max_seq_len=64)
-    plans = c.plans.model_copy(update={p: getattr(c.plans, p).model_copy(update={"device": "cuda"})
-                                       for p in ("prefill", "decode")})
+    cuda = lambda p: p.model_copy(update={"device": "cuda"})  # noqa: E731
+    plans = c.plans.model_copy(update={"prefill": [cuda(p) for p in c.prefill], "decode": cuda(c.decode)})
     return ktflow.Compiled(plans, c.model)
 
 

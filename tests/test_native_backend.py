@@ -7,12 +7,14 @@ import torch
 
 import ktflow
 from ktflow import native
+from ktflow.backends.base import node_key
 from ktflow.ir.ops import Op
+from compare import assert_close_but_for_flips, per_token_errors
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native module not built")
 
 FAMILIES = ["deepseek_v3", "deepseek_v2_lite", "qwen2_moe", "qwen3_moe", "mixtral"]
-TOL = {"bf16": 2e-2, "int8": 5e-2}
+TOL = {"bf16": 2e-2, "int8": 5e-2}  # of a token's logits norm (tokens a routing near-tie flips aside)
 
 
 def logits(compiled, ids, decode_tokens=None, steps=3):
@@ -33,41 +35,44 @@ def compare(d, fmt="bf16", **options):
     ref = ktflow.compile(model, hw="cpu", dtype="bfloat16", max_seq_len=32, backend="torch_ref", **options)
     nat = ktflow.compile(model, hw="cpu", dtype="bfloat16", max_seq_len=32, backend="native", expert_format=fmt,
                          **options)
-    ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     a, fed = logits(ref, ids)
     b, _ = logits(nat, ids, fed)  # the same decode tokens on both
     assert nat.executor("decode").backend.name == "native"
     assert nat.executor("decode").backend.ops, "no node ran natively"
-    return ((a - b).norm() / a.norm()).item()
+    return a, b
 
 
 @pytest.mark.parametrize("case", FAMILIES)
 def test_native_matches_torch_ref_bf16(case, tiny_dirs):
     d, _ = tiny_dirs(case)
-    assert compare(d) <= TOL["bf16"]
+    assert_close_but_for_flips(*compare(d), TOL["bf16"])
 
 
 @pytest.mark.parametrize("case", ["deepseek_v3", "qwen3_moe"])
 def test_native_int8_and_int4(case, tiny_dirs, capsys):
     d, _ = tiny_dirs(case)
-    assert compare(d, "int8") <= TOL["int8"]
-    err = compare(d, "int4")
+    assert_close_but_for_flips(*compare(d, "int8"), TOL["int8"])
+    err = per_token_errors(*compare(d, "int4")).median().item()
     with capsys.disabled():
-        print(f"\n  {case}: int4 experts, relative logits error {err:.3f} (reported, no bound)")
+        print(f"\n  {case}: int4 experts, median relative logits error per token {err:.3f} (reported, no bound)")
 
 
 def test_native_with_numa_shards_and_deferral(tiny_dirs):
     d, _ = tiny_dirs("deepseek_v3")
-    assert compare(d, numa_nodes=2, defer=1) <= TOL["bf16"]
+    assert_close_but_for_flips(*compare(d, numa_nodes=2, defer=1), TOL["bf16"])
     nat = ktflow.compile(ktflow.load(d), hw="cpu", dtype="bfloat16", max_seq_len=32, backend="native",
                          numa_nodes=2, defer=1)
     g = nat.decode.ir
     assert any(n.op == Op.ROUTED_EXPERTS and n.place.numa == 1 for n in g.nodes)
     assert any(n.op == Op.ROUTED_EXPERTS and n.attrs.rank_range[0] > 0 for n in g.nodes)
     be = nat.executor("decode").backend
-    deferred = [n.name for n in g.nodes if n.name.endswith(".def.numa0")]
-    assert deferred and all(be.ops[m] is be.ops[m.replace(".def", "")] for m in deferred)  # packed once
-    assert {be.loaded[m] for m in deferred} == {"shared"}
+    deferred = [n for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.rank_range[0] > 0]
+    immediate = {(n.attrs.layer, n.place.numa): n for n in g.nodes if n.op == Op.ROUTED_EXPERTS
+                 and n.attrs.rank_range[0] == 0}
+    assert deferred and all(be.ops[node_key(n)] is be.ops[node_key(immediate[n.attrs.layer, n.place.numa])]
+                            for n in deferred)  # packed once
+    assert {be.loaded[n.name] for n in deferred} == {"shared"}
 
 
 def test_packed_weights_come_back_from_the_cache(tiny_dirs, tmp_path, monkeypatch):

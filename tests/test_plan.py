@@ -51,9 +51,9 @@ def test_print_after_and_dump(tmp_path, monkeypatch):
     text = out.getvalue()
     assert text.startswith("# decode graph after place_by_intensity")
     assert "@cpu" in text
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode.01.annotate_costs.txt",
-                                                          "decode.02.place_by_intensity.txt", "decode.03.defer_experts.txt",
-                                                          "decode.04.split_numa.txt", "decode.05.lower.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "decode.01.annotate_costs.txt", "decode.02.place_by_intensity.txt", "decode.03.place_prefill_experts.txt",
+        "decode.04.defer_experts.txt", "decode.05.split_numa.txt", "decode.06.lower.txt"]
     with pytest.raises(PassError, match="no such pass"):
         run_pipeline(graph_of("mixtral"), ctx(), print_after="nope")
 
@@ -76,7 +76,7 @@ def test_plan_round_trip(compiled, tmp_path):
     compiled.save(p)
     back = ktflow.Compiled.load(p, compiled.model)
     assert back.plans == compiled.plans
-    assert back.prefill.ir == compiled.prefill.ir
+    assert [p.ir for p in back.prefill] == [p.ir for p in compiled.prefill]
     assert [f.name for f in tmp_path.iterdir()] == ["plan.json"]  # no temporary left behind
 
 
@@ -131,12 +131,12 @@ def test_failed_save_leaves_the_old_file(compiled, tmp_path, monkeypatch):
 
 
 def test_schedule_orders_steps_and_predicts_times(compiled):
-    for plan in (compiled.prefill, compiled.decode):
+    for plan in compiled.plans.plans:
         names = [s.node for s in plan.steps]
         assert names == [n.name for n in plan.ir.nodes]
         assert all(s.end_us >= s.start_us for s in plan.steps)
         assert plan.predicted_step_us == plan.steps[-1].end_us
-    assert compiled.prefill.predicted_step_us > compiled.decode.predicted_step_us
+    assert compiled.prefill[0].predicted_step_us > compiled.decode.predicted_step_us
     text = compiled.decode.as_text()
     assert "plan decode (GPU nodes on cpu)" in text and "L1.experts" in text
 

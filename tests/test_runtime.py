@@ -137,14 +137,14 @@ def test_null_backend_records_every_step(demo_dir):
     c = ktflow.compile(ktflow.load(demo_dir), hw="cpu", max_seq_len=16, backend="null")
     logits, st = ktflow.execute(c, ids([1, 2, 3]))
     be = c.executor("prefill").backend
-    assert [name for name, _, _ in be.calls] == [s.node for s in c.prefill.steps]
+    assert [name for name, _, _ in be.calls] == [s.node for s in c.prefill[0].steps]
     assert logits.shape == (1, 3, 2048) and st.position == 3
     assert ("L1.gate", "gate", (3, 4)) in be.calls
 
 
 def test_bf16_execution_runs_and_stays_close_to_float32(demo_dir, compiled):
     bf = ktflow.compile(ktflow.load(demo_dir), hw="cpu", max_seq_len=32)
-    assert bf.prefill.ir.act_dtype.value == "bf16"
+    assert bf.prefill[0].ir.act_dtype.value == "bf16"
     p = ids([11, 12, 13, 14, 15])
     a, _ = ktflow.execute(bf, p)
     b, _ = ktflow.execute(compiled, p)

@@ -30,7 +30,8 @@ def test_static_decode_rules_match_torch_ref(case, tiny_dirs):
     be = StaticRef("cpu", torch.float32)
     be.static_setup()
     be.prepare(c.decode.ir, model.weights)
-    be.prepare(c.prefill.ir, model.weights)
+    for p in c.prefill:
+        be.prepare(p.ir, model.weights)
     ref = Executor(c.decode, be)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=g)

@@ -23,6 +23,16 @@ class StepContext:
     #: the position as a one-element int64 tensor on the GPU device: set for steps run with
     #: static shapes (captured as CUDA graphs), where rules must not read `position`
     position_t: torch.Tensor | None = None
+    #: which positions' logits the step computes: all, last (each sequence's last), none
+    logits: str = "all"
+
+
+def node_key(n: Node) -> tuple:
+    """What a backend keys a node's prepared state by: plans of one model reuse node names for
+    different work (a layer's experts on the CPU in decode, streamed or split in a prefill
+    bucket), so the key is the name with what the node computes and where."""
+    place = (n.place.device, n.place.numa) if n.place is not None else None
+    return (n.name, n.op, n.attrs, place, len(n.inputs))
 
 
 class Backend(Protocol):

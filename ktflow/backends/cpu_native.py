@@ -1,12 +1,16 @@
 """The native backend: the plan's CPU routed-expert nodes (NUMA shards included) run on the C++
 fused MoE operator (ktflow.native); every other node runs as in torch_ref.
 
-Each CPU routed-experts node becomes one `ExpertOp` holding exactly the node's experts (its
-subset: GPU-resident experts are never packed) and intermediate rows (its NUMA slice), on the
-pool group of its NUMA index (or split over every group when the plan did not split it). Packed
+Each CPU routed-experts node runs on an `ExpertOp` holding the layer's experts that live in host
+memory (GPU-resident experts are never packed) and the node's intermediate rows (its NUMA slice),
+on the pool group of its NUMA index (or split over every group when the plan did not split it);
+a node over fewer experts (the CPU part of a split prefill layer) computes its own through a
+mask. A fetch streams experts from the same packed copy to the GPU (backends.staging). Packed
 weights are cached on disk (KTFLOW_CACHE_DIR, default ~/.cache/ktflow/packed) keyed by the
 checkpoint files, the node's tensors and rows, the format and the split, so a second load only
 reads them back. The expert weight format is the compile option `expert_format`.
+
+GPU routed experts run as grouped matmuls over stacked or streamed weights (backends.moe_gpu).
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from ..ir.graph import Graph, Node
 from ..ir.ops import Op
 from ..ir.types import Device
 from ..weights import WeightSource
-from .base import StepContext
-from .torch_ref import TorchRefBackend
+from . import moe_gpu
+from .base import StepContext, node_key
+from .staging import ExpertStager, pieces_of
+from .torch_ref import TorchRefBackend, staged
 
 
 def cache_dir() -> Path | None:
@@ -45,12 +51,11 @@ def _checkpoint_digest(weights: WeightSource) -> str:
     return h.hexdigest()
 
 
-def _fingerprint(checkpoint: str, node: Node) -> str:
-    """What the packed weights of `node` depend on: the checkpoint, the node's tensor keys and
-    its experts and rows."""
+def _fingerprint(checkpoint: str, refs, ids: tuple[int, ...], rows: tuple[int, int]) -> str:
+    """What packed weights depend on: the checkpoint, the tensor keys, the experts and rows."""
     h = hashlib.sha256(checkpoint.encode())
-    h.update(repr([r.key for r in node.weights]).encode())
-    h.update(repr((node.attrs.ids, node.attrs.rows)).encode())
+    h.update(repr([r.key for r in refs]).encode())
+    h.update(repr((ids, rows)).encode())
     return h.hexdigest()
 
 
@@ -61,50 +66,131 @@ class NativeBackend(TorchRefBackend):
         native.module()  # a clear error now if the module is not built
         super().__init__(gpu_device, dtype)
         self.expert_format = getattr(options, "expert_format", "bf16")
-        self.ops: dict[str, native.ExpertOp] = {}
-        self.loaded: dict[str, str] = {}  # node -> 'cache' or 'packed'
-        # one operator per (tensors, experts, rows, NUMA node): a deferred node (`.def`, other ranks
-        # of the same experts) and other plans' nodes over the same weights share its packed copy
+        # prepared state per node (keyed by node_key: plans reuse node names for different work)
+        self.ops: dict[tuple, native.ExpertOp] = {}
+        self.masks: dict[tuple, torch.Tensor] = {}  # its experts, where its operator holds more
+        self.stagers: dict[tuple, ExpertStager] = {}  # fetch -> where its experts are packed
+        self.loaded: dict[str, str] = {}  # node name -> 'cache', 'packed' or 'shared'
+        # one operator per (tensors, the layer's CPU-side experts, rows, NUMA node): the nodes of every
+        # plan over the same weights share its packed copy (a deferred `.def` node, the CPU part of a
+        # split prefill layer, a fetch that streams them to the GPU), each computing its own experts
         self._packed: dict[tuple, native.ExpertOp] = {}
+        self._grouped: dict[tuple, dict] = {}  # GPU routed-experts node -> stacked weights for the prefill rule
+        self.rules[Op.ROUTED_EXPERTS] = _routed_experts
+        self.rules[Op.FETCH] = _fetch
 
     def runs_natively(self, node: Node) -> bool:
         return node.op == Op.ROUTED_EXPERTS and node.place is not None and node.place.device == Device.CPU
 
+    @staticmethod
+    def _cpu_side(graph: Graph) -> dict[int, tuple[int, ...]]:
+        """Per MoE layer, the experts held in host memory: those of CPU nodes and of streamed ones."""
+        held: dict[int, set[int]] = {}
+        for n in graph.nodes:
+            if n.op == Op.ROUTED_EXPERTS and (n.place.device == Device.CPU or len(n.inputs) == 3):
+                held.setdefault(n.attrs.layer, set()).update(n.attrs.ids)
+        return {layer: tuple(sorted(ids)) for layer, ids in held.items()}
+
     def prepare(self, graph: Graph, weights: WeightSource | None) -> None:
-        todo = [n for n in graph.nodes if self.runs_natively(n) and n.name not in self.ops]
+        todo = [n for n in graph.nodes if (self.runs_natively(n) or n.op == Op.FETCH)
+                and node_key(n) not in self.ops and node_key(n) not in self.stagers]
         if todo and weights is not None:
             checkpoint = _checkpoint_digest(weights)
+            held = self._cpu_side(graph)
             for n in todo:
-                key = (tuple(r.key for r in n.weights), n.attrs.ids, n.attrs.rows, n.place.numa)
-                if key not in self._packed:
-                    self._packed[key] = self._pack(n, weights, checkpoint)
+                ids = held[n.attrs.layer]
+                if n.op == Op.FETCH:
+                    self.stagers[node_key(n)] = self._stager(n, ids, weights, checkpoint)
                 else:
-                    self.loaded[n.name] = "shared"
-                self.ops[n.name] = self._packed[key]
-                self.weights[n.name] = {}  # nothing for torch_ref to load
+                    self.ops[node_key(n)] = self._operator(n, ids, n.attrs.rows, n.place.numa, weights, checkpoint)
+                    if n.attrs.ids != ids:
+                        mask = torch.zeros(n.attrs.experts, dtype=torch.uint8)
+                        mask[list(n.attrs.ids)] = 1
+                        self.masks[node_key(n)] = mask
+                self.weights[node_key(n)] = {}  # nothing for torch_ref to load
         super().prepare(graph, weights)
 
-    def _pack(self, n: Node, weights: WeightSource, checkpoint: str) -> native.ExpertOp:
+    def _operator(self, n: Node, ids: tuple[int, ...], rows: tuple[int, int], numa: int | None,
+                  weights: WeightSource, checkpoint: str) -> native.ExpertOp:
+        key = (tuple(r.key for r in n.weights), ids, rows, numa)
+        if key in self._packed:
+            self.loaded[n.name] = "shared"
+        else:
+            self._packed[key] = self._pack(n, ids, rows, numa, weights, checkpoint)
+        return self._packed[key]
+
+    def _stager(self, n: Node, ids: tuple[int, ...], weights: WeightSource, checkpoint: str) -> ExpertStager:
+        """Where a fetch's experts are packed: the operators over the layer's CPU-side experts
+        (NUMA shards whose rows tile the layer, or one over all rows, packed here if missing)."""
         a = n.attrs
-        lo, hi = a.rows
+        keys = tuple(r.key for r in n.weights)
+        shards = sorted(((k[2], op) for k, op in self._packed.items() if k[0] == keys and k[1] == ids),
+                        key=lambda kv: kv[0])
+        edge, chosen = 0, []
+        for (lo, hi), op in shards:
+            if lo == edge:
+                chosen.append((lo, op))
+                edge = hi
+        if edge != a.inter:
+            chosen = [(0, self._operator(n, ids, (0, a.inter), None, weights, checkpoint))]
+        pieces = pieces_of([op for _, op in chosen], [lo for lo, _ in chosen])
+        return ExpertStager(pieces, self.expert_format, a.hidden, a.inter, self.device_of(n), self.dtype)
+
+    def _pack(self, n: Node, ids: tuple[int, ...], rows: tuple[int, int], numa: int | None, weights: WeightSource,
+              checkpoint: str) -> native.ExpertOp:
+        a = n.attrs
+        lo, hi = rows
         pool = native.pool()
-        groups = [n.place.numa % pool.groups] if n.place.numa is not None else None
-        op = native.ExpertOp(a.experts, a.hidden, hi - lo, held=a.ids, fmt=self.expert_format, groups=groups)
+        groups = [numa % pool.groups] if numa is not None else None
+        op = native.ExpertOp(a.experts, a.hidden, hi - lo, held=ids, fmt=self.expert_format, groups=groups)
         refs = {r.role: r for r in n.weights}
 
         def tensors(e: int):
             g, u, d = (weights.load_expert(refs[role], e) for role in ("gate", "up", "down"))
             return g[lo:hi], u[lo:hi], d[:, lo:hi].contiguous()
 
-        self.loaded[n.name] = op.pack(tensors, cache=cache_dir(), fingerprint=_fingerprint(checkpoint, n))
+        self.loaded[n.name] = op.pack(tensors, cache=cache_dir(), fingerprint=_fingerprint(checkpoint, n.weights, ids, rows))
         return op
 
+    def stacked_experts(self, node: Node) -> dict:
+        """A resident GPU routed-experts node's weights stacked for the grouped rule (once)."""
+        key = node_key(node)
+        if key not in self._grouped:
+            w = self.weights[key]
+            dev = self.device_of(node)
+            self._grouped[key] = dict(
+                local=moe_gpu.expert_map(node.attrs.ids, node.attrs.experts, dev),
+                **{r: torch.stack([w[r][e] for e in node.attrs.ids]) for r in ("gate", "up", "down")})
+        return self._grouped[key]
+
     def run(self, node: Node, inputs: list[Any], ctx: StepContext) -> Any:
-        op = self.ops.get(node.name)
+        op = self.ops.get(node_key(node))
         if op is None:
             return super().run(node, inputs, ctx)
         x, (ids, wts) = inputs
         xb = x.to(torch.bfloat16).contiguous()
         out = torch.empty(xb.shape, dtype=torch.bfloat16)
-        op.forward(xb, ids.contiguous(), wts.float().contiguous(), out=out, ranks=node.attrs.rank_range)
+        op.forward(xb, ids.contiguous(), wts.float().contiguous(), out=out, ranks=node.attrs.rank_range,
+                   mask=self.masks.get(node_key(node)))
         return out.to(x.dtype)
+
+
+def _routed_experts(be: NativeBackend, node: Node, w, ins, ctx, dev):
+    """GPU routed experts (CPU ones run natively): grouped over the fetched or the stacked weights."""
+    x, (ids, wts) = ins[:2]
+    a = node.attrs
+    lo, hi = a.rank_range
+    if len(ins) == 3:
+        gate, up, down = staged(ins[2], a.hidden, a.inter)
+        cached = be._grouped.setdefault(node_key(node), {})
+        local = cached.get("local")
+        if local is None:
+            local = cached["local"] = moe_gpu.expert_map(a.ids, a.experts, dev)
+    else:
+        st = be.stacked_experts(node)
+        gate, up, down, local = st["gate"], st["up"], st["down"], st["local"]
+    return moe_gpu.grouped_experts(x, ids[:, lo:hi], wts[:, lo:hi], local, gate, up, down)
+
+
+def _fetch(be: NativeBackend, node: Node, w, ins, ctx, dev):
+    return be.stagers[node_key(node)].stage(node.attrs.subset)

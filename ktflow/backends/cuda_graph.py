@@ -52,7 +52,7 @@ from ..ir.types import Device, DType
 from ..passes.buffers import plan_buffers
 from ..plan import Plan, Step
 from ..weights import TORCH_DTYPE
-from .base import StepContext
+from .base import StepContext, node_key
 from .cpu_native import NativeBackend
 from .static_rules import StaticRules
 
@@ -229,9 +229,9 @@ class DecodeGraph:
             if n.op == Op.INPUT:
                 host_only.add(n.name)
                 continue
-            if n.op == Op.ROUTED_EXPERTS and n.name in self.be.ops:
+            if n.op == Op.ROUTED_EXPERTS and node_key(n) in self.be.ops:
                 continue
-            if n.op == Op.REDUCE and all(i in self.be.ops for i in n.inputs):
+            if n.op == Op.REDUCE and all(node_key(self.g.by_name(i)) in self.be.ops for i in n.inputs):
                 continue
             if all(i in host_only for i in n.inputs):
                 host_only.add(n.name)
@@ -292,13 +292,13 @@ class DecodeGraph:
     def _task(self, sub: Node, slots: dict) -> list[native.Batch]:
         root = sub.attrs.task
         out = slots[root]
-        shards = [m for m in sub.attrs.members if m in self.be.ops]
+        shards = [self.g.by_name(m) for m in sub.attrs.members if node_key(self.g.by_name(m)) in self.be.ops]
         batches = []
-        for i, m in enumerate(shards):
-            node = self.g.by_name(m)
+        for i, node in enumerate(shards):
             x, routing = (slots[self.home.get(v, v)] for v in node.inputs)
             batch = native.Batch()
-            batch.add(self.be.ops[m], x, routing[0], routing[1], out, accumulate=i > 0, ranks=node.attrs.rank_range)
+            batch.add(self.be.ops[node_key(node)], x, routing[0], routing[1], out, accumulate=i > 0,
+                      ranks=node.attrs.rank_range, mask=self.be.masks.get(node_key(node)))
             batches.append(batch)
         return batches
 

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from .. import rope as rope_mod
 from ..ir.ops import AttentionAttrs, Op
 from ..ir.types import Device
-from .base import StepContext
-from .torch_ref import gqa_project, linear, mla_project
+from .base import StepContext, node_key
+from .layers import gqa_project, linear, mla_project
 
 
 class RopeTables:
@@ -117,7 +117,7 @@ def routed_experts(be, node, w, ins, ctx, dev):
     """Each token's picks in the node's rank range, gathered from the stacked weights (reads
     only the picked experts; no host-side look at the ids)."""
     x, (ids, wts) = ins
-    st = be.stacked(node.name, w, node.attrs.experts)
+    st = be.stacked(node_key(node), w, node.attrs.experts)
     lo, hi = node.attrs.rank_range
     ids, wts = ids[:, lo:hi], wts[:, lo:hi]
     slot = st["local"][ids]
@@ -143,7 +143,7 @@ class StaticRules:
         self.rope = RopeTables(self.dtype)
         self._stacked: dict[str, dict] = {}
 
-    def stacked(self, name: str, w: dict, experts: int) -> dict:
+    def stacked(self, name: tuple, w: dict, experts: int) -> dict:
         if name not in self._stacked:
             self._stacked[name] = stack_experts(w, experts)
         return self._stacked[name]
@@ -152,5 +152,5 @@ class StaticRules:
         rule = STATIC_RULES.get(node.op)
         if rule is not None and ctx.position_t is not None and node.place is not None \
                 and node.place.device == Device.GPU:
-            return rule(self, node, self.weights.get(node.name, {}), inputs, ctx, self.device_of(node))
+            return rule(self, node, self.weights.get(node_key(node), {}), inputs, ctx, self.device_of(node))
         return super().run(node, inputs, ctx)

@@ -21,39 +21,10 @@ from ..ir.graph import Graph, Node
 from ..ir.ops import AttentionAttrs, GateAttrs, Op
 from ..ir.types import Device
 from ..weights import WeightSource
-from .base import StepContext
+from .base import StepContext, node_key
+from .layers import attention, linear, rms_norm, swiglu
 
 Weights = dict[str, Any]
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
-
-
-def linear(x: torch.Tensor, w: Weights, role: str) -> torch.Tensor:
-    return F.linear(x, w[role], w.get(role + "_bias"))
-
-
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, position: int,
-                     window: int) -> torch.Tensor:
-    """q [B,h,S,d] at positions position.., k/v [B,h,L,d] at positions 0..L-1 -> [B,S,h*dv]."""
-    s, L = q.shape[2], k.shape[2]
-    qpos = torch.arange(position, position + s, device=q.device)[:, None]
-    kpos = torch.arange(L, device=q.device)[None, :]
-    allowed = kpos <= qpos
-    if window:
-        allowed &= (qpos - kpos) < window
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(p, v)  # [B,h,S,dv]
-    return out.transpose(1, 2).reshape(q.shape[0], s, -1)
 
 
 class TorchRefBackend:
@@ -64,6 +35,7 @@ class TorchRefBackend:
         self.dtype = dtype
         self.weights: dict[str, Weights] = {}
         self._inv_freq: dict[Any, torch.Tensor] = {}
+        self.rules: dict[Op, Callable] = dict(RULES)  # subclasses swap in their own rules per op
 
     def device_of(self, node: Node) -> torch.device:
         return self.devices[node.place.device] if node.place is not None else self.devices[Device.CPU]
@@ -75,7 +47,7 @@ class TorchRefBackend:
         return t.to(device=dev, dtype=self.dtype)
 
     def prepare(self, graph: Graph, weights: WeightSource | None) -> None:
-        todo = [n for n in graph.nodes if n.weights and n.name not in self.weights]
+        todo = [n for n in graph.nodes if n.weights and node_key(n) not in self.weights]
         if todo and weights is None:
             raise KtflowError("this model was loaded without weights (config.json only): it can be compiled "
                               "but not run; point ktflow at a checkpoint dir with *.safetensors")
@@ -85,7 +57,8 @@ class TorchRefBackend:
         copying = sum(n.weight_elems() for n in todo if self.device_of(n).type != "cpu") > 2e8
         for n in tqdm(todo, desc="weights", unit="node", disable=not copying, leave=False):
             w: Weights = {}
-            dev = self.device_of(n)
+            # a fetch's experts stay in host memory: it copies them to the GPU at each step
+            dev = self.devices[Device.CPU] if n.op == Op.FETCH else self.device_of(n)
             for ref in n.weights:
                 if ref.experts:  # only the experts (and the intermediate rows) this node holds
                     rows = slice(*n.attrs.rows)
@@ -93,12 +66,12 @@ class TorchRefBackend:
                     w[ref.role] = {e: self._ready(weights.load_expert(ref, e)[index], dev) for e in n.attrs.ids}
                 else:
                     w[ref.role] = self._ready(weights.load(ref), dev)
-            self.weights[n.name] = w
+            self.weights[node_key(n)] = w
 
     # ------------------------------------------------------------------------------ dispatch
     def run(self, node: Node, inputs: list[Any], ctx: StepContext) -> Any:
         dev = self.device_of(node)
-        return RULES[node.op](self, node, self.weights.get(node.name, {}), inputs, ctx, dev)
+        return self.rules[node.op](self, node, self.weights.get(node_key(node), {}), inputs, ctx, dev)
 
     def rope_tables(self, attrs: AttentionAttrs, ctx: StepContext, dev: torch.device):
         key = (attrs.rope, dev)
@@ -156,67 +129,6 @@ def _rmsnorm(be, node, w, ins, ctx, dev):
     return rms_norm(ins[0], w["weight"], node.attrs.eps)
 
 
-def gqa_project(a: AttentionAttrs, w, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """x [B,S,H] -> q [B,S,heads,d], k and v [B,S,kv_heads,d]: projections, q/k norms, rope."""
-    b, s = x.shape[:2]
-    q = linear(x, w, "q").view(b, s, a.heads, a.head_dim)
-    k = linear(x, w, "k").view(b, s, a.kv_heads, a.head_dim)
-    v = linear(x, w, "v").view(b, s, a.kv_heads, a.head_dim)
-    if a.qk_norm:
-        q, k = rms_norm(q, w["q_norm"], a.norm_eps), rms_norm(k, w["k_norm"], a.norm_eps)
-    return rope_mod.apply(q, cos, sin, a.rope.pairs), rope_mod.apply(k, cos, sin, a.rope.pairs), v
-
-
-def _gqa(be, a: AttentionAttrs, w, x, ctx, dev):
-    b, s, p = ctx.batch, ctx.seq, ctx.position
-    q, k, v = gqa_project(a, w, x.view(b, s, -1), *be.rope_tables(a, ctx, dev))
-    kc, vc = be.cache(ctx, a, dev)
-    kc[:, :, p:p + s] = k.transpose(1, 2)
-    vc[:, :, p:p + s] = v.transpose(1, 2)
-    rep = a.heads // a.kv_heads
-    keys = kc[:, :, :p + s].repeat_interleave(rep, dim=1)
-    vals = vc[:, :, :p + s].repeat_interleave(rep, dim=1)
-    out = causal_attention(q.transpose(1, 2), keys, vals, a.softmax_scale, p, a.window)
-    return linear(out, w, "o").view(b * s, -1)
-
-
-def mla_project(a: AttentionAttrs, w, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """x [B,S,H] -> q_nope [B,S,heads,nope], roped q_rope [B,S,heads,rope], the normalised latent
-    [B,S,kv_lora_rank] and the roped key [B,S,1,rope] (what the cache holds)."""
-    b, s = x.shape[:2]
-    nope, rdim, kvl = a.qk_nope_dim, a.qk_rope_dim, a.kv_lora_rank
-    if a.q_lora_rank:
-        q = linear(rms_norm(linear(x, w, "q_a"), w["q_a_norm"], a.norm_eps), w, "q_b")
-    else:
-        q = linear(x, w, "q")
-    q = q.view(b, s, a.heads, nope + rdim)
-    kv = linear(x, w, "kv_a")
-    latent = rms_norm(kv[..., :kvl], w["kv_a_norm"], a.norm_eps)
-    k_rope = kv[..., kvl:].view(b, s, 1, rdim)
-    return (q[..., :nope], rope_mod.apply(q[..., nope:], cos, sin, a.rope.pairs), latent,
-            rope_mod.apply(k_rope, cos, sin, a.rope.pairs))
-
-
-def _mla(be, a: AttentionAttrs, w, x, ctx, dev):
-    b, s, p = ctx.batch, ctx.seq, ctx.position
-    nope, rdim, vd = a.qk_nope_dim, a.qk_rope_dim, a.v_head_dim
-    q_nope, q_rope, latent, k_rope = mla_project(a, w, x.view(b, s, -1), *be.rope_tables(a, ctx, dev))
-    lc, rc = be.cache(ctx, a, dev)
-    lc[:, p:p + s] = latent
-    rc[:, p:p + s] = k_rope[:, :, 0]
-    kvb = F.linear(lc[:, :p + s], w["kv_b"]).view(b, p + s, a.heads, nope + vd)
-    k_nope, v = kvb[..., :nope].transpose(1, 2), kvb[..., nope:].transpose(1, 2)  # [B,h,L,*]
-    keys = torch.cat([k_nope, rc[:, None, :p + s].expand(b, a.heads, p + s, rdim)], dim=-1)
-    queries = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)
-    out = causal_attention(queries, keys, v, a.softmax_scale, p, 0)
-    return linear(out, w, "o").view(b * s, -1)
-
-
-def _attention(be, node, w, ins, ctx, dev):
-    fn = _mla if node.attrs.kind == "mla" else _gqa
-    return fn(be, node.attrs, w, ins[0], ctx, dev)
-
-
 def route(a: GateAttrs, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """Router math shared by all families: (ids [T,k] int64, weights [T,k] f32), by weight desc."""
     logits = F.linear(x.float(), weight.float())
@@ -254,10 +166,14 @@ def _mlp(be, node, w, ins, ctx, dev):
 
 
 def _routed_experts(be, node, w, ins, ctx, dev):
-    x, (ids, wts) = ins
-    lo, hi = node.attrs.rank_range  # the gate sorts each token's picks by weight: slot = rank
+    x, (ids, wts) = ins[:2]
+    a = node.attrs
+    lo, hi = a.rank_range  # the gate sorts each token's picks by weight: slot = rank
     ids, wts = ids[:, lo:hi], wts[:, lo:hi]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if len(ins) == 3:  # streamed: the weights its fetch staged, expert i of the subset in row i
+        gate, up, down = staged(ins[2], a.hidden, a.inter)
+        w = {"gate": dict(zip(a.ids, gate)), "up": dict(zip(a.ids, up)), "down": dict(zip(a.ids, down))}
     held = w["gate"]
     for e in ids.unique().tolist():
         if e not in held:
@@ -266,6 +182,19 @@ def _routed_experts(be, node, w, ins, ctx, dev):
         y = swiglu(x[rows], w["gate"][e], w["up"][e], w["down"][e])
         out.index_add_(0, rows, y.float() * wts[rows, slot, None])
     return out.to(x.dtype)
+
+
+def staged(t: torch.Tensor, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fetch's output [n, 3 * hidden * inter] as gate, up [n, inter, hidden] and down [n, hidden, inter]."""
+    n, hi = t.shape[0], hidden * inter
+    return t[:, :hi].view(n, inter, hidden), t[:, hi:2 * hi].view(n, inter, hidden), t[:, 2 * hi:].view(n, hidden, inter)
+
+
+def _fetch(be, node, w, ins, ctx, dev):
+    """The subset's weights, from their host copies, stacked in the staged layout on the GPU."""
+    a = node.attrs
+    rows = [torch.cat([w["gate"][e].reshape(-1), w["up"][e].reshape(-1), w["down"][e].reshape(-1)]) for e in a.subset]
+    return torch.stack(rows).to(device=dev, dtype=be.dtype)
 
 
 def _add(be, node, w, ins, ctx, dev):
@@ -287,7 +216,7 @@ def _lm_head(be, node, w, ins, ctx, dev):
 
 
 RULES: dict[Op, Callable] = {
-    Op.INPUT: _input, Op.EMBED: _embed, Op.RMSNORM: _rmsnorm, Op.ATTENTION: _attention, Op.GATE: _gate,
+    Op.INPUT: _input, Op.EMBED: _embed, Op.RMSNORM: _rmsnorm, Op.ATTENTION: attention, Op.GATE: _gate,
     Op.MLP: _mlp, Op.ROUTED_EXPERTS: _routed_experts, Op.ADD: _add, Op.LM_HEAD: _lm_head,
-    Op.COPY: _copy, Op.SUBMIT: _submit, Op.SYNC: _sync, Op.REDUCE: _reduce, Op.DEFER: _reduce,
+    Op.COPY: _copy, Op.SUBMIT: _submit, Op.SYNC: _sync, Op.REDUCE: _reduce, Op.DEFER: _reduce, Op.FETCH: _fetch,
 }

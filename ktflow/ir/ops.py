@@ -30,6 +30,7 @@ class Op(str, Enum):
     COPY = "copy"
     SUBMIT = "submit"
     SYNC = "sync"
+    FETCH = "fetch"
 
 
 # ---------------------------------------------------------------------------------------- attrs
@@ -239,6 +240,44 @@ class SyncAttrs:
     task: str
 
 
+#: bytes per weight of a packed expert format over the PCIe link: data, plus the fp32 scales of its
+#: quantization groups (int8: one per output channel of K = hidden; int4: one per 128 weights)
+def packed_weight_bytes(fmt: str, k: int) -> float:
+    return {"bf16": 2.0, "int8": 1.0 + 4.0 / max(k, 1), "int4": 0.5 + 4.0 / 128}[fmt]
+
+
+@dataclass(frozen=True)
+class FetchAttrs:
+    """Stream routed experts to the GPU for a prefill step: copy the packed weights of experts
+    `subset` of layer `layer` (`experts` in all; each hidden x inter, packed as `fmt`) from host
+    memory into GPU staging slot `slot` and convert them there to the GPU layout (gate and up
+    [inter, hidden], down [hidden, inter] per expert, in the activation dtype). The output is the
+    converted weights, read by one GPU routed-experts node as its third input. The optional input
+    is the routed-experts node that used the same slot before: the copy waits until it is done."""
+
+    layer: int
+    hidden: int
+    inter: int
+    experts: int
+    subset: tuple[int, ...]
+    fmt: str = "bf16"
+    slot: int = 0
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return self.subset
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        return (0, self.inter)
+
+    @property
+    def link_bytes(self) -> float:
+        """Bytes copied over the PCIe link: the packed experts as the CPU holds them."""
+        per_weight = (packed_weight_bytes(self.fmt, self.hidden) * 2 + packed_weight_bytes(self.fmt, self.inter)) / 3
+        return len(self.subset) * 3 * self.hidden * self.inter * per_weight
+
+
 # ---------------------------------------------------------------------------------------- facts
 
 
@@ -266,7 +305,8 @@ class OpFacts:
     state_elems: Callable[[Any, Work], float] = lambda a, w: 0.0
     #: fraction of the node's weight references it holds (a routed-expert subset holds its experts only)
     held_fraction: Callable[[Any], float] = lambda a: 1.0
-    #: how the cost model prices it: compute (roofline), copy (PCIe), submit / sync (fixed overheads)
+    #: how the cost model prices it: compute (roofline), copy (PCIe), fetch (PCIe + conversion on the
+    #: GPU), submit / sync (fixed overheads)
     pricing: str = "compute"
 
 
@@ -307,7 +347,7 @@ def _expert_probs(a: RoutedExpertsAttrs, w: Work) -> list[float]:
     return [min(w.expert_probs[e], 1.0) * share for e in a.ids]
 
 
-def _experts_hit_fraction(a: RoutedExpertsAttrs, w: Work) -> float:
+def experts_hit_fraction(a: RoutedExpertsAttrs, w: Work) -> float:
     """Expected fraction of the node's experts hit by `tokens` tokens: mean over its experts
     of 1 - (1 - p_e)^T."""
     p = _expert_probs(a, w)
@@ -331,8 +371,8 @@ FACTS: dict[Op, OpFacts] = {
                      lambda a, w: 2.0 * w.tokens * a.hidden * a.experts),
     Op.MLP: OpFacts(MLPAttrs, (1, 1), _hidden,
                     lambda a, w: 6.0 * w.tokens * a.hidden * a.inter + (2.0 * w.tokens * a.hidden if a.sigmoid_gate else 0)),
-    Op.ROUTED_EXPERTS: OpFacts(RoutedExpertsAttrs, (2, 2), _hidden, _experts_flops,
-                               weight_fraction=_experts_hit_fraction,
+    Op.ROUTED_EXPERTS: OpFacts(RoutedExpertsAttrs, (2, 3), _hidden, _experts_flops,
+                               weight_fraction=experts_hit_fraction,
                                held_fraction=lambda a: len(a.ids) / a.experts * a.slice_fraction),
     Op.REDUCE: OpFacts(ReduceAttrs, (1, 16), _hidden, lambda a, w: float(w.tokens * a.hidden)),
     Op.DEFER: OpFacts(DeferAttrs, (1, 4), _hidden, lambda a, w: float(w.tokens * a.hidden)),
@@ -343,6 +383,8 @@ FACTS: dict[Op, OpFacts] = {
     Op.SUBMIT: OpFacts(SubmitAttrs, (1, 16), lambda a, ins, act: TensorType((), DType.TOKEN), lambda a, w: 0.0,
                        pricing="submit"),
     Op.SYNC: OpFacts(SyncAttrs, (2, 2), lambda a, ins, act: ins[1], lambda a, w: 0.0, pricing="sync"),
+    Op.FETCH: OpFacts(FetchAttrs, (0, 1), lambda a, ins, act: TensorType((len(a.subset), 3 * a.hidden * a.inter), act),
+                      lambda a, w: 0.0, held_fraction=lambda a: len(a.subset) / a.experts, pricing="fetch"),
 }
 
 

@@ -82,7 +82,7 @@ def _r5_input_types(g: Graph):
             continue
         if n.op == Op.INPUT or FACTS[n.op].pricing != "compute":
             continue
-        if n.op == Op.ROUTED_EXPERTS and len(ins) == 2 and ins[1].dtype != DType.ROUTE:
+        if n.op == Op.ROUTED_EXPERTS and len(ins) >= 2 and ins[1].dtype != DType.ROUTE:
             yield n.name, f"second input must be a routing ({DType.ROUTE.value}), got {ins[1]}"
         x = ins[0]
         width = getattr(n.attrs, "hidden", None) or getattr(n.attrs, "dim", None) or (
@@ -246,6 +246,49 @@ def _p1_placed(g: Graph):
             yield n.name, "no placement"
 
 
+def _s1_fetch_feeds_its_experts(g: Graph):
+    """A fetch stages the weights of exactly the experts of the one GPU routed-experts node that
+    reads it (as its third input); that node holds no weights of its own."""
+    for n in g.nodes:
+        if n.op == Op.FETCH:
+            readers = [u for u in g.users(n.name) if g.by_name(u).op == Op.ROUTED_EXPERTS]
+            if len(readers) != 1 or len(g.users(n.name)) != 1:
+                yield n.name, f"must be read by one routed-experts node alone, is read by {list(g.users(n.name))}"
+                continue
+            r = g.by_name(readers[0])
+            if len(r.inputs) != 3 or r.inputs[2] != n.name:
+                yield n.name, f"must be the third input of {r.name}"
+            elif (r.attrs.layer, r.attrs.ids, r.attrs.rows) != (n.attrs.layer, n.attrs.subset, (0, n.attrs.inter)):
+                yield n.name, f"stages layer {n.attrs.layer} experts [{len(n.attrs.subset)}], {r.name} computes layer " \
+                              f"{r.attrs.layer} experts [{len(r.attrs.ids)}] rows {r.attrs.rows}"
+            if n.place is not None and n.place.device.value != "gpu":
+                yield n.name, "a fetch stages weights in GPU memory: it is placed on the GPU"
+        if n.op == Op.ROUTED_EXPERTS and len(n.inputs) == 3:
+            src = g.by_name(n.inputs[2]) if n.inputs[2] in g else None
+            if src is None or src.op != Op.FETCH:
+                yield n.name, f"third input {n.inputs[2]} is not a fetch"
+            if n.weights:
+                yield n.name, "streamed experts hold no weights: their fetch does"
+            if n.place is not None and n.place.device.value != "gpu":
+                yield n.name, "streamed experts run on the GPU"
+
+
+def _s2_slots_reused_in_order(g: Graph):
+    """A fetch that reuses a staging slot waits for the slot's previous user: its input is the
+    streamed-experts node that last read a fetch into the same slot."""
+    last: dict[int, str] = {}  # slot -> the streamed-experts node that read it last, in graph order
+    slot_of: dict[str, int] = {}  # fetch -> slot
+    for n in g.nodes:
+        if n.op == Op.FETCH:
+            want = last.get(n.attrs.slot)
+            got = n.inputs[0] if n.inputs else None
+            if got != want:
+                yield n.name, f"slot {n.attrs.slot} was last used by {want}; the fetch must wait for it (input {got})"
+            slot_of[n.name] = n.attrs.slot
+        elif n.op == Op.ROUTED_EXPERTS and len(n.inputs) == 3 and n.inputs[2] in slot_of:
+            last[slot_of[n.inputs[2]]] = n.name
+
+
 def _l1_edges_stay_on_one_device(g: Graph):
     for n in g.nodes:
         if n.place is None:
@@ -295,6 +338,8 @@ RULES: dict[str, Rule] = {r.id: r for r in [
     Rule("D2", "spec", "nothing is deferred out of the last MoE layer", _d2_last_moe_layer_defers_nothing),
     Rule("C1", "costed", "every node has a cost", _c1_costed),
     Rule("P1", "placed", "every node has a placement", _p1_placed),
+    Rule("S1", "placed", "a fetch stages the weights of the streamed experts that read it", _s1_fetch_feeds_its_experts),
+    Rule("S2", "placed", "a reused staging slot waits for its previous reader", _s2_slots_reused_in_order),
     Rule("L1", "lowered", "values cross devices only through copy nodes", _l1_edges_stay_on_one_device),
     Rule("L2", "lowered", "submit/sync pairs wrap a CPU task", _l2_submit_sync_pairs),
 ]}

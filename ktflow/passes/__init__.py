@@ -28,12 +28,14 @@ from .defer import defer_experts
 from .lower import lower
 from .numa import split_numa
 from .place import place_by_intensity
+from .prefill import place_prefill_experts
 
 Pass = Callable[[Graph, CompileContext], Graph]
 
 PIPELINE: tuple[tuple[Pass, str], ...] = (
     (annotate_costs, "costed"),
     (place_by_intensity, "placed"),
+    (place_prefill_experts, "placed"),
     (defer_experts, "placed"),
     (split_numa, "placed"),
     (lower, "lowered"),
@@ -64,16 +66,16 @@ def run_pipeline(g: Graph, ctx: CompileContext, print_after: str | None = None,
             repro = _write_reproducer(g, fn.__name__)
             before = ", ".join(names[:k]) or "none"
             kind = "left the graph invalid" if isinstance(e, VerifyError) else "failed"
-            raise PassError(f"pass {fn.__name__} {kind} ({ctx.phase} plan): {e}\n  passes before it: {before}\n"
+            raise PassError(f"pass {fn.__name__} {kind} ({ctx.label} plan): {e}\n  passes before it: {before}\n"
                             f"  its input graph: {repro}") from e
         timings[fn.__name__] = time.perf_counter() - t0
         g = new
         if dump_dir:
             d = Path(dump_dir)
             d.mkdir(parents=True, exist_ok=True)
-            (d / f"{ctx.phase}.{k + 1:02d}.{fn.__name__}.txt").write_text(print_graph(g))
+            (d / f"{ctx.label}.{k + 1:02d}.{fn.__name__}.txt").write_text(print_graph(g))
         if print_after == fn.__name__:
-            (out or sys.stdout).write(f"# {ctx.phase} graph after {fn.__name__}\n" + print_graph(g))
+            (out or sys.stdout).write(f"# {ctx.label} graph after {fn.__name__}\n" + print_graph(g))
     return g, timings
 
 

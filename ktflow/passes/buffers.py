@@ -17,7 +17,9 @@ def plan_buffers(g: Graph, steps: list[Step], tokens: int) -> tuple[list[Buffer]
     outputs to the end). Arena: pinned for values a PCIe copy reads or writes on the host side
     (the exchange buffer, reused across layers), gpu for other GPU values, host for other CPU
     values. Within an arena, values are placed in order of their first step at the lowest
-    256-byte-aligned offset that no value live at the same time occupies (first fit).
+    256-byte-aligned offset that no value live at the same time occupies (first fit). Streamed
+    expert weights (fetch outputs) go to the staging arena: its first fit gives one slot per
+    fetch in flight.
     A sync's value is its task's (no buffer of its own; the task's stays live until the sync's
     readers are done). A CPU task runs asynchronously from its submit to its sync, so its nodes'
     values are live from the submit and their inputs until the sync. Guarantees: values live at once never share bytes of one arena;
@@ -52,7 +54,8 @@ def plan_buffers(g: Graph, steps: list[Step], tokens: int) -> tuple[list[Buffer]
     for n in g.nodes:
         if n.out.dtype == DType.TOKEN or n.op == Op.INPUT or n.name in alias or n.name not in first:
             continue
-        arena = "pinned" if n.name in pinned else ("gpu" if n.place.device == Device.GPU else "host")
+        arena = "pinned" if n.name in pinned else "staging" if n.op == Op.FETCH else (
+            "gpu" if n.place.device == Device.GPU else "host")
         size = n.out.numel(tokens) * n.out.dtype.itemsize
         values.append((first[n.name], last[n.name], n.name, arena, -(-size // ALIGN) * ALIGN))
     buffers, arenas = [], {}

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..cost import activation_peak, gpu_workspace_bytes, node_cost, transfer_seconds
+from ..cost import node_cost, transfer_seconds
+from ..memory import activation_peak, gpu_workspace_bytes
 from ..errors import ConfigError
 from ..ir.graph import Graph, Node
 from ..ir.ops import FACTS, Op, Work

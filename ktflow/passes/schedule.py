@@ -8,12 +8,14 @@ from ..options import CompileContext
 from ..plan import Step
 
 #: step kind per op; everything else is a kernel launch on its lane (record/wait steps mark events)
-STEP_KIND = {Op.COPY: "copy", Op.SUBMIT: "submit", Op.SYNC: "sync"}
+STEP_KIND = {Op.COPY: "copy", Op.SUBMIT: "submit", Op.SYNC: "sync", Op.FETCH: "fetch"}
 
 
 def lane_of(n: Node) -> str:
-    """gpu (GPU compute, and submit/sync host functions in its stream), copy (PCIe), cpu, and
-    cpu<i> for NUMA node i's share of the CPU (shards run at once on their nodes)."""
+    """gpu (GPU compute, and submit/sync host functions in its stream), copy (PCIe copies of
+    activations), fetch (streamed expert weights: PCIe copy and conversion, its own stream so a
+    long weight copy never holds up an activation's), cpu, and cpu<i> for NUMA node i's share of
+    the CPU (shards run at once on their nodes)."""
     if n.place.stream:
         return n.place.stream
     if n.place.numa is not None:
@@ -22,7 +24,7 @@ def lane_of(n: Node) -> str:
 
 
 def lane_order(lane: str) -> tuple[int, str]:
-    return ({"gpu": 0, "copy": 1, "cpu": 2}.get(lane, 3), lane)
+    return ({"gpu": 0, "copy": 1, "fetch": 2, "cpu": 3}.get(lane, 4), lane)
 
 
 def schedule(g: Graph, ctx: CompileContext) -> list[Step]:

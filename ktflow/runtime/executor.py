@@ -13,6 +13,8 @@ import torch
 
 from ..backends import StepContext
 from ..ir.graph import Graph
+from ..ir.ops import Op
+from ..memory import LOGIT_ROWS
 from ..plan import Plan, Step
 from .state import State
 
@@ -39,7 +41,8 @@ class Executor:
         # passes the task's value); asynchronous backends give submit and sync their own handlers
         # record/wait order lanes; a backend that runs steps in plan order on one thread needs neither
         self.handlers: dict[str, Callable[[Step, dict, StepContext], None]] = {
-            "launch": self._launch, "copy": self._launch, "submit": self._launch, "sync": self._launch,
+            "launch": self._launch, "copy": self._launch, "fetch": self._launch, "submit": self._launch,
+            "sync": self._launch,
             "record": _nothing, "wait": _nothing}
         # a backend may run a whole plan its own way (cuda_graph: decode captured as one graph)
         make_runner = getattr(backend, "step_runner", None)
@@ -50,21 +53,28 @@ class Executor:
 
     def _launch(self, step: Step, values: dict, ctx: StepContext) -> None:
         node = self.graph.by_name(step.node)
-        values[step.writes[0]] = self.backend.run(node, [values[i] for i in node.inputs], ctx)
+        inputs = [values[i] for i in node.inputs]
+        if node.op == Op.LM_HEAD:
+            values[step.writes[0]] = lm_head_rows(self.backend, node, inputs[0], ctx)
+            return
+        values[step.writes[0]] = self.backend.run(node, inputs, ctx)
 
-    def run(self, input_ids: torch.Tensor, state: State, position_t: torch.Tensor | None = None) -> torch.Tensor:
-        """Run one step over input_ids [batch, seq] from state.position; returns logits [batch, seq, vocab].
-        With `position_t` (the position as a tensor), backends run their static-shape rules."""
+    def run(self, input_ids: torch.Tensor, state: State, position_t: torch.Tensor | None = None,
+            logits: str = "all") -> torch.Tensor | None:
+        """Run one step over input_ids [batch, seq] from state.position; returns logits [batch, seq,
+        vocab], with logits='last' [batch, 1, vocab] (the last position's), with 'none' None (a
+        prompt's chunk before the last). With `position_t` (the position as a tensor), backends
+        run their static-shape rules."""
         tracing = self.trace > 0
         self.trace = max(self.trace - 1, 0)
         if self.runner is not None and position_t is None:
             if tracing:
-                logits, self.measured = self.runner.run(input_ids, state, trace=True)
-                return logits
-            return self.runner.run(input_ids, state)
+                out, self.measured = self.runner.run(input_ids, state, trace=True, logits=logits)
+                return out
+            return self.runner.run(input_ids, state, logits=logits)
         b, s = input_ids.shape
         ctx = StepContext(batch=b, seq=s, position=state.position, state=state, token_ids=input_ids.reshape(-1),
-                          position_t=position_t)
+                          position_t=position_t, logits=logits)
         values: dict[str, Any] = {}
         timed = [] if tracing else None
         t0 = time.perf_counter()
@@ -81,5 +91,22 @@ class Executor:
         if timed is not None:
             self.measured = timed
         state.position += s
-        logits = values[self.graph.outputs[0]]
-        return logits.view(b, s, -1)
+        out = values[self.graph.outputs[0]]
+        return None if out is None else out.view(b, s if logits == "all" else 1, -1)
+
+
+def lm_head_rows(backend: Any, node, x: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+    """The lm_head over the rows the step asks for (ctx.logits): every row (on a GPU in pieces
+    of LOGIT_ROWS rows gathered in host memory, so a long prompt's logits never sit on the GPU
+    at once), each sequence's last row, or none."""
+    if ctx.logits == "none":
+        return None
+    if ctx.logits == "last":
+        return backend.run(node, [x.view(ctx.batch, ctx.seq, -1)[:, -1]], ctx)
+    if x.device.type != "cuda" or x.shape[0] <= LOGIT_ROWS:
+        return backend.run(node, [x], ctx)
+    out = torch.empty(x.shape[0], node.attrs.vocab, dtype=torch.float32, pin_memory=True)
+    for lo in range(0, x.shape[0], LOGIT_ROWS):
+        out[lo:lo + LOGIT_ROWS].copy_(backend.run(node, [x[lo:lo + LOGIT_ROWS]], ctx), non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    return out

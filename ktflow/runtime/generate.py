@@ -56,7 +56,7 @@ def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, 
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     ids = input_ids
     t0 = time.perf_counter()
-    logits, state = execute(compiled, ids, state)
+    logits, state = execute(compiled, ids, state, logits="last")
     t1 = time.perf_counter()
     out = [ids]
     done = torch.zeros(ids.shape[0], dtype=torch.bool)

@@ -1,0 +1,91 @@
+"""Routed experts on the GPU for long steps, and the conversion of streamed packed experts.
+
+- `grouped_experts`: every pick of a step as one grouped matrix product per projection: picks
+  sorted by expert and offsets computed on the device (no host sync), over stacked resident
+  weights or the weights a fetch staged.
+- `unpack_matrix`: packed CPU experts (the native layouts: 16-row blocks with K pairs, quads or
+  octets side by side, int8/int4 with fp32 group scales) converted to plain [n, k] matrices on
+  the device they were copied to.
+
+memory.SCRATCH mirrors the temporaries of `grouped_experts`; change them together.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+_GROUPED_OK: dict[str, bool] = {}  # device type -> whether torch's grouped matmul runs there
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows offs[g-1]..offs[g] of a [R, K] times b[g] [K, N] -> [R, N] (rows past offs[-1]
+    undefined): torch's grouped matmul where this torch and device run it, else a loop over the
+    groups (reads `counts` on the host)."""
+    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    kind = a.device.type
+    if fn is not None and _GROUPED_OK.get(kind, True):
+        try:
+            out = fn(a, b, offs=offs)
+            _GROUPED_OK[kind] = True
+            return out
+        except (RuntimeError, NotImplementedError):
+            _GROUPED_OK[kind] = False
+    out = torch.empty(a.shape[0], b.shape[-1], dtype=a.dtype, device=a.device)
+    lo = 0
+    for g, n in enumerate(counts.tolist()):
+        if n:
+            out[lo:lo + n] = a[lo:lo + n] @ b[g]
+        lo += n
+    return out
+
+
+def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local: torch.Tensor, gate: torch.Tensor,
+                    up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """sum over each token's picks of weight * down(silu(gate x) * up x), for the picks whose
+    expert has a row in the stacked weights (`local[id]` >= 0; others add nothing). x [T, H];
+    ids, wts [T, k]; gate, up [n, I, H]; down [n, H, I] -> [T, H] in x's dtype (summed in fp32)."""
+    t, k = ids.shape
+    n = gate.shape[0]
+    slot = local[ids].reshape(-1)
+    key = torch.where(slot < 0, n, slot)
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=n + 1)[:n]
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    token = order // k
+    held = key[order] < n
+    xs = x.index_select(0, token)
+    h = F.silu(grouped_mm(xs, gate.transpose(1, 2), offs, counts)) * grouped_mm(xs, up.transpose(1, 2), offs, counts)
+    y = grouped_mm(h, down.transpose(1, 2), offs, counts).float()
+    y = torch.where(held[:, None], y * wts.reshape(-1)[order][:, None], 0.0)  # rows past the groups are garbage
+    return torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, token, y).to(x.dtype)
+
+
+def expert_map(ids: tuple[int, ...], experts: int, device) -> torch.Tensor:
+    """[experts] int64: each held expert's row in the stacked weights, -1 for the others."""
+    local = torch.full((experts,), -1, dtype=torch.int64)
+    local[list(ids)] = torch.arange(len(ids))
+    return local.to(device)
+
+
+def unpack_matrix(fmt: str, data: torch.Tensor, scales: torch.Tensor | None, np_: int, kp: int, group: int,
+                  out: torch.Tensor) -> None:
+    """Packed matrices [n_experts, bytes] (uint8, one row per expert, as the native operator
+    lays them out; see native/include/ktf/common.h) into `out` [n_experts, n, k] (n <= np_,
+    k <= kp), in out's dtype."""
+    e = data.shape[0]
+    n, k = out.shape[1], out.shape[2]
+    if fmt == "bf16":  # [np/16][kp/2][16][2]
+        w = data.view(torch.bfloat16).view(e, np_ // 16, kp // 2, 16, 2).permute(0, 1, 3, 2, 4)
+        out.copy_(w.reshape(e, np_, kp)[:, :n, :k])
+        return
+    if fmt == "int8":  # [np/16][kp/4][16][4], value + 128
+        q = data.view(e, np_ // 16, kp // 4, 16, 4).permute(0, 1, 3, 2, 4).reshape(e, np_, kp).to(torch.int16) - 128
+    else:  # int4: [np/16][kp/8][16][4] bytes; byte i holds k = 8q + i (low nibble), 8q + 4 + i (high); value + 8
+        b = data.view(e, np_ // 16, kp // 8, 16, 4)
+        q = torch.stack([b & 15, b >> 4], dim=4)  # [.., 16, 2, 4]: k order within the octet
+        q = q.permute(0, 1, 3, 2, 4, 5).reshape(e, np_, kp).to(torch.int16) - 8
+    s = scales.view(torch.float32).view(e, np_ // 16, kp // group, 16).permute(0, 1, 3, 2).reshape(e, np_, kp // group)
+    w = q.float().view(e, np_, kp // group, group) * s[..., None]
+    out.copy_(w.reshape(e, np_, kp)[:, :n, :k])

@@ -1,0 +1,128 @@
+"""Streaming packed experts to the GPU: the one stored copy in host memory (the native operators'
+arenas) copied to a landing buffer on the device, then unpacked there into a fetch's output.
+
+A layer's packed experts may be held by several operators (NUMA shards, each with intermediate
+rows i0..i1) and each operator by slices; every (operator, slice) piece is one page-aligned
+arena with the held experts in id order. `ExpertStager.stage` copies the requested experts of
+every piece (one copy per run of consecutive experts), then converts each matrix to the plain
+[n, k] layout of the fetch output: gate and up [inter, hidden], down [hidden, inter] per expert.
+On CUDA the arenas are pinned once (`pin`), so the copies run at PCIe speed without staging.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .. import native
+from ..errors import KtflowError
+from .moe_gpu import unpack_matrix
+from .torch_ref import staged
+
+
+@dataclass(frozen=True)
+class Piece:
+    op: native.ExpertOp
+    slice: int
+    rows: tuple[int, int]  # the layer's intermediate rows this piece holds
+
+    @property
+    def stride(self) -> int:
+        return self.op.expert_stride(self.slice)
+
+
+def pieces_of(ops: list[native.ExpertOp], row_offsets: list[int]) -> list[Piece]:
+    """Every slice of every operator, with its rows in the layer (operator i starts at row
+    row_offsets[i] of the layer's intermediate dimension)."""
+    out = []
+    for op, base in zip(ops, row_offsets, strict=True):
+        for i, (i0, i1, _, _) in enumerate(op.slices):
+            out.append(Piece(op, i, (base + i0, base + i1)))
+    return sorted(out, key=lambda p: p.rows)
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(first index, first slot, length) of each run of consecutive slots."""
+    out: list[list[int]] = []
+    for i, s in enumerate(slots):
+        if out and s == out[-1][1] + out[-1][2]:
+            out[-1][2] += 1
+        else:
+            out.append([i, s, 1])
+    return [tuple(r) for r in out]  # type: ignore[misc]
+
+
+class ExpertStager:
+    """Stages experts of one layer held by `pieces` (packed as `fmt`) on `device`."""
+
+    def __init__(self, pieces: list[Piece], fmt: str, hidden: int, inter: int, device: torch.device,
+                 dtype: torch.dtype = torch.bfloat16):
+        edges = [p.rows for p in pieces]
+        if not pieces or edges[0][0] != 0 or edges[-1][1] != inter or any(a[1] != b[0] for a, b in zip(edges, edges[1:])):
+            raise KtflowError(f"the packed experts' rows {edges} do not tile the layer's {inter} intermediate rows")
+        self.pieces, self.fmt, self.hidden, self.inter, self.device = pieces, fmt, hidden, inter, device
+        self.dtype = dtype
+
+    def landing_bytes(self, experts: int) -> int:
+        """Bytes of the landing buffer for `experts` experts (every piece's blocks back to back)."""
+        return experts * sum(p.stride for p in self.pieces)
+
+    def stage(self, subset: tuple[int, ...], out: torch.Tensor | None = None,
+              landing: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy experts `subset` to `landing` (uint8 on the device, at least landing_bytes; new
+        when None) and unpack them into `out` [len(subset), 3 * hidden * inter] (new when
+        None); returns `out`. Copies are asynchronous on the current stream where the arenas
+        are pinned."""
+        n = len(subset)
+        if out is None:
+            out = torch.empty(n, 3 * self.hidden * self.inter, dtype=self.dtype, device=self.device)
+        if landing is None:
+            landing = torch.empty(self.landing_bytes(n), dtype=torch.uint8, device=self.device)
+        gate, up, down = staged(out, self.hidden, self.inter)
+        at = 0
+        for p in self.pieces:
+            arena, stride = p.op.arena(p.slice), p.stride
+            dst = landing[at:at + n * stride].view(n, stride)
+            at += n * stride
+            slots = [p.op.arena_slot(e) for e in subset]
+            for first, slot, length in _runs(slots):
+                dst[first:first + length].view(-1).copy_(arena[slot * stride:(slot + length) * stride], non_blocking=True)
+            lo, hi = p.rows
+            for which, target in ((0, gate[:, lo:hi]), (1, up[:, lo:hi]), (2, down[:, :, lo:hi])):
+                L = p.op.layout(p.slice, which)
+                data = dst[:, L["data_offset"]:L["data_offset"] + L["data_bytes"]]
+                scales = dst[:, L["scales_offset"]:L["scales_offset"] + L["scales_bytes"]] if L["scales_bytes"] else None
+                unpack_matrix(self.fmt, data, scales, L["np"], L["kp"], L["group"], target)
+        return out
+
+
+_PINNED: dict[int, int] = {}  # arena address -> bytes, registered with the CUDA driver by `pin`
+
+
+def pin(op: native.ExpertOp) -> bool:
+    """Page-lock an operator's arenas for the GPU (cudaHostRegister), once; unregistered when the
+    operator is freed. Returns False where the driver refused (copies then run from pageable
+    memory, slower)."""
+    cudart = torch.cuda.cudart()
+    ok = True
+    for i in range(len(op.slices)):
+        address, nbytes, _ = op.op.arena(i)
+        if address in _PINNED:
+            continue
+        err = cudart.cudaHostRegister(address, nbytes, 0)
+        if int(err) != 0:
+            ok = False
+            continue
+        _PINNED[address] = nbytes
+        weakref.finalize(op, _unpin, address)
+    return ok
+
+
+def _unpin(address: int) -> None:
+    if _PINNED.pop(address, None) is not None:
+        try:
+            torch.cuda.cudart().cudaHostUnregister(address)
+        except Exception:  # noqa: BLE001 - exiting, or the context is gone: nothing to undo
+            pass

@@ -1,0 +1,160 @@
+"""The memory model: what a step of a plan holds besides weights, on the GPU and in host memory.
+
+A step's activations are its live values (each freed after its last reader) plus, while a node
+runs, the temporaries inside its rule (`scratch_bytes`: projections, attention inputs, the
+gathered rows of routed experts). Prefill plans add the staging of streamed experts: the
+converted weights in their slots (the plan's `staging` arena) and one landing buffer that the
+packed bytes are copied into before conversion. `prefill_room` is what the compiler has left for
+staging once weights, KV caches, workspaces and a step's activations are counted.
+
+The scratch rules mirror the GPU rules of ktflow.backends.layers (attention) and
+ktflow.backends.moe_gpu (grouped routed experts); change them together.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .hw import HwProfile
+from .ir.graph import Graph, Node
+from .ir.ops import Op
+from .ir.types import Device, DType
+
+#: rows of logits the GPU holds at once when a prefill asks for every position's logits (they
+#: leave for host memory piece by piece; the usual prefill computes the last position's only)
+LOGIT_ROWS = 1024
+
+#: GPU streams that run matrix products in a hybrid run: prefill's (the caller's stream) and the
+#: decode graph's; each holds its own BLAS workspace
+COMPUTE_STREAMS = 2
+
+
+def gpu_workspace_bytes(hw: HwProfile) -> float:
+    """GPU memory the BLAS workspaces take (none without a GPU)."""
+    return COMPUTE_STREAMS * hw.gpus[0].workspace_bytes if hw.gpus else 0.0
+
+
+def value_bytes(n: Node, tokens: int) -> float:
+    """Bytes of a node's output in a step of `tokens` tokens (logits: at most LOGIT_ROWS rows)."""
+    rows = min(tokens, LOGIT_ROWS) if n.op == Op.LM_HEAD else tokens
+    return n.out.numel(rows) * n.out.dtype.itemsize
+
+
+def activation_peak(g: Graph, tokens: int) -> float:
+    """Largest total of live activations while the graph runs a step of `tokens` tokens (values
+    freed after their last reader), in bytes, on both devices together."""
+    live: dict[str, float] = {}
+    users_left = {n.name: len(g.users(n.name)) for n in g.nodes}
+    peak = 0.0
+    for n in g.nodes:
+        live[n.name] = value_bytes(n, tokens)
+        peak = max(peak, sum(live.values()))
+        for i in n.inputs:
+            users_left[i] -= 1
+            if users_left[i] == 0:
+                live.pop(i, None)
+    return peak
+
+
+# ------------------------------------------------------------------------------- scratch
+
+
+def _attention_scratch(n: Node, tokens: int, context: int, act: int) -> float:
+    a = n.attrs
+    keys = context + tokens  # positions attended by the last token of the step
+    if a.kind == "gqa":
+        q, kv = tokens * a.heads * a.head_dim, tokens * a.kv_heads * a.head_dim
+        # projections, roped q/k, the attention output and its [T, heads*d] copy; past keys (a
+        # continued prompt or a sliding window) go through a mask, with keys expanded to every head
+        expanded = 2 * keys * a.heads * a.head_dim if context or a.window else 0
+        return act * (3 * q + 3 * kv + expanded)
+    qk = a.qk_nope_dim + a.qk_rope_dim
+    q = tokens * a.heads * qk
+    per_key = a.heads * (a.qk_nope_dim + a.v_head_dim) + 2 * a.heads * qk  # kv_b rows, keys, values padded to qk
+    out = tokens * a.heads * (qk + a.v_head_dim)
+    return act * (2 * q + keys * per_key + tokens * (a.kv_lora_rank + a.qk_rope_dim) + out)
+
+
+def _experts_scratch(n: Node, tokens: int, context: int, act: int) -> float:
+    """Grouped routed experts on the GPU: each pick's row gathered, gate/up products, SiLU
+    product, down product, its fp32 weighted copy, the fp32 sum, the sort."""
+    a = n.attrs
+    lo, hi = a.rank_range
+    picks = tokens * (hi - lo)
+    rows = a.rows[1] - a.rows[0]
+    return picks * (act * (2 * a.hidden + 3 * rows) + 4 * a.hidden + 24) + 4 * tokens * a.hidden
+
+
+def _mlp_scratch(n: Node, tokens: int, context: int, act: int) -> float:
+    return act * tokens * 3 * n.attrs.inter
+
+
+SCRATCH: dict[Op, Callable[[Node, int, int, int], float]] = {
+    Op.ATTENTION: _attention_scratch, Op.ROUTED_EXPERTS: _experts_scratch, Op.MLP: _mlp_scratch,
+}
+
+
+def scratch_bytes(n: Node, tokens: int, context: int, act: DType) -> float:
+    """Temporaries of `n`'s rule while it runs a step of `tokens` new tokens after `context`
+    earlier positions."""
+    rule = SCRATCH.get(n.op)
+    return rule(n, tokens, context, act.itemsize) if rule else 0.0
+
+
+def gpu_activation_peak(g: Graph, tokens: int, context: int = 0, streamed: bool = False) -> float:
+    """Largest GPU memory a step's activations take: the live GPU values (freed after their last
+    reader) plus the scratch of the node running. `streamed`: count CPU routed experts as if
+    they ran on the GPU (their scratch), for the room a prefill step could stream into."""
+    live: dict[str, float] = {}
+    users_left = {n.name: len(g.users(n.name)) for n in g.nodes}
+    peak = 0.0
+    for n in g.nodes:
+        on_gpu = n.place is not None and n.place.device == Device.GPU
+        if on_gpu and n.op != Op.FETCH:  # staged weights are counted as staging
+            live[n.name] = value_bytes(n, tokens)
+        if on_gpu or (streamed and n.op == Op.ROUTED_EXPERTS):
+            peak = max(peak, sum(live.values()) + scratch_bytes(n, tokens, context, g.act_dtype))
+        for i in n.inputs:
+            users_left[i] -= 1
+            if users_left[i] == 0:
+                live.pop(i, None)
+    return peak
+
+
+# ------------------------------------------------------------------------------- staging
+
+
+def staging_bytes(g: Graph) -> float:
+    """Staging of a plan's streamed experts: its slots (each as large as the largest fetch that
+    fills it) and one landing buffer for the largest fetch's packed bytes."""
+    slots: dict[int, float] = {}
+    landing = 0.0
+    for n in g.nodes:
+        if n.op == Op.FETCH:
+            size = n.out.numel(0) * n.out.dtype.itemsize
+            slots[n.attrs.slot] = max(slots.get(n.attrs.slot, 0.0), size)
+            landing = max(landing, n.attrs.link_bytes)
+    return sum(slots.values()) + landing
+
+
+def resident_gpu_bytes(g: Graph, weight_itemsize: int, kv_tokens: int) -> tuple[float, float]:
+    """(weights, KV caches) held on the GPU: weights of GPU nodes (not staged ones) and the KV
+    caches of GPU attention for `kv_tokens` positions of every row (max_seq_len x max_batch)."""
+    weights = kv = 0.0
+    for n in g.nodes:
+        if n.place is None or n.place.device != Device.GPU or n.op == Op.FETCH:
+            continue
+        weights += n.weight_elems() * weight_itemsize
+        if n.op == Op.ATTENTION:
+            kv += n.attrs.kv_cache_elems_per_token() * kv_tokens * g.act_dtype.itemsize
+    return weights, kv
+
+
+def prefill_room(g: Graph, hw: HwProfile, *, tokens: int, weight_itemsize: int, kv_tokens: int,
+                 reserve_bytes: float) -> float:
+    """GPU bytes left for staging in a prefill step of `tokens` tokens: the GPU's memory less the
+    reserve, the BLAS workspaces, the resident weights and KV caches, and the step's activations
+    with every CPU routed-experts node counted as streamed (negative: the step does not fit)."""
+    weights, kv = resident_gpu_bytes(g, weight_itemsize, kv_tokens)
+    act = gpu_activation_peak(g, tokens, streamed=True)
+    return hw.gpus[0].memory_bytes - reserve_bytes - gpu_workspace_bytes(hw) - weights - kv - act
