@@ -207,7 +207,7 @@ def _largest_step(spec: Graph, ctx_for, candidates: list[int]) -> int:
     slot; failing that, the largest whose activations fit at all (its layers then stream less or
     not at all); failing that, halving below the smallest. A profile without a GPU: no limit."""
     ctx = ctx_for(candidates[0])
-    if not ctx.hw.has_gpu or ctx.device != "cuda":
+    if not ctx.hw.has_gpu or ctx.options.placement == "cpu":
         return candidates[-1]
     placed, _ = run_pipeline(spec, ctx, pipeline=PIPELINE[:2])
     kw = dict(weight_itemsize=ctx.weight_itemsize, kv_tokens=ctx.max_seq_len * ctx.options.max_batch,

@@ -112,7 +112,8 @@ class Plan(BaseModel):
 
 def prefill_decisions(plan: "Plan") -> str:
     """Where a prefill plan computes each MoE layer's CPU-side routed experts, compactly: runs of
-    layers with the same decision (cpu, stream, or split with n of N streamed)."""
+    layers with the same decision (cpu, stream, split with n of N streamed, or gpu where every
+    expert of the layer is resident there)."""
     from .ir.ops import Op
 
     g = plan.ir
@@ -124,7 +125,8 @@ def prefill_decisions(plan: "Plan") -> str:
     for layer, nodes in sorted(per_layer.items()):
         cpu = sum(len(n.attrs.ids) for n in nodes if n.place.device.value == "cpu" and n.attrs.rows[0] == 0)
         streamed = sum(len(n.attrs.ids) for n in nodes if len(n.inputs) == 3)
-        words.append((layer, "cpu" if not streamed else "stream" if not cpu else f"split {streamed}/{cpu + streamed}"))
+        words.append((layer, "gpu" if not cpu and not streamed else "cpu" if not streamed
+                      else "stream" if not cpu else f"split {streamed}/{cpu + streamed}"))
     runs: list[list] = []
     for layer, w in words:
         if runs and runs[-1][2] == w and runs[-1][1] == layer - 1:
@@ -145,7 +147,7 @@ def prefill_table(pf: "PlanFile") -> str:
         lines.append(f"  up to {plan.step_tokens} tokens: predicted {plan.predicted_step_us / 1e3:.3f} ms/step "
                      f"({rate:.0f} tokens/s); {prefill_decisions(plan)}")
         for n in plan.ir.nodes:
-            if n.op in (Op.ROUTED_EXPERTS, Op.FETCH) and n.place.cause:
+            if n.op in (Op.ROUTED_EXPERTS, Op.FETCH, Op.REDUCE) and n.place.cause:
                 lines.append(f"    {n.name:24s} {n.place.device.value:4s} {n.place.cause}")
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,295 @@
+"""Long-prompt prefill: the placement pass (cpu / stream / split per layer), its verifier rules,
+buckets and chunking, the memory it plans, and that streamed and split prefill compute what the
+all-CPU prefill computes (here on the CPU: GPU placements run on the CPU, the packed experts are
+copied from the native arenas and unpacked as on a GPU)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import ktflow
+from ktflow import native
+from ktflow.errors import ConfigError
+from ktflow.hw import PRESETS, GpuSpec, Overheads
+from ktflow.ir import verify
+from ktflow.ir.ops import Op
+from ktflow.ir.types import Device
+from ktflow.ir.verify import VerifyError, violations
+from ktflow.plan import prefill_decisions
+from compare import assert_close_but_for_flips
+
+FAMILIES = ["deepseek_v3", "deepseek_v2_lite", "qwen2_moe", "qwen3_moe", "mixtral_sliding"]
+needs_native = pytest.mark.skipif(not native.available(), reason="native module not built")
+
+
+def machine(pcie_gbps: float = 32.0, memory_gb: float = 40.0, gemm_tflops: float | None = None):
+    """The paper's A100 machine without fixed overheads (they would decide everything at toy
+    sizes), with a chosen PCIe rate, GPU memory and CPU GEMM rate."""
+    base = PRESETS["paper-a100"]
+    gpu = base.gpus[0].model_copy(update=dict(pcie_h2d_gbps=pcie_gbps, pcie_d2h_gbps=pcie_gbps,
+                                              memory_bytes=memory_gb * 2**30))
+    cpu = base.cpu if gemm_tflops is None else base.cpu.model_copy(update=dict(gemm_tflops=gemm_tflops))
+    return base.model_copy(update=dict(gpus=[gpu], cpu=cpu, overheads=Overheads(gpu_launch_us=0, cpu_submit_us=0,
+                                                                                 cpu_sync_us=0)))
+
+
+def streamed(plan):
+    return [n for n in plan.ir.nodes if n.op == Op.ROUTED_EXPERTS and len(n.inputs) == 3]
+
+
+def hybrid(model, budget_experts: float = 0.0, **options):
+    """Dense work on the GPU and about `budget_experts` experts per MoE layer resident there."""
+    opts = dict(hw=machine(), device="cpu", max_seq_len=64)
+    opts.update({k: v for k, v in options.items() if k in ("hw", "device", "max_seq_len")})
+    probe = ktflow.compile(model, vram_budget_gb=1.0, **dict(opts, hw=machine()))
+    nodes = probe.decode.ir.nodes
+    size = model.config.weight_dtype.itemsize
+    dense = sum(n.weight_elems() * size for n in nodes if n.op != Op.ROUTED_EXPERTS)
+    per_expert = max(n.weight_elems() / n.attrs.experts for n in nodes if n.op == Op.ROUTED_EXPERTS) * size
+    layers = sum(1 for n in nodes if n.op == Op.ROUTED_EXPERTS)
+    budget = dense + probe.decode.memory.kv_cache_bytes + (budget_experts + 0.5) * layers * per_expert
+    rest = {k: v for k, v in options.items() if k not in opts}
+    return ktflow.compile(model, vram_budget_gb=budget / 1e9, **opts, **rest)
+
+
+# ------------------------------------------------------------------------------- the pass
+
+
+def test_short_prompts_stay_on_the_cpu_long_ones_stream(demo_dir):
+    """Copying a layer's experts costs the same at any length, computing them on the CPU grows
+    with it: with a slow link the compiler keeps short prompts' experts on the CPU, streams long
+    ones', and splits in between; every decision names the times it compared."""
+    model = ktflow.load(demo_dir)
+    c = hybrid(model, hw=machine(pcie_gbps=0.5, gemm_tflops=0.05), max_seq_len=8192, prefill_buckets=[16, 512, 8192])
+    modes = [prefill_decisions(p) for p in c.prefill]
+    assert modes[0] == "L1-3 cpu" and modes[-1] == "L1-3 stream", modes
+    assert "split" in modes[1], modes
+    cause = c.prefill[0].ir.by_name("L2.experts").place.cause
+    assert "prefill 16 tokens: cpu (fastest; cpu " in cause and "stream " in cause
+    long = c.prefill[-1]
+    assert all(n.place.device.value == "gpu" and not n.weights for n in streamed(long))
+    fetches = [n for n in long.ir.nodes if n.op == Op.FETCH]
+    assert [f.attrs.layer for f in fetches] == [1, 2, 3] and all(f.place.stream == "fetch" for f in fetches)
+    assert [f.attrs.slot for f in fetches] == [0, 1, 0] and fetches[2].inputs == ("L1.experts",)
+    steps = {s.node: s for s in long.steps if s.kind != "record" and s.kind != "wait"}
+    assert steps["L2.experts.fetch"].kind == "fetch" and steps["L2.experts.fetch"].lane == "fetch"
+    # the copy of layer 2's experts runs while layer 1 computes (two slots), layer 3's waits for slot 0
+    assert steps["L2.experts.fetch"].start_us < steps["L1.experts"].end_us
+    assert steps["L3.experts.fetch"].start_us >= steps["L1.experts"].end_us
+    assert long.memory.staging_bytes > 0 and long.arenas["staging"] >= 2 * fetches[0].out.numel(0) * 2
+
+
+def test_auto_buckets_merge_where_decisions_agree(demo_dir):
+    model = ktflow.load(demo_dir)
+    c = hybrid(model, hw=machine(pcie_gbps=0.5, gemm_tflops=0.05), max_seq_len=8192)
+    bounds = [p.step_tokens for p in c.prefill]
+    assert bounds == sorted(bounds) and bounds[-1] == 8192 and set(bounds) <= {256, 512, 1024, 2048, 4096, 8192}
+    decisions = [prefill_decisions(p) for p in c.prefill]
+    assert len(set(decisions)) == len(decisions)  # neighbours with one decision are one bucket
+    assert c.prefill_plan(1).step_tokens == bounds[0] and c.prefill_plan(bounds[0] + 1).step_tokens == bounds[1]
+    assert c.prefill_plan(10**6) is c.prefill[-1]
+
+
+def test_forced_modes_and_no_room(demo_dir):
+    model = ktflow.load(demo_dir)
+    for mode, word in (("cpu", "cpu"), ("stream", "stream"), ("split", "split")):
+        c = hybrid(model, prefill_experts=mode, prefill_buckets=[64])
+        assert word in prefill_decisions(c.prefill[0]), (mode, prefill_decisions(c.prefill[0]))
+    # a GPU with room for the step's weights and activations but not for staging: the layers stay
+    # on the CPU and say why, or stream is refused with the sizes
+    opts = dict(prefill_buckets=[64], prefill_chunk=64, vram_reserve_gb=0.0)
+    cpu = hybrid(model, prefill_experts="cpu", **opts).prefill[0].memory
+    tiny_gpu = machine(memory_gb=cpu.gpu_bytes / 2**30)
+    c = hybrid(model, hw=tiny_gpu, **opts)
+    assert prefill_decisions(c.prefill[0]) == "L1-3 cpu"
+    assert "no GPU room for staging" in c.prefill[0].ir.by_name("L1.experts").place.cause
+    with pytest.raises(ConfigError, match="prefill_experts='stream' at 64 tokens needs .* of GPU staging"):
+        hybrid(model, hw=tiny_gpu, prefill_experts="stream", **opts)
+
+
+def test_one_staging_slot_still_streams_without_prefetch(demo_dir):
+    c = hybrid(ktflow.load(demo_dir), prefill_experts="stream", staging_slots=1, prefill_buckets=[64])
+    fetches = [n for n in c.prefill[0].ir.nodes if n.op == Op.FETCH]
+    assert [f.attrs.slot for f in fetches] == [0, 0, 0]
+    assert fetches[1].inputs == ("L1.experts",) and fetches[2].inputs == ("L2.experts",)
+
+
+def test_decode_plans_are_unchanged_by_the_prefill_pass(demo_dir):
+    model = ktflow.load(demo_dir)
+    a = hybrid(model, prefill_experts="cpu")
+    b = hybrid(model, prefill_experts="stream")
+    assert a.decode.ir == b.decode.ir and a.decode.steps == b.decode.steps
+    assert not any(n.op == Op.FETCH for n in b.decode.ir.nodes)
+
+
+def test_chunk_limit_follows_the_gpu_memory(demo_dir):
+    """The largest prefill step is the largest bucket whose activations fit next to the weights,
+    KV caches and staging; longer prompts run as chunks of it."""
+    model = ktflow.load(demo_dir)
+    roomy = hybrid(model, max_seq_len=4096)
+    small = hybrid(model, max_seq_len=4096, hw=machine(memory_gb=0.1), vram_reserve_gb=0.0)
+    assert roomy.chunk_tokens == 4096 and 256 <= small.chunk_tokens < 4096
+    assert all(p.memory.gpu_bytes <= 0.1 * 2**30 for p in small.prefill)
+    assert hybrid(model, max_seq_len=4096, prefill_chunk=100).chunk_tokens == 100
+
+
+def test_nothing_fits_a_prefill_step(demo_dir):
+    with pytest.raises(ConfigError, match="no prefill step fits on the GPU"):
+        hybrid(ktflow.load(demo_dir), max_seq_len=64, hw=machine(memory_gb=0.06), vram_reserve_gb=0.0)
+
+
+# ------------------------------------------------------------------------------- verifier
+
+
+def _stream_graph(demo_dir):
+    c = hybrid(ktflow.load(demo_dir), prefill_experts="stream", prefill_buckets=[64])
+    return c.prefill[0].ir
+
+
+def test_s1_fetch_must_feed_its_experts(demo_dir):
+    g = _stream_graph(demo_dir)
+    fired = lambda graph: {rule for rule, _, _ in violations(graph, "placed")}  # noqa: E731
+    assert not fired(g)
+    other = g.replace_nodes(replace(n, attrs=replace(n.attrs, layer=2)) if n.name == "L1.experts.fetch" else n
+                            for n in g.nodes)
+    assert "S1" in fired(other)  # stages another layer's experts
+    on_cpu = g.replace_nodes(replace(n, place=replace(n.place, device=Device.CPU)) if n.name == "L1.experts" else n
+                             for n in g.nodes)
+    assert "S1" in fired(on_cpu)  # streamed experts run on the GPU
+    weighty = g.replace_nodes(replace(n, weights=g.by_name("L1.experts.fetch").weights) if n.name == "L1.experts"
+                              else n for n in g.nodes)
+    assert "S1" in fired(weighty)  # and hold no weights of their own
+
+
+def test_s2_reused_slot_waits_for_its_reader(demo_dir):
+    g = _stream_graph(demo_dir)
+    bad = g.replace_nodes(replace(n, inputs=()) if n.name == "L3.experts.fetch" else n for n in g.nodes)
+    with pytest.raises(VerifyError, match="S2"):
+        verify(bad, "placed")
+
+
+# ------------------------------------------------------------------------------- running
+
+
+def _run(compiled, ids, steps=3):
+    logits, state = ktflow.execute(compiled, ids)
+    out = [logits]
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        nxt = torch.randint(0, compiled.vocab_size, (ids.shape[0], 1), generator=g)
+        logits, state = ktflow.execute(compiled, nxt, state)
+        out.append(logits)
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("case", FAMILIES)
+def test_streamed_and_split_prefill_match_the_cpu_prefill_float32(case, tiny_dirs):
+    """torch_ref in float32: the staged weights are the checkpoint's, the chunks continue the
+    caches; streamed, split and chunked prefill equal the all-CPU prefill to rounding."""
+    d, _ = tiny_dirs(case)
+    model = ktflow.load(d)
+    ids = torch.randint(0, model.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(1))
+    want = _run(ktflow.compile(model, hw="cpu", dtype="float32", max_seq_len=32), ids)
+    for mode in ("stream", "split"):
+        c = hybrid(model, budget_experts=1, dtype="float32", max_seq_len=32, prefill_experts=mode, prefill_chunk=5)
+        assert streamed(c.prefill[-1]), mode
+        got = _run(c, ids)
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max(), mode
+
+
+@needs_native
+@pytest.mark.parametrize("case", FAMILIES)
+def test_streamed_and_split_prefill_match_the_cpu_prefill_native(case, tiny_dirs):
+    """The native backend in bf16: experts streamed from the packed arenas (copied, unpacked,
+    computed as one grouped matmul) and split with the CPU part masked, chunked in pieces of 4
+    tokens (positions past 0 go through the masked attention path), against all-CPU prefill."""
+    d, _ = tiny_dirs(case)
+    model = ktflow.load(d)
+    ids = torch.randint(0, model.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(1))
+    ref = hybrid(model, budget_experts=1, dtype="bfloat16", max_seq_len=32, prefill_experts="cpu")
+    want = _run(ref, ids)
+    for mode in ("stream", "split"):
+        c = hybrid(model, budget_experts=1, dtype="bfloat16", max_seq_len=32, prefill_experts=mode, prefill_chunk=4)
+        plan = c.prefill[-1]
+        assert streamed(plan) and c.chunk_tokens == 4
+        if mode == "split":
+            assert any(n.op == Op.ROUTED_EXPERTS and n.place.device.value == "cpu" for n in plan.ir.nodes)
+        got = _run(c, ids)
+        assert c.executor(plan).backend.name == "native"
+        assert_close_but_for_flips(got, want)
+
+
+def test_last_logits_equal_the_last_row_of_all(demo_dir):
+    c = hybrid(ktflow.load(demo_dir), prefill_chunk=3)
+    ids = torch.randint(0, 2048, (2, 8), generator=torch.Generator().manual_seed(4))
+    every, _ = ktflow.execute(c, ids)
+    last, state = ktflow.execute(c, ids, logits="last")
+    assert every.shape == (2, 8, 2048) and last.shape == (2, 1, 2048) and state.position == 8
+    assert torch.allclose(last, every[:, -1:], atol=1e-2, rtol=1e-2)
+    with pytest.raises(ktflow.InputError, match="logits='most'"):
+        ktflow.execute(c, ids, logits="most")
+
+
+# ------------------------------------------------------------------------------- kernels
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_staged_experts_unpack_to_the_weights_the_cpu_computes_with(fmt):
+    """Experts packed in the native layouts, copied out of the arenas of two operators that hold
+    halves of the rows (NUMA shards), unpacked: the same matrices the CPU kernels multiply by
+    (bf16 exactly; int8/int4 as dequantized by the CPU: compared through one expert's output)."""
+    from ktflow.backends.staging import ExpertStager, pieces_of
+    from ktflow.backends.torch_ref import staged
+
+    E, H, I = 6, 64, 96
+    g = torch.Generator().manual_seed(0)
+    w = {e: tuple(torch.randn(*s, generator=g).bfloat16() * 0.1 for s in ((I, H), (I, H), (H, I))) for e in range(E)}
+    held = [0, 2, 3, 5]
+    halves = []
+    for lo, hi in ((0, 32), (32, I)):
+        op = native.ExpertOp(E, H, hi - lo, held=held, fmt=fmt)
+        op.pack(lambda e, lo=lo, hi=hi: (w[e][0][lo:hi], w[e][1][lo:hi], w[e][2][:, lo:hi].contiguous()))
+        halves.append((lo, op))
+    stager = ExpertStager(pieces_of([op for _, op in halves], [lo for lo, _ in halves]), fmt, H, I,
+                          torch.device("cpu"))
+    subset = (2, 3, 5)
+    out = stager.stage(subset)
+    gate, up, down = staged(out, H, I)
+    if fmt == "bf16":
+        for i, e in enumerate(subset):
+            assert torch.equal(gate[i], w[e][0]) and torch.equal(up[i], w[e][1]) and torch.equal(down[i], w[e][2])
+        return
+    x = torch.randn(3, H, generator=g).bfloat16()
+    for i, e in enumerate(subset):  # the unpacked expert against the CPU operator on the same packed bytes
+        ids = torch.full((3, 1), e, dtype=torch.int64)
+        ones = torch.ones(3, 1)
+        cpu = sum(op.forward(x, ids, ones) for _, op in halves)
+        from ktflow.backends.layers import swiglu
+
+        gpu_side = swiglu(x.float(), gate[i].float(), up[i].float(), down[i].float())
+        assert ((gpu_side - cpu).norm() / cpu.norm()) < 3e-2, (fmt, e)
+
+
+def test_grouped_experts_match_the_reference_loop():
+    from ktflow.backends.layers import swiglu
+    from ktflow.backends.moe_gpu import expert_map, grouped_experts
+
+    g = torch.Generator().manual_seed(2)
+    E, H, I, T, k = 8, 32, 48, 40, 3
+    gate, up = torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g)
+    down = torch.randn(E, H, I, generator=g)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    wts = torch.rand(T, k, generator=g)
+    held = (1, 2, 5, 6)  # the others are held elsewhere: they add nothing here
+    got = grouped_experts(x, ids, wts, expert_map(held, E, "cpu"), gate[list(held)], up[list(held)],
+                          down[list(held)])
+    want = torch.zeros(T, H)
+    for t in range(T):
+        for s in range(k):
+            e = int(ids[t, s])
+            if e in held:
+                want[t] += wts[t, s] * swiglu(x[t:t + 1], gate[e], up[e], down[e])[0]
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
