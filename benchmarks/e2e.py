@@ -14,8 +14,8 @@ repetitions, mean +- sd), for these variants of one model:
   graph+hostwait  the same with the other wait: a host node blocking until the task has run
   graph+d<k>   the graph with Expert Deferral, k deferred picks per token (and d=auto)
 
-prefill tokens/s for each prompt length (cpu and eager; prefill runs the same eager path in the
-graph variants) and decode tokens/s for `--decode` tokens after a 32-token prompt. For each
+prefill tokens/s for each `--prompts` length (cpu and eager: the prefill of the executor path) and
+decode tokens/s for `--decode` tokens after a 32-token prompt. For each
 decode variant also: CPU busy % (the native queue's task times over the wall time), GPU busy %
 and API launches per token (torch.profiler over 16 steps), predicted vs measured per-layer time,
 peak VRAM vs the plan, and the roofline bound: routed-expert bytes per token over the measured
@@ -25,6 +25,14 @@ and the KV cache only), as on a machine whose GPU cannot hold the experts.
 
     python benchmarks/e2e.py --model dsv2lite             # the full table for one model
     python benchmarks/e2e.py --model qwen3 --layers 24    # fewer layers where the disk is small
+
+Long-prompt prefill side by side with llama.cpp (`--prefill LENGTHS`): ktflow's prefill plans
+(benchmarks/prefill.py: the compiler's choice per layer and bucket, and cpu / stream / split
+forced) and, with `--llama`, the same checkpoint converted to GGUF and timed with llama-bench in
+its modes (benchmarks/llama_cpp.py), llama.cpp first so the two never share the machine:
+
+    python benchmarks/e2e.py --model qwen3 --layers 12 --prefill 512,2048,8192,32768 \
+        --llama .carry/llama --llama-src .carry/llama-conv.tgz --tools .carry --variants graph,graph+d4
 
 Rows go to benchmarks/e2e.jsonl. The checkpoint dir (--dir, default /tmp/ktflow-e2e/<model>) is
 reused when it exists and matches.
@@ -231,6 +239,89 @@ def expert_bytes_per_token(plan, fmt: str) -> float:
     return total
 
 
+# ------------------------------------------------------------------------------------ prefill
+
+
+_SHARED = None
+
+
+def shared_backend(compiled):
+    """One cuda_graph backend for every variant (benchmark only): packed experts, their pinning
+    and GPU weights made once."""
+    global _SHARED
+    from ktflow.backends.cuda_graph import CudaGraphBackend
+
+    if _SHARED is None:
+        _SHARED = CudaGraphBackend("cuda", torch.bfloat16, options=compiled.plans.options)
+    return _SHARED
+
+
+def run_llama(a, ckpt: Path, lengths: list[int]) -> list[dict]:
+    """The checkpoint as GGUF, prompt processing in llama.cpp's modes (rows also to the JSONL)."""
+    import llama_cpp
+
+    binary = llama_cpp.llama_bench(Path(a.llama))
+    gguf = Path(str(ckpt) + f".{a.gguf_type}.gguf")
+    secs = llama_cpp.convert(ckpt, gguf, a.gguf_type, Path(a.llama_src), Path(a.tools))
+    print(f"GGUF {gguf} ({gguf.stat().st_size / 1e9:.1f} GB{f', converted in {secs:.0f} s' if secs else ''})", flush=True)
+    threads = len(os.sched_getaffinity(0))
+    rows = llama_cpp.bench(binary, gguf, lengths, a.prefill_reps, threads, lambda s: print(s, flush=True))
+    info = dict(commit=commit(), **machine(), gpu=torch.cuda.get_device_name(0), model=a.model,
+                layers=json.loads((ckpt / "config.json").read_text())["num_hidden_layers"], gguf=a.gguf_type)
+    append_jsonl(a.out, [dict(info, table="prefill", **r) for r in rows])
+    return rows
+
+
+def run_prefill(a, model, base: dict, budget: float, lengths: list[int], info: dict, vocab: int, llama_rows, hw) -> None:
+    """ktflow's prefill variants at every length, then the side-by-side table."""
+    import ktflow
+    from prefill import measure
+
+    rows = []
+    layers = info["layers"]
+    for v in a.prefill_variants.split(","):
+        c = ktflow.compile(model, device="cuda", vram_budget_gb=budget, backend="cuda_graph", prefill_experts=v,
+                           **base)
+        c._backend = shared_backend(c)
+        t1 = time.perf_counter()
+        c.prepare()
+        print(f"  prefill {v}: buckets {[p.step_tokens for p in c.prefill]}, ready in {time.perf_counter() - t1:.1f} s",
+              flush=True)
+        for n in lengths:
+            row = dict(info, table="prefill", system=f"ktflow {v}", **measure(c, vocab, n, a.prefill_reps, hw, layers))
+            rows.append(row)
+            print(f"  ktflow {v:6s} prefill {n:6d}: {row['tok_s']:9.1f} +- {row['sd']:6.1f} tok/s (bucket "
+                  f"{row['bucket']}, {row['decisions']}); predicted {row['predicted_tok_s']}; PCIe bound "
+                  f"{row['pcie_bound_fraction']}; busy {row['busy']}; layer {row['measured_layer_us']} us vs predicted "
+                  f"{row['predicted_layer_us']}; VRAM {row['peak_vram_gb']} / plan {row['planned_vram_gb']} GB", flush=True)
+            append_jsonl(a.out, [row])
+        del c
+        gc.collect()
+        torch.cuda.empty_cache()
+    print_prefill_table(rows, llama_rows, lengths)
+
+
+def print_prefill_table(rows: list[dict], llama_rows: list[dict], lengths: list[int]) -> None:
+    """tok/s per system and length; ratios of ktflow auto to llama.cpp's best mode."""
+    systems = list(dict.fromkeys([r["system"] for r in rows] + [r["system"] for r in llama_rows if "prompt" in r]))
+    at = {(r["system"], r["prompt"]): r for r in rows + llama_rows if "prompt" in r}
+    print("\n| prefill tok/s | " + " | ".join(str(n) for n in lengths) + " |")
+    print("|---|" + "---|" * len(lengths))
+    for sysname in systems:
+        cells = [f"{at[sysname, n]['tok_s']:.0f} +- {at[sysname, n]['sd']:.0f}" if (sysname, n) in at else "—"
+                 for n in lengths]
+        print(f"| {sysname} | " + " | ".join(cells) + " |")
+    best = []
+    for n in lengths:
+        modes = [r for r in llama_rows if r.get("prompt") == n and "whole model" not in r["system"]]
+        auto = at.get(("ktflow auto", n))
+        if modes and auto:
+            top = max(modes, key=lambda r: r["tok_s"])
+            best.append(f"{n}: {auto['tok_s'] / top['tok_s']:.2f}x {top['system']}")
+    if best:
+        print("ktflow auto / llama.cpp's best mode: " + "; ".join(best))
+
+
 # ------------------------------------------------------------------------------------ main
 
 
@@ -241,7 +332,15 @@ def main() -> int:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--decode", type=int, default=128)
-    ap.add_argument("--prompts", default="32,512,2048,8192")
+    ap.add_argument("--prompts", default="32,512,2048,8192", help="prefill lengths of the cpu and eager variants")
+    ap.add_argument("--prefill", default="", help="long-prompt prefill lengths (comma list): the side-by-side table")
+    ap.add_argument("--prefill-variants", default="auto,cpu,stream,split")
+    ap.add_argument("--prefill-reps", type=int, default=3)
+    ap.add_argument("--llama", default="", help="llama-bench: a build dir, or a dir with the prebuilt tarball's parts")
+    ap.add_argument("--llama-src", default="", help="llama.cpp converter: a .tgz of convert_hf_to_gguf.py, "
+                    "conversion/ and gguf-py/")
+    ap.add_argument("--tools", default="", help="dir with gguf-convert.py and tiny-tokenizer.py")
+    ap.add_argument("--gguf-type", default="bf16")
     ap.add_argument("--variants",
                     default="cpu,eager,graph,graph+hostwait,graph+d1,graph+d2,graph+d3,graph+d4,graph+dauto")
     ap.add_argument("--expert-format", default="bf16", choices=["bf16", "int8", "int4"])
@@ -252,7 +351,6 @@ def main() -> int:
         return 2
     import ktflow
     from ktflow import native
-    from ktflow.backends.cuda_graph import CudaGraphBackend
     from ktflow.hw import probe
     from ktflow.ir.ops import Op
     from ktflow.timeline import layer_times
@@ -264,12 +362,14 @@ def main() -> int:
     t0 = time.perf_counter()
     write_checkpoint(cfg, d)
     print(f"checkpoint ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    lengths = [int(x) for x in a.prefill.split(",") if x]
+    llama_rows = run_llama(a, d, lengths) if lengths and a.llama else []  # before ktflow's pool spins up
     native.pool(spare=2)  # the pool the cuda_graph backend makes (the first caller sizes it): probe with it
     hw = probe()  # full sizes: the CPU expert rate the cost model uses must come from past the caches
     # the physical limit: DRAM read bandwidth with every CPU (a one-off pool; the workers' pool leaves two)
     dram = native.module().stream_read_gbps(native.module().Pool(threads=0, groups=0, pin=True))
-    prompts = [int(p) for p in a.prompts.split(",")]
-    max_seq = max(prompts + [32 + a.decode]) + 8
+    prompts = [int(p) for p in a.prompts.split(",") if p]
+    max_seq = max(prompts + lengths + [32 + a.decode]) + 8
     model = ktflow.load(d)
     base = dict(hw=hw, max_seq_len=max_seq, expert_format=a.expert_format)
     probe_plan = ktflow.compile(model, device="cuda", vram_budget_gb=1000, **base).decode
@@ -285,7 +385,9 @@ def main() -> int:
     print(f"{a.model}, {cfg['num_hidden_layers']} layers, experts {a.expert_format}; DRAM {dram:.1f} GB/s; "
           f"VRAM budget {budget:.2f} GB (dense weights + KV cache)", flush=True)
     vocab = cfg["vocab_size"]
-    variants = a.variants.split(",")
+    if lengths:
+        run_prefill(a, model, base, budget, lengths, info, vocab, llama_rows, hw)
+    variants = [v for v in a.variants.split(",") if v]
     for v in sorted(variants, key=lambda v: v == "cpu"):  # the slow all-CPU baseline last
         c = None
         gc.collect()  # the previous variant's graphs and arenas (peak VRAM is per variant)
@@ -307,7 +409,7 @@ def main() -> int:
             opts["vram_budget_gb"] = budget
             c = ktflow.compile(model, **opts)
         if shared is None:
-            shared = CudaGraphBackend("cuda", torch.bfloat16, options=c.plans.options)
+            shared = shared_backend(c)
             default_wait = shared.wait
         shared.wait = "host" if v == "graph+hostwait" else default_wait
         # one backend for every variant (benchmark only): packed experts and GPU weights loaded once;
@@ -323,7 +425,7 @@ def main() -> int:
         assert not cpu_experts, "a routed expert landed on the GPU: the budget is meant to hold none"
         row = dict(info, variant=v)
         if v in ("cpu", "eager"):
-            for p in prompts:
+            for p in prompts if v == "cpu" or a.prompts else []:
                 if v == "cpu" and p > 2048:
                     continue  # torch_ref's CPU attention materialises [heads, p, p] scores: minutes per rep
                 rates = prefill_rate(c, vocab, p, a.reps)

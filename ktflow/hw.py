@@ -313,8 +313,13 @@ def probe(quick: bool = False, log: Callable[[str], None] = lambda s: None) -> H
     gemm = gemm_tflops(m)
     log(f"CPU bf16 GEMM {m}x{m}x{m}: {gemm:.2f} TFLOPS")
     gemv = _native_expert_gbps(quick)
+    table: list[tuple[float, float]] = []
     if gemv is not None:
         log(f"CPU routed experts (native kernel, 1 token, 8 picks): {gemv:.1f} GB/s of weights")
+        table = _native_expert_tflops(quick)
+        log("CPU routed experts (native kernel) by rows per expert: "
+            + ", ".join(f"{rows:.0f} rows {t:.2f} TFLOPS" for rows, t in table))
+        measured.append("expert_tflops")
     else:
         rows = 2048 if quick else 16384
         gemv = gemv_gbps(rows)
@@ -323,11 +328,12 @@ def probe(quick: bool = False, log: Callable[[str], None] = lambda s: None) -> H
 
     numa = [NumaNode(cores=node.cores, memory_bytes=node.memory_bytes, dram_gbps=dram / len(base.cpu.numa))
             for node in base.cpu.numa]
-    cpu = base.cpu.model_copy(update=dict(numa=numa, gemm_tflops=gemm, gemv_gbps=gemv))
+    cpu = base.cpu.model_copy(update=dict(numa=numa, gemm_tflops=gemm, gemv_gbps=gemv, expert_tflops=table))
     gpus, overheads = [], base.overheads
     if torch.cuda.is_available():
         gpus, overheads = _probe_gpu(torch, quick, reps, overheads, log)
-        measured += ["hbm_gbps", "bf16_tflops", "pcie_h2d_gbps", "pcie_d2h_gbps", "gpu_launch_us"]
+        measured += ["hbm_gbps", "bf16_tflops", "pcie_h2d_gbps", "pcie_d2h_gbps", "gpu_launch_us", "attention_tflops",
+                     "grouped_tflops"]
     return HwProfile(name="probed", description=f"measured on this machine{' (quick)' if quick else ''}",
                      cpu=cpu, gpus=gpus, overheads=overheads, measured=measured)
 
@@ -380,6 +386,33 @@ def _native_expert_gbps(quick: bool) -> float | None:
     return calls * k * 3 * hidden * inter * 2 / seconds / GB
 
 
+def _native_expert_tflops(quick: bool) -> list[tuple[float, float]]:
+    """The native routed-experts operator's FLOP rate at several rows per expert (prefill): 32
+    bf16 experts of 2048 x 768 (Qwen3-30B-A3B's; quick: 16 of 512 x 256), 8 picks per token
+    spread evenly, so each expert computes exactly `rows` rows."""
+    import torch
+
+    from . import native
+
+    k, experts = 8, (16 if quick else 32)
+    hidden, inter = (512, 256) if quick else (2048, 768)
+    g = torch.Generator().manual_seed(1)
+    gate, up = (torch.randn(inter, hidden, generator=g).bfloat16() for _ in range(2))
+    down = torch.randn(hidden, inter, generator=g).bfloat16()
+    op = native.ExpertOp(experts, hidden, inter)
+    op.pack(lambda e: (gate, up, down))
+    out = []
+    for rows in ((16, 64, 256) if quick else (16, 64, 256, 1024)):
+        tokens = rows * experts // k
+        ids = ((torch.arange(tokens)[:, None] * k + torch.arange(k)[None, :]) % experts).to(torch.int64)
+        x = torch.randn(tokens, hidden, generator=g).bfloat16()
+        wts = torch.full((tokens, k), 1.0 / k)
+        dst = torch.empty(tokens, hidden)
+        seconds = _best_seconds(lambda: op.forward(x, ids, wts, dst), 2 if quick else 3)
+        out.append((float(rows), 6.0 * tokens * k * hidden * inter / seconds / 1e12))
+    return out
+
+
 def _probe_gpu(torch, quick: bool, reps: int, overheads: Overheads, log) -> tuple[list[GpuSpec], Overheads]:
     """GPU 0: device copy (read + write bytes), bf16 GEMM, pinned copies both ways, launch time."""
     dev = torch.device("cuda")
@@ -409,11 +442,40 @@ def _probe_gpu(torch, quick: bool, reps: int, overheads: Overheads, log) -> tupl
         product = ga[:1] @ gb
     sync()
     workspace = torch.cuda.memory_allocated() - before - product.numel() * product.element_size()
+    del ga, gb, src, dst, host, dev_buf, product
+    attention, grouped = _prefill_rates(torch, quick, reps, sync)
     log(f"GPU {p.name}: HBM {hbm:.0f} GB/s, bf16 {tflops:.0f} TFLOPS, PCIe {h2d:.1f}/{d2h:.1f} GB/s h2d/d2h, "
-        f"launch {launch_us:.1f} us, BLAS workspace {workspace / 2**20:.0f} MiB per stream")
+        f"launch {launch_us:.1f} us, BLAS workspace {workspace / 2**20:.0f} MiB per stream; prefill: causal attention "
+        f"{attention:.0f} TFLOPS, grouped experts {grouped:.0f} TFLOPS")
     return ([GpuSpec(name=p.name, memory_bytes=float(p.total_memory), hbm_gbps=hbm, bf16_tflops=tflops,
-                     pcie_h2d_gbps=h2d, pcie_d2h_gbps=d2h, workspace_bytes=float(max(workspace, 0)))],
+                     pcie_h2d_gbps=h2d, pcie_d2h_gbps=d2h, workspace_bytes=float(max(workspace, 0)),
+                     attention_tflops=attention, grouped_tflops=grouped)],
             overheads.model_copy(update=dict(gpu_launch_us=launch_us)))
+
+
+def _prefill_rates(torch, quick: bool, reps: int, sync) -> tuple[float, float]:
+    """TFLOPS of the GPU rules a long prefill runs: causal flash attention (32 heads of 128, 8192
+    tokens; quick: 1024) and the grouped routed experts (Qwen3-30B-A3B's 128 experts of 2048 x 768,
+    8 picks per token for 8192 tokens; quick: 32 experts of 512 x 256, 1024 tokens)."""
+    import torch.nn.functional as F
+
+    from .backends.moe_gpu import expert_map, grouped_experts
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    t = 1024 if quick else 8192
+    q, kk, v = (torch.randn(1, 32, t, 128, device=dev, dtype=bf) for _ in range(3))
+    attention = 2 * t * t * 128 * 32 / _best_seconds(lambda: F.scaled_dot_product_attention(q, kk, v, is_causal=True),
+                                                     reps, sync) / 1e12
+    del q, kk, v
+    experts, hidden, inter, k = (32, 512, 256, 8) if quick else (128, 2048, 768, 8)
+    gate, up = (torch.randn(experts, inter, hidden, device=dev, dtype=bf) * 0.02 for _ in range(2))
+    down = torch.randn(experts, hidden, inter, device=dev, dtype=bf) * 0.02
+    x = torch.randn(t, hidden, device=dev, dtype=bf)
+    ids = torch.stack([torch.randperm(experts, device=dev)[:k] for _ in range(t)])
+    wts = torch.rand(t, k, device=dev)
+    local = expert_map(tuple(range(experts)), experts, dev)
+    seconds = _best_seconds(lambda: grouped_experts(x, ids, wts, local, gate, up, down), reps, sync)
+    return attention, 6 * t * k * hidden * inter / seconds / 1e12
 
 
 # ----------------------------------------------------------------------------------- resolve

@@ -293,3 +293,56 @@ def test_grouped_experts_match_the_reference_loop():
             if e in held:
                 want[t] += wts[t, s] * swiglu(x[t:t + 1], gate[e], up[e], down[e])[0]
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------- on a GPU
+
+gpu = pytest.mark.skipif(not (torch.cuda.is_available() and native.available()),
+                         reason="needs a CUDA GPU and the native module")
+
+
+def _gpu_machine():
+    """The paper's machine with this GPU's memory and no fixed overheads."""
+    return machine(memory_gb=torch.cuda.get_device_properties(0).total_memory / 2**30)
+
+
+@gpu
+@pytest.mark.parametrize("case", FAMILIES)
+def test_prefill_on_the_gpu_lanes_matches_torch_ref(case, tiny_dirs):
+    """The cuda_graph backend's prefill runner: streamed experts copied from the pinned arenas on
+    the fetch stream and unpacked there, split layers' CPU parts as host-node tasks with done
+    flags, chunks of 5 tokens; against torch_ref on the same plans, then decode steps on top."""
+    from ktflow.backends.prefill_runner import PrefillRunner
+    from ktflow.backends.staging import _PINNED
+
+    d, _ = tiny_dirs(case)
+    model = ktflow.load(d)
+    ids = torch.randint(0, model.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(1))
+    for mode in ("stream", "split", "cpu"):
+        c = hybrid(model, budget_experts=1, hw=_gpu_machine(), device="cuda", dtype="bfloat16", max_seq_len=32,
+                   prefill_experts=mode, prefill_chunk=5, backend="cuda_graph")
+        ref = ktflow.Compiled(c.plans.model_copy(update={"options": c.plans.options.model_copy(
+            update={"backend": "torch_ref"})}), model)
+        got, want = _run(c, ids), _run(ref, ids)
+        runner = c.executor(c.prefill[-1]).runner
+        assert isinstance(runner, PrefillRunner) and runner.bound is not None, mode
+        if mode != "cpu":
+            assert streamed(c.prefill[-1]) and _PINNED, mode  # the arenas streamed from are page-locked
+        assert_close_but_for_flips(got, want)
+
+
+@gpu
+def test_prefill_runner_overlaps_the_next_layers_fetch(tiny_dirs):
+    """Traced: layer 2's fetch starts before layer 1's streamed experts end (two staging slots)."""
+    d, _ = tiny_dirs("qwen3_moe")
+    model = ktflow.load(d)
+    c = hybrid(model, hw=_gpu_machine(), device="cuda", dtype="bfloat16", max_seq_len=64, prefill_experts="stream",
+               prefill_buckets=[64], backend="cuda_graph")
+    plan = c.prefill[0]
+    ex = c.executor(plan)
+    ex.trace = 1
+    ktflow.execute(c, torch.randint(0, model.config.vocab_size, (1, 64)))
+    steps = {s.node: s for s in ex.measured if s.kind not in ("record", "wait")}
+    fetches = [n.name for n in plan.ir.nodes if n.op == Op.FETCH]
+    experts = [n.name for n in streamed(plan)]
+    assert steps[fetches[1]].start_us < steps[experts[0]].end_us

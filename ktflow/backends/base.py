@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import torch
 
 from ..ir.graph import Graph, Node
+from ..memory import LOGIT_ROWS
 from ..weights import WeightSource
 
 
@@ -47,3 +48,20 @@ class Backend(Protocol):
 
     def run(self, node: Node, inputs: list[Any], ctx: StepContext) -> Any:
         """Compute `node` from its input values."""
+
+
+def lm_head_rows(backend: Any, node: Node, x: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+    """The lm_head over the rows the step asks for (ctx.logits): every row (on a GPU in pieces
+    of LOGIT_ROWS rows gathered in host memory, so a long prompt's logits never sit on the GPU
+    at once), each sequence's last row, or none."""
+    if ctx.logits == "none":
+        return None
+    if ctx.logits == "last":
+        return backend.run(node, [x.view(ctx.batch, ctx.seq, -1)[:, -1]], ctx)
+    if x.device.type != "cuda" or x.shape[0] <= LOGIT_ROWS:
+        return backend.run(node, [x], ctx)
+    out = torch.empty(x.shape[0], node.attrs.vocab, dtype=torch.float32, pin_memory=True)
+    for lo in range(0, x.shape[0], LOGIT_ROWS):
+        out[lo:lo + LOGIT_ROWS].copy_(backend.run(node, [x[lo:lo + LOGIT_ROWS]], ctx), non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    return out

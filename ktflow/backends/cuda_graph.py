@@ -24,7 +24,8 @@ For each batch size the first decode step runs eagerly on those streams (warming
 that step's logits), then the same issue sequence is captured once into a graph with
 `torch.cuda.graph`; later steps write the token ids and the position into pinned inputs and
 replay it: one graph launch per token. KV caches are static: one set per batch size, owned by the
-backend and lent to the sequence that prefilled last. Prefill runs eagerly as in cpu_native.
+backend and lent to the sequence that prefilled last. Prefill plans run through
+backends.prefill_runner: issued on the same lanes, not captured (prompts vary in length).
 
 CPU threads: the native pool's pinned workers spin between tasks, so they get every CPU but two
 (the Python thread, and the driver's host-function thread that runs the submits), and torch's
@@ -54,6 +55,7 @@ from ..plan import Plan, Step
 from ..weights import TORCH_DTYPE
 from .base import StepContext, node_key
 from .cpu_native import NativeBackend
+from .staging import pin
 from .static_rules import StaticRules
 
 _TORCH_DTYPE = {**TORCH_DTYPE, DType.I64: torch.int64}  # and the integer values an arena may hold
@@ -178,6 +180,9 @@ class CudaGraphBackend(StaticRules, NativeBackend):
         # the lanes' streams, shared by every decode plan this backend runs: each stream that runs a
         # matrix product keeps a BLAS workspace for good, so a stream pair per plan would leak one each
         self.gpu_stream, self.copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
+        self.fetch_stream = torch.cuda.Stream()  # prefill's streamed expert weights: copies and conversion
+        self._staging: torch.Tensor | None = None
+        self._landing: torch.Tensor | None = None
         self.kv: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (layer, batch) -> static caches
         self.kv_owner: dict[int, Any] = {}  # batch -> weakref to the state using those caches
         self.static_setup()
@@ -194,11 +199,34 @@ class CudaGraphBackend(StaticRules, NativeBackend):
             self.kv_owner[b] = weakref.ref(state)
         return state.kv[attrs.layer]
 
+    def prepare(self, graph: Graph, weights) -> None:
+        super().prepare(graph, weights)
+        for stager in self.stagers.values():  # host memory experts are streamed from: page-locked, once
+            for piece in stager.pieces:
+                pin(piece.op)
+
+    def staging_buffers(self, staging: int, landing: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """GPU buffers every prefill plan's streamed experts share (grown to the largest asked
+        for): the staging slots, and the landing buffer packed experts are copied into. A prefill
+        step ends with its streams synchronized, so a buffer replaced here is no longer read."""
+        if self._staging is None or self._staging.numel() < staging:
+            self._staging = None
+            self._staging = torch.empty(max(staging, 1), dtype=torch.uint8, device="cuda")
+        if landing and (self._landing is None or self._landing.numel() < landing):
+            self._landing = None
+            self._landing = torch.empty(landing, dtype=torch.uint8, device="cuda")
+        return self._staging, self._landing
+
     def step_runner(self, plan: Plan):
-        """Decode plans with GPU work run through a DecodeGraph; prefill runs eagerly (None)."""
-        if plan.phase != "decode" or not plan.capture:
-            return None
-        return DecodeGraph(plan, self)
+        """Decode plans with GPU work run through a DecodeGraph (captured), prefill plans with
+        GPU work through a PrefillRunner (issued on the lanes); others by the executor (None)."""
+        if plan.phase == "decode":
+            return DecodeGraph(plan, self) if plan.capture else None
+        if any(n.place.device == Device.GPU for n in plan.ir.nodes):
+            from .prefill_runner import PrefillRunner
+
+            return PrefillRunner(plan, self)
+        return None
 
 
 class DecodeGraph:
@@ -257,50 +285,16 @@ class DecodeGraph:
         # the plan's buffer plan (its arenas are for step_tokens = max_batch tokens); a larger batch
         # gets the same liveness plan for its own size
         buffers, arenas = (plan.buffers, plan.arenas) if b <= plan.step_tokens else plan_buffers(g, plan.steps, b)
-        pin = dict(pin_memory=True)
-        arena = torch.zeros(max(arenas.get("pinned", 0), 1), dtype=torch.uint8, **pin)
-        slots: dict[str, Any] = {}
-        for buf in buffers:
-            if buf.arena != "pinned":
-                continue
-            t = g.by_name(buf.value).out
-            if t.dtype == DType.ROUTE:
-                k = t.shape[1]
-                ids = arena[buf.offset:buf.offset + b * k * 8].view(torch.int64).view(b, k)
-                wts = arena[buf.offset + b * k * 8:buf.offset + b * k * 12].view(torch.float32).view(b, k)
-                slots[buf.value] = (ids, wts)
-            else:
-                dt = _TORCH_DTYPE[t.dtype]
-                n = t.numel(b) * dt.itemsize
-                slots[buf.value] = arena[buf.offset:buf.offset + n].view(dt).view(t.concrete(b))
-        tasks = {n.attrs.task: self._task(n, slots) for n in g.nodes if n.op == Op.SUBMIT}
-        # a done flag per native batch; a task's sync waits on its last batch's (shards run in order)
-        flags = torch.zeros(max(sum(map(len, tasks.values())), 1), dtype=torch.int32, **pin)
-        done_at, i, base = {}, 0, self.driver.device_address(flags)
-        for root, batches in tasks.items():
-            for batch in batches:
-                batch.set_done_flag(flags[i:i + 1])
-                i += 1
-            if batches:
-                done_at[root] = base + (i - 1) * flags.itemsize
+        arena = torch.zeros(max(arenas.get("pinned", 0), 1), dtype=torch.uint8, pin_memory=True)
+        slots = exchange_slots(g, buffers, arena, b)
+        tasks = {n.attrs.task: native_batches(self.be, g, n, slots, self.home) for n in g.nodes if n.op == Op.SUBMIT}
+        done_at, _ = done_flags(self.driver, tasks)  # the batches keep their flags alive
         vocab = g.by_name(g.outputs[0]).out.shape[-1]
+        pin = dict(pin_memory=True)
         return Bound(batch=b, tokens=torch.zeros(b, dtype=torch.int64, **pin),
                      position=torch.zeros(1, dtype=torch.int64, **pin),
                      position_dev=torch.zeros(1, dtype=torch.int64, device="cuda"), arena=arena, slots=slots,
                      tasks=tasks, done_at=done_at, logits=torch.zeros(b, vocab, dtype=torch.float32, **pin))
-
-    def _task(self, sub: Node, slots: dict) -> list[native.Batch]:
-        root = sub.attrs.task
-        out = slots[root]
-        shards = [self.g.by_name(m) for m in sub.attrs.members if node_key(self.g.by_name(m)) in self.be.ops]
-        batches = []
-        for i, node in enumerate(shards):
-            x, routing = (slots[self.home.get(v, v)] for v in node.inputs)
-            batch = native.Batch()
-            batch.add(self.be.ops[node_key(node)], x, routing[0], routing[1], out, accumulate=i > 0,
-                      ranks=node.attrs.rank_range, mask=self.be.masks.get(node_key(node)))
-            batches.append(batch)
-        return batches
 
     # ------------------------------------------------------------------------------ running
     def run(self, input_ids: torch.Tensor, state, trace: bool = False):
@@ -441,6 +435,57 @@ class DecodeGraph:
             for d, s in zip(outs, src if isinstance(src, tuple) else (src,), strict=True):
                 d.copy_(s, non_blocking=True)
         return outs if isinstance(src, tuple) else outs[0]
+
+
+def exchange_slots(g: Graph, buffers, arena: torch.Tensor, tokens: int) -> dict[str, Any]:
+    """Views of the pinned exchange arena for every value the buffer plan put there, shaped for
+    `tokens` tokens (a routing is an (ids int64, weights float32) pair, ids first)."""
+    slots: dict[str, Any] = {}
+    for buf in buffers:
+        if buf.arena != "pinned":
+            continue
+        t = g.by_name(buf.value).out
+        if t.dtype == DType.ROUTE:
+            k = t.shape[1]
+            ids = arena[buf.offset:buf.offset + tokens * k * 8].view(torch.int64).view(tokens, k)
+            wts = arena[buf.offset + tokens * k * 8:buf.offset + tokens * k * 12].view(torch.float32).view(tokens, k)
+            slots[buf.value] = (ids, wts)
+        else:
+            dt = _TORCH_DTYPE[t.dtype]
+            n = t.numel(tokens) * dt.itemsize
+            slots[buf.value] = arena[buf.offset:buf.offset + n].view(dt).view(t.concrete(tokens))
+    return slots
+
+
+def native_batches(be, g: Graph, sub: Node, slots: dict, home: dict[str, str],
+                   tokens: torch.Tensor | None = None) -> list[native.Batch]:
+    """The native batches of the task `sub` submits, run in order (one per NUMA shard: shards
+    after the first add into the same output), over their pinned slots. `tokens`: a pinned int32
+    holding the rows to compute at each run (default: the slots' rows)."""
+    out = slots[sub.attrs.task]
+    shards = [g.by_name(m) for m in sub.attrs.members if node_key(g.by_name(m)) in be.ops]
+    batches = []
+    for i, node in enumerate(shards):
+        x, routing = (slots[home.get(v, v)] for v in node.inputs)
+        batch = native.Batch()
+        batch.add(be.ops[node_key(node)], x, routing[0], routing[1], out, accumulate=i > 0,
+                  ranks=node.attrs.rank_range, mask=be.masks.get(node_key(node)), tokens=tokens)
+        batches.append(batch)
+    return batches
+
+
+def done_flags(driver: Driver, tasks: dict[str, list[native.Batch]]) -> tuple[dict[str, int], torch.Tensor]:
+    """A pinned done flag per native batch; returns the device address of each task's last
+    batch's flag (a sync waits on it: shards run in order) and the flags."""
+    flags = torch.zeros(max(sum(map(len, tasks.values())), 1), dtype=torch.int32, pin_memory=True)
+    done_at, i, base = {}, 0, driver.device_address(flags)
+    for root, batches in tasks.items():
+        for batch in batches:
+            batch.set_done_flag(flags[i:i + 1])
+            i += 1
+        if batches:
+            done_at[root] = base + (i - 1) * flags.itemsize
+    return done_at, flags
 
 
 class _Timer:

@@ -12,9 +12,9 @@ from typing import Any, Callable
 import torch
 
 from ..backends import StepContext
+from ..backends.base import lm_head_rows
 from ..ir.graph import Graph
 from ..ir.ops import Op
-from ..memory import LOGIT_ROWS
 from ..plan import Plan, Step
 from .state import State
 
@@ -93,20 +93,3 @@ class Executor:
         state.position += s
         out = values[self.graph.outputs[0]]
         return None if out is None else out.view(b, s if logits == "all" else 1, -1)
-
-
-def lm_head_rows(backend: Any, node, x: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
-    """The lm_head over the rows the step asks for (ctx.logits): every row (on a GPU in pieces
-    of LOGIT_ROWS rows gathered in host memory, so a long prompt's logits never sit on the GPU
-    at once), each sequence's last row, or none."""
-    if ctx.logits == "none":
-        return None
-    if ctx.logits == "last":
-        return backend.run(node, [x.view(ctx.batch, ctx.seq, -1)[:, -1]], ctx)
-    if x.device.type != "cuda" or x.shape[0] <= LOGIT_ROWS:
-        return backend.run(node, [x], ctx)
-    out = torch.empty(x.shape[0], node.attrs.vocab, dtype=torch.float32, pin_memory=True)
-    for lo in range(0, x.shape[0], LOGIT_ROWS):
-        out[lo:lo + LOGIT_ROWS].copy_(backend.run(node, [x[lo:lo + LOGIT_ROWS]], ctx), non_blocking=True)
-    torch.cuda.current_stream().synchronize()
-    return out
