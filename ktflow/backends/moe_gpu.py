@@ -78,6 +78,12 @@ def unpack_matrix(fmt: str, data: torch.Tensor, scales: torch.Tensor | None, np_
     n, k = out.shape[1], out.shape[2]
     if fmt == "bf16":  # [np/16][kp/2][16][2]
         w = data.view(torch.bfloat16).view(e, np_ // 16, kp // 2, 16, 2).permute(0, 1, 3, 2, 4)
+        if (n, k) == (np_, kp):  # no padding: one strided copy, no temporary
+            try:
+                out.view(e, np_ // 16, 16, kp // 2, 2).copy_(w)
+                return
+            except RuntimeError:  # a target whose rows cannot be split into blocks: through a temporary
+                pass
         out.copy_(w.reshape(e, np_, kp)[:, :n, :k])
         return
     if fmt == "int8":  # [np/16][kp/4][16][4], value + 128

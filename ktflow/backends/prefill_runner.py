@@ -206,8 +206,10 @@ class PrefillRunner:
                 values[node.name] = ctx.token_ids
             elif node.name in self.prologue:  # from the token ids alone, on the host now
                 values[node.name] = be.run(node, ins, ctx)
-                if node.name in bound.slots:
-                    _rows(bound.slots[node.name], rows).copy_(values[node.name])
+                if node.name in bound.slots:  # into its pinned slot: the copy to the GPU reads it from there
+                    slot = _rows(bound.slots[node.name], rows)
+                    slot.copy_(values[node.name])
+                    values[node.name] = slot
             else:  # a task's member: the task computes it into its slot
                 values[node.name] = _rows(bound.slots[node.name], rows) if node.name in bound.slots else None
             return
