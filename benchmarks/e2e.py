@@ -256,6 +256,22 @@ def shared_backend(compiled):
     return _SHARED
 
 
+def compile_cpu_experts(model, opts: dict):
+    """Compile with every routed expert on the CPU: the cost model may leave a dense node (the
+    embedding) on the CPU, and its room in the budget then takes experts; lower the budget by
+    them until none is on the GPU."""
+    import ktflow
+    from ktflow.ir.ops import Op
+
+    opts = dict(opts)
+    while True:
+        c = ktflow.compile(model, **opts)
+        on_gpu = [n for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "gpu"]
+        if not on_gpu:
+            return c
+        opts["vram_budget_gb"] -= sum(n.weight_elems() * 2 for n in on_gpu) / 1e9
+
+
 def run_llama(a, ckpt: Path, lengths: list[int]) -> list[dict]:
     """The checkpoint as GGUF, prompt processing in llama.cpp's modes (rows also to the JSONL)."""
     import llama_cpp
@@ -280,8 +296,8 @@ def run_prefill(a, model, base: dict, budget: float, lengths: list[int], info: d
     rows = []
     layers = info["layers"]
     for v in a.prefill_variants.split(","):
-        c = ktflow.compile(model, device="cuda", vram_budget_gb=budget, backend="cuda_graph", prefill_experts=v,
-                           **base)
+        c = compile_cpu_experts(model, dict(base, device="cuda", vram_budget_gb=budget, backend="cuda_graph",
+                                            prefill_experts=v))
         c._backend = shared_backend(c)
         t1 = time.perf_counter()
         c.prepare()
@@ -289,6 +305,10 @@ def run_prefill(a, model, base: dict, budget: float, lengths: list[int], info: d
               flush=True)
         for n in lengths:
             row = dict(info, table="prefill", system=f"ktflow {v}", **measure(c, vocab, n, a.prefill_reps, hw, layers))
+            steps = row.pop("steps")
+            if a.trace_dir:  # the traced step, for reading the timeline
+                Path(a.trace_dir).mkdir(parents=True, exist_ok=True)
+                (Path(a.trace_dir) / f"prefill-{v}-{n}.json").write_text(json.dumps(steps))
             rows.append(row)
             print(f"  ktflow {v:6s} prefill {n:6d}: {row['tok_s']:9.1f} +- {row['sd']:6.1f} tok/s (bucket "
                   f"{row['bucket']}, {row['decisions']}); predicted {row['predicted_tok_s']}; PCIe bound "
@@ -341,6 +361,7 @@ def main() -> int:
                     "conversion/ and gguf-py/")
     ap.add_argument("--tools", default="", help="dir with gguf-convert.py and tiny-tokenizer.py")
     ap.add_argument("--gguf-type", default="bf16")
+    ap.add_argument("--trace-dir", default="", help="write each traced prefill step's measured steps here")
     ap.add_argument("--variants",
                     default="cpu,eager,graph,graph+hostwait,graph+d1,graph+d2,graph+d3,graph+d4,graph+dauto")
     ap.add_argument("--expert-format", default="bf16", choices=["bf16", "int8", "int4"])
@@ -365,7 +386,7 @@ def main() -> int:
     lengths = [int(x) for x in a.prefill.split(",") if x]
     llama_rows = run_llama(a, d, lengths) if lengths and a.llama else []  # before ktflow's pool spins up
     native.pool(spare=2)  # the pool the cuda_graph backend makes (the first caller sizes it): probe with it
-    hw = probe()  # full sizes: the CPU expert rate the cost model uses must come from past the caches
+    hw = probe(log=lambda line: print(f"  probe: {line}", flush=True))  # full sizes: the rates must come from past the caches
     # the physical limit: DRAM read bandwidth with every CPU (a one-off pool; the workers' pool leaves two)
     dram = native.module().stream_read_gbps(native.module().Pool(threads=0, groups=0, pin=True))
     prompts = [int(p) for p in a.prompts.split(",") if p]
@@ -400,14 +421,7 @@ def main() -> int:
             if "+d" in v:
                 k = v.split("+d")[1]
                 opts["defer"] = "auto" if k == "auto" else int(k)
-        c = ktflow.compile(model, **opts)
-        while v != "cpu":  # the cost model may leave a dense node (the embedding) on the CPU: its room took experts
-            on_gpu = [n for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "gpu"]
-            if not on_gpu:
-                break
-            budget -= sum(n.weight_elems() * 2 for n in on_gpu) / 1e9
-            opts["vram_budget_gb"] = budget
-            c = ktflow.compile(model, **opts)
+        c = ktflow.compile(model, **opts) if v == "cpu" else compile_cpu_experts(model, opts)
         if shared is None:
             shared = shared_backend(c)
             default_wait = shared.wait

@@ -101,4 +101,5 @@ def measure(compiled, vocab: int, tokens: int, reps: int, hw, layers: int) -> di
         busy=busy, predicted_layer_us=round(predicted_layer, 1) if predicted_layer else None,
         measured_layer_us=round(measured_layer, 1) if measured_layer else None,
         peak_vram_gb=round(max(peaks) / 1e9, 3), planned_vram_gb=round((plan.memory.gpu_bytes - reserve) / 1e9, 3),
-        planned_staging_gb=round(plan.memory.staging_bytes / 1e9, 3), layers=layers)
+        planned_staging_gb=round(plan.memory.staging_bytes / 1e9, 3), layers=layers,
+        steps=[(s.kind, s.node, s.lane, s.start_us, s.end_us) for s in ex.measured or []])

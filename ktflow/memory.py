@@ -24,6 +24,10 @@ from .ir.types import Device, DType
 #: leave for host memory piece by piece; the usual prefill computes the last position's only)
 LOGIT_ROWS = 1024
 
+#: rows of a grouped experts' down product weighted and summed in fp32 at a time (bounds that fp32
+#: copy; backends.moe_gpu)
+SCATTER_ROWS = 32768
+
 #: GPU streams that run matrix products in a hybrid run: prefill's (the caller's stream) and the
 #: decode graph's; each holds its own BLAS workspace
 COMPUTE_STREAMS = 2
@@ -76,13 +80,18 @@ def _attention_scratch(n: Node, tokens: int, context: int, act: int) -> float:
 
 
 def _experts_scratch(n: Node, tokens: int, context: int, act: int) -> float:
-    """Grouped routed experts on the GPU: each pick's row gathered, gate/up products, SiLU
-    product, down product, its fp32 weighted copy, the fp32 sum, the sort."""
+    """Grouped routed experts on the GPU (moe_gpu.grouped_experts), the largest of its phases:
+    each pick's row gathered with its gate and up products; the SiLU product with the down
+    product; the down product with a block of it in fp32 and the fp32 sum. Plus the sort's
+    indices and weights."""
     a = n.attrs
     lo, hi = a.rank_range
     picks = tokens * (hi - lo)
     rows = a.rows[1] - a.rows[0]
-    return picks * (act * (2 * a.hidden + 3 * rows) + 4 * a.hidden + 24) + 4 * tokens * a.hidden
+    h = a.hidden
+    phases = (act * picks * (h + 2 * rows), act * picks * (rows + h),
+              act * picks * h + 4 * min(picks, SCATTER_ROWS) * h + 4 * tokens * h)
+    return max(phases) + 24 * picks
 
 
 def _mlp_scratch(n: Node, tokens: int, context: int, act: int) -> float:

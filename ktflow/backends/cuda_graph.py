@@ -297,9 +297,10 @@ class DecodeGraph:
                      tasks=tasks, done_at=done_at, logits=torch.zeros(b, vocab, dtype=torch.float32, **pin))
 
     # ------------------------------------------------------------------------------ running
-    def run(self, input_ids: torch.Tensor, state, trace: bool = False):
+    def run(self, input_ids: torch.Tensor, state, trace: bool = False, logits: str = "all"):
         """One decode step over input_ids [batch, 1] at state.position; returns logits [batch, 1, vocab]
-        (float32, CPU). With trace, also the plan's steps with measured times."""
+        (float32, CPU: one position, so every `logits` mode gives the same). With trace, also the
+        plan's steps with measured times."""
         b = input_ids.shape[0]
         self._check_cache(state, b)
         bound = self.bound.get(b)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..memory import SCATTER_ROWS
+
 
 _GROUPED_OK: dict[str, bool] = {}  # device type -> whether torch's grouped matmul runs there
 
@@ -54,12 +56,23 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
     counts = torch.bincount(key, minlength=n + 1)[:n]
     offs = torch.cumsum(counts, 0).to(torch.int32)
     token = order // k
-    held = key[order] < n
+    # rows past the groups (picks held elsewhere) come out undefined: their weight is 0 and they are zeroed
+    weight = torch.where(key[order] < n, wts.reshape(-1)[order], 0.0)
+    del slot, key, order
     xs = x.index_select(0, token)
-    h = F.silu(grouped_mm(xs, gate.transpose(1, 2), offs, counts)) * grouped_mm(xs, up.transpose(1, 2), offs, counts)
-    y = grouped_mm(h, down.transpose(1, 2), offs, counts).float()
-    y = torch.where(held[:, None], y * wts.reshape(-1)[order][:, None], 0.0)  # rows past the groups are garbage
-    return torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, token, y).to(x.dtype)
+    h = grouped_mm(xs, gate.transpose(1, 2), offs, counts)
+    u = grouped_mm(xs, up.transpose(1, 2), offs, counts)
+    del xs
+    h = F.silu(h, inplace=True).mul_(u)
+    del u
+    y = grouped_mm(h, down.transpose(1, 2), offs, counts)
+    del h
+    y.masked_fill_((weight == 0)[:, None], 0.0)
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    for lo in range(0, y.shape[0], SCATTER_ROWS):  # weighted and summed in fp32, a block of rows at a time
+        hi = lo + SCATTER_ROWS
+        out.index_add_(0, token[lo:hi], y[lo:hi].float().mul_(weight[lo:hi, None]))
+    return out.to(x.dtype)
 
 
 def expert_map(ids: tuple[int, ...], experts: int, device) -> torch.Tensor:
