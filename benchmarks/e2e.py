@@ -296,8 +296,9 @@ def run_prefill(a, model, base: dict, budget: float, lengths: list[int], info: d
     rows = []
     layers = info["layers"]
     for v in a.prefill_variants.split(","):
+        # one bucket per measured length: each length runs the plan predicted for it
         c = compile_cpu_experts(model, dict(base, device="cuda", vram_budget_gb=budget, backend="cuda_graph",
-                                            prefill_experts=v))
+                                            prefill_experts=v, prefill_buckets=lengths))
         c._backend = shared_backend(c)
         t1 = time.perf_counter()
         c.prepare()
