@@ -269,7 +269,8 @@ def compile_cpu_experts(model, opts: dict):
         on_gpu = [n for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "gpu"]
         if not on_gpu:
             return c
-        opts["vram_budget_gb"] -= sum(n.weight_elems() * 2 for n in on_gpu) / 1e9
+        # each resident expert once (a deferred node holds the same experts as its immediate twin)
+        opts["vram_budget_gb"] -= sum(n.weight_elems() * 2 for n in on_gpu if n.attrs.rank_range[0] == 0) / 1e9
 
 
 def run_llama(a, ckpt: Path, lengths: list[int]) -> list[dict]:

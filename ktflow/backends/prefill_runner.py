@@ -86,18 +86,25 @@ class PrefillRunner:
         self.lane = {s.node: s.lane for s in plan.steps if s.kind not in ("record", "wait")}
 
     def _check_nodes(self) -> None:
-        """CPU nodes a prefill on the lanes can hold: the token ids, nodes computed from them
-        alone (an embedding over the budget, run on the host first), and CPU tasks."""
-        members = {m for n in self.g.nodes if n.op == Op.SUBMIT for m in n.attrs.members}
+        """CPU nodes a prefill on the lanes can hold: the token ids, routed experts the native
+        backend runs (tasks, with their NUMA reduce), and nodes computed from the token ids alone
+        (an embedding over the budget: lowered as a task, run on the host when its step comes)."""
+        native_ops = self.be.ops
         host_only = set()
         self.prologue: set[str] = set()
         for n in self.g.nodes:
-            if n.place.device != Device.CPU or n.op in (Op.SUBMIT, Op.SYNC, Op.COPY) or n.name in members:
+            if n.place.device != Device.CPU or n.op in (Op.SUBMIT, Op.SYNC, Op.COPY):
                 continue
-            if n.op == Op.INPUT or all(i in host_only for i in n.inputs):
+            if n.op == Op.INPUT:
                 host_only.add(n.name)
-                if n.op != Op.INPUT:
-                    self.prologue.add(n.name)
+                continue
+            if n.op == Op.ROUTED_EXPERTS and node_key(n) in native_ops:
+                continue
+            if n.op == Op.REDUCE and all(node_key(self.g.by_name(i)) in native_ops for i in n.inputs):
+                continue
+            if all(i in host_only for i in n.inputs):
+                host_only.add(n.name)
+                self.prologue.add(n.name)
                 continue
             raise ConfigError(f"node {n.name} ({n.op.value}) is placed on the CPU between GPU nodes; a prefill on "
                               "the GPU lanes runs only CPU tasks (routed experts) and nodes computed from the token "
@@ -242,6 +249,7 @@ class PrefillRunner:
             for d, s in zip(_tensors(dst), _tensors(src), strict=True):
                 d.copy_(s.view(d.shape), non_blocking=True)
             return dst
-        outs = tuple(torch.empty(t.shape, dtype=t.dtype, device="cuda").copy_(t, non_blocking=True)
+        dev = self.be.devices[Device.GPU]
+        outs = tuple(torch.empty(t.shape, dtype=t.dtype, device=dev).copy_(t, non_blocking=True)
                      for t in _tensors(src))
         return outs if isinstance(src, tuple) else outs[0]
