@@ -387,20 +387,25 @@ def _native_expert_gbps(quick: bool) -> float | None:
 
 
 def _native_expert_tflops(quick: bool) -> list[tuple[float, float]]:
-    """The native routed-experts operator's FLOP rate at several rows per expert (prefill): 32
-    bf16 experts of 2048 x 768 (Qwen3-30B-A3B's; quick: 16 of 512 x 256), 8 picks per token
-    spread evenly, so each expert computes exactly `rows` rows."""
+    """The native routed-experts operator's FLOP rate at several rows per expert (prefill):
+    bf16 experts of 2048 x 768 (Qwen3-30B-A3B's), as many as 8x the last-level cache holds (at
+    least 64, at most 256: a layer's experts stream from DRAM in a real prefill; a smaller set
+    partly stays in the cache and overstates the rate, by about 2x on the GPU host), 8 picks
+    per token spread evenly so each expert computes exactly `rows` rows; quick: 16 experts of
+    512 x 256."""
     import torch
 
     from . import native
 
-    k, experts = 8, (16 if quick else 32)
+    k = 8
     hidden, inter = (512, 256) if quick else (2048, 768)
+    per_expert = 3 * hidden * inter * 2
+    experts = 16 if quick else min(256, max(64, -(-8 * last_level_cache_bytes() // per_expert)))
     g = torch.Generator().manual_seed(1)
     gate, up = (torch.randn(inter, hidden, generator=g).bfloat16() for _ in range(2))
     down = torch.randn(hidden, inter, generator=g).bfloat16()
     op = native.ExpertOp(experts, hidden, inter)
-    op.pack(lambda e: (gate, up, down))
+    op.pack(lambda e: (gate, up, down))  # every expert its own packed copy: the bytes are real
     out = []
     for rows in ((16, 64, 256) if quick else (16, 64, 256, 1024)):
         tokens = rows * experts // k
@@ -408,7 +413,7 @@ def _native_expert_tflops(quick: bool) -> list[tuple[float, float]]:
         x = torch.randn(tokens, hidden, generator=g).bfloat16()
         wts = torch.full((tokens, k), 1.0 / k)
         dst = torch.empty(tokens, hidden)
-        seconds = _best_seconds(lambda: op.forward(x, ids, wts, dst), 2 if quick else 3)
+        seconds = _best_seconds(lambda: op.forward(x, ids, wts, dst), 2 if quick or rows >= 1024 else 3)
         out.append((float(rows), 6.0 * tokens * k * hidden * inter / seconds / 1e12))
     return out
 

@@ -346,3 +346,99 @@ def test_prefill_runner_overlaps_the_next_layers_fetch(tiny_dirs):
     fetches = [n.name for n in plan.ir.nodes if n.op == Op.FETCH]
     experts = [n.name for n in streamed(plan)]
     assert steps[fetches[1]].start_us < steps[experts[0]].end_us
+
+
+# ------------------------------------------------------------------------------- the runner's logic, on the CPU
+
+
+class _Stream:
+    """A stand-in CUDA stream: work runs in host order, so there is nothing to wait for."""
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _Driver:
+    """Host functions and flag waits done at once on the host: a submit enqueues the batch, a
+    wait waits for every batch submitted."""
+
+    submit_fn, wait_fn = "submit", "wait"
+
+    def __init__(self):
+        self.batches = {}
+
+    def device_address(self, t):
+        return t.data_ptr()
+
+    def launch_host(self, stream, fn, handle):
+        batch = self.batches[handle]
+        batch.submit() if fn == "submit" else batch.wait()
+
+    def wait_value(self, stream, address, value):
+        for batch in self.batches.values():
+            batch.wait()
+
+
+@needs_native
+@pytest.mark.parametrize("mode", ["stream", "split", "cpu"])
+def test_prefill_runner_issues_what_the_executor_runs(mode, tiny_dirs, monkeypatch):
+    """The prefill runner's issue logic (lanes, pinned slots, native tasks through submit and
+    wait, a CPU embedding run on the host, fetches into the staging arena, chunks) with its CUDA
+    calls replaced by host-order stand-ins: the same logits as the executor on the same plans."""
+    import contextlib
+
+    import ktflow.backends.cuda_graph as cuda_graph
+    from ktflow.backends.cpu_native import NativeBackend
+    from ktflow.backends.prefill_runner import PrefillRunner
+
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: _Stream())
+    real_zeros, real_batches = torch.zeros, cuda_graph.native_batches
+    monkeypatch.setattr(torch, "zeros", lambda *a, pin_memory=False, **k: real_zeros(*a, **k))
+
+    class HostLanes(NativeBackend):
+        wait = "flag"
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.gpu_stream = self.copy_stream = self.fetch_stream = _Stream()
+            self.driver = _Driver()
+
+        def staging_buffers(self, staging, landing):
+            return torch.empty(max(staging, 1), dtype=torch.uint8), torch.empty(landing, dtype=torch.uint8)
+
+    def batches(be, *args, **kwargs):
+        out = real_batches(be, *args, **kwargs)
+        be.driver.batches.update({b.handle: b for b in out})
+        return out
+
+    monkeypatch.setattr(cuda_graph, "native_batches", batches)
+    d, _ = tiny_dirs("qwen3_moe")
+    model = ktflow.load(d)
+    opts = dict(budget_experts=1, dtype="bfloat16", max_seq_len=32, prefill_experts=mode, prefill_chunk=5,
+                backend="native")
+    c, ref = hybrid(model, **opts), hybrid(model, **opts)
+    assert any(n.op == Op.COPY for n in c.prefill[-1].ir.nodes)  # the embedding crosses from the CPU
+    c._backend = HostLanes("cpu", torch.bfloat16, options=c.plans.options)
+    c.prepare()
+    for plan in c.prefill:
+        c.executor(plan).runner = PrefillRunner(plan, c._backend)
+    ids = torch.randint(0, model.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(1))
+    got, _ = ktflow.execute(c, ids)
+    want, _ = ktflow.execute(ref, ids)
+    assert_close_but_for_flips(got, want, tol=1e-2, flips=0.0)

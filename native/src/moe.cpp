@@ -455,18 +455,22 @@ double weight_bytes(Format f) { return f == Format::BF16 ? 2.0 : f == Format::IN
 // `matrices` of that shape are read per block (gate and up: 2). A task reads about 1/8 of its
 // group's per-thread share of the phase's weights (so the dynamic claiming evens out the threads'
 // finish), between 32 KiB and 512 KiB, and at least one block per 32 rows (many rows per expert:
-// the rows are then not re-read for every few blocks).
+// the rows are then not re-read for every few blocks), but never so many blocks that the group
+// gets fewer than two tasks per thread (a few experts with many rows each: a long prompt's CPU
+// share of a split layer).
 void plan_block_tasks(ThreadPool& pool, std::vector<JobState>& states, PhaseCtx& ctx,
                       std::vector<PackedMatrix> MoE::Slice::*which, int matrices) {
   auto block_bytes = [&](const MoE& m, const PackedMatrix& W) {
     return NB * double(W.kp) * weight_bytes(m.shape().fmt) * matrices;
   };
   std::vector<double> target(pool.groups(), 0.0);
+  std::vector<int> blocks(pool.groups(), 0);
   for (JobState& st : states)
     for (const MoE::Slice& sl : st.moe->slices())
       for (const ExpertRows& er : st.experts) {
         const PackedMatrix& W = (sl.*which)[er.expert];
         target[sl.group] += W.nblocks() * block_bytes(*st.moe, W);
+        blocks[sl.group] += W.nblocks();
       }
   for (int g = 0; g < pool.groups(); ++g)
     target[g] = std::clamp(target[g] / (8.0 * pool.group_threads(g)), 32.0 * 1024, 512.0 * 1024);
@@ -478,7 +482,7 @@ void plan_block_tasks(ThreadPool& pool, std::vector<JobState>& states, PhaseCtx&
         const PackedMatrix& W = (m.slices()[s].*which)[er.expert];
         const int group = m.slices()[s].group;
         int nbt = std::max({1, int(target[group] / block_bytes(m, W)), (er.rows + 31) / 32});
-        nbt = std::min(nbt, W.nblocks());
+        nbt = std::min({nbt, W.nblocks(), std::max(1, blocks[group] / (2 * pool.group_threads(group)))});
         for (int b = 0; b < W.nblocks(); b += nbt)
           ctx.lists[group].push_back({int(q), int(s), int(a), b, std::min(W.nblocks(), b + nbt)});
       }
