@@ -314,7 +314,7 @@ def run_prefill(a, model, base: dict, budget: float, lengths: list[int], info: d
             rows.append(row)
             print(f"  ktflow {v:6s} prefill {n:6d}: {row['tok_s']:9.1f} +- {row['sd']:6.1f} tok/s (bucket "
                   f"{row['bucket']}, {row['decisions']}); predicted {row['predicted_tok_s']}; PCIe bound "
-                  f"{row['pcie_bound_fraction']}; busy {row['busy']}; layer {row['measured_layer_us']} us vs predicted "
+                  f"{row['pcie_bound_fraction']}; busy {row['busy']}; layer {row['step_layer_us']} us (traced {row['measured_layer_us']}) vs predicted "
                   f"{row['predicted_layer_us']}; VRAM {row['peak_vram_gb']} / plan {row['planned_vram_gb']} GB", flush=True)
             append_jsonl(a.out, [row])
         del c

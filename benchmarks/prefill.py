@@ -28,10 +28,11 @@ def _busy(intervals: list[tuple[float, float]]) -> float:
 
 
 def lane_busy(steps) -> dict[str, float]:
-    """Fraction of the measured step each lane (gpu, fetch, copy, cpu) is busy."""
+    """Fraction of the measured step each lane (gpu, fetch, copy, cpu) is busy; a sync (the GPU
+    stream waiting for a CPU task) and a submit are not GPU work."""
     lanes: dict[str, list] = {}
     for s in steps:
-        if s.kind in ("record", "wait"):
+        if s.kind in ("record", "wait", "sync", "submit"):
             continue
         lane = "cpu" if s.lane.startswith("cpu") else s.lane
         lanes.setdefault(lane, []).append((s.start_us, s.end_us))
@@ -99,7 +100,8 @@ def measure(compiled, vocab: int, tokens: int, reps: int, hw, layers: int) -> di
         streamed_gb=round(streamed / 1e9, 3), pcie_bound_s=round(bound_s, 4),
         pcie_bound_fraction=round(bound_s / seconds, 3) if streamed else None,
         busy=busy, predicted_layer_us=round(predicted_layer, 1) if predicted_layer else None,
-        measured_layer_us=round(measured_layer, 1) if measured_layer else None,
+        step_layer_us=round(seconds / layers * 1e6, 1),  # the untraced step over the layers
+        measured_layer_us=round(measured_layer, 1) if measured_layer else None,  # the traced step's layer windows
         peak_vram_gb=round(max(peaks) / 1e9, 3), planned_vram_gb=round((plan.memory.gpu_bytes - reserve) / 1e9, 3),
         planned_staging_gb=round(plan.memory.staging_bytes / 1e9, 3), layers=layers,
         steps=[(s.kind, s.node, s.lane, s.start_us, s.end_us) for s in ex.measured or []])

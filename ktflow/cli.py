@@ -10,7 +10,8 @@ from pathlib import Path
 EPILOG = """examples:
   ktflow demo                                   small DeepSeek-V3-shaped model, compiled and run
   ktflow compile ./DeepSeek-V3 -o v3.plan.json  compile (config.json alone is enough)
-  ktflow compile ./DeepSeek-V3 --hw paper-a100 --explain     where each node runs, and why
+  ktflow compile ./DeepSeek-V3 --hw paper-a100 --explain     where each node runs, and why (prefill buckets too)
+  ktflow compile ./model --prefill-experts stream --prefill-buckets 2048,32768   force streamed experts
   ktflow compile ./model --print-after place_by_intensity
   ktflow run ./model --input-ids "1 2 3" --max-new-tokens 16
   ktflow run ./model --prompt "Hello" --temperature 0.7 --top-p 0.9 --seed 1
@@ -47,12 +48,32 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--numa-nodes", type=int, default=None, help="NUMA node count (default: the profile's)")
     g.add_argument("--vram-budget-gb", type=float, default=None,
                    help="GPU memory for weights and KV caches (default: GPU memory less activations and reserve)")
+    g.add_argument("--prefill-experts", choices=["auto", "cpu", "stream", "split"], default="auto",
+                   help="prefill: where the routed experts the decode placement left on the CPU compute: cpu, stream "
+                   "(copied to GPU staging slots), split (both, sized to finish together) or auto (the fastest per "
+                   "layer and prompt-length bucket by the cost model; default)")
+    g.add_argument("--prefill-buckets", default=None, metavar="N,N,...",
+                   help="prefill plans for steps of up to these many tokens (default: chosen where the decisions "
+                   "change, over powers of two up to max_seq_len)")
+    g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="most tokens one prefill step runs; longer prompts run as chunks (default: the most whose "
+                   "activations and staging fit the GPU)")
+    g.add_argument("--staging-slots", type=int, default=2,
+                   help="GPU staging slots for streamed experts (2 or more: the next layer's copy overlaps this one)")
 
 
 def _options(a: argparse.Namespace) -> dict:
     opts = dict(max_seq_len=a.max_seq_len, max_batch=a.max_batch, dtype=a.dtype, device=a.device, backend=a.backend,
                 expert_format=a.expert_format,
-                placement=a.placement, vram_budget_gb=a.vram_budget_gb, numa=a.numa, numa_nodes=a.numa_nodes)
+                placement=a.placement, vram_budget_gb=a.vram_budget_gb, numa=a.numa, numa_nodes=a.numa_nodes,
+                prefill_experts=a.prefill_experts, prefill_chunk=a.prefill_chunk, staging_slots=a.staging_slots)
+    if a.prefill_buckets:
+        from ktflow.errors import ConfigError
+
+        try:
+            opts["prefill_buckets"] = [int(x) for x in a.prefill_buckets.split(",")]
+        except ValueError:
+            raise ConfigError(f"--prefill-buckets must be a comma list of token counts, got {a.prefill_buckets!r}") from None
     if getattr(a, "routing_profile", None):
         opts["routing_profile"] = a.routing_profile
     if a.defer is not None:
