@@ -128,10 +128,15 @@ class HwProfile(_Frozen):
                  f"{c.memory_bytes / GiB:.0f} GiB, DRAM {c.dram_gbps:.0f} GB/s"
                  + (f" (cross-socket {c.cross_socket_gbps:.0f} GB/s)" if len(c.numa) > 1 else ""),
                  f"        bf16 GEMM {c.gemm_tflops:.2f} TFLOPS, GEMV {c.gemv_gbps:.0f} GB/s; ISA: {isa}"]
+        if c.expert_tflops:
+            lines.append("        routed experts: " + ", ".join(f"{r:.0f} rows/expert {t:.2f} TFLOPS"
+                                                             for r, t in c.expert_tflops))
         for g in self.gpus:
             lines.append(f"  gpu   {g.name}: {g.memory_bytes / GiB:.0f} GiB, HBM {g.hbm_gbps:.0f} GB/s, "
                          f"bf16 {g.bf16_tflops:.0f} TFLOPS, PCIe {g.pcie_h2d_gbps:.0f}/{g.pcie_d2h_gbps:.0f} GB/s h2d/d2h"
-                         + (f", kernels at {g.efficiency:.0%} of roofline" if g.efficiency < 1 else ""))
+                         + (f", kernels at {g.efficiency:.0%} of roofline" if g.efficiency < 1 else "")
+                         + (f"; prefill: attention {g.attention_tflops:.0f}, grouped experts {g.grouped_tflops:.0f} TFLOPS"
+                            if g.attention_tflops and g.grouped_tflops else ""))
         if not self.gpus:
             lines.append("  gpu   none")
         o = self.overheads
