@@ -45,9 +45,10 @@ def place_prefill_experts(g: Graph, ctx: CompileContext) -> Graph:
     are priced by the steady-state layer time
         t(n) = max(D1 + max(X + C(rest), D2 + G(n)), F(n))
     where D1 is the layer's GPU work before the experts (norms, attention, router), D2 the GPU
-    work beside them (shared expert, resident experts), C the CPU experts left, X their PCIe
-    copies (hidden states and routing down, result up), G the streamed experts on the GPU and F
-    their fetch (PCIe + conversion), which overlaps the previous layer. The fastest n wins, ties
+    work beside them (shared expert, resident experts), C the CPU experts left (their weights
+    read with the DRAM bandwidth the fetch's copies leave), X their PCIe copies (hidden states
+    and routing down, result up), G the streamed experts on the GPU and F their fetch (PCIe +
+    conversion), which overlaps the previous layer. The fastest n wins, ties
     to fewer streamed (option prefill_experts forces cpu, stream, or the best split). Staging
     must fit the GPU memory the step leaves (memory.prefill_room): `staging_slots` slots of the
     largest streamed set plus one landing buffer; with no room for two slots the pass uses one
@@ -146,9 +147,16 @@ def _choose(g: Graph, ctx: CompileContext, n: Node, bounds: tuple[float, float],
     def part(ids) -> Node:
         return replace(n, attrs=replace(n.attrs, subset=tuple(sorted(ids))))
 
+    # while a split layer's experts stream, the copy engine reads host memory too: the CPU part
+    # streams its weights with what DRAM has left (at least a quarter of its rate)
+    gpu0 = ctx.hw.gpus[0]
+    shared = ctx.hw.model_copy(update={"cpu": ctx.hw.cpu.model_copy(update={
+        "gemv_gbps": max(ctx.hw.cpu.gemv_gbps - gpu0.pcie_h2d_gbps, ctx.hw.cpu.gemv_gbps / 4)})})
+
     def price(k: int) -> tuple[float, float, float, float]:
         """(layer seconds, CPU part, GPU part, fetch) with the first k of `order` streamed."""
-        cpu = node_cost(part(order[k:]), g, work, ctx.hw, ctx.weight_itemsize).cpu_s + xfer if k < total else 0.0
+        hw = shared if 0 < k < total else ctx.hw
+        cpu = node_cost(part(order[k:]), g, work, hw, ctx.weight_itemsize).cpu_s + xfer if k < total else 0.0
         if k == 0:
             return d1 + max(cpu, d2), cpu, 0.0, 0.0
         gpu_node = replace(part(order[:k]), weights=())
