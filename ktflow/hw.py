@@ -357,6 +357,24 @@ def last_level_cache_bytes() -> int:
     return best or 32 << 20
 
 
+def _probe_experts(hidden: int, inter: int, experts: int | None, most: int, seed: int):
+    """(operator, expert count, generator) for a probe: `experts` bf16 experts of hidden x inter
+    (None: eight times the last-level cache, at least 64, at most `most`), each packed on its
+    own so its bytes are real."""
+    import torch
+
+    from . import native
+
+    if experts is None:
+        experts = min(most, max(64, -(-8 * last_level_cache_bytes() // (3 * hidden * inter * 2))))
+    g = torch.Generator().manual_seed(seed)
+    gate, up = (torch.randn(inter, hidden, generator=g).bfloat16() for _ in range(2))
+    down = torch.randn(hidden, inter, generator=g).bfloat16()
+    op = native.ExpertOp(experts, hidden, inter)
+    op.pack(lambda e: (gate, up, down))
+    return op, experts, g
+
+
 def _native_expert_gbps(quick: bool) -> float | None:
     """Weight bytes/s of the native routed-experts operator at decode: 32 one-token calls, each
     picking 8 random experts of a set of bf16 experts (2048 x 1408, DeepSeek-V2-Lite's) eight
@@ -371,13 +389,7 @@ def _native_expert_gbps(quick: bool) -> float | None:
         return None
     k, calls = 8, 32
     hidden, inter = (1024, 512) if quick else (2048, 1408)
-    per_expert = 3 * hidden * inter * 2
-    experts = 64 if quick else min(1024, max(64, -(-8 * last_level_cache_bytes() // per_expert)))
-    g = torch.Generator().manual_seed(0)
-    gate, up = (torch.randn(inter, hidden, generator=g).bfloat16() for _ in range(2))
-    down = torch.randn(hidden, inter, generator=g).bfloat16()
-    op = native.ExpertOp(experts, hidden, inter)
-    op.pack(lambda e: (gate, up, down))  # every expert its own packed copy: the bytes are real
+    op, experts, g = _probe_experts(hidden, inter, 64 if quick else None, 1024, seed=0)
     x = torch.randn(1, hidden, generator=g).bfloat16()
     picks = [torch.randperm(experts, generator=g)[:k].view(1, k) for _ in range(calls)]
     weights = torch.full((1, k), 1.0 / k)
@@ -395,22 +407,15 @@ def _native_expert_tflops(quick: bool) -> list[tuple[float, float]]:
     """The native routed-experts operator's FLOP rate at several rows per expert (prefill):
     bf16 experts of 2048 x 768 (Qwen3-30B-A3B's), as many as 8x the last-level cache holds (at
     least 64, at most 256: a layer's experts stream from DRAM in a real prefill; a smaller set
-    partly stays in the cache and overstates the rate, by about 2x on the GPU host), 8 picks
+    may partly stay in the cache: 32 experts gave 3.0-4.4 TFLOPS on the GPU host where the
+    operator ran at 1.0-2.0 inside a prefill), 8 picks
     per token spread evenly so each expert computes exactly `rows` rows; quick: 16 experts of
     512 x 256."""
     import torch
 
-    from . import native
-
     k = 8
     hidden, inter = (512, 256) if quick else (2048, 768)
-    per_expert = 3 * hidden * inter * 2
-    experts = 16 if quick else min(256, max(64, -(-8 * last_level_cache_bytes() // per_expert)))
-    g = torch.Generator().manual_seed(1)
-    gate, up = (torch.randn(inter, hidden, generator=g).bfloat16() for _ in range(2))
-    down = torch.randn(hidden, inter, generator=g).bfloat16()
-    op = native.ExpertOp(experts, hidden, inter)
-    op.pack(lambda e: (gate, up, down))  # every expert its own packed copy: the bytes are real
+    op, experts, g = _probe_experts(hidden, inter, 16 if quick else None, 256, seed=1)
     out = []
     for rows in ((16, 64, 256) if quick else (16, 64, 256, 1024)):
         tokens = rows * experts // k
