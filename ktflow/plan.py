@@ -97,6 +97,20 @@ class Plan(BaseModel):
     def ir(self) -> Graph:
         return Graph.from_dict(self.graph)
 
+    @cached_property
+    def frees(self) -> list[list[str]]:
+        """The values no step reads after step i (graph outputs are kept): what a runner drops then."""
+        last: dict[str, int] = {}
+        for i, s in enumerate(self.steps):
+            for r in s.reads:
+                last[r] = i
+        out: list[list[str]] = [[] for _ in self.steps]
+        outputs = set(self.ir.outputs)
+        for name, i in last.items():
+            if name not in outputs:
+                out[i].append(name)
+        return out
+
     def as_text(self) -> str:
         lines = [f"plan {self.phase} (GPU nodes on {self.device}): {len(self.steps)} steps, {self.step_tokens} tokens/step, "
                  f"predicted {self.predicted_step_us:.1f} us/step, max_seq_len {self.max_seq_len}"]

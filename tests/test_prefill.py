@@ -401,14 +401,14 @@ def test_prefill_runner_issues_what_the_executor_runs(mode, tiny_dirs, monkeypat
     calls replaced by host-order stand-ins: the same logits as the executor on the same plans."""
     import contextlib
 
-    import ktflow.backends.cuda_graph as cuda_graph
+    import ktflow.backends.prefill_runner as prefill_runner
     from ktflow.backends.cpu_native import NativeBackend
     from ktflow.backends.prefill_runner import PrefillRunner
 
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: _Stream())
-    real_zeros, real_batches = torch.zeros, cuda_graph.native_batches
+    real_zeros, real_batches = torch.zeros, prefill_runner.native_batches
     monkeypatch.setattr(torch, "zeros", lambda *a, pin_memory=False, **k: real_zeros(*a, **k))
 
     class HostLanes(NativeBackend):
@@ -427,7 +427,7 @@ def test_prefill_runner_issues_what_the_executor_runs(mode, tiny_dirs, monkeypat
         be.driver.batches.update({b.handle: b for b in out})
         return out
 
-    monkeypatch.setattr(cuda_graph, "native_batches", batches)
+    monkeypatch.setattr(prefill_runner, "native_batches", batches)
     d, _ = tiny_dirs("qwen3_moe")
     model = ktflow.load(d)
     opts = dict(budget_experts=1, dtype="bfloat16", max_seq_len=32, prefill_experts=mode, prefill_chunk=5,

@@ -241,33 +241,9 @@ class DecodeGraph:
         self.bound: dict[int, Bound] = {}
         self.capture = True  # False: every step eager on the streams (same issue order, no graph)
         self.current = ""  # the node being issued (named in out-of-memory errors)
-        self._check_nodes()
-        self.home = {n.name: n.inputs[1] for n in self.g.nodes if n.op == Op.SYNC}  # sync -> its task's root
-
-    def _check_nodes(self) -> None:
-        """CPU nodes a graph can hold: routed experts (tasks, with their NUMA reduce), and a
-        prologue of nodes computed from the token ids alone (an embedding placed on the CPU),
-        run on the host before each launch into their pinned slots."""
-        self.prologue: list[Node] = []
+        self.prologue = host_prologue(self.g, be, "inside a CUDA graph")
         self.inputs = [n.name for n in self.g.nodes if n.op == Op.INPUT]
-        host_only = set()
-        for n in self.g.nodes:
-            if n.place.device != Device.CPU or n.op in (Op.SUBMIT, Op.SYNC, Op.COPY):
-                continue
-            if n.op == Op.INPUT:
-                host_only.add(n.name)
-                continue
-            if n.op == Op.ROUTED_EXPERTS and node_key(n) in self.be.ops:
-                continue
-            if n.op == Op.REDUCE and all(node_key(self.g.by_name(i)) in self.be.ops for i in n.inputs):
-                continue
-            if all(i in host_only for i in n.inputs):
-                host_only.add(n.name)
-                self.prologue.append(n)
-                continue
-            raise ConfigError(f"node {n.name} ({n.op.value}) is placed on the CPU, but inside a CUDA graph only "
-                              "routed experts (with their NUMA reduce) and nodes computed from the token ids alone "
-                              "run there; use backend='native' for this plan")
+        self.home = {n.name: n.inputs[1] for n in self.g.nodes if n.op == Op.SYNC}  # sync -> its task's root
 
     def _run_prologue(self, bound: "Bound", state) -> None:
         if not self.prologue:
@@ -436,6 +412,33 @@ class DecodeGraph:
             for d, s in zip(outs, src if isinstance(src, tuple) else (src,), strict=True):
                 d.copy_(s, non_blocking=True)
         return outs if isinstance(src, tuple) else outs[0]
+
+
+def host_prologue(g: Graph, be, where: str) -> list[Node]:
+    """The CPU nodes a plan on the GPU lanes may hold besides the token ids and the routed
+    experts the native backend runs (tasks, with their NUMA reduce): nodes computed from the
+    token ids alone (an embedding over the budget, lowered as a task), which the host runs
+    itself. Any other CPU node is an error naming `where` it cannot run."""
+    prologue: list[Node] = []
+    host_only = set()
+    for n in g.nodes:
+        if n.place.device != Device.CPU or n.op in (Op.SUBMIT, Op.SYNC, Op.COPY):
+            continue
+        if n.op == Op.INPUT:
+            host_only.add(n.name)
+            continue
+        if n.op == Op.ROUTED_EXPERTS and node_key(n) in be.ops:
+            continue
+        if n.op == Op.REDUCE and all(node_key(g.by_name(i)) in be.ops for i in n.inputs):
+            continue
+        if all(i in host_only for i in n.inputs):
+            host_only.add(n.name)
+            prologue.append(n)
+            continue
+        raise ConfigError(f"node {n.name} ({n.op.value}) is placed on the CPU, but {where} only routed experts "
+                          "(with their NUMA reduce) and nodes computed from the token ids alone run there; use "
+                          "backend='native' for this plan")
+    return prologue
 
 
 def exchange_slots(g: Graph, buffers, arena: torch.Tensor, tokens: int) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from ..ir.types import Device
 from ..plan import Plan
 from ..weights import TORCH_DTYPE
 from .base import StepContext, lm_head_rows, node_key
+from .cuda_graph import _Timer, done_flags, exchange_slots, host_prologue, native_batches
 
 
 @dataclass
@@ -73,47 +74,12 @@ class PrefillRunner:
         self.home = {n.name: n.inputs[1] for n in self.g.nodes if n.op == Op.SYNC}
         self.done = torch.cuda.Event(blocking=True)
         self.bound: PrefillBound | None = None
-        self._check_nodes()
-        last: dict[str, int] = {}
-        for i, s in enumerate(plan.steps):
-            for r in s.reads:
-                last[r] = i
-        outputs = set(self.g.outputs)
-        self.frees: list[list[str]] = [[] for _ in plan.steps]
-        for name, i in last.items():
-            if name not in outputs:
-                self.frees[i].append(name)
+        self.prologue = {n.name for n in host_prologue(self.g, be, "a prefill on the GPU lanes")}
+        self.frees = plan.frees
         self.lane = {s.node: s.lane for s in plan.steps if s.kind not in ("record", "wait")}
-
-    def _check_nodes(self) -> None:
-        """CPU nodes a prefill on the lanes can hold: the token ids, routed experts the native
-        backend runs (tasks, with their NUMA reduce), and nodes computed from the token ids alone
-        (an embedding over the budget: lowered as a task, run on the host when its step comes)."""
-        native_ops = self.be.ops
-        host_only = set()
-        self.prologue: set[str] = set()
-        for n in self.g.nodes:
-            if n.place.device != Device.CPU or n.op in (Op.SUBMIT, Op.SYNC, Op.COPY):
-                continue
-            if n.op == Op.INPUT:
-                host_only.add(n.name)
-                continue
-            if n.op == Op.ROUTED_EXPERTS and node_key(n) in native_ops:
-                continue
-            if n.op == Op.REDUCE and all(node_key(self.g.by_name(i)) in native_ops for i in n.inputs):
-                continue
-            if all(i in host_only for i in n.inputs):
-                host_only.add(n.name)
-                self.prologue.add(n.name)
-                continue
-            raise ConfigError(f"node {n.name} ({n.op.value}) is placed on the CPU between GPU nodes; a prefill on "
-                              "the GPU lanes runs only CPU tasks (routed experts) and nodes computed from the token "
-                              "ids there; use backend='native' for this plan")
 
     # ------------------------------------------------------------------------------ binding
     def _bind(self) -> PrefillBound:
-        from .cuda_graph import done_flags, exchange_slots, native_batches
-
         plan, g, be = self.plan, self.g, self.be
         arena = torch.zeros(max(plan.arenas.get("pinned", 0), 1), dtype=torch.uint8, pin_memory=True)
         slots = exchange_slots(g, plan.buffers, arena, plan.step_tokens)
@@ -151,8 +117,6 @@ class PrefillRunner:
         """One prefill step of input_ids [batch, seq] at state.position (seq * batch at most the
         plan's step_tokens); returns logits as the executor does (with trace, also the plan's
         steps with measured times)."""
-        from .cuda_graph import _Timer
-
         b, s = input_ids.shape
         rows = b * s
         if rows > self.plan.step_tokens:

@@ -27,16 +27,7 @@ class Executor:
     def __init__(self, plan: Plan, backend: Any):
         self.plan, self.backend = plan, backend
         self.graph: Graph = plan.ir
-        last_use: dict[str, int] = {}
-        for i, s in enumerate(plan.steps):
-            for r in s.reads:
-                last_use[r] = i
-        outputs = set(self.graph.outputs)
-        #: values to drop after step i
-        self.frees: list[list[str]] = [[] for _ in plan.steps]
-        for name, i in last_use.items():
-            if name not in outputs:
-                self.frees[i].append(name)
+        self.frees = plan.frees  # values to drop after step i
         # torch_ref runs every kind the same way (a copy moves the value, submit is a no-op, sync
         # passes the task's value); asynchronous backends give submit and sync their own handlers
         # record/wait order lanes; a backend that runs steps in plan order on one thread needs neither
