@@ -17,8 +17,8 @@ from .ir.ops import Op
 from .ir.types import Device
 from .model import Model, load
 from .options import CompileContext, CompileOptions
-from .memory import (activation_peak, gpu_activation_peak, gpu_workspace_bytes, prefill_room, resident_gpu_bytes,
-                     staging_bytes)
+from .memory import (activation_peak, gpu_activation_peak, gpu_workspace_bytes, kv_cache_bytes, prefill_room,
+                     resident_gpu_bytes, staging_bytes)
 from .passes import PIPELINE, run_pipeline
 from .passes.buffers import plan_buffers
 from .passes.schedule import schedule
@@ -163,9 +163,7 @@ def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
     for n in g.nodes:
         weights[Device.CPU if n.op == Op.FETCH else n.place.device] += n.weight_elems() * ctx.weight_itemsize
     kv_tokens = ctx.max_seq_len * ctx.options.max_batch
-    _, kv_gpu = resident_gpu_bytes(g, ctx.weight_itemsize, kv_tokens)
-    kv_all = sum(n.attrs.kv_cache_elems_per_token() for n in g.nodes if n.op == Op.ATTENTION) * kv_tokens \
-        * g.act_dtype.itemsize
+    kv_gpu, kv_all = kv_cache_bytes(g, kv_tokens, Device.GPU), kv_cache_bytes(g, kv_tokens)
     on_gpu = any(n.place.device == Device.GPU for n in g.nodes)
     act = activation_peak(g, ctx.tokens)
     if not on_gpu:
@@ -215,12 +213,11 @@ def _largest_step(spec: Graph, ctx_for, candidates: list[int]) -> int:
     layer = max((n.weight_elems() * ctx.weight_itemsize for n in placed.nodes
                  if n.op == Op.ROUTED_EXPERTS and n.place.device == Device.CPU), default=0.0)
     staging = layer * (ctx.options.staging_slots + 1)
-    fits = [t for t in candidates if prefill_room(placed, ctx.hw, tokens=t, **kw) >= staging]
-    if fits:
-        return max(fits)
-    fits = [t for t in candidates if prefill_room(placed, ctx.hw, tokens=t, **kw) >= 0]
-    if fits:
-        return max(fits)
+    room = {t: prefill_room(placed, ctx.hw, tokens=t, **kw) for t in candidates}
+    for need in (staging, 0.0):
+        fits = [t for t in candidates if room[t] >= need]
+        if fits:
+            return max(fits)
     t = candidates[0]
     while t > 1:
         t //= 2
@@ -250,6 +247,9 @@ def _prefill_plans(spec: Graph, ctx_for, opts: CompileOptions, max_seq: int, pri
         raise ConfigError(f"prefill_buckets must be positive token counts, got {opts.prefill_buckets}")
     limit = opts.prefill_chunk or _largest_step(spec, ctx_for, cands)
     cands = sorted({min(t, limit) for t in cands})
+    ctx = ctx_for(cands[-1])
+    if auto and (not ctx.hw.has_gpu or opts.placement == "cpu"):
+        cands = cands[-1:]  # nothing to stream: every bucket would decide the same
     plans: list[Plan] = []
     for t in cands:
         plan = _compile_plan(spec, ctx_for(t), print_after if t == cands[-1] else None)

@@ -146,17 +146,19 @@ def staging_bytes(g: Graph) -> float:
     return sum(slots.values()) + landing
 
 
+def kv_cache_bytes(g: Graph, kv_tokens: int, device: Device | None = None) -> float:
+    """KV caches for `kv_tokens` positions (max_seq_len x max_batch) of the attention nodes on
+    `device` (None: every one)."""
+    return sum(n.attrs.kv_cache_elems_per_token() * kv_tokens * g.act_dtype.itemsize for n in g.nodes
+               if n.op == Op.ATTENTION and (device is None or n.place.device == device))
+
+
 def resident_gpu_bytes(g: Graph, weight_itemsize: int, kv_tokens: int) -> tuple[float, float]:
     """(weights, KV caches) held on the GPU: weights of GPU nodes (not staged ones) and the KV
-    caches of GPU attention for `kv_tokens` positions of every row (max_seq_len x max_batch)."""
-    weights = kv = 0.0
-    for n in g.nodes:
-        if n.place is None or n.place.device != Device.GPU or n.op == Op.FETCH:
-            continue
-        weights += n.weight_elems() * weight_itemsize
-        if n.op == Op.ATTENTION:
-            kv += n.attrs.kv_cache_elems_per_token() * kv_tokens * g.act_dtype.itemsize
-    return weights, kv
+    caches of GPU attention."""
+    weights = sum(n.weight_elems() * weight_itemsize for n in g.nodes
+                  if n.place is not None and n.place.device == Device.GPU and n.op != Op.FETCH)
+    return weights, kv_cache_bytes(g, kv_tokens, Device.GPU)
 
 
 def prefill_room(g: Graph, hw: HwProfile, *, tokens: int, weight_itemsize: int, kv_tokens: int,
