@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from ..cost import fetch_seconds, node_cost, transfer_seconds
 from ..errors import ConfigError
+from ..hw import HwProfile
 from ..ir.graph import Graph, Node
 from ..ir.ops import FACTS, FetchAttrs, Op
 from ..ir.types import Device, Placement, _si
@@ -22,15 +23,9 @@ GRID = 32
 class LayerChoice:
     """The decision for one layer's CPU experts in a prefill step."""
 
-    node: str
     streamed: tuple[int, ...]  # expert ids copied to the GPU (empty: all stay on the CPU)
     kept: tuple[int, ...]  # expert ids computed on the CPU
-    seconds: float  # predicted steady-state layer time of this choice
-    cause: str
-
-    @property
-    def mode(self) -> str:
-        return "cpu" if not self.streamed else ("stream" if not self.kept else "split")
+    cause: str  # what was decided, with the times compared
 
 
 def place_prefill_experts(g: Graph, ctx: CompileContext) -> Graph:
@@ -59,8 +54,9 @@ def place_prefill_experts(g: Graph, ctx: CompileContext) -> Graph:
     CPU part under the node's name and adds `<name>.stream` on the GPU; their reader (the
     residual add) reads both.
     Requires: a costed, placed prefill graph. Decode graphs, graphs without a GPU (or with
-    placement='cpu') and layers whose hidden states or routing are on the CPU pass through. Guarantees: rules S1-S2; each layer's experts still partitioned (V10); every
-    decision recorded in the CPU or GPU node's cause with the times compared.
+    placement='cpu') and layers whose hidden states or routing are on the CPU pass through.
+    Guarantees: rules S1-S2; each layer's experts still partitioned (V10); every decision
+    recorded in the CPU or GPU node's cause with the times compared.
     """
     mode = ctx.options.prefill_experts
     if ctx.phase != "prefill" or not ctx.hw.has_gpu or ctx.options.placement == "cpu":
@@ -90,10 +86,15 @@ def place_prefill_experts(g: Graph, ctx: CompileContext) -> Graph:
                           f"({ctx.options.staging_slots} slots of a whole layer's experts and a landing buffer); "
                           f"{_si(max(room, 0.0))}B are left after weights, KV caches and activations. Use "
                           "prefill_experts='auto', fewer staging_slots, a smaller prefill_chunk or VRAM budget")
+    # while a split layer's experts stream, the copy engine reads host memory too: the CPU part
+    # streams its weights with what DRAM has left (at least a quarter of its rate)
+    cpu = ctx.hw.cpu
+    sharing = ctx.hw.model_copy(update={"cpu": cpu.model_copy(update={
+        "gemv_gbps": max(cpu.gemv_gbps - ctx.hw.gpus[0].pcie_h2d_gbps, cpu.gemv_gbps / 4)})})
     bounds = _layer_bounds(g, cpu_nodes)
-    choices = [_choose(g, ctx, n, bounds[n.name], fmt, cap, slots, room, mode) for n in cpu_nodes]
-    if not any(c.streamed for c in choices):
-        return g.map(lambda n: _with_cause(n, choices))
+    choices = {n.name: _choose(g, ctx, n, bounds[n.name], fmt, cap, slots, sharing, mode) for n in cpu_nodes}
+    if not any(c.streamed for c in choices.values()):
+        return g.map(lambda n: _with_cause(n, choices[n.name]) if n.name in choices else n)
     return _rewrite(g, ctx, choices, fmt, slots)
 
 
@@ -133,7 +134,9 @@ def _fetch(n: Node, ids, fmt: str, slot: int) -> Node:
 
 
 def _choose(g: Graph, ctx: CompileContext, n: Node, bounds: tuple[float, float], fmt: str, cap: int, slots: int,
-            room: float, mode: str) -> LayerChoice:
+            sharing: HwProfile, mode: str) -> LayerChoice:
+    """Price the candidate counts of streamed experts for `n` and pick one (see the pass).
+    `sharing`: the machine with the DRAM bandwidth a fetch leaves the CPU."""
     d1, d2 = bounds
     order = _order(n, ctx)
     total = len(order)
@@ -147,15 +150,9 @@ def _choose(g: Graph, ctx: CompileContext, n: Node, bounds: tuple[float, float],
     def part(ids) -> Node:
         return replace(n, attrs=replace(n.attrs, subset=tuple(sorted(ids))))
 
-    # while a split layer's experts stream, the copy engine reads host memory too: the CPU part
-    # streams its weights with what DRAM has left (at least a quarter of its rate)
-    gpu0 = ctx.hw.gpus[0]
-    shared = ctx.hw.model_copy(update={"cpu": ctx.hw.cpu.model_copy(update={
-        "gemv_gbps": max(ctx.hw.cpu.gemv_gbps - gpu0.pcie_h2d_gbps, ctx.hw.cpu.gemv_gbps / 4)})})
-
     def price(k: int) -> tuple[float, float, float, float]:
         """(layer seconds, CPU part, GPU part, fetch) with the first k of `order` streamed."""
-        hw = shared if 0 < k < total else ctx.hw
+        hw = sharing if 0 < k < total else ctx.hw
         cpu = node_cost(part(order[k:]), g, work, hw, ctx.weight_itemsize).cpu_s + xfer if k < total else 0.0
         if k == 0:
             return d1 + max(cpu, d2), cpu, 0.0, 0.0
@@ -196,30 +193,27 @@ def _choose(g: Graph, ctx: CompileContext, n: Node, bounds: tuple[float, float],
         forced = f"prefill_experts={mode}" if mode != "auto" else "fastest"
         cause = (f"{head}: {'stream' if k == total else 'split'} {k}/{total} experts, {_si(secs)}s/layer "
                  f"({parts}; {forced}; {', '.join(alts)}){slot_note}")
-    return LayerChoice(n.name, tuple(sorted(order[:k])), tuple(sorted(order[k:])), secs, cause)
+    return LayerChoice(tuple(sorted(order[:k])), tuple(sorted(order[k:])), cause)
 
 
 # ------------------------------------------------------------------------------- rewrite
 
 
-def _with_cause(n: Node, choices: list[LayerChoice]) -> Node:
-    for c in choices:
-        if c.node == n.name:
-            return replace(n, place=replace(n.place, cause=f"{n.place.cause}; {c.cause}"))
-    return n
+def _with_cause(n: Node, c: LayerChoice, **changes) -> Node:
+    """`n` (with `changes`) whose cause also says what prefill decided for its layer."""
+    return replace(n, place=replace(n.place, cause=f"{n.place.cause}; {c.cause}"), **changes)
 
 
-def _rewrite(g: Graph, ctx: CompileContext, choices: list[LayerChoice], fmt: str, slots: int) -> Graph:
-    by_node = {c.node: c for c in choices}
+def _rewrite(g: Graph, ctx: CompileContext, choices: dict[str, LayerChoice], fmt: str, slots: int) -> Graph:
     nodes: list[Node] = []
     extra_reads: dict[str, str] = {}  # CPU part -> its streamed twin (readers read both)
     after: dict[str, list[Node]] = {}  # node -> fetches placed right after it
     streamed_order: list[str] = []  # streamed nodes in graph order
     first_fetches: list[Node] = []
     for n in g.nodes:
-        c = by_node.get(n.name)
+        c = choices.get(n.name)
         if c is None or not c.streamed:
-            nodes.append(_with_cause(n, choices) if c else n)
+            nodes.append(_with_cause(n, c) if c else n)
             continue
         name = n.name if not c.kept else n.name + ".stream"
         slot = len(streamed_order) % slots
@@ -236,8 +230,7 @@ def _rewrite(g: Graph, ctx: CompileContext, choices: list[LayerChoice], fmt: str
                       attrs=replace(n.attrs, subset=c.streamed if c.kept else n.attrs.subset),
                       place=Placement(Device.GPU, cause=c.cause))
         if c.kept:
-            nodes.append(replace(n, attrs=replace(n.attrs, subset=c.kept),
-                                 place=replace(n.place, cause=f"{n.place.cause}; {c.cause}")))
+            nodes.append(_with_cause(n, c, attrs=replace(n.attrs, subset=c.kept)))
             extra_reads[n.name] = name
         nodes.append(gpu)
     out: list[Node] = []
