@@ -44,20 +44,32 @@ def value_bytes(n: Node, tokens: int) -> float:
     return n.out.numel(rows) * n.out.dtype.itemsize
 
 
+def _live_peak(g: Graph, tokens: int, counted: Callable[[Node], bool],
+               running: Callable[[Node], float | None]) -> float:
+    """The largest total, over the graph's nodes in order, of the `counted` values live then
+    (each freed after its last reader) plus what `running(node)` adds while the node runs (None:
+    the node is not a point to measure at)."""
+    users_left = {n.name: len(g.users(n.name)) for n in g.nodes}
+    live: dict[str, float] = {}
+    total = peak = 0.0
+    for n in g.nodes:
+        if counted(n):
+            live[n.name] = value_bytes(n, tokens)
+            total += live[n.name]
+        extra = running(n)
+        if extra is not None:
+            peak = max(peak, total + extra)
+        for i in n.inputs:
+            users_left[i] -= 1
+            if users_left[i] == 0 and i in live:
+                total -= live.pop(i)
+    return peak
+
+
 def activation_peak(g: Graph, tokens: int) -> float:
     """Largest total of live activations while the graph runs a step of `tokens` tokens (values
     freed after their last reader), in bytes, on both devices together."""
-    live: dict[str, float] = {}
-    users_left = {n.name: len(g.users(n.name)) for n in g.nodes}
-    peak = 0.0
-    for n in g.nodes:
-        live[n.name] = value_bytes(n, tokens)
-        peak = max(peak, sum(live.values()))
-        for i in n.inputs:
-            users_left[i] -= 1
-            if users_left[i] == 0:
-                live.pop(i, None)
-    return peak
+    return _live_peak(g, tokens, lambda n: True, lambda n: 0.0)
 
 
 # ------------------------------------------------------------------------------- scratch
@@ -114,20 +126,16 @@ def gpu_activation_peak(g: Graph, tokens: int, context: int = 0, streamed: bool 
     """Largest GPU memory a step's activations take: the live GPU values (freed after their last
     reader) plus the scratch of the node running. `streamed`: count CPU routed experts as if
     they ran on the GPU (their scratch), for the room a prefill step could stream into."""
-    live: dict[str, float] = {}
-    users_left = {n.name: len(g.users(n.name)) for n in g.nodes}
-    peak = 0.0
-    for n in g.nodes:
-        on_gpu = n.place is not None and n.place.device == Device.GPU
-        if on_gpu and n.op != Op.FETCH:  # staged weights are counted as staging
-            live[n.name] = value_bytes(n, tokens)
-        if on_gpu or (streamed and n.op == Op.ROUTED_EXPERTS):
-            peak = max(peak, sum(live.values()) + scratch_bytes(n, tokens, context, g.act_dtype))
-        for i in n.inputs:
-            users_left[i] -= 1
-            if users_left[i] == 0:
-                live.pop(i, None)
-    return peak
+    def on_gpu(n: Node) -> bool:
+        return n.place is not None and n.place.device == Device.GPU
+
+    def running(n: Node) -> float | None:
+        if on_gpu(n) or (streamed and n.op == Op.ROUTED_EXPERTS):
+            return scratch_bytes(n, tokens, context, g.act_dtype)
+        return None
+
+    # staged weights (fetch outputs) are counted as staging
+    return _live_peak(g, tokens, lambda n: on_gpu(n) and n.op != Op.FETCH, running)
 
 
 # ------------------------------------------------------------------------------- staging

@@ -27,10 +27,7 @@ class Piece:
     op: native.ExpertOp
     slice: int
     rows: tuple[int, int]  # the layer's intermediate rows this piece holds
-
-    @property
-    def stride(self) -> int:
-        return self.op.expert_stride(self.slice)
+    stride: int  # bytes between two experts' blocks in the piece's arena
 
 
 def pieces_of(ops: list[native.ExpertOp], row_offsets: list[int]) -> list[Piece]:
@@ -39,7 +36,7 @@ def pieces_of(ops: list[native.ExpertOp], row_offsets: list[int]) -> list[Piece]
     out = []
     for op, base in zip(ops, row_offsets, strict=True):
         for i, (i0, i1, _, _) in enumerate(op.slices):
-            out.append(Piece(op, i, (base + i0, base + i1)))
+            out.append(Piece(op, i, (base + i0, base + i1), op.expert_stride(i)))
     return sorted(out, key=lambda p: p.rows)
 
 
@@ -64,6 +61,11 @@ class ExpertStager:
             raise KtflowError(f"the packed experts' rows {edges} do not tile the layer's {inter} intermediate rows")
         self.pieces, self.fmt, self.hidden, self.inter, self.device = pieces, fmt, hidden, inter, device
         self.dtype = dtype
+        # what every step reads, looked up once: each piece's arena view and matrix layouts, and the
+        # runs of consecutive arena slots a subset copies (a fetch stages the same subset each step)
+        self._arenas = [p.op.arena(p.slice) for p in pieces]
+        self._layouts = [[p.op.layout(p.slice, which) for which in range(3)] for p in pieces]
+        self._runs: dict[tuple[int, ...], list[list[tuple[int, int, int]]]] = {}
 
     def landing_bytes(self, experts: int) -> int:
         """Bytes of the landing buffer for `experts` experts (every piece's blocks back to back)."""
@@ -81,17 +83,17 @@ class ExpertStager:
         if landing is None:
             landing = torch.empty(self.landing_bytes(n), dtype=torch.uint8, device=self.device)
         gate, up, down = staged(out, self.hidden, self.inter)
+        if subset not in self._runs:
+            self._runs[subset] = [_runs([p.op.arena_slot(e) for e in subset]) for p in self.pieces]
         at = 0
-        for p in self.pieces:
-            arena, stride = p.op.arena(p.slice), p.stride
+        for p, arena, layouts, runs in zip(self.pieces, self._arenas, self._layouts, self._runs[subset], strict=True):
+            stride = p.stride
             dst = landing[at:at + n * stride].view(n, stride)
             at += n * stride
-            slots = [p.op.arena_slot(e) for e in subset]
-            for first, slot, length in _runs(slots):
+            for first, slot, length in runs:
                 dst[first:first + length].view(-1).copy_(arena[slot * stride:(slot + length) * stride], non_blocking=True)
             lo, hi = p.rows
-            for which, target in ((0, gate[:, lo:hi]), (1, up[:, lo:hi]), (2, down[:, :, lo:hi])):
-                L = p.op.layout(p.slice, which)
+            for L, target in zip(layouts, (gate[:, lo:hi], up[:, lo:hi], down[:, :, lo:hi]), strict=True):
                 data = dst[:, L["data_offset"]:L["data_offset"] + L["data_bytes"]]
                 scales = dst[:, L["scales_offset"]:L["scales_offset"] + L["scales_bytes"]] if L["scales_bytes"] else None
                 unpack_matrix(self.fmt, data, scales, L["np"], L["kp"], L["group"], target)
