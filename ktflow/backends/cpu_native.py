@@ -75,7 +75,7 @@ class NativeBackend(TorchRefBackend):
         # plan over the same weights share its packed copy (a deferred `.def` node, the CPU part of a
         # split prefill layer, a fetch that streams them to the GPU), each computing its own experts
         self._packed: dict[tuple, native.ExpertOp] = {}
-        self._grouped: dict[tuple, dict] = {}  # GPU routed-experts node -> stacked weights for the prefill rule
+        self._local_maps: dict[tuple, torch.Tensor] = {}  # streamed experts node -> its ids' rows
         self.rules[Op.ROUTED_EXPERTS] = _routed_experts
         self.rules[Op.FETCH] = _fetch
 
@@ -152,17 +152,6 @@ class NativeBackend(TorchRefBackend):
         self.loaded[n.name] = op.pack(tensors, cache=cache_dir(), fingerprint=_fingerprint(checkpoint, n.weights, ids, rows))
         return op
 
-    def stacked_experts(self, node: Node) -> dict:
-        """A resident GPU routed-experts node's weights stacked for the grouped rule (once)."""
-        key = node_key(node)
-        if key not in self._grouped:
-            w = self.weights[key]
-            dev = self.device_of(node)
-            self._grouped[key] = dict(
-                local=moe_gpu.expert_map(node.attrs.ids, node.attrs.experts, dev),
-                **{r: torch.stack([w[r][e] for e in node.attrs.ids]) for r in ("gate", "up", "down")})
-        return self._grouped[key]
-
     def run(self, node: Node, inputs: list[Any], ctx: StepContext) -> Any:
         op = self.ops.get(node_key(node))
         if op is None:
@@ -182,12 +171,12 @@ def _routed_experts(be: NativeBackend, node: Node, w, ins, ctx, dev):
     lo, hi = a.rank_range
     if len(ins) == 3:
         gate, up, down = staged(ins[2], a.hidden, a.inter)
-        cached = be._grouped.setdefault(node_key(node), {})
-        local = cached.get("local")
-        if local is None:
-            local = cached["local"] = moe_gpu.expert_map(a.ids, a.experts, dev)
+        key = node_key(node)
+        if key not in be._local_maps:
+            be._local_maps[key] = moe_gpu.expert_map(a.ids, a.experts, dev)
+        local = be._local_maps[key]
     else:
-        st = be.stacked_experts(node)
+        st = be.stacked(node)
         gate, up, down, local = st["gate"], st["up"], st["down"], st["local"]
     return moe_gpu.grouped_experts(x, ids[:, lo:hi], wts[:, lo:hi], local, gate, up, down)
 

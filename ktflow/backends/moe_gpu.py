@@ -75,6 +75,13 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
     return out.to(x.dtype)
 
 
+def stack_experts(w: dict, ids: tuple[int, ...], experts: int) -> dict:
+    """A GPU routed-experts node's weights {role: {expert: tensor}} as stacked gate, up, down
+    (row i: expert ids[i]) and `local`, each of the layer's `experts` ids' row (-1: held elsewhere)."""
+    stacked = {r: torch.stack([w[r][e] for e in ids]) for r in ("gate", "up", "down")}
+    return dict(local=expert_map(ids, experts, stacked["gate"].device), **stacked)
+
+
 def expert_map(ids: tuple[int, ...], experts: int, device) -> torch.Tensor:
     """[experts] int64: each held expert's row in the stacked weights, -1 for the others."""
     local = torch.full((experts,), -1, dtype=torch.int64)

@@ -103,21 +103,11 @@ def attention(be, node, w, ins, ctx, dev):
     return (mla if node.attrs.kind == "mla" else gqa)(be, node.attrs, w, ins[0], ctx, dev)
 
 
-def stack_experts(w: dict, experts: int) -> dict:
-    """A GPU routed-experts node's weights {role: {expert: tensor}} as stacked tensors and a map
-    from each of the layer's `experts` ids to its row in them (-1: held elsewhere)."""
-    held = sorted(w["gate"])
-    dev = w["gate"][held[0]].device
-    local = torch.full((experts,), -1, dtype=torch.int64, device=dev)
-    local[torch.tensor(held, device=dev)] = torch.arange(len(held), device=dev)
-    return dict(local=local, **{r: torch.stack([w[r][e] for e in held]) for r in ("gate", "up", "down")})
-
-
 def routed_experts(be, node, w, ins, ctx, dev):
     """Each token's picks in the node's rank range, gathered from the stacked weights (reads
     only the picked experts; no host-side look at the ids)."""
     x, (ids, wts) = ins
-    st = be.stacked(node_key(node), w, node.attrs.experts)
+    st = be.stacked(node)
     lo, hi = node.attrs.rank_range
     ids, wts = ids[:, lo:hi], wts[:, lo:hi]
     slot = st["local"][ids]
@@ -141,12 +131,6 @@ class StaticRules:
 
     def static_setup(self) -> None:
         self.rope = RopeTables(self.dtype)
-        self._stacked: dict[str, dict] = {}
-
-    def stacked(self, name: tuple, w: dict, experts: int) -> dict:
-        if name not in self._stacked:
-            self._stacked[name] = stack_experts(w, experts)
-        return self._stacked[name]
 
     def run(self, node, inputs: list, ctx: StepContext):
         rule = STATIC_RULES.get(node.op)

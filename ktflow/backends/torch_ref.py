@@ -23,6 +23,7 @@ from ..ir.types import Device
 from ..weights import WeightSource
 from .base import StepContext, node_key
 from .layers import attention, linear, rms_norm, swiglu
+from .moe_gpu import stack_experts
 
 Weights = dict[str, Any]
 
@@ -36,6 +37,7 @@ class TorchRefBackend:
         self.weights: dict[str, Weights] = {}
         self._inv_freq: dict[Any, torch.Tensor] = {}
         self.rules: dict[Op, Callable] = dict(RULES)  # subclasses swap in their own rules per op
+        self._stacked: dict[tuple, dict] = {}
 
     def device_of(self, node: Node) -> torch.device:
         return self.devices[node.place.device] if node.place is not None else self.devices[Device.CPU]
@@ -72,6 +74,14 @@ class TorchRefBackend:
     def run(self, node: Node, inputs: list[Any], ctx: StepContext) -> Any:
         dev = self.device_of(node)
         return self.rules[node.op](self, node, self.weights.get(node_key(node), {}), inputs, ctx, dev)
+
+    def stacked(self, node: Node) -> dict:
+        """A GPU routed-experts node's resident weights stacked for the batched rules (once, kept:
+        captured graphs and the grouped prefill rule read the same copy)."""
+        key = node_key(node)
+        if key not in self._stacked:
+            self._stacked[key] = stack_experts(self.weights[key], node.attrs.ids, node.attrs.experts)
+        return self._stacked[key]
 
     def rope_tables(self, attrs: AttentionAttrs, ctx: StepContext, dev: torch.device):
         key = (attrs.rope, dev)
