@@ -99,11 +99,11 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttentionAttrs, 
 
 def _unmasked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttentionAttrs, causal: bool) -> torch.Tensor:
     """Flash attention over every key (causal: query i sees keys 0..i); grouped heads through
-    enable_gqa, or expanded where this torch or kernel lacks it."""
+    enable_gqa, or expanded on a torch without it (before 2.5)."""
     if q.shape[1] != k.shape[1]:
         try:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=a.softmax_scale, enable_gqa=True)
-        except (TypeError, RuntimeError):
+        except TypeError:  # no enable_gqa argument (an out-of-memory error, say, is not retried)
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=a.softmax_scale)
