@@ -86,12 +86,14 @@ def measure(compiled, vocab: int, tokens: int, reps: int, hw, layers: int) -> di
                    logits="last")
     busy = lane_busy(ex.measured) if ex.measured else {}
     measured_plan = with_measured_steps(plan, ex.measured) if ex.measured else None
-    moe = lambda p: [t.span_us for t in layer_times(p) if t.layer is not None]  # noqa: E731
+    def mean_layer(p) -> float | None:
+        spans = [t.span_us for t in layer_times(p) if t.layer is not None] if p is not None else []
+        return statistics.mean(spans) if spans else None
+
     streamed, bound_s = pcie_bound(plan, hw, chunks)
     mean = statistics.mean(rates)
     seconds = tokens / mean
-    predicted_layer = statistics.mean(moe(plan)) if moe(plan) else None
-    measured_layer = statistics.mean(moe(measured_plan)) if measured_plan and moe(measured_plan) else None
+    predicted_layer, measured_layer = mean_layer(plan), mean_layer(measured_plan)
     reserve = compiled.plans.options.vram_reserve_gb * 1e9
     return dict(
         prompt=tokens, tok_s=round(mean, 1), sd=round(statistics.stdev(rates) if len(rates) > 1 else 0.0, 1),

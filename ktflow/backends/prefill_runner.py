@@ -24,6 +24,7 @@ the reader.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,12 +105,8 @@ class PrefillRunner:
             return {}, None
         staging, landing = self.be.staging_buffers(bound.staging_bytes, bound.landing_bytes)
         dtype = TORCH_DTYPE[self.g.act_dtype]
-        views = {}
-        for name, (offset, nbytes, shape) in bound.staged.items():
-            n = 1
-            for d in shape:
-                n *= d
-            views[name] = staging[offset:offset + nbytes].view(dtype)[:n].view(shape)
+        views = {name: staging[offset:offset + nbytes].view(dtype)[:math.prod(shape)].view(shape)
+                 for name, (offset, nbytes, shape) in bound.staged.items()}
         return views, landing
 
     # ------------------------------------------------------------------------------ running
