@@ -318,6 +318,7 @@ def run_prefill(a, model, base: dict, budget: float, lengths: list[int], info: d
                   f"{row['predicted_layer_us']}; VRAM {row['peak_vram_gb']} / plan {row['planned_vram_gb']} GB", flush=True)
             append_jsonl(a.out, [row])
         del c
+        shared_backend(None).release_staging()  # the next variant's peak VRAM is its own
         gc.collect()
         torch.cuda.empty_cache()
     print_prefill_table(rows, llama_rows, lengths)

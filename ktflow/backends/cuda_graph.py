@@ -217,6 +217,10 @@ class CudaGraphBackend(StaticRules, NativeBackend):
             self._landing = torch.empty(landing, dtype=torch.uint8, device="cuda")
         return self._staging, self._landing
 
+    def release_staging(self) -> None:
+        """Free the shared staging buffers (the next prefill that streams makes them again)."""
+        self._staging = self._landing = None
+
     def step_runner(self, plan: Plan):
         """Decode plans with GPU work run through a DecodeGraph (captured), prefill plans with
         GPU work through a PrefillRunner (issued on the lanes); others by the executor (None)."""
