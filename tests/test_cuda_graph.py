@@ -70,8 +70,9 @@ def test_hybrid_graph_matches_torch_ref_on_the_same_plan(case, defer, tiny_dirs)
     cpu_experts = [n for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "cpu"]
     assert cpu_experts and any(n.op == Op.SYNC for n in g.nodes) and g.by_name("L0.attn").place.device.value == "gpu"
     assert (defer is not None) == any(n.name.endswith(".def") for n in g.nodes)
-    ref, nat = (ktflow.Compiled(c.plans.model_copy(update={"options": c.plans.options.model_copy(
-        update={"backend": b})}), model) for b in ("torch_ref", "native"))
+    ref, nat, exact = (ktflow.Compiled(c.plans.model_copy(update={"options": c.plans.options.model_copy(
+        update=u)}), model) for u in ({"backend": "torch_ref"}, {"backend": "native"},
+                                      {"backend": "torch_ref", "dtype": "float32"}))
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     got, want, eager = run_steps(c, ids, 6), run_steps(ref, ids, 6), run_steps(nat, ids, 6)
     runner = c.executor("decode").runner
@@ -81,8 +82,13 @@ def test_hybrid_graph_matches_torch_ref_on_the_same_plan(case, defer, tiny_dirs)
           f"native eager vs torch_ref {[f'{rel(a, b):.4f}' for a, b in zip(eager, want, strict=True)]}")
     a, b = torch.cat(got, 1).float(), torch.cat(want, 1).float()
     per_token = ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
-    assert (per_token > TOL).float().mean() <= FLIPS, per_token.tolist()
-    assert rel(a, b) <= FLIP_TOL
+    # two bf16 paths may each sit the model's own bf16 noise away from float32 (torch_ref in
+    # float32 measures it; some tiny random models are this sensitive: deepseek_v2_lite's ~1.5%)
+    f = torch.cat(run_steps(exact, ids, 6), 1).float()
+    noise = ((b - f).norm(dim=-1) / f.norm(dim=-1)).flatten()
+    bound = torch.clamp(2 * noise, min=TOL)
+    assert (per_token > bound).float().mean() <= FLIPS, (per_token.tolist(), noise.tolist())
+    assert rel(a, b) <= max(FLIP_TOL, 2 * rel(b, f))
 
 
 @gpu

@@ -79,8 +79,9 @@ def test_state_batch_mismatch(compiled):
 
 def test_kv_cache_is_static_size(compiled):
     _, st = ktflow.execute(compiled, ids([1, 2, 3]))
-    for latent, rope in st.kv.values():
-        assert latent.shape == (1, 32, 64) and rope.shape == (1, 32, 16)
+    for latent, rope, both in st.kv.values():
+        assert latent.shape == (1, 32, 64) and rope.shape == (1, 32, 16) and both.shape == (1, 32, 80)
+        assert latent.data_ptr() == both.data_ptr()  # views of one buffer: the absorbed rule's keys
 
 
 def test_greedy_generation_follows_argmax(compiled):

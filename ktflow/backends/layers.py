@@ -127,7 +127,7 @@ def mla(be, a: AttentionAttrs, w, x: torch.Tensor, ctx, dev) -> torch.Tensor:
     b, s, p = ctx.batch, ctx.seq, ctx.position
     nope, rdim, vd, h = a.qk_nope_dim, a.qk_rope_dim, a.v_head_dim, a.heads
     q_nope, q_rope, latent, k_rope = mla_project(a, w, x.view(b, s, -1), *be.rope_tables(a, ctx, dev))
-    lc, rc = be.cache(ctx, a, dev)
+    lc, rc, _ = be.cache(ctx, a, dev)
     lc[:, p:p + s] = latent
     rc[:, p:p + s] = k_rope[:, :, 0]
     L = p + s

@@ -10,8 +10,11 @@ rule's device, rewritten before each replay) and keep every shape static:
 - GQA: `scaled_dot_product_attention` over the whole static cache with a mask of the positions
   reached (and the sliding window);
 - MLA, absorbed: the queries are folded into the latent space (q_nope x W_uk), attention runs
-  over the compressed cache (normalised latent + roped key) and its output leaves the latent
-  space through W_uv, so the per-head keys and values are never expanded;
+  over the compressed cache (normalised latent + roped key, one buffer: a single key head
+  every query head shares, whose latent part is also the value) in one
+  `scaled_dot_product_attention` (scores and softmax in float32, not rounded to bf16 first),
+  and its output leaves the latent space through W_uv, so per-head keys and values are never
+  expanded;
 - GPU-resident routed experts: each token's picks gathered from the node's stacked expert
   weights (picks of experts held elsewhere get weight 0).
 
@@ -84,17 +87,17 @@ def mla(be, a: AttentionAttrs, w, x: torch.Tensor, ctx: StepContext, dev) -> tor
     b, s, pos = ctx.batch, ctx.seq, ctx.position_t
     q_nope, q_rope, latent, k_rope = mla_project(a, w, x.view(b, s, -1),
                                                  *be.rope.at(a.rope, pos, s, ctx.state.max_seq_len))
-    lc, rc = be.cache(ctx, a, dev)
+    lc, rc, both = be.cache(ctx, a, dev)
     rows = pos + torch.arange(s, device=pos.device)
     lc.index_copy_(1, rows, latent)
     rc.index_copy_(1, rows, k_rope[:, :, 0])
     w_uk, w_uv = absorbed_kv_b(a, w["kv_b"])
-    q_lat = torch.einsum("bshn,hnc->bhsc", q_nope, w_uk)  # queries in the latent space
-    scores = torch.matmul(q_lat, lc[:, None].transpose(-1, -2))  # [B,h,s,L]
-    scores = scores + torch.matmul(q_rope.transpose(1, 2), rc[:, None].transpose(-1, -2))
-    scores = (scores * a.softmax_scale).masked_fill(~_visible(a, pos, s, lc.shape[1]), float("-inf"))
-    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
-    o_lat = torch.matmul(p, lc[:, None])  # [B,h,s,rank]
+    # queries in the latent space, beside their rope part: one key head [latent | rope] shared by
+    # every query head, the latent as its value; the kernel keeps scores and softmax in float32
+    q_lat = torch.einsum("bshn,hnc->bhsc", q_nope, w_uk)
+    q = torch.cat([q_lat, q_rope.transpose(1, 2)], dim=-1)
+    o_lat = F.scaled_dot_product_attention(q, both[:, None], lc[:, None], attn_mask=_visible(a, pos, s, lc.shape[1]),
+                                           scale=a.softmax_scale, enable_gqa=a.heads > 1)
     out = torch.einsum("bhsc,hvc->bshv", o_lat, w_uv).reshape(b, s, -1)
     return linear(out, w, "o").view(b * s, -1)
 

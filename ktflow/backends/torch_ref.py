@@ -91,14 +91,16 @@ class TorchRefBackend:
         return rope_mod.cos_sin(attrs.rope, self._inv_freq[key], pos, self.dtype)
 
     def cache(self, ctx: StepContext, attrs: AttentionAttrs, dev: torch.device) -> tuple[torch.Tensor, ...]:
-        """This layer's static KV cache in the sequence state, allocated on first use."""
+        """This layer's static KV cache in the sequence state, allocated on first use: keys and
+        values (GQA), or the latent and the roped key with both as one [B, L, rank + rope] buffer
+        they are views of (MLA)."""
         caches = ctx.state.kv
         if attrs.layer not in caches:
             b, m = ctx.batch, ctx.state.max_seq_len
             kw = dict(device=dev, dtype=self.dtype)
             if attrs.kind == "mla":
-                caches[attrs.layer] = (torch.zeros(b, m, attrs.kv_lora_rank, **kw),
-                                       torch.zeros(b, m, attrs.qk_rope_dim, **kw))
+                both = torch.zeros(b, m, attrs.kv_lora_rank + attrs.qk_rope_dim, **kw)
+                caches[attrs.layer] = (both[..., :attrs.kv_lora_rank], both[..., attrs.kv_lora_rank:], both)
             else:
                 caches[attrs.layer] = (torch.zeros(b, attrs.kv_heads, m, attrs.head_dim, **kw),
                                        torch.zeros(b, attrs.kv_heads, m, attrs.head_dim, **kw))
