@@ -160,6 +160,24 @@ def test_fused_moe_matches_float64(T, k, E, path, fmt, group, groups):
     assert rel(acc.double() - base.double(), ref) < TOL[fmt] + 1e-2
 
 
+@pytest.mark.parametrize("path", ["auto", "avx512"])
+def test_an_expert_most_tokens_pick_is_computed_in_runs_of_rows(path):
+    """A skewed router (one expert in every token's first pick: 700 rows, cut into runs of at
+    most 256 rows, the last one short) gives the float64 answer."""
+    if path not in ("auto", *paths()):
+        pytest.skip(f"this CPU has no {path} path")
+    T, E, H, I, k = 700, 8, 200, 72, 2
+    gate, up, down = make_experts(E, H, I, seed=3)
+    op = native.ExpertOp(E, H, I)
+    op.pack(lambda e: (gate[e], up[e], down[e]))
+    ids, wts = routing(T, E, k, seed=5)
+    ids[:, 0] = 3
+    ids[:, 1] = torch.where(ids[:, 1] == 3, 4, ids[:, 1])
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).bfloat16()
+    out = op.forward(x, ids, wts, path=path)
+    assert rel(out, reference_moe(x, ids, wts, gate, up, down, set(range(E)), (0, k))) < TOL["bf16"]
+
+
 @pytest.mark.parametrize("fmt,group", [("bf16", 0), ("int8", 0), ("int4", 32)])
 @pytest.mark.parametrize("T", [1, 3])
 def test_single_rows_read_in_place_from_a_strided_input(T, fmt, group):

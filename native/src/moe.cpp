@@ -306,7 +306,15 @@ struct JobState {
 struct Task {
   int job, slice, expert, nb0, nb1;  // expert: index into JobState::experts (-1: not per expert)
   int c0 = 0, c1 = 0;                // reduce: output columns
+  int r0 = 0, r1 = 0;                // gather, up, down: the expert's rows r0..r1-1 (of its er.rows)
 };
+
+// Rows of one expert per task at most: an expert many tokens picked (a long prompt through a
+// skewed router: 1800 rows where the mean is 128) is cut into even runs of rows, so it is not one
+// thread's work while the others wait; 256 rows still read each weight block once per 256 rows.
+constexpr int ROW_RUN = 256;
+inline int row_runs(int rows) { return std::max(1, (rows + ROW_RUN - 1) / ROW_RUN); }
+inline int row_run(int rows) { return std::min(rows, int(round_up(size_t((rows + row_runs(rows) - 1) / row_runs(rows)), 16))); }
 
 struct PhaseCtx {
   std::vector<JobState>* states;
@@ -370,7 +378,7 @@ inline TaskRef task_at(void* ctx, int group, int i) {  // a phase function's tas
 void gather_task(void* ctx, int group, int i) {
   const auto [tk, st] = task_at(ctx, group, i);
   const ExpertRows& er = st.experts[tk.expert];
-  for (int r = er.row0; r < er.row0 + er.rows; ++r) {
+  for (int r = er.row0 + tk.r0; r < er.row0 + tk.r1; ++r) {
     bf16* dst = st.xg + size_t(r) * st.ldxg;
     std::memcpy(dst, st.job->x + size_t(st.row_token[r]) * st.job->ldx, size_t(st.H) * sizeof(bf16));
     std::fill(dst + st.H, dst + st.hp, bf16(0));
@@ -384,16 +392,17 @@ void up_task(void* ctx, int group, int i) {
   const MoE::Slice& sl = m.slices()[tk.slice];
   const PackedMatrix& G = sl.gate[er.expert];
   const PackedMatrix& U = sl.up[er.expert];
-  const int cols = (tk.nb1 - tk.nb0) * NB;
+  const int cols = (tk.nb1 - tk.nb0) * NB, rows = tk.r1 - tk.r0;
+  const bf16* x = er.x + size_t(tk.r0) * er.ldx;
   thread_local std::vector<float> yg, yu;
-  yg.resize(size_t(er.rows) * cols);
-  yu.resize(size_t(er.rows) * cols);
-  const MatmulFn mm = matmul_for(resolve_path(st.job->path, er.rows, m.shape().fmt));
-  mm(er.x, er.ldx, er.rows, G, tk.nb0, tk.nb1, yg.data(), cols);
-  mm(er.x, er.ldx, er.rows, U, tk.nb0, tk.nb1, yu.data(), cols);
+  yg.resize(size_t(rows) * cols);
+  yu.resize(size_t(rows) * cols);
+  const MatmulFn mm = matmul_for(resolve_path(st.job->path, rows, m.shape().fmt));
+  mm(x, er.ldx, rows, G, tk.nb0, tk.nb1, yg.data(), cols);
+  mm(x, er.ldx, rows, U, tk.nb0, tk.nb1, yu.data(), cols);
   const bool vector = cpu_features().avx512_bf16;
-  for (int r = 0; r < er.rows; ++r) {
-    bf16* h = st.h[tk.slice] + size_t(er.row0 + r) * st.ldh[tk.slice] + tk.nb0 * NB;
+  for (int r = 0; r < rows; ++r) {
+    bf16* h = st.h[tk.slice] + size_t(er.row0 + tk.r0 + r) * st.ldh[tk.slice] + tk.nb0 * NB;
     const float* g = &yg[size_t(r) * cols];
     const float* u = &yu[size_t(r) * cols];
     // h is bf16, as the reference computes SiLU(gate) * up in the activation dtype
@@ -413,9 +422,10 @@ void down_task(void* ctx, int group, int i) {
   const MoE::Slice& sl = m.slices()[tk.slice];
   const PackedMatrix& D = sl.down[er.expert];
   const size_t ldh = st.ldh[tk.slice];
-  const MatmulFn mm = matmul_for(resolve_path(st.job->path, er.rows, m.shape().fmt));
-  float* y = st.part[tk.slice] + size_t(er.row0) * st.hp + tk.nb0 * NB;
-  mm(st.h[tk.slice] + size_t(er.row0) * ldh, ldh, er.rows, D, tk.nb0, tk.nb1, y, st.hp);
+  const int row0 = er.row0 + tk.r0, rows = tk.r1 - tk.r0;
+  const MatmulFn mm = matmul_for(resolve_path(st.job->path, rows, m.shape().fmt));
+  float* y = st.part[tk.slice] + size_t(row0) * st.hp + tk.nb0 * NB;
+  mm(st.h[tk.slice] + size_t(row0) * ldh, ldh, rows, D, tk.nb0, tk.nb1, y, st.hp);
 }
 
 void reduce_task(void* ctx, int group, int i) {
@@ -451,13 +461,13 @@ void reduce_task(void* ctx, int group, int i) {
 
 double weight_bytes(Format f) { return f == Format::BF16 ? 2.0 : f == Format::INT8 ? 1.0 : 0.5; }
 
-// One task per (job, slice, expert, run of output blocks of `which` matrix), on the slice's group;
-// `matrices` of that shape are read per block (gate and up: 2). A task reads about 1/8 of its
-// group's per-thread share of the phase's weights (so the dynamic claiming evens out the threads'
-// finish), between 32 KiB and 512 KiB, and at least one block per 32 rows (many rows per expert:
-// the rows are then not re-read for every few blocks), but never so many blocks that the group
-// gets fewer than two tasks per thread (a few experts with many rows each: a long prompt's CPU
-// share of a split layer).
+// One task per (job, slice, expert, run of at most ROW_RUN of its rows, run of output blocks of
+// `which` matrix), on the slice's group; `matrices` of that shape are read per block (gate and up:
+// 2). A task reads about 1/8 of its group's per-thread share of the phase's weights (so the
+// dynamic claiming evens out the threads' finish), between 32 KiB and 512 KiB, and at least one
+// block per 32 rows of its run (many rows: the rows are then not re-read for every few blocks),
+// but never so many blocks that the group gets fewer than two tasks per thread (a few experts
+// with many rows each: a long prompt's CPU share of a split layer).
 void plan_block_tasks(ThreadPool& pool, std::vector<JobState>& states, PhaseCtx& ctx,
                       std::vector<PackedMatrix> MoE::Slice::*which, int matrices) {
   auto block_bytes = [&](const MoE& m, const PackedMatrix& W) {
@@ -470,7 +480,7 @@ void plan_block_tasks(ThreadPool& pool, std::vector<JobState>& states, PhaseCtx&
       for (const ExpertRows& er : st.experts) {
         const PackedMatrix& W = (sl.*which)[er.expert];
         target[sl.group] += W.nblocks() * block_bytes(*st.moe, W);
-        blocks[sl.group] += W.nblocks();
+        blocks[sl.group] += W.nblocks() * row_runs(er.rows);
       }
   for (int g = 0; g < pool.groups(); ++g)
     target[g] = std::clamp(target[g] / (8.0 * pool.group_threads(g)), 32.0 * 1024, 512.0 * 1024);
@@ -480,11 +490,13 @@ void plan_block_tasks(ThreadPool& pool, std::vector<JobState>& states, PhaseCtx&
       for (size_t a = 0; a < states[q].experts.size(); ++a) {
         const ExpertRows& er = states[q].experts[a];
         const PackedMatrix& W = (m.slices()[s].*which)[er.expert];
-        const int group = m.slices()[s].group;
-        int nbt = std::max({1, int(target[group] / block_bytes(m, W)), (er.rows + 31) / 32});
+        const int group = m.slices()[s].group, run = row_run(er.rows);
+        int nbt = std::max({1, int(target[group] / block_bytes(m, W)), (run + 31) / 32});
         nbt = std::min({nbt, W.nblocks(), std::max(1, blocks[group] / (2 * pool.group_threads(group)))});
-        for (int b = 0; b < W.nblocks(); b += nbt)
-          ctx.lists[group].push_back({int(q), int(s), int(a), b, std::min(W.nblocks(), b + nbt)});
+        for (int r = 0; r < er.rows; r += run)
+          for (int b = 0; b < W.nblocks(); b += nbt)
+            ctx.lists[group].push_back(
+                {int(q), int(s), int(a), b, std::min(W.nblocks(), b + nbt), 0, 0, r, std::min(er.rows, r + run)});
       }
   }
 }
@@ -576,7 +588,10 @@ void run_jobs(ThreadPool& pool, std::vector<Job>& jobs) {
       er.x = st.xg + size_t(er.row0) * st.ldxg;
       er.ldx = st.ldxg;
       gather_bytes += size_t(er.rows) * st.hp * sizeof(bf16);
-      ctx.lists[st.moe->slices()[a % st.moe->slices().size()].group].push_back({int(q), 0, int(a), 0, 0});
+      const int run = row_run(er.rows);
+      for (int r = 0; r < er.rows; r += run)
+        ctx.lists[st.moe->slices()[a % st.moe->slices().size()].group].push_back(
+            {int(q), 0, int(a), 0, 0, 0, 0, r, std::min(er.rows, r + run)});
     }
   }
   stamp[1] = now_ns();
