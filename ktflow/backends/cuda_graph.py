@@ -503,6 +503,7 @@ class _Timer:
     def __init__(self, runner: DecodeGraph):
         self.runner = runner
         self.events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+        self.host_us: dict[int, tuple[float, float]] = {}
         torch.cuda.synchronize()
         self.anchor = torch.cuda.Event(enable_timing=True)
         self.anchor.record(runner.gpu)
@@ -519,6 +520,10 @@ class _Timer:
             e = torch.cuda.Event(enable_timing=True)
             e.record(stream)
             self.events[i] = (self.events[i][0], e)
+
+    def host(self, i: int, start_ns: int, end_ns: int) -> None:
+        """Step i ran on the host itself (a prologue node), from start_ns to end_ns."""
+        self.host_us[i] = ((start_ns - self.anchor_ns) / 1e3, (end_ns - self.anchor_ns) / 1e3)
 
     def steps(self, bound: Bound) -> list[Step]:
         """The plan's steps with measured start/end (us from the step's start)."""
@@ -541,6 +546,8 @@ class _Timer:
         for i, s in enumerate(r.plan.steps):
             if i in self.events:
                 a, b = (us(e) for e in self.events[i])
+            elif i in self.host_us:
+                a, b = self.host_us[i]
             elif s.node in task_time and s.kind == "launch":
                 a, b = task_time[s.node]
             else:
