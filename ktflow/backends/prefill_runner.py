@@ -12,7 +12,10 @@ ordered by the plan's record/wait events. So, as the plan's schedule predicts:
   node once its inputs are in their pinned slots, runs on the native pool while the GPU computes
   the streamed part and the shared expert, and the GPU waits on its done flag before the sum;
 - host sources are pinned: the exchange arena at allocation, the packed experts' arenas when
-  the backend prepared them (backends.staging.pin).
+  the backend prepared them (backends.staging.pin);
+- in a plan that streams experts, activations coming up from the CPU (the embedding, a CPU
+  part's result) are read from their pinned slots by a kernel (`host_mapped`), not copied by
+  the copy engine, which serves commands in order and would hold them behind a whole fetch.
 
 Nothing is captured: prompts vary in length. Buffers come from the plan: the pinned exchange
 arena (laid out for the bucket's step_tokens; a shorter step uses each slot's first rows, and the
@@ -65,6 +68,22 @@ def _tensors(v: Any) -> tuple:
     return v if isinstance(v, tuple) else (v,)
 
 
+class _DeviceView:
+    """Pinned host memory described for torch.as_tensor as device memory: under unified
+    addressing the host address is valid on the GPU."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+                                         "version": 3}
+
+
+def host_mapped(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A CUDA tensor over the pinned, contiguous host tensor t (no copy): kernels that read it
+    fetch its bytes over PCIe themselves, beside the copy engine's queue."""
+    raw = torch.as_tensor(_DeviceView(t.data_ptr(), t.numel() * t.element_size()), device=dev)
+    return raw.view(t.dtype).view(t.shape)
+
+
 class PrefillRunner:
     """Runs one prefill plan with GPU work on the cuda_graph backend (see the module doc)."""
 
@@ -78,6 +97,7 @@ class PrefillRunner:
         self.prologue = {n.name for n in host_prologue(self.g, be, "a prefill on the GPU lanes")}
         self.frees = plan.frees
         self.lane = {s.node: s.lane for s in plan.steps if s.kind not in ("record", "wait")}
+        self.streams_experts = any(s.kind == "fetch" for s in plan.steps)
 
     # ------------------------------------------------------------------------------ binding
     def _bind(self) -> PrefillBound:
@@ -222,6 +242,14 @@ class PrefillRunner:
                 d.copy_(s.view(d.shape), non_blocking=True)
             return dst
         dev = self.be.devices[Device.GPU]
-        outs = tuple(torch.empty(t.shape, dtype=t.dtype, device=dev).copy_(t, non_blocking=True)
-                     for t in _tensors(src))
-        return outs if isinstance(src, tuple) else outs[0]
+        outs = []
+        for t in _tensors(src):
+            out = torch.empty(t.shape, dtype=t.dtype, device=dev)
+            if self.streams_experts and t.is_pinned() and t.is_contiguous():
+                # the copy engine works through a fetch's commands in order: a CPU part's result
+                # copied by it waited for the next layer's whole fetch; SMs read it over PCIe now
+                torch.mul(host_mapped(t, dev), 1, out=out)
+            else:
+                out.copy_(t, non_blocking=True)
+            outs.append(out)
+        return tuple(outs) if isinstance(src, tuple) else outs[0]
