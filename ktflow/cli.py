@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -274,6 +275,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ktflow", description="Compile and run huge MoE models on one GPU + big-CPU "
                                 "workstation.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"ktflow {__version__}")
+    p.add_argument("--debug", action="store_true", help="on an error, the Python traceback too (or KTFLOW_DEBUG=1)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     c = sub.add_parser("compile", help="compile a model into a plan file",
@@ -334,18 +336,62 @@ def parser() -> argparse.ArgumentParser:
     hp.add_argument("--name", help="profile name (default 'probed')")
     hp.add_argument("--quick", action="store_true", help="small sizes: seconds instead of a minute, rougher numbers")
     hp.set_defaults(fn=cmd_hw_probe)
+    for sp in [*sub.choices.values(), *hsub.choices.values()]:  # also after the command: `ktflow run ... --debug`
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="on an error, the Python traceback too (or KTFLOW_DEBUG=1)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The error boundary: every failure ends in one line on stderr and an exit code (see
+    ktflow.errors): 2 bad input, 1 the environment or an internal error, 130 Ctrl-C, 141 a
+    closed output pipe (quiet). --debug (or KTFLOW_DEBUG=1) re-raises for the traceback."""
     args = parser().parse_args(argv)
-    from ktflow.errors import KtflowError
-
+    debug = bool(getattr(args, "debug", False)) or os.environ.get("KTFLOW_DEBUG", "") not in ("", "0")
+    where = f"ktflow {args.command}"
     try:
         return args.fn(args)
-    except KtflowError as e:
-        print(f"ktflow {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except BrokenPipeError:  # `ktflow inspect plan --text | head`: the reader is gone, say nothing
+        _quiet_stdout()
+        return 141
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"\n{where}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the boundary: one line for anything, the traceback on request
+        if debug:
+            raise
+        code, message = describe(e)
+        print(f"{where}: error: {message}", file=sys.stderr)
+        return code
+
+
+def describe(e: BaseException) -> tuple[int, str]:
+    """(exit code, one-line message) for an exception that reached the CLI."""
+    from ktflow.errors import KtflowError
+
+    if isinstance(e, KtflowError):
+        return e.exit_code, str(e)
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "host memory"
+        return 1, f"out of memory ({first}); use a smaller --max-seq-len, --max-batch or --vram-budget-gb"
+    if isinstance(e, OSError):
+        what = f" {e.filename}" if e.filename else ""
+        reason = e.strerror or str(e) or type(e).__name__
+        return 1, f"{reason}:{what}" if what else reason
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return 1, (f"internal error: {type(e).__name__}{': ' + text if text else ''} (a bug in ktflow: rerun with "
+               "--debug for the traceback and report it)")
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's flush at exit does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -87,7 +87,54 @@ def parse_config(cls: type[C], raw: dict, where: str) -> C:
         raise ConfigError(f"{where}: {'; '.join(problems)} (model_type {raw.get('model_type')!r})") from None
     if cfg.hidden_act != "silu":
         raise ConfigError(f"{where}: hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+    problems = [f"field {name!r} must be an integer, got {raw[name]!r}" for name in POSITIVE
+                if isinstance(raw.get(name), bool)]  # pydantic reads true as 1
+    problems = problems or semantic_problems(cfg)
+    if problems:
+        raise ConfigError(f"{where}: {'; '.join(problems)} (model_type {raw.get('model_type')!r})")
     return cfg
+
+
+#: counts that must be >= 1 where a family's config has them (None: the field is unset)
+POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+            "num_experts", "n_routed_experts", "num_local_experts", "num_experts_per_tok", "n_group", "topk_group",
+            "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "max_position_embeddings",
+            "decoder_sparse_step")
+_EXPERTS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def semantic_problems(cfg: HFConfig) -> list[str]:
+    """What a config that parsed still gets wrong: each problem names the field, its value and
+    the rule (counts positive; heads divisible by kv heads; top-k within the experts; expert
+    groups that divide the experts and hold the picked groups)."""
+    out = []
+
+    def val(name: str):
+        v = getattr(cfg, name, None)
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    for name in POSITIVE:
+        v = getattr(cfg, name, None)
+        if isinstance(v, bool) or (v is not None and not isinstance(v, int)):
+            out.append(f"field {name!r} must be an integer, got {v!r}")
+        elif v is not None and v < 1:
+            out.append(f"field {name!r} must be >= 1, got {v}")
+    if out:
+        return out
+    heads, kv = val("num_attention_heads"), val("num_key_value_heads")
+    if heads and kv and heads % kv:
+        out.append(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    experts = next((val(n) for n in _EXPERTS if val(n) is not None), None)
+    topk = val("num_experts_per_tok")
+    if experts is not None and topk is not None and topk > experts:
+        out.append(f"num_experts_per_tok {topk} is more than the {experts} experts")
+    groups, topk_group = val("n_group"), val("topk_group")
+    if groups and experts is not None and experts % groups:
+        out.append(f"the {experts} experts do not divide into n_group {groups} groups")
+    if groups and topk_group and topk_group > groups:
+        out.append(f"topk_group {topk_group} is more than n_group {groups}")
+    return out
 
 
 def rope_params(cfg: HFConfig) -> dict[str, Any]:

@@ -1,21 +1,31 @@
-"""Errors ktflow raises for bad input. Each message names the thing that was wrong and, where
-there is one, how to fix it. The CLI prints them without a traceback and exits non-zero."""
+"""Errors ktflow raises. Each message names the thing that was wrong and, where there is one,
+how to fix it. The CLI prints one line (`ktflow <command>: error: <message>`), no traceback
+unless --debug or KTFLOW_DEBUG=1, and exits with the error's `exit_code`: 2 for bad input (a
+model dir, config, checkpoint, plan, flag or token ids), 1 for the environment (a path that
+cannot be written, a full disk, too little memory, a missing GPU)."""
 
 
 class KtflowError(Exception):
     """Base class of ktflow's user-facing errors."""
 
+    exit_code = 2
+
 
 class ConfigError(KtflowError):
-    """The model directory or its config.json is unusable."""
+    """The model directory, its config.json, or an option is unusable."""
 
 
-class WeightError(KtflowError):
-    """A checkpoint tensor is missing, mis-shaped, of the wrong dtype, or a file is corrupt."""
+class CheckpointError(KtflowError):
+    """A checkpoint file is unreadable, malformed, or does not match the model."""
+
+
+class WeightError(CheckpointError):
+    """A checkpoint tensor is missing, mis-shaped, of the wrong dtype, non-finite, or its file is
+    corrupt."""
 
 
 class PlanError(KtflowError):
-    """A plan file is unreadable or belongs to another model or ktflow version."""
+    """A plan file is unreadable, fails verification, or belongs to another model or version."""
 
 
 class InputError(KtflowError):
@@ -24,3 +34,10 @@ class InputError(KtflowError):
 
 class PassError(KtflowError):
     """A compiler pass failed; the message names the pass and the passes before it."""
+
+
+class ResourceError(KtflowError):
+    """The machine cannot do it: too little GPU or host memory, no GPU, a path that cannot be
+    written."""
+
+    exit_code = 1

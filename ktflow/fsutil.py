@@ -23,7 +23,9 @@ def read_model_json(cls: type[M], path: str | os.PathLike, what: str) -> M:
         return cls.model_validate(json.loads(p.read_text()))
     except FileNotFoundError:
         raise ConfigError(f"{what} {p} does not exist") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except IsADirectoryError:
+        raise ConfigError(f"{what} {p} is a directory, not a JSON file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ConfigError(f"{what} {p} is not valid JSON ({e})") from None
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in e.errors())
@@ -31,7 +33,12 @@ def read_model_json(cls: type[M], path: str | os.PathLike, what: str) -> M:
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write `data` to `path` whole or not at all (a temporary file beside it, fsynced, renamed)."""
+    from .errors import ConfigError
+
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{p} is a directory; give a file path to write")
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:

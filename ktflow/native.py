@@ -18,7 +18,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .errors import ConfigError, KtflowError
+from . import notices
+from .errors import ConfigError, KtflowError, WeightError
 
 try:
     from . import _native
@@ -32,6 +33,35 @@ FORMATS = ("bf16", "int8", "int4")
 PATHS = ("auto", "generic", "avx512", "amx")
 LAYOUT_VERSION = 2  # bump when the packed layout changes: old cache files are then ignored
 _SRC_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+_CACHE_UNWRITABLE = False  # set once a cache write failed: the process goes on without the cache
+_SAMPLE = 4096  # bytes of each tensor's start, middle and end in a cache file's digest
+
+
+def _sample_digest(arrays: dict) -> str:
+    """A digest of every tensor's name, size and sampled bytes (start, middle, end): catches a
+    truncated, zeroed or swapped cache file without hashing gigabytes at every load."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = arrays[name].reshape(-1).view(np.uint8)
+        n = a.size
+        h.update(f"{name}:{n};".encode())
+        for at in (0, max(0, n // 2 - _SAMPLE // 2), max(0, n - _SAMPLE)):
+            h.update(a[at:at + _SAMPLE].tobytes())
+    return h.hexdigest()
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _give_up_cache(where: Path, e: BaseException) -> None:
+    global _CACHE_UNWRITABLE
+    _CACHE_UNWRITABLE = True
+    notices.warn(f"cannot write the packed-expert cache in {where} ({_reason(e)}); going on without it (set "
+                 "KTFLOW_CACHE_DIR to a writable directory with room, or to 'off')", key="cache-unwritable")
 
 
 def available() -> bool:
@@ -140,14 +170,23 @@ class ExpertOp:
         """Pack every held expert from `tensors(e)` = (gate [inter, hidden], up [inter, hidden],
         down [hidden, inter]), float32/float16/bfloat16. With `cache` (a directory), the packed
         weights are read from, or else written to, a safetensors file named by `fingerprint`
-        plus the format and the split. Returns 'cache' or 'packed'."""
-        path = self.cache_file(cache, fingerprint) if cache else None
+        plus the format and the split. The cache is optional: a file that cannot be read, or
+        whose sizes or sampled-content digest disagree, is removed and the experts packed again;
+        a directory that cannot be written is given up for the rest of the process; either with
+        one warning. Returns 'cache' or 'packed'. A source value that is NaN or infinite is a
+        WeightError naming the expert, the matrix and the index."""
+        path = self.cache_file(cache, fingerprint) if cache and not _CACHE_UNWRITABLE else None
         if path is not None and path.exists():
             try:
                 self._load_cache(path)
                 return "cache"
-            except (KtflowError, OSError, ValueError, RuntimeError):
-                pass  # unreadable or stale: pack again and rewrite it
+            except Exception as e:  # noqa: BLE001 - any damage (the cache is optional): pack again
+                notices.warn(f"the packed-expert cache file {path} is unusable ({_reason(e)}); packing the experts "
+                             "again and rewriting it")
+                try:
+                    path.unlink()
+                except OSError:
+                    pass
         keep, gates, ups, downs, dtype = [], [], [], [], None
         for e in self.held:
             g, u, d = tensors(e)
@@ -164,9 +203,18 @@ class ExpertOp:
             keep.append((g, u, d))
             gates.append(g.data_ptr()), ups.append(u.data_ptr()), downs.append(d.data_ptr())
         if self.held:
-            self.op.pack(self.held, gates, ups, downs, self.hidden, self.hidden, self.inter, _SRC_DTYPES[dtype])
+            try:
+                self.op.pack(self.held, gates, ups, downs, self.hidden, self.hidden, self.inter, _SRC_DTYPES[dtype])
+            except ValueError as e:
+                if "non-finite" not in str(e):
+                    raise
+                raise WeightError(f"routed {e} (of this operator's source tensors): the checkpoint holds a NaN or an "
+                                  "infinity there") from None
         if path is not None:
-            self._save_cache(path, fingerprint)
+            try:
+                self._save_cache(path, fingerprint)
+            except Exception as e:  # noqa: BLE001 - a full or read-only disk: go on without the cache
+                _give_up_cache(path.parent, e)
         return "packed"
 
     def cache_file(self, cache: str | os.PathLike, fingerprint: str) -> Path:
@@ -190,7 +238,9 @@ class ExpertOp:
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         try:
             save_file(arrays, str(tmp), metadata=dict(fingerprint=fingerprint, format=self.fmt,
-                                                     layout=str(LAYOUT_VERSION)))
+                                                     layout=str(LAYOUT_VERSION), digest=_sample_digest(arrays)))
+            with open(tmp, "rb+") as f:  # on disk before it has the name readers look for
+                os.fsync(f.fileno())
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
@@ -199,9 +249,11 @@ class ExpertOp:
         from safetensors import safe_open
 
         with safe_open(str(path), framework="numpy") as f:
-            if f.metadata().get("layout") != str(LAYOUT_VERSION):
-                raise KtflowError(f"{path}: packed with another layout version")
+            meta = f.metadata() or {}
+            if meta.get("layout") != str(LAYOUT_VERSION):
+                raise KtflowError("packed with another layout version")
             names = set(f.keys())
+            sampled = {}
             for e in self.held:
                 parts, arrays = [], []
                 for s in range(len(self.op.slices)):
@@ -209,10 +261,15 @@ class ExpertOp:
                         data = f.get_tensor(f"{e}.{s}.{which}.data")
                         key = f"{e}.{s}.{which}.scales"
                         scales = f.get_tensor(key) if key in names else np.zeros(0, np.uint8)
+                        sampled[f"{e}.{s}.{which}.data"] = data
+                        if key in names:
+                            sampled[key] = scales
                         arrays += [data, scales]
                         parts.append((data.ctypes.data, data.nbytes, scales.ctypes.data if scales.nbytes else 0,
                                       scales.nbytes))
                 self.op.load_packed(e, parts)
+            if sampled.keys() != names or meta.get("digest") != _sample_digest(sampled):
+                raise KtflowError("its contents do not match the digest in its header")
 
     @property
     def packed_bytes(self) -> int:

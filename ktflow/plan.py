@@ -220,8 +220,10 @@ class PlanFile(BaseModel):
             raw = json.loads(p.read_text())
         except FileNotFoundError:
             raise PlanError(f"plan file {p} does not exist") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise PlanError(f"plan file {p} is not JSON ({e})") from None
+        except IsADirectoryError:
+            raise PlanError(f"plan file {p} is a directory; give the JSON file `ktflow compile -o` wrote") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise PlanError(f"plan file {p} is not JSON ({str(e) or type(e).__name__})") from None
         if not isinstance(raw, dict) or raw.get("format") != FILE_FORMAT:
             raise PlanError(f"{p} is not a ktflow plan file")
         if raw.get("format_version") != PLAN_FORMAT or raw.get("ktflow_version") != __version__:

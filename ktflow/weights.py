@@ -12,6 +12,7 @@ Tensors the model spec does not reference (e.g. DeepSeek-V3's MTP layer) are ign
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -212,3 +213,16 @@ class WeightSource:
             raise WeightError(f"checkpoint {self.dir} has no tensor {key!r} (nor a fused experts tensor)")
         name, rows = fused
         return self.get(name)[e, rows]
+
+
+def check_finite(t: torch.Tensor, what: str) -> None:
+    """A WeightError naming `what` and the first NaN or infinity in t, if it holds one (one
+    min/max reduction, which NaN propagates through; the search for the index only on failure)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    lo, hi = (float(v) for v in torch.aminmax(t))
+    if math.isfinite(lo) and math.isfinite(hi):
+        return
+    at = [int(i) for i in (~torch.isfinite(t)).nonzero()[0]]
+    raise WeightError(f"{what}: non-finite value ({float(t[tuple(at)])}) at {at}: the checkpoint is damaged, or was "
+                      "saved from a diverged run")

@@ -1,6 +1,7 @@
 """config.json reading: family registry, required fields, both rope styles, aliases."""
 
 import json
+import re
 
 import pytest
 
@@ -90,3 +91,22 @@ def test_mixtral_default_theta_is_1e6():
     cfg = dict(CONFIGS["mixtral"])
     del cfg["rope_theta"]
     assert resolve_rope(family("mixtral").config(cfg, "x"), 8).theta == 1e6
+
+
+@pytest.mark.parametrize("edit,words", [
+    ({"num_hidden_layers": 0}, "'num_hidden_layers' must be >= 1, got 0"),
+    ({"num_hidden_layers": -2}, "'num_hidden_layers' must be >= 1, got -2"),
+    ({"hidden_size": True}, "'hidden_size' must be an integer, got True"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok 9 is more than the 8 experts"),
+    ({"num_key_value_heads": 3}, "is not a multiple of num_key_value_heads 3"),
+])
+def test_configs_are_checked_semantically(tmp_path, edit, words):
+    """A config that parses but cannot describe a model is refused, naming the field, the value
+    and the rule."""
+    cfg = {"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64,
+           "moe_intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2, "torch_dtype": "bfloat16"}
+    cfg.update(edit)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="config.json.*" + re.escape(words)):
+        ktflow.load(tmp_path)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .. import native
+from ..errors import WeightError
 from ..ir.graph import Graph, Node
 from ..ir.ops import Op
 from ..ir.types import Device
@@ -149,7 +150,12 @@ class NativeBackend(TorchRefBackend):
             g, u, d = (weights.load_expert(refs[role], e) for role in ("gate", "up", "down"))
             return g[lo:hi], u[lo:hi], d[:, lo:hi].contiguous()
 
-        self.loaded[n.name] = op.pack(tensors, cache=cache_dir(), fingerprint=_fingerprint(checkpoint, n.weights, ids, rows))
+        try:
+            self.loaded[n.name] = op.pack(tensors, cache=cache_dir(),
+                                          fingerprint=_fingerprint(checkpoint, n.weights, ids, rows))
+        except WeightError as e:
+            keys = ", ".join(refs[role].key for role in ("gate", "up", "down"))
+            raise WeightError(f"layer {a.layer} ({keys}): {e}") from None
         return op
 
     def run(self, node: Node, inputs: list[Any], ctx: StepContext) -> Any:

@@ -20,7 +20,7 @@ from ..errors import KtflowError
 from ..ir.graph import Graph, Node
 from ..ir.ops import AttentionAttrs, GateAttrs, Op
 from ..ir.types import Device
-from ..weights import WeightSource
+from ..weights import WeightSource, check_finite
 from .base import StepContext, node_key
 from .layers import attention, linear, rms_norm, swiglu
 from .moe_gpu import stack_experts
@@ -66,8 +66,11 @@ class TorchRefBackend:
                     rows = slice(*n.attrs.rows)
                     index = (slice(None), rows) if ref.role == "down" else (rows,)
                     w[ref.role] = {e: self._ready(weights.load_expert(ref, e)[index], dev) for e in n.attrs.ids}
+                    for e, t in w[ref.role].items():
+                        check_finite(t, f"tensor {ref.key.format(e=e)} (node {n.name})")
                 else:
                     w[ref.role] = self._ready(weights.load(ref), dev)
+                    check_finite(w[ref.role], f"tensor {ref.key} (node {n.name})")
             self.weights[node_key(n)] = w
 
     # ------------------------------------------------------------------------------ dispatch

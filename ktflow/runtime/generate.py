@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import time
 from dataclasses import dataclass
 
@@ -46,8 +48,10 @@ def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, 
 
     if max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if not 0.0 < top_p <= 1.0:
+    if not 0.0 < top_p <= 1.0:  # NaN fails this too
         raise InputError(f"top_p must be in (0, 1], got {top_p}")
+    if not (temperature >= 0.0 and math.isfinite(temperature)):
+        raise InputError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
     need = input_ids.shape[-1] + max_new_tokens - 1
     if state is None and need > compiled.max_seq_len:
         raise InputError(f"prompt ({input_ids.shape[-1]} tokens) + {max_new_tokens} new tokens needs {need} "

@@ -20,15 +20,27 @@ inline float load_src(const void* p, size_t i, SrcType t) {
   return 0.f;
 }
 
-// Rows [r0, r1) (whole blocks) of W [n, k] into P.
-void pack_rows(PackedMatrix& P, const void* src, size_t ld, SrcType type, int r0, int r1) {
+// Rows [r0, r1) (whole blocks) of W [n, k] into P. Returns the first source element that is
+// not finite as row * k + column (packing reads every value anyway), or -1.
+int64_t pack_rows(PackedMatrix& P, const void* src, size_t ld, SrcType type, int r0, int r1) {
   std::vector<float> row(P.kp, 0.f);
   const int qmax = P.fmt == Format::INT8 ? 127 : 7;
+  int64_t bad = -1;
   for (int r = r0; r < r1; ++r) {
     const int b = r / NB, j = r % NB;
-    if (r < P.n)
-      for (int k = 0; k < P.k; ++k) row[k] = load_src(src, size_t(r) * ld + k, type);
-    else
+    if (r < P.n) {
+      bool finite = true;
+      for (int k = 0; k < P.k; ++k) {
+        row[k] = load_src(src, size_t(r) * ld + k, type);
+        finite &= std::isfinite(row[k]);
+      }
+      if (!finite && bad < 0)
+        for (int k = 0; k < P.k; ++k)
+          if (!std::isfinite(row[k])) {
+            bad = int64_t(r) * P.k + k;
+            break;
+          }
+    } else
       std::fill(row.begin(), row.end(), 0.f);
     if (P.fmt == Format::BF16) {
       bf16* d = static_cast<bf16*>(P.data);
@@ -53,6 +65,7 @@ void pack_rows(PackedMatrix& P, const void* src, size_t ld, SrcType type, int r0
       }
     }
   }
+  return bad;
 }
 
 // P's fields for W [n, k] in `fmt`; its memory is placed by the caller.
@@ -92,7 +105,11 @@ int padded_k(int k, Format fmt, int group) {
 void pack_matrix(PackedMatrix& P, const void* src, size_t ld, int n, int k, SrcType type, Format fmt, int group,
                  int n_align, int node) {
   allocate(P, n, k, fmt, group, n_align, node);
-  pack_rows(P, src, ld, type, 0, P.np);
+  const int64_t bad = pack_rows(P, src, ld, type, 0, P.np);
+  if (bad >= 0) {
+    free_matrix(P, node);
+    throw std::domain_error("non-finite value at [" + std::to_string(bad / k) + ", " + std::to_string(bad % k) + "]");
+  }
 }
 
 void free_matrix(PackedMatrix& P, int node) {
@@ -214,6 +231,8 @@ struct PackWork {
   const void* src;
   size_t ld;
   int r0, r1;
+  int expert = 0, which = 0, i0 = 0;  // for the error: which matrix, and the slice's first row
+  int64_t bad = -1;                    // set by the task: its first non-finite element, or -1
 };
 struct PackCtx {
   std::vector<std::vector<PackWork>> lists;
@@ -221,8 +240,8 @@ struct PackCtx {
 };
 void pack_task(void* ctx, int group, int i) {
   auto* c = static_cast<PackCtx*>(ctx);
-  const PackWork& w = c->lists[group][i];
-  pack_rows(*w.P, w.src, w.ld, c->type, w.r0, w.r1);
+  PackWork& w = c->lists[group][i];
+  w.bad = pack_rows(*w.P, w.src, w.ld, c->type, w.r0, w.r1);
 }
 }  // namespace
 
@@ -260,9 +279,9 @@ void MoE::pack(const std::vector<int>& experts, const std::vector<Source>& sourc
       const auto* u = static_cast<const char*>(src.up);
       const auto* d = static_cast<const char*>(src.down);
       const size_t es = type == SrcType::F32 ? 4 : 2;
-      const PackWork items[3] = {{&s.gate[e], g + size_t(s.i0) * src.ld_gate * es, src.ld_gate, 0, 0},
-                                 {&s.up[e], u + size_t(s.i0) * src.ld_up * es, src.ld_up, 0, 0},
-                                 {&s.down[e], d + size_t(s.i0) * es, src.ld_down, 0, 0}};
+      const PackWork items[3] = {{&s.gate[e], g + size_t(s.i0) * src.ld_gate * es, src.ld_gate, 0, 0, e, 0, s.i0},
+                                 {&s.up[e], u + size_t(s.i0) * src.ld_up * es, src.ld_up, 0, 0, e, 1, s.i0},
+                                 {&s.down[e], d + size_t(s.i0) * es, src.ld_down, 0, 0, e, 2, s.i0}};
       for (const PackWork& it : items)
         for (int r = 0; r < it.P->np; r += 256) {
           PackWork w = it;
@@ -275,6 +294,22 @@ void MoE::pack(const std::vector<int>& experts, const std::vector<Source>& sourc
   std::vector<int> counts;
   for (auto& l : ctx.lists) counts.push_back(int(l.size()));
   pool_->run(counts, pack_task, &ctx);
+  // the first non-finite source value, by expert order (the tensor and index in the source's
+  // own coordinates: gate/up [inter, hidden] rows from the slice's i0, down [hidden, inter] columns)
+  const PackWork* first = nullptr;
+  for (const auto& list : ctx.lists)
+    for (const PackWork& w : list)
+      if (w.bad >= 0 && (!first || w.expert < first->expert || (w.expert == first->expert && w.which < first->which)))
+        first = &w;
+  if (first) {
+    const int k = first->P->k;
+    int64_t r = first->bad / k, c = first->bad % k;
+    if (first->which == 2) c += first->i0; else r += first->i0;
+    static const char* names[3] = {"gate", "up", "down"};
+    for (int e : experts) packed_[e] = 0;
+    throw std::domain_error("expert " + std::to_string(first->expert) + " " + names[first->which] +
+                            ": non-finite value at [" + std::to_string(r) + ", " + std::to_string(c) + "]");
+  }
   for (int e : experts) packed_[e] = 1;
 }
 

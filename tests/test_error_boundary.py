@@ -1,0 +1,116 @@
+"""The CLI's error boundary: every failure is one line on stderr and an exit code (2 bad input,
+1 the environment or an internal error, 130 Ctrl-C, 141 a closed pipe, quietly), a traceback
+only with --debug; non-finite dense weights are named at load."""
+
+import subprocess
+import sys
+
+import pytest
+
+import ktflow
+from ktflow import cli
+from ktflow.errors import WeightError
+
+
+def run_cli(capsys, *argv):
+    capsys.readouterr()  # what fixtures printed before
+    code = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def one_line(err: str) -> bool:
+    return len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_bad_input_is_exit_2_in_one_line(capsys, tmp_path):
+    for argv in (["inspect", tmp_path], ["inspect", tmp_path / "missing.json"], ["compile", tmp_path]):
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 2 and one_line(err) and err.startswith(f"ktflow {argv[0]}: error:"), (argv, err)
+
+
+def test_an_output_path_that_is_a_directory(capsys, tmp_path, demo_dir):
+    code, _, err = run_cli(capsys, "compile", demo_dir, "--hw", "cpu", "-o", tmp_path)
+    assert code == 2 and one_line(err) and "is a directory" in err
+
+
+@pytest.mark.parametrize("flag", [["--temperature", "nan"], ["--temperature", "-1"], ["--top-p", "nan"]])
+def test_sampling_flags_are_checked(capsys, demo_dir, flag):
+    code, _, err = run_cli(capsys, "run", demo_dir, "--hw", "cpu", "--input-ids", "1 2", "--max-new-tokens", 2, *flag)
+    assert code == 2 and one_line(err) and flag[0].lstrip("-").replace("-", "_") in err
+
+
+@pytest.mark.parametrize("exc,code,words", [
+    (PermissionError(13, "Permission denied", "/x/plan.json"), 1, "Permission denied: /x/plan.json"),
+    (OSError(28, "No space left on device"), 1, "No space left on device"),
+    (MemoryError(), 1, "out of memory"),
+    (ValueError("oops"), 1, "internal error: ValueError: oops"),
+    (KeyboardInterrupt(), 130, "interrupted"),
+])
+def test_what_escapes_a_command_becomes_one_line(capsys, monkeypatch, tmp_path, exc, code, words):
+    def boom(a):
+        raise exc
+
+    monkeypatch.setattr(cli, "cmd_inspect", boom)
+    got, _, err = run_cli(capsys, "inspect", tmp_path / "p.json")
+    assert got == code and words in err and "Traceback" not in err
+
+
+def test_debug_gives_the_traceback(capsys, monkeypatch, tmp_path):
+    def boom(a):
+        raise ValueError("oops")
+
+    monkeypatch.setattr(cli, "cmd_inspect", boom)
+    for argv in (["--debug", "inspect", "p"], ["inspect", "p", "--debug"]):
+        with pytest.raises(ValueError):
+            cli.main(argv)
+    monkeypatch.setenv("KTFLOW_DEBUG", "1")
+    with pytest.raises(ValueError):
+        cli.main(["inspect", "p"])
+
+
+def test_a_closed_pipe_is_quiet(demo_dir, tmp_path):
+    plan = tmp_path / "p.json"
+    assert cli.main(["compile", str(demo_dir), "--hw", "cpu", "-o", str(plan)]) == 0
+    r = subprocess.run(f"{sys.executable} -m ktflow inspect {plan} --text | head -1", shell=True, capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 1 and r.stderr == "", r.stderr
+
+
+def _with_nan(src, dst, key):
+    """A copy of checkpoint dir src with one NaN in tensor `key`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(f)
+        if key in tensors:
+            tensors[key] = tensors[key].clone()
+            tensors[key].view(-1)[7] = float("nan")
+            save_file(tensors, f, metadata={"format": "pt"})
+            return dst
+    raise AssertionError(key)
+
+
+def test_a_nan_in_a_dense_weight_is_named(capsys, tiny_dirs, tmp_path):
+    d, _ = tiny_dirs("qwen3_moe")
+    bad = _with_nan(d, tmp_path / "bad", "model.layers.1.self_attn.o_proj.weight")
+    with pytest.raises(WeightError, match=r"model\.layers\.1\.self_attn\.o_proj\.weight.*non-finite value \(nan\)"):
+        ktflow.compile(ktflow.load(bad), hw="cpu", dtype="float32", max_seq_len=16, backend="torch_ref").prepare()
+    code, _, err = run_cli(capsys, "run", bad, "--hw", "cpu", "--input-ids", "1 2", "--max-new-tokens", 2)
+    assert code == 2 and one_line(err) and "o_proj" in err
+
+
+def test_a_nan_in_a_cpu_expert_is_named_with_its_layer(tiny_dirs, tmp_path, monkeypatch):
+    from ktflow import native
+
+    if not native.available():
+        pytest.skip("needs the native module")
+    monkeypatch.setenv("KTFLOW_CACHE_DIR", "off")
+    d, _ = tiny_dirs("qwen3_moe")
+    bad = _with_nan(d, tmp_path / "bad", "model.layers.1.mlp.experts.3.up_proj.weight")
+    c = ktflow.compile(ktflow.load(bad), hw="cpu", dtype="bfloat16", max_seq_len=16, backend="native")
+    with pytest.raises(WeightError, match=r"layer 1 .*expert 3 up: non-finite value at \[0, 7\]"):
+        c.prepare()
