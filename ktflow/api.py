@@ -82,7 +82,16 @@ class Compiled:
             model = load(pf.model.path)
         elif not isinstance(model, Model):
             model = load(model)
-        return Compiled(PlanFile.load(path, fingerprint=model.fingerprint), model)
+        pf = PlanFile.load(path, fingerprint=model.fingerprint)
+        from .plan_check import spec_mismatches
+
+        for plan in pf.plans:
+            bad = spec_mismatches(plan, model.graph(plan.ir.act_dtype))
+            if bad:
+                more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+                raise PlanError(f"plan file {path}: its {plan.phase} plan does not match the model at {model.path}: "
+                                f"{bad[0]}{more}. Recompile it with `ktflow compile`.")
+        return Compiled(pf, model)
 
     def summary(self) -> str:
         return self.plans.summary()

@@ -139,20 +139,40 @@ def _token_ids(a: argparse.Namespace, model_dir: Path):
         raise InputError(f"--prompt needs {tok_file}; this checkpoint has none, use --input-ids instead")
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(tok_file))
+    try:
+        tok = Tokenizer.from_file(str(tok_file))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
+        from ktflow.errors import CheckpointError
+
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{tok_file} cannot be loaded as a tokenizer ({first}); fix or remove it, or use "
+                              "--input-ids") from None
     ids = tok.encode(a.prompt).ids
     if not ids:
         raise InputError("the prompt encodes to no tokens")
     return torch.tensor([ids]), tok
 
 
+def _compile_flags_given(a: argparse.Namespace) -> list[str]:
+    """The compile options on the command line that differ from their defaults."""
+    probe = argparse.ArgumentParser(add_help=False)
+    _add_compile_options(probe)
+    return [act.option_strings[0] for act in probe._actions
+            if act.option_strings and getattr(a, act.dest, act.default) != act.default]
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     import ktflow
+    from ktflow.errors import ConfigError
     from ktflow.runtime.generate import generate_with_stats
 
     model = ktflow.load(a.model)
     ids, tok = _token_ids(a, model.path)
     if a.plan:
+        given = _compile_flags_given(a)
+        if given:
+            raise ConfigError(f"--plan fixes the compile options, but {', '.join(given)} {'was' if len(given) == 1 else 'were'} "
+                              "given too: drop them, or leave out --plan to compile with them")
         compiled = ktflow.Compiled.load(a.plan, model)
     else:
         compiled = ktflow.compile(model, hw=a.hw, **_options(a))

@@ -102,6 +102,14 @@ POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_hea
             "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "max_position_embeddings",
             "decoder_sparse_step")
 _EXPERTS = ("num_experts", "n_routed_experts", "num_local_experts")
+#: upper bounds far past any real model: a config beyond them is damaged, not big
+MAXIMA = {"vocab_size": 1 << 24, "hidden_size": 1 << 20, "intermediate_size": 1 << 20,
+          "moe_intermediate_size": 1 << 20, "shared_expert_intermediate_size": 1 << 20, "num_hidden_layers": 4096,
+          "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 4096, "num_experts": 1 << 16,
+          "n_routed_experts": 1 << 16, "num_local_experts": 1 << 16, "num_experts_per_tok": 1 << 16,
+          "n_group": 1 << 16, "topk_group": 1 << 16, "kv_lora_rank": 1 << 16, "qk_rope_head_dim": 4096,
+          "qk_nope_head_dim": 4096, "v_head_dim": 4096, "max_position_embeddings": 1 << 26,
+          "decoder_sparse_step": 4096}
 
 
 def semantic_problems(cfg: HFConfig) -> list[str]:
@@ -120,6 +128,8 @@ def semantic_problems(cfg: HFConfig) -> list[str]:
             out.append(f"field {name!r} must be an integer, got {v!r}")
         elif v is not None and v < 1:
             out.append(f"field {name!r} must be >= 1, got {v}")
+        elif v is not None and v > MAXIMA.get(name, v):
+            out.append(f"field {name!r} is {v}, past any real model (at most {MAXIMA[name]}): a damaged config?")
     if out:
         return out
     heads, kv = val("num_attention_heads"), val("num_key_value_heads")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .cost import RoutingProfile
 from .hw import HwProfile
@@ -58,6 +58,15 @@ class CompileOptions(BaseModel):
     staging_slots: int = Field(2, ge=1, le=8, description="GPU staging slots for streamed experts: with 2 or more "
                                "the copy of layer j+1's experts overlaps layer j's compute")
     routing_profile: str | None = Field(None, description="routing profile JSON (per-layer expert frequencies)")
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        from .backends import BACKENDS
+
+        if v != "auto" and v not in BACKENDS:
+            raise ValueError(f"unknown backend {v!r}; available: auto, {', '.join(BACKENDS)}")
+        return v
 
 
 @dataclass(frozen=True)

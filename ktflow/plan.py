@@ -3,7 +3,8 @@
 A `Plan` is one phase (prefill or decode): the placed, costed graph, its ordered steps with
 predicted times, the hardware profile and options it was compiled for, and a memory estimate.
 A plan file holds the prefill and the decode plan of one model. Loading checks the file format,
-the ktflow version and the model fingerprint before anything else.
+the ktflow version and the model fingerprint, and verifies every plan (ktflow.plan_check: the
+graph's IR rules up to lowering, the schedule's and the buffers'), before anything runs it.
 """
 
 from __future__ import annotations
@@ -236,6 +237,14 @@ class PlanFile(BaseModel):
             raise PlanError(f"plan file {p} is malformed: {e}") from None
         if not pf.prefill or [b.step_tokens for b in pf.prefill] != sorted({b.step_tokens for b in pf.prefill}):
             raise PlanError(f"plan file {p} is malformed: its prefill plans must have ascending, distinct step_tokens")
+        from .plan_check import plan_problems
+
+        for plan in pf.plans:
+            problems = plan_problems(plan)
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise PlanError(f"plan file {p}: its {plan.phase} plan ({plan.step_tokens} tokens/step) fails "
+                                f"verification: {problems[0]}{more}. Recompile it with `ktflow compile`.")
         if fingerprint is not None and pf.model.fingerprint != fingerprint:
             raise PlanError(f"{p} was compiled for another model ({pf.model.model_type} at {pf.model.path}, "
                             f"config fingerprint {pf.model.fingerprint}); this model's fingerprint is {fingerprint}. "

@@ -62,26 +62,29 @@ class SafetensorsFile:
             raw = f.read(n)
         try:
             header = json.loads(raw)
-            assert isinstance(header, dict)
-        except Exception:
-            raise WeightError(f"{path}: corrupt safetensors header: not a JSON object") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            header = None
+        if not isinstance(header, dict):
+            raise WeightError(f"{path}: corrupt safetensors header: not a JSON object")
         self.data_start = 8 + n
         data_len = size - self.data_start
         self.entries: dict[str, Entry] = {}
+        meta = header.get("__metadata__", {})
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise WeightError(f"{path}: corrupt safetensors header: __metadata__ must map names to strings")
         for name, e in header.items():
-            if name == "__metadata__":
-                continue
-            try:
-                dtype, shape, (b, en) = e["dtype"], tuple(int(d) for d in e["shape"]), e["data_offsets"]
-            except Exception:
-                raise WeightError(f"{path}: corrupt safetensors header entry for tensor {name!r}") from None
-            numel = 1
-            for d in shape:
-                numel *= d
-            if dtype not in ITEMSIZE or not 0 <= b <= en <= data_len or en - b != numel * ITEMSIZE[dtype]:
-                raise WeightError(f"{path}: corrupt safetensors header: tensor {name!r} dtype {dtype} shape "
-                                  f"{list(shape)} offsets [{b}, {en}] do not fit the {data_len}-byte data section")
-            self.entries[name] = Entry(self, dtype, shape, b, en)
+            if name != "__metadata__":
+                self.entries[name] = Entry(self, *_header_entry(path, name, e, data_len))
+        # the tensors' byte ranges tile the data section: no overlap, no gap, nothing after
+        at = 0
+        for name, e in sorted(self.entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+            if e.begin != at:
+                what = "overlaps the tensor before it" if e.begin < at else f"leaves bytes {at}..{e.begin} unused"
+                raise WeightError(f"{path}: corrupt safetensors header: tensor {name!r} at [{e.begin}, {e.end}] {what}")
+            at = e.end
+        if at != data_len:
+            raise WeightError(f"{path}: corrupt safetensors file: its tensors end at byte {at} of a {data_len}-byte "
+                              "data section (truncated, or bytes appended)")
 
     def tensor(self, e: Entry) -> torch.Tensor:
         if e.dtype not in ST_DTYPES:
@@ -97,6 +100,47 @@ class SafetensorsFile:
         return t.view(e.shape)
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _header_entry(path: Path, name: str, e, data_len: int) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one header entry, every field's type and range checked."""
+    def bad(why: str) -> WeightError:
+        return WeightError(f"{path}: corrupt safetensors header entry for tensor {name!r}: {why}")
+
+    if not isinstance(e, dict):
+        raise bad("not a JSON object")
+    dtype, shape, offsets = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+        raise bad(f"dtype {dtype!r} is not a safetensors dtype ({', '.join(ITEMSIZE)})")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise bad(f"shape {shape!r} is not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+        raise bad(f"data_offsets {offsets!r} is not a pair of integers")
+    b, en = offsets
+    if not 0 <= b <= en <= data_len or en - b != math.prod(shape) * ITEMSIZE[dtype]:
+        raise bad(f"dtype {dtype} shape {shape} offsets [{b}, {en}] do not fit the {data_len}-byte data section")
+    return dtype, tuple(shape), b, en
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The weight_map of a sharded checkpoint's index: tensor name -> shard file name (a plain name
+    in the checkpoint dir)."""
+    try:
+        raw = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise WeightError(f"{index}: unreadable index ({e}); expected a JSON object with 'weight_map'") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise WeightError(f"{index}: 'weight_map' must be a JSON object mapping tensor names to shard file names")
+    for v in set(weight_map.values()):
+        if Path(v).name != v or v in (".", ".."):
+            raise WeightError(f"{index}: shard {v!r} is not a file name in the checkpoint dir")
+    return weight_map
+
+
 class WeightSource:
     """All tensors of a checkpoint dir, by name."""
 
@@ -105,10 +149,7 @@ class WeightSource:
         self.dir = d
         index = d / INDEX_FILE
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except Exception as e:
-                raise WeightError(f"{index}: unreadable index ({e}); expected a JSON object with 'weight_map'") from None
+            weight_map = _read_index(index)
             names = sorted(set(weight_map.values()))
         else:
             weight_map = None
@@ -122,6 +163,10 @@ class WeightSource:
         self.files = files
         self.entries: dict[str, Entry] = {}
         for f in files.values():
+            twice = sorted(set(f.entries) & set(self.entries))
+            if twice:
+                raise WeightError(f"{d}: tensor {twice[0]!r} is in both {self.entries[twice[0]].file.path.name} and "
+                                  f"{f.path.name}")
             self.entries.update(f.entries)
         if weight_map is not None:
             for key, fname in weight_map.items():

@@ -24,7 +24,7 @@ REGISTRY: dict[str, str] = {
 
 
 def family(model_type: str | None, where: str = "config.json") -> ModuleType:
-    if model_type not in REGISTRY:
+    if not isinstance(model_type, str) or model_type not in REGISTRY:
         raise ConfigError(f"{where}: model_type {model_type!r} is not supported; supported: "
                           + ", ".join(sorted(REGISTRY)))
     return importlib.import_module(f"{__name__}.{REGISTRY[model_type]}")

@@ -114,3 +114,62 @@ def test_a_nan_in_a_cpu_expert_is_named_with_its_layer(tiny_dirs, tmp_path, monk
     c = ktflow.compile(ktflow.load(bad), hw="cpu", dtype="bfloat16", max_seq_len=16, backend="native")
     with pytest.raises(WeightError, match=r"layer 1 .*expert 3 up: non-finite value at \[0, 7\]"):
         c.prepare()
+
+
+def test_an_edited_or_damaged_plan_is_refused_at_load(capsys, tmp_path, demo_dir):
+    """Structural damage fails the plan checks (inspect and run both exit 2 naming the rule); an
+    attrs edit fails the comparison with the model's spec (run)."""
+    import json
+
+    plan = tmp_path / "p.json"
+    assert cli.main(["compile", str(demo_dir), "--hw", "cpu", "--max-seq-len", "32", "-o", str(plan)]) == 0
+    raw = json.loads(plan.read_text())
+
+    def edited(change, name):
+        r = json.loads(json.dumps(raw))
+        change(r["decode"])
+        out = tmp_path / name
+        out.write_text(json.dumps(r))
+        return out
+
+    def drop_node(p):
+        del p["graph"]["nodes"][5]
+
+    def swap_steps(p):
+        s = p["steps"]
+        i = next(i for i, st in enumerate(s) if st["kind"] == "launch" and st["reads"])
+        j = next(j for j in range(i) if s[i]["reads"][0] in s[j]["writes"])
+        s[i], s[j] = s[j], s[i]
+
+    def bad_buffer(p):
+        p["buffers"][0]["offset"] = 1 << 40
+
+    for change, rule in ((drop_node, "V"), (swap_steps, "K4"), (bad_buffer, "K7")):
+        bad = edited(change, f"{rule}.json")
+        for argv in (["inspect", bad], ["run", demo_dir, "--plan", bad, "--input-ids", "1 2"]):
+            code, _, err = run_cli(capsys, *argv)
+            assert code == 2 and one_line(err) and "fails verification" in err and f": {rule}" in err, (argv, err)
+
+    def heads(p):
+        next(n for n in p["graph"]["nodes"] if n["op"] == "attention")["attrs"]["heads"] += 1
+
+    bad = edited(heads, "heads.json")
+    code, _, err = run_cli(capsys, "run", demo_dir, "--plan", bad, "--input-ids", "1 2")
+    assert code == 2 and one_line(err) and "does not match the model" in err and "heads" in err
+    code, _, err = run_cli(capsys, "run", demo_dir, "--plan", plan, "--input-ids", "1 2", "--max-seq-len", "64")
+    assert code == 2 and one_line(err) and "--max-seq-len" in err and "--plan fixes the compile options" in err
+
+
+def test_unknown_backend_is_refused_at_compile(capsys, demo_dir):
+    code, _, err = run_cli(capsys, "compile", demo_dir, "--hw", "cpu", "--backend", "cuda_grap")
+    assert code == 2 and one_line(err) and "unknown backend 'cuda_grap'" in err
+
+
+def test_a_corrupt_tokenizer_is_named(capsys, demo_dir, tmp_path):
+    import shutil
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(demo_dir, d)
+    (d / "tokenizer.json").write_text('{"model": 3')
+    code, _, err = run_cli(capsys, "run", d, "--hw", "cpu", "--prompt", "hi", "--max-new-tokens", 1)
+    assert code == 2 and one_line(err) and "tokenizer.json cannot be loaded as a tokenizer" in err

@@ -121,3 +121,68 @@ def test_mixed_precision_float_weights_are_accepted(ckpt):
     compiled = ktflow.compile(ktflow.load(ckpt), hw="cpu", max_seq_len=16)
     logits, _ = ktflow.execute(compiled, torch.tensor([[1, 2, 3]]))
     assert torch.isfinite(logits).all()
+
+
+def _rewrite_header(p, change):
+    raw = p.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    data = change(header, raw[8 + n:])
+    h = json.dumps(header).encode()
+    p.write_bytes(struct.pack("<Q", len(h)) + h + data)
+
+
+def _first(header):
+    return min((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+
+
+@pytest.mark.parametrize("damage,words", [
+    ("offsets_as_strings", "data_offsets"),
+    ("shape_with_bool", "shape"),
+    ("shape_as_string", "shape"),
+    ("dtype_number", "dtype"),
+    ("entry_is_list", "not a JSON object"),
+    ("overlap", "overlaps"),
+    ("gap", "unused"),
+    ("appended", "bytes appended"),
+    ("metadata_number", "__metadata__"),
+])
+def test_header_fields_are_checked_by_type_and_tiling(ckpt, damage, words):
+    """Every header field has its JSON type (no strings, floats or booleans for integers) and the
+    tensors tile the data section exactly."""
+    def change(h, data):
+        k = _first(h)
+        e = h[k]
+        if damage == "offsets_as_strings":
+            e["data_offsets"] = [str(o) for o in e["data_offsets"]]
+        elif damage == "shape_with_bool":
+            e["shape"] = [True] + e["shape"][1:]
+        elif damage == "shape_as_string":
+            e["shape"] = str(e["shape"])
+        elif damage == "dtype_number":
+            e["dtype"] = 7
+        elif damage == "entry_is_list":
+            h[k] = [1, 2]
+        elif damage == "metadata_number":
+            h["__metadata__"] = {"format": 1}
+        elif damage in ("overlap", "gap"):  # move the second tensor by one element
+            second = sorted((v["data_offsets"][0], n) for n, v in h.items() if n != "__metadata__")[1][1]
+            step = -2 if damage == "overlap" else 2
+            h[second]["data_offsets"] = [o + step for o in h[second]["data_offsets"]]
+            if damage == "gap":
+                return data + b"\0\0"
+        elif damage == "appended":
+            return data + b"\0" * 16
+        return data
+
+    _rewrite_header(ckpt / "model.safetensors", change)
+    with pytest.raises(WeightError, match=words):
+        ktflow.load(ckpt)
+
+
+@pytest.mark.parametrize("index", [{"weight_map": ["a", "b"]}, {"weight_map": {"x": 3}}, [1, 2],
+                                   {"weight_map": {"x": "../model.safetensors"}}, "{not json"])
+def test_malformed_index_is_named(ckpt, index):
+    (ckpt / "model.safetensors.index.json").write_text(index if isinstance(index, str) else json.dumps(index))
+    with pytest.raises(WeightError, match="index"):
+        ktflow.load(ckpt)

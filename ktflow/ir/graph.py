@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 import networkx as nx
 
-from .ops import FACTS, Op, attrs_from_dict, attrs_to_dict
+from .ops import FACTS, Op, attrs_from_dict, attrs_to_dict, dataclass_from, typed
 from .types import Cost, Device, DType, Placement, TensorType, WeightRef
 
 
@@ -59,20 +59,26 @@ class Node:
 
     @staticmethod
     def from_dict(d: dict) -> "Node":
-        op = Op(d["op"])
-        place = d.get("place")
-        cost = d.get("cost")
+        """A node from its JSON dict (as to_dict writes it), every field's type checked: a
+        ValueError names the node and the field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a node must be a JSON object, got {d!r}")
+        where = f"node {d.get('name')!r}"
+        op = typed(Op, d.get("op"), f"{where}.op")
+        out = d.get("out")
+        if not isinstance(out, dict):
+            raise ValueError(f"{where}.out must be a JSON object")
+        place, cost = d.get("place"), d.get("cost")
         return Node(
-            name=d["name"],
+            name=typed(str, d.get("name"), "node name"),
             op=op,
-            inputs=tuple(d["inputs"]),
-            attrs=attrs_from_dict(op, d["attrs"]),
-            out=TensorType(tuple(d["out"]["shape"]), DType(d["out"]["dtype"])),
-            weights=tuple(WeightRef(w["role"], w["key"], tuple(w["shape"]), w.get("experts", 0))
-                          for w in d.get("weights", [])),
-            place=None if place is None else Placement(Device(place["device"]), place.get("cause", ""),
-                                                       place.get("numa"), place.get("stream")),
-            cost=None if cost is None else Cost(**cost),
+            inputs=typed(tuple[str, ...], d.get("inputs"), f"{where}.inputs"),
+            attrs=attrs_from_dict(op, d.get("attrs")),
+            out=TensorType(typed(tuple[int | str, ...], out.get("shape"), f"{where}.out.shape"),
+                           typed(DType, out.get("dtype"), f"{where}.out.dtype")),
+            weights=typed(tuple[WeightRef, ...], d.get("weights", []), f"{where}.weights"),
+            place=None if place is None else dataclass_from(Placement, place, f"{where}.place"),
+            cost=None if cost is None else dataclass_from(Cost, cost, f"{where}.cost"),
         )
 
 
@@ -142,7 +148,10 @@ class Graph:
 
     @staticmethod
     def from_dict(d: dict) -> "Graph":
-        return Graph(tuple(Node.from_dict(n) for n in d["nodes"]), tuple(d["outputs"]), DType(d["act_dtype"]))
+        if not isinstance(d, dict) or not isinstance(d.get("nodes"), list):
+            raise ValueError("a graph must be a JSON object with a list of nodes")
+        return Graph(tuple(Node.from_dict(n) for n in d["nodes"]), typed(tuple[str, ...], d.get("outputs"), "outputs"),
+                     typed(DType, d.get("act_dtype"), "act_dtype"))
 
 
 class GraphBuilder:

@@ -401,11 +401,82 @@ def attrs_to_dict(attrs: Any) -> dict:
 
 
 def attrs_from_dict(op: Op, d: dict) -> Any:
-    cls = FACTS[op].attrs
-    kwargs = dict(d)
-    if cls is AttentionAttrs:
-        kwargs["rope"] = RopeAttrs(**kwargs["rope"])
-    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()})
+    """The attrs of `op` from their JSON dict, every field's type checked against the dataclass
+    (a ValueError names the field: plans are read from files people edit)."""
+    return dataclass_from(FACTS[op].attrs, d, op.value)
+
+
+def dataclass_from(cls: type, d: Any, where: str) -> Any:
+    """A dataclass from its JSON dict, every field's type checked (see `typed`)."""
+    import typing
+
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: attrs must be a JSON object, got {d!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    extra = sorted(set(d) - names)
+    if extra:
+        raise ValueError(f"{where}: unknown attrs {extra}")
+    kwargs = {k: typed(hints[k], v, f"{where}.{k}") for k, v in d.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required field missing
+        raise ValueError(f"{where}: {e}") from None
+
+
+def typed(hint: Any, v: Any, where: str) -> Any:
+    """v as a value of type `hint` (JSON lists become tuples), or a ValueError naming `where`."""
+    import types
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        for a in args:
+            try:
+                return typed(a, v, where)
+            except ValueError:
+                continue
+        raise ValueError(f"{where}: {v!r} is not a {hint}")
+    if origin is typing.Literal:
+        if v in args and type(v) in {type(a) for a in args}:
+            return v
+        raise ValueError(f"{where}: {v!r} is not one of {list(args)}")
+    if origin is tuple:
+        if not isinstance(v, (list, tuple)):
+            raise ValueError(f"{where}: {v!r} is not a list")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(typed(args[0], x, where) for x in v)
+        if len(args) != len(v):
+            raise ValueError(f"{where}: {v!r} does not have {len(args)} items")
+        return tuple(typed(a, x, where) for a, x in zip(args, v))
+    if hint is type(None):
+        if v is None:
+            return v
+        raise ValueError(f"{where}: {v!r} is not null")
+    if is_dataclass(hint):
+        return v if isinstance(v, hint) else dataclass_from(hint, v, where)
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        try:
+            return hint(v)
+        except (ValueError, TypeError):
+            raise ValueError(f"{where}: {v!r} is not one of {[m.value for m in hint]}") from None
+    if hint is bool:
+        if isinstance(v, bool):
+            return v
+    elif hint is int:
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    elif hint is float:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    elif hint is str:
+        if isinstance(v, str):
+            return v
+    elif hint is Any:
+        return v
+    else:
+        return v
+    raise ValueError(f"{where}: {v!r} is not a {getattr(hint, '__name__', hint)}")
 
 
 def format_attrs(attrs: Any) -> str:

@@ -125,8 +125,8 @@ def _r8_weights(g: Graph):
             if w.role in roles:
                 yield n.name, f"weight role {w.role!r} listed twice"
             roles.add(w.role)
-            if any(d <= 0 for d in w.shape):
-                yield n.name, f"weight {w.key} has a non-positive dim {w.shape}"
+            if any(d <= 0 for d in w.shape) or w.experts < 0:
+                yield n.name, f"weight {w.key} has a non-positive dim {w.shape} or a negative expert count"
             if (w.experts > 0) != ("{e}" in w.key):
                 yield n.name, f"weight {w.key}: per-expert keys contain {{e}} exactly when experts > 0"
 
