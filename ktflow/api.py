@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from .backends import get_backend, resolve_backend
 from .config import DTYPE_BY_NAME
-from .errors import ConfigError, InputError, PlanError
+from .errors import ConfigError, InputError, PlanError, ResourceError
 from .hw import HwProfile, resolve_hw
 from .ir.graph import Graph
 from .ir.ops import Op
@@ -150,6 +150,16 @@ def check_gpu(pf: PlanFile) -> None:
         raise PlanError(f"this {where} was placed for a GPU with {planned / 2**30:.1f} GiB of memory "
                         f"({pf.hw.gpus[0].name}); this GPU ({torch.cuda.get_device_name(0)}) has {here / 2**30:.1f} GiB. "
                         "Recompile it for this machine (`ktflow compile --hw this`, or `ktflow hw probe`)")
+    # before anything is allocated: what the plans will take against what is free now (memory this
+    # process's allocator already holds counts as free; the reserve is what the plan leaves unused)
+    need = max((p.memory.gpu_bytes for p in pf.plans if p.device == "cuda"), default=0.0)
+    need -= pf.options.vram_reserve_gb * 1e9
+    free, total = torch.cuda.mem_get_info()
+    usable = free + torch.cuda.memory_reserved()
+    if need > usable:
+        raise ResourceError(f"the {where} needs {need / 1e9:.1f} GB of GPU memory; {usable / 1e9:.1f} GB of "
+                            f"{total / 1e9:.1f} GB are free (other processes hold the rest). Free the GPU, or compile "
+                            "with a smaller --vram-budget-gb, --max-seq-len or --prefill-chunk")
 
 
 def _device(opts: CompileOptions, hw: HwProfile) -> str:
@@ -304,7 +314,38 @@ def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, pr
     info = ModelInfo(model_type=cfg.model_type, fingerprint=model.fingerprint, path=str(model.path.resolve()),
                      layers=cfg.num_hidden_layers)
     pf = PlanFile(model=info, hw=hwp, options=opts, prefill=prefill, decode=decode)
+    if not opts.allow_oversize:
+        _check_fits(pf, runnable=model.weights is not None)
     return Compiled(pf, model)
+
+
+def _check_fits(pf: PlanFile, runnable: bool) -> None:
+    """Where a plan's predicted peak GPU or host memory exceeds the hardware profile's: a
+    ConfigError with the numbers, or for a config-only model (a plan that cannot run here
+    anyway: planning for another machine) one warning."""
+    from . import notices
+
+    hw = pf.hw
+    host = sum(n.memory_bytes for n in hw.cpu.numa)
+    gpu = hw.gpus[0].memory_bytes if hw.gpus else 0.0
+    for plan in pf.plans:
+        m, what = plan.memory, f"the {plan.phase} plan ({plan.step_tokens} tokens/step)"
+        parts = (f"weights {m.weight_bytes / 1e9:.1f} GB, KV caches {m.kv_cache_bytes / 1e9:.1f} GB, activations "
+                 f"{m.activation_bytes / 1e9:.2f} GB, both devices")
+        problem = None
+        if plan.device == "cuda" and gpu and m.gpu_bytes > gpu:
+            problem = (f"{what} needs {m.gpu_bytes / 1e9:.1f} GB of GPU memory; the profile {hw.name!r} has "
+                       f"{gpu / 1e9:.1f} GB ({parts}). Lower --vram-budget-gb, --max-seq-len or --max-batch")
+        elif host and m.host_bytes > host:
+            problem = (f"{what} needs {m.host_bytes / 1e9:.1f} GB of host memory; the profile {hw.name!r} has "
+                       f"{host / 1e9:.1f} GB ({parts}). Lower --max-seq-len or --max-batch, use smaller expert "
+                       "weights (--expert-format int8 or int4) or a bigger machine (--hw)")
+        if problem is None:
+            continue
+        if not runnable:
+            notices.warn(f"{problem}; this config-only plan is for another machine", key="oversize")
+            return
+        raise ConfigError(f"{problem}, or pass --allow-oversize (allow_oversize=True) to plan anyway")
 
 
 def _check_ids(compiled: Compiled, input_ids: Any, state: State | None) -> torch.Tensor:

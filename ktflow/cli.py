@@ -61,13 +61,17 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                    "activations and staging fit the GPU)")
     g.add_argument("--staging-slots", type=int, default=2,
                    help="GPU staging slots for streamed experts (2 or more: the next layer's copy overlaps this one)")
+    g.add_argument("--allow-oversize", action="store_true",
+                   help="plan even where the predicted GPU or host memory exceeds the hardware profile's (a plan "
+                   "for a bigger machine); default: an error with the numbers")
 
 
 def _options(a: argparse.Namespace) -> dict:
     opts = dict(max_seq_len=a.max_seq_len, max_batch=a.max_batch, dtype=a.dtype, device=a.device, backend=a.backend,
                 expert_format=a.expert_format,
                 placement=a.placement, vram_budget_gb=a.vram_budget_gb, numa=a.numa, numa_nodes=a.numa_nodes,
-                prefill_experts=a.prefill_experts, prefill_chunk=a.prefill_chunk, staging_slots=a.staging_slots)
+                prefill_experts=a.prefill_experts, prefill_chunk=a.prefill_chunk, staging_slots=a.staging_slots,
+                allow_oversize=a.allow_oversize)
     if a.prefill_buckets:
         from ktflow.errors import ConfigError
 

@@ -58,6 +58,9 @@ class CompileOptions(BaseModel):
     staging_slots: int = Field(2, ge=1, le=8, description="GPU staging slots for streamed experts: with 2 or more "
                                "the copy of layer j+1's experts overlaps layer j's compute")
     routing_profile: str | None = Field(None, description="routing profile JSON (per-layer expert frequencies)")
+    allow_oversize: bool = Field(False, description="compile even where a plan's predicted GPU or host memory "
+                                 "exceeds the hardware profile's (a plan for another machine); default: an error "
+                                 "with the numbers")
 
     @field_validator("backend")
     @classmethod

@@ -173,3 +173,26 @@ def test_a_corrupt_tokenizer_is_named(capsys, demo_dir, tmp_path):
     (d / "tokenizer.json").write_text('{"model": 3')
     code, _, err = run_cli(capsys, "run", d, "--hw", "cpu", "--prompt", "hi", "--max-new-tokens", 1)
     assert code == 2 and one_line(err) and "tokenizer.json cannot be loaded as a tokenizer" in err
+
+
+def test_a_plan_past_the_profile_memory_is_an_error_with_the_numbers(demo_dir, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr("ktflow.notices._said", set())
+    from ktflow.errors import ConfigError
+    from ktflow.hw import PRESETS
+
+    base = PRESETS["cpu"]
+    small = base.model_copy(update={"cpu": base.cpu.model_copy(update={"numa": [
+        n.model_copy(update={"memory_bytes": 1e6}) for n in base.cpu.numa]})})
+    model = ktflow.load(demo_dir)
+    with pytest.raises(ConfigError, match=r"needs [\d.]+ GB of host memory; the profile .* has 0.0 GB.*--allow-oversize"):
+        ktflow.compile(model, hw=small, max_seq_len=32)
+    ktflow.compile(model, hw=small, max_seq_len=32, allow_oversize=True)
+    only = tmp_path / "config-only"
+    only.mkdir()
+    shutil.copy(demo_dir / "config.json", only / "config.json")
+    capsys.readouterr()
+    ktflow.compile(ktflow.load(only), hw=small, max_seq_len=32)  # planning for another machine: a warning
+    err = capsys.readouterr().err
+    assert "warning" in err and "host memory" in err and "for another machine" in err
