@@ -42,6 +42,9 @@ class Compiled:
         self.plans, self.model = plans, model
         self._backend: Any = None
         self._executors: dict[int, Executor] = {}
+        #: check every step's values for NaN and infinity (also KTFLOW_CHECK_FINITE=1): slower, for finding
+        #: where a model goes non-finite
+        self.check_finite = False
 
     @property
     def prefill(self) -> list[Plan]:
@@ -127,7 +130,9 @@ class Compiled:
                 self._backend = get_backend(name)(device, dtype, options=self.plans.options)
             self._backend.prepare(plan.ir, self.model.weights)
             self._executors[key] = Executor(plan, self._backend)
-        return self._executors[key]
+        ex = self._executors[key]
+        ex.check_finite = ex.check_finite or self.check_finite
+        return ex
 
 
 #: how far this GPU's memory may be from the one a plan was compiled for
@@ -270,7 +275,9 @@ def _prefill_plans(spec: Graph, ctx_for, opts: CompileOptions, max_seq: int, pri
     if auto and (not ctx.hw.has_gpu or opts.placement == "cpu"):
         cands = cands[-1:]  # nothing to stream: every bucket would decide the same
     plans: list[Plan] = []
-    for t in cands:
+    from .progress import bar
+
+    for t in bar(cands, "compile: prefill buckets", "plan", show=len(cands) > 1):
         plan = _compile_plan(spec, ctx_for(t), print_after if t == cands[-1] else None)
         if auto and plans and _signature(plans[-1]) == _signature(plan):
             plans[-1] = plan  # same decisions: the larger bucket covers both

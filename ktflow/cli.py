@@ -180,6 +180,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         compiled = ktflow.Compiled.load(a.plan, model)
     else:
         compiled = ktflow.compile(model, hw=a.hw, **_options(a))
+    compiled.check_finite = a.check_finite
     eos = None if a.ignore_eos else list(model.config.eos_ids) or None
     _print_ready(compiled)
     if a.trace:  # the prompt's (first) step and the first decode step run instrumented
@@ -300,6 +301,8 @@ def parser() -> argparse.ArgumentParser:
                                 "workstation.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"ktflow {__version__}")
     p.add_argument("--debug", action="store_true", help="on an error, the Python traceback too (or KTFLOW_DEBUG=1)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (they show only on a terminal anyway; or "
+                   "KTFLOW_QUIET=1)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     c = sub.add_parser("compile", help="compile a model into a plan file",
@@ -327,6 +330,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--top-p", type=float, default=1.0)
     r.add_argument("--seed", type=int, default=None, help="seed for sampling")
     r.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos token")
+    r.add_argument("--check-finite", action="store_true", help="check every step's values for NaN and infinity and "
+                   "name the first node that made one (slower; KTFLOW_CHECK_FINITE=1 does the same)")
     r.add_argument("--trace", metavar="JSON", help="run the prompt step and the first decode step instrumented "
                    "(CUDA events per GPU step, the CPU queue's timestamps) and write their measured timelines "
                    "as a Chrome trace, in the format of `ktflow compile --trace`")
@@ -363,6 +368,7 @@ def parser() -> argparse.ArgumentParser:
     for sp in [*sub.choices.values(), *hsub.choices.values()]:  # also after the command: `ktflow run ... --debug`
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="on an error, the Python traceback too (or KTFLOW_DEBUG=1)")
+        sp.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress bars")
     return p
 
 
@@ -373,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     debug = bool(getattr(args, "debug", False)) or os.environ.get("KTFLOW_DEBUG", "") not in ("", "0")
     where = f"ktflow {args.command}"
+    if getattr(args, "quiet", False):
+        from ktflow import progress
+
+        progress.QUIET = True
     try:
         return args.fn(args)
     except BrokenPipeError:  # `ktflow inspect plan --text | head`: the reader is gone, say nothing

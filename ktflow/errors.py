@@ -41,3 +41,9 @@ class ResourceError(KtflowError):
     written."""
 
     exit_code = 1
+
+
+class NumericError(KtflowError):
+    """A step produced a NaN or an infinity (found by the check_finite run option)."""
+
+    exit_code = 1

@@ -8,6 +8,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 # the native pool in two groups (virtual on a one-node machine), so the NUMA split + reduce path
 # of the native operator runs in every test that uses it
 os.environ.setdefault("KTFLOW_NUMA_GROUPS", "2")
+# every executed step's values checked for NaN and infinity (the first node that made one is named)
+os.environ.setdefault("KTFLOW_CHECK_FINITE", "1")
 
 DATA = Path(__file__).parent / "data"
 

@@ -8,7 +8,7 @@ import torch
 
 import ktflow
 from ktflow import native
-from ktflow.errors import KtflowError, PlanError
+from ktflow.errors import KtflowError, PlanError, ResourceError
 from ktflow.ir.ops import Op
 
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and native.available()),
@@ -202,7 +202,13 @@ def test_gpu_memory_size_check(demo_dir, monkeypatch):
     from ktflow.api import check_gpu
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(total_memory=int(planned * 1.01)))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (int(planned), int(planned)))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i=0: 0)
     check_gpu(c.plans)  # within the tolerance: the same GPU as reported by another driver
+    # another process holds nearly all of it: refused before anything is allocated, with the numbers
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (1000, int(planned)))
+    with pytest.raises(ResourceError, match=r"needs [\d.]+ GB of GPU memory; 0\.0 GB of [\d.]+ GB are free"):
+        check_gpu(c.plans)
 
 
 @gpu

@@ -2,6 +2,7 @@
 1 the environment or an internal error, 130 Ctrl-C, 141 a closed pipe, quietly), a traceback
 only with --debug; non-finite dense weights are named at load."""
 
+import io
 import subprocess
 import sys
 
@@ -196,3 +197,51 @@ def test_a_plan_past_the_profile_memory_is_an_error_with_the_numbers(demo_dir, t
     ktflow.compile(ktflow.load(only), hw=small, max_seq_len=32)  # planning for another machine: a warning
     err = capsys.readouterr().err
     assert "warning" in err and "host memory" in err and "for another machine" in err
+
+
+def test_check_finite_names_the_first_node_that_made_a_nan(demo_dir, capsys, monkeypatch):
+    """A NaN made at run time (here an attention output forced to NaN) is named by node with
+    --check-finite; without it the run goes on."""
+    from ktflow.backends.torch_ref import TorchRefBackend
+
+    real = TorchRefBackend.run
+
+    def poisoned(self, node, inputs, ctx):
+        out = real(self, node, inputs, ctx)
+        return out * float("nan") if node.name == "L1.attn" else out
+
+    monkeypatch.setattr(TorchRefBackend, "run", poisoned)
+    argv = ["run", demo_dir, "--hw", "cpu", "--backend", "torch_ref", "--dtype", "float32", "--input-ids", "1 2 3",
+            "--max-new-tokens", 1]
+    code, _, err = run_cli(capsys, *argv, "--check-finite")
+    assert code == 1 and one_line(err) and "node L1.attn (attention, prefill step at position 0) produced nan" in err
+    monkeypatch.delenv("KTFLOW_CHECK_FINITE", raising=False)
+    code, _, _ = run_cli(capsys, *argv)
+    assert code == 0
+
+
+def test_progress_shows_on_a_terminal_only_and_not_when_quiet(monkeypatch):
+    from ktflow import progress
+
+    class Tty:
+        def isatty(self):
+            return True
+
+        def write(self, s):
+            pass
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(progress, "QUIET", False)
+    monkeypatch.delenv("KTFLOW_QUIET", raising=False)
+    monkeypatch.setattr(progress.sys, "stderr", Tty())
+    assert progress.shown() and not progress.bar(range(3), "x", "it").disable
+    assert progress.bar(range(3), "x", "it", show=False).disable
+    monkeypatch.setenv("KTFLOW_QUIET", "1")
+    assert not progress.shown()
+    monkeypatch.delenv("KTFLOW_QUIET")
+    assert cli.main(["--quiet", "hw", "show"]) == 0 and progress.QUIET
+    monkeypatch.setattr(progress, "QUIET", False)
+    monkeypatch.setattr(progress.sys, "stderr", io.StringIO())
+    assert not progress.shown()  # not a terminal

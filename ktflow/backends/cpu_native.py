@@ -98,7 +98,9 @@ class NativeBackend(TorchRefBackend):
         if todo and weights is not None:
             checkpoint = _checkpoint_digest(weights)
             held = self._cpu_side(graph)
-            for n in todo:
+            from ..progress import bar
+
+            for n in bar(todo, "packing experts", "node", show=len(todo) > 1):
                 ids = held[n.attrs.layer]
                 if n.op == Op.FETCH:
                     self.stagers[node_key(n)] = self._stager(n, ids, weights, checkpoint)

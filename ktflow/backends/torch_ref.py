@@ -53,11 +53,11 @@ class TorchRefBackend:
         if todo and weights is None:
             raise KtflowError("this model was loaded without weights (config.json only): it can be compiled "
                               "but not run; point ktflow at a checkpoint dir with *.safetensors")
-        from tqdm import tqdm
+        from ..progress import bar
 
         # a bar (on stderr) when there is enough to copy to be worth watching
         copying = sum(n.weight_elems() for n in todo if self.device_of(n).type != "cpu") > 2e8
-        for n in tqdm(todo, desc="weights", unit="node", disable=not copying, leave=False):
+        for n in bar(todo, "weights", "node", show=copying):
             w: Weights = {}
             # a fetch's experts stay in host memory: it copies them to the GPU at each step
             dev = self.devices[Device.CPU] if n.op == Op.FETCH else self.device_of(n)

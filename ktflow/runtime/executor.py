@@ -6,6 +6,7 @@ the backend. The sequence state (KV caches, position) lives in `State` and is ad
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable
 
@@ -21,6 +22,18 @@ from .state import State
 
 def _nothing(step: Step, values: dict, ctx: StepContext) -> None:
     pass
+
+
+def _check_finite(v: Any, what: str) -> None:
+    """A NumericError naming `what` if a float tensor in v (a tensor or a tuple) holds a NaN or
+    an infinity."""
+    from ..errors import NumericError
+
+    for t in v if isinstance(v, tuple) else (v,):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).reshape(-1).nonzero()[0])
+            raise NumericError(f"{what} produced {float(t.reshape(-1)[bad])} at flat index {bad} of shape "
+                               f"{list(t.shape)}")
 
 
 class Executor:
@@ -40,6 +53,9 @@ class Executor:
         self.runner = make_runner(plan) if make_runner else None
         #: runs left to trace: each traced run keeps its steps with measured times in `measured`
         self.trace = 0
+        #: check every value a step writes for NaN and infinity (the first bad node is named); a
+        #: plan the backend runs as a whole (a captured graph) has its output checked
+        self.check_finite = os.environ.get("KTFLOW_CHECK_FINITE", "") not in ("", "0")
         self.measured: list[Step] | None = None
 
     def _launch(self, step: Step, values: dict, ctx: StepContext) -> None:
@@ -61,8 +77,12 @@ class Executor:
         if self.runner is not None and position_t is None:
             if tracing:
                 out, self.measured = self.runner.run(input_ids, state, trace=True, logits=logits)
-                return out
-            return self.runner.run(input_ids, state, logits=logits)
+            else:
+                out = self.runner.run(input_ids, state, logits=logits)
+            if self.check_finite:
+                _check_finite(out, f"the {self.plan.phase} step's output (the backend ran the plan as a whole: "
+                              "run it with backend='native' or 'torch_ref' to find the node)")
+            return out
         b, s = input_ids.shape
         ctx = StepContext(batch=b, seq=s, position=state.position, state=state, token_ids=input_ids.reshape(-1),
                           position_t=position_t, logits=logits)
@@ -71,6 +91,9 @@ class Executor:
         t0 = time.perf_counter()
         for i, step in enumerate(self.plan.steps):
             self.handlers[step.kind](step, values, ctx)
+            if self.check_finite and step.writes:
+                _check_finite(values.get(step.writes[0]), f"node {step.node} ({self.graph.by_name(step.node).op.value}, "
+                              f"{self.plan.phase} step at position {state.position})")
             if timed is not None:  # steps run one after another here: host time, GPU work synced
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()

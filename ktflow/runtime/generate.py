@@ -65,7 +65,9 @@ def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, 
     out = [ids]
     done = torch.zeros(ids.shape[0], dtype=torch.bool)
     steps = 0
-    for i in range(max_new_tokens):
+    from ..progress import bar
+
+    for i in bar(range(max_new_tokens), "decode", "token", show=max_new_tokens > 1):
         nxt = sample(logits[:, -1], temperature, top_p, gen).cpu()
         if eos:
             fill = next(iter(eos))
