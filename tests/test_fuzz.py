@@ -10,14 +10,15 @@ import struct
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-import ktflow
-from ktflow import cli
-from ktflow.errors import KtflowError
-from ktflow.plan import PlanFile
-from ktflow.weights import SafetensorsFile
+pytest.importorskip("hypothesis", reason="the test extra installs hypothesis (pip install -e '.[test]')")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import ktflow  # noqa: E402
+from ktflow import cli  # noqa: E402
+from ktflow.errors import KtflowError  # noqa: E402
+from ktflow.weights import SafetensorsFile  # noqa: E402
 
 #: examples per property: bounded for `make test`; KTFLOW_FUZZ_EXAMPLES=N for a longer run
 N = int(os.environ.get("KTFLOW_FUZZ_EXAMPLES", "60"))
