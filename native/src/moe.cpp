@@ -20,6 +20,24 @@ inline float load_src(const void* p, size_t i, SrcType t) {
   return 0.f;
 }
 
+// Whether n source values from element i on are all finite: the exponent bits tested as integers
+// (all ones: an infinity or a NaN), an OR over the row the compiler vectorizes.
+template <typename U>
+inline bool bits_finite(const void* p, size_t i, int n, U exponent) {
+  const U* v = static_cast<const U*>(p) + i;
+  U any = 0;
+  for (int k = 0; k < n; ++k) any |= U((v[k] & exponent) == exponent);
+  return !any;
+}
+inline bool row_finite(const void* p, size_t i, int n, SrcType t) {
+  switch (t) {
+    case SrcType::F32: return bits_finite<uint32_t>(p, i, n, 0x7f800000u);
+    case SrcType::F16: return bits_finite<uint16_t>(p, i, n, 0x7c00);
+    case SrcType::BF16: return bits_finite<uint16_t>(p, i, n, 0x7f80);
+  }
+  return true;
+}
+
 // Rows [r0, r1) (whole blocks) of W [n, k] into P. Returns the first source element that is
 // not finite as row * k + column (packing reads every value anyway), or -1.
 int64_t pack_rows(PackedMatrix& P, const void* src, size_t ld, SrcType type, int r0, int r1) {
@@ -29,11 +47,8 @@ int64_t pack_rows(PackedMatrix& P, const void* src, size_t ld, SrcType type, int
   for (int r = r0; r < r1; ++r) {
     const int b = r / NB, j = r % NB;
     if (r < P.n) {
-      bool finite = true;
-      for (int k = 0; k < P.k; ++k) {
-        row[k] = load_src(src, size_t(r) * ld + k, type);
-        finite &= std::isfinite(row[k]);
-      }
+      const bool finite = row_finite(src, size_t(r) * ld, P.k, type);
+      for (int k = 0; k < P.k; ++k) row[k] = load_src(src, size_t(r) * ld + k, type);
       if (!finite && bad < 0)
         for (int k = 0; k < P.k; ++k)
           if (!std::isfinite(row[k])) {
