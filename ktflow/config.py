@@ -112,6 +112,10 @@ MAXIMA = {"vocab_size": 1 << 24, "hidden_size": 1 << 20, "intermediate_size": 1 
           "decoder_sparse_step": 4096}
 
 
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def semantic_problems(cfg: HFConfig) -> list[str]:
     """What a config that parsed still gets wrong: each problem names the field, its value and
     the rule (counts positive; heads divisible by kv heads; top-k within the experts; expert
@@ -139,6 +143,18 @@ def semantic_problems(cfg: HFConfig) -> list[str]:
     topk = val("num_experts_per_tok")
     if experts is not None and topk is not None and topk > experts:
         out.append(f"num_experts_per_tok {topk} is more than the {experts} experts")
+    layers = val("num_hidden_layers")
+    first = getattr(cfg, "first_k_dense_replace", None)
+    if _is_count(first) and layers and not 0 <= first <= layers:
+        out.append(f"first_k_dense_replace {first} is not within 0..{layers} (num_hidden_layers)")
+    freq = getattr(cfg, "moe_layer_freq", None)
+    if _is_count(freq) and freq < 1:
+        out.append(f"moe_layer_freq must be >= 1, got {freq}")
+    only = getattr(cfg, "mlp_only_layers", None)
+    if isinstance(only, (list, tuple)) and layers:
+        bad = [i for i in only if not _is_count(i) or not 0 <= i < layers]
+        if bad:
+            out.append(f"mlp_only_layers {bad} are not layer indices 0..{layers - 1}")
     groups, topk_group = val("n_group"), val("topk_group")
     if groups and experts is not None and experts % groups:
         out.append(f"the {experts} experts do not divide into n_group {groups} groups")

@@ -99,6 +99,9 @@ def test_mixtral_default_theta_is_1e6():
     ({"hidden_size": True}, "'hidden_size' must be an integer, got True"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok 9 is more than the 8 experts"),
     ({"num_key_value_heads": 3}, "is not a multiple of num_key_value_heads 3"),
+    ({"num_experts": -1}, "'num_experts' must be >= 1, got -1"),
+    ({"num_experts": 1 << 40}, "past any real model"),
+    ({"mlp_only_layers": [5]}, "mlp_only_layers [5] are not layer indices 0..1"),
 ])
 def test_configs_are_checked_semantically(tmp_path, edit, words):
     """A config that parses but cannot describe a model is refused, naming the field, the value
