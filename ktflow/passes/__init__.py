@@ -55,7 +55,12 @@ def run_pipeline(g: Graph, ctx: CompileContext, print_after: str | None = None,
     dump_dir = os.environ.get("KTFLOW_DUMP")
     verify(g, "spec")
     timings: dict[str, float] = {}
-    for k, (fn, stage) in enumerate(pipeline):
+    from ..progress import bar
+
+    steps = bar(list(enumerate(pipeline)), f"compile {ctx.label}", "pass", show=len(g.nodes) > 300)  # a big model: seconds a plan
+    for k, (fn, stage) in steps:
+        if hasattr(steps, "set_postfix_str"):
+            steps.set_postfix_str(fn.__name__, refresh=False)
         t0 = time.perf_counter()
         try:
             new = fn(g, ctx)
