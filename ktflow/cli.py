@@ -175,8 +175,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     if a.plan:
         given = _compile_flags_given(a)
         if given:
-            raise ConfigError(f"--plan fixes the compile options, but {', '.join(given)} {'was' if len(given) == 1 else 'were'} "
-                              "given too: drop them, or leave out --plan to compile with them")
+            verb = "was" if len(given) == 1 else "were"
+            raise ConfigError(f"--plan fixes the compile options, but {', '.join(given)} {verb} given too: drop "
+                              "them, or leave out --plan to compile with them")
         compiled = ktflow.Compiled.load(a.plan, model)
     else:
         compiled = ktflow.compile(model, hw=a.hw, **_options(a))

@@ -57,7 +57,8 @@ def run_pipeline(g: Graph, ctx: CompileContext, print_after: str | None = None,
     timings: dict[str, float] = {}
     from ..progress import bar
 
-    steps = bar(list(enumerate(pipeline)), f"compile {ctx.label}", "pass", show=len(g.nodes) > 300)  # a big model: seconds a plan
+    # a bar for a big model (seconds a plan), naming the running pass
+    steps = bar(list(enumerate(pipeline)), f"compile {ctx.label}", "pass", show=len(g.nodes) > 300)
     for k, (fn, stage) in steps:
         if hasattr(steps, "set_postfix_str"):
             steps.set_postfix_str(fn.__name__, refresh=False)
