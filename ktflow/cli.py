@@ -408,7 +408,8 @@ def describe(e: BaseException) -> tuple[int, str]:
 
     if isinstance(e, KtflowError):
         return e.exit_code, str(e)
-    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
+            isinstance(e, RuntimeError) and "can't allocate memory" in str(e)):
         first = str(e).strip().splitlines()[0] if str(e).strip() else "host memory"
         return 1, f"out of memory ({first}); use a smaller --max-seq-len, --max-batch or --vram-budget-gb"
     if isinstance(e, OSError):

@@ -237,7 +237,7 @@ class PlanFile(BaseModel):
             raise PlanError(f"plan file {p} is malformed: {e}") from None
         if not pf.prefill or [b.step_tokens for b in pf.prefill] != sorted({b.step_tokens for b in pf.prefill}):
             raise PlanError(f"plan file {p} is malformed: its prefill plans must have ascending, distinct step_tokens")
-        from .plan_check import plan_problems
+        from .plan_check import file_problems, plan_problems
 
         for plan in pf.plans:
             problems = plan_problems(plan)
@@ -245,6 +245,9 @@ class PlanFile(BaseModel):
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
                 raise PlanError(f"plan file {p}: its {plan.phase} plan ({plan.step_tokens} tokens/step) fails "
                                 f"verification: {problems[0]}{more}. Recompile it with `ktflow compile`.")
+        problems = file_problems(pf)
+        if problems:
+            raise PlanError(f"plan file {p} fails verification: {problems[0]}. Recompile it with `ktflow compile`.")
         if fingerprint is not None and pf.model.fingerprint != fingerprint:
             raise PlanError(f"{p} was compiled for another model ({pf.model.model_type} at {pf.model.path}, "
                             f"config fingerprint {pf.model.fingerprint}); this model's fingerprint is {fingerprint}. "

@@ -13,6 +13,8 @@ K6  lanes are gpu, copy, fetch, cpu or cpu<k>; CPU nodes run on cpu lanes, GPU n
 K7  buffers hold graph values inside their arena, live over steps of the plan, and no two
     buffers of one arena share bytes while both are live
 K8  captured step ranges lie inside the plan
+K9  (the file) every plan has the file's max_seq_len, prefill steps fit it, the decode step is
+    max_batch tokens, and each plan's predicted KV-cache bytes are those of max_seq_len x max_batch
 """
 
 from __future__ import annotations
@@ -162,4 +164,32 @@ def spec_mismatches(plan: "Plan", spec) -> list[str]:
                 [(w.role, w.key, w.shape, w.experts) for w in s.weights] \
                 and not streamed:
             out.append(f"node {n.name}'s weight references differ from the model's")
+    return out
+
+
+def file_problems(pf) -> list[str]:
+    """Rule K9 over a plan file's plans and options (see the module doc)."""
+    from .memory import kv_cache_bytes
+
+    out = []
+    seqs = {p.max_seq_len for p in pf.plans}
+    want = pf.options.max_seq_len
+    if len(seqs) != 1 or (want is not None and seqs != {want}) or min(seqs) < 1:
+        out.append(f"K9: the plans' max_seq_len {sorted(seqs)} disagree with each other or with the options' {want}")
+        return out
+    seq = seqs.pop()
+    batch = pf.options.max_batch
+    if pf.decode.step_tokens != batch:
+        out.append(f"K9: the decode plan runs {pf.decode.step_tokens} tokens a step; max_batch is {batch}")
+    for p in pf.plans:
+        where = f"the {p.phase} plan ({p.step_tokens} tokens/step)"
+        if p.phase == "prefill" and not 1 <= p.step_tokens <= seq:
+            out.append(f"K9: {where} steps past max_seq_len {seq}")
+        try:
+            kv = kv_cache_bytes(p.ir, seq * batch)
+        except (AttributeError, TypeError, ValueError):
+            continue  # the IR rules report the graph
+        if abs(kv - p.memory.kv_cache_bytes) > 1e-6 * max(kv, 1.0):
+            out.append(f"K9: {where} predicts {p.memory.kv_cache_bytes:.0f} bytes of KV cache; {seq} positions x "
+                       f"{batch} sequences need {kv:.0f}")
     return out
