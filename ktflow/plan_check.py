@@ -42,11 +42,12 @@ def plan_problems(plan: "Plan") -> list[str]:
 
     try:
         g = Graph.from_dict(plan.graph)
-    except (KeyError, ValueError, TypeError, IndexError, AttributeError, KtflowError) as e:
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError, RecursionError, KtflowError) as e:
         return [f"graph: cannot be rebuilt ({type(e).__name__}: {e})"]
     try:
         found = violations(g, "lowered")
-    except (KeyError, ValueError, TypeError, IndexError, AttributeError, ZeroDivisionError) as e:
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError, ZeroDivisionError, OverflowError,
+            MemoryError) as e:
         return [f"graph: the verifier cannot read it ({type(e).__name__}: {e})"]
     if found:
         return [f"{rule}: {str(node) + ': ' if node else ''}{msg}" for rule, node, msg in found]

@@ -400,10 +400,28 @@ def attrs_to_dict(attrs: Any) -> dict:
     return out
 
 
+#: no count, index or size in any op's attrs comes near this (the largest: a model's positions)
+ATTR_INT_MAX = 1 << 26
+
+
 def attrs_from_dict(op: Op, d: dict) -> Any:
     """The attrs of `op` from their JSON dict, every field's type checked against the dataclass
-    (a ValueError names the field: plans are read from files people edit)."""
-    return dataclass_from(FACTS[op].attrs, d, op.value)
+    and every integer within 0..ATTR_INT_MAX (a ValueError names the field: plans are read from
+    files people edit, and a count of 2**62 experts would be materialised by the rules)."""
+    attrs = dataclass_from(FACTS[op].attrs, d, op.value)
+    _ints_in_range(attrs, op.value)
+    return attrs
+
+
+def _ints_in_range(a: Any, where: str) -> None:
+    for f in fields(a):
+        v = getattr(a, f.name)
+        if is_dataclass(v):
+            _ints_in_range(v, f"{where}.{f.name}")
+            continue
+        for x in v if isinstance(v, tuple) else (v,):
+            if isinstance(x, int) and not isinstance(x, bool) and not 0 <= x <= ATTR_INT_MAX:
+                raise ValueError(f"{where}.{f.name}: {x} is outside 0..{ATTR_INT_MAX}")
 
 
 def dataclass_from(cls: type, d: Any, where: str) -> Any:
