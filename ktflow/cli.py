@@ -294,11 +294,19 @@ def cmd_hw_probe(a: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors: `ktflow compile: error: <what> (see ktflow compile
+    --help)`, exit 2 (the default prints the whole usage block first)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
     from ktflow.passes import pass_names
     from ktflow.version import __version__
 
-    p = argparse.ArgumentParser(prog="ktflow", description="Compile and run huge MoE models on one GPU + big-CPU "
+    p = _Parser(prog="ktflow", description="Compile and run huge MoE models on one GPU + big-CPU "
                                 "workstation.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"ktflow {__version__}")
     p.add_argument("--debug", action="store_true", help="on an error, the Python traceback too (or KTFLOW_DEBUG=1)")

@@ -245,3 +245,9 @@ def test_progress_shows_on_a_terminal_only_and_not_when_quiet(monkeypatch):
     monkeypatch.setattr(progress, "QUIET", False)
     monkeypatch.setattr(progress.sys, "stderr", io.StringIO())
     assert not progress.shown()  # not a terminal
+
+
+@pytest.mark.parametrize("argv", [["compile", "x", "--max-seq-len", "1e11"], ["bogus"], [], ["hw", "show", "--bad"]])
+def test_usage_errors_are_one_line(argv):
+    r = subprocess.run([sys.executable, "-m", "ktflow", *argv], capture_output=True, text=True)
+    assert r.returncode == 2 and one_line(r.stderr) and "error:" in r.stderr and "--help" in r.stderr, r.stderr
