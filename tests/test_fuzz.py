@@ -164,13 +164,20 @@ def test_cli_ends_in_an_exit_code_without_a_traceback(demo_dir, tmp_path_factory
         argv += [f, w] if f != "--text" else [f]
     if command == "run" and "--input-ids" not in argv:
         argv += ["--input-ids", "1 2", "--max-new-tokens", "1"]
-    if "-o" in argv:  # never write outside a temp dir
-        argv[argv.index("-o") + 1] = str(tmp_path_factory.mktemp("o") / "p.json")
+    out_dir = tmp_path_factory.mktemp("o")
+    for i, a in enumerate(argv[:-1]):  # every output into the temp dir
+        if a == "-o":
+            argv[i + 1] = str(out_dir / f"p{i}.json")
     err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = cli.main(argv)
-        except SystemExit as e:  # argparse's own usage errors
-            code = e.code
+    cwd = os.getcwd()
+    os.chdir(out_dir)  # and a relative path anywhere else lands there too
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                code = cli.main(argv)
+            except SystemExit as e:  # argparse's own usage errors
+                code = e.code
+    finally:
+        os.chdir(cwd)
     assert code in (0, 1, 2), (argv, code, err.getvalue())
     assert "Traceback" not in err.getvalue() and "internal error" not in err.getvalue(), (argv, err.getvalue())
