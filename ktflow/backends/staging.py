@@ -4,7 +4,7 @@ arenas) copied to a landing buffer on the device, then unpacked there into a fet
 A layer's packed experts may be held by several operators (NUMA shards, each with intermediate
 rows i0..i1) and each operator by slices; every (operator, slice) piece is one page-aligned
 arena with the held experts in id order. `ExpertStager.stage` copies the requested experts of
-every piece (per run of consecutive experts, in commands of COPY_PIECE bytes), then converts each matrix to the plain
+every piece (one copy per run of consecutive experts), then converts each matrix to the plain
 [n, k] layout of the fetch output: gate and up [inter, hidden], down [hidden, inter] per expert.
 On CUDA the arenas are pinned once (`pin`), so the copies run at PCIe speed without staging.
 """
@@ -91,9 +91,7 @@ class ExpertStager:
             dst = landing[at:at + n * stride].view(n, stride)
             at += n * stride
             for first, slot, length in runs:
-                to, src = dst[first:first + length].view(-1), arena[slot * stride:(slot + length) * stride]
-                for lo in range(0, src.numel(), COPY_PIECE):
-                    to[lo:lo + COPY_PIECE].copy_(src[lo:lo + COPY_PIECE], non_blocking=True)
+                dst[first:first + length].view(-1).copy_(arena[slot * stride:(slot + length) * stride], non_blocking=True)
             lo, hi = p.rows
             for L, target in zip(layouts, (gate[:, lo:hi], up[:, lo:hi], down[:, :, lo:hi]), strict=True):
                 data = dst[:, L["data_offset"]:L["data_offset"] + L["data_bytes"]]
@@ -101,11 +99,6 @@ class ExpertStager:
                 unpack_matrix(self.fmt, data, scales, L["np"], L["kp"], L["group"], target)
         return out
 
-
-#: bytes per host-to-device copy command: the copy engines take other streams' copies between two
-#: commands, not inside one, so a layer's 1 GB fetch issued as one copy held a split layer's
-#: 32 MB result copy (another stream) behind it for 19 ms on the GPU host
-COPY_PIECE = 16 << 20
 
 _PINNED: dict[int, int] = {}  # arena address -> bytes, registered with the CUDA driver by `pin`
 
