@@ -80,12 +80,12 @@ class Compiled:
     def load(path: str | os.PathLike, model: Model | str | os.PathLike | None = None) -> "Compiled":
         """Read a plan file. `model` (a Model or a checkpoint dir) defaults to the dir the plan
         was compiled from; the plan must match its config fingerprint."""
+        pf = PlanFile.load(path)  # read and verified once
         if model is None:
-            pf = PlanFile.load(path)
             model = load(pf.model.path)
         elif not isinstance(model, Model):
             model = load(model)
-        pf = PlanFile.load(path, fingerprint=model.fingerprint)
+        pf.require_model(model.fingerprint, path)
         from .plan_check import spec_mismatches
 
         for plan in pf.plans:

@@ -248,11 +248,16 @@ class PlanFile(BaseModel):
         problems = file_problems(pf)
         if problems:
             raise PlanError(f"plan file {p} fails verification: {problems[0]}. Recompile it with `ktflow compile`.")
-        if fingerprint is not None and pf.model.fingerprint != fingerprint:
-            raise PlanError(f"{p} was compiled for another model ({pf.model.model_type} at {pf.model.path}, "
-                            f"config fingerprint {pf.model.fingerprint}); this model's fingerprint is {fingerprint}. "
-                            "Recompile the plan for this model.")
+        if fingerprint is not None:
+            pf.require_model(fingerprint, p)
         return pf
+
+    def require_model(self, fingerprint: str, where: str | os.PathLike) -> None:
+        """A PlanError unless the plan was compiled for the model with this config fingerprint."""
+        if self.model.fingerprint != fingerprint:
+            raise PlanError(f"{where} was compiled for another model ({self.model.model_type} at {self.model.path}, "
+                            f"config fingerprint {self.model.fingerprint}); this model's fingerprint is {fingerprint}. "
+                            "Recompile the plan for this model.")
 
     def summary(self) -> str:
         m = self.model

@@ -37,11 +37,10 @@ def plan_problems(plan: "Plan") -> list[str]:
     """Every broken rule of `plan` as 'rule: message' (the IR verifier's first, then K1-K8);
     empty for a sound plan."""
     from .errors import KtflowError
-    from .ir.graph import Graph
     from .ir.verify import violations
 
     try:
-        g = Graph.from_dict(plan.graph)
+        g = plan.ir  # built once: the loader, the runners and this check read the same graph
     except (KeyError, ValueError, TypeError, IndexError, AttributeError, RecursionError, KtflowError) as e:
         return [f"graph: cannot be rebuilt ({type(e).__name__}: {e})"]
     try:
