@@ -146,9 +146,9 @@ def _token_ids(a: argparse.Namespace, model_dir: Path):
     try:
         tok = Tokenizer.from_file(str(tok_file))
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
-        from ktflow.errors import CheckpointError
+        from ktflow.errors import CheckpointError, first_line
 
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e) or type(e).__name__
         raise CheckpointError(f"{tok_file} cannot be loaded as a tokenizer ({first}); fix or remove it, or use "
                               "--input-ids") from None
     ids = tok.encode(a.prompt).ids
@@ -412,19 +412,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def describe(e: BaseException) -> tuple[int, str]:
     """(exit code, one-line message) for an exception that reached the CLI."""
-    from ktflow.errors import KtflowError
+    from ktflow.errors import KtflowError, first_line
 
     if isinstance(e, KtflowError):
         return e.exit_code, str(e)
     if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
             isinstance(e, RuntimeError) and "can't allocate memory" in str(e)):
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "host memory"
+        first = first_line(e) or "host memory"
         return 1, f"out of memory ({first}); use a smaller --max-seq-len, --max-batch or --vram-budget-gb"
     if isinstance(e, OSError):
         what = f" {e.filename}" if e.filename else ""
         reason = e.strerror or str(e) or type(e).__name__
         return 1, f"{reason}:{what}" if what else reason
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = first_line(e)
     return 1, (f"internal error: {type(e).__name__}{': ' + text if text else ''} (a bug in ktflow: rerun with "
                "--debug for the traceback and report it)")
 

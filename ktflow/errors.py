@@ -5,6 +5,13 @@ model dir, config, checkpoint, plan, flag or token ids), 1 for the environment (
 cannot be written, a full disk, too little memory, a missing GPU)."""
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message ('' when it has none): what a one-line error
+    quotes from a library's exception."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
 class KtflowError(Exception):
     """Base class of ktflow's user-facing errors."""
 

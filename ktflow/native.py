@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import notices
-from .errors import ConfigError, KtflowError, WeightError
+from .errors import ConfigError, KtflowError, WeightError, first_line
 
 try:
     from . import _native
@@ -53,7 +53,7 @@ def _sample_digest(arrays: dict) -> str:
 
 
 def _reason(e: BaseException) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = first_line(e)
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 

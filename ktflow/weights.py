@@ -260,14 +260,21 @@ class WeightSource:
         return self.get(name)[e, rows]
 
 
-def check_finite(t: torch.Tensor, what: str) -> None:
-    """A WeightError naming `what` and the first NaN or infinity in t, if it holds one (one
-    min/max reduction, which NaN propagates through; the search for the index only on failure)."""
+def first_non_finite(t: torch.Tensor) -> tuple[list[int], float] | None:
+    """(index, value) of the first NaN or infinity in float tensor t, or None: one min/max
+    reduction, which NaN propagates through; the search for the index only on failure."""
     if not t.is_floating_point() or t.numel() == 0:
-        return
+        return None
     lo, hi = (float(v) for v in torch.aminmax(t))
     if math.isfinite(lo) and math.isfinite(hi):
-        return
+        return None
     at = [int(i) for i in (~torch.isfinite(t)).nonzero()[0]]
-    raise WeightError(f"{what}: non-finite value ({float(t[tuple(at)])}) at {at}: the checkpoint is damaged, or was "
-                      "saved from a diverged run")
+    return at, float(t[tuple(at)])
+
+
+def check_finite(t: torch.Tensor, what: str) -> None:
+    """A WeightError naming `what` and the first NaN or infinity in t, if it holds one."""
+    bad = first_non_finite(t)
+    if bad is not None:
+        raise WeightError(f"{what}: non-finite value ({bad[1]}) at {bad[0]}: the checkpoint is damaged, or was "
+                          "saved from a diverged run")

@@ -28,12 +28,12 @@ def _check_finite(v: Any, what: str) -> None:
     """A NumericError naming `what` if a float tensor in v (a tensor or a tuple) holds a NaN or
     an infinity."""
     from ..errors import NumericError
+    from ..weights import first_non_finite
 
     for t in v if isinstance(v, tuple) else (v,):
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
-            bad = int((~torch.isfinite(t)).reshape(-1).nonzero()[0])
-            raise NumericError(f"{what} produced {float(t.reshape(-1)[bad])} at flat index {bad} of shape "
-                               f"{list(t.shape)}")
+        bad = first_non_finite(t) if isinstance(t, torch.Tensor) else None
+        if bad is not None:
+            raise NumericError(f"{what} produced {bad[1]} at {bad[0]} of shape {list(t.shape)}")
 
 
 class Executor:
