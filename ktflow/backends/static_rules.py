@@ -11,9 +11,8 @@ rule's device, rewritten before each replay) and keep every shape static:
   reached (and the sliding window);
 - MLA, absorbed: the queries are folded into the latent space (q_nope x W_uk), attention runs
   over the compressed cache (normalised latent + roped key, one buffer: a single key head
-  every query head shares, whose latent part is also the value) in one
-  `scaled_dot_product_attention` (scores and softmax in float32, not rounded to bf16 first),
-  and its output leaves the latent space through W_uv, so per-head keys and values are never
+  every query head shares, whose latent part is also the value) as two GEMMs with the heads
+  folded into the rows (scores and softmax in float32, not rounded to bf16 first), and its output leaves the latent space through W_uv, so per-head keys and values are never
   expanded;
 - GPU-resident routed experts: each token's picks gathered from the node's stacked expert
   weights (picks of experts held elsewhere get weight 0).
@@ -93,13 +92,25 @@ def mla(be, a: AttentionAttrs, w, x: torch.Tensor, ctx: StepContext, dev) -> tor
     rc.index_copy_(1, rows, k_rope[:, :, 0])
     w_uk, w_uv = absorbed_kv_b(a, w["kv_b"])
     # queries in the latent space, beside their rope part: one key head [latent | rope] shared by
-    # every query head, the latent as its value; the kernel keeps scores and softmax in float32
+    # every query head, the latent as its value. Two GEMMs with the heads folded into the rows (an
+    # sdpa over one shared head falls back to its math kernel, which expands the cache per head:
+    # 17x slower at a 32k cache); scores and softmax in float32, not rounded to bf16 first
     q_lat = torch.einsum("bshn,hnc->bhsc", q_nope, w_uk)
-    q = torch.cat([q_lat, q_rope.transpose(1, 2)], dim=-1)
-    o_lat = F.scaled_dot_product_attention(q, both[:, None], lc[:, None], attn_mask=_visible(a, pos, s, lc.shape[1]),
-                                           scale=a.softmax_scale, enable_gqa=a.heads > 1)
+    q = torch.cat([q_lat, q_rope.transpose(1, 2)], dim=-1).reshape(b, a.heads * s, -1)
+    scores = _scores_f32(q, both).view(b, a.heads, s, -1) * a.softmax_scale
+    scores.masked_fill_(~_visible(a, pos, s, lc.shape[1]), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(lc.dtype).view(b, a.heads * s, -1)
+    o_lat = torch.bmm(probs, lc).view(b, a.heads, s, -1)
     out = torch.einsum("bhsc,hvc->bshv", o_lat, w_uv).reshape(b, s, -1)
     return linear(out, w, "o").view(b * s, -1)
+
+
+def _scores_f32(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q [B, M, D] x k [B, L, D]^T in float32: on the GPU one GEMM that keeps its float32
+    accumulator as the output; elsewhere (no such kernel) the operands in float32."""
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        return torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32)
+    return torch.bmm(q.float(), k.float().transpose(1, 2))
 
 
 def attention(be, node, w, ins, ctx, dev):
