@@ -5,6 +5,8 @@ copied from the native arenas and unpacked as on a GPU)."""
 
 from dataclasses import replace
 
+import os
+
 import pytest
 import torch
 
@@ -270,6 +272,45 @@ def test_staged_experts_unpack_to_the_weights_the_cpu_computes_with(fmt):
 
         gpu_side = swiglu(x.float(), gate[i].float(), up[i].float(), down[i].float())
         assert ((gpu_side - cpu).norm() / cpu.norm()) < 3e-2, (fmt, e)
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("inter", [96, 1408])  # 1408: the packed K is not a multiple of the kernel's tile
+def test_one_pass_dequant_kernel_matches_the_torch_unpack(fmt, inter, monkeypatch):
+    """The Triton dequant kernel against the torch unpack on the same packed bytes, exactly
+    (both compute q * scale in float32 and round once), into strided targets (the rows of one
+    NUMA shard of a staged layer), on the GPU; on a CPU through Triton's interpreter where
+    Triton is installed (float32 targets only there: the interpreter truncates to bf16)."""
+    pytest.importorskip("triton")
+    from ktflow.backends import dequant_gpu
+    from ktflow.backends.moe_gpu import unpack_matrix
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("no GPU: set TRITON_INTERPRET=1 to run the kernel in Triton's interpreter")
+    E, H = 3, 64
+    g = torch.Generator().manual_seed(3)
+    op = native.ExpertOp(E, H, inter, fmt=fmt)
+    w = {e: tuple(torch.randn(*s, generator=g).bfloat16() for s in ((inter, H), (inter, H), (H, inter))) for e in range(E)}
+    op.pack(lambda e: w[e])
+    stride = op.op.arena(0)[2]
+    rows = op.arena(0)[:E * stride].view(E, stride).to(device)
+    dtypes = (torch.float32, torch.bfloat16) if device == "cuda" else (torch.float32,)
+    for which, dtype in ((which, dtype) for which in range(3) for dtype in dtypes):
+        L = op.layout(0, which)
+        n, k = L["n"], L["k"]
+        data = rows[:, L["data_offset"]:L["data_offset"] + L["data_bytes"]]
+        scales = rows[:, L["scales_offset"]:L["scales_offset"] + L["scales_bytes"]]
+        # targets inside a wider buffer: the kernel writes through the output's strides, only there
+        want_buf = torch.full((E, n + 3, k + 5), 7.0, dtype=dtype, device=device)
+        got_buf = want_buf.clone()
+        with monkeypatch.context() as m:
+            m.setattr(dequant_gpu, "available", lambda dev: False)
+            unpack_matrix(fmt, data, scales, L["np"], L["kp"], L["group"], want_buf[:, 1:n + 1, 2:k + 2])
+        dequant_gpu.dequantize(fmt, data, scales, L["np"], L["kp"], L["group"], got_buf[:, 1:n + 1, 2:k + 2])
+        assert torch.equal(got_buf, want_buf), (fmt, which, dtype)
+        assert (want_buf[:, 1:n + 1, 2:k + 2] != 7.0).any()
 
 
 def test_grouped_experts_match_the_reference_loop():

@@ -5,7 +5,7 @@
   weights or the weights a fetch staged.
 - `unpack_matrix`: packed CPU experts (the native layouts: 16-row blocks with K pairs, quads or
   octets side by side, int8/int4 with fp32 group scales) converted to plain [n, k] matrices on
-  the device they were copied to.
+  the device they were copied to (int8/int4 on a GPU: `dequant_gpu`'s one-pass kernel).
 
 memory.SCRATCH mirrors the temporaries of `grouped_experts`; change them together.
 """
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..memory import SCATTER_ROWS
+from . import dequant_gpu
 
 
 _GROUPED_OK: dict[str, bool] = {}  # device type -> whether torch's grouped matmul runs there
@@ -105,6 +106,9 @@ def unpack_matrix(fmt: str, data: torch.Tensor, scales: torch.Tensor | None, np_
             except RuntimeError:  # a target whose rows cannot be split into blocks: through a temporary
                 pass
         out.copy_(w.reshape(e, np_, kp)[:, :n, :k])
+        return
+    if dequant_gpu.available(data.device):  # int8/int4 in one pass
+        dequant_gpu.dequantize(fmt, data, scales, np_, kp, group, out)
         return
     if fmt == "int8":  # [np/16][kp/4][16][4], value + 128
         q = data.view(e, np_ // 16, kp // 4, 16, 4).permute(0, 1, 3, 2, 4).reshape(e, np_, kp).to(torch.int16) - 128
