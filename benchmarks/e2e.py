@@ -34,6 +34,13 @@ its modes (benchmarks/llama_cpp.py), llama.cpp first so the two never share the 
     python benchmarks/e2e.py --model qwen3 --layers 12 --prefill 512,2048,8192,32768 \
         --llama .carry/llama --llama-src .carry/llama-conv.tgz --tools .carry --variants graph,graph+d4
 
+DeepSeek-V2-Lite side by side: all 27 layers (llama.cpp reads a deepseek2 GGUF of another depth
+as full V2 and refuses it), with 8-bit experts on both sides so the checkpoint and the GGUF fit a
+64 GB disk together:
+
+    python benchmarks/e2e.py --model dsv2lite --prefill 512,2048,8192,32768 --gguf-type q8_0 \
+        --expert-format int8 --llama .carry/llama --llama-src .carry/llama-conv.tgz --tools .carry
+
 Rows go to benchmarks/e2e.jsonl. The checkpoint dir (--dir, default /tmp/ktflow-e2e/<model>) is
 reused when it exists and matches.
 """
@@ -277,14 +284,20 @@ def run_llama(a, ckpt: Path, lengths: list[int]) -> list[dict]:
     """The checkpoint as GGUF, prompt processing in llama.cpp's modes (rows also to the JSONL)."""
     import llama_cpp
 
+    layers = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
+    if a.model == "dsv2lite" and layers not in (26, 27):
+        # llama.cpp's loader reads a deepseek2 GGUF of other depths as full V2 and asks for q_lora_rank
+        print(f"llama.cpp skipped: it loads a DeepSeek-V2-Lite GGUF only with 26 or 27 layers, not {layers} "
+              "(to fit the disk, use all 27 with --gguf-type q8_0 --expert-format int8)", flush=True)
+        return []
     binary = llama_cpp.llama_bench(Path(a.llama))
     gguf = Path(str(ckpt) + f".{a.gguf_type}.gguf")
     secs = llama_cpp.convert(ckpt, gguf, a.gguf_type, Path(a.llama_src), Path(a.tools))
     print(f"GGUF {gguf} ({gguf.stat().st_size / 1e9:.1f} GB{f', converted in {secs:.0f} s' if secs else ''})", flush=True)
     threads = len(os.sched_getaffinity(0))
     rows = llama_cpp.bench(binary, gguf, lengths, a.prefill_reps, threads, lambda s: print(s, flush=True))
-    info = dict(commit=commit(), **machine(), gpu=torch.cuda.get_device_name(0), model=a.model,
-                layers=json.loads((ckpt / "config.json").read_text())["num_hidden_layers"], gguf=a.gguf_type)
+    info = dict(commit=commit(), **machine(), gpu=torch.cuda.get_device_name(0), model=a.model, layers=layers,
+                gguf=a.gguf_type)
     append_jsonl(a.out, [dict(info, table="prefill", **r) for r in rows])
     return rows
 
