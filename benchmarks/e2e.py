@@ -398,7 +398,10 @@ def main() -> int:
     d = Path(a.dir or f"/tmp/ktflow-e2e/{a.model}{'-' + str(a.layers) + 'l' if a.layers else ''}")
     t0 = time.perf_counter()
     write_checkpoint(cfg, d)
-    print(f"checkpoint ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    # the kernel writes a fresh checkpoint's dirty pages back to disk for a minute or more after it
+    # is written: flush them now, or the writeback competes with the CPU rows and the probe
+    os.sync()
+    print(f"checkpoint ready in {time.perf_counter() - t0:.1f} s (on disk)", flush=True)
     lengths = [int(x) for x in a.prefill.split(",") if x]
     llama_rows = run_llama(a, d, lengths) if lengths and a.llama else []  # before ktflow's pool spins up
     native.pool(spare=2)  # the pool the cuda_graph backend makes (the first caller sizes it): probe with it

@@ -73,6 +73,7 @@ def convert(ckpt: Path, gguf: Path, outtype: str, converter_src: Path, tools: Pa
     subprocess.run([sys.executable, str(tools / "gguf-convert.py"), str(linked), "--outtype", outtype,
                     "--outfile", str(tmp)], check=True, env=env)
     tmp.rename(gguf)
+    os.sync()  # its dirty pages on disk before anything is timed
     return time.perf_counter() - t0
 
 
