@@ -39,12 +39,16 @@ def cos_sin(r: RopeAttrs, freqs_inv: torch.Tensor, positions: torch.Tensor, dtyp
 
 
 def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: str) -> torch.Tensor:
-    """Rotate x [..., S, heads, dim] with cos/sin [S, dim/2].
+    """Rotate x [..., S, heads, dim] with cos/sin [S, r/2] (r <= dim: the first r dimensions
+    rotate and the others pass through).
 
     'half' pairs (x_i, x_{i+d/2}); 'interleaved' pairs (x_{2i}, x_{2i+1}) and returns the rotated
     pairs de-interleaved (evens then odds). Queries and keys get the same layout, so their dot
     products are those of the interleaved form.
     """
+    d = 2 * cos.shape[-1]
+    if d < x.shape[-1]:  # partial rotary: the first d dimensions rotate, the rest pass through
+        return torch.cat([apply(x[..., :d], cos, sin, pairs), x[..., d:]], dim=-1)
     c, s = cos[:, None, :], sin[:, None, :]
     if pairs == "half":
         h = x.shape[-1] // 2

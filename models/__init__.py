@@ -20,6 +20,7 @@ REGISTRY: dict[str, str] = {
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
+    "glm4_moe": "glm4_moe",
 }
 
 

@@ -1,4 +1,4 @@
-"""Tiny random-weight HF transformers models of the five families, saved with save_pretrained.
+"""Tiny random-weight HF transformers models of the six families, saved with save_pretrained.
 
 Router weights are scaled up so the top-k choice of each token is decisive (no near ties that
 float rounding could flip), and DeepSeek-V3's score-correction bias is made non-zero.
@@ -45,6 +45,15 @@ CASES: dict[str, tuple[str, dict]] = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(
         COMMON, num_key_value_heads=2, head_dim=24, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
         num_experts_per_tok=3, norm_topk_prob=True)),
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        COMMON, num_key_value_heads=2, head_dim=24, intermediate_size=96, moe_intermediate_size=32,
+        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
+        first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5, attention_bias=True,
+        use_qk_norm=True, partial_rotary_factor=0.5)),
+    "glm4_moe_air": ("Glm4MoeConfig", dict(
+        COMMON, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=0, norm_topk_prob=False,
+        routed_scaling_factor=1.0, attention_bias=True, use_qk_norm=False)),
     "mixtral": ("MixtralConfig", dict(
         COMMON, num_key_value_heads=2, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2)),
     "mixtral_sliding": ("MixtralConfig", dict(
@@ -85,5 +94,7 @@ def to_classic_rope(directory: Path) -> None:
     rp = dict(cfg.pop("rope_parameters"))
     cfg["rope_theta"] = rp.pop("rope_theta")
     kind = rp.pop("rope_type", "default")
+    if "partial_rotary_factor" in rp:  # a top-level key in the classic style
+        cfg["partial_rotary_factor"] = rp.pop("partial_rotary_factor")
     cfg["rope_scaling"] = None if kind == "default" else {"type": kind, **rp}
     p.write_text(json.dumps(cfg, indent=1))

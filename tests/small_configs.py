@@ -19,6 +19,10 @@ CONFIGS = {
                       num_experts_per_tok=2),
     "qwen3_moe": dict(BASE, model_type="qwen3_moe", num_key_value_heads=2, head_dim=16, intermediate_size=48,
                       moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
+    "glm4_moe": dict(BASE, model_type="glm4_moe", num_key_value_heads=2, head_dim=16, intermediate_size=48,
+                     moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                     first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
+                     partial_rotary_factor=0.5),
     "mixtral": dict(BASE, model_type="mixtral", num_key_value_heads=2, intermediate_size=48, num_local_experts=4,
                     num_experts_per_tok=2),
 }

@@ -13,7 +13,7 @@ from ktflow.ir.ops import Op
 
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and native.available()),
                          reason="needs a CUDA GPU and the native module")
-FAMILIES = ["deepseek_v3", "deepseek_v2_lite", "qwen2_moe", "qwen3_moe", "mixtral_sliding"]
+FAMILIES = ["deepseek_v3", "deepseek_v2_lite", "qwen2_moe", "qwen3_moe", "mixtral_sliding", "glm4_moe"]
 TOL = 2e-2  # of a token's logits norm: bf16 on both sides, different kernels
 #: a token whose router sees a near tie may pick another expert in bf16 on one side (on the CPU
 #: too: deepseek_v3's prompt below has one such token of 24, at 19% error, native vs torch_ref);

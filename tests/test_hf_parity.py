@@ -50,7 +50,7 @@ def test_family_matches_hf(case, tiny_dirs):
     assert_close(*hf_and_ktflow_logits(hf, compiled, model.config.vocab_size))
 
 
-@pytest.mark.parametrize("case", ["deepseek_v3_plain_q_yarn", "deepseek_v2_grouped_yarn", "mixtral"])
+@pytest.mark.parametrize("case", ["deepseek_v3_plain_q_yarn", "deepseek_v2_grouped_yarn", "mixtral", "glm4_moe"])
 def test_classic_rope_config_style_matches_hf(case, tiny_dirs, tmp_path):
     d, hf = tiny_dirs(case)
     classic = tmp_path / "classic"

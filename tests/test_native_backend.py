@@ -1,5 +1,5 @@
 """The native backend runs whole models: CPU routed experts on the C++ operator, everything else
-on torch. Its logits match torch_ref on the same plan (bf16) for the five families, with NUMA
+on torch. Its logits match torch_ref on the same plan (bf16) for the six families, with NUMA
 shards and Expert Deferral in the plan; packed weights come back from the disk cache."""
 
 import pytest
@@ -13,7 +13,7 @@ from compare import assert_close_but_for_flips, per_token_errors
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native module not built")
 
-FAMILIES = ["deepseek_v3", "deepseek_v2_lite", "qwen2_moe", "qwen3_moe", "mixtral"]
+FAMILIES = ["deepseek_v3", "deepseek_v2_lite", "qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe"]
 TOL = {"bf16": 2e-2, "int8": 5e-2}  # of a token's logits norm (tokens a routing near-tie flips aside)
 
 

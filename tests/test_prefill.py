@@ -21,7 +21,7 @@ from ktflow.ir.verify import VerifyError, violations
 from ktflow.plan import prefill_decisions
 from compare import assert_close_but_for_flips, per_token_errors
 
-FAMILIES = ["deepseek_v3", "deepseek_v2_lite", "qwen2_moe", "qwen3_moe", "mixtral_sliding"]
+FAMILIES = ["deepseek_v3", "deepseek_v2_lite", "qwen2_moe", "qwen3_moe", "mixtral_sliding", "glm4_moe"]
 needs_native = pytest.mark.skipif(not native.available(), reason="native module not built")
 
 

@@ -15,6 +15,9 @@ PUBLISHED = {
     "qwen3-30b-a3b-config": (30_532_122_624, 0),  # 30.5B
     "qwen1.5-moe-a2.7b-config": (14.3e9, 0.005),  # 14.3B
     "kimi-k2-config": (1.03e12, 0.01),  # about 1T
+    # published 355B and 106B, rounded; their MTP layer (model.layers.<n>) is not in the graph
+    "glm-4.5-config": (355e9, 0.01),  # 352.8B
+    "glm-4.5-air-config": (106e9, 0.01),  # 106.9B
 }
 
 

@@ -1,0 +1,79 @@
+"""GLM-4.5 / 4.6 and GLM-4.5-Air (model_type glm4_moe).
+
+GQA attention with q/k/v biases (`attention_bias`), optional per-head q/k RMSNorm
+(`use_qk_norm`) and partial rotary: rope on the first `partial_rotary_factor` of each head's
+dimensions ('half' pairs), the rest passed through (transformers' default factor for this family
+is 0.5, read from the top level of config.json or from `rope_parameters`). MoE from layer
+`first_k_dense_replace` on, routed as DeepSeek-V3: sigmoid scores, `e_score_correction_bias`
+for the choice, groups by the sum of their two best biased scores, weights renormalised if
+`norm_topk_prob`, times `routed_scaling_factor`; shared experts of `n_shared_experts *
+moe_intermediate_size`. The MTP layers (`model.layers.<num_hidden_layers>.*`) are not part of
+the graph and their tensors are ignored.
+"""
+
+from __future__ import annotations
+
+from ktflow.config import HFConfig, parse_config, resolve_rope, rope_params
+from ktflow.errors import ConfigError
+from ktflow.ir.graph import Graph
+from ktflow.ir.ops import GateAttrs
+from ktflow.ir.types import DType
+from ktflow import spec
+
+
+class Config(HFConfig):
+    intermediate_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    first_k_dense_replace: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    attention_bias: bool = False
+    use_qk_norm: bool = False
+    partial_rotary_factor: float | None = None
+
+    #: transformers' default for the family
+    default_rope_theta: float = 10000.0
+
+    @property
+    def rotary_factor(self) -> float:
+        f = self.partial_rotary_factor
+        if f is None:
+            f = rope_params(self).get("partial_rotary_factor", 0.5)
+        return float(f)
+
+
+def config(raw: dict, where: str) -> Config:
+    cfg = parse_config(Config, raw, where)
+    f = cfg.rotary_factor
+    hd = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    if not 0.0 < f <= 1.0 or int(hd * f) % 2:
+        raise ConfigError(f"{where}: partial_rotary_factor {f} must be in (0, 1] and give an even number of "
+                          f"rotary dimensions of head_dim {hd} (it gives {int(hd * f)})")
+    return cfg
+
+
+def build(cfg: Config, act_dtype: DType) -> Graph:
+    hd = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    rope = resolve_rope(cfg, int(hd * cfg.rotary_factor))
+    h = cfg.hidden_size
+    gate_attrs = GateAttrs(hidden=h, experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, scoring="sigmoid",
+                           select="group_top2sum", groups=cfg.n_group or 1, topk_groups=cfg.topk_group or 1,
+                           correction_bias=True, renormalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
+
+    def attention(b, i, x):
+        return spec.gqa_attention(b, f"L{i}.attn", x, cfg, i, head_dim=hd, qkv_bias=cfg.attention_bias,
+                                  o_bias=False, qk_norm=cfg.use_qk_norm, window=0, rope=rope)
+
+    def ffn(b, i, x):
+        p = f"{spec.layer_prefix(i)}.mlp"
+        if i < cfg.first_k_dense_replace:
+            return [spec.mlp(b, f"L{i}.mlp", x, h, cfg.intermediate_size, p, "dense")]
+        return spec.moe_ffn(b, i, x, gate_attrs, cfg.moe_intermediate_size, p, shared_key="shared_experts",
+                            shared_inter=cfg.moe_intermediate_size * (cfg.n_shared_experts or 0))
+
+    return spec.decoder(cfg, act_dtype, attention, ffn)
