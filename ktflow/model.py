@@ -14,6 +14,7 @@ from .errors import ConfigError
 from .ir.graph import Graph
 from .ir.types import DType
 from .ir.verify import verify
+from .quant import QuantConfig
 from .weights import WeightSource
 
 
@@ -75,8 +76,9 @@ def load(path: str | os.PathLike) -> Model:
     """Read config.json, pick the family spec by model_type, open the weights (lazily).
 
     A dir with only config.json loads without weights: it can be compiled but not run. When
-    safetensors files are present, every tensor the spec needs is checked (name, shape, dtype)
-    from the headers alone.
+    safetensors files are present, every tensor the spec needs is checked (name, shape, dtype;
+    an FP8 weight's block scales) from the headers alone. A quantization method ktflow does not
+    read is refused here, by name.
     """
     from .models import family as find_family
 
@@ -84,7 +86,8 @@ def load(path: str | os.PathLike) -> Model:
     where = str(p / "config.json")
     fam = find_family(raw.get("model_type"), where)
     cfg = fam.config(raw, where)
-    weights = WeightSource(p) if WeightSource.present(p) else None
+    quant = QuantConfig.parse(raw.get("quantization_config"), where)
+    weights = WeightSource(p, quant) if WeightSource.present(p) else None
     model = Model(p, raw, cfg, fam, weights)
     graph = model.graph()  # builds and verifies the spec: config errors surface here
     if weights is not None:

@@ -24,6 +24,7 @@ import torch
 from .errors import WeightError
 from .ir.graph import Graph
 from .ir.types import DType, WeightRef
+from .quant import FP8_DTYPES, QuantConfig, check_pair, dequantize, scale_key
 
 #: torch dtype of each floating IR dtype
 TORCH_DTYPE = {DType.F32: torch.float32, DType.BF16: torch.bfloat16, DType.F16: torch.float16}
@@ -87,9 +88,12 @@ class SafetensorsFile:
                               "data section (truncated, or bytes appended)")
 
     def tensor(self, e: Entry) -> torch.Tensor:
-        if e.dtype not in ST_DTYPES:
+        if e.dtype in FP8_DTYPES:
+            tdt = FP8_DTYPES[e.dtype]
+        elif e.dtype in ST_DTYPES:
+            tdt, _ = ST_DTYPES[e.dtype]
+        else:
             raise WeightError(f"{self.path}: tensor dtype {e.dtype} cannot be read as a torch tensor")
-        tdt, _ = ST_DTYPES[e.dtype]
         if e.end == e.begin:
             return torch.empty(e.shape, dtype=tdt)
         if self._mm is None:
@@ -142,11 +146,13 @@ def _read_index(index: Path) -> dict[str, str]:
 
 
 class WeightSource:
-    """All tensors of a checkpoint dir, by name."""
+    """All tensors of a checkpoint dir, by name. With `quant` (an FP8 checkpoint), block-scaled
+    FP8 weights are read as float32, one tensor at a time (`ktflow.quant`)."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, quant: QuantConfig | None = None):
         d = Path(directory)
         self.dir = d
+        self.quant = quant
         index = d / INDEX_FILE
         if index.exists():
             weight_map = _read_index(index)
@@ -182,10 +188,25 @@ class WeightSource:
         return key in self.entries
 
     def get(self, key: str) -> torch.Tensor:
+        """The tensor as stored (FP8 ones without their scales: see `read`)."""
         e = self.entries.get(key)
         if e is None:
             raise WeightError(f"checkpoint {self.dir} has no tensor {key!r}")
         return e.file.tensor(e)
+
+    def read(self, key: str) -> torch.Tensor:
+        """The tensor's values: as stored, or an FP8 weight times its block scales (float32)."""
+        e = self.entries.get(key)
+        if e is not None and e.dtype in FP8_DTYPES:
+            problem = self._fp8_problem(key, e)
+            if problem:
+                raise WeightError(f"checkpoint {self.dir}: {problem}")
+            return dequantize(self.get(key), self.get(scale_key(key)), self.quant.block)
+        return self.get(key)
+
+    def _fp8_problem(self, key: str, e: Entry) -> str | None:
+        s = self.entries.get(scale_key(key))
+        return check_pair(key, e.dtype, e.shape, (s.dtype, s.shape) if s else None, self.quant)
 
     # ---------------------------------------------------------------------- references
     def _fused(self, ref: WeightRef) -> tuple[str, slice] | None:
@@ -211,6 +232,9 @@ class WeightSource:
             if fused is None:
                 return f"missing tensor {first!r} (nor a fused experts tensor for it)"
             key, _ = fused
+            if self.entries[key].dtype in FP8_DTYPES:
+                return f"tensor {key!r} holds every expert fused in {self.entries[key].dtype}; ktflow reads FP8 experts " \
+                       "stored one tensor per expert (with weight_scale_inv), as published"
             h_or_i = ref.shape[1]
             want = (ref.experts, 2 * ref.shape[0], h_or_i) if ref.role in ("gate", "up") else (ref.experts, *ref.shape)
             return self._check_one(key, want)
@@ -222,6 +246,8 @@ class WeightSource:
             return f"missing tensor {key!r} (expected shape {list(shape)})"
         if e.shape != tuple(shape):
             return f"tensor {key!r} has shape {list(e.shape)}, expected {list(shape)}"
+        if e.dtype in FP8_DTYPES:
+            return self._fp8_problem(key, e)
         if e.dtype not in FLOAT_WEIGHT_DTYPES:
             return (f"tensor {key!r} has dtype {e.dtype}; ktflow reads {', '.join(FLOAT_WEIGHT_DTYPES)} "
                     "(convert the checkpoint first)")
@@ -246,13 +272,13 @@ class WeightSource:
 
     def load(self, ref: WeightRef) -> torch.Tensor:
         """The tensor of a plain (non-expert) reference."""
-        return self.get(ref.key)
+        return self.read(ref.key)
 
     def load_expert(self, ref: WeightRef, e: int) -> torch.Tensor:
         """Expert `e`'s tensor of a per-expert reference: a view, per-expert or into the fused tensor."""
         key = ref.key.format(e=e)
         if key in self.entries:
-            return self.get(key)
+            return self.read(key)
         fused = self._fused(ref)
         if fused is None:
             raise WeightError(f"checkpoint {self.dir} has no tensor {key!r} (nor a fused experts tensor)")

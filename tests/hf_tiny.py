@@ -98,3 +98,43 @@ def to_classic_rope(directory: Path) -> None:
         cfg["partial_rotary_factor"] = rp.pop("partial_rotary_factor")
     cfg["rope_scaling"] = None if kind == "default" else {"type": kind, **rp}
     p.write_text(json.dumps(cfg, indent=1))
+
+
+def _quantized(name: str, t: torch.Tensor) -> bool:
+    """Which tensors an FP8 release stores in e4m3: the linear layers' weights; norms, routers,
+    embeddings and the output head stay float (as DeepSeek-V3's and Qwen3's FP8 releases do)."""
+    keep = ("norm", "embed_tokens", "lm_head", "mlp.gate.weight", "e_score_correction_bias")
+    return name.endswith(".weight") and t.dim() == 2 and not any(k in name for k in keep)
+
+
+def to_fp8(model: torch.nn.Module, directory: Path, block: tuple[int, int] = (128, 128)) -> dict:
+    """Save `model` in the published FP8 layout: each linear weight as F8_E4M3 per block of
+    `block` (amax / 448 scales) with `<name>_scale_inv` beside it, config.json with
+    quantization_config. Returns the dequantized float32 state dict (what an FP8 checkpoint
+    means), for the reference model."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    bo, bi = block
+    tensors, meant = {}, {}
+    for name, t in model.state_dict().items():
+        t = t.detach().float().contiguous()
+        if not _quantized(name, t):
+            tensors[name] = meant[name] = t
+            continue
+        out, inn = t.shape
+        rows, cols = -(-out // bo), -(-inn // bi)
+        padded = torch.zeros(rows * bo, cols * bi)
+        padded[:out, :inn] = t
+        amax = padded.view(rows, bo, cols, bi).abs().amax(dim=(1, 3)).clamp(min=1e-12)
+        scale = amax / 448.0
+        full = scale.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inn]
+        w8 = (t / full).to(torch.float8_e4m3fn)
+        tensors[name], tensors[name + "_scale_inv"] = w8, scale.float()
+        meant[name] = w8.float() * full
+    save_file(tensors, str(directory / "model.safetensors"))
+    cfg = json.loads(model.config.to_json_string())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+    return meant

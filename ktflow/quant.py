@@ -1,0 +1,101 @@
+"""Quantized checkpoints: config.json's `quantization_config`, and block-scaled FP8 weights.
+
+ktflow reads the FP8 layout DeepSeek-V3/R1, Kimi-K2, Qwen3-FP8 and GLM-4.5-FP8 are published
+in: `quant_method: "fp8"`, `fmt: "e4m3"`, `weight_block_size: [bo, bi]` (128 x 128 as
+published), dynamic activations. A quantized linear's weight [out, in] is stored as F8_E4M3
+beside `<name>.weight_scale_inv`, float32 [ceil(out / bo), ceil(in / bi)]: the real weight is
+w8[i, j] * scale_inv[i // bo, j // bi]. Every other tensor (norms, routers, correction biases,
+embeddings, lm_head, and `modules_to_not_convert`) keeps its float dtype.
+
+`QuantConfig.parse` validates the config; `dequantize` turns one stored tensor into float32,
+one tensor at a time (a routed expert's three matrices while it is packed), so no float copy of
+the whole model is ever held. Other methods (AWQ, GPTQ, compressed-tensors, bitsandbytes,
+MXFP4, ...) are refused with the method named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import ConfigError
+
+#: quant_method -> what ktflow reads of it
+READS = {"fp8": "block-scaled e4m3 weights with weight_scale_inv (DeepSeek-V3 style)"}
+SCALE_SUFFIX = "_scale_inv"  # "<linear>.weight" -> "<linear>.weight_scale_inv"
+FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    method: str
+    fmt: str
+    block: tuple[int, int]
+    not_converted: tuple[str, ...] = ()
+
+    @staticmethod
+    def parse(raw: Any, where: str) -> "QuantConfig | None":
+        """The checkpoint's quantization, or None for a float checkpoint."""
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}: quantization_config must be an object, not {type(raw).__name__}")
+        method = raw.get("quant_method")
+        if method not in READS:
+            reads = "; ".join(f"{k}: {v}" for k, v in READS.items())
+            raise ConfigError(f"{where}: quantization_config.quant_method {method!r} is not read by ktflow (it reads "
+                              f"{reads}); use the bf16 or FP8 release of this model")
+        fmt = raw.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ConfigError(f"{where}: quantization_config.fmt {fmt!r} is not supported (e4m3)")
+        block = raw.get("weight_block_size")
+        if (not isinstance(block, list) or len(block) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise ConfigError(f"{where}: quantization_config.weight_block_size {block!r} must be two positive "
+                              "integers (128, 128 as published); per-tensor or per-channel FP8 is not supported")
+        scheme = raw.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            raise ConfigError(f"{where}: quantization_config.activation_scheme {scheme!r} is not supported (dynamic)")
+        skip = raw.get("modules_to_not_convert") or raw.get("ignored_layers") or []
+        if not isinstance(skip, list) or not all(isinstance(s, str) for s in skip):
+            raise ConfigError(f"{where}: quantization_config.modules_to_not_convert must be a list of names")
+        return QuantConfig(method, fmt, (block[0], block[1]), tuple(skip))
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        bo, bi = self.block
+        return (-(-shape[0] // bo), -(-shape[1] // bi))
+
+
+def scale_key(key: str) -> str:
+    return key + SCALE_SUFFIX
+
+
+def dequantize(w8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """w8 [out, in] (float8) times its block scales [ceil(out/bo), ceil(in/bi)] -> float32."""
+    bo, bi = block
+    out, inn = w8.shape
+    s = scale_inv.float().repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inn]
+    return w8.float().mul_(s)
+
+
+def check_pair(key: str, dtype: str, shape: tuple[int, ...], scale: tuple[str, tuple[int, ...]] | None,
+               quant: QuantConfig | None) -> str | None:
+    """Why an FP8 tensor `key` cannot be read (None if it can): the checkpoint must declare FP8
+    and hold its scales, of the block grid's shape, in a float dtype."""
+    if quant is None:
+        return (f"tensor {key!r} is {dtype} but config.json has no quantization_config (an FP8 checkpoint "
+                "declares quant_method 'fp8' and its weight_block_size)")
+    if len(shape) != 2:
+        return f"tensor {key!r} is {dtype} with shape {list(shape)}; FP8 weights are matrices"
+    if scale is None:
+        return f"FP8 tensor {key!r} has no {scale_key(key)!r} beside it"
+    sdtype, sshape = scale
+    want = quant.scale_shape(shape)
+    if sdtype not in ("F32", "BF16", "F16"):
+        return f"tensor {scale_key(key)!r} has dtype {sdtype}; block scales are float"
+    if tuple(sshape) != want:
+        return (f"tensor {scale_key(key)!r} has shape {list(sshape)}, expected {list(want)} (the {list(shape)} "
+                f"weight in {quant.block[0]}x{quant.block[1]} blocks)")
+    return None
