@@ -76,8 +76,11 @@ def dequantize(w8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
     """w8 [out, in] (float8) times its block scales [ceil(out/bo), ceil(in/bi)] -> float32."""
     bo, bi = block
     out, inn = w8.shape
-    s = scale_inv.float().repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inn]
-    return w8.float().mul_(s)
+    w = w8.float()
+    if out % bo == 0 and inn % bi == 0:  # whole blocks: the scales broadcast over a blocked view
+        w.view(out // bo, bo, inn // bi, bi).mul_(scale_inv.float()[:, None, :, None])
+        return w
+    return w.mul_(scale_inv.float().repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inn])
 
 
 def check_pair(key: str, dtype: str, shape: tuple[int, ...], scale: tuple[str, tuple[int, ...]] | None,

@@ -131,3 +131,17 @@ def test_the_cli_says_one_line_for_an_unread_quantization(fp8_dirs, tmp_path, ca
     code = cli.main(["compile", str(bad), "--hw", "cpu", "-o", str(tmp_path / "p.json")])
     err = capsys.readouterr().err
     assert code == 2 and "quant_method 'awq'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("shape,block", [((256, 384), (128, 128)), ((100, 200), (16, 32)), ((7, 5), (128, 128))])
+def test_dequantize_applies_each_blocks_scale(shape, block):
+    """Whole blocks (the broadcast path) and partial edge blocks against an element loop's rule."""
+    from ktflow.quant import dequantize
+
+    g = torch.Generator().manual_seed(0)
+    w8 = torch.randn(shape, generator=g).to(torch.float8_e4m3fn)
+    s = torch.rand(-(-shape[0] // block[0]), -(-shape[1] // block[1]), generator=g) + 0.5
+    got = dequantize(w8, s, block)
+    rows = torch.arange(shape[0])[:, None] // block[0]
+    cols = torch.arange(shape[1])[None, :] // block[1]
+    assert torch.equal(got, w8.float() * s[rows, cols])
