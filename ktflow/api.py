@@ -13,7 +13,7 @@ from .config import DTYPE_BY_NAME
 from .errors import ConfigError, InputError, PlanError, ResourceError
 from .hw import HwProfile, resolve_hw
 from .ir.graph import Graph
-from .ir.ops import Op
+from .ir.ops import Op, expert_weight_bytes
 from .ir.types import Device
 from .model import Model, load
 from .options import CompileContext, CompileOptions
@@ -185,7 +185,11 @@ def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
     BLAS workspaces and the GPU reserve."""
     weights = {Device.CPU: 0.0, Device.GPU: 0.0}
     for n in g.nodes:
-        weights[Device.CPU if n.op == Op.FETCH else n.place.device] += n.weight_elems() * ctx.weight_itemsize
+        device = Device.CPU if n.op == Op.FETCH else n.place.device
+        per = ctx.weight_itemsize
+        if device == Device.CPU and n.op in (Op.ROUTED_EXPERTS, Op.FETCH):  # packed in the expert format
+            per = expert_weight_bytes(ctx.options.expert_format, n.attrs.hidden, n.attrs.inter)
+        weights[device] += n.weight_elems() * per
     kv_tokens = ctx.max_seq_len * ctx.options.max_batch
     kv_gpu, kv_all = kv_cache_bytes(g, kv_tokens, Device.GPU), kv_cache_bytes(g, kv_tokens)
     on_gpu = any(n.place.device == Device.GPU for n in g.nodes)

@@ -25,7 +25,7 @@ from .errors import ConfigError
 from .fsutil import read_model_json
 from .hw import HwProfile
 from .ir.graph import Graph, Node
-from .ir.ops import FACTS, FetchAttrs, Op, Work, experts_hit_fraction
+from .ir.ops import FACTS, FetchAttrs, Op, Work, expert_weight_bytes, experts_hit_fraction
 from .ir.types import Cost, Device, DType
 
 
@@ -129,9 +129,12 @@ def node_work(n: Node, g: Graph, work: Work, weight_itemsize: int) -> tuple[floa
     return flops, nbytes
 
 
-def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int, numa_nodes: int = 1) -> Cost:
+def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int, numa_nodes: int = 1,
+              expert_format: str = "bf16") -> Cost:
     """FLOPs, bytes and seconds of one step of `n` on each device. A NUMA shard (placement with a
-    numa index) gets 1/numa_nodes of the CPU's throughput and bandwidth: its node's share."""
+    numa index) gets 1/numa_nodes of the CPU's throughput and bandwidth: its node's share.
+    Weights are read at `weight_itemsize` bytes each, but routed experts on the CPU at their
+    packed size in `expert_format` (int8: about 1 byte, int4: about 0.5)."""
     pricing = FACTS[n.op].pricing
     if pricing == "fetch":
         s = fetch_seconds(n.attrs, hw, g.act_dtype)
@@ -144,6 +147,11 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
             s = (hw.overheads.cpu_submit_us if pricing == "submit" else hw.overheads.cpu_sync_us) * 1e-6
         return Cost(tokens=work.tokens, flops=0.0, bytes=nbytes if pricing == "copy" else 0.0, cpu_s=s, gpu_s=s)
     flops, nbytes = node_work(n, g, work, weight_itemsize)
+    cpu_bytes = nbytes
+    if n.op == Op.ROUTED_EXPERTS and n.weights:  # the CPU reads its packed copy
+        a = n.attrs
+        read = n.weight_elems() * FACTS[n.op].weight_fraction(a, work)
+        cpu_bytes += read * (expert_weight_bytes(expert_format, a.hidden, a.inter) - weight_itemsize)
     cpu = roof(hw, Device.CPU, g.act_dtype)
     half = 0.5 if g.act_dtype == DType.F32 else 1.0
     if n.op == Op.ROUTED_EXPERTS and flops > 0:  # the native operator's measured rate at this many rows per expert
@@ -161,5 +169,5 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
         measured = {Op.ATTENTION: hw.gpus[0].attention_tflops, Op.ROUTED_EXPERTS: hw.gpus[0].grouped_tflops}.get(n.op)
         if measured:
             gpu = Roof(measured * 1e12 * half, gpu.bandwidth, gpu.overhead)
-    return Cost(tokens=work.tokens, flops=flops, bytes=nbytes, cpu_s=cpu.seconds(flops, nbytes),
+    return Cost(tokens=work.tokens, flops=flops, bytes=nbytes, cpu_s=cpu.seconds(flops, cpu_bytes),
                 gpu_s=gpu.seconds(flops, nbytes) if gpu else None)

@@ -108,3 +108,24 @@ def test_routing_profile_file_errors(tmp_path):
     bad.write_text("[")
     with pytest.raises(ConfigError, match="not valid JSON"):
         RoutingProfile.load(bad)
+
+
+def test_cpu_experts_are_priced_and_held_at_their_packed_size():
+    """int8/int4 experts: the CPU reads about 1 / 0.5 bytes per weight (scales included), so a
+    DRAM-bound decode step is predicted faster (its expert reads shrink), and the plan's host memory holds the
+    experts at that size; the dense weights stay at the activation dtype's size."""
+    import ktflow
+    from conftest import DATA
+    from ktflow.ir.ops import Op
+
+    model = ktflow.load(DATA / "qwen3-30b-a3b-config")
+    plans = {fmt: ktflow.compile(model, hw="cpu", max_seq_len=256, expert_format=fmt).decode
+             for fmt in ("bf16", "int8", "int4")}
+    experts = sum(n.weight_elems() for n in plans["bf16"].ir.nodes if n.op == Op.ROUTED_EXPERTS)
+    dense = model.graph().weight_elems() - experts
+    for fmt, per in (("bf16", 2.0), ("int8", 1.0), ("int4", 0.5)):
+        # nominal bytes per weight; the group scales add up to 6% (int4: 4 bytes per 128 weights)
+        assert plans[fmt].memory.weight_bytes == pytest.approx(dense * 2 + experts * per, rel=0.06), fmt
+    step = {fmt: p.predicted_step_us for fmt, p in plans.items()}
+    # the expert reads halve; attention and the dense weights do not (before: the same for all three)
+    assert 0.5 < step["int8"] / step["bf16"] < 0.8 and step["int4"] < 0.85 * step["int8"]

@@ -246,6 +246,12 @@ def packed_weight_bytes(fmt: str, k: int) -> float:
     return {"bf16": 2.0, "int8": 1.0 + 4.0 / max(k, 1), "int4": 0.5 + 4.0 / 128}[fmt]
 
 
+def expert_weight_bytes(fmt: str, hidden: int, inter: int) -> float:
+    """Bytes per weight of a routed expert packed as `fmt` (gate and up have `hidden` columns,
+    down `inter`), scales included: what the CPU holds and reads, and a fetch copies."""
+    return (packed_weight_bytes(fmt, hidden) * 2 + packed_weight_bytes(fmt, inter)) / 3
+
+
 @dataclass(frozen=True)
 class FetchAttrs:
     """Stream routed experts to the GPU for a prefill step: copy the packed weights of experts
@@ -274,8 +280,7 @@ class FetchAttrs:
     @property
     def link_bytes(self) -> float:
         """Bytes copied over the PCIe link: the packed experts as the CPU holds them."""
-        per_weight = (packed_weight_bytes(self.fmt, self.hidden) * 2 + packed_weight_bytes(self.fmt, self.inter)) / 3
-        return len(self.subset) * 3 * self.hidden * self.inter * per_weight
+        return len(self.subset) * 3 * self.hidden * self.inter * expert_weight_bytes(self.fmt, self.hidden, self.inter)
 
 
 # ---------------------------------------------------------------------------------------- facts

@@ -26,7 +26,8 @@ def annotate_costs(g: Graph, ctx: CompileContext) -> Graph:
     experts priced from the routing profile when given, else uniform routing.
     Requires: a verified spec graph. Guarantees: every node has `cost`; nothing else changes.
     """
-    return g.map(lambda n: replace(n, cost=node_cost(n, g, step_work(n, ctx), ctx.hw, ctx.weight_itemsize, ctx.numa_nodes)))
+    return g.map(lambda n: replace(n, cost=node_cost(n, g, step_work(n, ctx), ctx.hw, ctx.weight_itemsize,
+                                                     ctx.numa_nodes, ctx.options.expert_format)))
 
 
 def recost_changed(before: Graph, after: Graph, ctx: CompileContext) -> Graph:
@@ -38,6 +39,7 @@ def recost_changed(before: Graph, after: Graph, ctx: CompileContext) -> Graph:
         if old is not None and n.cost is not None and (old.op, old.inputs, old.attrs) == (n.op, n.inputs, n.attrs) \
                 and (old.place.numa if old.place else None) == (n.place.numa if n.place else None):
             return n
-        return replace(n, cost=node_cost(n, after, step_work(n, ctx), ctx.hw, ctx.weight_itemsize, ctx.numa_nodes))
+        return replace(n, cost=node_cost(n, after, step_work(n, ctx), ctx.hw, ctx.weight_itemsize, ctx.numa_nodes,
+                                         ctx.options.expert_format))
 
     return after.map(fresh)

@@ -153,7 +153,8 @@ def _choose(g: Graph, ctx: CompileContext, n: Node, bounds: tuple[float, float],
     def price(k: int) -> tuple[float, float, float, float]:
         """(layer seconds, CPU part, GPU part, fetch) with the first k of `order` streamed."""
         hw = sharing if 0 < k < total else ctx.hw
-        cpu = node_cost(part(order[k:]), g, work, hw, ctx.weight_itemsize).cpu_s + xfer if k < total else 0.0
+        cpu = node_cost(part(order[k:]), g, work, hw, ctx.weight_itemsize,
+                        expert_format=fmt).cpu_s + xfer if k < total else 0.0
         if k == 0:
             return d1 + max(cpu, d2), cpu, 0.0, 0.0
         gpu_node = replace(part(order[:k]), weights=())
