@@ -41,6 +41,10 @@ as full V2 and refuses it), with 8-bit experts on both sides so the checkpoint a
     python benchmarks/e2e.py --model dsv2lite --prefill 512,2048,8192,32768 --gguf-type q8_0 \
         --expert-format int8 --llama .carry/llama --llama-src .carry/llama-conv.tgz --tools .carry
 
+`--fp8` writes the checkpoint as an FP8 release instead (e4m3 linear weights with 128 x 128
+block scales and quantization_config), which ktflow loads as published; its experts are packed in
+`--expert-format`.
+
 Rows go to benchmarks/e2e.jsonl. The checkpoint dir (--dir, default /tmp/ktflow-e2e/<model>) is
 reused when it exists and matches.
 """
@@ -86,27 +90,42 @@ SHARD_BYTES = 4 << 30
 # ------------------------------------------------------------------------------------ checkpoint
 
 
-def write_checkpoint(cfg: dict, directory: Path) -> None:
+def write_checkpoint(cfg: dict, directory: Path, fp8: bool = False) -> None:
     """config.json, then bf16 safetensors shards of every tensor ktflow's spec of this config reads
     (ktflow.checkpoint's streaming writer, one tensor at a time), and the shard index. Large
     tensors are cut from a pool of random values (fast enough for 30+ GB); norms, biases and
-    routers come from `random_tensor`."""
+    routers come from `random_tensor`. `fp8`: the layout of an FP8 release instead (linear
+    weights in e4m3 with 128 x 128 block scales, quantization_config in config.json)."""
     import ktflow
     from ktflow.checkpoint import checkpoint_entries, random_tensor, write_safetensors
+    from ktflow.quant import config_entry, scale_key, stored_fp8
 
     marker = directory / ".complete"
+    if fp8:
+        cfg = dict(cfg, quantization_config=config_entry())
     if marker.exists() and json.loads((directory / "config.json").read_text()) == cfg:
         print(f"using checkpoint {directory}")
         return
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg, indent=1))
     entries = checkpoint_entries(ktflow.load(directory).graph(None), torch.bfloat16)
+    if fp8:  # each e4m3 weight followed by its block scales
+        entries = [x for k, shape, dt in entries for x in (
+            [(k, shape, torch.float8_e4m3fn), (scale_key(k), (-(-shape[0] // 128), -(-shape[1] // 128)), torch.float32)]
+            if stored_fp8(k, shape) else [(k, shape, dt)])]
     rng = np.random.default_rng(0)
     pool = torch.from_numpy(rng.standard_normal(1 << 25, dtype=np.float32) * 0.02).bfloat16()
     gen = torch.Generator().manual_seed(0)
 
     def make(key: str) -> torch.Tensor:
         shape = shapes[key]
+        if fp8 and key.endswith("_scale_inv"):  # e4m3's 448 covers the pool's values (sd 0.02, at most ~0.12)
+            return torch.full(shape, 0.125 / 448)
+        if fp8 and dtypes[key] == torch.float8_e4m3fn:
+            return (make_values(key, shape).float() * (448 / 0.125)).clamp_(-448, 448).to(torch.float8_e4m3fn)
+        return make_values(key, shape)
+
+    def make_values(key: str, shape: tuple[int, ...]) -> torch.Tensor:
         n = int(np.prod(shape))
         if n <= 1 << 20:
             return random_tensor(key, shape, gen)
@@ -118,6 +137,7 @@ def write_checkpoint(cfg: dict, directory: Path) -> None:
         return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(shape)
 
     shapes = {k: s for k, s, _ in entries}
+    dtypes = {k: dt for k, _, dt in entries}
     shards: list[list] = [[]]
     size = 0
     for e in entries:
@@ -381,6 +401,8 @@ def main() -> int:
     ap.add_argument("--variants",
                     default="cpu,eager,graph,graph+hostwait,graph+d1,graph+d2,graph+d3,graph+d4,graph+dauto")
     ap.add_argument("--expert-format", default="bf16", choices=["bf16", "int8", "int4"])
+    ap.add_argument("--fp8", action="store_true", help="write the checkpoint as an FP8 release (e4m3 linear weights "
+                    "with 128 x 128 block scales) instead of bf16")
     ap.add_argument("--out", default=str(HERE / "e2e.jsonl"))
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -395,9 +417,10 @@ def main() -> int:
     cfg = dict(MODELS[a.model])
     if a.layers:
         cfg["num_hidden_layers"] = a.layers
-    d = Path(a.dir or f"/tmp/ktflow-e2e/{a.model}{'-' + str(a.layers) + 'l' if a.layers else ''}")
+    name = a.model + (f"-{a.layers}l" if a.layers else "") + ("-fp8" if a.fp8 else "")
+    d = Path(a.dir or f"/tmp/ktflow-e2e/{name}")
     t0 = time.perf_counter()
-    write_checkpoint(cfg, d)
+    write_checkpoint(cfg, d, fp8=a.fp8)
     # the kernel writes a fresh checkpoint's dirty pages back to disk for a minute or more after it
     # is written: flush them now, or the writeback competes with the CPU rows and the probe
     os.sync()
@@ -420,6 +443,7 @@ def main() -> int:
     budget = (dense + probe_plan.memory.kv_cache_bytes + 0.5 * per_expert) / 1e9  # no routed expert fits
     shared = None
     info = dict(commit=commit(), **machine(), gpu=torch.cuda.get_device_name(0), model=a.model,
+                checkpoint="fp8" if a.fp8 else "bf16",
                 layers=cfg["num_hidden_layers"], expert_format=a.expert_format, dram_gbps=round(dram, 1),
                 threads=native.pool().threads, probed_expert_gbps=round(hw.cpu.gemv_gbps, 1))
     print(f"{a.model}, {cfg['num_hidden_layers']} layers, experts {a.expert_format}; DRAM {dram:.1f} GB/s; "

@@ -20,7 +20,8 @@ import torch
 from .ir.graph import Graph
 from .weights import TORCH_DTYPE
 
-ST_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+ST_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+            torch.float8_e4m3fn: "F8_E4M3"}
 
 
 def write_safetensors(path: str | os.PathLike, entries: list[tuple[str, tuple[int, ...], torch.dtype]],

@@ -68,6 +68,19 @@ class QuantConfig:
         return (-(-shape[0] // bo), -(-shape[1] // bi))
 
 
+def stored_fp8(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether an FP8 release stores tensor `name` in e4m3: the linear layers' weights; norms,
+    routers, correction biases, embeddings and the output head stay float (as DeepSeek-V3's and
+    Qwen3's FP8 releases do). For writing test and benchmark checkpoints in that layout."""
+    keep = ("norm", "embed_tokens", "lm_head", "mlp.gate.weight", "e_score_correction_bias")
+    return name.endswith(".weight") and len(shape) == 2 and not any(k in name for k in keep)
+
+
+def config_entry(block: tuple[int, int] = (128, 128)) -> dict:
+    """config.json's quantization_config of an FP8 release with `block` scales."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+
+
 def scale_key(key: str) -> str:
     return key + SCALE_SUFFIX
 

@@ -233,8 +233,8 @@ class WeightSource:
                 return f"missing tensor {first!r} (nor a fused experts tensor for it)"
             key, _ = fused
             if self.entries[key].dtype in FP8_DTYPES:
-                return f"tensor {key!r} holds every expert fused in {self.entries[key].dtype}; ktflow reads FP8 experts " \
-                       "stored one tensor per expert (with weight_scale_inv), as published"
+                return (f"tensor {key!r} holds every expert fused in {self.entries[key].dtype}; ktflow reads "
+                        "FP8 experts stored one tensor per expert (with weight_scale_inv), as published")
             h_or_i = ref.shape[1]
             want = (ref.experts, 2 * ref.shape[0], h_or_i) if ref.role in ("gate", "up") else (ref.experts, *ref.shape)
             return self._check_one(key, want)

@@ -100,13 +100,6 @@ def to_classic_rope(directory: Path) -> None:
     p.write_text(json.dumps(cfg, indent=1))
 
 
-def _quantized(name: str, t: torch.Tensor) -> bool:
-    """Which tensors an FP8 release stores in e4m3: the linear layers' weights; norms, routers,
-    embeddings and the output head stay float (as DeepSeek-V3's and Qwen3's FP8 releases do)."""
-    keep = ("norm", "embed_tokens", "lm_head", "mlp.gate.weight", "e_score_correction_bias")
-    return name.endswith(".weight") and t.dim() == 2 and not any(k in name for k in keep)
-
-
 def to_fp8(model: torch.nn.Module, directory: Path, block: tuple[int, int] = (128, 128)) -> dict:
     """Save `model` in the published FP8 layout: each linear weight as F8_E4M3 per block of
     `block` (amax / 448 scales) with `<name>_scale_inv` beside it, config.json with
@@ -114,12 +107,14 @@ def to_fp8(model: torch.nn.Module, directory: Path, block: tuple[int, int] = (12
     means), for the reference model."""
     from safetensors.torch import save_file
 
+    from ktflow.quant import config_entry, stored_fp8
+
     directory.mkdir(parents=True, exist_ok=True)
     bo, bi = block
     tensors, meant = {}, {}
     for name, t in model.state_dict().items():
         t = t.detach().float().contiguous()
-        if not _quantized(name, t):
+        if not stored_fp8(name, tuple(t.shape)):
             tensors[name] = meant[name] = t
             continue
         out, inn = t.shape
@@ -134,7 +129,6 @@ def to_fp8(model: torch.nn.Module, directory: Path, block: tuple[int, int] = (12
         meant[name] = w8.float() * full
     save_file(tensors, str(directory / "model.safetensors"))
     cfg = json.loads(model.config.to_json_string())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(block)}
+    cfg["quantization_config"] = config_entry(block)
     (directory / "config.json").write_text(json.dumps(cfg, indent=1))
     return meant
