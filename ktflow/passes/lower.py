@@ -20,7 +20,8 @@ def lower(g: Graph, ctx: CompileContext) -> Graph:
     (in the GPU stream: enqueue the CPU task, return at once) and `<node>.sync` after it (in the
     GPU stream: wait for the task); GPU readers take the sync's value through a copy. GPU work
     that does not depend on the task (the shared expert) sits between the two in graph order, so
-    it runs while the CPU computes. Plans with one device are returned unchanged.
+    it runs while the CPU computes. A task that reads another task's result is submitted after
+    that task's sync. Plans with one device are returned unchanged.
     Requires: placed, costed graph. Guarantees: values cross devices only through copy nodes
     (rule L1), submit/sync pairs wrap exactly one CPU node each (rule L2), new nodes are costed.
     """
@@ -36,21 +37,26 @@ def lower(g: Graph, ctx: CompileContext) -> Graph:
     copies: dict[tuple[str, Device], str] = {}
     synced: dict[str, str] = {}  # CPU node -> its sync, the value GPU readers copy
     pending: dict[str, str] = {}  # CPU node -> its submit, until a GPU reader needs the sync
+    waited: set[str] = set()  # task results a later task reads, through their sync
 
     def emit(n: Node) -> str:
         out.append(n)
         device[n.name] = n.place.device
         return n.name
 
-    def on(value: str, dev: Device) -> str:
-        if device[value] == dev:
-            return value
+    def settle(value: str) -> str:
+        """The value of a submitted task once the GPU stream has waited for it (its sync)."""
         if value in pending:  # as late as possible: GPU work before this point overlaps the task
             sub, task = pending.pop(value), g.by_name(value)
             synced[value] = emit(Node(f"{value}.sync", Op.SYNC, (sub, value), SyncAttrs(value), task.out,
                                       place=Placement(Device.CPU, cause="GPU stream waits for the CPU task",
                                                       stream="gpu")))
-        src = synced.get(value, value)
+        return synced.get(value, value)
+
+    def on(value: str, dev: Device) -> str:
+        if device[value] == dev:
+            return synced[value] if value in waited else value
+        src = settle(value)
         key = (src, dev)
         if key not in copies:
             node = Node(f"{value}.to_{dev.value}", Op.COPY, (src,), CopyAttrs(device[src].value, dev.value),
@@ -64,7 +70,12 @@ def lower(g: Graph, ctx: CompileContext) -> Graph:
         root = task_of.get(n.name)
         if root is not None and root not in submitted:  # before the task's first node
             submitted.add(root)
+            # another task's result it reads: the GPU stream submits this one after that one is done
             ext = _external_inputs(g, members[root])
+            for i in ext:
+                if i in pending:
+                    settle(i)
+                    waited.add(i)  # the task's nodes read it through the sync
             sub = emit(Node(f"{root}.submit", Op.SUBMIT, tuple(on(i, Device.CPU) for i in ext),
                             SubmitAttrs(root, tuple(members[root])),
                             FACTS[Op.SUBMIT].shape(None, [], g.act_dtype),
@@ -77,7 +88,39 @@ def lower(g: Graph, ctx: CompileContext) -> Graph:
 
 def _task_groups(g: Graph, roots: set[str]) -> dict[str, str]:
     """CPU compute nodes the GPU waits on (roots), each with the CPU compute nodes that feed it
-    only through the CPU (e.g. NUMA shards feeding their reduce): one submitted task each."""
+    only through the CPU (e.g. NUMA shards feeding their reduce): one submitted task each.
+
+    A task is submitted before its first node, so everything it reads from the GPU must exist by
+    then. A node that comes before a value the rest of its task reads from the GPU (the CPU
+    experts deferred from layer j, feeding a CPU residual add of layer j + 1 whose other inputs
+    the GPU makes later) becomes the root of a task of its own; the native queue runs tasks in
+    submission order, so the later task still finds its result."""
+    roots = set(roots)
+    while True:
+        task_of = _grow_tasks(g, roots)
+        early = _submitted_too_early(g, task_of)
+        if not early:
+            return task_of
+        roots |= early
+
+
+def _submitted_too_early(g: Graph, task_of: dict[str, str]) -> set[str]:
+    """Members that come before a GPU-made value their task reads (empty when every task can be
+    submitted before its first node)."""
+    members: dict[str, list[str]] = {}
+    for m, root in task_of.items():
+        members.setdefault(root, []).append(m)
+    early: set[str] = set()
+    for ms in members.values():
+        made_late = max((g.position(i) for i in _external_inputs(g, ms)
+                         if g.by_name(i).place.device != Device.CPU), default=-1)
+        before = {m for m in ms if g.position(m) < made_late}
+        # the new roots: those of them read by a member that comes later (each pulls its own feeders)
+        early |= {m for m in before if any(u in ms and u not in before for u in g.users(m))}
+    return early
+
+
+def _grow_tasks(g: Graph, roots: set[str]) -> dict[str, str]:
     task_of: dict[str, str] = {}
     for n in g.nodes:
         if n.name not in roots or n.place.device != Device.CPU or FACTS[n.op].pricing != "compute" \
