@@ -48,16 +48,14 @@ def config(raw: dict, where: str) -> Config:
     return cfg
 
 
-def build(cfg: Config, act_dtype: DType) -> Graph:
-    rope = resolve_rope(cfg, cfg.qk_rope_head_dim, "interleaved" if cfg.rope_interleave else "half")
-    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5 * yarn_softmax_mscale(cfg)
-    h, e = cfg.hidden_size, cfg.n_routed_experts
-    gate_attrs = GateAttrs(hidden=h, experts=e, top_k=cfg.num_experts_per_tok, scoring="sigmoid",
+def v3_ffn(cfg):
+    """The feed-forward of layer i in DeepSeek-V3's style (GLM-4.5 shares it): dense before
+    `first_k_dense_replace`, then sigmoid-routed experts with the correction bias and groups,
+    plus shared experts. `cfg` needs the fields of `Config` above from intermediate_size on."""
+    h = cfg.hidden_size
+    gate_attrs = GateAttrs(hidden=h, experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, scoring="sigmoid",
                            select="group_top2sum", groups=cfg.n_group or 1, topk_groups=cfg.topk_group or 1,
                            correction_bias=True, renormalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
-
-    def attention(b, i, x):
-        return spec.mla_attention(b, f"L{i}.attn", x, cfg, i, rope=rope, softmax_scale=scale)
 
     def ffn(b, i, x):
         p = f"{spec.layer_prefix(i)}.mlp"
@@ -66,4 +64,14 @@ def build(cfg: Config, act_dtype: DType) -> Graph:
         return spec.moe_ffn(b, i, x, gate_attrs, cfg.moe_intermediate_size, p, shared_key="shared_experts",
                             shared_inter=cfg.moe_intermediate_size * (cfg.n_shared_experts or 0))
 
-    return spec.decoder(cfg, act_dtype, attention, ffn)
+    return ffn
+
+
+def build(cfg: Config, act_dtype: DType) -> Graph:
+    rope = resolve_rope(cfg, cfg.qk_rope_head_dim, "interleaved" if cfg.rope_interleave else "half")
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5 * yarn_softmax_mscale(cfg)
+
+    def attention(b, i, x):
+        return spec.mla_attention(b, f"L{i}.attn", x, cfg, i, rope=rope, softmax_scale=scale)
+
+    return spec.decoder(cfg, act_dtype, attention, v3_ffn(cfg))

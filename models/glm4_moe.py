@@ -16,9 +16,10 @@ from __future__ import annotations
 from ktflow.config import HFConfig, parse_config, resolve_rope, rope_params
 from ktflow.errors import ConfigError
 from ktflow.ir.graph import Graph
-from ktflow.ir.ops import GateAttrs
 from ktflow.ir.types import DType
 from ktflow import spec
+
+from .deepseek_v3 import v3_ffn
 
 
 class Config(HFConfig):
@@ -60,20 +61,9 @@ def config(raw: dict, where: str) -> Config:
 def build(cfg: Config, act_dtype: DType) -> Graph:
     hd = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
     rope = resolve_rope(cfg, int(hd * cfg.rotary_factor))
-    h = cfg.hidden_size
-    gate_attrs = GateAttrs(hidden=h, experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, scoring="sigmoid",
-                           select="group_top2sum", groups=cfg.n_group or 1, topk_groups=cfg.topk_group or 1,
-                           correction_bias=True, renormalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
 
     def attention(b, i, x):
         return spec.gqa_attention(b, f"L{i}.attn", x, cfg, i, head_dim=hd, qkv_bias=cfg.attention_bias,
                                   o_bias=False, qk_norm=cfg.use_qk_norm, window=0, rope=rope)
 
-    def ffn(b, i, x):
-        p = f"{spec.layer_prefix(i)}.mlp"
-        if i < cfg.first_k_dense_replace:
-            return [spec.mlp(b, f"L{i}.mlp", x, h, cfg.intermediate_size, p, "dense")]
-        return spec.moe_ffn(b, i, x, gate_attrs, cfg.moe_intermediate_size, p, shared_key="shared_experts",
-                            shared_inter=cfg.moe_intermediate_size * (cfg.n_shared_experts or 0))
-
-    return spec.decoder(cfg, act_dtype, attention, ffn)
+    return spec.decoder(cfg, act_dtype, attention, v3_ffn(cfg))
