@@ -10,10 +10,11 @@ from pydantic import ValidationError
 
 from .backends import get_backend, resolve_backend
 from .config import DTYPE_BY_NAME
+from .cost import held_bytes_per_weight
 from .errors import ConfigError, InputError, PlanError, ResourceError
 from .hw import HwProfile, resolve_hw
 from .ir.graph import Graph
-from .ir.ops import Op, expert_weight_bytes
+from .ir.ops import Op
 from .ir.types import Device
 from .model import Model, load
 from .options import CompileContext, CompileOptions
@@ -186,10 +187,8 @@ def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
     weights = {Device.CPU: 0.0, Device.GPU: 0.0}
     for n in g.nodes:
         device = Device.CPU if n.op == Op.FETCH else n.place.device
-        per = ctx.weight_itemsize
-        if device == Device.CPU and n.op in (Op.ROUTED_EXPERTS, Op.FETCH):  # packed in the expert format
-            per = expert_weight_bytes(ctx.options.expert_format, n.attrs.hidden, n.attrs.inter)
-        weights[device] += n.weight_elems() * per
+        weights[device] += n.weight_elems() * held_bytes_per_weight(n, device, ctx.weight_itemsize,
+                                                                    ctx.options.expert_format)
     kv_tokens = ctx.max_seq_len * ctx.options.max_batch
     kv_gpu, kv_all = kv_cache_bytes(g, kv_tokens, Device.GPU), kv_cache_bytes(g, kv_tokens)
     on_gpu = any(n.place.device == Device.GPU for n in g.nodes)

@@ -129,6 +129,15 @@ def node_work(n: Node, g: Graph, work: Work, weight_itemsize: int) -> tuple[floa
     return flops, nbytes
 
 
+def held_bytes_per_weight(n: Node, device: Device, weight_itemsize: int, expert_format: str) -> float:
+    """Bytes per weight `n` holds on `device`: routed experts on the CPU (and the fetches that
+    stream them from there) packed in `expert_format`, scales included; the rest at
+    `weight_itemsize`."""
+    if device == Device.CPU and n.op in (Op.ROUTED_EXPERTS, Op.FETCH):
+        return expert_weight_bytes(expert_format, n.attrs.hidden, n.attrs.inter)
+    return weight_itemsize
+
+
 def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int, numa_nodes: int = 1,
               expert_format: str = "bf16") -> Cost:
     """FLOPs, bytes and seconds of one step of `n` on each device. A NUMA shard (placement with a
@@ -147,11 +156,9 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
             s = (hw.overheads.cpu_submit_us if pricing == "submit" else hw.overheads.cpu_sync_us) * 1e-6
         return Cost(tokens=work.tokens, flops=0.0, bytes=nbytes if pricing == "copy" else 0.0, cpu_s=s, gpu_s=s)
     flops, nbytes = node_work(n, g, work, weight_itemsize)
-    cpu_bytes = nbytes
-    if n.op == Op.ROUTED_EXPERTS and n.weights:  # the CPU reads its packed copy
-        a = n.attrs
-        read = n.weight_elems() * FACTS[n.op].weight_fraction(a, work)
-        cpu_bytes += read * (expert_weight_bytes(expert_format, a.hidden, a.inter) - weight_itemsize)
+    cpu_bytes, per = nbytes, held_bytes_per_weight(n, Device.CPU, weight_itemsize, expert_format)
+    if per != weight_itemsize:  # the CPU reads its packed copy
+        cpu_bytes += n.weight_elems() * FACTS[n.op].weight_fraction(n.attrs, work) * (per - weight_itemsize)
     cpu = roof(hw, Device.CPU, g.act_dtype)
     half = 0.5 if g.act_dtype == DType.F32 else 1.0
     if n.op == Op.ROUTED_EXPERTS and flops > 0:  # the native operator's measured rate at this many rows per expert

@@ -5,7 +5,8 @@ in: `quant_method: "fp8"`, `fmt: "e4m3"`, `weight_block_size: [bo, bi]` (128 x 1
 published), dynamic activations. A quantized linear's weight [out, in] is stored as F8_E4M3
 beside `<name>.weight_scale_inv`, float32 [ceil(out / bo), ceil(in / bi)]: the real weight is
 w8[i, j] * scale_inv[i // bo, j // bi]. Every other tensor (norms, routers, correction biases,
-embeddings, lm_head, and `modules_to_not_convert`) keeps its float dtype.
+embeddings, lm_head, and the release's `modules_to_not_convert`) keeps its float dtype; which
+is which is read from each tensor's dtype in the safetensors header.
 
 `QuantConfig.parse` validates the config; `dequantize` turns one stored tensor into float32,
 one tensor at a time (a routed expert's three matrices while it is packed), so no float copy of
@@ -25,7 +26,7 @@ from .errors import ConfigError
 #: quant_method -> what ktflow reads of it
 READS = {"fp8": "block-scaled e4m3 weights with weight_scale_inv (DeepSeek-V3 style)"}
 SCALE_SUFFIX = "_scale_inv"  # "<linear>.weight" -> "<linear>.weight_scale_inv"
-FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}
+FP8_DTYPES = ("F8_E4M3",)  # safetensors dtype names of FP8 weights
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,6 @@ class QuantConfig:
     method: str
     fmt: str
     block: tuple[int, int]
-    not_converted: tuple[str, ...] = ()
 
     @staticmethod
     def parse(raw: Any, where: str) -> "QuantConfig | None":
@@ -58,10 +58,7 @@ class QuantConfig:
         scheme = raw.get("activation_scheme", "dynamic")
         if scheme != "dynamic":
             raise ConfigError(f"{where}: quantization_config.activation_scheme {scheme!r} is not supported (dynamic)")
-        skip = raw.get("modules_to_not_convert") or raw.get("ignored_layers") or []
-        if not isinstance(skip, list) or not all(isinstance(s, str) for s in skip):
-            raise ConfigError(f"{where}: quantization_config.modules_to_not_convert must be a list of names")
-        return QuantConfig(method, fmt, (block[0], block[1]), tuple(skip))
+        return QuantConfig(method, fmt, (block[0], block[1]))
 
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
         bo, bi = self.block
