@@ -400,7 +400,8 @@ def main() -> int:
     ap.add_argument("--trace-dir", default="", help="write each traced prefill step's measured steps here")
     ap.add_argument("--variants",
                     default="cpu,eager,graph,graph+hostwait,graph+d1,graph+d2,graph+d3,graph+d4,graph+dauto")
-    ap.add_argument("--expert-format", default="bf16", choices=["bf16", "int8", "int4"])
+    ap.add_argument("--expert-format", default="auto", choices=["auto", "bf16", "int8", "int4", "fp8"],
+                    help="CPU experts' format (auto: fp8 for an --fp8 checkpoint, else bf16)")
     ap.add_argument("--fp8", action="store_true", help="write the checkpoint as an FP8 release (e4m3 linear weights "
                     "with 128 x 128 block scales) instead of bf16")
     ap.add_argument("--out", default=str(HERE / "e2e.jsonl"))
@@ -435,7 +436,9 @@ def main() -> int:
     max_seq = max(prompts + lengths + [32 + a.decode]) + 8
     model = ktflow.load(d)
     base = dict(hw=hw, max_seq_len=max_seq, expert_format=a.expert_format)
-    probe_plan = ktflow.compile(model, device="cuda", vram_budget_gb=1000, allow_oversize=True, **base).decode
+    probe_compiled = ktflow.compile(model, device="cuda", vram_budget_gb=1000, allow_oversize=True, **base)
+    probe_plan = probe_compiled.decode
+    fmt = probe_compiled.plans.options.expert_format  # auto resolved by the checkpoint
     # the dense nodes the cost model puts on the GPU when everything fits (an embedding lookup stays on the CPU)
     dense = sum(n.weight_elems() * 2 for n in probe_plan.ir.nodes
                 if n.op != Op.ROUTED_EXPERTS and n.place.device.value == "gpu")
@@ -444,9 +447,9 @@ def main() -> int:
     shared = None
     info = dict(commit=commit(), **machine(), gpu=torch.cuda.get_device_name(0), model=a.model,
                 checkpoint="fp8" if a.fp8 else "bf16",
-                layers=cfg["num_hidden_layers"], expert_format=a.expert_format, dram_gbps=round(dram, 1),
+                layers=cfg["num_hidden_layers"], expert_format=fmt, dram_gbps=round(dram, 1),
                 threads=native.pool().threads, probed_expert_gbps=round(hw.cpu.gemv_gbps, 1))
-    print(f"{a.model}, {cfg['num_hidden_layers']} layers, experts {a.expert_format}; DRAM {dram:.1f} GB/s; "
+    print(f"{a.model}, {cfg['num_hidden_layers']} layers, experts {fmt}; DRAM {dram:.1f} GB/s; "
           f"VRAM budget {budget:.2f} GB (dense weights + KV cache)", flush=True)
     vocab = cfg["vocab_size"]
     if lengths:
@@ -498,7 +501,7 @@ def main() -> int:
         plan = c.decode
         layers = [t for t in layer_times(plan) if t.layer is not None]
         predicted_layer = statistics.mean(t.span_us for t in layers)
-        bpt = expert_bytes_per_token(plan, a.expert_format)
+        bpt = expert_bytes_per_token(plan, fmt)
         # the faster DRAM read measured here: the native expert kernel over a set 8x the LLC (the probe)
         # streams more than the plain all-CPU sum read
         bound = max(dram, hw.cpu.gemv_gbps) * 1e9 / bpt

@@ -1,4 +1,4 @@
-"""One MoE layer on the CPU, side by side: ktflow's native operator (bf16, int8, int4), a torch
+"""One MoE layer on the CPU, side by side: ktflow's native operator (bf16, int8, int4, fp8), a torch
 per-expert bf16 loop, and kt-kernel (KTransformers' CPU MoE, optional: `pip install --no-deps
 kt-kernel`), for T tokens with top-k routing, on two layer shapes. Also measures this machine's
 DRAM read bandwidth in the same run and prints each ktflow decode row as a fraction of it.
@@ -32,9 +32,9 @@ SHAPES = {  # name: (experts, top_k, hidden, inter)
     "dsv3": (64, 8, 7168, 2048),  # 64 of DeepSeek-V3's 256 experts: the layer's bytes fit any host
 }
 TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
-# bytes read per weight: int8 per output channel (one fp32 scale per row, negligible), int4 in
-# groups of 128 with one fp32 scale each
-BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 128}
+# bytes read per weight: int8 per output channel (one fp32 scale per row, negligible), int4 and
+# fp8 in groups of 128 with one fp32 scale each
+BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 128, "fp8": 1.0 + 4 / 128}
 PHASES = ("route", "gather", "up", "down", "reduce")  # of the native operator, us of the last call
 
 
@@ -48,7 +48,7 @@ def kernel_table(shapes: list[str], threads: int) -> list[dict]:
         for path in native.kernel_paths():
             if path == "generic":
                 continue
-            for fmt in ("bf16", "int8", "int4"):
+            for fmt in ("bf16", "int8", "int4", "fp8"):
                 for M in (1, 8, 32, 128, 256):
                     tf = native.module().kernel_tflops(path, M, 256, H, fmt)
                     print(f"{shape + ' ' + path + ' ' + fmt:22s} {M:5d} {tf:14.3f} {tf * threads:10.2f}")
@@ -194,7 +194,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="qwen3,dsv3")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    ap.add_argument("--formats", default="bf16,int8,int4")
+    ap.add_argument("--formats", default="bf16,int8,int4,fp8")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-torch", action="store_true", help="skip the torch loop")
     ap.add_argument("--torch-max-tokens", type=int, default=1024)
@@ -226,10 +226,16 @@ def main() -> None:
         up = (torch.randn(E, I, H, generator=g) / H ** 0.5).bfloat16()
         down = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16()
         impls = []
+        fp8 = {}  # fp8 is packed from e4m3 bytes and 128 x 128 block scales, as an FP8 release holds them
+        if "fp8" in a.formats.split(","):
+            from ktflow.quant import Fp8Matrix, quantize
+
+            fp8 = {e: tuple(Fp8Matrix(*quantize(t[e], (128, 128)), (128, 128)) for t in (gate, up, down))
+                   for e in range(E)}
         for fmt in a.formats.split(","):
             ops = [native.ExpertOp(E, H, I, fmt=fmt) for _ in range(layer_copies(k, H, I, fmt, llc))]
             for op in ops:
-                op.pack(lambda e: (gate[e], up[e], down[e]))
+                op.pack(lambda e: fp8[e] if fmt == "fp8" else (gate[e], up[e], down[e]))
             impls.append((f"ktflow-{fmt}", fmt, Cycle(ops)))
             print(f"# ktflow-{fmt}: {len(ops)} copies of the layer")
         if not a.no_torch:

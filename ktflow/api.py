@@ -188,7 +188,7 @@ def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
     for n in g.nodes:
         device = Device.CPU if n.op == Op.FETCH else n.place.device
         weights[device] += n.weight_elems() * held_bytes_per_weight(n, device, ctx.weight_itemsize,
-                                                                    ctx.options.expert_format)
+                                                                    ctx.expert_format)
     kv_tokens = ctx.max_seq_len * ctx.options.max_batch
     kv_gpu, kv_all = kv_cache_bytes(g, kv_tokens, Device.GPU), kv_cache_bytes(g, kv_tokens)
     on_gpu = any(n.place.device == Device.GPU for n in g.nodes)
@@ -305,6 +305,9 @@ def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, pr
     max_seq = opts.max_seq_len or min(4096, cfg.max_position_embeddings)
     device = _device(opts, hwp)
     spec = model.graph(act)
+    if opts.expert_format == "auto":  # experts stored in FP8 (an FP8 release) keep their bytes
+        stored = {w.fmt for n in spec.nodes if n.op == Op.ROUTED_EXPERTS for w in n.weights}
+        opts = opts.model_copy(update=dict(expert_format="fp8" if stored == {"fp8"} else "bf16"))
     routing = None
     if opts.routing_profile:
         from .cost import RoutingProfile

@@ -36,8 +36,9 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="auto", help="backend for the plan's steps: torch_ref, native, cuda_graph "
                    "or null (default auto, for bfloat16 plans where the native module is built: cuda_graph when GPU "
                    "nodes run on CUDA, else native; torch_ref otherwise)")
-    g.add_argument("--expert-format", default="bf16", choices=["bf16", "int8", "int4"],
-                   help="weight format of CPU routed experts in the native backend (default bf16)")
+    g.add_argument("--expert-format", default="auto", choices=["auto", "bf16", "int8", "int4", "fp8"],
+                   help="weight format of CPU routed experts in the native backend: bf16, int8, int4, or fp8 (e4m3 "
+                   "with 128-column scales); default auto: fp8 for an FP8 checkpoint (its own bytes), else bf16")
     g.add_argument("--placement", choices=["auto", "cpu", "gpu"], default="auto",
                    help="auto: by the cost model under the VRAM budget (default); cpu / gpu: everything there")
     g.add_argument("--defer", default=None, metavar="D",

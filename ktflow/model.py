@@ -5,16 +5,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 
 from .config import HFConfig
 from .errors import ConfigError
-from .ir.graph import Graph
-from .ir.types import DType
+from .ir.graph import Graph, Node
+from .ir.types import DType, WeightRef
 from .ir.verify import verify
-from .quant import QuantConfig
+from .quant import QuantConfig, stored_fp8
 from .weights import WeightSource
 
 
@@ -30,6 +30,7 @@ class Model:
     config: HFConfig
     family: ModuleType
     weights: WeightSource | None
+    quant: QuantConfig | None = None  # config.json's quantization_config (an FP8 release)
     _graphs: dict = field(default_factory=dict, repr=False)  # act dtype -> verified spec graph
 
     @property
@@ -45,9 +46,21 @@ class Model:
         dt = act_dtype or self.config.weight_dtype
         if dt not in self._graphs:  # built once per dtype: load validates it, compile reuses it
             g = self.family.build(self.config, dt)
+            if self.quant is not None:
+                g = g.map(self._stored_formats)
             verify(g, "spec")
             self._graphs[dt] = g
         return self._graphs[dt]
+
+    def _stored_formats(self, n: Node) -> Node:
+        """n with each weight's stored format: from the checkpoint's header where the weights are
+        here, else by the layout FP8 releases use (`quant.stored_fp8`)."""
+        def fmt(w: WeightRef) -> str:
+            if self.weights is not None:
+                return "fp8" if self.weights.stored_fp8(w) else ""
+            return "fp8" if stored_fp8(w.key.replace("{e}", "0"), w.shape) else ""
+
+        return replace(n, weights=tuple(replace(w, fmt=fmt(w)) for w in n.weights)) if n.weights else n
 
     def __repr__(self) -> str:
         w = "weights" if self.weights else "no weights"
@@ -88,7 +101,7 @@ def load(path: str | os.PathLike) -> Model:
     cfg = fam.config(raw, where)
     quant = QuantConfig.parse(raw.get("quantization_config"), where)
     weights = WeightSource(p, quant) if WeightSource.present(p) else None
-    model = Model(p, raw, cfg, fam, weights)
+    model = Model(p, raw, cfg, fam, weights, quant)
     graph = model.graph()  # builds and verifies the spec: config errors surface here
     if weights is not None:
         weights.validate(graph)

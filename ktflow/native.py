@@ -12,6 +12,7 @@ import atexit
 import hashlib
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -20,6 +21,7 @@ import torch
 
 from . import notices
 from .errors import ConfigError, KtflowError, WeightError, first_line
+from .quant import Fp8Matrix
 
 try:
     from . import _native
@@ -29,10 +31,30 @@ except ImportError as _e:  # not built (a source checkout without `pip install -
 else:
     _IMPORT_ERROR = ""
 
-FORMATS = ("bf16", "int8", "int4")
+FORMATS = ("bf16", "int8", "int4", "fp8")
 PATHS = ("auto", "generic", "avx512", "amx")
 LAYOUT_VERSION = 2  # bump when the packed layout changes: old cache files are then ignored
-_SRC_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_SRC_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+               torch.float8_e4m3fn: "float8_e4m3fn"}
+
+
+def fp8_group(fmt: str, quant) -> int:
+    """The quantization group of `fmt` experts packed from a checkpoint quantized by `quant` (a
+    QuantConfig or None): fp8 from FP8 blocks whose width the kernels take (a multiple of 32)
+    keeps them, so the checkpoint's bytes and scales are copied; otherwise the default."""
+    if fmt == "fp8" and quant is not None and quant.block[1] % 32 == 0:
+        return quant.block[1]
+    return 0
+
+
+def rows_of(t: "torch.Tensor | Fp8Matrix", lo: int, hi: int):
+    """Rows [lo, hi) of a float tensor or an FP8 matrix."""
+    return t.rows(lo, hi) if isinstance(t, Fp8Matrix) else t[lo:hi]
+
+
+def cols_of(t: "torch.Tensor | Fp8Matrix", lo: int, hi: int):
+    """Columns [lo, hi) of a float tensor or an FP8 matrix, contiguous."""
+    return t.cols(lo, hi) if isinstance(t, Fp8Matrix) else t[:, lo:hi].contiguous()
 
 
 _CACHE_UNWRITABLE = False  # set once a cache write failed: the process goes on without the cache
@@ -168,7 +190,9 @@ class ExpertOp:
     def pack(self, tensors: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
              cache: str | os.PathLike | None = None, fingerprint: str = "") -> str:
         """Pack every held expert from `tensors(e)` = (gate [inter, hidden], up [inter, hidden],
-        down [hidden, inter]), float32/float16/bfloat16. With `cache` (a directory), the packed
+        down [hidden, inter]), float32/float16/bfloat16, or `Fp8Matrix`es (an FP8 checkpoint's
+        bytes and block scales: copied as they are into the fp8 format when its group is the
+        blocks' width, else dequantized row by row while packing). With `cache` (a directory), the packed
         weights are read from, or else written to, a safetensors file named by `fingerprint`
         plus the format and the split. The cache is optional: a file that cannot be read, or
         whose sizes or sampled-content digest disagree, is removed and the experts packed again;
@@ -187,24 +211,38 @@ class ExpertOp:
                     path.unlink()
                 except OSError:
                     pass
-        keep, gates, ups, downs, dtype = [], [], [], [], None
+        keep, gates, ups, downs, scales, dtype, block = [], [], [], [], [], None, None
         for e in self.held:
-            g, u, d = tensors(e)
-            for t, name, shape in ((g, "gate", (self.inter, self.hidden)), (u, "up", (self.inter, self.hidden)),
-                                   (d, "down", (self.hidden, self.inter))):
+            mats = tensors(e)
+            for t, name, shape in zip(mats, ("gate", "up", "down"), ((self.inter, self.hidden),
+                                      (self.inter, self.hidden), (self.hidden, self.inter)), strict=True):
                 if t.dtype not in _SRC_DTYPES:
-                    raise ConfigError(f"expert {e} {name}: dtype {t.dtype} cannot be packed (float32, float16, bfloat16)")
-                _check(t, f"expert {e} {name}", t.dtype, shape)
+                    raise ConfigError(f"expert {e} {name}: dtype {t.dtype} cannot be packed "
+                                      f"({', '.join(map(str, _SRC_DTYPES))})")
+                _check(t.data if isinstance(t, Fp8Matrix) else t, f"expert {e} {name}", t.dtype, shape)
                 if dtype is None:
                     dtype = t.dtype
                 elif t.dtype != dtype:
                     raise ConfigError(f"expert {e} {name}: dtype {t.dtype} differs from the other experts' {dtype}")
-            g, u, d = (t.contiguous() for t in (g, u, d))
-            keep.append((g, u, d))
+                if isinstance(t, Fp8Matrix):
+                    _check(t.scale_inv, f"expert {e} {name} scales", torch.float32, tuple(t.scale_inv.shape))
+                    block = block or t.block
+                    if t.block != block:
+                        raise ConfigError(f"expert {e} {name}: FP8 block {t.block} differs from the other experts' "
+                                          f"{block}")
+                elif dtype == torch.float8_e4m3fn:
+                    raise ConfigError(f"expert {e} {name}: an FP8 tensor needs its block scales (an Fp8Matrix)")
+            mats = [replace(t, data=t.data.contiguous()) if isinstance(t, Fp8Matrix) else t.contiguous() for t in mats]
+            keep.append(mats)
+            g, u, d = (t.data if isinstance(t, Fp8Matrix) else t for t in mats)
             gates.append(g.data_ptr()), ups.append(u.data_ptr()), downs.append(d.data_ptr())
+            if isinstance(mats[0], Fp8Matrix):
+                scales.append([t.scale_arg() for t in mats])
         if self.held:
+            bn, bk = block or (128, 128)
             try:
-                self.op.pack(self.held, gates, ups, downs, self.hidden, self.hidden, self.inter, _SRC_DTYPES[dtype])
+                self.op.pack(self.held, gates, ups, downs, self.hidden, self.hidden, self.inter, _SRC_DTYPES[dtype],
+                             scales, bn, bk)
             except ValueError as e:
                 if "non-finite" not in str(e):
                     raise

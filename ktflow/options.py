@@ -24,8 +24,10 @@ class CompileOptions(BaseModel):
                          "on the C++ kernels), cuda_graph (native experts, each decode step one CUDA graph) or null; "
                          "auto = cuda_graph (GPU on CUDA) or native (no GPU) for bfloat16 plans where the native "
                          "module is built, else torch_ref")
-    expert_format: Literal["bf16", "int8", "int4"] = Field(
-        "bf16", description="weight format of CPU routed experts in the native backend")
+    expert_format: Literal["auto", "bf16", "int8", "int4", "fp8"] = Field(
+        "auto", description="weight format of CPU routed experts in the native backend: bf16, int8 (per output "
+        "channel), int4 (groups of 128), fp8 (e4m3 in 128-column groups: an FP8 release's own bytes and scales); "
+        "auto = fp8 for an FP8 checkpoint, else bf16 (compile writes the one it chose into the plan)")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where GPU-placed nodes run: cuda, or cpu (the same hybrid plan on a machine without "
         "a GPU); auto = cuda when torch sees one")
@@ -91,6 +93,13 @@ class CompileContext:
     def label(self) -> str:
         """The plan's name in messages and dumps: decode, or prefill<tokens> (one per bucket)."""
         return "decode" if self.phase == "decode" else f"prefill{self.tokens}"
+
+    @property
+    def expert_format(self) -> str:
+        """The CPU experts' format (compile resolves "auto" by the checkpoint; a context built by
+        hand with "auto" gets bf16)."""
+        fmt = self.options.expert_format
+        return "bf16" if fmt == "auto" else fmt
 
     @property
     def numa_nodes(self) -> int:

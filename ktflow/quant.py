@@ -16,7 +16,7 @@ MXFP4, ...) are refused with the method named.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -65,6 +65,37 @@ class QuantConfig:
         return (-(-shape[0] // bo), -(-shape[1] // bi))
 
 
+@dataclass(frozen=True)
+class Fp8Matrix:
+    """A block-scaled FP8 matrix as a checkpoint stores it, or a part of one: `data` [n, k] e4m3,
+    `scale_inv` the whole tensor's block scales ([ceil(N / bn), ceil(K / bk)] for the [N, K]
+    tensor) and (row0, col0) where `data` starts in that tensor. Packed without a float copy."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    block: tuple[int, int]
+    row0: int = 0
+    col0: int = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def rows(self, lo: int, hi: int) -> "Fp8Matrix":
+        return replace(self, data=self.data[lo:hi], row0=self.row0 + lo)
+
+    def cols(self, lo: int, hi: int) -> "Fp8Matrix":
+        return replace(self, data=self.data[:, lo:hi].contiguous(), col0=self.col0 + lo)
+
+    def scale_arg(self) -> tuple[int, int, int, int]:
+        """(address, row stride, row0, col0) of the scales, as the native packer takes them."""
+        return (self.scale_inv.data_ptr(), self.scale_inv.stride(0), self.row0, self.col0)
+
+
 def stored_fp8(name: str, shape: tuple[int, ...]) -> bool:
     """Whether an FP8 release stores tensor `name` in e4m3: the linear layers' weights; norms,
     routers, correction biases, embeddings and the output head stay float (as DeepSeek-V3's and
@@ -91,6 +122,21 @@ def dequantize(w8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
         w.view(out // bo, bo, inn // bi, bi).mul_(scale_inv.float()[:, None, :, None])
         return w
     return w.mul_(scale_inv.float().repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inn])
+
+
+def quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] float -> (e4m3 [out, in], float32 scale_inv [ceil(out/bo), ceil(in/bi)]) as FP8
+    releases store it: per block, scale = amax / 448 and w8 = nearest e4m3 of w / scale (so
+    `dequantize(*quantize(w, block), block)` is w to e4m3's 3-bit mantissa)."""
+    bo, bi = block
+    out, inn = w.shape
+    rows, cols = -(-out // bo), -(-inn // bi)
+    padded = torch.zeros(rows * bo, cols * bi)
+    padded[:out, :inn] = w.float()
+    amax = padded.view(rows, bo, cols, bi).abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = (amax / 448.0).float()
+    full = scale.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inn]
+    return (w.float() / full).to(torch.float8_e4m3fn), scale
 
 
 def check_pair(key: str, dtype: str, shape: tuple[int, ...], scale: tuple[str, tuple[int, ...]] | None,

@@ -24,7 +24,7 @@ import torch
 from .errors import WeightError
 from .ir.graph import Graph
 from .ir.types import DType, WeightRef
-from .quant import FP8_DTYPES, QuantConfig, check_pair, dequantize, scale_key
+from .quant import FP8_DTYPES, Fp8Matrix, QuantConfig, check_pair, dequantize, scale_key
 
 #: torch dtype of each floating IR dtype
 TORCH_DTYPE = {DType.F32: torch.float32, DType.BF16: torch.bfloat16, DType.F16: torch.float16}
@@ -269,6 +269,20 @@ class WeightSource:
     def load(self, ref: WeightRef) -> torch.Tensor:
         """The tensor of a plain (non-expert) reference."""
         return self.read(ref.key)
+
+    def stored_fp8(self, ref: WeightRef) -> bool:
+        """Whether the checkpoint stores `ref` (expert 0's tensor, for a per-expert one) in FP8."""
+        e = self.entries.get(ref.key.format(e=0) if ref.experts else ref.key)
+        return e is not None and e.dtype in FP8_DTYPES
+
+    def load_expert_stored(self, ref: WeightRef, e: int) -> torch.Tensor | Fp8Matrix:
+        """Expert `e`'s tensor as stored, for the native packer: an FP8 one as its bytes and block
+        scales (float32), with no float copy; any other as `load_expert`."""
+        key = ref.key.format(e=e)
+        entry = self.entries.get(key)
+        if entry is not None and entry.dtype in FP8_DTYPES:
+            return Fp8Matrix(self.get(key), self.get(scale_key(key)).float().contiguous(), self.quant.block)
+        return self.load_expert(ref, e)
 
     def load_expert(self, ref: WeightRef, e: int) -> torch.Tensor:
         """Expert `e`'s tensor of a per-expert reference: a view, per-expert or into the fused tensor."""

@@ -102,31 +102,39 @@ def to_classic_rope(directory: Path) -> None:
 
 def to_fp8(model: torch.nn.Module, directory: Path, block: tuple[int, int] = (128, 128)) -> dict:
     """Save `model` in the published FP8 layout: each linear weight as F8_E4M3 per block of
-    `block` (amax / 448 scales) with `<name>_scale_inv` beside it, config.json with
-    quantization_config. Returns the dequantized float32 state dict (what an FP8 checkpoint
-    means), for the reference model."""
+    `block` (amax / 448 scales) with `<name>_scale_inv` beside it, routed experts one tensor per
+    expert and projection (`experts.<e>.gate_proj.weight`, as the releases store them, where
+    transformers holds them fused), config.json with quantization_config. Returns the dequantized
+    float32 state dict (what an FP8 checkpoint means, in transformers' names), for the reference
+    model."""
     from safetensors.torch import save_file
 
-    from ktflow.quant import config_entry, stored_fp8
+    from ktflow.quant import config_entry, dequantize, quantize, stored_fp8
 
     directory.mkdir(parents=True, exist_ok=True)
-    bo, bi = block
     tensors, meant = {}, {}
     for name, t in model.state_dict().items():
         t = t.detach().float().contiguous()
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and t.dim() == 3:
+            prefix, fused = name.rsplit(".", 1)
+            inter = t.shape[1] // 2
+            parts = {"gate_proj": (slice(0, inter),), "up_proj": (slice(inter, None),)} \
+                if fused == "gate_up_proj" else {"down_proj": (slice(None),)}
+            back = torch.empty_like(t)
+            for e in range(t.shape[0]):
+                for proj, (rows,) in parts.items():
+                    w8, scale = quantize(t[e, rows], block)
+                    key = f"{prefix}.{e}.{proj}.weight"
+                    tensors[key], tensors[key + "_scale_inv"] = w8, scale
+                    back[e, rows] = dequantize(w8, scale, block)
+            meant[name] = back
+            continue
         if not stored_fp8(name, tuple(t.shape)):
             tensors[name] = meant[name] = t
             continue
-        out, inn = t.shape
-        rows, cols = -(-out // bo), -(-inn // bi)
-        padded = torch.zeros(rows * bo, cols * bi)
-        padded[:out, :inn] = t
-        amax = padded.view(rows, bo, cols, bi).abs().amax(dim=(1, 3)).clamp(min=1e-12)
-        scale = amax / 448.0
-        full = scale.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inn]
-        w8 = (t / full).to(torch.float8_e4m3fn)
-        tensors[name], tensors[name + "_scale_inv"] = w8, scale.float()
-        meant[name] = w8.float() * full
+        w8, scale = quantize(t, block)
+        tensors[name], tensors[name + "_scale_inv"] = w8, scale
+        meant[name] = dequantize(w8, scale, block)
     save_file(tensors, str(directory / "model.safetensors"))
     cfg = json.loads(model.config.to_json_string())
     cfg["quantization_config"] = config_entry(block)

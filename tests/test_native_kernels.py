@@ -1,6 +1,7 @@
 """The native kernels against float64 references: every weight format on every kernel path this
 CPU has (forced), shapes that are not multiples of the tile sizes, 1 to 600 tokens, the fused
-MoE with masked experts, deferral rank ranges, accumulate, and NUMA slices (virtual groups)."""
+MoE with masked experts, deferral rank ranges, accumulate, and NUMA slices (virtual groups);
+fp8 packed from an FP8 checkpoint's own bytes and block scales, and quantized from floats."""
 
 import pytest
 import torch
@@ -9,9 +10,9 @@ from ktflow import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native module not built")
 
-FORMATS = [("bf16", 0), ("int8", 0), ("int8", 64), ("int4", 0), ("int4", 32)]
+FORMATS = [("bf16", 0), ("int8", 0), ("int8", 64), ("int4", 0), ("int4", 32), ("fp8", 0), ("fp8", 32)]
 # relative error of the result against float64 math on the unquantized weights
-TOL = {"bf16": 1e-2, "int8": 3e-2, "int4": 0.3}  # int4: two quantized products compound
+TOL = {"bf16": 1e-2, "int8": 3e-2, "int4": 0.3, "fp8": 6e-2}  # int4: two quantized products compound
 
 
 def paths():
@@ -131,6 +132,8 @@ CASES = [  # (T, k, E, path, format, group)
     (7, 2, 8, "generic", "bf16", 0), (16, 8, 16, "avx512", "int4", 32), (33, 6, 12, "avx512", "int8", 64),
     (64, 8, 16, "amx", "bf16", 0), (130, 2, 8, "amx", "int8", 0), (250, 6, 16, "auto", "int4", 0),
     (600, 8, 16, "amx", "bf16", 0), (600, 8, 16, "avx512", "bf16", 0), (600, 1, 4, "auto", "int8", 0),
+    (1, 8, 16, "auto", "fp8", 0), (5, 6, 16, "avx512", "fp8", 32), (130, 2, 8, "amx", "fp8", 0),
+    (250, 6, 16, "auto", "fp8", 0),
 ]
 
 
@@ -229,6 +232,135 @@ def test_bad_arguments_name_the_tensor():
     with pytest.raises(Exception, match="outside"):
         op.forward(x, torch.full((3, 2), 9, dtype=torch.int64), wts)
     with pytest.raises(Exception, match="format"):
-        native.ExpertOp(4, 64, 32, fmt="fp8")
+        native.ExpertOp(4, 64, 32, fmt="fp4")
     with pytest.raises(Exception, match="multiple of 32"):
         native.ExpertOp(4, 64, 32, fmt="int8", group_size=48).pack(lambda e: (gate[e], up[e], down[e]))
+
+
+# ------------------------------------------------------------------------------------------ fp8
+
+def pack_fp8(w8, scale, block, group):
+    """A PackedWeight from an FP8 checkpoint tensor's bytes and block scales."""
+    n, k = w8.shape
+    return native.module().PackedWeight(w8.data_ptr(), n, k, k, "float8_e4m3fn", "fp8", group,
+                                        (scale.data_ptr(), scale.stride(0), 0, 0), *block)
+
+
+EXACT_FP8 = {"generic": 1e-5, "avx512": 1e-5}  # the few-rows kernels: e4m3 widened exactly, fp32 sums
+
+
+@pytest.fixture(params=["byte-tables", "binary16"])
+def fp8_widening(request):
+    """Each way the AVX-512 fp8 kernel widens e4m3 (byte tables need VBMI)."""
+    tables = request.param == "byte-tables"
+    if tables and not native.cpu_features().get("avx512_vbmi"):
+        pytest.skip("this CPU has no AVX-512 VBMI")
+    was = native.module().set_fp8_byte_tables(tables)
+    yield request.param
+    native.module().set_fp8_byte_tables(was)
+
+
+@pytest.mark.parametrize("path", ["generic", "avx512", "amx"])
+@pytest.mark.parametrize("block", [(128, 128), (16, 32), (32, 64)])
+def test_fp8_checkpoint_bytes_are_packed_as_they_are(path, block, fp8_widening):
+    """An FP8 source packed as fp8 over its own column blocks keeps its bytes and scales: the packed
+    matrix is the checkpoint's dequantized weight exactly, and each path multiplies by it within
+    fp32 summation (few rows: widened in registers) or bf16 rounding of the scaled weights (many
+    rows: dequantized tiles)."""
+    if path not in paths():
+        pytest.skip(f"this CPU has no {path} path")
+    from ktflow.quant import dequantize, quantize
+
+    g = torch.Generator().manual_seed(block[0] + block[1])
+    n, k = 100, 300  # partial blocks at both edges
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 0, k)  # small values: e4m3 subnormals
+    w8, scale = quantize(w, block)
+    wd = dequantize(w8, scale, block)
+    pw = pack_fp8(w8, scale, block, block[1])
+    assert pw.group == block[1]
+    assert torch.equal(dequantized(pw, n, k), wd)
+    for m in (1, 2, 5, 8, 9, 33):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        y = torch.empty(m, n)
+        pw.matmul(x.data_ptr(), k, m, y.data_ptr(), n, path)
+        exact = path == "generic" or (path == "avx512" and m <= 8)
+        assert rel(y, x.double() @ wd.double().T) < (1e-5 if exact else 4e-3), (m, rel(y, x.double() @ wd.double().T))
+
+
+def test_fp8_from_floats_rounds_like_torch():
+    """Floats packed as fp8: per row and 128 columns, scale amax / 448 and the nearest e4m3 (ties to
+    even, subnormals included), exactly what torch's float8_e4m3fn conversion gives."""
+    from ktflow.quant import dequantize, quantize
+
+    g = torch.Generator().manual_seed(4)
+    n, k = 48, 384
+    w = torch.randn(n, k, generator=g) * torch.logspace(-4, 1, k)
+    pw = native.module().PackedWeight(w.data_ptr(), n, k, k, "float32", "fp8", 0)
+    assert torch.equal(dequantized(pw, n, k), dequantize(*quantize(w, (1, 128)), (1, 128)))
+
+
+def test_fp8_source_requantized_to_other_formats():
+    """An FP8 source packed as bf16, int8 or int4 (or as fp8 over other groups) is its dequantized
+    weight re-quantized: bf16 within bf16 rounding of the dequantized values."""
+    from ktflow.quant import dequantize, quantize
+
+    g = torch.Generator().manual_seed(5)
+    n, k, block = 64, 256, (128, 128)
+    w8, scale = quantize(torch.randn(n, k, generator=g), block)
+    wd = dequantize(w8, scale, block)
+    for fmt, group, tol in (("bf16", 0, 3e-3), ("int8", 0, 2e-2), ("int4", 32, 0.2), ("fp8", 64, 5e-2)):
+        pw = native.module().PackedWeight(w8.data_ptr(), n, k, k, "float8_e4m3fn", fmt, group,
+                                          (scale.data_ptr(), scale.stride(0), 0, 0), *block)
+        got = dequantized(pw, n, k)
+        if fmt == "bf16":
+            assert torch.equal(got, wd.bfloat16().float())
+        assert rel(got, wd) <= tol + 1e-7, fmt
+
+
+def test_fused_moe_from_fp8_checkpoint_bytes():
+    """Experts packed from FP8 sources (row and column slices carry their offsets into the block
+    scales; a scale grid with a partial edge block) against float64 on the dequantized weights,
+    decode and prefill, split over intermediate slices where the pool has several groups."""
+    from ktflow.quant import Fp8Matrix, dequantize, quantize
+
+    E, H, I, block = 8, 256, 320, (128, 128)
+    gate, up, down = make_experts(E, H, I, seed=8)
+    q = {}
+    for e in range(E):
+        q[e] = [Fp8Matrix(*quantize(t[e].float(), block), block) for t in (gate, up, down)]
+    deq = [torch.stack([dequantize(q[e][i].data, q[e][i].scale_inv, block) for e in range(E)]) for i in range(3)]
+    op = native.ExpertOp(E, H, I, fmt="fp8", group_size=128)
+    op.pack(lambda e: tuple(q[e]))
+    for T in (1, 4, 40):
+        ids, wts = routing(T, E, 4, seed=T)
+        x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).bfloat16()
+        ref = reference_moe(x, ids, wts, *deq, set(range(E)), (0, 4))
+        assert rel(op.forward(x, ids, wts), ref) < 1e-2, T  # the bf16 products of the SwiGLU
+    # a shard of the rows (a NUMA slice from the plan): its scales are read from its offset
+    lo, hi = 128, 320
+    shard = native.ExpertOp(E, H, hi - lo, fmt="fp8", group_size=128)
+    shard.pack(lambda e: (native.rows_of(q[e][0], lo, hi), native.rows_of(q[e][1], lo, hi),
+                          native.cols_of(q[e][2], lo, hi)))
+    ids, wts = routing(3, E, 4, seed=1)
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(1)).bfloat16()
+    ref = reference_moe(x, ids, wts, deq[0][:, lo:hi], deq[1][:, lo:hi], deq[2][:, :, lo:hi], set(range(E)), (0, 4))
+    assert rel(shard.forward(x, ids, wts), ref) < 1e-2
+
+
+def test_fp8_nan_and_missing_scales_are_named():
+    from ktflow.errors import WeightError
+    from ktflow.quant import Fp8Matrix, quantize
+
+    E, H, I, block = 2, 128, 128, (128, 128)
+    gate, up, down = make_experts(E, H, I, seed=2)
+    q = {e: [Fp8Matrix(*quantize(t[e].float(), block), block) for t in (gate, up, down)] for e in range(E)}
+    q[1][2].data.view(torch.uint8)[5, 7] = 0x7F  # e4m3's NaN
+    op = native.ExpertOp(E, H, I, fmt="fp8")
+    with pytest.raises(WeightError, match=r"expert 1 down: non-finite value at \[5, 7\]"):
+        op.pack(lambda e: tuple(q[e]))
+    q[1][2].data.view(torch.uint8)[5, 7] = 0
+    q[0][0].scale_inv[0, 0] = float("inf")
+    with pytest.raises(WeightError, match=r"expert 0 gate: non-finite value at \[0, 0\]"):
+        native.ExpertOp(E, H, I, fmt="int8").pack(lambda e: tuple(q[e]))
+    with pytest.raises(Exception, match="block scales"):
+        native.ExpertOp(E, H, I, fmt="fp8").pack(lambda e: tuple(m.data for m in q[e]))

@@ -11,6 +11,7 @@ import torch
 import ktflow
 from ktflow.errors import PassError, PlanError
 from ktflow.ir.types import Device
+from ktflow.ir.printer import print_graph
 from ktflow.options import CompileContext, CompileOptions
 from ktflow.passes import PIPELINE, run_pipeline
 from ktflow.plan import PlanFile
@@ -153,9 +154,18 @@ def test_full_size_deepseek_v3_compiles_from_config_alone():
 
     model = ktflow.load(DATA / "deepseek-v3-config")
     assert model.weights is None
-    c = ktflow.compile(model, hw="cpu")
+    c = ktflow.compile(model, hw="cpu", allow_oversize=True)
     g = c.decode.ir
     assert sum(1 for n in g.nodes if n.op.value == "routed_experts") == 58
-    assert c.decode.memory.weight_bytes == pytest.approx(1.342e12, rel=0.01)  # 671B params in bf16
+    # the config is an FP8 release's: its linear weights are stored fp8, and the routed experts
+    # (653.5B weights) stay fp8 on the CPU (1 byte + a float scale per 128); the rest widens to bf16
+    assert c.plans.options.expert_format == "fp8"
+    experts = next(n for n in g.nodes if n.op.value == "routed_experts")
+    assert {w.fmt for w in experts.weights} == {"fp8"} and ":fp8" in print_graph(g)
+    assert all(w.fmt == "" for n in g.nodes for w in n.weights if "norm" in w.key or "embed" in w.key)
+    routed = 58 * 256 * 3 * 7168 * 2048
+    assert c.decode.memory.weight_bytes == pytest.approx(routed * (1 + 4 / 128) + (671.0e9 - routed) * 2, rel=0.01)
+    bf16 = ktflow.compile(model, hw="cpu", expert_format="bf16", allow_oversize=True)
+    assert bf16.decode.memory.weight_bytes == pytest.approx(1.342e12, rel=0.01)  # 671B params in bf16
     assert c.decode.memory.kv_cache_bytes == 61 * (512 + 64) * 4096 * 2
     assert "deepseek_v3, 61 layers" in c.summary()

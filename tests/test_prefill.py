@@ -237,7 +237,7 @@ def test_last_logits_equal_the_last_row_of_all(demo_dir):
 
 
 @needs_native
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "fp8"])
 def test_staged_experts_unpack_to_the_weights_the_cpu_computes_with(fmt):
     """Experts packed in the native layouts, copied out of the arenas of two operators that hold
     halves of the rows (NUMA shards), unpacked: the same matrices the CPU kernels multiply by
@@ -275,7 +275,7 @@ def test_staged_experts_unpack_to_the_weights_the_cpu_computes_with(fmt):
 
 
 @needs_native
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("inter", [96, 1408])  # 1408: the packed K is not a multiple of the kernel's tile
 def test_one_pass_dequant_kernel_matches_the_torch_unpack(fmt, inter, monkeypatch):
     """The Triton dequant kernel against the torch unpack on the same packed bytes, exactly

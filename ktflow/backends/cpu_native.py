@@ -145,12 +145,13 @@ class NativeBackend(TorchRefBackend):
         lo, hi = rows
         pool = native.pool()
         groups = [numa % pool.groups] if numa is not None else None
-        op = native.ExpertOp(a.experts, a.hidden, hi - lo, held=ids, fmt=self.expert_format, groups=groups)
+        op = native.ExpertOp(a.experts, a.hidden, hi - lo, held=ids, fmt=self.expert_format, groups=groups,
+                             group_size=native.fp8_group(self.expert_format, weights.quant))
         refs = {r.role: r for r in n.weights}
 
-        def tensors(e: int):
-            g, u, d = (weights.load_expert(refs[role], e) for role in ("gate", "up", "down"))
-            return g[lo:hi], u[lo:hi], d[:, lo:hi].contiguous()
+        def tensors(e: int):  # FP8 ones as stored: packed from the checkpoint's bytes
+            g, u, d = (weights.load_expert_stored(refs[role], e) for role in ("gate", "up", "down"))
+            return native.rows_of(g, lo, hi), native.rows_of(u, lo, hi), native.cols_of(d, lo, hi)
 
         try:
             self.loaded[n.name] = op.pack(tensors, cache=cache_dir(),

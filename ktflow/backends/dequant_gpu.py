@@ -1,8 +1,9 @@
-"""Packed int8/int4 experts to plain matrices in one pass on the GPU (a Triton kernel).
+"""Packed int8/int4/fp8 experts to plain matrices in one pass on the GPU (a Triton kernel).
 
 The native operator packs each matrix in 16-row blocks: int8 as [np/16][kp/4][16][4] bytes
 (value + 128), int4 as [np/16][kp/8][16][4] bytes (byte i of a quad holds k = 8q + i in its low
-nibble and 8q + 4 + i in its high one; value + 8), with one float32 scale per row and group of
+nibble and 8q + 4 + i in its high one; value + 8), fp8 as [np/16][kp/2][16][2] e4m3 bytes (read
+through binary16 bits, as the CPU kernels do), with one float32 scale per row and group of
 `group` columns, laid out [np/16][kp/group][16]. Each program of the kernel writes a 16 x BLOCK_K
 tile of one expert's [n, k] output: it reads the tile's bytes (one contiguous run of the packed
 block) and scales once and writes the tile once, in the output's dtype and strides.
@@ -19,6 +20,7 @@ import functools
 import torch
 
 BLOCK_K = 256  # columns per program (a multiple of 8: whole int4 octets)
+KINDS = {"int8": 0, "int4": 1, "fp8": 2}
 
 
 @functools.cache
@@ -28,14 +30,19 @@ def _kernel():
 
     @triton.jit
     def dequant(data, data_row, scales, scales_row, out, out_e, out_n, out_k, n, k, kp: tl.constexpr,
-                group: tl.constexpr, int4: tl.constexpr, block_k: tl.constexpr):
+                group: tl.constexpr, kind: tl.constexpr, block_k: tl.constexpr):
         e = tl.program_id(0)
         blk = tl.program_id(1)  # 16-row block
         c0 = tl.program_id(2) * block_k
         r = tl.arange(0, 16)[:, None]
         c = c0 + tl.arange(0, block_k)[None, :]
         packed = (c < kp) & (r < 16)  # [16, block_k]: the tile's columns inside the packed matrix
-        if int4:
+        if kind == 2:  # fp8: e4m3 bits into a binary16's (value * 2^-8), the sign to bit 15
+            byte = ((blk * (kp // 2) + c // 2) * 16 + r) * 2 + (c % 2)
+            raw = tl.load(data + e.to(tl.int64) * data_row + byte, mask=packed, other=0).to(tl.int16)
+            half = (((raw & 0x7F) << 7) | ((raw & 0x80) << 8)).to(tl.float16, bitcast=True)
+            q = half.to(tl.float32) * 256.0
+        elif kind == 1:  # int4
             j = c % 8
             byte = ((blk * (kp // 8) + c // 8) * 16 + r) * 4 + (j % 4)
             raw = tl.load(data + e.to(tl.int64) * data_row + byte, mask=packed, other=0).to(tl.int32)
@@ -67,10 +74,10 @@ def available(device: torch.device) -> bool:
 def dequantize(fmt: str, data: torch.Tensor, scales: torch.Tensor, np_: int, kp: int, group: int,
                out: torch.Tensor) -> None:
     """`data` [e, bytes] (uint8, rows may be strided) and `scales` [e, bytes] packed as `fmt`
-    (int8 or int4) into `out` [e, n, k] (n <= np_, k <= kp; any strides, any float dtype)."""
+    (int8, int4 or fp8) into `out` [e, n, k] (n <= np_, k <= kp; any strides, any float dtype)."""
     triton, kernel = _kernel()
     e, n, k = out.shape
     s = scales.view(torch.float32)
     grid = (e, np_ // 16, triton.cdiv(kp, BLOCK_K))
     kernel[grid](data, data.stride(0), s, s.stride(0), out, out.stride(0), out.stride(1), out.stride(2), n, k,
-                 kp=kp, group=group, int4=fmt == "int4", block_k=BLOCK_K)
+                 kp=kp, group=group, kind=KINDS[fmt], block_k=BLOCK_K)

@@ -4,8 +4,8 @@
   sorted by expert and offsets computed on the device (no host sync), over stacked resident
   weights or the weights a fetch staged.
 - `unpack_matrix`: packed CPU experts (the native layouts: 16-row blocks with K pairs, quads or
-  octets side by side, int8/int4 with fp32 group scales) converted to plain [n, k] matrices on
-  the device they were copied to (int8/int4 on a GPU: `dequant_gpu`'s one-pass kernel).
+  octets side by side, int8/int4/fp8 with fp32 group scales) converted to plain [n, k] matrices
+  on the device they were copied to (int8/int4/fp8 on a GPU: `dequant_gpu`'s one-pass kernel).
 
 memory.SCRATCH mirrors the temporaries of `grouped_experts`; change them together.
 """
@@ -107,10 +107,12 @@ def unpack_matrix(fmt: str, data: torch.Tensor, scales: torch.Tensor | None, np_
                 pass
         out.copy_(w.reshape(e, np_, kp)[:, :n, :k])
         return
-    if dequant_gpu.available(data.device):  # int8/int4 in one pass
+    if dequant_gpu.available(data.device):  # int8/int4/fp8 in one pass
         dequant_gpu.dequantize(fmt, data, scales, np_, kp, group, out)
         return
-    if fmt == "int8":  # [np/16][kp/4][16][4], value + 128
+    if fmt == "fp8":  # [np/16][kp/2][16][2] e4m3 bytes
+        q = data.view(torch.float8_e4m3fn).view(e, np_ // 16, kp // 2, 16, 2).permute(0, 1, 3, 2, 4).reshape(e, np_, kp)
+    elif fmt == "int8":  # [np/16][kp/4][16][4], value + 128
         q = data.view(e, np_ // 16, kp // 4, 16, 4).permute(0, 1, 3, 2, 4).reshape(e, np_, kp).to(torch.int16) - 128
     else:  # int4: [np/16][kp/8][16][4] bytes; byte i holds k = 8q + i (low nibble), 8q + 4 + i (high); value + 8
         b = data.view(e, np_ // 16, kp // 8, 16, 4)

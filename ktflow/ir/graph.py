@@ -47,7 +47,7 @@ class Node:
             "attrs": attrs_to_dict(self.attrs),
             "out": {"shape": list(self.out.shape), "dtype": self.out.dtype.value},
             "weights": [{"role": w.role, "key": w.key, "shape": list(w.shape), "experts": w.experts}
-                        for w in self.weights],
+                        | ({"fmt": w.fmt} if w.fmt else {}) for w in self.weights],
         }
         if self.place is not None:
             d["place"] = {"device": self.place.device.value, "cause": self.place.cause,

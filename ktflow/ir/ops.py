@@ -241,9 +241,9 @@ class SyncAttrs:
 
 
 #: bytes per weight of a packed expert format over the PCIe link: data, plus the fp32 scales of its
-#: quantization groups (int8: one per output channel of K = hidden; int4: one per 128 weights)
+#: quantization groups (int8: one per output channel of K = hidden; int4, fp8: one per 128 weights)
 def packed_weight_bytes(fmt: str, k: int) -> float:
-    return {"bf16": 2.0, "int8": 1.0 + 4.0 / max(k, 1), "int4": 0.5 + 4.0 / 128}[fmt]
+    return {"bf16": 2.0, "int8": 1.0 + 4.0 / max(k, 1), "int4": 0.5 + 4.0 / 128, "fp8": 1.0 + 4.0 / 128}[fmt]
 
 
 def expert_weight_bytes(fmt: str, hidden: int, inter: int) -> float:

@@ -1,6 +1,6 @@
 """Deterministic text form of a graph: one line per node.
 
-    <name> = <op>(<inputs>) <attrs> -> <type> [w=<tensors>/<elems>] [@device] [cost]
+    <name> = <op>(<inputs>) <attrs> -> <type> [w=<tensors>/<elems>[:<stored formats>]] [@device] [cost]
 
 This text is the debug dump (`--print-after`, KTFLOW_DUMP) and the golden format in tests.
 """
@@ -20,6 +20,9 @@ def format_node(n: Node) -> str:
     line += f" -> {n.out}"
     if n.weights:
         line += f" w={len(n.weights)}/{_si(n.weight_elems())}"
+        stored = sorted({w.fmt for w in n.weights if w.fmt})
+        if stored:  # weights the checkpoint stores other than in the float dtype
+            line += ":" + "+".join(stored)
     if n.place is not None:
         line += f" {n.place}"
         if n.place.cause:

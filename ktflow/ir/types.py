@@ -100,19 +100,26 @@ class Cost:
         return f"{_si(self.flops)}FLOP {_si(self.bytes)}B cpu {_si(self.cpu_s)}s{gpu}"
 
 
+#: stored weight formats other than the float dtype (WeightRef.fmt)
+STORED_FORMATS = ("fp8",)
+
+
 @dataclass(frozen=True)
 class WeightRef:
     """A checkpoint tensor a node reads.
 
     `key` is the checkpoint name. When `experts` > 0 the key contains `{e}` and the reference
     stands for `experts` tensors of the same `shape`, one per expert (the weight loader also
-    finds them in fused per-layer tensors; see ktflow.weights).
+    finds them in fused per-layer tensors; see ktflow.weights). `fmt` is how the checkpoint
+    stores it: "" in the model's float dtype, or one of `STORED_FORMATS` ("fp8": e4m3 with
+    block scales beside it, as FP8 releases store their linear layers).
     """
 
     role: str
     key: str
     shape: tuple[int, ...]
     experts: int = 0
+    fmt: str = ""
 
     def numel(self) -> int:
         n = max(self.experts, 1)

@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 from ..errors import KtflowError
 from .graph import Graph
 from .ops import FACTS, Op
-from .types import DType, FLOAT_DTYPES, TOKENS
+from .types import DType, FLOAT_DTYPES, STORED_FORMATS, TOKENS
 
 STAGES = ("spec", "costed", "placed", "lowered")
 
@@ -129,6 +129,10 @@ def _r8_weights(g: Graph):
                 yield n.name, f"weight {w.key} has a non-positive dim {w.shape} or a negative expert count"
             if (w.experts > 0) != ("{e}" in w.key):
                 yield n.name, f"weight {w.key}: per-expert keys contain {{e}} exactly when experts > 0"
+            if w.fmt and w.fmt not in STORED_FORMATS:
+                yield n.name, f"weight {w.key}: stored format {w.fmt!r} is not one of {', '.join(STORED_FORMATS)}"
+            if w.fmt == "fp8" and len(w.shape) != 2:
+                yield n.name, f"weight {w.key}: fp8 (block-scaled) weights are matrices, got shape {list(w.shape)}"
 
 
 def _r9_one_attention_per_layer(g: Graph):

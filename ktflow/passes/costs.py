@@ -27,7 +27,7 @@ def annotate_costs(g: Graph, ctx: CompileContext) -> Graph:
     Requires: a verified spec graph. Guarantees: every node has `cost`; nothing else changes.
     """
     return g.map(lambda n: replace(n, cost=node_cost(n, g, step_work(n, ctx), ctx.hw, ctx.weight_itemsize,
-                                                     ctx.numa_nodes, ctx.options.expert_format)))
+                                                     ctx.numa_nodes, ctx.expert_format)))
 
 
 def recost_changed(before: Graph, after: Graph, ctx: CompileContext) -> Graph:
@@ -40,6 +40,6 @@ def recost_changed(before: Graph, after: Graph, ctx: CompileContext) -> Graph:
                 and (old.place.numa if old.place else None) == (n.place.numa if n.place else None):
             return n
         return replace(n, cost=node_cost(n, after, step_work(n, ctx), ctx.hw, ctx.weight_itemsize, ctx.numa_nodes,
-                                         ctx.options.expert_format))
+                                         ctx.expert_format))
 
     return after.map(fresh)

@@ -109,7 +109,7 @@ def _cpu_seconds(n: Node, g: Graph, ctx: CompileContext, ranks: tuple[int, int])
         m = replace(n, attrs=a, place=replace(n.place, numa=0))
     else:
         m = replace(n, attrs=a)
-    return node_cost(m, g, step_work(m, ctx), ctx.hw, ctx.weight_itemsize, nodes, ctx.options.expert_format).cpu_s
+    return node_cost(m, g, step_work(m, ctx), ctx.hw, ctx.weight_itemsize, nodes, ctx.expert_format).cpu_s
 
 
 def _gpu_gap(g: Graph, ctx: CompileContext, j: int, moe: list[int]) -> float:

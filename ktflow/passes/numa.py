@@ -58,7 +58,7 @@ def _shards(n: Node, ctx: CompileContext, mode: str) -> list[Node]:
 def _predicted(shards: list[Node], g: Graph, ctx: CompileContext) -> float:
     """Seconds until the slowest shard is done (they run at once, one per node)."""
     return max(node_cost(s, g, step_work(s, ctx), ctx.hw, ctx.weight_itemsize, ctx.numa_nodes,
-                         ctx.options.expert_format).cpu_s for s in shards)
+                         ctx.expert_format).cpu_s for s in shards)
 
 
 def split_numa(g: Graph, ctx: CompileContext) -> Graph:

@@ -64,7 +64,7 @@ def _units(g: Graph, ctx: CompileContext) -> tuple[list[Unit], dict[str, tuple[C
         if not n.weights:
             continue
         w = _decode_work(ctx, n)
-        c = node_cost(n, g, w, ctx.hw, ctx.weight_itemsize, expert_format=ctx.options.expert_format)
+        c = node_cost(n, g, w, ctx.hw, ctx.weight_itemsize, expert_format=ctx.expert_format)
         # a layer's experts cross to the CPU anyway; dense nodes need not
         copies = _copies_avoided(n, g, ctx, w.tokens) if n.op != Op.ROUTED_EXPERTS else 0.0
         gains[n.name] = (c, copies)

@@ -66,7 +66,7 @@ def place_prefill_experts(g: Graph, ctx: CompileContext) -> Graph:
                  and all(g.by_name(i).place.device == Device.GPU for i in n.inputs)]
     if not cpu_nodes:
         return g
-    fmt = ctx.options.expert_format
+    fmt = ctx.expert_format
     room = prefill_room(g, ctx.hw, tokens=ctx.tokens, weight_itemsize=ctx.weight_itemsize,
                         kv_tokens=ctx.max_seq_len * ctx.options.max_batch,
                         reserve_bytes=ctx.options.vram_reserve_gb * 1e9)

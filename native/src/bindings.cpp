@@ -3,7 +3,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <array>
 #include <atomic>
+#include <tuple>
 #include <random>
 
 #include "ktf/common.h"
@@ -25,14 +27,29 @@ Format parse_format(const std::string& s) {
   if (s == "bf16") return Format::BF16;
   if (s == "int8") return Format::INT8;
   if (s == "int4") return Format::INT4;
-  throw std::invalid_argument("unknown weight format '" + s + "' (bf16, int8 or int4)");
+  if (s == "fp8") return Format::FP8;
+  throw std::invalid_argument("unknown weight format '" + s + "' (bf16, int8, int4 or fp8)");
 }
 
 SrcType parse_src(const std::string& s) {
   if (s == "float32") return SrcType::F32;
   if (s == "float16") return SrcType::F16;
   if (s == "bfloat16") return SrcType::BF16;
-  throw std::invalid_argument("unsupported source dtype '" + s + "' (float32, float16 or bfloat16)");
+  if (s == "float8_e4m3fn") return SrcType::FP8;
+  throw std::invalid_argument("unsupported source dtype '" + s + "' (float32, float16, bfloat16 or float8_e4m3fn)");
+}
+
+// An FP8 source's block scales from Python: (address of float32 scales, their row stride, the
+// matrix's first row and column in the scales' tensor); block the checkpoint's [bn, bk].
+using ScaleArg = std::tuple<uintptr_t, size_t, int, int>;
+SrcScales src_scales(const ScaleArg& a, int bn, int bk) {
+  SrcScales s;
+  s.s = ptr<const float>(std::get<0>(a));
+  s.ld = std::get<1>(a);
+  s.bn = bn, s.bk = bk;
+  s.row0 = std::get<2>(a), s.col0 = std::get<3>(a);
+  if (bn <= 0 || bk <= 0) throw std::invalid_argument("FP8 block sizes must be positive");
+  return s;
 }
 
 Path parse_path(const std::string& s) {
@@ -46,8 +63,11 @@ Path parse_path(const std::string& s) {
 // One packed matrix on its own, for kernel tests and benchmarks.
 struct PackedWeight {
   PackedMatrix m;
-  PackedWeight(uintptr_t src, int n, int k, size_t ld, const std::string& dtype, const std::string& fmt, int group) {
-    pack_matrix(m, ptr<const void>(src), ld, n, k, parse_src(dtype), parse_format(fmt), group, NB, -1);
+  PackedWeight(uintptr_t src, int n, int k, size_t ld, const std::string& dtype, const std::string& fmt, int group,
+               const ScaleArg& scales, int bn, int bk) {
+    const SrcScales ss = src_scales(scales, bn, bk);
+    pack_matrix(m, ptr<const void>(src), ld, n, k, parse_src(dtype), parse_format(fmt), group, NB, -1,
+                std::get<0>(scales) ? &ss : nullptr);
   }
   ~PackedWeight() { free_matrix(m, -1); }
   // y [M, n] (fp32, row stride ldy) = x [M, k] (bf16, row stride ldx) . W^T
@@ -148,8 +168,15 @@ PYBIND11_MODULE(_native, m) {
     d["avx512_vnni"] = f.avx512_vnni;
     d["amx"] = f.amx;
     d["amx_int8"] = f.amx_int8;
+    d["avx512_vbmi"] = f.avx512_vbmi;
     return d;
   });
+  m.def("set_fp8_byte_tables", [](bool on) {
+    if (on && !cpu_features().avx512_vbmi) throw std::invalid_argument("this CPU has no AVX-512 VBMI");
+    const bool was = fp8_byte_tables();
+    fp8_byte_tables() = on;
+    return was;
+  }, "choose the fp8 kernel's widening (byte tables: VBMI; else binary16); returns the previous choice");
   m.def("paths", [] {
     std::vector<std::string> out;
     for (Path p : {Path::GENERIC, Path::AVX512, Path::AMX})
@@ -209,8 +236,11 @@ PYBIND11_MODULE(_native, m) {
       .def("numa_node", &ThreadPool::numa_node);
 
   py::class_<PackedWeight>(m, "PackedWeight")
-      .def(py::init<uintptr_t, int, int, size_t, const std::string&, const std::string&, int>(), py::arg("src"),
-           py::arg("n"), py::arg("k"), py::arg("ld"), py::arg("dtype"), py::arg("format"), py::arg("group") = 0)
+      .def(py::init<uintptr_t, int, int, size_t, const std::string&, const std::string&, int, const ScaleArg&, int,
+                    int>(),
+           py::arg("src"), py::arg("n"), py::arg("k"), py::arg("ld"), py::arg("dtype"), py::arg("format"),
+           py::arg("group") = 0, py::arg("scales") = ScaleArg{0, 0, 0, 0}, py::arg("block_n") = FP8_GROUP,
+           py::arg("block_k") = FP8_GROUP)
       .def_property_readonly("n", [](const PackedWeight& w) { return w.m.n; })
       .def_property_readonly("k", [](const PackedWeight& w) { return w.m.k; })
       .def_property_readonly("np", [](const PackedWeight& w) { return w.m.np; })
@@ -230,17 +260,30 @@ PYBIND11_MODULE(_native, m) {
            py::arg("present") = std::vector<uint8_t>{})
       .def("pack",
            [](MoE& self, std::vector<int> experts, std::vector<uintptr_t> gate, std::vector<uintptr_t> up,
-              std::vector<uintptr_t> down, size_t ld_gate, size_t ld_up, size_t ld_down, const std::string& dtype) {
+              std::vector<uintptr_t> down, size_t ld_gate, size_t ld_up, size_t ld_down, const std::string& dtype,
+              std::vector<std::array<ScaleArg, 3>> scales, int bn, int bk) {
              if (gate.size() != experts.size() || up.size() != experts.size() || down.size() != experts.size())
                throw std::invalid_argument("pack: one gate, up and down address per expert");
+             const SrcType t = parse_src(dtype);
+             if (t == SrcType::FP8 && scales.size() != experts.size())
+               throw std::invalid_argument("pack: FP8 experts need their gate, up and down scales each");
              std::vector<MoE::Source> src;
-             for (size_t i = 0; i < experts.size(); ++i)
-               src.push_back({ptr<const void>(gate[i]), ptr<const void>(up[i]), ptr<const void>(down[i]), ld_gate, ld_up,
-                              ld_down});
-             SrcType t = parse_src(dtype);
+             for (size_t i = 0; i < experts.size(); ++i) {
+               MoE::Source s{ptr<const void>(gate[i]), ptr<const void>(up[i]), ptr<const void>(down[i]), ld_gate, ld_up,
+                             ld_down};
+               if (t == SrcType::FP8) {
+                 s.s_gate = src_scales(scales[i][0], bn, bk);
+                 s.s_up = src_scales(scales[i][1], bn, bk);
+                 s.s_down = src_scales(scales[i][2], bn, bk);
+               }
+               src.push_back(s);
+             }
              py::gil_scoped_release nogil;
              self.pack(experts, src, t);
-           })
+           },
+           py::arg("experts"), py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("ld_gate"), py::arg("ld_up"),
+           py::arg("ld_down"), py::arg("dtype"), py::arg("scales") = std::vector<std::array<ScaleArg, 3>>{},
+           py::arg("block_n") = FP8_GROUP, py::arg("block_k") = FP8_GROUP)
       .def_property_readonly("slices",
                              [](const MoE& self) {
                                std::vector<std::tuple<int, int, int, int>> out;

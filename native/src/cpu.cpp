@@ -45,7 +45,7 @@ CpuFeatures detect() {
   const bool tile_state = (xcr0 & (3ull << 17)) == (3ull << 17);
   __cpuid_count(7, 0, a, b, c, d);
   const bool f512 = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
-  const bool vnni = c & (1u << 11);
+  const bool vnni = c & (1u << 11), vbmi = c & (1u << 1);
   const bool amx_bf16 = d & (1u << 22), amx_tile = d & (1u << 24), amx_int8 = d & (1u << 25);
   unsigned a1 = 0, b1, c1, d1;
   __cpuid_count(7, 1, a1, b1, c1, d1);
@@ -53,6 +53,7 @@ CpuFeatures detect() {
   f.avx512 = zmm_state && f512 && dq && bw && vl;
   f.avx512_bf16 = f.avx512 && bf16;
   f.avx512_vnni = f.avx512 && vnni;
+  f.avx512_vbmi = f.avx512 && vbmi;
   // the AMX kernels dequantize and convert with AVX-512 BF16 too
   f.amx = f.avx512_bf16 && amx_tile && amx_bf16 && tile_state && request_amx_permission();
   f.amx_int8 = f.amx && amx_int8;
@@ -73,6 +74,11 @@ std::once_flag g_calibrated;
 const CpuFeatures& cpu_features() {
   static const CpuFeatures f = detect();
   return f;
+}
+
+bool& fp8_byte_tables() {
+  static bool use = cpu_features().avx512_vbmi;
+  return use;
 }
 
 bool path_available(Path p) {

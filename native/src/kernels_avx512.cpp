@@ -1,6 +1,8 @@
 // AVX-512 kernels (F/BW/VL/DQ + BF16 + VNNI): bf16 weights through VDPBF16PS; int8/int4 weights
 // with few rows through VPDPBUSD on the packed bytes against activations quantized to int8 per
-// (row, K group), with many rows dequantized block by block to bf16. Best for few tokens per
+// (row, K group); fp8 weights with few rows widened to bf16 in registers (exactly) and through
+// VDPBF16PS against the bf16 activations, scaled per group; with many rows, int8/int4/fp8
+// dequantized block by block to bf16. Best for few tokens per
 // expert, where the work is streaming weights from DRAM. Built with its own flags and only called
 // after CPUID says the CPU has these instructions.
 #include <immintrin.h>
@@ -25,9 +27,10 @@ constexpr int MMAX = QUANT_ROWS_MAX;  // tokens per register block
 constexpr int PF_BYTES = 4096;
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + PF_BYTES, _MM_HINT_T0); }
 
-inline __m512 bf16x16_to_f32(const bf16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+inline __m512 bf16x16_to_f32_lanes(__m256i v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
+inline __m512 bf16x16_to_f32(const bf16* p) { return bf16x16_to_f32_lanes(_mm256_loadu_si256((const __m256i*)p)); }
 
 template <int MM>
 void bf16_block(const bf16* X, size_t ldx, const bf16* w, int kp, float* Y, size_t ldy) {
@@ -160,6 +163,113 @@ void quant_block(const QuantRows& xq, const PackedMatrix& W, int b, float* Y, si
   for (int m = 0; m < MM; ++m) _mm512_storeu_ps(Y + m * ldy, tot[m]);
 }
 
+// ---- fp8 weights, few rows: widened to bf16 in registers
+
+// 32 e4m3 bytes -> 32 bf16 holding the same values times 2^-8, in the same order, exactly: the
+// byte's exponent and mantissa bits placed into a binary16's (whose exponent bias is 8 more, and
+// whose subnormals cover e4m3's), the sign moved to bit 15, then binary16 -> fp32 -> bf16 (every
+// e4m3 value times 2^-8 is a bf16). The 2^8 goes into the group scale. NaN bytes are refused at
+// packing, so none reach here.
+inline __m512i e4m3x32_to_bf16(__m256i v) {
+  __m512i h = _mm512_slli_epi16(_mm512_cvtepu8_epi16(v), 7);  // sign at bit 14, e4m3 bits 6..0 at 13..7
+  h = _mm512_add_epi16(h, _mm512_and_si512(h, _mm512_set1_epi16(0x4000)));  // sign bit 14 -> 15
+  const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+constexpr float FP8_UNSCALE = 256.f;  // the 2^8 e4m3x32_to_bf16 leaves out
+
+// Y[m, 16 rows of block b] for MM bf16 rows: per group, bf16 dot products (two accumulators) of
+// the widened weights with the activations, then times the rows' group scales.
+template <int MM>
+void fp8_block(const bf16* X, size_t ldx, const PackedMatrix& W, int b, float* Y, size_t ldy) {
+  const uint8_t* w = static_cast<const uint8_t*>(W.data) + size_t(b) * W.kp * NB;
+  const float* sc = W.group_scales(b);
+  __m512 tot[MM];
+  for (int m = 0; m < MM; ++m) tot[m] = _mm512_setzero_ps();
+  for (int g0 = 0; g0 < W.kp; g0 += W.group) {
+    __m512 a0[MM], a1[MM];
+    for (int m = 0; m < MM; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+    for (int k = g0; k < g0 + W.group; k += 4) {  // 64 bytes: K pairs k/2 and k/2 + 1 of 16 rows
+      const __m512i v = _mm512_load_si512(w + size_t(k) * NB);
+      prefetch(w + size_t(k) * NB);
+      const __m512i w0 = e4m3x32_to_bf16(_mm512_castsi512_si256(v));
+      const __m512i w1 = e4m3x32_to_bf16(_mm512_extracti64x4_epi64(v, 1));
+      for (int m = 0; m < MM; ++m) {
+        int32_t p0, p1;
+        std::memcpy(&p0, X + m * ldx + k, 4);
+        std::memcpy(&p1, X + m * ldx + k + 2, 4);
+        a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)_mm512_set1_epi32(p0), (__m512bh)w0);
+        a1[m] = _mm512_dpbf16_ps(a1[m], (__m512bh)_mm512_set1_epi32(p1), (__m512bh)w1);
+      }
+    }
+    const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(sc + size_t(g0 / W.group) * NB), _mm512_set1_ps(FP8_UNSCALE));
+    for (int m = 0; m < MM; ++m) tot[m] = _mm512_fmadd_ps(_mm512_add_ps(a0[m], a1[m]), s, tot[m]);
+  }
+  for (int m = 0; m < MM; ++m) _mm512_storeu_ps(Y + m * ldy, tot[m]);
+}
+
+// The same through byte tables (AVX-512 VBMI): VPERMT2B looks up the low and the high byte of each
+// weight's bf16 in two 128-entry tables indexed by the byte's low 7 bits (it ignores bit 7, the
+// sign, which is then ORed in), and two more VPERMT2B interleave them into words: 5 instructions
+// for 64 weights (exact: every e4m3 value is a bf16), against 12 for the binary16 route above.
+struct Fp8Tables {
+  __m512i lo0, lo1, hi0, hi1;  // bf16 bytes of codes 0-63 (x0) and 64-127 (x1)
+  __m512i words0, words1;      // interleave: word i of words0 = (lo[i], hi[i]), of words1 = (lo[32 + i], hi[32 + i])
+};
+const Fp8Tables& fp8_tables() {
+  static const Fp8Tables t = [] {
+    alignas(64) uint8_t b[6][64];
+    for (int c = 0; c < 128; ++c) {
+      const bf16 h = c == 0x7f ? 0 : f32_to_bf16(e4m3_to_f32(uint8_t(c)));  // 0x7f (NaN) never packed
+      b[c / 64][c % 64] = uint8_t(h & 0xff);
+      b[2 + c / 64][c % 64] = uint8_t(h >> 8);
+    }
+    for (int i = 0; i < 32; ++i) {
+      b[4][2 * i] = uint8_t(i), b[4][2 * i + 1] = uint8_t(64 + i);
+      b[5][2 * i] = uint8_t(32 + i), b[5][2 * i + 1] = uint8_t(96 + i);
+    }
+    Fp8Tables r;
+    __m512i* v[6] = {&r.lo0, &r.lo1, &r.hi0, &r.hi1, &r.words0, &r.words1};
+    for (int i = 0; i < 6; ++i) *v[i] = _mm512_load_si512(b[i]);
+    return r;
+  }();
+  return t;
+}
+
+template <int MM>
+__attribute__((target("avx512vbmi"))) void fp8_block_lut(const bf16* X, size_t ldx, const PackedMatrix& W, int b,
+                                                          float* Y, size_t ldy) {
+  const Fp8Tables& t = fp8_tables();
+  const __m512i sign = _mm512_set1_epi8(char(0x80));
+  const uint8_t* w = static_cast<const uint8_t*>(W.data) + size_t(b) * W.kp * NB;
+  const float* sc = W.group_scales(b);
+  __m512 tot[MM];
+  for (int m = 0; m < MM; ++m) tot[m] = _mm512_setzero_ps();
+  for (int g0 = 0; g0 < W.kp; g0 += W.group) {
+    __m512 a0[MM], a1[MM];
+    for (int m = 0; m < MM; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+    for (int k = g0; k < g0 + W.group; k += 4) {  // 64 bytes: K pairs k/2 and k/2 + 1 of 16 rows
+      const __m512i v = _mm512_load_si512(w + size_t(k) * NB);
+      prefetch(w + size_t(k) * NB);
+      const __m512i lo = _mm512_permutex2var_epi8(t.lo0, v, t.lo1);
+      const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, v, t.hi1), v, sign, 0xf8);
+      const __m512i w0 = _mm512_permutex2var_epi8(lo, t.words0, hi);
+      const __m512i w1 = _mm512_permutex2var_epi8(lo, t.words1, hi);
+      for (int m = 0; m < MM; ++m) {
+        int32_t p0, p1;
+        std::memcpy(&p0, X + m * ldx + k, 4);
+        std::memcpy(&p1, X + m * ldx + k + 2, 4);
+        a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)_mm512_set1_epi32(p0), (__m512bh)w0);
+        a1[m] = _mm512_dpbf16_ps(a1[m], (__m512bh)_mm512_set1_epi32(p1), (__m512bh)w1);
+      }
+    }
+    const __m512 s = _mm512_loadu_ps(sc + size_t(g0 / W.group) * NB);
+    for (int m = 0; m < MM; ++m) tot[m] = _mm512_fmadd_ps(_mm512_add_ps(a0[m], a1[m]), s, tot[m]);
+  }
+  for (int m = 0; m < MM; ++m) _mm512_storeu_ps(Y + m * ldy, tot[m]);
+}
+
 // ---- dequantization into the BF16 layout (many rows: the blocks are then reused by every row)
 
 // One quad (16 rows x 4 K of biased unsigned values, row scales s) -> two K pairs of the BF16
@@ -184,7 +294,22 @@ inline void quad_to_bf16(__m512i v, __m512i bias, __m512 s, bf16* out) {
 }  // namespace
 
 void dequant_block_avx512(const PackedMatrix& W, int b, bf16* out) {
-  const float* sc = W.scales + size_t(b) * (W.kp / W.group) * NB;
+  const float* sc = W.group_scales(b);
+  if (W.fmt == Format::FP8) {  // pairs of 16 rows: lanes (row r, k) (row r, k + 1), rows 0-7 then 8-15
+    const __m512i r2 = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const uint8_t* w = static_cast<const uint8_t*>(W.data) + size_t(b) * W.kp * NB;
+    for (int g0 = 0; g0 < W.kp; g0 += W.group) {
+      const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(sc + size_t(g0 / W.group) * NB), _mm512_set1_ps(FP8_UNSCALE));
+      const __m512 s_lo = _mm512_permutexvar_ps(r2, s), s_hi = _mm512_permutexvar_ps(_mm512_add_epi32(r2, _mm512_set1_epi32(8)), s);
+      for (int k = g0; k < g0 + W.group; k += 2) {  // one K pair of 16 rows: 32 bytes -> 32 bf16
+        const __m512i h = (__m512i)e4m3x32_to_bf16(_mm256_load_si256((const __m256i*)(w + size_t(k) * NB)));
+        const __m512 lo = _mm512_mul_ps(bf16x16_to_f32_lanes(_mm512_castsi512_si256(h)), s_lo);
+        const __m512 hi = _mm512_mul_ps(bf16x16_to_f32_lanes(_mm512_extracti64x4_epi64(h, 1)), s_hi);
+        _mm512_store_si512(out + size_t(k) * NB, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+    }
+    return;
+  }
   const uint8_t* w = static_cast<const uint8_t*>(W.data) + size_t(b) * W.kp * NB / (W.fmt == Format::INT4 ? 2 : 1);
   if (W.fmt == Format::INT8) {
     const __m512i bias = _mm512_set1_epi32(INT8_BIAS);
@@ -211,10 +336,18 @@ struct Tables {
   static constexpr Bf16Fn bf16[] = {nullptr, bf16_block<MM>...};
   static constexpr QuantFn int8[] = {nullptr, quant_block<MM, false>...};
   static constexpr QuantFn int4[] = {nullptr, quant_block<MM, true>...};
+  using Fp8Fn = void (*)(const ktf::bf16*, size_t, const PackedMatrix&, int, float*, size_t);
+  static constexpr Fp8Fn fp8[] = {nullptr, fp8_block<MM>...};
+  static constexpr Fp8Fn fp8_lut[] = {nullptr, fp8_block_lut<MM>...};
 };
 using Blocks = Tables<1, 2, 3, 4, 5, 6, 7, 8>;  // indexed by rows, 1..MMAX
 
 void matmul_avx512(const bf16* X, size_t ldx, int M, const PackedMatrix& W, int nb0, int nb1, float* Y, size_t ldy) {
+  if (W.fmt == Format::FP8 && M <= MMAX) {  // few rows: the bytes widened in registers
+    const auto fn = (fp8_byte_tables() ? Blocks::fp8_lut : Blocks::fp8)[M];
+    for (int b = nb0; b < nb1; ++b) fn(X, ldx, W, b, Y + size_t(b - nb0) * NB, ldy);
+    return;
+  }
   if (W.fmt != Format::BF16 && M <= MMAX) {  // few rows: integer products on the packed bytes
     const QuantRows xq = quantize_rows(X, ldx, M, W);
     const auto fn = (W.fmt == Format::INT8 ? Blocks::int8 : Blocks::int4)[M];

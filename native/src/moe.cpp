@@ -16,12 +16,16 @@ inline float load_src(const void* p, size_t i, SrcType t) {
     case SrcType::F32: return static_cast<const float*>(p)[i];
     case SrcType::F16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
     case SrcType::BF16: return bf16_to_f32(static_cast<const bf16*>(p)[i]);
+    case SrcType::FP8: return e4m3_to_f32(static_cast<const uint8_t*>(p)[i]);  // the caller scales it
   }
   return 0.f;
 }
 
+size_t src_bytes(SrcType t) { return t == SrcType::F32 ? 4 : t == SrcType::FP8 ? 1 : 2; }
+
 // Whether n source values from element i on are all finite: the exponent bits tested as integers
-// (all ones: an infinity or a NaN), an OR over the row the compiler vectorizes.
+// (all ones: an infinity or a NaN; e4m3's only non-finite pattern is S.1111.111), an OR over the
+// row the compiler vectorizes.
 template <typename U>
 inline bool bits_finite(const void* p, size_t i, int n, U exponent) {
   const U* v = static_cast<const U*>(p) + i;
@@ -34,42 +38,67 @@ inline bool row_finite(const void* p, size_t i, int n, SrcType t) {
     case SrcType::F32: return bits_finite<uint32_t>(p, i, n, 0x7f800000u);
     case SrcType::F16: return bits_finite<uint16_t>(p, i, n, 0x7c00);
     case SrcType::BF16: return bits_finite<uint16_t>(p, i, n, 0x7f80);
+    case SrcType::FP8: return bits_finite<uint8_t>(p, i, n, 0x7f);
   }
   return true;
 }
 
+// Source row r of W [n, k] as float (FP8: times its block scales) into row[0, k).
+void load_row(float* row, const void* src, size_t ld, SrcType type, const SrcScales* ss, int r, int k) {
+  for (int c = 0; c < k; ++c) row[c] = load_src(src, size_t(r) * ld + c, type);
+  if (type == SrcType::FP8)
+    for (int c = 0; c < k; ++c) row[c] *= ss->at(r, c);
+}
+
 // Rows [r0, r1) (whole blocks) of W [n, k] into P. Returns the first source element that is
-// not finite as row * k + column (packing reads every value anyway), or -1.
-int64_t pack_rows(PackedMatrix& P, const void* src, size_t ld, SrcType type, int r0, int r1) {
+// not finite (FP8: after scaling) as row * k + column (packing reads every value anyway), or -1.
+int64_t pack_rows(PackedMatrix& P, const void* src, size_t ld, SrcType type, const SrcScales* ss, int r0, int r1) {
+  if (type == SrcType::FP8 && !ss) throw std::invalid_argument("an FP8 source needs its block scales");
+  // FP8 into FP8 over the same column blocks: the checkpoint's bytes and scales as they are
+  const bool copy = P.fmt == Format::FP8 && type == SrcType::FP8 && ss->bk == P.group && ss->col0 % ss->bk == 0;
   std::vector<float> row(P.kp, 0.f);
-  const int qmax = P.fmt == Format::INT8 ? 127 : 7;
+  const float qmax = P.fmt == Format::INT8 ? 127.f : P.fmt == Format::INT4 ? 7.f : E4M3_MAX;
   int64_t bad = -1;
   for (int r = r0; r < r1; ++r) {
     const int b = r / NB, j = r % NB;
     if (r < P.n) {
-      const bool finite = row_finite(src, size_t(r) * ld, P.k, type);
-      for (int k = 0; k < P.k; ++k) row[k] = load_src(src, size_t(r) * ld + k, type);
+      bool finite = row_finite(src, size_t(r) * ld, P.k, type);
+      if (type == SrcType::FP8)
+        for (int c = 0; c < P.k && finite; c += ss->bk) finite = std::isfinite(ss->at(r, c));
+      if (!copy || !finite) load_row(row.data(), src, ld, type, ss, r, P.k);
       if (!finite && bad < 0)
         for (int k = 0; k < P.k; ++k)
           if (!std::isfinite(row[k])) {
             bad = int64_t(r) * P.k + k;
             break;
           }
-    } else
+    } else if (!copy) {
       std::fill(row.begin(), row.end(), 0.f);
+    }
     if (P.fmt == Format::BF16) {
       bf16* d = static_cast<bf16*>(P.data);
       for (int k = 0; k < P.kp; ++k) d[bf16_index(P.kp, r, k)] = f32_to_bf16(row[k]);
+      continue;
+    }
+    uint8_t* d = static_cast<uint8_t*>(P.data);
+    float* scales = P.scales + size_t(b) * (P.kp / P.group) * NB + j;
+    if (copy) {
+      const auto* s8 = static_cast<const uint8_t*>(src) + size_t(r) * ld;
+      for (int k = 0; k < P.kp; ++k) d[fp8_index(P.kp, r, k)] = r < P.n && k < P.k ? s8[k] : 0;
+      for (int g0 = 0; g0 < P.kp; g0 += P.group) scales[size_t(g0 / P.group) * NB] = r < P.n && g0 < P.k ? ss->at(r, g0) : 1.f;
       continue;
     }
     for (int g0 = 0; g0 < P.kp; g0 += P.group) {
       float amax = 0.f;
       for (int k = g0; k < g0 + P.group; ++k) amax = std::max(amax, std::fabs(row[k]));
       const float s = amax > 0.f ? amax / qmax : 1.f;
-      P.scales[(size_t(b) * (P.kp / P.group) + g0 / P.group) * NB + j] = s;
+      scales[size_t(g0 / P.group) * NB] = s;
       for (int k = g0; k < g0 + P.group; ++k) {
-        const int q = std::clamp(int(std::nearbyint(row[k] / s)), -qmax, qmax);
-        uint8_t* d = static_cast<uint8_t*>(P.data);
+        if (P.fmt == Format::FP8) {
+          d[fp8_index(P.kp, r, k)] = f32_to_e4m3(row[k] / s);
+          continue;
+        }
+        const int q = std::clamp(int(std::nearbyint(row[k] / s)), -int(qmax), int(qmax));
         if (P.fmt == Format::INT8) {
           d[int8_index(P.kp, r, k)] = uint8_t(q + INT8_BIAS);
         } else {
@@ -106,7 +135,7 @@ constexpr size_t PAGE = 4096, MATRIX_ALIGN = 256;
 
 int effective_group(Format fmt, int group) {
   if (fmt == Format::BF16) return 0;
-  if (fmt == Format::INT4 && group == 0) group = 128;
+  if ((fmt == Format::INT4 || fmt == Format::FP8) && group == 0) group = FP8_GROUP;
   if (group != 0 && group % KALIGN != 0)
     throw std::invalid_argument("quantization group size must be a multiple of 32, got " + std::to_string(group));
   return group;
@@ -118,9 +147,16 @@ int padded_k(int k, Format fmt, int group) {
 }
 
 void pack_matrix(PackedMatrix& P, const void* src, size_t ld, int n, int k, SrcType type, Format fmt, int group,
-                 int n_align, int node) {
+                 int n_align, int node, const SrcScales* scales) {
+  if (type == SrcType::FP8 && !scales) throw std::invalid_argument("an FP8 source needs its block scales");
   allocate(P, n, k, fmt, group, n_align, node);
-  const int64_t bad = pack_rows(P, src, ld, type, 0, P.np);
+  int64_t bad;
+  try {
+    bad = pack_rows(P, src, ld, type, scales, 0, P.np);
+  } catch (...) {
+    free_matrix(P, node);
+    throw;
+  }
   if (bad >= 0) {
     free_matrix(P, node);
     throw std::domain_error("non-finite value at [" + std::to_string(bad / k) + ", " + std::to_string(bad % k) + "]");
@@ -180,11 +216,13 @@ MoE::MoE(std::shared_ptr<ThreadPool> pool, MoEShape shape, std::vector<int> grou
     if (g < 0 || g >= pool_->groups())
       throw std::invalid_argument("MoE: pool group " + std::to_string(g) + " does not exist (the pool has " +
                                   std::to_string(pool_->groups()) + ")");
-  // intermediate slices with boundaries on whole 32-row blocks; uneven sizes allowed, empty ones dropped
+  // intermediate slices with boundaries on whole 32-row blocks (FP8: whole groups, so a slice of
+  // the down matrix's columns starts on a checkpoint block); uneven sizes allowed, empty ones dropped
   const int G = int(groups.size()), I = shape_.inter;
+  const int align = shape_.fmt == Format::FP8 ? effective_group(shape_.fmt, shape_.group_size) : KALIGN;
   for (int s = 0; s < G; ++s) {
-    int a = std::min(I, int(round_up(size_t(I) * s / G, KALIGN)));
-    int b = s + 1 == G ? I : std::min(I, int(round_up(size_t(I) * (s + 1) / G, KALIGN)));
+    int a = std::min(I, int(round_up(size_t(I) * s / G, align)));
+    int b = s + 1 == G ? I : std::min(I, int(round_up(size_t(I) * (s + 1) / G, align)));
     if (b <= a) continue;
     Slice sl{a, b, padded_k(b - a, shape_.fmt, shape_.group_size), groups[s], pool_->numa_node(groups[s]), {}, {}, {}};
     sl.gate.resize(shape_.experts);
@@ -245,6 +283,7 @@ struct PackWork {
   PackedMatrix* P;
   const void* src;
   size_t ld;
+  SrcScales scales;  // FP8 sources: offset to the slice
   int r0, r1;
   int expert = 0, which = 0, i0 = 0;  // for the error: which matrix, and the slice's first row
   int64_t bad = -1;                    // set by the task: its first non-finite element, or -1
@@ -256,7 +295,7 @@ struct PackCtx {
 void pack_task(void* ctx, int group, int i) {
   auto* c = static_cast<PackCtx*>(ctx);
   PackWork& w = c->lists[group][i];
-  w.bad = pack_rows(*w.P, w.src, w.ld, c->type, w.r0, w.r1);
+  w.bad = pack_rows(*w.P, w.src, w.ld, c->type, &w.scales, w.r0, w.r1);
 }
 }  // namespace
 
@@ -288,15 +327,19 @@ void MoE::pack(const std::vector<int>& experts, const std::vector<Source>& sourc
     if (e < 0 || e >= shape_.experts || !present_[e])
       throw std::invalid_argument("MoE::pack: expert " + std::to_string(e) + " is not held by this operator");
     const Source& src = sources[x];
+    if (type == SrcType::FP8 && (!src.s_gate.s || !src.s_up.s || !src.s_down.s))
+      throw std::invalid_argument("MoE::pack: expert " + std::to_string(e) + " is FP8 without its block scales");
     allocate_expert(e);
     for (Slice& s : slices_) {
       const auto* g = static_cast<const char*>(src.gate);
       const auto* u = static_cast<const char*>(src.up);
       const auto* d = static_cast<const char*>(src.down);
-      const size_t es = type == SrcType::F32 ? 4 : 2;
-      const PackWork items[3] = {{&s.gate[e], g + size_t(s.i0) * src.ld_gate * es, src.ld_gate, 0, 0, e, 0, s.i0},
-                                 {&s.up[e], u + size_t(s.i0) * src.ld_up * es, src.ld_up, 0, 0, e, 1, s.i0},
-                                 {&s.down[e], d + size_t(s.i0) * es, src.ld_down, 0, 0, e, 2, s.i0}};
+      const size_t es = src_bytes(type);
+      SrcScales sg = src.s_gate, su = src.s_up, sd = src.s_down;  // the slice's rows (gate, up), columns (down)
+      sg.row0 += s.i0, su.row0 += s.i0, sd.col0 += s.i0;
+      const PackWork items[3] = {{&s.gate[e], g + size_t(s.i0) * src.ld_gate * es, src.ld_gate, sg, 0, 0, e, 0, s.i0},
+                                 {&s.up[e], u + size_t(s.i0) * src.ld_up * es, src.ld_up, su, 0, 0, e, 1, s.i0},
+                                 {&s.down[e], d + size_t(s.i0) * es, src.ld_down, sd, 0, 0, e, 2, s.i0}};
       for (const PackWork& it : items)
         for (int r = 0; r < it.P->np; r += 256) {
           PackWork w = it;
@@ -509,7 +552,7 @@ void reduce_task(void* ctx, int group, int i) {
   }
 }
 
-double weight_bytes(Format f) { return f == Format::BF16 ? 2.0 : f == Format::INT8 ? 1.0 : 0.5; }
+double weight_bytes(Format f) { return f == Format::BF16 ? 2.0 : f == Format::INT4 ? 0.5 : 1.0; }
 
 // One task per (job, slice, expert, run of at most ROW_RUN of its rows, run of output blocks of
 // `which` matrix), on the slice's group; `matrices` of that shape are read per block (gate and up:

@@ -47,7 +47,29 @@ static double rel_err(const std::vector<double>& a, const std::vector<double>& b
   return std::sqrt(num / std::max(den, 1e-300));
 }
 
-static double tol(Format f) { return f == Format::BF16 ? 1e-2 : f == Format::INT8 ? 3e-2 : 0.3; }
+static double tol(Format f) {
+  return f == Format::BF16 ? 1e-2 : f == Format::INT8 ? 3e-2 : f == Format::FP8 ? 6e-2 : 0.3;
+}
+
+// Every e4m3 code decodes and re-encodes to itself (NaN aside), and rounding between two codes
+// goes to the nearer (ties to the even code).
+static void test_e4m3() {
+  for (int b = 0; b < 256; ++b) {
+    if ((b & 0x7f) == 0x7f) {
+      CHECK(std::isnan(e4m3_to_f32(uint8_t(b))), "e4m3 %#x is NaN", b);
+      continue;
+    }
+    const float v = e4m3_to_f32(uint8_t(b));
+    CHECK(f32_to_e4m3(v) == b, "e4m3 %#x -> %g -> %#x", b, v, f32_to_e4m3(v));
+    if ((b & 0x7f) < 0x7e) {
+      const float next = e4m3_to_f32(uint8_t(b + 1)), mid = (v + next) / 2;
+      const int even = (b & 1) ? b + 1 : b;
+      CHECK(f32_to_e4m3(mid) == even, "e4m3 midpoint of %#x: %#x", b, f32_to_e4m3(mid));
+      CHECK(f32_to_e4m3(std::nextafter(mid, v)) == b, "e4m3 just below the midpoint of %#x", b);
+    }
+  }
+  CHECK(f32_to_e4m3(1e6f) == 0x7e && f32_to_e4m3(-1e6f) == 0xfe, "e4m3 saturates at 448");
+}
 
 static void test_matmul(Path path, Format fmt, int group) {
   std::mt19937 rng(7);
@@ -318,9 +340,15 @@ int main() {
   if (path_available(Path::AVX512)) paths.push_back(Path::AVX512);
   if (path_available(Path::AMX)) paths.push_back(Path::AMX);
   const std::pair<Format, int> formats[] = {{Format::BF16, 0}, {Format::INT8, 0}, {Format::INT8, 64}, {Format::INT4, 32},
-                                            {Format::INT4, 0}};
+                                            {Format::INT4, 0}, {Format::FP8, 0}, {Format::FP8, 32}};
+  test_e4m3();
   for (Path p : paths)
     for (auto [fmt, group] : formats) test_matmul(p, fmt, group);
+  if (cpu_features().avx512_vbmi && path_available(Path::AVX512)) {  // the fp8 kernel's other widening
+    fp8_byte_tables() = false;
+    test_matmul(Path::AVX512, Format::FP8, 0);
+    fp8_byte_tables() = true;
+  }
   auto pool = std::make_shared<ThreadPool>(0, 2, true);  // two groups: virtual on a one-node machine
   std::mt19937 rng(11);
   const int Ts[] = {1, 2, 7, 16, 33, 130};

@@ -38,10 +38,14 @@ inline size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
 //   INT8: uint8 [np/16][kp/4][16][4]   K quads, value + 128 (symmetric, |q| <= 127)
 //   INT4: uint8 [np/16][kp/8][16][4]   K octets: byte i of a row holds k = 8q + i in its low
 //                                      nibble and k = 8q + 4 + i in its high one, value + 8
+//   FP8:  uint8 [np/16][kp/2][16][2]   K pairs of e4m3 bytes (the BF16 layout, one byte each), so
+//                                      32 bytes widen to one VDPBF16PS operand in place
 // The unsigned bias lets VPDPBUSD multiply weights (unsigned) by int8 activations (signed); it is
-// taken out with the activations' sum. scales: float [np/16][kp/group][16] (INT8, INT4 only).
-enum class Format : int { BF16 = 0, INT8 = 1, INT4 = 2 };
-enum class SrcType : int { F32 = 0, F16 = 1, BF16 = 2 };
+// taken out with the activations' sum. scales: float [np/16][kp/group][16] (INT8, INT4, FP8); an
+// FP8 weight is e4m3(byte) * scale, its groups the checkpoint's 128-column blocks.
+enum class Format : int { BF16 = 0, INT8 = 1, INT4 = 2, FP8 = 3 };
+// FP8 sources are e4m3 bytes with block scales beside them (SrcScales)
+enum class SrcType : int { F32 = 0, F16 = 1, BF16 = 2, FP8 = 3 };
 
 constexpr int NB = 16;
 constexpr int KALIGN = 32;
@@ -60,7 +64,36 @@ inline size_t int4_index(int kp, int n, int k) {
   return ((size_t(n / NB) * (kp / 8) + k / 8) * NB + n % NB) * 4 + (k & 3);
 }
 inline bool int4_high(int k) { return (k & 4) != 0; }
+inline size_t fp8_index(int kp, int n, int k) { return bf16_index(kp, n, k); }
 constexpr int INT8_BIAS = 128, INT4_BIAS = 8;
+constexpr int FP8_GROUP = 128;     // default FP8 group: the published 128 x 128 blocks
+constexpr float E4M3_MAX = 448.f;  // largest finite e4m3 value
+
+// e4m3 (the "fn" variant: no infinities, S.1111.111 is NaN) to float, exactly.
+inline float e4m3_to_f32(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  float v;
+  if ((b & 0x7f) == 0x7f) {
+    uint32_t nan = 0x7fc00000u;
+    std::memcpy(&v, &nan, 4);
+  } else {
+    v = e ? float(8 + m) * float(1 << e) / 1024.f : float(m) / 512.f;  // (1 + m/8) 2^(e-7), m/8 2^-6
+  }
+  return b & 0x80 ? -v : v;
+}
+// float to the nearest e4m3 (ties to even), saturating at +-448; NaN stays NaN.
+uint8_t f32_to_e4m3(float f);
+
+// The block scales of an FP8 source matrix: element (r, c) of the matrix is
+// e4m3(src[r, c]) * s[(row0 + r) / bn * ld + (col0 + c) / bk], (row0, col0) where the matrix
+// starts in the checkpoint tensor the scales belong to (a slice of its rows or columns).
+struct SrcScales {
+  const float* s = nullptr;
+  size_t ld = 0;
+  int bn = FP8_GROUP, bk = FP8_GROUP;
+  int row0 = 0, col0 = 0;
+  float at(int r, int c) const { return s[size_t(row0 + r) / bn * ld + size_t(col0 + c) / bk]; }
+};
 
 struct PackedMatrix {  // y = W x with W [n, k]
   Format fmt = Format::BF16;
@@ -73,6 +106,7 @@ struct PackedMatrix {  // y = W x with W [n, k]
   int nblocks() const { return np / NB; }
   size_t data_bytes() const;
   size_t scale_count() const { return fmt == Format::BF16 ? 0 : size_t(np) * (kp / group); }
+  const float* group_scales(int b) const { return scales + size_t(b) * (kp / group) * NB; }  // block b's
 };
 
 // Which kernel family runs a matmul.
@@ -90,7 +124,7 @@ struct Kernels {
 };
 
 Kernels generic_kernels();
-// Block b of an INT8/INT4 matrix dequantized into the BF16 layout at `out` (AVX-512; the AMX
+// Block b of an INT8/INT4/FP8 matrix dequantized into the BF16 layout at `out` (AVX-512; the AMX
 // kernels use it too)
 void dequant_block_avx512(const PackedMatrix& W, int b, bf16* out);
 // AVX-512 epilogue of the up product: h = bf16(bf16(silu(bf16(g))) * bf16(u)), n values
@@ -105,8 +139,13 @@ struct CpuFeatures {
   bool avx512_vnni = false;
   bool amx = false;  // AMX-TILE + AMX-BF16 + OS permission for tile data
   bool amx_int8 = false;
+  bool avx512_vbmi = false;  // byte permutes (VPERMT2B): the fp8 kernel's table lookups
 };
 const CpuFeatures& cpu_features();
+
+// Whether the AVX-512 fp8 kernel widens e4m3 through byte tables (VBMI; default where the CPU has
+// it) or through binary16 conversions; settable so tests run both.
+bool& fp8_byte_tables();
 
 // The matmul of `path` (AUTO resolves to the best this CPU has for M rows); throws when the path
 // is not available on this CPU.

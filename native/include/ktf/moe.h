@@ -22,7 +22,7 @@ namespace ktf {
 struct MoEShape {
   int experts = 0, hidden = 0, inter = 0;
   Format fmt = Format::BF16;
-  int group_size = 0;  // INT8: 0 = per output channel; INT4: 0 = 128
+  int group_size = 0;  // INT8: 0 = per output channel; INT4, FP8: 0 = 128
 };
 
 class MoE;
@@ -74,12 +74,16 @@ class MoE {
   MoE& operator=(const MoE&) = delete;
 
   // Pack expert e from row-major sources: gate, up [inter, hidden] and down [hidden, inter] with
-  // row strides in elements. Runs on the pool; e must be present.
+  // row strides in elements; FP8 sources with their block scales (SrcScales, in the coordinates
+  // of these matrices: the slices' offsets are added here). An FP8 source packed as FP8 whose
+  // column blocks are the format's groups keeps its bytes and scales as they are. Runs on the
+  // pool; e must be present.
   struct Source {
     const void* gate;
     const void* up;
     const void* down;
     size_t ld_gate, ld_up, ld_down;
+    SrcScales s_gate = {}, s_up = {}, s_down = {};
   };
   void pack(const std::vector<int>& experts, const std::vector<Source>& sources, SrcType type);
   // (Re)allocate expert e's matrices in every slice, zeroed, with the packer's shapes.
@@ -129,12 +133,13 @@ class MoE {
 // Run jobs together (their tasks share each phase); throws on bad input (expert id out of range).
 void run_jobs(ThreadPool& pool, std::vector<Job>& jobs);
 
-// Pack one matrix W [n, k] (row stride ld) into `fmt` on `node`. Allocates P's buffers.
+// Pack one matrix W [n, k] (row stride ld; FP8: with `scales`) into `fmt` on `node`. Allocates
+// P's buffers.
 void pack_matrix(PackedMatrix& P, const void* src, size_t ld, int n, int k, SrcType type, Format fmt, int group,
-                 int n_align, int node);
+                 int n_align, int node, const SrcScales* scales = nullptr);
 void free_matrix(PackedMatrix& P, int node);
-// The quantization group `group` means for `fmt` (0: per channel; int4 defaults to 128), and the
-// padded K of a matrix with k columns (a multiple of 32 and of the group).
+// The quantization group `group` means for `fmt` (0: per channel; int4 and fp8 default to 128),
+// and the padded K of a matrix with k columns (a multiple of 32 and of the group).
 int effective_group(Format fmt, int group);
 int padded_k(int k, Format fmt, int group);
 
