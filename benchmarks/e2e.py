@@ -254,15 +254,14 @@ def profile_decode(compiled, vocab: int, steps: int = 16) -> dict:
 
 def expert_bytes_per_token(plan, fmt: str) -> float:
     """Routed-expert weight bytes one decode token reads on the CPU (its top-k picks)."""
-    from ktflow.ir.ops import Op
+    from ktflow.ir.ops import Op, expert_weight_bytes
 
-    per_weight = {"bf16": 2.0, "int8": 1.0 + 4 / 2048, "int4": 0.5 + 4 / 128}[fmt]
     total = 0.0
     for n in plan.ir.nodes:
         if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "cpu":
             lo, hi = n.attrs.rank_range
             rows = (n.attrs.rows[1] - n.attrs.rows[0])
-            total += (hi - lo) * 3 * n.attrs.hidden * rows * per_weight
+            total += (hi - lo) * 3 * n.attrs.hidden * rows * expert_weight_bytes(fmt, n.attrs.hidden, rows)
     return total
 
 
