@@ -126,8 +126,8 @@ def test_auto_on_the_papers_machine():
     """DeepSeek-V3 bf16 on the paper's A100 machine: auto defers as few experts as keep the CPU
     busy through the next layer's attention, at least 2 stay immediate, and the step gets faster."""
     m = ktflow.load(DATA / "deepseek-v3-config")
-    auto = ktflow.compile(m, hw="paper-a100", defer="auto")
-    plain = ktflow.compile(m, hw="paper-a100")
+    auto = ktflow.compile(m, hw="paper-a100", defer="auto", expert_format="bf16")  # the paper's bf16 experts
+    plain = ktflow.compile(m, hw="paper-a100", expert_format="bf16")
     g = auto.decode.ir
     d = {n.attrs.layer: 8 - n.attrs.ranks[0] for n in g.nodes
          if n.op == Op.ROUTED_EXPERTS and n.name.endswith(".def.numa0")}

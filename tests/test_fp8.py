@@ -147,3 +147,16 @@ def test_dequantize_applies_each_blocks_scale(shape, block):
     rows = torch.arange(shape[0])[:, None] // block[0]
     cols = torch.arange(shape[1])[None, :] // block[1]
     assert torch.equal(got, w8.float() * s[rows, cols])
+
+
+def test_fp8_numa_slices_start_on_checkpoint_blocks():
+    """tp slices of fp8 experts are whole 128-row groups (their down columns keep the checkpoint's
+    blocks); other formats keep numa_block."""
+    from conftest import DATA
+
+    model = ktflow.load(DATA / "deepseek-v3-config")
+    for fmt, block in (("fp8", 128), ("bf16", 64)):
+        c = ktflow.compile(model, hw="cpu", numa_nodes=3, numa="tp", expert_format=fmt, allow_oversize=True)
+        rows = {n.attrs.rows for n in c.decode.ir.nodes if n.op.value == "routed_experts"}
+        assert len(rows) == 3 and all(lo % block == 0 for lo, _ in rows), (fmt, rows)
+        assert any(lo % 128 for lo, _ in rows) == (fmt == "bf16"), (fmt, rows)

@@ -30,14 +30,15 @@ def test_ep_groups_balance_expected_load():
 
 
 def test_deepseek_v3_on_two_sockets_is_tensor_parallel():
-    c = ktflow.compile(ktflow.load(DATA / "deepseek-v3-config"), hw="paper-a100")
+    c = ktflow.compile(ktflow.load(DATA / "deepseek-v3-config"), hw="paper-a100", expert_format="bf16")
     g = c.decode.ir
     s0, s1 = g.by_name("L30.experts.numa0"), g.by_name("L30.experts.numa1")
     assert (s0.attrs.rows, s1.attrs.rows) == ((0, 1024), (1024, 2048))
     assert (s0.place.numa, s1.place.numa) == (0, 1)
     red = g.by_name("L30.experts")
     assert red.op == Op.REDUCE and "(tp;" in red.place.cause
-    one = ktflow.compile(ktflow.load(DATA / "deepseek-v3-config"), hw="paper-a100", numa_nodes=1).decode.ir
+    one = ktflow.compile(ktflow.load(DATA / "deepseek-v3-config"), hw="paper-a100", numa_nodes=1,
+                         expert_format="bf16").decode.ir
     # not split: half of every read crosses the 125 GB/s socket link; split: each socket reads its
     # half locally (180 GB/s each of the 360 GB/s GEMV rate)
     expert_bytes = 8 * 3 * 7168 * 2048 * 2

@@ -31,8 +31,8 @@ def test_parameter_count_matches_published_total(name):
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_real_config_compiles_without_weights(name):
     model = ktflow.load(DATA / name)
-    c = ktflow.compile(model, hw="cpu", max_seq_len=4096)
-    assert c.decode.memory.weight_bytes == model.graph().weight_elems() * 2  # bf16 checkpoints
+    c = ktflow.compile(model, hw="cpu", max_seq_len=4096, expert_format="bf16", allow_oversize=True)
+    assert c.decode.memory.weight_bytes == model.graph().weight_elems() * 2  # every weight in bf16
     assert c.decode.predicted_step_us > 0 and len(c.decode.steps) == len(c.decode.ir)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from ..cost import node_cost
@@ -44,7 +45,7 @@ def ep_groups(ids: tuple[int, ...], load: dict[int, float], nodes: int) -> list[
 def _shards(n: Node, ctx: CompileContext, mode: str) -> list[Node]:
     a, nodes = n.attrs, ctx.numa_nodes
     if mode == "tp":
-        parts = [replace(a, inter_slice=s) for s in tp_slices(a.inter, nodes, ctx.options.numa_block)]
+        parts = [replace(a, inter_slice=s) for s in tp_slices(a.inter, nodes, slice_block(ctx))]
         what = [f"rows {p.rows[0]}..{p.rows[1]} of every expert" for p in parts]
     else:
         w = step_work(n, ctx)
@@ -61,6 +62,14 @@ def _predicted(shards: list[Node], g: Graph, ctx: CompileContext) -> float:
                          ctx.expert_format).cpu_s for s in shards)
 
 
+def slice_block(ctx: CompileContext) -> int:
+    """Rows tp slices are multiples of: numa_block, and for fp8 experts also whole 128-column
+    groups (a slice of the down matrix that starts inside a checkpoint block would have to be
+    re-quantized instead of keeping the checkpoint's bytes)."""
+    block = ctx.options.numa_block
+    return math.lcm(block, 128) if ctx.expert_format == "fp8" else block
+
+
 def split_numa(g: Graph, ctx: CompileContext) -> Graph:
     """Split every CPU routed-experts node over the NUMA nodes, then reduce.
 
@@ -68,7 +77,7 @@ def split_numa(g: Graph, ctx: CompileContext) -> Graph:
     routed-experts node becomes shards `<node>.numa<i>` placed on node i and a reduce node with
     the original name that sums their partial outputs. tp: shard i owns a contiguous slice of the
     intermediate dimension of every expert (rows of gate/up, columns of down), slices whole
-    multiples of numa_block rows with uneven remainders on the first nodes, so no weight is
+    multiples of `slice_block` rows with uneven remainders on the first nodes, so no weight is
     duplicated or read remotely. ep: shard i owns whole experts, balanced by expected load. auto:
     both are priced with the cost model (each shard gets its node's share of the CPU) and the
     cheaper kept, ties to tp; the reduce node's cause records the choice.
