@@ -224,7 +224,12 @@ class ExpertOp:
                     dtype = t.dtype
                 elif t.dtype != dtype:
                     raise ConfigError(f"expert {e} {name}: dtype {t.dtype} differs from the other experts' {dtype}")
-                if isinstance(t, Fp8Matrix):
+                if isinstance(t, Fp8Matrix):  # the grid covers the matrix: the packer reads every scale it names
+                    bn, bk = t.block
+                    grid = (-(-(t.row0 + shape[0]) // bn), -(-(t.col0 + shape[1]) // bk))
+                    if t.scale_inv.dim() != 2 or any(have < need for have, need in zip(t.scale_inv.shape, grid)):
+                        raise ConfigError(f"expert {e} {name}: block scales {list(t.scale_inv.shape)} do not cover "
+                                          f"the matrix (need at least {list(grid)})")
                     _check(t.scale_inv, f"expert {e} {name} scales", torch.float32, tuple(t.scale_inv.shape))
                     block = block or t.block
                     if t.block != block:

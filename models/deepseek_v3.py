@@ -18,26 +18,31 @@ from ktflow.ir.types import DType
 from ktflow import spec
 
 
-class Config(HFConfig):
+class V3FfnConfig(HFConfig):
+    """The fields of DeepSeek-V3's feed-forward (`v3_ffn`), which GLM-4.5 shares."""
+
     intermediate_size: int
     moe_intermediate_size: int
     n_routed_experts: int
     num_experts_per_tok: int
     n_shared_experts: int = 1
-    kv_lora_rank: int
-    q_lora_rank: int | None = None
-    qk_rope_head_dim: int
-    qk_nope_head_dim: int
-    v_head_dim: int
     n_group: int = 1
     topk_group: int = 1
     first_k_dense_replace: int = 0
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    attention_bias: bool = False
+
+
+class Config(V3FfnConfig):
+    kv_lora_rank: int
+    q_lora_rank: int | None = None
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
     scoring_func: str = "sigmoid"
     topk_method: str = "noaux_tc"
     rope_interleave: bool = True
-    attention_bias: bool = False
 
 
 def config(raw: dict, where: str) -> Config:
@@ -51,7 +56,7 @@ def config(raw: dict, where: str) -> Config:
 def v3_ffn(cfg):
     """The feed-forward of layer i in DeepSeek-V3's style (GLM-4.5 shares it): dense before
     `first_k_dense_replace`, then sigmoid-routed experts with the correction bias and groups,
-    plus shared experts. `cfg` needs the fields of `Config` above from intermediate_size on."""
+    plus shared experts. `cfg`: a `V3FfnConfig`."""
     h = cfg.hidden_size
     gate_attrs = GateAttrs(hidden=h, experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, scoring="sigmoid",
                            select="group_top2sum", groups=cfg.n_group or 1, topk_groups=cfg.topk_group or 1,

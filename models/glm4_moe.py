@@ -13,27 +13,17 @@ the graph and their tensors are ignored.
 
 from __future__ import annotations
 
-from ktflow.config import HFConfig, parse_config, resolve_rope, rope_params
+from ktflow.config import parse_config, resolve_rope, rope_params
 from ktflow.errors import ConfigError
 from ktflow.ir.graph import Graph
 from ktflow.ir.types import DType
 from ktflow import spec
 
-from .deepseek_v3 import v3_ffn
+from .deepseek_v3 import V3FfnConfig, v3_ffn
 
 
-class Config(HFConfig):
-    intermediate_size: int
-    moe_intermediate_size: int
-    n_routed_experts: int
-    num_experts_per_tok: int
-    n_shared_experts: int = 1
-    n_group: int = 1
-    topk_group: int = 1
+class Config(V3FfnConfig):
     first_k_dense_replace: int = 1
-    norm_topk_prob: bool = True
-    routed_scaling_factor: float = 1.0
-    attention_bias: bool = False
     use_qk_norm: bool = False
     partial_rotary_factor: float | None = None
 

@@ -364,3 +364,6 @@ def test_fp8_nan_and_missing_scales_are_named():
         native.ExpertOp(E, H, I, fmt="int8").pack(lambda e: tuple(q[e]))
     with pytest.raises(Exception, match="block scales"):
         native.ExpertOp(E, H, I, fmt="fp8").pack(lambda e: tuple(m.data for m in q[e]))
+    short = {e: [m if i else Fp8Matrix(m.data, m.scale_inv[:, :0], block) for i, m in enumerate(q[e])] for e in q}
+    with pytest.raises(Exception, match=r"expert 0 gate: block scales \[1, 0\] do not cover"):
+        native.ExpertOp(E, H, I, fmt="fp8").pack(lambda e: tuple(short[e]))

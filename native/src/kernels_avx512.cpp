@@ -32,6 +32,20 @@ inline __m512 bf16x16_to_f32_lanes(__m256i v) {
 }
 inline __m512 bf16x16_to_f32(const bf16* p) { return bf16x16_to_f32_lanes(_mm256_loadu_si256((const __m256i*)p)); }
 
+// a[m] += the bf16 dot products of K pairs (k, k+1) and (k+2, k+3) of row m of X with the
+// 16 rows' pairs in w0 and w1 (two accumulators: the two VDPBF16PS chains run side by side)
+template <int MM>
+__attribute__((always_inline)) inline void dot_pairs(__m512* a0, __m512* a1, const bf16* X, size_t ldx, int k,
+                                                     __m512i w0, __m512i w1) {
+  for (int m = 0; m < MM; ++m) {
+    int32_t p0, p1;
+    std::memcpy(&p0, X + m * ldx + k, 4);
+    std::memcpy(&p1, X + m * ldx + k + 2, 4);
+    a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)_mm512_set1_epi32(p0), (__m512bh)w0);
+    a1[m] = _mm512_dpbf16_ps(a1[m], (__m512bh)_mm512_set1_epi32(p1), (__m512bh)w1);
+  }
+}
+
 template <int MM>
 void bf16_block(const bf16* X, size_t ldx, const bf16* w, int kp, float* Y, size_t ldy) {
   __m512 a0[MM], a1[MM];
@@ -42,13 +56,7 @@ void bf16_block(const bf16* X, size_t ldx, const bf16* w, int kp, float* Y, size
     __m512i w1 = _mm512_load_si512(w + size_t(q + 1) * 32);
     prefetch(w + size_t(q) * 32);
     prefetch(w + size_t(q + 1) * 32);
-    for (int m = 0; m < MM; ++m) {
-      int32_t p0, p1;
-      std::memcpy(&p0, X + m * ldx + 2 * q, 4);
-      std::memcpy(&p1, X + m * ldx + 2 * q + 2, 4);
-      a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)_mm512_set1_epi32(p0), (__m512bh)w0);
-      a1[m] = _mm512_dpbf16_ps(a1[m], (__m512bh)_mm512_set1_epi32(p1), (__m512bh)w1);
-    }
+    dot_pairs<MM>(a0, a1, X, ldx, 2 * q, w0, w1);
   }
   for (int m = 0; m < MM; ++m) _mm512_storeu_ps(Y + m * ldy, _mm512_add_ps(a0[m], a1[m]));
 }
@@ -195,13 +203,7 @@ void fp8_block(const bf16* X, size_t ldx, const PackedMatrix& W, int b, float* Y
       prefetch(w + size_t(k) * NB);
       const __m512i w0 = e4m3x32_to_bf16(_mm512_castsi512_si256(v));
       const __m512i w1 = e4m3x32_to_bf16(_mm512_extracti64x4_epi64(v, 1));
-      for (int m = 0; m < MM; ++m) {
-        int32_t p0, p1;
-        std::memcpy(&p0, X + m * ldx + k, 4);
-        std::memcpy(&p1, X + m * ldx + k + 2, 4);
-        a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)_mm512_set1_epi32(p0), (__m512bh)w0);
-        a1[m] = _mm512_dpbf16_ps(a1[m], (__m512bh)_mm512_set1_epi32(p1), (__m512bh)w1);
-      }
+      dot_pairs<MM>(a0, a1, X, ldx, k, w0, w1);
     }
     const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(sc + size_t(g0 / W.group) * NB), _mm512_set1_ps(FP8_UNSCALE));
     for (int m = 0; m < MM; ++m) tot[m] = _mm512_fmadd_ps(_mm512_add_ps(a0[m], a1[m]), s, tot[m]);
@@ -256,13 +258,7 @@ __attribute__((target("avx512vbmi"))) void fp8_block_lut(const bf16* X, size_t l
       const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, v, t.hi1), v, sign, 0xf8);
       const __m512i w0 = _mm512_permutex2var_epi8(lo, t.words0, hi);
       const __m512i w1 = _mm512_permutex2var_epi8(lo, t.words1, hi);
-      for (int m = 0; m < MM; ++m) {
-        int32_t p0, p1;
-        std::memcpy(&p0, X + m * ldx + k, 4);
-        std::memcpy(&p1, X + m * ldx + k + 2, 4);
-        a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)_mm512_set1_epi32(p0), (__m512bh)w0);
-        a1[m] = _mm512_dpbf16_ps(a1[m], (__m512bh)_mm512_set1_epi32(p1), (__m512bh)w1);
-      }
+      dot_pairs<MM>(a0, a1, X, ldx, k, w0, w1);
     }
     const __m512 s = _mm512_loadu_ps(sc + size_t(g0 / W.group) * NB);
     for (int m = 0; m < MM; ++m) tot[m] = _mm512_fmadd_ps(_mm512_add_ps(a0[m], a1[m]), s, tot[m]);
