@@ -403,6 +403,8 @@ def main() -> int:
                     help="CPU experts' format (auto: fp8 for an --fp8 checkpoint, else bf16)")
     ap.add_argument("--fp8", action="store_true", help="write the checkpoint as an FP8 release (e4m3 linear weights "
                     "with 128 x 128 block scales) instead of bf16")
+    ap.add_argument("--fp8-on-gpu", default="auto", choices=["auto", "keep", "dequantize"],
+                    help="an FP8 checkpoint's dense weights on the GPU (compile option fp8_on_gpu)")
     ap.add_argument("--out", default=str(HERE / "e2e.jsonl"))
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -434,12 +436,12 @@ def main() -> int:
     prompts = [int(p) for p in a.prompts.split(",") if p]
     max_seq = max(prompts + lengths + [32 + a.decode]) + 8
     model = ktflow.load(d)
-    base = dict(hw=hw, max_seq_len=max_seq, expert_format=a.expert_format)
+    base = dict(hw=hw, max_seq_len=max_seq, expert_format=a.expert_format, fp8_on_gpu=a.fp8_on_gpu)
     probe_compiled = ktflow.compile(model, device="cuda", vram_budget_gb=1000, allow_oversize=True, **base)
     probe_plan = probe_compiled.decode
     fmt = probe_compiled.plans.options.expert_format  # auto resolved by the checkpoint
     # the dense nodes the cost model puts on the GPU when everything fits (an embedding lookup stays on the CPU)
-    dense = sum(n.weight_elems() * 2 for n in probe_plan.ir.nodes
+    dense = sum(n.weight_bytes(2) for n in probe_plan.ir.nodes  # FP8-held weights at their stored size
                 if n.op != Op.ROUTED_EXPERTS and n.place.device.value == "gpu")
     per_expert = min(n.weight_elems() / n.attrs.experts for n in probe_plan.ir.nodes if n.op == Op.ROUTED_EXPERTS) * 2
     budget = (dense + probe_plan.memory.kv_cache_bytes + 0.5 * per_expert) / 1e9  # no routed expert fits
@@ -511,12 +513,18 @@ def main() -> int:
                    expert_bytes_per_token=bpt, roofline_tok_s=round(bound, 2), roofline_fraction=round(m / bound, 3),
                    peak_vram_gb=round(torch.cuda.max_memory_allocated() / 1e9, 3),
                    allocated_after_prepare_gb=round(weights_gb, 3), wait=shared.wait if v.startswith("graph") else None,
-                   predicted_gpu_weights_gb=round(sum(n.weight_elems() * 2 for n in plan.ir.nodes
+                   predicted_gpu_weights_gb=round(sum(n.weight_bytes(2) for n in plan.ir.nodes
                                                       if n.place.device.value == "gpu") / 1e9, 3),
+                   fp8_held_weights=sum(w.held == "fp8" for n in plan.ir.nodes for w in n.weights),
                    predicted_kv_gb=round(plan.memory.kv_cache_bytes / 1e9, 3),
                    predicted_activation_mb=round(plan.memory.activation_bytes / 1e6, 2),
-                   predicted_vram_gb=round((plan.memory.gpu_bytes - c.plans.options.vram_reserve_gb * 1e9) / 1e9, 3)
+                   # the decode runs' 32-token prompts run a prefill plan whose staging stays allocated:
+                   # the run's peak is the larger of the two plans' predictions
+                   predicted_vram_gb=round((max(plan.memory.gpu_bytes, c.prefill_plan(32).memory.gpu_bytes)
+                                            - c.plans.options.vram_reserve_gb * 1e9) / 1e9, 3)
                    if plan.memory.gpu_bytes else 0.0,
+                   predicted_decode_plan_vram_gb=round((plan.memory.gpu_bytes - c.plans.options.vram_reserve_gb * 1e9)
+                                                       / 1e9, 3) if plan.memory.gpu_bytes else 0.0,
                    defer=str(c.plans.options.defer))
         if v != "cpu":
             row.update(profile_decode(c, vocab))

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from .backends import get_backend, resolve_backend
 from .config import DTYPE_BY_NAME
-from .cost import held_bytes_per_weight
+from .cost import held_weight_bytes
 from .errors import ConfigError, InputError, PlanError, ResourceError
 from .hw import HwProfile, resolve_hw
 from .ir.graph import Graph
@@ -187,8 +187,7 @@ def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
     weights = {Device.CPU: 0.0, Device.GPU: 0.0}
     for n in g.nodes:
         device = Device.CPU if n.op == Op.FETCH else n.place.device
-        weights[device] += n.weight_elems() * held_bytes_per_weight(n, device, ctx.weight_itemsize,
-                                                                    ctx.expert_format)
+        weights[device] += held_weight_bytes(n, device, ctx.weight_itemsize, ctx.expert_format)
     kv_tokens = ctx.max_seq_len * ctx.options.max_batch
     kv_gpu, kv_all = kv_cache_bytes(g, kv_tokens, Device.GPU), kv_cache_bytes(g, kv_tokens)
     on_gpu = any(n.place.device == Device.GPU for n in g.nodes)
@@ -320,7 +319,7 @@ def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, pr
         attended = max_seq // 2 if phase == "decode" else (tokens + 1) // 2
         return CompileContext(hw=hwp, options=opts, phase=phase, tokens=tokens, batch=batch, context=attended,
                               weight_itemsize=cfg.weight_dtype.itemsize, max_seq_len=max_seq, device=device,
-                              routing=routing)
+                              routing=routing, fp8_block=model.quant.block if model.quant is not None else None)
 
     decode = _compile_plan(spec, context("decode", opts.max_batch), print_after)
     prefill = _prefill_plans(spec, lambda t: context("prefill", t), opts, max_seq, print_after)

@@ -39,6 +39,10 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-format", default="auto", choices=["auto", "bf16", "int8", "int4", "fp8"],
                    help="weight format of CPU routed experts in the native backend: bf16, int8, int4, or fp8 (e4m3 "
                    "with 128-column scales); default auto: fp8 for an FP8 checkpoint (its own bytes), else bf16")
+    g.add_argument("--fp8-on-gpu", choices=["auto", "keep", "dequantize"], default="auto",
+                   help="an FP8 checkpoint's dense weights on the GPU: keep (as stored, 1 byte per weight, FP8 "
+                   "kernels), dequantize (to the compute dtype at load: cuBLAS), or auto (dequantize while the dense "
+                   "weights fit the VRAM budget that way, else keep them in FP8; default)")
     g.add_argument("--placement", choices=["auto", "cpu", "gpu"], default="auto",
                    help="auto: by the cost model under the VRAM budget (default); cpu / gpu: everything there")
     g.add_argument("--defer", default=None, metavar="D",
@@ -69,7 +73,7 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
 
 def _options(a: argparse.Namespace) -> dict:
     opts = dict(max_seq_len=a.max_seq_len, max_batch=a.max_batch, dtype=a.dtype, device=a.device, backend=a.backend,
-                expert_format=a.expert_format,
+                expert_format=a.expert_format, fp8_on_gpu=a.fp8_on_gpu,
                 placement=a.placement, vram_budget_gb=a.vram_budget_gb, numa=a.numa, numa_nodes=a.numa_nodes,
                 prefill_experts=a.prefill_experts, prefill_chunk=a.prefill_chunk, staging_slots=a.staging_slots,
                 allow_oversize=a.allow_oversize)

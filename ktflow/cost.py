@@ -124,7 +124,7 @@ def node_work(n: Node, g: Graph, work: Work, weight_itemsize: int) -> tuple[floa
     flops = facts.flops(n.attrs, work)
     io = sum(g.by_name(i).out.numel(work.tokens) * g.by_name(i).out.dtype.itemsize for i in n.inputs)
     io += n.out.numel(work.tokens) * n.out.dtype.itemsize
-    nbytes = (n.weight_elems() * weight_itemsize * facts.weight_fraction(n.attrs, work)
+    nbytes = (n.weight_bytes(weight_itemsize) * facts.weight_fraction(n.attrs, work)
               + facts.state_elems(n.attrs, work) * g.act_dtype.itemsize + io)
     return flops, nbytes
 
@@ -132,10 +132,15 @@ def node_work(n: Node, g: Graph, work: Work, weight_itemsize: int) -> tuple[floa
 def held_bytes_per_weight(n: Node, device: Device, weight_itemsize: int, expert_format: str) -> float:
     """Bytes per weight `n` holds on `device`: routed experts on the CPU (and the fetches that
     stream them from there) packed in `expert_format`, scales included; the rest at
-    `weight_itemsize`."""
+    `weight_itemsize`, or at their stored size where held in FP8 (an average over its weights)."""
     if device == Device.CPU and n.op in (Op.ROUTED_EXPERTS, Op.FETCH):
         return expert_weight_bytes(expert_format, n.attrs.hidden, n.attrs.inter)
-    return weight_itemsize
+    return n.weight_bytes(weight_itemsize) / max(n.weight_elems(), 1)
+
+
+def held_weight_bytes(n: Node, device: Device, weight_itemsize: int, expert_format: str) -> float:
+    """Bytes of weights `n` holds on `device` (see held_bytes_per_weight)."""
+    return n.weight_elems() * held_bytes_per_weight(n, device, weight_itemsize, expert_format)
 
 
 def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int, numa_nodes: int = 1,
@@ -156,8 +161,9 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
             s = (hw.overheads.cpu_submit_us if pricing == "submit" else hw.overheads.cpu_sync_us) * 1e-6
         return Cost(tokens=work.tokens, flops=0.0, bytes=nbytes if pricing == "copy" else 0.0, cpu_s=s, gpu_s=s)
     flops, nbytes = node_work(n, g, work, weight_itemsize)
-    cpu_bytes, per = nbytes, held_bytes_per_weight(n, Device.CPU, weight_itemsize, expert_format)
-    if per != weight_itemsize:  # the CPU reads its packed copy
+    cpu_bytes = nbytes
+    if n.op == Op.ROUTED_EXPERTS:  # the CPU reads its packed copy
+        per = held_bytes_per_weight(n, Device.CPU, weight_itemsize, expert_format)
         cpu_bytes += n.weight_elems() * FACTS[n.op].weight_fraction(n.attrs, work) * (per - weight_itemsize)
     cpu = roof(hw, Device.CPU, g.act_dtype)
     half = 0.5 if g.act_dtype == DType.F32 else 1.0

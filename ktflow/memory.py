@@ -28,6 +28,11 @@ LOGIT_ROWS = 1024
 #: copy; backends.moe_gpu)
 SCATTER_ROWS = 32768
 
+#: rows of activations up to which a weight held in FP8 is multiplied by the fused kernels; a
+#: larger step dequantizes the matrix into a temporary in the activation dtype first, then
+#: multiplies with cuBLAS (backends.fp8_gpu)
+FP8_FUSED_ROWS = 16
+
 #: GPU streams that run matrix products in a hybrid run: prefill's (the caller's stream) and the
 #: decode graph's; each holds its own BLAS workspace
 COMPUTE_STREAMS = 2
@@ -115,11 +120,19 @@ SCRATCH: dict[Op, Callable[[Node, int, int, int], float]] = {
 }
 
 
+def fp8_dequant_bytes(n: Node, tokens: int, act: int) -> float:
+    """The dequantized temporary of `n`'s largest weight held in FP8, in a step of more than
+    FP8_FUSED_ROWS tokens (one at a time: each is freed after its product)."""
+    if tokens <= FP8_FUSED_ROWS:
+        return 0.0
+    return max((w.numel() * act for w in n.weights if w.held == "fp8"), default=0.0)
+
+
 def scratch_bytes(n: Node, tokens: int, context: int, act: DType) -> float:
     """Temporaries of `n`'s rule while it runs a step of `tokens` new tokens after `context`
-    earlier positions."""
+    earlier positions (with the dequantized copy of a weight held in FP8 it multiplies)."""
     rule = SCRATCH.get(n.op)
-    return rule(n, tokens, context, act.itemsize) if rule else 0.0
+    return (rule(n, tokens, context, act.itemsize) if rule else 0.0) + fp8_dequant_bytes(n, tokens, act.itemsize)
 
 
 def gpu_activation_peak(g: Graph, tokens: int, context: int = 0, streamed: bool = False) -> float:
@@ -164,7 +177,7 @@ def kv_cache_bytes(g: Graph, kv_tokens: int, device: Device | None = None) -> fl
 def resident_gpu_bytes(g: Graph, weight_itemsize: int, kv_tokens: int) -> tuple[float, float]:
     """(weights, KV caches) held on the GPU: weights of GPU nodes (not staged ones) and the KV
     caches of GPU attention."""
-    weights = sum(n.weight_elems() * weight_itemsize for n in g.nodes
+    weights = sum(n.weight_bytes(weight_itemsize) for n in g.nodes
                   if n.place is not None and n.place.device == Device.GPU and n.op != Op.FETCH)
     return weights, kv_cache_bytes(g, kv_tokens, Device.GPU)
 

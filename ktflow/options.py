@@ -28,6 +28,11 @@ class CompileOptions(BaseModel):
         "auto", description="weight format of CPU routed experts in the native backend: bf16, int8 (per output "
         "channel), int4 (groups of 128), fp8 (e4m3 in 128-column groups: an FP8 release's own bytes and scales); "
         "auto = fp8 for an FP8 checkpoint, else bf16 (compile writes the one it chose into the plan)")
+    fp8_on_gpu: Literal["auto", "keep", "dequantize"] = Field(
+        "auto", description="an FP8 checkpoint's dense weights on the GPU (attention, dense and shared-expert "
+        "MLPs): keep (as stored, 1 byte per weight, multiplied by the FP8 kernels), dequantize (to the activation "
+        "dtype at load: cuBLAS, faster at most shapes) or auto (dequantize while the dense weights fit the VRAM "
+        "budget that way, else keep them all in FP8); the plan records the choice per weight")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where GPU-placed nodes run: cuda, or cpu (the same hybrid plan on a machine without "
         "a GPU); auto = cuda when torch sees one")
@@ -88,6 +93,7 @@ class CompileContext:
     max_seq_len: int
     device: Literal["cpu", "cuda"]
     routing: RoutingProfile | None = None
+    fp8_block: tuple[int, int] | None = None  # an FP8 checkpoint's scale block (quantization_config)
 
     @property
     def label(self) -> str:

@@ -160,3 +160,184 @@ def test_fp8_numa_slices_start_on_checkpoint_blocks():
         rows = {n.attrs.rows for n in c.decode.ir.nodes if n.op.value == "routed_experts"}
         assert len(rows) == 3 and all(lo % block == 0 for lo, _ in rows), (fmt, rows)
         assert any(lo % 128 for lo, _ in rows) == (fmt == "bf16"), (fmt, rows)
+
+
+# ------------------------------------------------------------------ dense weights held in FP8 on the GPU
+
+def _held(compiled):
+    """plan -> {(node, role): held} of the weights its nodes hold in FP8."""
+    return {(n.name, w.role) for n in compiled.decode.ir.nodes for w in n.weights if w.held == "fp8"}
+
+
+def _gpu_hybrid(model, **options):
+    """The GPU of the paper's 4080 machine mapped to this CPU: dense nodes on the "GPU"."""
+    return ktflow.compile(model, hw="paper-4080", device="cpu", max_seq_len=64, **options)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fp8_on_gpu_keep_holds_the_dense_fp8_weights_and_matches_hf(case, fp8_dirs):
+    """fp8_on_gpu='keep': every fp8-stored matrix of the GPU attention and MLP nodes is held in
+    FP8 (MLA's kv_b aside: the absorbed decode splits it per head), no CPU node holds any, and
+    the hybrid plan (float32, the kernels' reference path on this CPU) still matches HF on the
+    dequantized weights to the float32 bound."""
+    d, ref = fp8_dirs(case, (128, 128))
+    model = ktflow.load(d)
+    c = _gpu_hybrid(model, dtype="float32", fp8_on_gpu="keep")
+    held = _held(c)
+    g = c.decode.ir
+    assert held and all(g.by_name(n).place.device.value == "gpu" for n, _ in held)
+    assert all(role != "kv_b" for _, role in held)
+    for n in g.nodes:
+        for w in n.weights:
+            holdable = w.fmt == "fp8" and not w.experts and n.op.value in ("attention", "mlp") and w.role != "kv_b"
+            assert (w.held == "fp8") == (holdable and n.place.device.value == "gpu"), (n.name, w)
+    assert_close(*hf_and_ktflow_logits(ref, c, model.config.vocab_size))
+
+
+def test_fp8_held_weights_are_counted_at_their_stored_size(fp8_dirs, tmp_path):
+    """The memory plan counts a held weight at 1 byte per element plus its block scales; the plan
+    file keeps `held` per weight and the printer shows it; a step over the fused kernel's row limit
+    counts the dequantized temporary of the node's largest held weight."""
+    from ktflow.memory import FP8_FUSED_ROWS, fp8_dequant_bytes
+
+    d, _ = fp8_dirs("deepseek_v3", (128, 128))
+    model = ktflow.load(d)
+    keep, deq = (_gpu_hybrid(model, fp8_on_gpu=m) for m in ("keep", "dequantize"))
+    assert not _held(deq)
+    size = model.config.weight_dtype.itemsize
+    saved = sum(w.numel() * size - w.held_bytes(size) for n in keep.decode.ir.nodes for w in n.weights if w.held)
+    assert saved > 0
+    assert deq.decode.memory.weight_bytes - keep.decode.memory.weight_bytes == pytest.approx(saved)
+    node = next(n for n in keep.decode.ir.nodes if any(w.held for w in n.weights))
+    big = max(w.numel() for w in node.weights if w.held) * 2
+    assert fp8_dequant_bytes(node, FP8_FUSED_ROWS, 2) == 0 and fp8_dequant_bytes(node, FP8_FUSED_ROWS + 1, 2) == big
+    keep.save(tmp_path / "p.json")
+    again = ktflow.Compiled.load(tmp_path / "p.json", model)
+    assert _held(again) == _held(keep)
+    from ktflow.ir.printer import print_graph
+
+    assert f"held fp8 {sum(1 for w in node.weights if w.held)}" in print_graph(keep.decode.ir)
+
+
+def test_fp8_on_gpu_auto_keeps_fp8_only_where_the_dequantized_weights_do_not_fit(fp8_dirs):
+    """auto: with room for the dense weights dequantized nothing is held in FP8 (cuBLAS is
+    faster); with a budget between the FP8 and the dequantized size of the dense units, every
+    dense fp8 weight is held in FP8 and the dense nodes still land on the GPU; the causes say so."""
+    d, _ = fp8_dirs("deepseek_v3", (128, 128))
+    model = ktflow.load(d)
+    keep = _gpu_hybrid(model, dtype="bfloat16", fp8_on_gpu="keep")
+    dense = [n for n in keep.decode.ir.nodes if n.op.value in ("attention", "mlp", "gate", "lm_head", "embed")]
+    kv = keep.decode.memory.kv_cache_bytes
+    size = model.config.weight_dtype.itemsize
+    fp8_size = sum(n.weight_bytes(size) for n in dense) + kv
+    bf16_size = sum(n.weight_elems() * size for n in dense) + kv
+    assert fp8_size < bf16_size
+    roomy = _gpu_hybrid(model, dtype="bfloat16", vram_budget_gb=bf16_size * 1.01 / 1e9)
+    assert not _held(roomy)
+    assert "fp8 weights dequantized: the dense units fit" in roomy.decode.ir.by_name("L0.attn").place.cause
+    tight = _gpu_hybrid(model, dtype="bfloat16", vram_budget_gb=(fp8_size + bf16_size) / 2 / 1e9)
+    assert _held(tight) == _held(keep)
+    attn = tight.decode.ir.by_name("L0.attn")
+    assert attn.place.device.value == "gpu" and "fp8 weights held in fp8" in attn.place.cause
+
+
+def test_fp8_on_gpu_keep_refuses_blocks_the_kernels_do_not_read(fp8_dirs):
+    d, _ = fp8_dirs("qwen3_moe", (16, 32))
+    model = ktflow.load(d)
+    with pytest.raises(ConfigError, match="fp8_on_gpu='keep'.*128x128"):
+        _gpu_hybrid(model, fp8_on_gpu="keep")
+    assert not _held(_gpu_hybrid(model))
+
+
+def test_verifier_p2_refuses_fp8_held_where_no_kernel_reads_it(fp8_dirs):
+    from dataclasses import replace
+
+    from ktflow.ir.verify import VerifyError, verify
+
+    d, _ = fp8_dirs("deepseek_v3", (128, 128))
+    c = _gpu_hybrid(ktflow.load(d), fp8_on_gpu="keep")
+    g = c.decode.ir
+
+    def edit(name, fn):
+        return g.replace_nodes([fn(n) if n.name == name else n for n in g.nodes])
+
+    attn = next(n for n in g.nodes if n.op.value == "attention" and any(w.role == "kv_b" for w in n.weights))
+    on_kv_b = edit(attn.name, lambda n: replace(n, weights=tuple(
+        replace(w, held="fp8") if w.role == "kv_b" else w for w in n.weights)))
+    on_cpu = edit(attn.name, lambda n: replace(n, place=replace(n.place, device=type(n.place.device)("cpu"))))
+    for bad in (on_kv_b, on_cpu):
+        with pytest.raises(VerifyError, match="P2"):
+            verify(bad, "placed")
+
+
+def test_a_nan_byte_in_a_held_fp8_weight_is_named(fp8_dirs, tmp_path):
+    d, _ = fp8_dirs("qwen3_moe", (128, 128))
+    key = "model.layers.0.self_attn.o_proj.weight"
+
+    def poison(t):
+        t = t.clone()
+        t.view(torch.uint8)[1, 2] = 0x7F
+        return t
+
+    bad = _edit(d, tmp_path / "nan", retype={key: poison})
+    c = _gpu_hybrid(ktflow.load(bad), fp8_on_gpu="keep", backend="torch_ref")
+    with pytest.raises(WeightError, match=f"{key}.*NaN byte at \\[1, 2\\]"):
+        c.prepare()
+
+
+def _fp8_kernel_cases():
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((200, 300), (256, 128), (64, 1000)):
+        w = torch.randn(n, k, generator=g) * 0.05
+        w[0, :7] = torch.tensor([1e-9, -3e-6, 0.0, 2.0, -0.0, 5e-4, 448.0])  # subnormal e4m3 after scaling, zeros
+        yield n, k, w
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_fp8_gpu_kernels_against_float64(device):
+    """The fused kernel (up to FP8_FUSED_ROWS rows) and the dequantize-then-matmul path (more
+    rows), with partial 128-blocks and a bias, against float64 on the exactly dequantized weight:
+    within bf16 output rounding. On a GPU, or in Triton's interpreter on the CPU."""
+    import os
+
+    pytest.importorskip("triton")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    if device == "cpu" and not os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("no GPU: set TRITON_INTERPRET=1 to run the kernels in Triton's interpreter")
+    from ktflow.backends import fp8_gpu
+    from ktflow.memory import FP8_FUSED_ROWS
+    from ktflow.quant import quantize
+
+    for n, k, w in _fp8_kernel_cases():
+        w8, s = quantize(w)
+        fw = fp8_gpu.Fp8Weight(w8.to(device), s.to(device))
+        exact = fw.dequantized(torch.float64)
+        bias = torch.randn(n, dtype=torch.bfloat16, device=device)
+        for m in (1, 3, FP8_FUSED_ROWS, FP8_FUSED_ROWS + 1, 130):
+            x = torch.randn(m, k, device=device).to(torch.bfloat16)
+            want = x.double() @ exact.t() + bias.double()
+            got = fp8_gpu.fused(x, fw, bias) if device == "cpu" and m <= FP8_FUSED_ROWS else \
+                fp8_gpu.linear(x, fw, bias) if device == "cuda" else \
+                torch.nn.functional.linear(x, fp8_gpu.dequantize_gpu(fw, torch.bfloat16), bias)
+            err = float((got.double() - want).abs().max() / want.abs().max())
+            assert got.dtype == torch.bfloat16 and err < 8e-3, (n, k, m, err)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and native.available()), reason="needs a CUDA GPU and the native module")
+def test_cuda_graph_with_fp8_held_weights_matches_torch_ref(fp8_dirs):
+    """The cuda_graph backend (the FP8 kernels inside the captured decode graph, the dequantize
+    path in the prefill step) against torch_ref in float32 on the same FP8 checkpoint."""
+    from test_cuda_graph import hw_here, rel, run_steps
+
+    d, _ = fp8_dirs("deepseek_v3", (128, 128))
+    model = ktflow.load(d)
+    opts = dict(hw=hw_here(), device="cuda", max_seq_len=64, max_batch=2)
+    c = ktflow.compile(model, dtype="bfloat16", fp8_on_gpu="keep", backend="cuda_graph", **opts)
+    assert _held(c)
+    ref = ktflow.compile(model, dtype="float32", backend="torch_ref", fp8_on_gpu="dequantize", **opts)
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    got, want = run_steps(c, ids, 6), run_steps(ref, ids, 6)
+    assert c.executor("decode").runner.bound[2].graph is not None
+    errs = [rel(a, b) for a, b in zip(got, want, strict=True)]
+    assert max(errs) < 2e-2, errs

@@ -54,7 +54,10 @@ def test_deepseek_v3_on_the_papers_a100(v3):
 
 
 def test_a_smaller_gpu_keeps_the_most_valuable_work(v3):
-    c = ktflow.compile(v3, hw="paper-4080", max_seq_len=4096)
+    """DeepSeek-V3's dense weights dequantized to bf16 overflow a 16 GB GPU: the routers and
+    some attention stay; held in FP8 as the release stores them (auto, since they do not fit
+    dequantized), every attention fits."""
+    c = ktflow.compile(v3, hw="paper-4080", max_seq_len=4096, fp8_on_gpu="dequantize")
     g = c.decode.ir
     assert c.decode.memory.gpu_bytes <= 16 * GiB
     gates = [n for n in g.nodes if n.op == Op.GATE]
@@ -62,6 +65,10 @@ def test_a_smaller_gpu_keeps_the_most_valuable_work(v3):
     attn = [n for n in g.nodes if n.op == Op.ATTENTION]
     assert 0 < sum(n.place.device == Device.GPU for n in attn) < len(attn)
     assert any("over the VRAM budget" in n.place.cause for n in attn)
+    fp8 = ktflow.compile(v3, hw="paper-4080", max_seq_len=4096)
+    attn = [n for n in fp8.decode.ir.nodes if n.op == Op.ATTENTION]
+    assert fp8.decode.memory.gpu_bytes <= 16 * GiB
+    assert all(n.place.device == Device.GPU and "held in fp8" in n.place.cause for n in attn)
 
 
 def test_prefill_and_decode_place_identically(v3):

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from .. import rope as rope_mod
 from ..ir.ops import AttentionAttrs
+from .fp8_gpu import Fp8Weight
+from .fp8_gpu import linear as fp8_linear
 
 Weights = dict  # role -> tensor (per-expert roles: expert -> tensor)
 
@@ -28,12 +30,19 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * xf.to(x.dtype)
 
 
+def matmul(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w^T (+ bias) for a weight in the activation dtype or held in FP8 (fp8_gpu.Fp8Weight)."""
+    if isinstance(w, Fp8Weight):
+        return fp8_linear(x, w, bias)
+    return F.linear(x, w, bias)
+
+
 def linear(x: torch.Tensor, w: Weights, role: str) -> torch.Tensor:
-    return F.linear(x, w[role], w.get(role + "_bias"))
+    return matmul(x, w[role], w.get(role + "_bias"))
 
 
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+def swiglu(x: torch.Tensor, gate, up, down) -> torch.Tensor:
+    return matmul(F.silu(matmul(x, gate)) * matmul(x, up), down)
 
 
 def gqa_project(a: AttentionAttrs, w, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

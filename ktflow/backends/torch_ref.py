@@ -16,13 +16,15 @@ import torch
 import torch.nn.functional as F
 
 from .. import rope as rope_mod
-from ..errors import KtflowError
+from ..errors import KtflowError, WeightError
 from ..ir.graph import Graph, Node
 from ..ir.ops import AttentionAttrs, GateAttrs, Op
 from ..ir.types import Device
+from ..quant import scale_key
 from ..weights import WeightSource, check_finite
 from .base import StepContext, node_key
-from .layers import attention, linear, rms_norm, swiglu
+from .fp8_gpu import Fp8Weight, nan_bytes
+from .layers import attention, linear, matmul, rms_norm, swiglu
 from .moe_gpu import stack_experts
 
 Weights = dict[str, Any]
@@ -68,6 +70,8 @@ class TorchRefBackend:
                     w[ref.role] = {e: self._ready(weights.load_expert(ref, e)[index], dev) for e in n.attrs.ids}
                     for e, t in w[ref.role].items():
                         check_finite(t, f"tensor {ref.key.format(e=e)} (node {n.name})")
+                elif ref.held == "fp8":  # as stored: e4m3 bytes and block scales
+                    w[ref.role] = _fp8_weight(weights, ref, dev, n.name)
                 else:
                     w[ref.role] = self._ready(weights.load(ref), dev)
                     check_finite(w[ref.role], f"tensor {ref.key} (node {n.name})")
@@ -108,6 +112,18 @@ class TorchRefBackend:
                 caches[attrs.layer] = (torch.zeros(b, attrs.kv_heads, m, attrs.head_dim, **kw),
                                        torch.zeros(b, attrs.kv_heads, m, attrs.head_dim, **kw))
         return caches[attrs.layer]
+
+
+def _fp8_weight(weights: WeightSource, ref, dev: torch.device, node: str) -> Fp8Weight:
+    """A weight held in FP8 on `dev`: its stored bytes and block scales, checked (an e4m3 NaN
+    byte or a non-finite scale is a WeightError naming the tensor)."""
+    w8, scale = weights.get(ref.key), weights.get(scale_key(ref.key))
+    bad = nan_bytes(w8).nonzero()
+    if len(bad):
+        at = [int(i) for i in bad[0]]
+        raise WeightError(f"tensor {ref.key} (node {node}): e4m3 NaN byte at {at}: the checkpoint is damaged")
+    check_finite(scale, f"tensor {scale_key(ref.key)} (node {node})")
+    return Fp8Weight(w8.to(dev), scale.to(device=dev, dtype=torch.float32).contiguous())
 
 
 # ------------------------------------------------------------------------------------ op rules
@@ -176,7 +192,7 @@ def _mlp(be, node, w, ins, ctx, dev):
     x = ins[0]
     y = swiglu(x, w["gate"], w["up"], w["down"])
     if node.attrs.sigmoid_gate:
-        y = torch.sigmoid(F.linear(x, w["sigmoid_gate"])) * y
+        y = torch.sigmoid(matmul(x, w["sigmoid_gate"])) * y
     return y
 
 

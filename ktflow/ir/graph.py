@@ -32,6 +32,11 @@ class Node:
         """Elements of the weights this node holds (a routed-expert subset: its experts only)."""
         return round(sum(w.numel() for w in self.weights) * FACTS[self.op].held_fraction(self.attrs))
 
+    def weight_bytes(self, itemsize: int) -> float:
+        """Bytes of the weights this node holds: `itemsize` per element, weights held in FP8 at
+        their stored size (WeightRef.held_bytes)."""
+        return sum(w.held_bytes(itemsize) for w in self.weights) * FACTS[self.op].held_fraction(self.attrs)
+
     def weight(self, role: str) -> WeightRef:
         for w in self.weights:
             if w.role == role:
@@ -47,7 +52,8 @@ class Node:
             "attrs": attrs_to_dict(self.attrs),
             "out": {"shape": list(self.out.shape), "dtype": self.out.dtype.value},
             "weights": [{"role": w.role, "key": w.key, "shape": list(w.shape), "experts": w.experts}
-                        | ({"fmt": w.fmt} if w.fmt else {}) for w in self.weights],
+                        | ({"fmt": w.fmt} if w.fmt else {}) | ({"held": w.held} if w.held else {})
+                        for w in self.weights],
         }
         if self.place is not None:
             d["place"] = {"device": self.place.device.value, "cause": self.place.cause,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from enum import Enum
 from typing import Any, Callable
 
-from .types import TOKENS, DType, TensorType
+from .types import TOKENS, DType, TensorType, WeightRef
 
 
 class Op(str, Enum):
@@ -530,3 +530,15 @@ def _ranges(ids: tuple[int, ...]) -> str:
         out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
         i = j + 1
     return ",".join(out)
+
+
+#: ops whose GPU rules multiply every weight matrix through one linear helper (backends/layers.py),
+#: which also takes weights held in FP8; the roles a rule reads as plain matrices are excluded
+#: (MLA's kv_b: the absorbed decode splits it per head)
+FP8_KERNEL_OPS: dict[Op, frozenset[str]] = {Op.ATTENTION: frozenset({"kv_b"}), Op.MLP: frozenset()}
+
+
+def fp8_holdable(op: Op, w: WeightRef) -> bool:
+    """Whether a node of `op` can hold weight `w` in FP8 on the GPU: stored in FP8, not per
+    expert, and read by the FP8 kernels."""
+    return w.fmt == "fp8" and not w.experts and op in FP8_KERNEL_OPS and w.role not in FP8_KERNEL_OPS[op]

@@ -1,6 +1,8 @@
 """Deterministic text form of a graph: one line per node.
 
-    <name> = <op>(<inputs>) <attrs> -> <type> [w=<tensors>/<elems>[:<stored formats>]] [@device] [cost]
+    <name> = <op>(<inputs>) <attrs> -> <type> [w=<tensors>/<elems>[:<stored formats>][ held fp8 <k>]] [@device] [cost]
+
+(`held fp8 <k>`: k of its weights are held on the device as stored, in FP8.)
 
 This text is the debug dump (`--print-after`, KTFLOW_DUMP) and the golden format in tests.
 """
@@ -23,6 +25,9 @@ def format_node(n: Node) -> str:
         stored = sorted({w.fmt for w in n.weights if w.fmt})
         if stored:  # weights the checkpoint stores other than in the float dtype
             line += ":" + "+".join(stored)
+        held = sum(w.held == "fp8" for w in n.weights)
+        if held:
+            line += f" held fp8 {held}"
     if n.place is not None:
         line += f" {n.place}"
         if n.place.cause:

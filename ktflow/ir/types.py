@@ -102,6 +102,8 @@ class Cost:
 
 #: stored weight formats other than the float dtype (WeightRef.fmt)
 STORED_FORMATS = ("fp8",)
+#: the block an FP8 weight held as stored is scaled in (both ways): what the GPU kernels read
+FP8_BLOCK = 128
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,10 @@ class WeightRef:
     stands for `experts` tensors of the same `shape`, one per expert (the weight loader also
     finds them in fused per-layer tensors; see ktflow.weights). `fmt` is how the checkpoint
     stores it: "" in the model's float dtype, or one of `STORED_FORMATS` ("fp8": e4m3 with
-    block scales beside it, as FP8 releases store their linear layers).
+    block scales beside it, as FP8 releases store their linear layers). `held` is how the node
+    holds it on its device, decided by placement: "" in the activation dtype (dequantized at
+    load where stored otherwise), or "fp8": as stored, e4m3 bytes and FP8_BLOCK x FP8_BLOCK
+    float32 scales, multiplied by the FP8 kernels (backends/fp8_gpu.py).
     """
 
     role: str
@@ -120,12 +125,22 @@ class WeightRef:
     shape: tuple[int, ...]
     experts: int = 0
     fmt: str = ""
+    held: str = ""
 
     def numel(self) -> int:
         n = max(self.experts, 1)
         for d in self.shape:
             n *= d
         return n
+
+    def held_bytes(self, itemsize: int) -> float:
+        """Bytes the node holds of it: `itemsize` per element, or held in FP8 one byte per
+        element and a float32 scale per block."""
+        if self.held == "fp8":
+            r, c = self.shape
+            blocks = -(-r // FP8_BLOCK) * -(-c // FP8_BLOCK)
+            return max(self.experts, 1) * (r * c + 4 * blocks)
+        return self.numel() * itemsize
 
 
 def _si(x: float) -> str:

@@ -12,8 +12,8 @@ from typing import Callable, Iterator
 
 from ..errors import KtflowError
 from .graph import Graph
-from .ops import FACTS, Op
-from .types import DType, FLOAT_DTYPES, STORED_FORMATS, TOKENS
+from .ops import FACTS, Op, fp8_holdable
+from .types import DType, Device, FLOAT_DTYPES, STORED_FORMATS, TOKENS
 
 STAGES = ("spec", "costed", "placed", "lowered")
 
@@ -133,6 +133,20 @@ def _r8_weights(g: Graph):
                 yield n.name, f"weight {w.key}: stored format {w.fmt!r} is not one of {', '.join(STORED_FORMATS)}"
             if w.fmt == "fp8" and len(w.shape) != 2:
                 yield n.name, f"weight {w.key}: fp8 (block-scaled) weights are matrices, got shape {list(w.shape)}"
+            if w.held not in ("", "fp8"):
+                yield n.name, f"weight {w.key}: held format {w.held!r} is not '' (the activation dtype) or 'fp8'"
+
+
+def _p2_fp8_held_on_gpu(g: Graph):
+    for n in g.nodes:
+        for w in n.weights:
+            if w.held != "fp8":
+                continue
+            if not fp8_holdable(n.op, w):
+                yield n.name, (f"weight {w.key} ({w.role}) is held in fp8 but is not an fp8-stored matrix the "
+                               f"FP8 kernels read for a {n.op.value} node")
+            elif n.place is not None and n.place.device != Device.GPU:
+                yield n.name, f"weight {w.key} is held in fp8 on the {n.place.device.value}; only GPU nodes hold fp8"
 
 
 def _r9_one_attention_per_layer(g: Graph):
@@ -342,6 +356,8 @@ RULES: dict[str, Rule] = {r.id: r for r in [
     Rule("D2", "spec", "nothing is deferred out of the last MoE layer", _d2_last_moe_layer_defers_nothing),
     Rule("C1", "costed", "every node has a cost", _c1_costed),
     Rule("P1", "placed", "every node has a placement", _p1_placed),
+    Rule("P2", "placed", "weights held in fp8 are fp8-stored matrices of GPU nodes the FP8 kernels read",
+         _p2_fp8_held_on_gpu),
     Rule("S1", "placed", "a fetch stages the weights of the streamed experts that read it", _s1_fetch_feeds_its_experts),
     Rule("S2", "placed", "a reused staging slot waits for its previous reader", _s2_slots_reused_in_order),
     Rule("L1", "lowered", "values cross devices only through copy nodes", _l1_edges_stay_on_one_device),

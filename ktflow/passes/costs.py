@@ -32,11 +32,13 @@ def annotate_costs(g: Graph, ctx: CompileContext) -> Graph:
 
 def recost_changed(before: Graph, after: Graph, ctx: CompileContext) -> Graph:
     """`after` with costs computed again for the nodes a pass created or changed: a new name, or
-    another op, inputs, attrs or NUMA node (the one part of a placement the cost depends on)."""
+    another op, inputs, attrs, weights (an FP8 weight held as stored reads fewer bytes) or NUMA
+    node (the one part of a placement the cost depends on)."""
 
     def fresh(n: Node) -> Node:
         old = before.by_name(n.name) if n.name in before else None
-        if old is not None and n.cost is not None and (old.op, old.inputs, old.attrs) == (n.op, n.inputs, n.attrs) \
+        if old is not None and n.cost is not None \
+                and (old.op, old.inputs, old.attrs, old.weights) == (n.op, n.inputs, n.attrs, n.weights) \
                 and (old.place.numa if old.place else None) == (n.place.numa if n.place else None):
             return n
         return replace(n, cost=node_cost(n, after, step_work(n, ctx), ctx.hw, ctx.weight_itemsize, ctx.numa_nodes,

@@ -8,8 +8,8 @@ from ..cost import node_cost, transfer_seconds
 from ..memory import activation_peak, gpu_workspace_bytes
 from ..errors import ConfigError
 from ..ir.graph import Graph, Node
-from ..ir.ops import FACTS, Op, Work
-from ..ir.types import Cost, Device, Placement, _si
+from ..ir.ops import FACTS, Op, Work, fp8_holdable
+from ..ir.types import FP8_BLOCK, Cost, Device, Placement, _si
 from ..options import CompileContext
 from .costs import recost_changed
 
@@ -69,7 +69,7 @@ def _units(g: Graph, ctx: CompileContext) -> tuple[list[Unit], dict[str, tuple[C
         copies = _copies_avoided(n, g, ctx, w.tokens) if n.op != Op.ROUTED_EXPERTS else 0.0
         gains[n.name] = (c, copies)
         saving = c.cpu_s - c.gpu_s + copies
-        vram = n.weight_elems() * ctx.weight_itemsize
+        vram = n.weight_bytes(ctx.weight_itemsize)
         if n.op == Op.ATTENTION:
             vram += n.attrs.kv_cache_elems_per_token() * ctx.max_seq_len * ctx.options.max_batch * g.act_dtype.itemsize
         if n.op != Op.ROUTED_EXPERTS:
@@ -98,6 +98,10 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
     L<i>.experts.gpu (the experts taken) and L<i>.experts (the rest, CPU). Nodes without
     weights follow their neighbours.
     Option placement='cpu' / 'gpu' puts every node on that device instead (baselines).
+    FP8 checkpoints (`_fp8_choice`): the dense weights the FP8 kernels can read are held in FP8
+    on the GPU (WeightRef.held) when fp8_on_gpu='keep', or under 'auto' when the dense units
+    would not all fit the budget dequantized; they are then priced and counted at their stored
+    size before the greedy choice above. A node placed on the CPU holds nothing in FP8.
     Requires: a costed graph. Guarantees: every node placed with a cause; GPU weights + KV
     caches fit the budget; decisions use decode costs only, so the prefill and decode plans of
     one compile place identically.
@@ -110,6 +114,10 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
         return g.map(lambda n: replace(n, place=Placement(Device.CPU, cause=why)))
     budget = gpu_budget(g, ctx)
     units, gains = _units(g, ctx)
+    keep_fp8, fp8_why = _fp8_choice(g, ctx, units, budget)
+    if keep_fp8:
+        g = recost_changed(g, g.map(_hold_fp8), ctx)
+        units, gains = _units(g, ctx)
     if mode == "gpu":
         need = sum(u.vram for u in units)
         if need > budget:
@@ -139,13 +147,52 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
             continue
         c, copies = gains[n.name]
         why = (f"decode step cpu {_si(c.cpu_s)}s + copies {_si(copies)}s vs gpu {_si(c.gpu_s)}s; "
-               f"{_si(n.weight_elems() * ctx.weight_itemsize)}B")
+               f"{_si(n.weight_bytes(ctx.weight_itemsize))}B")
         dev = Device.GPU if (n.name, None) in taken else Device.CPU
         if dev == Device.CPU:
             why = ("over the VRAM budget; " if c.cpu_s + copies > c.gpu_s else "no faster on the GPU; ") + why
+            n = _drop_fp8(n)
+        elif fp8_why and any(fp8_holdable(n.op, w) for w in n.weights):
+            why += "; " + fp8_why
         placed[n.name] = dev
         nodes.append(replace(n, place=Placement(dev, cause=why)))
     return recost_changed(g, _place_weightless(g.replace_nodes(nodes), placed), ctx)
+
+
+def _fp8_choice(g: Graph, ctx: CompileContext, units: list[Unit], budget: float) -> tuple[bool, str]:
+    """Whether the dense weights an FP8 checkpoint stores in FP8 stay FP8 on the GPU, and why
+    (the cause GPU nodes holding such weights carry): option fp8_on_gpu, and under 'auto' FP8
+    only when the dense units (units with a decode saving, experts aside) dequantized would
+    exceed the budget: cuBLAS on dequantized weights outruns the FP8 kernels at most shapes
+    (benchmarks/fp8_linear.py), FP8 halves their bytes."""
+    if not any(fp8_holdable(n.op, w) for n in g.nodes for w in n.weights):
+        return False, ""
+    mode = ctx.options.fp8_on_gpu
+    block = ctx.fp8_block
+    if block != (FP8_BLOCK, FP8_BLOCK):
+        if mode == "keep":
+            raise ConfigError(f"fp8_on_gpu='keep': the checkpoint's FP8 scale blocks are {block}, the FP8 kernels read "
+                              f"{FP8_BLOCK}x{FP8_BLOCK}; use fp8_on_gpu='dequantize'")
+        return False, f"fp8 weights dequantized: scale blocks {block}, the FP8 kernels read {FP8_BLOCK}x{FP8_BLOCK}"
+    if mode != "auto":
+        return mode == "keep", ("fp8 weights held in fp8" if mode == "keep" else "fp8 weights dequantized") + \
+            f" (fp8_on_gpu={mode})"
+    dense = sum(u.vram for u in units if u.expert is None and u.saving > 0)
+    if dense <= budget:
+        return False, f"fp8 weights dequantized: the dense units fit the budget so ({_si(dense)}B of {_si(budget)}B)"
+    return True, f"fp8 weights held in fp8: the dense units need {_si(dense)}B dequantized, the budget is {_si(budget)}B"
+
+
+def _hold_fp8(n: Node) -> Node:
+    if not any(fp8_holdable(n.op, w) for w in n.weights):
+        return n
+    return replace(n, weights=tuple(replace(w, held="fp8") if fp8_holdable(n.op, w) else w for w in n.weights))
+
+
+def _drop_fp8(n: Node) -> Node:
+    if not any(w.held for w in n.weights):
+        return n
+    return replace(n, weights=tuple(replace(w, held="") for w in n.weights))
 
 
 def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, placed) -> list[Node]:

@@ -1,0 +1,160 @@
+"""Linear layers over block-scaled FP8 weights held as the checkpoint stores them.
+
+A weight kept in FP8 on the GPU (`WeightRef.held == "fp8"`, decided by the placement pass) is an
+`Fp8Weight`: the e4m3 bytes [n, k] and the float32 block scales [ceil(n / 128), ceil(k / 128)]
+of the release, 1 byte per weight plus 4 per 128 x 128 block. `linear(x, w)` computes
+x @ (w8 * scale)^T with activations in bf16/fp16 and float32 accumulation, never building the
+dequantized matrix where the step is small:
+
+- on a CUDA device with Triton, up to memory.FP8_FUSED_ROWS rows (decode), one fused kernel
+  (`fp8_gemm`): each program owns a 16 x 32 tile of the output and walks k in steps of 128 (one
+  scale block); it reads a [128, 32] tile of weight bytes, widens e4m3 to binary16 exactly by
+  moving bits (e4m3's sign to bit 15, its exponent and mantissa to bits 7..14: the value times
+  2^-8, subnormals included, on any GPU generation) and then to the activation dtype (exact: 3
+  mantissa bits), multiplies it with the activation tile on the tensor cores, and adds the
+  product to the accumulator times the block's scale (times 2^8);
+- more rows (prefill): one pass of `fp8_dequant` writes the matrix in the activation dtype into a
+  temporary (memory.py counts it) and cuBLAS multiplies, since the fused kernel reaches about a
+  third of cuBLAS's rate on large products (benchmarks/fp8_linear.py);
+- elsewhere (the CPU, or no Triton), the dequantized matrix in the activation dtype, then
+  `F.linear`: the reference the kernels are tested against.
+
+Only 128 x 128 blocks are held in FP8 (what releases publish); the placement pass dequantizes
+other block sizes at load.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..memory import FP8_FUSED_ROWS
+from ..quant import dequantize
+
+BLOCK = 128  # the scale block, both ways: the kernel's k step
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """An FP8 weight on its device: `data` [n, k] float8_e4m3fn, `scale_inv` [ceil(n/128),
+    ceil(k/128)] float32 (the real weight is data * scale_inv per block)."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def nbytes(self) -> int:
+        return self.data.numel() + self.scale_inv.numel() * self.scale_inv.element_size()
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.data, self.scale_inv, (BLOCK, BLOCK)).to(dtype)
+
+
+def nan_bytes(w8: torch.Tensor) -> torch.Tensor:
+    """Where an e4m3 tensor holds NaN (0x7F / 0xFF: e4m3fn has no infinities)."""
+    return (w8.view(torch.uint8) & 0x7F) == 0x7F
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def widen(raw):  # e4m3 bytes (int16) -> binary16 holding value * 2^-8, exactly
+        return (((raw & 0x7F) << 7) | ((raw & 0x80) << 8)).to(tl.float16, bitcast=True)
+
+    @triton.jit
+    def fp8_gemm(x, w, s, bias, y, m, n, k, sx, sw, ss, sy, has_bias: tl.constexpr,
+                 bm: tl.constexpr, bn: tl.constexpr, bk: tl.constexpr):
+        """A [bm, bn] output tile per program, k in steps of one 128-wide scale block (bk)."""
+        pn = tl.program_id(0)
+        pm = tl.program_id(1)
+        rm = pm * bm + tl.arange(0, bm)
+        rn = pn * bn + tl.arange(0, bn)
+        rk = tl.arange(0, bk)
+        acc = tl.zeros((bm, bn), dtype=tl.float32)
+        for k0 in range(0, k, bk):
+            kk = k0 + rk
+            a = tl.load(x + rm[:, None].to(tl.int64) * sx + kk[None, :], mask=(rm[:, None] < m) & (kk[None, :] < k),
+                        other=0.0)
+            raw = tl.load(w + rn[None, :].to(tl.int64) * sw + kk[:, None], mask=(rn[None, :] < n) & (kk[:, None] < k),
+                          other=0).to(tl.int16)  # [bk, bn]
+            sc = tl.load(s + (rn // bk) * ss + k0 // bk, mask=rn < n, other=0.0)
+            acc += tl.dot(a, widen(raw).to(a.dtype)) * (sc * 256.0)[None, :]
+        if has_bias:
+            acc += tl.load(bias + rn, mask=rn < n, other=0.0).to(tl.float32)[None, :]
+        dst = y + rm[:, None].to(tl.int64) * sy + rn[None, :]
+        tl.store(dst, acc.to(y.dtype.element_ty), mask=(rm[:, None] < m) & (rn[None, :] < n))
+
+    @triton.jit
+    def fp8_dequant(w, s, out, n, k, sw, ss, so, bn: tl.constexpr, bk: tl.constexpr):
+        """out [n, k] = w * its block scale, in out's dtype: one [bn, bk] tile per program."""
+        rn = tl.program_id(0) * bn + tl.arange(0, bn)
+        kk = tl.program_id(1) * bk + tl.arange(0, bk)
+        inside = (rn[:, None] < n) & (kk[None, :] < k)
+        raw = tl.load(w + rn[:, None].to(tl.int64) * sw + kk[None, :], mask=inside, other=0).to(tl.int16)
+        sc = tl.load(s + (rn[:, None] // 128) * ss + kk[None, :] // 128, mask=inside, other=0.0)
+        val = widen(raw).to(tl.float32) * (sc * 256.0)
+        tl.store(out + rn[:, None].to(tl.int64) * so + kk[None, :], val.to(out.dtype.element_ty), mask=inside)
+
+    return triton, fp8_gemm, fp8_dequant
+
+
+def kernel_available(device: torch.device) -> bool:
+    """Whether `linear` runs the Triton kernels for tensors on `device` (CUDA, Triton importable)."""
+    if device.type != "cuda":
+        return False
+    try:
+        _kernels()
+    except ImportError:
+        return False
+    return True
+
+
+def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., k] @ (w.data * w.scale_inv)^T (+ bias) -> [..., n] in x's dtype."""
+    if not (kernel_available(x.device) and x.dtype in (torch.bfloat16, torch.float16)):
+        return F.linear(x, w.dequantized(x.dtype), bias)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] > FP8_FUSED_ROWS:  # memory.py counts this temporary
+        return F.linear(x, dequantize_gpu(w, x.dtype), bias)
+    return fused(x2, w, bias).view(*lead, w.data.shape[0])
+
+
+def fused(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused kernel on x [m, k] (bf16/fp16; m <= FP8_FUSED_ROWS): [m, n]. It also runs in
+    Triton's interpreter (tests)."""
+    triton, gemm, _ = _kernels()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = w.data.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    args = (x, w.data.view(torch.uint8), w.scale_inv, bias if bias is not None else y, y, m, n, k,
+            x.stride(0), w.data.stride(0), w.scale_inv.stride(0), y.stride(0), bias is not None)
+    if m:  # thin tiles: n / 32 programs stream the weight
+        gemm[(triton.cdiv(n, 32), triton.cdiv(m, 16))](*args, 16, 32, BLOCK, num_warps=4, num_stages=4)
+    return y
+
+
+def dequantize_gpu(w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [n, k] in `dtype`, in one pass of a kernel (a temporary for large products)."""
+    triton, _, kernel = _kernels()
+    n, k = w.data.shape
+    out = torch.empty(n, k, dtype=dtype, device=w.data.device)
+    kernel[(triton.cdiv(n, 32), triton.cdiv(k, 256))](w.data.view(torch.uint8), w.scale_inv, out, n, k,
+                                                        w.data.stride(0), w.scale_inv.stride(0), out.stride(0),
+                                                        32, 256, num_warps=4)
+    return out
