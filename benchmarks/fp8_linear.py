@@ -1,8 +1,7 @@
 """FP8 linear layers on the GPU: the fused block-scaled kernel (`backends/fp8_gpu.py`) against
 cuBLAS bf16 on the dequantized weight, per shape and rows of activations (GPU machine): what
-`fp8_gpu.linear` runs at that row count (a GEMV-style kernel up to GEMV_ROWS rows, the fused
-tensor-core kernel up to FUSED_ROWS, above that a one-pass dequantization then cuBLAS), and
-each of those ways where it applies.
+`fp8_gpu.linear` runs at that row count (the fused tensor-core kernel up to FP8_FUSED_ROWS rows,
+above that a one-pass dequantization then cuBLAS), and each of those ways where it applies.
 
     python benchmarks/fp8_linear.py [--out benchmarks/fp8_linear.jsonl]
 
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 
 from common import append_jsonl, commit, machine
 from ktflow.backends import fp8_gpu
+from ktflow.memory import FP8_FUSED_ROWS
 from ktflow.quant import quantize
 
 SHAPES = {  # name: (n, k)
@@ -80,7 +80,7 @@ def main() -> int:
             err = float((fp8_gpu.linear(x, w).double() - ref).abs().max() / ref.abs().max())
             t_bf16 = timed(lambda: F.linear(x, wb))
             t_fp8 = timed(lambda: fp8_gpu.linear(x, w))
-            t_fused = timed(lambda: fp8_gpu.fused(x, w)) if m <= fp8_gpu.FUSED_ROWS else None
+            t_fused = timed(lambda: fp8_gpu.fused(x, w)) if m <= FP8_FUSED_ROWS else None
             t_deq = timed(lambda: F.linear(x, fp8_gpu.dequantize_gpu(w, torch.bfloat16)))
             flops = 2.0 * m * n * k
             row = dict(info, shape=name, n=n, k=k, m=m, bf16_us=round(t_bf16, 2), fp8_us=round(t_fp8, 2),

@@ -134,8 +134,7 @@ def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> t
 
 
 def fused(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The fused kernel on x [m, k] (bf16/fp16; m <= FP8_FUSED_ROWS): [m, n]. It also runs in
-    Triton's interpreter (tests)."""
+    """The fused kernel on x [m, k] (bf16/fp16; m <= FP8_FUSED_ROWS): [m, n]."""
     triton, gemm, _ = _kernels()
     if x.stride(-1) != 1:
         x = x.contiguous()
