@@ -30,18 +30,17 @@ test: $(STAMP) native-test
 	$(PY) -m pytest -q
 
 # The native tests (no Python) built with AddressSanitizer + UndefinedBehaviorSanitizer, each
-# kernel file with its own ISA flags (native/isa_flags.txt), then run.
+# file with the baseline flags (the ISA kernels name their instructions in a pragma), then run.
 CXX       ?= g++
 ASAN      := build/asan
 ASANFLAGS := -std=c++17 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer \
              -Inative/include -pthread
 NATIVE_SRC := $(filter-out native/src/bindings.cpp,$(wildcard native/src/*.cpp)) native/tests/test_native.cpp
 NATIVE_OBJ := $(patsubst %.cpp,$(ASAN)/%.o,$(notdir $(NATIVE_SRC)))
-isa_flags = $(shell sed -n 's/^$(1): //p' native/isa_flags.txt)
 
-$(ASAN)/%.o: native/src/%.cpp $(wildcard native/include/ktf/*.h) native/isa_flags.txt
+$(ASAN)/%.o: native/src/%.cpp $(wildcard native/include/ktf/*.h)
 	@mkdir -p $(ASAN)
-	$(CXX) $(ASANFLAGS) $(call isa_flags,$*.cpp) -c $< -o $@
+	$(CXX) $(ASANFLAGS) -c $< -o $@
 
 $(ASAN)/test_native.o: native/tests/test_native.cpp $(wildcard native/include/ktf/*.h)
 	@mkdir -p $(ASAN)

@@ -1,7 +1,8 @@
 """Build of the native CPU backend (ktflow._native). Everything else is in pyproject.toml.
 
-Each translation unit is compiled on its own, in parallel; the ISA kernels get the flags listed in
-native/isa_flags.txt and nothing else does. No torch is needed to build it."""
+Each translation unit is compiled on its own, in parallel, all with the baseline x86-64 flags (the
+ISA kernels name their instructions in a pragma of their own: native/src/kernels_avx512.cpp says
+why). No torch is needed to build it."""
 
 from __future__ import annotations
 
@@ -17,27 +18,16 @@ NATIVE = HERE / "native"
 COMMON = ["-std=c++17", "-O3", "-fvisibility=hidden", "-fno-math-errno", "-Wall", "-Wno-unused-function", "-Wno-maybe-uninitialized"]
 
 
-def isa_flags() -> dict[str, list[str]]:
-    out = {}
-    for line in (NATIVE / "isa_flags.txt").read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            name, flags = line.split(":", 1)
-            out[name.strip()] = flags.split()
-    return out
-
-
 class ParallelBuildExt(build_ext):
     def build_extension(self, ext: Extension) -> None:
         import pybind11
 
-        flags = isa_flags()
         includes = [str(NATIVE / "include"), pybind11.get_include()]
         self.compiler.compiler_so = [a for a in self.compiler.compiler_so if a not in ("-g", "-O2")]
 
         def compile_one(src: str) -> list[str]:
-            extra = COMMON + flags.get(Path(src).name, [])
             return self.compiler.compile([src], output_dir=self.build_temp, include_dirs=includes,
-                                         extra_postargs=extra)
+                                         extra_postargs=COMMON)
 
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
             objects = [o for objs in pool.map(compile_one, ext.sources) for o in objs]

@@ -8,6 +8,18 @@
 
 #include "ktf/common.h"
 
+// This file's functions are compiled for these instructions by a pragma placed after every
+// #include, not by compiler flags for the whole file: the inline functions and templates the
+// headers define (std::vector's growth, ktf/common.h's helpers) must keep the baseline ISA, since
+// the linker keeps one copy of each for the whole module, and a copy built with these flags would
+// run on every CPU (an illegal instruction on one without them).
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma,f16c,amx-tile,amx-bf16,amx-int8"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma,f16c,amx-tile,amx-bf16,amx-int8")
+#endif
+
 namespace ktf {
 
 namespace {
@@ -124,3 +136,9 @@ void matmul_amx(const bf16* X, size_t ldx, int M, const PackedMatrix& W, int nb0
 Kernels amx_kernels() { return Kernels{matmul_amx}; }
 
 }  // namespace ktf
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif

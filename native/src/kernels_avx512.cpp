@@ -3,8 +3,8 @@
 // (row, K group); fp8 weights with few rows widened to bf16 in registers (exactly) and through
 // VDPBF16PS against the bf16 activations, scaled per group; with many rows, int8/int4/fp8
 // dequantized block by block to bf16. Best for few tokens per
-// expert, where the work is streaming weights from DRAM. Built with its own flags and only called
-// after CPUID says the CPU has these instructions.
+// expert, where the work is streaming weights from DRAM. Compiled for these instructions (the
+// pragma below) and only called after CPUID says the CPU has them.
 #include <immintrin.h>
 
 // GCC 12's _mm512_extracti32x4_epi32 starts from a self-initialised undefined vector that its own
@@ -16,6 +16,18 @@
 #include <vector>
 
 #include "ktf/common.h"
+
+// This file's functions are compiled for these instructions by a pragma placed after every
+// #include, not by compiler flags for the whole file: the inline functions and templates the
+// headers define (std::vector's growth, ktf/common.h's helpers) must keep the baseline ISA, since
+// the linker keeps one copy of each for the whole module, and a copy built with these flags would
+// run on every CPU (an illegal instruction on one without them).
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma,f16c")
+#endif
 
 namespace ktf {
 namespace {
@@ -418,3 +430,9 @@ void silu_mul_bf16_avx512(const float* g, const float* u, bf16* h, int n) {
 Kernels avx512_kernels() { return Kernels{matmul_avx512}; }
 
 }  // namespace ktf
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
