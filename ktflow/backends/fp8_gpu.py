@@ -31,10 +31,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..ir.types import FP8_BLOCK as BLOCK  # the scale block, both ways: the kernel's k step
 from ..memory import FP8_FUSED_ROWS
 from ..quant import dequantize
-
-BLOCK = 128  # the scale block, both ways: the kernel's k step
 
 
 @dataclass(frozen=True)
@@ -44,14 +43,6 @@ class Fp8Weight:
 
     data: torch.Tensor
     scale_inv: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
 
     def nbytes(self) -> int:
         return self.data.numel() + self.scale_inv.numel() * self.scale_inv.element_size()
