@@ -426,6 +426,13 @@ class Batch:
         self.native.set_done_flag(flag.data_ptr())
         self._keep.append(flag)
 
+    def set_doorbell(self, bell: torch.Tensor) -> None:
+        """`bell` (one int32 element, pinned for a GPU to write): a GPU step sets it to 1 to submit
+        this batch, while a ring holding it is armed (`Ring`); the dispatcher clears it."""
+        _check(bell, "doorbell", torch.int32, (1,))
+        self.native.set_doorbell(bell.data_ptr())
+        self._keep.append(bell)
+
     def submit(self) -> None:
         _INFLIGHT.append(self)
         self.queue.submit(self.native)
@@ -433,6 +440,22 @@ class Batch:
     def wait(self) -> None:
         """Wait until this batch has run (later batches may still run; errors surface at `sync`)."""
         self.native.wait()
+
+
+class Ring:
+    """Batches with doorbells a GPU step rings, in its order (see ktf/queue.h): `arm()` before each
+    launch of the step makes the dispatcher poll them, so the step submits its CPU tasks without
+    host functions."""
+
+    def __init__(self, batches: list[Batch]):
+        self.batches = list(batches)  # kept alive: the queue holds their addresses
+        self.queue = batches[0].queue if batches else queue()
+        self.id = self.queue.add_ring([b.native for b in self.batches]) if self.batches else None
+
+    def arm(self) -> None:
+        if self.id is not None:
+            _INFLIGHT.extend(self.batches)
+            self.queue.arm(self.id)
 
 
 def sync() -> None:

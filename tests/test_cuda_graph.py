@@ -123,6 +123,36 @@ def test_both_waits_give_the_same_steps(tiny_dirs):
 
 
 @gpu
+@pytest.mark.parametrize("case,options", [("qwen3_moe", dict(defer=1)), ("deepseek_v3", dict(defer=1, numa_nodes=2)),
+                                          ("deepseek_v2_lite", {})])
+def test_doorbell_submits_give_the_same_steps_as_host_nodes(case, options, tiny_dirs):
+    """submit='doorbell' (the stream writes each batch's doorbell, the armed dispatcher polls them;
+    deferral and NUMA shards, two batches per task, included) against host-node submits: the same
+    logits, and no host function in the replayed steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    d, _ = tiny_dirs(case)
+    model = ktflow.load(d)
+    bell, host = hybrid(model, **options), hybrid(model, **options)
+    bell.executor("decode").runner.be.submit = "doorbell"
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    a, b = run_steps(bell, ids, 5), run_steps(host, ids, 5)
+    runner = bell.executor("decode").runner
+    assert runner.bound[2].graph is not None and runner.bound[2].ring is not None
+    for x, y in zip(a, b, strict=True):
+        assert (x - y).abs().max() <= 1e-3 * y.abs().max()
+    logits, state = ktflow.execute(bell, ids)
+    nxt = logits[:, -1:].argmax(-1)
+    for _ in range(2):
+        logits, state = ktflow.execute(bell, nxt, state)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            logits, state = ktflow.execute(bell, nxt, state)
+    names = [e.name for e in prof.events()]
+    assert names.count("cudaGraphLaunch") == 3 and "cuLaunchHostFunc" not in names
+
+
+@gpu
 def test_one_graph_launch_per_decoded_token(demo_dir):
     from torch.profiler import ProfilerActivity, profile
 

@@ -171,3 +171,56 @@ def test_done_flag_is_cleared_at_submit_and_set_after_the_outputs(op):
         native.sync()
     with pytest.raises(Exception, match="int32"):
         b.set_done_flag(torch.zeros(1, dtype=torch.int64))
+
+
+def test_doorbells_submit_an_armed_ring_in_order(op):
+    """A ring of batches submitted by doorbells, as a captured GPU step rings them (this thread
+    plays the GPU: clear the done flag, ring, wait for the flag): each batch runs once per armed
+    pass, in ring order, its doorbell cleared; a doorbell never rung ends the pass with an error at
+    sync and releases the done flags after it, so a waiting GPU would go on."""
+    import threading
+
+    x = torch.randn(3, 64).bfloat16()
+    ids, wts = routing(3, 8, 2, seed=4)
+    outs = [torch.zeros(3, 64) for _ in range(3)]
+    bells, flags = torch.zeros(3, dtype=torch.int32), torch.ones(3, dtype=torch.int32)
+    batches = []
+    for i, o in enumerate(outs):
+        b = native.Batch()
+        b.add(op, x, ids, wts, o, accumulate=True)
+        b.set_doorbell(bells[i:i + 1])
+        b.set_done_flag(flags[i:i + 1])
+        batches.append(b)
+    ring = native.Ring(batches)
+
+    def gpu(upto=3):
+        for i in range(upto):
+            flags[i] = 0
+            bells[i] = 1
+            deadline = time.monotonic() + 10
+            while int(flags[i]) != 1:
+                assert time.monotonic() < deadline, f"batch {i} never ran"
+    steps = 30
+    for _ in range(steps):
+        ring.arm()
+        t = threading.Thread(target=gpu)
+        t.start()
+        t.join()
+    native.sync()
+    ref = reference_moe(x, ids, wts, *op.ref, set(range(8)), (0, 2))
+    assert all(rel(o / steps, ref) < 1e-2 for o in outs)
+    assert bells.tolist() == [0, 0, 0]
+    starts = [b.native.timing[1] for b in batches]
+    assert starts == sorted(starts)  # the last pass ran them in ring order
+    native.queue().set_ring_timeout_ns(50_000_000)
+    try:
+        flags.zero_()  # as a step that has cleared them all would leave them
+        ring.arm()
+        gpu(upto=1)  # rings the first only
+        deadline = time.monotonic() + 10
+        while flags.tolist() != [1, 1, 1]:
+            assert time.monotonic() < deadline, "the pass never ended"
+        with pytest.raises(KtflowError, match="did not ring CPU task 1 of 3"):
+            native.sync()
+    finally:
+        native.queue().set_ring_timeout_ns(30_000_000_000)

@@ -8,10 +8,14 @@ plan's record/wait events:
 
 - copy to the CPU: the value is written into its slot of the pinned exchange arena, laid out by
   the plan's buffer plan (one arena for the whole step, slots reused across layers);
-- submit: a host node (`cuLaunchHostFunc`) calling `ktf_submit(batch)`: it only enqueues the
-  task's prepared native batch, whose jobs read and write the pinned slots; the stream goes on
-  with the GPU work the plan put between submit and sync (the shared expert; under deferral the
-  next layer's attention and router);
+- submit: the backend's `submit`. "host": a host node (`cuLaunchHostFunc`) calling
+  `ktf_submit(batch)`, which only enqueues the task's prepared native batch, whose jobs read and
+  write the pinned slots. "doorbell": two stream write-value operations (`cuStreamWriteValue32`),
+  one clearing the batch's done flag, one setting its doorbell, a pinned word the native
+  dispatcher polls while the step's ring of batches is armed (armed by the host before each
+  launch): no host function, no driver callback thread, no wake-up on the way. Either way the
+  stream goes on with the GPU work the plan put between submit and sync (the shared expert;
+  under deferral the next layer's attention and router);
 - sync: the stream waits for that task only, not for deferred tasks queued after it. Two ways
   (the backend's `wait`): "flag", the default, a wait-value operation (`cuStreamWaitValue32`) on
   the batch's done flag, a pinned word the native dispatcher sets once the outputs are written;
@@ -67,6 +71,8 @@ class Driver:
     - `cuLaunchHostFunc`: a host function called in stream order (a host node under capture);
     - `cuStreamWaitValue32`: the stream waits until a 32-bit word reaches a value (a wait-value
       node under capture), polled by the GPU's front end: no host thread takes part;
+    - `cuStreamWriteValue32`: the stream writes a 32-bit word (a write-value node under capture),
+      after the work before it in the stream;
     - `cuMemHostGetDevicePointer`: the device address of a pinned host word."""
 
     WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0
@@ -84,6 +90,10 @@ class Driver:
         if self._wait is not None:
             self._wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
             self._wait.restype = ctypes.c_int
+        self._write = getattr(lib, "cuStreamWriteValue32_v2", None) or getattr(lib, "cuStreamWriteValue32", None)
+        if self._write is not None:
+            self._write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            self._write.restype = ctypes.c_int
         self._devptr = lib.cuMemHostGetDevicePointer_v2
         self._devptr.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
         self._devptr.restype = ctypes.c_int
@@ -106,6 +116,24 @@ class Driver:
         rc = self._wait(stream.cuda_stream, address, value, self.WAIT_GEQ)
         if rc != 0:
             raise KtflowError(f"cuStreamWaitValue32 failed (CUDA driver error {rc})")
+
+    def write_value(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
+        rc = self._write(stream.cuda_stream, address, value, 0)  # CU_STREAM_WRITE_VALUE_DEFAULT: after prior work
+        if rc != 0:
+            raise KtflowError(f"cuStreamWriteValue32 failed (CUDA driver error {rc})")
+
+    def can_write_value(self) -> bool:
+        """Whether stream write-value operations to pinned host memory run here (tried once)."""
+        if self._write is None:
+            return False
+        word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        stream = torch.cuda.Stream()
+        try:
+            self.write_value(stream, self.device_address(word), 1)
+            stream.synchronize()
+        except (KtflowError, RuntimeError):
+            return False
+        return int(word[0]) == 1
 
     def can_wait_value(self) -> bool:
         """Whether this driver and GPU run stream wait-value operations on pinned host memory
@@ -137,6 +165,10 @@ class Bound:
     #: into the same output); none for a prologue node, computed before the launch
     tasks: dict[str, list[native.Batch]]
     done_at: dict[str, int]  # task root -> device address of its last batch's done flag
+    #: submit="doorbell": each batch's (done flag, doorbell) device addresses, and the ring of the
+    #: batches in the order the step rings them
+    bells: dict[int, tuple[int, int]]
+    ring: native.Ring | None
     logits: torch.Tensor  # pinned float32 [batch, vocab]: the graph's output
     graph: torch.cuda.CUDAGraph | None = None
     keep: list = field(default_factory=list)  # values the graph reads or writes
@@ -149,11 +181,17 @@ class CudaGraphBackend(StaticRules, NativeBackend):
     #: cuStreamWaitValue32) or "host" (a host node calling ktf_wait_batch, which blocks the driver's
     #: host-function thread until the task has run); "auto": flag where the driver supports it
     WAITS = ("auto", "flag", "host")
+    #: how a step submits a CPU task: "host" (a host node calling ktf_submit) or "doorbell" (the
+    #: stream writes the batch's doorbell word, which the armed native dispatcher polls; needs the
+    #: flag wait)
+    SUBMITS = ("host", "doorbell")
 
     def __init__(self, gpu_device: str = "cuda", dtype: torch.dtype = torch.bfloat16, options: Any = None,
-                 wait: str = "auto"):
+                 wait: str = "auto", submit: str = "host"):
         if wait not in self.WAITS:
             raise ConfigError(f"wait={wait!r}: the cuda_graph backend waits for CPU tasks with one of {self.WAITS}")
+        if submit not in self.SUBMITS:
+            raise ConfigError(f"submit={submit!r}: the cuda_graph backend submits CPU tasks with one of {self.SUBMITS}")
         if gpu_device != "cuda" or not torch.cuda.is_available():
             raise ConfigError("the cuda_graph backend runs GPU nodes on a CUDA device: "
                               + ("torch sees none here; compile for this machine (`ktflow compile --hw this`, or "
@@ -176,6 +214,10 @@ class CudaGraphBackend(StaticRules, NativeBackend):
         elif wait == "flag" and not self.driver.can_wait_value():
             raise ConfigError("wait='flag' needs stream memory operations (cuStreamWaitValue32 on pinned host memory), "
                               "which this driver or GPU refuses; use wait='host'")
+        if submit == "doorbell" and (wait != "flag" or not self.driver.can_write_value()):
+            raise ConfigError("submit='doorbell' needs the flag wait and stream write-value operations "
+                              "(cuStreamWriteValue32 on pinned host memory); use submit='host'")
+        self.submit = submit
         self.wait = wait
         # the lanes' streams, shared by every decode plan this backend runs: each stream that runs a
         # matrix product keeps a BLAS workspace for good, so a stream pair per plan would leak one each
@@ -268,13 +310,31 @@ class DecodeGraph:
         arena = torch.zeros(max(arenas.get("pinned", 0), 1), dtype=torch.uint8, pin_memory=True)
         slots = exchange_slots(g, buffers, arena, b)
         tasks = {n.attrs.task: native_batches(self.be, g, n, slots, self.home) for n in g.nodes if n.op == Op.SUBMIT}
-        done_at, _ = done_flags(self.driver, tasks)  # the batches keep their flags alive
+        done_at, flags = done_flags(self.driver, tasks)  # the batches keep their flags alive
+        bells, ring = {}, None
+        if self.be.submit == "doorbell":
+            bells, ring = self._doorbells(tasks, flags)
         vocab = g.by_name(g.outputs[0]).out.shape[-1]
         pin = dict(pin_memory=True)
         return Bound(batch=b, tokens=torch.zeros(b, dtype=torch.int64, **pin),
                      position=torch.zeros(1, dtype=torch.int64, **pin),
                      position_dev=torch.zeros(1, dtype=torch.int64, device="cuda"), arena=arena, slots=slots,
-                     tasks=tasks, done_at=done_at, logits=torch.zeros(b, vocab, dtype=torch.float32, **pin))
+                     tasks=tasks, done_at=done_at, bells=bells, ring=ring,
+                     logits=torch.zeros(b, vocab, dtype=torch.float32, **pin))
+
+    def _doorbells(self, tasks: dict[str, list[native.Batch]], flags: torch.Tensor):
+        """A pinned doorbell per batch, and the ring of every batch in the order the plan's submit
+        steps ring them (the one GPU lane issues them in plan order)."""
+        order = [b for s in self.plan.steps if s.kind == "submit"
+                 for b in tasks[self.g.by_name(s.node).attrs.task]]
+        words = torch.zeros(max(len(order), 1), dtype=torch.int32, pin_memory=True)
+        flag_of = {id(b): i for i, b in enumerate(b for batches in tasks.values() for b in batches)}
+        bell_base, flag_base = self.driver.device_address(words), self.driver.device_address(flags)
+        bells = {}
+        for i, batch in enumerate(order):
+            batch.set_doorbell(words[i:i + 1])
+            bells[id(batch)] = (flag_base + flag_of[id(batch)] * 4, bell_base + i * 4)
+        return bells, native.Ring(order)
 
     # ------------------------------------------------------------------------------ running
     def run(self, input_ids: torch.Tensor, state, trace: bool = False, logits: str = "all"):
@@ -295,6 +355,8 @@ class DecodeGraph:
             if self.capture and bound.graph is None and not trace:
                 self._capture(bound, state)
         else:
+            if bound.ring is not None:
+                bound.ring.arm()  # the dispatcher polls the step's doorbells
             with torch.cuda.stream(self.gpu):  # replay launches on the current stream
                 bound.graph.replay()
             self._wait()
@@ -315,6 +377,8 @@ class DecodeGraph:
                            token_ids=bound.tokens, position_t=bound.position_dev)
 
     def _eager(self, bound: Bound, state, trace: bool):
+        if bound.ring is not None:
+            bound.ring.arm()
         self.gpu.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.gpu):
             timer = _Timer(self) if trace else None
@@ -384,7 +448,12 @@ class DecodeGraph:
                 values[node.name] = self._copy(node, values[node.inputs[0]], bound, stream)
             elif step.kind == "submit":
                 for batch in bound.tasks[node.attrs.task]:
-                    self.driver.launch_host(stream, self.driver.submit_fn, batch.handle)
+                    if bound.ring is not None:  # clear its done flag, then ring: the dispatcher runs it
+                        flag, bell = bound.bells[id(batch)]
+                        self.driver.write_value(stream, flag, 0)
+                        self.driver.write_value(stream, bell, 1)
+                    else:
+                        self.driver.launch_host(stream, self.driver.submit_fn, batch.handle)
             elif step.kind == "sync":  # a task without batches is a prologue node, computed before the launch
                 root = node.inputs[1]
                 if bound.tasks[root]:

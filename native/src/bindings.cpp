@@ -362,6 +362,13 @@ PYBIND11_MODULE(_native, m) {
         q.sync();
       })
       .def_property_readonly("handle", [](Queue& q) { return reinterpret_cast<uintptr_t>(&q); })
+      .def("add_ring", [](Queue& q, std::vector<std::shared_ptr<Batch>> ring) {
+        std::vector<Batch*> raw;
+        for (auto& b : ring) raw.push_back(b.get());
+        return q.add_ring(std::move(raw));
+      }, "register batches with doorbells, in the order a GPU step rings them; returns the ring's id")
+      .def("arm", &Queue::arm, "one pass of the ring is coming: the dispatcher polls its doorbells in order")
+      .def("set_ring_timeout_ns", &Queue::set_ring_timeout_ns)
       .def("set_recording", &Queue::set_recording)
       .def("take_records", [](Queue& q) {
         std::vector<std::tuple<uintptr_t, int64_t, int64_t, int64_t>> out;
@@ -389,6 +396,10 @@ PYBIND11_MODULE(_native, m) {
         if (flag % alignof(std::atomic<uint32_t>)) throw std::invalid_argument("a done flag must be 4-byte aligned");
         b.done_flag = reinterpret_cast<std::atomic<uint32_t>*>(flag);
       }, "address of a uint32 word set to 0 at submit and 1 once the batch has run (0: none)")
+      .def("set_doorbell", [](Batch& b, uintptr_t bell) {
+        if (bell % alignof(std::atomic<uint32_t>)) throw std::invalid_argument("a doorbell must be 4-byte aligned");
+        b.doorbell = reinterpret_cast<std::atomic<uint32_t>*>(bell);
+      }, "address of a uint32 word a GPU sets to 1 to submit the batch while its ring is armed (0: none)")
       .def("wait", [](Batch& b) {
         py::gil_scoped_release nogil;
         b.queue->wait_batch(&b);

@@ -3,6 +3,8 @@
 #include <immintrin.h>
 
 #include <chrono>
+#include <stdexcept>
+#include <string>
 
 namespace ktf {
 
@@ -19,6 +21,7 @@ Queue::~Queue() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
+    stopping_ = true;
   }
   work_.notify_all();
   dispatcher_.join();
@@ -33,6 +36,24 @@ void Queue::submit(Batch* b) {
     pending_count_.fetch_add(1, std::memory_order_release);
     ++b->submits;
     ++in_flight_;
+  }
+  work_.notify_one();
+}
+
+int Queue::add_ring(std::vector<Batch*> ring) {
+  for (Batch* b : ring)
+    if (!b || b->queue != this || !b->doorbell) throw std::invalid_argument("a ring holds this queue's batches with doorbells");
+  std::lock_guard<std::mutex> lock(mutex_);
+  rings_.push_back(std::move(ring));
+  return int(rings_.size()) - 1;
+}
+
+void Queue::arm(int ring) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (ring < 0 || ring >= int(rings_.size())) throw std::invalid_argument("no such ring");
+    armed_.push_back(ring);
+    armed_count_.fetch_add(1, std::memory_order_release);
   }
   work_.notify_one();
 }
@@ -72,40 +93,93 @@ std::vector<BatchRecord> Queue::take_records() {
 
 void Queue::dispatch() {
   for (;;) {
-    Batch* b;
     // spin before sleeping: decode submits every millisecond or so
     const auto t0 = std::chrono::steady_clock::now();
-    for (int spins = 0; pending_count_.load(std::memory_order_acquire) == 0; ++spins) {
+    for (int spins = 0; pending_count_.load(std::memory_order_acquire) == 0 &&
+                        armed_count_.load(std::memory_order_acquire) == 0;
+         ++spins) {
       _mm_pause();
       if (spins % 64 == 0 && std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
                                      .count() > pool_->spin_ns())
         break;
     }
+    Batch* b = nullptr;
+    int ring = -1;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      work_.wait(lock, [&] { return stop_ || !pending_.empty(); });
-      if (pending_.empty()) return;  // stopping, and everything submitted has run
-      b = pending_.front();
-      pending_.pop_front();
-      pending_count_.fetch_sub(1, std::memory_order_relaxed);
+      work_.wait(lock, [&] { return stop_ || !pending_.empty() || !armed_.empty(); });
+      if (!pending_.empty()) {
+        b = pending_.front();
+        pending_.pop_front();
+        pending_count_.fetch_sub(1, std::memory_order_relaxed);
+      } else if (!armed_.empty()) {
+        ring = armed_.front();
+      } else {
+        return;  // stopping, and everything submitted has run
+      }
     }
-    std::exception_ptr err;
-    b->started_ns = now_ns();
-    try {
-      run_jobs(*pool_, b->jobs);
-    } catch (...) {
-      err = std::current_exception();
+    if (b) {
+      run(b);
+      continue;
     }
-    b->finished_ns = now_ns();
+    run_ring(ring);
+    std::lock_guard<std::mutex> lock(mutex_);
+    armed_.pop_front();
+    armed_count_.fetch_sub(1, std::memory_order_relaxed);
+  }
+}
+
+void Queue::run(Batch* b) {
+  std::exception_ptr err;
+  b->started_ns = now_ns();
+  try {
+    run_jobs(*pool_, b->jobs);
+  } catch (...) {
+    err = std::current_exception();
+  }
+  b->finished_ns = now_ns();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (err && !error_) error_ = err;
+    if (recording_) records_.push_back({b, b->submitted_ns, b->started_ns, b->finished_ns});
+    ++b->finishes;
+    --in_flight_;
+    if (b->done_flag) b->done_flag->store(1, std::memory_order_release);  // outputs are written
+  }
+  idle_.notify_all();
+}
+
+void Queue::run_ring(int ring) {
+  const std::vector<Batch*>& batches = rings_[ring];  // rings are only appended to: the reference stays valid
+  for (size_t i = 0; i < batches.size(); ++i) {
+    Batch* b = batches[i];
+    const int64_t t0 = now_ns();
+    bool rung = true;
+    for (int spins = 0; b->doorbell->load(std::memory_order_acquire) == 0; ++spins) {
+      _mm_pause();
+      if (spins % 1024 == 0 && (stopping_.load(std::memory_order_relaxed) || now_ns() - t0 > ring_timeout_ns_)) {
+        rung = false;
+        break;
+      }
+    }
+    if (!rung) {  // release a GPU waiting on the rest, and say why at the next sync
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!error_)
+        error_ = std::make_exception_ptr(std::runtime_error(
+            "a GPU step did not ring CPU task " + std::to_string(i) + " of " + std::to_string(batches.size()) +
+            " within " + std::to_string(ring_timeout_ns_ / 1'000'000) + " ms (the step failed or was never launched)"));
+      for (size_t j = i; j < batches.size(); ++j)
+        if (batches[j]->done_flag) batches[j]->done_flag->store(1, std::memory_order_release);
+      break;
+    }
+    b->doorbell->store(0, std::memory_order_relaxed);
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (err && !error_) error_ = err;
-      if (recording_) records_.push_back({b, b->submitted_ns, b->started_ns, b->finished_ns});
-      ++b->finishes;
-      --in_flight_;
-      if (b->done_flag) b->done_flag->store(1, std::memory_order_release);  // outputs are written
+      b->submitted_ns = now_ns();
+      ++b->submits;
+      ++in_flight_;
     }
-    idle_.notify_all();
+    run(b);
   }
 }
 

@@ -18,6 +18,8 @@
 #include "ktf/pool.h"
 #include "ktf/queue.h"
 
+#include <thread>
+
 using namespace ktf;
 
 static int failures = 0;
@@ -257,6 +259,64 @@ static void test_pool_stress(std::shared_ptr<ThreadPool> pool) {
   CHECK(sum == 3 * pool->groups(), "the pool works after an exception");
 }
 
+// A ring of batches submitted by doorbells, as a captured GPU step rings them: a thread plays the
+// GPU (clear the done flag, ring, wait for the flag), the dispatcher polls the armed ring in order.
+static void test_doorbells(Queue& q, Job good, Job bad, std::vector<float>& out, const std::vector<double>& ref) {
+  std::atomic<uint32_t> bells[3] = {{0}, {0}, {0}}, done[3] = {{1}, {1}, {1}};
+  Batch a{&q, {good}}, b{&q, {good}}, c{&q, {good}};
+  Batch* ring[3] = {&a, &b, &c};
+  for (int i = 0; i < 3; ++i) ring[i]->doorbell = &bells[i], ring[i]->done_flag = &done[i];
+  const int id = q.add_ring({&a, &b, &c});
+  std::fill(out.begin(), out.end(), 0.f);
+  const int steps = 40;
+  for (int s = 0; s < steps; ++s) {
+    q.arm(id);
+    std::thread gpu([&] {
+      for (int i = 0; i < 3; ++i) {
+        done[i].store(0, std::memory_order_relaxed);
+        bells[i].store(1, std::memory_order_release);
+        while (done[i].load(std::memory_order_acquire) != 1) _mm_pause();
+      }
+    });
+    gpu.join();
+  }
+  q.sync();
+  std::vector<double> got(out.begin(), out.end());
+  for (auto& v : got) v /= 3.0 * steps;
+  CHECK(rel_err(got, ref) < 1e-2, "doorbell-submitted runs accumulate: rel err %g", rel_err(got, ref));
+  CHECK(a.submits == uint64_t(steps) && c.finishes == uint64_t(steps), "every ring was run once per step");
+  CHECK(bells[0] == 0 && bells[2] == 0, "the dispatcher clears a doorbell it answers");
+  // a pass the GPU stops ringing: the error surfaces at sync and the rest of the done flags are set
+  q.set_ring_timeout_ns(20'000'000);
+  q.arm(id);
+  done[0] = done[1] = done[2] = 0;
+  bells[0].store(1, std::memory_order_release);
+  while (done[2].load(std::memory_order_acquire) != 1) _mm_pause();
+  bool threw = false;
+  try {
+    q.sync();
+  } catch (const std::runtime_error& e) {
+    threw = std::string(e.what()).find("did not ring CPU task 1 of 3") != std::string::npos;
+  }
+  CHECK(threw && done[1] == 1, "an unrung doorbell ends the pass with an error and releases its done flags");
+  // a failing batch rung from the GPU: its flag is set, its error surfaces at sync
+  Batch broken{&q, {bad}};
+  std::atomic<uint32_t> bell{0}, flag{0};
+  broken.doorbell = &bell, broken.done_flag = &flag;
+  const int one = q.add_ring({&broken});
+  q.arm(one);
+  bell.store(1, std::memory_order_release);
+  while (flag.load(std::memory_order_acquire) != 1) _mm_pause();
+  threw = false;
+  try {
+    q.sync();
+  } catch (const std::out_of_range&) {
+    threw = true;
+  }
+  CHECK(threw, "a doorbell-submitted batch's error surfaces at sync");
+  q.set_ring_timeout_ns(30'000'000'000);
+}
+
 static void test_queue(std::shared_ptr<ThreadPool> pool, std::mt19937& rng) {
   const int E = 4, H = 64, I = 32, T = 3, k = 2;
   Experts x = make_experts(E, H, I, rng);
@@ -328,6 +388,7 @@ static void test_queue(std::shared_ptr<ThreadPool> pool, std::mt19937& rng) {
     } catch (const std::out_of_range&) {
     }
     first.done_flag = broken.done_flag = nullptr;
+    test_doorbells(q, job(ids), job(bad), out, ref);
     for (int i = 0; i < 200; ++i) q.submit(&good);
     owner.reset();  // destroying the queue with work pending finishes that work and stops
   }

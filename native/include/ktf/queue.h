@@ -9,6 +9,15 @@
 // written. A CUDA stream can wait on it (cuStreamWaitValue32) without a host function. Like the
 // pool's workers, the dispatcher spins for a while (KTFLOW_SPIN_US) before it sleeps, so a
 // submit during decode starts without a wake-up.
+//
+// A batch may also carry a doorbell: a pinned 32-bit word a GPU sets to 1 with a stream
+// write-value operation, which submits the batch with no host function at all. The batches a
+// captured step rings are registered once, in the order it rings them, as a ring (add_ring);
+// before each launch of that step the host arms the ring (arm), and the dispatcher then polls the
+// ring's doorbells in order, spinning: each one it finds rung it clears and runs as a submission
+// (the GPU clears the batch's done flag itself, before it rings). A doorbell not rung within
+// the ring timeout ends the pass: the error surfaces at the next sync, and the done flags of the
+// batches not run are set, so a GPU waiting on them goes on rather than hanging.
 #pragma once
 
 #include <atomic>
@@ -39,6 +48,8 @@ struct Batch {
   std::atomic<uint64_t> submits{0}, finishes{0};
   // optional: 0 from submit until the batch has run, then 1 (see above)
   std::atomic<uint32_t>* done_flag = nullptr;
+  // optional: set to 1 by a GPU to submit the batch while its ring is armed (see above)
+  std::atomic<uint32_t>* doorbell = nullptr;
 };
 
 struct BatchRecord {
@@ -57,17 +68,27 @@ class Queue {
   void sync();            // waits, then rethrows the first error since the last sync
   void wait();            // waits; errors stay for the next sync (for C callers)
   void wait_batch(const Batch* b);  // waits until every submission of b has run (not later batches)
+  int add_ring(std::vector<Batch*> ring);  // batches with doorbells, in ringing order; returns its id
+  void arm(int ring);                      // one pass of that ring is coming: poll its doorbells
+  void set_ring_timeout_ns(int64_t ns) { ring_timeout_ns_ = ns; }
   ThreadPool& pool() { return *pool_; }
   std::vector<BatchRecord> take_records();  // run times since the last call
   void set_recording(bool on);
 
  private:
   void dispatch();
+  void run(Batch* b);        // runs a submitted batch, records it, sets its done flag
+  void run_ring(int ring);   // one armed pass over a ring's doorbells
   std::shared_ptr<ThreadPool> pool_;
   std::mutex mutex_;
   std::condition_variable work_, idle_;
   std::deque<Batch*> pending_;
   std::atomic<int> pending_count_{0};  // pending_.size(), read by the spinning dispatcher without the mutex
+  std::deque<std::vector<Batch*>> rings_;  // a deque: add_ring never moves a ring being polled
+  std::deque<int> armed_;                // rings armed, in order
+  std::atomic<int> armed_count_{0};      // armed_.size(), read like pending_count_
+  std::atomic<bool> stopping_{false};
+  int64_t ring_timeout_ns_ = 30'000'000'000;  // 30 s
   int in_flight_ = 0;
   bool stop_ = false;
   std::exception_ptr error_;
