@@ -20,7 +20,8 @@ prefill tokens/s for each `--prompts` length (cpu and eager: the prefill of the 
 decode tokens/s for `--decode` tokens after a 32-token prompt. For each
 decode variant also: CPU busy % (the native queue's task times over the wall time), GPU busy %
 and API launches per token (torch.profiler over 16 steps), predicted vs measured per-layer time,
-peak VRAM vs the plan, and the roofline bound: routed-expert bytes per token over the measured
+peak VRAM vs the plan, the hand-off of each layer's CPU task to the CPU and back (graph variants: one
+traced step, `ktflow.timeline.handoffs`), and the roofline bound: routed-expert bytes per token over the measured
 DRAM bandwidth (the faster of an all-CPU sum read and the probe's native expert read over a set
 8x the last-level cache). Every routed expert stays on the CPU (the VRAM budget holds the dense weights
 and the KV cache only), as on a machine whose GPU cannot hold the experts.
@@ -252,6 +253,30 @@ def profile_decode(compiled, vocab: int, steps: int = 16) -> dict:
     total = sum(launches.values())
     return dict(gpu_busy=busy * 1e-6 / wall, launches_per_token=total / steps,
                 graph_launches_per_token=launches["cudaGraphLaunch"] / steps)
+
+
+def traced_handoffs(compiled, vocab: int) -> dict:
+    """Median hand-off per layer's CPU task, each way (timeline.handoffs), from one decode step
+    run with the trace (issued eagerly with CUDA events around each GPU step: the launches add to
+    what a replayed graph spends), beside the plan's prediction."""
+    import ktflow
+    from ktflow.timeline import handoffs, with_measured_steps
+
+    logits, state = ktflow.execute(compiled, torch.randint(0, vocab, (1, 32)))
+    nxt = logits[:, -1:].argmax(-1)
+    logits, state = ktflow.execute(compiled, nxt, state)
+    ex = compiled.executor(compiled.decode)
+    ex.trace = 1
+    ktflow.execute(compiled, nxt, state)
+
+    def med(plan, way):
+        h = [getattr(x, way) for x in handoffs(plan) if x.layer is not None]
+        return round(statistics.median(h), 1) if h else None
+
+    measured = with_measured_steps(compiled.decode, ex.measured)
+    return dict(handoff_to_cpu_us=med(measured, "to_cpu_us"), handoff_to_gpu_us=med(measured, "to_gpu_us"),
+                predicted_handoff_to_cpu_us=med(compiled.decode, "to_cpu_us"),
+                predicted_handoff_to_gpu_us=med(compiled.decode, "to_gpu_us"))
 
 
 def expert_bytes_per_token(plan, fmt: str) -> float:
@@ -531,11 +556,15 @@ def main() -> int:
                    defer=str(c.plans.options.defer))
         if v != "cpu":
             row.update(profile_decode(c, vocab))
+        if v.startswith("graph"):
+            row.update(traced_handoffs(c, vocab))
         print(f"  {v:12s} decode: {m:7.2f} +- {sd:5.2f} tok/s ({100 * m / bound:.0f}% of the roofline {bound:.1f}); "
               f"step {1e6 / m:.0f} us vs predicted {plan.predicted_step_us:.0f} us; "
               f"CPU busy {row['cpu_busy']}, GPU busy {row.get('gpu_busy')}, launches/token "
-              f"{row.get('launches_per_token')}; peak VRAM {row['peak_vram_gb']} GB vs plan {row['predicted_vram_gb']} GB",
-              flush=True)
+              f"{row.get('launches_per_token')}; peak VRAM {row['peak_vram_gb']} GB vs plan {row['predicted_vram_gb']} GB"
+              + (f"; hand-off per layer to the CPU {row['handoff_to_cpu_us']} us, back {row['handoff_to_gpu_us']} us "
+                 f"(traced step; predicted {row['predicted_handoff_to_cpu_us']} / {row['predicted_handoff_to_gpu_us']})"
+                 if "handoff_to_cpu_us" in row else ""), flush=True)
         append_jsonl(a.out, [row])  # row by row: a run cut short keeps what it measured
     return 0
 

@@ -212,6 +212,10 @@ def _write_measured_trace(compiled, path: str) -> None:
     ran = [f"{p.phase} ({p.step_tokens}-token plan)" if p.phase == "prefill" else p.phase
            for p in compiled.plans.plans if compiled.executor(p).measured]
     print(f"wrote {path}: measured {' and '.join(ran)} step (compare with `ktflow compile --trace`)")
+    if compiled.executor(compiled.decode).measured:
+        from ktflow.timeline import handoff_summary
+
+        print(handoff_summary(plans["decode"], compiled.decode))
 
 
 def _print_ready(compiled) -> None:

@@ -1,4 +1,5 @@
-"""Reading a plan's predicted timeline: per-layer lane busy times, Chrome trace export."""
+"""Reading a plan's timeline (predicted, or measured by a traced run): per-layer lane busy times,
+the CPU/GPU hand-off of each CPU task, Chrome trace export."""
 
 from __future__ import annotations
 
@@ -85,6 +86,70 @@ def layer_times(plan: Plan) -> list[LayerTime]:
         out.insert(0, LayerTime(None, first + total - prev, rest_gpu, rest_cpu, rest_copy,
                                 _overlap(_clip(lanes["gpu"], prev, total), _clip(lanes["cpu"], prev, total))))
     return out
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """One CPU task's two crossings in a step, each counted from when the receiving side could
+    start: `to_cpu_us` from the later of the end of the last copy bringing its inputs to host
+    memory and the end of the CPU's previous work, to the start of its first part on a CPU lane
+    (the submit, the wake-up, the dispatch); `to_gpu_us` from the later of the end of its last
+    part and the end of the GPU lane's step before its sync, to the end of that sync (the done
+    flag seen by the stream, or the host wait returning). What a step loses per layer to
+    handing work over and back."""
+
+    task: str
+    layer: int | None
+    to_cpu_us: float
+    to_gpu_us: float
+
+
+def handoffs(plan: Plan) -> list[Handoff]:
+    """The hand-offs of every CPU task of `plan` (submit/sync pairs), in plan order."""
+    g = plan.ir
+    by_node: dict[str, list] = {}
+    for s in plan.steps:
+        by_node.setdefault(s.node, []).append(s)
+    timed = [(i, s) for i, s in enumerate(plan.steps) if s.kind not in ("record", "wait")]
+    syncs = {g.by_name(s.node).attrs.task: (i, s) for i, s in timed if s.kind == "sync"}
+    out = []
+    for s in plan.steps:
+        if s.kind != "submit":
+            continue
+        sub = g.by_name(s.node)
+        task = sub.attrs.task
+        parts = [p for m in sub.attrs.members for p in by_node.get(m, []) if p.lane.startswith("cpu")]
+        if not parts or task not in syncs:
+            continue
+        start, end = min(p.start_us for p in parts), max(p.end_us for p in parts)
+        ready = max((c.end_us for i in sub.inputs for c in by_node.get(i, []) if c.kind == "copy"), default=s.end_us)
+        lanes = {p.lane for p in parts}
+        cpu_free = max((x.end_us for _, x in timed if x.lane in lanes and x not in parts and x.start_us < start),
+                       default=ready)
+        at, sync = syncs[task]
+        gpu_free = max((x.end_us for i, x in timed if i < at and x.lane == sync.lane), default=end)
+        first = g.by_name(sub.attrs.members[0]).attrs
+        out.append(Handoff(task, getattr(first, "layer", None), start - max(ready, cpu_free),
+                           sync.end_us - max(end, gpu_free)))
+    return out
+
+
+def handoff_summary(measured: Plan, predicted: Plan) -> str:
+    """One line: the median hand-off of a measured step's CPU tasks, each way, beside the
+    plan's prediction."""
+    import statistics
+
+    def med(plan: Plan) -> tuple[float, float, int]:
+        h = handoffs(plan)
+        if not h:
+            return 0.0, 0.0, 0
+        return statistics.median(x.to_cpu_us for x in h), statistics.median(x.to_gpu_us for x in h), len(h)
+
+    (mc, mg, n), (pc, pg, _) = med(measured), med(predicted)
+    if not n:
+        return "decode step: no CPU tasks (no hand-off)"
+    return (f"decode hand-off per CPU task (median of {n}): to the CPU {mc:.1f} us, back to the GPU {mg:.1f} us "
+            f"(predicted {pc:.1f} us and {pg:.1f} us)")
 
 
 def step_utilisation(plan: Plan) -> dict[str, float]:

@@ -101,3 +101,28 @@ def test_explain_trace_report_on_every_family(family, tmp_path):
 def test_step_fields_round_trip():
     s = Step(kind="sync", node="L1.experts.sync", lane="gpu", reads=["a"], writes=["b"], start_us=1.0, end_us=2.0)
     assert Step.model_validate_json(s.model_dump_json()) == s
+
+
+def test_handoffs_of_a_predicted_plan_are_the_profiles_overheads(hybrid):
+    """In the predicted timeline each CPU task waits the profile's submit overhead before it
+    starts and its sync the sync overhead after it ends; shifting a task's measured start and end
+    shows up as that hand-off, and the summary line quotes both."""
+    from ktflow.timeline import handoff_summary, handoffs, with_measured_steps
+
+    o = hybrid.plans.hw.overheads
+    h = [x for x in handoffs(hybrid.decode) if x.layer is not None]
+    assert h and all(x.to_cpu_us == pytest.approx(o.cpu_submit_us) for x in h)
+    assert all(x.to_gpu_us == pytest.approx(o.cpu_sync_us) for x in h)
+    first = h[0]
+    members = set(next(n for n in hybrid.decode.ir.nodes if n.op.value == "submit"
+                       and n.attrs.task == first.task).attrs.members)
+    late = [s.model_copy(update={"start_us": s.start_us + 40, "end_us": s.end_us + 40})
+            if s.node in members and s.lane.startswith("cpu") else s for s in hybrid.decode.steps]
+    # the sync (and what follows on the GPU lane) moves by 40 + 7 us: 7 us more to see the task done
+    at = next(i for i, s in enumerate(late) if s.kind == "sync" and hybrid.decode.ir.by_name(s.node).attrs.task
+              == first.task)
+    late[at] = late[at].model_copy(update={"end_us": late[at].end_us + 47})
+    measured = with_measured_steps(hybrid.decode, late)
+    got = next(x for x in handoffs(measured) if x.task == first.task)
+    assert got.to_cpu_us == pytest.approx(o.cpu_submit_us + 40) and got.to_gpu_us == pytest.approx(o.cpu_sync_us + 7)
+    assert "predicted" in handoff_summary(measured, hybrid.decode)
