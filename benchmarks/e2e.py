@@ -12,8 +12,9 @@ repetitions, mean +- sd), for these variants of one model:
   graph        the cuda_graph backend: each decode step one CUDA graph, experts through host-node
                submits and a wait on each task's done flag (cuStreamWaitValue32)
   graph+hostwait  the same with the other wait: a host node blocking until the task has run
-  graph+bell   the graph submitting each CPU task by a doorbell word the stream writes and the
-               armed native dispatcher polls, instead of a host node (`+bell+d<k>` with deferral)
+  graph+hostsubmit  the graph submitting each CPU task through a host node instead of the default
+               doorbell (a word the stream writes and the armed native dispatcher polls); `+bell`
+               forces the doorbell
   graph+d<k>   the graph with Expert Deferral, k deferred picks per token (and d=auto)
 
 prefill tokens/s for each `--prompts` length (cpu and eager: the prefill of the executor path) and
@@ -498,9 +499,10 @@ def main() -> int:
         c = ktflow.compile(model, **opts) if v == "cpu" else compile_cpu_experts(model, opts)
         if shared is None:
             shared = shared_backend(c)
-            default_wait = shared.wait
+            default_wait, default_submit = shared.wait, shared.submit
         shared.wait = "host" if v == "graph+hostwait" else default_wait
-        shared.submit = "doorbell" if "+bell" in v else "host"
+        shared.submit = "host" if "+hostsubmit" in v else "doorbell" if "+bell" in v else default_submit
+        # (the host wait counts host submits: graph+hostwait submits through host nodes)
         # one backend for every variant (benchmark only): packed experts and GPU weights loaded once;
         # plans without GPU work (cpu) and the eager variant do not use its graph runner
         c._backend = shared

@@ -8,7 +8,8 @@ plan's record/wait events:
 
 - copy to the CPU: the value is written into its slot of the pinned exchange arena, laid out by
   the plan's buffer plan (one arena for the whole step, slots reused across layers);
-- submit: the backend's `submit`. "host": a host node (`cuLaunchHostFunc`) calling
+- submit: the backend's `submit` (default: doorbell where the driver runs stream write-value
+  operations). "host": a host node (`cuLaunchHostFunc`) calling
   `ktf_submit(batch)`, which only enqueues the task's prepared native batch, whose jobs read and
   write the pinned slots. "doorbell": two stream write-value operations (`cuStreamWriteValue32`),
   one clearing the batch's done flag, one setting its doorbell, a pinned word the native
@@ -183,11 +184,13 @@ class CudaGraphBackend(StaticRules, NativeBackend):
     WAITS = ("auto", "flag", "host")
     #: how a step submits a CPU task: "host" (a host node calling ktf_submit) or "doorbell" (the
     #: stream writes the batch's doorbell word, which the armed native dispatcher polls; needs the
-    #: flag wait)
-    SUBMITS = ("host", "doorbell")
+    #: flag wait); "auto": doorbell where the driver supports it (a traced Qwen3-shaped step on the
+    #: GPU host: 41 us from the inputs in host memory to the task's start, against 147 us through
+    #: a host node; benchmarks/RESULTS.md)
+    SUBMITS = ("auto", "host", "doorbell")
 
     def __init__(self, gpu_device: str = "cuda", dtype: torch.dtype = torch.bfloat16, options: Any = None,
-                 wait: str = "auto", submit: str = "host"):
+                 wait: str = "auto", submit: str = "auto"):
         if wait not in self.WAITS:
             raise ConfigError(f"wait={wait!r}: the cuda_graph backend waits for CPU tasks with one of {self.WAITS}")
         if submit not in self.SUBMITS:
@@ -214,7 +217,9 @@ class CudaGraphBackend(StaticRules, NativeBackend):
         elif wait == "flag" and not self.driver.can_wait_value():
             raise ConfigError("wait='flag' needs stream memory operations (cuStreamWaitValue32 on pinned host memory), "
                               "which this driver or GPU refuses; use wait='host'")
-        if submit == "doorbell" and (wait != "flag" or not self.driver.can_write_value()):
+        if submit == "auto":
+            submit = "doorbell" if wait == "flag" and self.driver.can_write_value() else "host"
+        elif submit == "doorbell" and (wait != "flag" or not self.driver.can_write_value()):
             raise ConfigError("submit='doorbell' needs the flag wait and stream write-value operations "
                               "(cuStreamWriteValue32 on pinned host memory); use submit='host'")
         self.submit = submit
@@ -312,7 +317,7 @@ class DecodeGraph:
         tasks = {n.attrs.task: native_batches(self.be, g, n, slots, self.home) for n in g.nodes if n.op == Op.SUBMIT}
         done_at, flags = done_flags(self.driver, tasks)  # the batches keep their flags alive
         bells, ring = {}, None
-        if self.be.submit == "doorbell":
+        if self.be.submit == "doorbell" and self.be.wait == "flag":  # a host wait counts host submits
             bells, ring = self._doorbells(tasks, flags)
         vocab = g.by_name(g.outputs[0]).out.shape[-1]
         pin = dict(pin_memory=True)
