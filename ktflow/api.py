@@ -20,7 +20,7 @@ from .model import Model, load
 from .options import CompileContext, CompileOptions
 from .memory import (activation_peak, gpu_activation_peak, gpu_workspace_bytes, kv_cache_bytes, prefill_room,
                      resident_gpu_bytes, staging_bytes)
-from .passes import PIPELINE, run_pipeline
+from .passes import PIPELINE, edit_pipeline, pass_id, run_pipeline
 from .passes.buffers import plan_buffers
 from .passes.schedule import schedule
 from .plan import MemoryEstimate, ModelInfo, Plan, PlanFile
@@ -205,8 +205,8 @@ def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
                           host_bytes=weights[Device.CPU] + (kv_all - kv_gpu) + act)
 
 
-def _compile_plan(spec: Graph, ctx: CompileContext, print_after: str | None) -> Plan:
-    g, timings = run_pipeline(spec, ctx, print_after=print_after)
+def _compile_plan(spec: Graph, ctx: CompileContext, print_after: str | None, pipeline=PIPELINE) -> Plan:
+    g, timings = run_pipeline(spec, ctx, print_after=print_after, pipeline=pipeline)
     steps = schedule(g, ctx)
     buffers, arenas = plan_buffers(g, steps, ctx.tokens)
     gpu_work = any(n.place.device == Device.GPU for n in g.nodes)
@@ -225,7 +225,7 @@ def _bucket_grid(max_seq: int) -> list[int]:
     return grid + [max_seq]
 
 
-def _largest_step(spec: Graph, ctx_for, candidates: list[int]) -> int:
+def _largest_step(spec: Graph, ctx_for, candidates: list[int], pipeline=PIPELINE) -> int:
     """The most tokens one prefill step may take: the largest candidate whose activations fit
     the GPU next to the resident weights and KV caches with staging for a whole layer in every
     slot; failing that, the largest whose activations fit at all (its layers then stream less or
@@ -233,7 +233,8 @@ def _largest_step(spec: Graph, ctx_for, candidates: list[int]) -> int:
     ctx = ctx_for(candidates[0])
     if not ctx.hw.has_gpu or ctx.options.placement == "cpu":
         return candidates[-1]
-    placed, _ = run_pipeline(spec, ctx, pipeline=PIPELINE[:2])
+    placed_at = next((i for i, (_, stage) in enumerate(pipeline) if stage == "placed"), 1)
+    placed, _ = run_pipeline(spec, ctx, pipeline=pipeline[:placed_at + 1])  # through the first placing pass
     kw = dict(weight_itemsize=ctx.weight_itemsize, kv_tokens=ctx.max_seq_len * ctx.options.max_batch,
               reserve_bytes=ctx.options.vram_reserve_gb * 1e9)
     layer = max((n.weight_elems() * ctx.weight_itemsize for n in placed.nodes
@@ -263,7 +264,8 @@ def _signature(plan: Plan) -> tuple:
                  if n.op == Op.ROUTED_EXPERTS)
 
 
-def _prefill_plans(spec: Graph, ctx_for, opts: CompileOptions, max_seq: int, print_after: str | None) -> list[Plan]:
+def _prefill_plans(spec: Graph, ctx_for, opts: CompileOptions, max_seq: int, print_after: str | None,
+                   pipeline=PIPELINE) -> list[Plan]:
     """One prefill plan per bucket. Buckets: the prefill_buckets option, else the grid of
     `_bucket_grid` with neighbours whose decisions agree merged (the larger bound kept). Bounds
     above the largest step that fits (or prefill_chunk) are cut to it: longer prompts chunk."""
@@ -271,7 +273,7 @@ def _prefill_plans(spec: Graph, ctx_for, opts: CompileOptions, max_seq: int, pri
     cands = sorted({min(t, max_seq) for t in (opts.prefill_buckets or _bucket_grid(max_seq))})
     if any(t < 1 for t in cands):
         raise ConfigError(f"prefill_buckets must be positive token counts, got {opts.prefill_buckets}")
-    limit = opts.prefill_chunk or _largest_step(spec, ctx_for, cands)
+    limit = opts.prefill_chunk or _largest_step(spec, ctx_for, cands, pipeline)
     cands = sorted({min(t, limit) for t in cands})
     ctx = ctx_for(cands[-1])
     if auto and (not ctx.hw.has_gpu or opts.placement == "cpu"):
@@ -280,7 +282,7 @@ def _prefill_plans(spec: Graph, ctx_for, opts: CompileOptions, max_seq: int, pri
     from .progress import bar
 
     for t in bar(cands, "compile: prefill buckets", "plan", show=len(cands) > 1):
-        plan = _compile_plan(spec, ctx_for(t), print_after if t == cands[-1] else None)
+        plan = _compile_plan(spec, ctx_for(t), print_after if t == cands[-1] else None, pipeline)
         if auto and plans and _signature(plans[-1]) == _signature(plan):
             plans[-1] = plan  # same decisions: the larger bucket covers both
         else:
@@ -289,10 +291,12 @@ def _prefill_plans(spec: Graph, ctx_for, opts: CompileOptions, max_seq: int, pri
 
 
 def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, print_after: str | None = None,
-            **options: Any) -> Compiled:
+            passes: list | None = None, **options: Any) -> Compiled:
     """Compile `model` into prefill plans (one per prompt-length bucket) and a decode plan for
     hardware `hw` (a profile, a preset name, a profile JSON path, or None for this machine).
-    Options: see `CompileOptions`."""
+    Options: see `CompileOptions`. `passes` edits the pass pipeline (`passes.edit_pipeline`: a
+    list of (where, pass) pairs such as ("after:place_by_intensity", my_pass)); the plan file
+    records the pipeline that made it (`PlanFile.pipeline`)."""
     try:
         opts = CompileOptions(**options)
     except ValidationError as e:
@@ -321,11 +325,13 @@ def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, pr
                               weight_itemsize=cfg.weight_dtype.itemsize, max_seq_len=max_seq, device=device,
                               routing=routing, fp8_block=model.quant.block if model.quant is not None else None)
 
-    decode = _compile_plan(spec, context("decode", opts.max_batch), print_after)
-    prefill = _prefill_plans(spec, lambda t: context("prefill", t), opts, max_seq, print_after)
+    pipeline = edit_pipeline(passes)
+    decode = _compile_plan(spec, context("decode", opts.max_batch), print_after, pipeline)
+    prefill = _prefill_plans(spec, lambda t: context("prefill", t), opts, max_seq, print_after, pipeline)
     info = ModelInfo(model_type=cfg.model_type, fingerprint=model.fingerprint, path=str(model.path.resolve()),
                      layers=cfg.num_hidden_layers)
-    pf = PlanFile(model=info, hw=hwp, options=opts, prefill=prefill, decode=decode)
+    pf = PlanFile(model=info, hw=hwp, options=opts, prefill=prefill, decode=decode,
+                  pipeline=[pass_id(fn) for fn, _ in pipeline])
     if not opts.allow_oversize:
         _check_fits(pf, runnable=model.weights is not None)
     return Compiled(pf, model)

@@ -66,6 +66,12 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                    "activations and staging fit the GPU)")
     g.add_argument("--staging-slots", type=int, default=2,
                    help="GPU staging slots for streamed experts (2 or more: the next layer's copy overlaps this one)")
+    g.add_argument("--pass", dest="passes", action="append", default=[], metavar="MODULE:FN[@WHERE=PASS]",
+                   help="add a pass of your own, a function (Graph, CompileContext) -> Graph, from an importable "
+                   "module or a FILE.py: after=, before= or replace= a pass of the pipeline (default: before=lower); "
+                   "repeatable, applied in order (see ktflow.passes.edit_pipeline)")
+    g.add_argument("--drop-pass", action="append", default=[], metavar="PASS",
+                   help="leave a pass of the pipeline out (repeatable)")
     g.add_argument("--allow-oversize", action="store_true",
                    help="plan even where the predicted GPU or host memory exceeds the hardware profile's (a plan "
                    "for a bigger machine); default: an error with the numbers")
@@ -94,7 +100,26 @@ def _options(a: argparse.Namespace) -> dict:
                 [int(x) for x in a.defer.split(",")] if "," in a.defer else int(a.defer))
         except ValueError:
             raise ConfigError(f"--defer must be a number, a comma list of numbers, or auto; got {a.defer!r}") from None
+    edits = _pass_edits(a)
+    if edits:
+        opts["passes"] = edits
     return opts
+
+
+def _pass_edits(a: argparse.Namespace) -> list:
+    """--pass MODULE:FN[@after=|before=|replace=PASS] and --drop-pass PASS as pipeline edits."""
+    from ktflow.errors import ConfigError
+    from ktflow.passes import WHERE, load_pass
+
+    edits = []
+    for spec in getattr(a, "passes", None) or []:
+        target, _, where = spec.partition("@")
+        kind, _, name = where.partition("=") if where else ("before", "=", "lower")
+        if kind not in WHERE[:3] or not name:
+            raise ConfigError(f"--pass {spec!r}: the position must be @after=PASS, @before=PASS or @replace=PASS")
+        edits.append((f"{kind}:{name}", load_pass(target)))
+    edits += [(f"drop:{name}", None) for name in getattr(a, "drop_pass", None) or []]
+    return edits
 
 
 def cmd_compile(a: argparse.Namespace) -> int:

@@ -199,6 +199,8 @@ class PlanFile(BaseModel):
     options: CompileOptions
     prefill: list[Plan]
     decode: Plan
+    #: the passes that made the plans, in order, as `module:function` (custom ones included)
+    pipeline: list[str] = []
 
     @property
     def plans(self) -> list[Plan]:
@@ -266,6 +268,9 @@ class PlanFile(BaseModel):
                f"hardware  {self.hw.name}: {self.hw.cpu.name}"
                + (f" + {', '.join(g.name for g in self.hw.gpus)}" if self.hw.gpus else ""),
                "options   " + ", ".join(f"{k}={v}" for k, v in self.options.model_dump().items())]
+        builtin = all(p.startswith("ktflow.passes.") for p in self.pipeline)
+        if self.pipeline and not builtin:  # a plan made with custom passes says so
+            out.append("pipeline  " + " -> ".join(self.pipeline))
         for plan in self.plans:
             g = plan.ir
             ops: dict[str, int] = {}

@@ -6,6 +6,10 @@ order, verifies the graph after each, dumps the printed graph after a pass when 
 raises PassError naming the pass and the ones that ran before it, with the failing pass's input
 graph written as a JSON reproducer. A ConfigError (options or hardware that cannot work, e.g. a
 VRAM budget nothing fits) passes through as it is.
+
+`edit_pipeline` applies a caller's edits (compile(..., passes=[(where, pass), ...]), or the CLI's
+--pass / --drop-pass through `load_pass`): passes of one's own inserted, replaced or dropped
+without editing this file, run and verified like the built-in ones.
 """
 
 from __future__ import annotations
@@ -42,8 +46,89 @@ PIPELINE: tuple[tuple[Pass, str], ...] = (
 )
 
 
-def pass_names() -> list[str]:
-    return [p.__name__ for p, _ in PIPELINE]
+#: how compile(..., passes=...) edits the pipeline: (where, pass) pairs, applied in order
+WHERE = ("before", "after", "replace", "drop")
+
+
+def pass_names(pipeline=PIPELINE) -> list[str]:
+    return [p.__name__ for p, _ in pipeline]
+
+
+def pass_id(fn: Pass) -> str:
+    """Where a pass comes from, as a plan records it: `module:qualname`."""
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', getattr(fn, '__name__', repr(fn)))}"
+
+
+def edit_pipeline(edits, pipeline=PIPELINE) -> tuple[tuple[Pass, str], ...]:
+    """`pipeline` with `edits` applied in order. Each edit is a pair (where, pass):
+
+        ("after:place_by_intensity", fn)   insert fn after that pass
+        ("before:lower", fn)               insert fn before it
+        ("replace:defer_experts", fn)      run fn instead of it
+        ("drop:defer_experts", None)       leave it out
+
+    A pass is any callable `(Graph, CompileContext) -> Graph` with a `__name__` unique in the
+    pipeline (the name `print_after`, dumps and failures use). The graph it returns is verified
+    at the stage of its position: an inserted pass leaves the stage the pass before it left (the
+    one named by after:, or the one before the one named by before:; "spec" at the start), a
+    replacement the stage of the pass it replaces. Raises ConfigError naming what is wrong."""
+    out = list(pipeline)
+    for k, edit in enumerate(edits or ()):
+        if not (isinstance(edit, (tuple, list)) and len(edit) == 2 and isinstance(edit[0], str)):
+            raise ConfigError(f"passes[{k}]: expected a (where, pass) pair such as ('after:place_by_intensity', fn), "
+                              f"got {edit!r}")
+        where, fn = edit
+        kind, _, target = where.partition(":")
+        names = pass_names(out)
+        if kind not in WHERE or not target:
+            raise ConfigError(f"passes[{k}]: where {where!r} must be one of " + ", ".join(f"'{w}:PASS'" for w in WHERE))
+        if target not in names:
+            raise ConfigError(f"passes[{k}]: no pass {target!r} in the pipeline; passes: {', '.join(names)}")
+        at = names.index(target)
+        if kind == "drop":
+            del out[at]
+            continue
+        if not callable(fn) or not getattr(fn, "__name__", None):
+            raise ConfigError(f"passes[{k}]: the pass for {where!r} must be a named callable (Graph, CompileContext) "
+                              f"-> Graph, got {fn!r}")
+        if fn.__name__ in names and not (kind == "replace" and fn.__name__ == target):
+            raise ConfigError(f"passes[{k}]: a pass named {fn.__name__!r} is already in the pipeline; give it "
+                              "another name")
+        if kind == "replace":
+            out[at] = (fn, out[at][1])
+        elif kind == "after":
+            out.insert(at + 1, (fn, out[at][1]))
+        else:
+            out.insert(at, (fn, out[at - 1][1] if at else "spec"))
+    return tuple(out)
+
+
+def load_pass(target: str) -> Pass:
+    """The pass a CLI names: `package.module:function`, or `path/to/file.py:function`."""
+    import importlib
+    import importlib.util
+
+    module, sep, name = target.rpartition(":")
+    if not sep or not module or not name:
+        raise ConfigError(f"--pass {target!r}: expected MODULE:FUNCTION or FILE.py:FUNCTION")
+    try:
+        if module.endswith(".py") or "/" in module:
+            path = Path(module)
+            if not path.is_file():
+                raise ConfigError(f"--pass {target!r}: no file {path}")
+            spec = importlib.util.spec_from_file_location(str(path), path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+        else:
+            mod = importlib.import_module(module)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - anything its import raised: one line naming it
+        raise ConfigError(f"--pass {target!r}: importing {module} failed: {type(e).__name__}: {e}") from None
+    fn = getattr(mod, name, None)
+    if not callable(fn):
+        raise ConfigError(f"--pass {target!r}: {module} has no function {name!r}")
+    return fn
 
 
 def run_pipeline(g: Graph, ctx: CompileContext, print_after: str | None = None,
