@@ -280,6 +280,14 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diff(a: argparse.Namespace) -> int:
+    from ktflow.diff import plan_diff
+    from ktflow.plan import PlanFile
+
+    print(plan_diff(PlanFile.load(a.a), PlanFile.load(a.b)).text(), end="")
+    return 0
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     import torch
 
@@ -385,6 +393,14 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("plan", help="plan JSON written by `ktflow compile -o`")
     i.add_argument("--text", action="store_true", help="print both plans in full (graph and steps)")
     i.set_defaults(fn=cmd_inspect)
+
+    df = sub.add_parser("diff", help="what changed between two plan files",
+                        description="What changed from plan A to plan B: options and pipeline, then per plan "
+                        "(decode, prefill buckets): predicted step time, memory per device, Expert Deferral per "
+                        "layer, nodes placed elsewhere (with B's cause), per-layer predicted times.")
+    df.add_argument("a", help="plan JSON (before)")
+    df.add_argument("b", help="plan JSON (after)")
+    df.set_defaults(fn=cmd_diff)
 
     d = sub.add_parser("demo", help="write, compile and run a small DeepSeek-V3-shaped model",
                        description="Write a small random-weight DeepSeek-V3-shaped checkpoint into the cache dir "
