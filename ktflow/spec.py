@@ -138,9 +138,9 @@ def decoder(cfg: HFConfig, act_dtype: DType, attention: AttnFn, ffn: FfnFn) -> G
     for i in range(cfg.num_hidden_layers):
         p = layer_prefix(i)
         a = attention(b, i, norm(b, f"L{i}.attn_norm", x, h, eps, f"{p}.input_layernorm.weight"))
-        x = b.add(f"L{i}.attn_res", Op.ADD, [x, a], AddAttrs())
+        x = b.add(f"L{i}.attn_res", Op.ADD, [x, a], AddAttrs(i, "attn"))
         parts = ffn(b, i, norm(b, f"L{i}.ffn_norm", x, h, eps, f"{p}.post_attention_layernorm.weight"))
-        x = b.add(f"L{i}.ffn_res", Op.ADD, [x, *parts], AddAttrs())
+        x = b.add(f"L{i}.ffn_res", Op.ADD, [x, *parts], AddAttrs(i, "ffn"))
     x = norm(b, "norm", x, h, eps, "model.norm.weight")
     head_key = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     out = b.add("lm_head", Op.LM_HEAD, [x], LMHeadAttrs(h, v), [W("weight", head_key, (v, h))])

@@ -4,13 +4,12 @@ the CPU/GPU hand-off of each CPU task, Chrome trace export."""
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
+from .ir.ops import Op
 from .passes.schedule import lane_order
 from .plan import Plan, PlanFile
 
-_LAYER = re.compile(r"^L(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -64,8 +63,10 @@ def layer_times(plan: Plan) -> list[LayerTime]:
     for s in plan.steps:  # the CPU counts as busy while any of its NUMA lanes is; PCIe while either copy lane is
         lane = "cpu" if s.lane.startswith("cpu") else "copy" if s.lane == "fetch" else s.lane
         lanes[lane].append((s.start_us, s.end_us))
-    ends = sorted((int(m.group(1)), s.end_us) for s in plan.steps
-                  if s.kind not in ("record", "wait") and (m := _LAYER.match(s.node)) and s.node.endswith(".ffn_res"))
+    g = plan.ir
+    ends = sorted((a.layer, s.end_us) for s in plan.steps
+                  if s.kind not in ("record", "wait") and g.by_name(s.node).op == Op.ADD
+                  and (a := g.by_name(s.node).attrs).residual == "ffn")
 
     def window(layer, lo, hi):
         g, c, cp = (_clip(lanes[k], lo, hi) for k in ("gpu", "cpu", "copy"))
@@ -74,7 +75,10 @@ def layer_times(plan: Plan) -> list[LayerTime]:
     out, prev = [], None
     for layer, end in ends:
         if prev is None:
-            prev = min(s.start_us for s in plan.steps if s.node.startswith(f"L{layer}."))
+            # the first layer starts with the first step of a node after the embedding
+            embed = max((g.position(n.name) for n in g.nodes if n.op == Op.EMBED), default=-1)
+            prev = min(s.start_us for s in plan.steps if s.kind not in ("record", "wait")
+                       and g.position(s.node) > embed)
             first = prev
         out.append(window(layer, prev, end))
         prev = end

@@ -204,7 +204,12 @@ class DeferAttrs:
 
 @dataclass(frozen=True)
 class AddAttrs:
-    """Elementwise sum of all inputs (residual stream and MoE partial outputs)."""
+    """Elementwise sum of all inputs (residual stream and MoE partial outputs). A residual add
+    says which: `residual` "attn" (after layer `layer`'s attention) or "ffn" (after its
+    feed-forward, the end of the layer); "" for another sum."""
+
+    layer: int | None = None
+    residual: str = ""
 
 
 @dataclass(frozen=True)
@@ -542,3 +547,11 @@ def fp8_holdable(op: Op, w: WeightRef) -> bool:
     """Whether a node of `op` can hold weight `w` in FP8 on the GPU: stored in FP8, not per
     expert, and read by the FP8 kernels."""
     return w.fmt == "fp8" and not w.experts and op in FP8_KERNEL_OPS and w.role not in FP8_KERNEL_OPS[op]
+
+
+def ffn_residual(g, layer: int):
+    """The add that ends layer `layer` (its feed-forward's residual add)."""
+    for n in g.nodes:
+        if n.op == Op.ADD and n.attrs.residual == "ffn" and n.attrs.layer == layer:
+            return n
+    raise KeyError(f"the graph has no feed-forward residual add for layer {layer}")

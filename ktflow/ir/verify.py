@@ -234,13 +234,15 @@ def _d1_deferred_edges(g: Graph):
             if i not in g:
                 continue
             p = _producer(g, i)
-            ok = p.name.startswith(f"L{a.src}.") and (p.op == Op.REDUCE or (
-                p.op == Op.ROUTED_EXPERTS and p.attrs.layer == a.src and p.attrs.rank_range[0] > 0))
+            parts = [g.by_name(x) for x in p.inputs if x in g] if p.op == Op.REDUCE else [p]
+            ok = bool(parts) and all(x.op == Op.ROUTED_EXPERTS and x.attrs.layer == a.src and x.attrs.rank_range[0] > 0
+                                     for x in parts)
             if not ok:
                 yield n.name, f"input {i} is not deferred routed-expert output of layer {a.src}"
-        users = g.users(n.name)
-        if list(users) != [f"L{a.dst}.ffn_res"]:
-            yield n.name, f"must be read by L{a.dst}.ffn_res alone, is read by {list(users)}"
+        users = [g.by_name(u) for u in g.users(n.name)]
+        if len(users) != 1 or users[0].op != Op.ADD or users[0].attrs.residual != "ffn" or users[0].attrs.layer != a.dst:
+            yield n.name, (f"must be read by layer {a.dst}'s feed-forward residual add alone, is read by "
+                           f"{[u.name for u in users]}")
 
 
 def _d2_last_moe_layer_defers_nothing(g: Graph):

@@ -7,7 +7,7 @@ from dataclasses import replace
 from ..cost import node_cost, transfer_seconds
 from ..errors import ConfigError
 from ..ir.graph import Graph, Node
-from ..ir.ops import DeferAttrs, Op
+from ..ir.ops import DeferAttrs, Op, ffn_residual
 from ..ir.types import Device, Placement, _si
 from ..options import CompileContext
 from .costs import recost_changed, step_work
@@ -50,8 +50,8 @@ def defer_experts(g: Graph, ctx: CompileContext) -> Graph:
             out.append(late)
             deferred.setdefault(j, []).append(late.name)
             continue
-        if n.op == Op.ADD and n.name.endswith(".ffn_res"):
-            j = int(n.name[1:].split(".")[0]) - 1
+        if n.op == Op.ADD and n.attrs.residual == "ffn":
+            j = n.attrs.layer - 1
             if j in deferred:
                 hidden = g.by_name(n.inputs[0]).out.shape[1]
                 out.append(Node(f"L{j}.deferred", Op.DEFER, tuple(deferred.pop(j)), DeferAttrs(hidden, j, j + 1),
@@ -117,13 +117,13 @@ def _gpu_gap(g: Graph, ctx: CompileContext, j: int, moe: list[int]) -> float:
     between them in graph order (residual add, attention, router; not the shared expert, which
     overlaps the CPU), plus the copies and the fixed submit/sync costs of the hand-off."""
     nxt = moe[moe.index(j) + 1]
-    names = [n.name for n in g.nodes]
-    start = names.index(f"L{j}.ffn_res")
+    res = ffn_residual(g, j)
+    start = g.position(res.name)
     end = min(i for i, n in enumerate(g.nodes) if n.op == Op.ROUTED_EXPERTS and n.attrs.layer == nxt)
     gap = sum(n.cost.on(Device.GPU) for n in g.nodes[start:end] if n.place.device == Device.GPU and n.cost)
     if ctx.hw.has_gpu:
         b = ctx.tokens
-        x = g.by_name(f"L{j}.ffn_res").out
+        x = res.out
         gap += 2 * transfer_seconds(x.numel(b) * x.dtype.itemsize, ctx.hw, "d2h")  # activations + routing out
         gap += transfer_seconds(x.numel(b) * x.dtype.itemsize, ctx.hw, "h2d")  # expert output back
         gap += (ctx.hw.overheads.cpu_submit_us + ctx.hw.overheads.cpu_sync_us) * 1e-6

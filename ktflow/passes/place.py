@@ -137,10 +137,11 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
             left -= u.vram
     ridge = ctx.hw.gpus[0].bf16_tflops * 1e12 / (ctx.hw.gpus[0].hbm_gbps * 1e9)
     placed: dict[str, Device] = {}
+    split: dict[str, str] = {}  # a split layer's CPU part -> its GPU part
     nodes: list[Node] = []
     for n in g.nodes:
         if n.op == Op.ROUTED_EXPERTS:
-            nodes += _place_experts(n, g, ctx, taken, ridge, placed)
+            nodes += _place_experts(n, g, ctx, taken, ridge, placed, split)
             continue
         if not n.weights:
             nodes.append(n)  # placed below, after its neighbours
@@ -156,7 +157,7 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
             why += "; " + fp8_why
         placed[n.name] = dev
         nodes.append(replace(n, place=Placement(dev, cause=why)))
-    return recost_changed(g, _place_weightless(g.replace_nodes(nodes), placed), ctx)
+    return recost_changed(g, _rewire_split_experts(_place_weightless(g.replace_nodes(nodes), placed), split), ctx)
 
 
 def _fp8_choice(g: Graph, ctx: CompileContext, units: list[Unit], budget: float) -> tuple[bool, str]:
@@ -195,7 +196,7 @@ def _drop_fp8(n: Node) -> Node:
     return replace(n, weights=tuple(replace(w, held="") for w in n.weights))
 
 
-def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, placed) -> list[Node]:
+def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, placed, split) -> list[Node]:
     gpu_ids = tuple(e for e in n.attrs.ids if (n.name, e) in taken)
     cpu_ids = tuple(e for e in n.attrs.ids if (n.name, e) not in taken)
     source = "routing profile" if ctx.routing is not None and ctx.routing.probs(n.attrs.layer) else "uniform routing"
@@ -216,6 +217,8 @@ def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, 
         why = f"{len(gpu_ids)} of {n.attrs.experts} experts fit the VRAM budget ({source})"
         out.append(replace(n, name=name, attrs=attrs, place=Placement(Device.GPU, cause=why)))
         placed[name] = Device.GPU
+        if cpu_ids:
+            split[n.name] = name
     return out
 
 
@@ -234,14 +237,14 @@ def _place_weightless(g: Graph, placed: dict[str, Device]) -> Graph:
             dev, why = Device.CPU, "token ids arrive in host memory"
         placed[n.name] = dev
         nodes[k] = replace(n, place=Placement(dev, cause=why))
-    return _rewire_split_experts(g.replace_nodes(nodes))
+    return g.replace_nodes(nodes)
 
 
-def _rewire_split_experts(g: Graph) -> Graph:
-    """Every add that reads L<i>.experts also reads L<i>.experts.gpu when the layer was split."""
-    names = {n.name for n in g.nodes}
+def _rewire_split_experts(g: Graph, split: dict[str, str]) -> Graph:
+    """Every add that reads a split layer's CPU part also reads its GPU part (`split`: the CPU
+    part's name -> the GPU part's, as `_place_experts` made them)."""
     out = []
     for n in g.nodes:
-        extra = tuple(i + ".gpu" for i in n.inputs if i + ".gpu" in names and n.op == Op.ADD)
+        extra = tuple(split[i] for i in n.inputs if i in split and n.op == Op.ADD)
         out.append(replace(n, inputs=n.inputs + extra) if extra else n)
     return g.replace_nodes(out)
