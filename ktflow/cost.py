@@ -129,18 +129,13 @@ def node_work(n: Node, g: Graph, work: Work, weight_itemsize: int) -> tuple[floa
     return flops, nbytes
 
 
-def held_bytes_per_weight(n: Node, device: Device, weight_itemsize: int, expert_format: str) -> float:
-    """Bytes per weight `n` holds on `device`: routed experts on the CPU (and the fetches that
-    stream them from there) packed in `expert_format`, scales included; the rest at
-    `weight_itemsize`, or at their stored size where held in FP8 (an average over its weights)."""
-    if device == Device.CPU and n.op in (Op.ROUTED_EXPERTS, Op.FETCH):
-        return expert_weight_bytes(expert_format, n.attrs.hidden, n.attrs.inter)
-    return n.weight_bytes(weight_itemsize) / max(n.weight_elems(), 1)
-
-
 def held_weight_bytes(n: Node, device: Device, weight_itemsize: int, expert_format: str) -> float:
-    """Bytes of weights `n` holds on `device` (see held_bytes_per_weight)."""
-    return n.weight_elems() * held_bytes_per_weight(n, device, weight_itemsize, expert_format)
+    """Bytes of weights `n` holds on `device`: routed experts on the CPU (and the fetches that
+    stream them from there) packed in `expert_format`, scales included; the rest at
+    `weight_itemsize`, or at their stored size where held in FP8 (Node.weight_bytes)."""
+    if device == Device.CPU and n.op in (Op.ROUTED_EXPERTS, Op.FETCH):
+        return n.weight_elems() * expert_weight_bytes(expert_format, n.attrs.hidden, n.attrs.inter)
+    return n.weight_bytes(weight_itemsize)
 
 
 def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int, numa_nodes: int = 1,
@@ -163,7 +158,7 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
     flops, nbytes = node_work(n, g, work, weight_itemsize)
     cpu_bytes = nbytes
     if n.op == Op.ROUTED_EXPERTS:  # the CPU reads its packed copy
-        per = held_bytes_per_weight(n, Device.CPU, weight_itemsize, expert_format)
+        per = expert_weight_bytes(expert_format, n.attrs.hidden, n.attrs.inter)
         cpu_bytes += n.weight_elems() * FACTS[n.op].weight_fraction(n.attrs, work) * (per - weight_itemsize)
     cpu = roof(hw, Device.CPU, g.act_dtype)
     half = 0.5 if g.act_dtype == DType.F32 else 1.0

@@ -125,30 +125,24 @@ class Driver:
 
     def can_write_value(self) -> bool:
         """Whether stream write-value operations to pinned host memory run here (tried once)."""
-        if self._write is None:
-            return False
-        word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        stream = torch.cuda.Stream()
-        try:
-            self.write_value(stream, self.device_address(word), 1)
-            stream.synchronize()
-        except (KtflowError, RuntimeError):
-            return False
-        return int(word[0]) == 1
+        return self._write is not None and self._tried(0, lambda st, a: self.write_value(st, a, 1)) == 1
 
     def can_wait_value(self) -> bool:
         """Whether this driver and GPU run stream wait-value operations on pinned host memory
         (tried once on a word already set)."""
-        if self._wait is None:
-            return False
-        word = torch.ones(1, dtype=torch.int32, pin_memory=True)
+        return self._wait is not None and self._tried(1, lambda st, a: self.wait_value(st, a, 1)) == 1
+
+    def _tried(self, value: int, op) -> int | None:
+        """The pinned word (starting at `value`) after `op(stream, its device address)` ran on a
+        new stream; None if the driver refused it."""
+        word = torch.full((1,), value, dtype=torch.int32, pin_memory=True)
         stream = torch.cuda.Stream()
         try:
-            self.wait_value(stream, self.device_address(word), 1)
+            op(stream, self.device_address(word))
             stream.synchronize()
         except (KtflowError, RuntimeError):
-            return False
-        return True
+            return None
+        return int(word[0])
 
 
 @dataclass
@@ -315,10 +309,10 @@ class DecodeGraph:
         arena = torch.zeros(max(arenas.get("pinned", 0), 1), dtype=torch.uint8, pin_memory=True)
         slots = exchange_slots(g, buffers, arena, b)
         tasks = {n.attrs.task: native_batches(self.be, g, n, slots, self.home) for n in g.nodes if n.op == Op.SUBMIT}
-        done_at, flags = done_flags(self.driver, tasks)  # the batches keep their flags alive
+        done_at, flag_at = done_flags(self.driver, tasks)
         bells, ring = {}, None
         if self.be.submit == "doorbell" and self.be.wait == "flag":  # a host wait counts host submits
-            bells, ring = self._doorbells(tasks, flags)
+            bells, ring = self._doorbells(tasks, flag_at)
         vocab = g.by_name(g.outputs[0]).out.shape[-1]
         pin = dict(pin_memory=True)
         return Bound(batch=b, tokens=torch.zeros(b, dtype=torch.int64, **pin),
@@ -327,18 +321,17 @@ class DecodeGraph:
                      tasks=tasks, done_at=done_at, bells=bells, ring=ring,
                      logits=torch.zeros(b, vocab, dtype=torch.float32, **pin))
 
-    def _doorbells(self, tasks: dict[str, list[native.Batch]], flags: torch.Tensor):
+    def _doorbells(self, tasks: dict[str, list[native.Batch]], flag_at: dict[int, int]):
         """A pinned doorbell per batch, and the ring of every batch in the order the plan's submit
         steps ring them (the one GPU lane issues them in plan order)."""
         order = [b for s in self.plan.steps if s.kind == "submit"
                  for b in tasks[self.g.by_name(s.node).attrs.task]]
         words = torch.zeros(max(len(order), 1), dtype=torch.int32, pin_memory=True)
-        flag_of = {id(b): i for i, b in enumerate(b for batches in tasks.values() for b in batches)}
-        bell_base, flag_base = self.driver.device_address(words), self.driver.device_address(flags)
+        base = self.driver.device_address(words)
         bells = {}
         for i, batch in enumerate(order):
             batch.set_doorbell(words[i:i + 1])
-            bells[id(batch)] = (flag_base + flag_of[id(batch)] * 4, bell_base + i * 4)
+            bells[id(batch)] = (flag_at[id(batch)], base + i * words.itemsize)
         return bells, native.Ring(order)
 
     # ------------------------------------------------------------------------------ running
@@ -556,18 +549,20 @@ def native_batches(be, g: Graph, sub: Node, slots: dict, home: dict[str, str],
     return batches
 
 
-def done_flags(driver: Driver, tasks: dict[str, list[native.Batch]]) -> tuple[dict[str, int], torch.Tensor]:
-    """A pinned done flag per native batch; returns the device address of each task's last
-    batch's flag (a sync waits on it: shards run in order) and the flags."""
+def done_flags(driver: Driver, tasks: dict[str, list[native.Batch]]) -> tuple[dict[str, int], dict[int, int]]:
+    """A pinned done flag per native batch (the batch keeps it alive); returns the device address
+    of each task's last batch's flag (a sync waits on it: shards run in order) and of every
+    batch's flag, by id(batch)."""
     flags = torch.zeros(max(sum(map(len, tasks.values())), 1), dtype=torch.int32, pin_memory=True)
-    done_at, i, base = {}, 0, driver.device_address(flags)
+    base = driver.device_address(flags)
+    done_at, flag_at = {}, {}
     for root, batches in tasks.items():
         for batch in batches:
-            batch.set_done_flag(flags[i:i + 1])
-            i += 1
+            batch.set_done_flag(flags[len(flag_at):len(flag_at) + 1])
+            flag_at[id(batch)] = base + len(flag_at) * flags.itemsize
         if batches:
-            done_at[root] = base + (i - 1) * flags.itemsize
-    return done_at, flags
+            done_at[root] = flag_at[id(batches[-1])]
+    return done_at, flag_at
 
 
 class _Timer:

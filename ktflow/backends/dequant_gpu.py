@@ -61,7 +61,8 @@ def _kernel():
 
 
 def available(device: torch.device) -> bool:
-    """Whether `dequantize` runs for tensors on `device` (CUDA, Triton importable)."""
+    """Whether Triton kernels (this module's, and fp8_gpu's) run for tensors on `device`: CUDA, Triton
+    importable."""
     if device.type != "cuda":
         return False
     try:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from ..ir.types import FP8_BLOCK as BLOCK  # the scale block, both ways: the kernel's k step
 from ..memory import FP8_FUSED_ROWS
 from ..quant import dequantize
+from .dequant_gpu import available as triton_on  # CUDA, Triton importable
 
 
 @dataclass(frozen=True)
@@ -89,33 +90,22 @@ def _kernels():
         tl.store(dst, acc.to(y.dtype.element_ty), mask=(rm[:, None] < m) & (rn[None, :] < n))
 
     @triton.jit
-    def fp8_dequant(w, s, out, n, k, sw, ss, so, bn: tl.constexpr, bk: tl.constexpr):
+    def fp8_dequant(w, s, out, n, k, sw, ss, so, bn: tl.constexpr, bk: tl.constexpr, block: tl.constexpr):
         """out [n, k] = w * its block scale, in out's dtype: one [bn, bk] tile per program."""
         rn = tl.program_id(0) * bn + tl.arange(0, bn)
         kk = tl.program_id(1) * bk + tl.arange(0, bk)
         inside = (rn[:, None] < n) & (kk[None, :] < k)
         raw = tl.load(w + rn[:, None].to(tl.int64) * sw + kk[None, :], mask=inside, other=0).to(tl.int16)
-        sc = tl.load(s + (rn[:, None] // 128) * ss + kk[None, :] // 128, mask=inside, other=0.0)
+        sc = tl.load(s + (rn[:, None] // block) * ss + kk[None, :] // block, mask=inside, other=0.0)
         val = widen(raw).to(tl.float32) * (sc * 256.0)
         tl.store(out + rn[:, None].to(tl.int64) * so + kk[None, :], val.to(out.dtype.element_ty), mask=inside)
 
     return triton, fp8_gemm, fp8_dequant
 
 
-def kernel_available(device: torch.device) -> bool:
-    """Whether `linear` runs the Triton kernels for tensors on `device` (CUDA, Triton importable)."""
-    if device.type != "cuda":
-        return False
-    try:
-        _kernels()
-    except ImportError:
-        return False
-    return True
-
-
 def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., k] @ (w.data * w.scale_inv)^T (+ bias) -> [..., n] in x's dtype."""
-    if not (kernel_available(x.device) and x.dtype in (torch.bfloat16, torch.float16)):
+    if not (triton_on(x.device) and x.dtype in (torch.bfloat16, torch.float16)):
         return F.linear(x, w.dequantized(x.dtype), bias)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -146,5 +136,5 @@ def dequantize_gpu(w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(n, k, dtype=dtype, device=w.data.device)
     kernel[(triton.cdiv(n, 32), triton.cdiv(k, 256))](w.data.view(torch.uint8), w.scale_inv, out, n, k,
                                                         w.data.stride(0), w.scale_inv.stride(0), out.stride(0),
-                                                        32, 256, num_warps=4)
+                                                        32, 256, BLOCK, num_warps=4)
     return out
