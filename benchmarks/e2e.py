@@ -208,7 +208,7 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
         nxt = logits[:, -1:].argmax(-1)
     _sync()
     wall = time.perf_counter_ns() - t0
-    busy = None
+    busy, split = None, None
     if records:
         recs = native.queue().take_records()
         native.queue().set_recording(False)
@@ -219,7 +219,26 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
                 merged += f - max(s, end)
                 end = f
         busy = merged / wall
-    return new / (wall * 1e-9), busy
+        split = replay_split(recs, new)
+    return new / (wall * 1e-9), busy, split
+
+
+def replay_split(recs: list, steps: int) -> dict | None:
+    """Where a replayed step's time goes, from the native queue's timestamps alone (no trace, no
+    eager issue): per CPU task, `cpu` = from the dispatcher seeing it (doorbell or host submit)
+    to its outputs written and done flag set; `between` = from one task's done flag to the next
+    task of the same step being seen: the GPU's wait on the flag, the copy back, the GPU work up
+    to the next task's inputs, their copy to the host and the submit. Medians in us."""
+    if not recs or len(recs) % steps:
+        return None
+    per = len(recs) // steps
+    cpu, between = [], []
+    for i in range(0, len(recs), per):
+        step = recs[i:i + per]
+        cpu += [(f - s) / 1e3 for _, s, _, f in step]
+        between += [(b[1] - a[3]) / 1e3 for a, b in zip(step, step[1:])]
+    med = lambda xs: round(statistics.median(xs), 1) if xs else None  # noqa: E731
+    return dict(tasks_per_step=per, replay_cpu_task_us=med(cpu), replay_between_tasks_us=med(between))
 
 
 def profile_decode(compiled, vocab: int, steps: int = 16) -> dict:
@@ -252,8 +271,17 @@ def profile_decode(compiled, vocab: int, steps: int = 16) -> dict:
             busy += f - max(s, end)
             end = f
     total = sum(launches.values())
+    kernels = {}  # GPU activity by name: (count, total us)
+    for k in prof.key_averages():
+        if k.device_type == torch.autograd.DeviceType.CUDA and k.count:
+            kernels[k.key] = (k.count, k.self_device_time_total)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:12]
     return dict(gpu_busy=busy * 1e-6 / wall, launches_per_token=total / steps,
-                graph_launches_per_token=launches["cudaGraphLaunch"] / steps)
+                graph_launches_per_token=launches["cudaGraphLaunch"] / steps,
+                gpu_ops_per_token=round(sum(c for c, _ in kernels.values()) / steps, 1),
+                gpu_busy_us_per_token=round(busy / steps, 1),
+                gpu_top_ops=[dict(name=n[:90], per_token=round(c / steps, 1), us_per_token=round(t / steps, 1))
+                             for n, (c, t) in top])
 
 
 def traced_handoffs(compiled, vocab: int) -> dict:
@@ -342,10 +370,16 @@ def run_llama(a, ckpt: Path, lengths: list[int]) -> list[dict]:
     secs = llama_cpp.convert(ckpt, gguf, a.gguf_type, Path(a.llama_src), Path(a.tools))
     print(f"GGUF {gguf} ({gguf.stat().st_size / 1e9:.1f} GB{f', converted in {secs:.0f} s' if secs else ''})", flush=True)
     threads = len(os.sched_getaffinity(0))
-    rows = llama_cpp.bench(binary, gguf, lengths, a.prefill_reps, threads, lambda s: print(s, flush=True))
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    rows = llama_cpp.bench(binary, gguf, lengths, a.prefill_reps, threads, log) if lengths else []
     info = dict(commit=commit(), **machine(), gpu=torch.cuda.get_device_name(0), model=a.model, layers=layers,
                 gguf=a.gguf_type)
     append_jsonl(a.out, [dict(info, table="prefill", **r) for r in rows])
+    if a.decode and "graph" in a.variants:  # the decode peer of the graph variants, its best thread count quoted
+        tried = sorted({t for t in (threads - 2, threads - 1, threads) if t > 0})
+        dec = llama_cpp.decode(binary, gguf, a.decode, a.reps, tried, log)
+        append_jsonl(a.out, [dict(info, table="decode", **r) for r in dec])
+        rows += dec
     return rows
 
 
@@ -433,6 +467,8 @@ def main() -> int:
                     "with 128 x 128 block scales) instead of bf16")
     ap.add_argument("--fp8-on-gpu", default="auto", choices=["auto", "keep", "dequantize"],
                     help="an FP8 checkpoint's dense weights on the GPU (compile option fp8_on_gpu)")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="write the checkpoint (and with --llama its GGUF) and stop: a later run times them")
     ap.add_argument("--out", default=str(HERE / "e2e.jsonl"))
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -456,7 +492,16 @@ def main() -> int:
     os.sync()
     print(f"checkpoint ready in {time.perf_counter() - t0:.1f} s (on disk)", flush=True)
     lengths = [int(x) for x in a.prefill.split(",") if x]
-    llama_rows = run_llama(a, d, lengths) if lengths and a.llama else []  # before ktflow's pool spins up
+    if a.prepare_only:
+        if a.llama:
+            import llama_cpp
+
+            gguf = Path(str(d) + f".{a.gguf_type}.gguf")
+            llama_cpp.llama_bench(Path(a.llama))
+            llama_cpp.convert(d, gguf, a.gguf_type, Path(a.llama_src), Path(a.tools))
+            print(f"GGUF {gguf} ready", flush=True)
+        return 0
+    llama_rows = run_llama(a, d, lengths) if a.llama else []  # before ktflow's pool spins up
     native.pool(spare=2)  # the pool the cuda_graph backend makes (the first caller sizes it): probe with it
     hw = probe(log=lambda line: print(f"  probe: {line}", flush=True))  # full sizes: the rates must come from past the caches
     # the physical limit: DRAM read bandwidth with every CPU (a one-off pool; the workers' pool leaves two)
@@ -484,6 +529,7 @@ def main() -> int:
     if lengths:
         run_prefill(a, model, base, budget, lengths, info, vocab, llama_rows, hw)
     variants = [v for v in a.variants.split(",") if v]
+    decoded: list[dict] = []
     for v in sorted(variants, key=lambda v: v == "cpu"):  # the slow all-CPU baseline last
         c = None
         gc.collect()  # the previous variant's graphs and arenas (peak VRAM is per variant)
@@ -529,6 +575,7 @@ def main() -> int:
         runs = [decode_run(c, vocab, a.decode, seed=r, records=v.startswith("graph")) for r in range(a.reps)]
         m, sd = mean_sd([r[0] for r in runs])
         busy = [r[1] for r in runs if r[1] is not None]
+        split = runs[-1][2] or {}
         plan = c.decode
         layers = [t for t in layer_times(plan) if t.layer is not None]
         predicted_layer = statistics.mean(t.span_us for t in layers)
@@ -556,8 +603,12 @@ def main() -> int:
                    predicted_decode_plan_vram_gb=round((plan.memory.gpu_bytes - c.plans.options.vram_reserve_gb * 1e9)
                                                        / 1e9, 3) if plan.memory.gpu_bytes else 0.0,
                    defer=str(c.plans.options.defer))
+        row.update(split)
         if v != "cpu":
             row.update(profile_decode(c, vocab))
+            row["gpu_us_per_layer"] = round(row["gpu_busy_us_per_token"] / cfg["num_hidden_layers"], 1)
+            for t in row["gpu_top_ops"]:
+                print(f"      {t['per_token']:7.1f}/token {t['us_per_token']:8.1f} us/token  {t['name']}")
         if v.startswith("graph"):
             row.update(traced_handoffs(c, vocab))
         print(f"  {v:12s} decode: {m:7.2f} +- {sd:5.2f} tok/s ({100 * m / bound:.0f}% of the roofline {bound:.1f}); "
@@ -566,9 +617,25 @@ def main() -> int:
               f"{row.get('launches_per_token')}; peak VRAM {row['peak_vram_gb']} GB vs plan {row['predicted_vram_gb']} GB"
               + (f"; hand-off per layer to the CPU {row['handoff_to_cpu_us']} us, back {row['handoff_to_gpu_us']} us "
                  f"(traced step; predicted {row['predicted_handoff_to_cpu_us']} / {row['predicted_handoff_to_gpu_us']})"
-                 if "handoff_to_cpu_us" in row else ""), flush=True)
+                 if "handoff_to_cpu_us" in row else "")
+              + (f"; replayed: CPU task {row['replay_cpu_task_us']} us, between tasks {row['replay_between_tasks_us']} us "
+                 f"(GPU kernels {row.get('gpu_us_per_layer')} us per layer, {row.get('gpu_ops_per_token')} GPU ops/token)"
+                 if row.get("replay_cpu_task_us") is not None else ""), flush=True)
         append_jsonl(a.out, [row])  # row by row: a run cut short keeps what it measured
+        decoded.append(row)
+    print_decode_table(decoded, [r for r in llama_rows if "decode_tok_s" in r])
     return 0
+
+
+def print_decode_table(rows: list[dict], llama_rows: list[dict]) -> None:
+    """Decode tok/s of each variant beside llama.cpp's best thread count measured in this run."""
+    best = max(llama_rows, key=lambda r: r["decode_tok_s"]) if llama_rows else None
+    print("\ndecode, one run: variant, tok/s, x llama.cpp best"
+          + (f" ({best['decode_tok_s']} +- {best['decode_sd']} tok/s at {best['threads']} threads)" if best else ""))
+    for r in rows:
+        ratio = f"{r['decode_tok_s'] / best['decode_tok_s']:.2f}x" if best else "-"
+        print(f"  {r['variant']:18s} {r['decode_tok_s']:7.2f} +- {r['decode_sd']:5.2f}  {ratio}  "
+              f"roofline {100 * r['roofline_fraction']:.0f}%")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """llama.cpp beside ktflow in one run (GPU machine): the same random-weight checkpoint converted to
-GGUF with llama.cpp's own converter, prompt processing timed with llama-bench in its modes.
+GGUF with llama.cpp's own converter, prompt processing timed with llama-bench in its modes, and
+decode (`-ot exps=CPU`, every routed expert on the CPU, as ktflow's decode variants run) at the
+thread counts given, its best quoted.
 
 llama-bench comes prebuilt (a tarball in parts, unpacked once into /tmp) or from a build dir; the
 converter from a llama.cpp source tree (convert_hf_to_gguf.py, conversion/, gguf-py/). Modes, all
@@ -99,4 +101,26 @@ def bench(binary: Path, gguf: Path, lengths: list[int], reps: int, threads: int,
                            llama_commit=d.get("build_commit"))
                 rows.append(row)
                 log(f"  {name:36s} prefill {row['prompt']:6d}: {row['tok_s']:9.1f} +- {row['sd']:6.1f} tok/s")
+    return rows
+
+
+def decode(binary: Path, gguf: Path, tokens: int, reps: int, threads: list[int], log) -> list[dict]:
+    """Token generation after an empty prompt (llama-bench's tg), routed experts on the CPU, one
+    row per thread count: tok/s mean and sd over `reps`."""
+    cmd = [str(binary), "-m", str(gguf), "-ngl", "99", "-fa", "on", "-ot", "exps=CPU", "-p", "0", "-n", str(tokens),
+           "-t", ",".join(map(str, threads)), "-r", str(reps), "-o", "jsonl"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        log(f"  llama.cpp decode: llama-bench failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
+        return [dict(system="llama.cpp decode", error=r.stderr[-500:])]
+    rows = []
+    for line in r.stdout.splitlines():
+        if line.startswith("{"):
+            d = json.loads(line)
+            row = dict(system="llama.cpp -ot exps=CPU", decode_tokens=int(d["n_gen"]), threads=int(d["n_threads"]),
+                       decode_tok_s=round(float(d["avg_ts"]), 2), decode_sd=round(float(d["stddev_ts"]), 2),
+                       type_k=d.get("type_k"), model_type=d.get("model_type"), llama_commit=d.get("build_commit"))
+            rows.append(row)
+            log(f"  llama.cpp decode, {row['threads']:2d} threads: {row['decode_tok_s']:7.2f} +- {row['decode_sd']:5.2f} tok/s"
+                f" ({row['model_type']})")
     return rows

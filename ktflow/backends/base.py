@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -26,6 +26,16 @@ class StepContext:
     position_t: torch.Tensor | None = None
     #: which positions' logits the step computes: all, last (each sequence's last), none
     logits: str = "all"
+    #: values every layer of the step would compute alike (the rope rows at the position, the
+    #: cache rows written, the mask of visible positions), made by the first rule that needs them
+    #: and reused by the rest: in a captured graph their kernels run once per step, not per layer
+    shared: dict = field(default_factory=dict)
+
+    def once(self, key: tuple, make):
+        """`make()` the first time `key` is asked for in this step, the same value after."""
+        if key not in self.shared:
+            self.shared[key] = make()
+        return self.shared[key]
 
 
 def node_key(n: Node) -> tuple:

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from .. import rope as rope_mod
 from ..ir.ops import AttentionAttrs
+from . import fused_gpu
+from .dequant_gpu import available as triton_on
 from .fp8_gpu import Fp8Weight
 from .fp8_gpu import linear as fp8_linear
 
@@ -25,9 +27,23 @@ Weights = dict  # role -> tensor (per-expert roles: expert -> tensor)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_cuda and triton_on(x.device):
+        return fused_gpu.rms_norm(x, w, eps)  # the same arithmetic in one kernel
+    return rms_norm_torch(x, w, eps)
+
+
+def rms_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """The reference form (fused_gpu's kernel is checked against it)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return w * xf.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: str) -> torch.Tensor:
+    """rope.apply; on a GPU with Triton one kernel (fused_gpu.rotate, the same result bit for bit)."""
+    if x.is_cuda and cos.dtype == x.dtype and triton_on(x.device):
+        return fused_gpu.rotate(x, cos, sin, pairs)
+    return rope_mod.apply(x, cos, sin, pairs)
 
 
 def matmul(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -53,7 +69,7 @@ def gqa_project(a: AttentionAttrs, w, x: torch.Tensor, cos: torch.Tensor, sin: t
     v = linear(x, w, "v").view(b, s, a.kv_heads, a.head_dim)
     if a.qk_norm:
         q, k = rms_norm(q, w["q_norm"], a.norm_eps), rms_norm(k, w["k_norm"], a.norm_eps)
-    return rope_mod.apply(q, cos, sin, a.rope.pairs), rope_mod.apply(k, cos, sin, a.rope.pairs), v
+    return rotate(q, cos, sin, a.rope.pairs), rotate(k, cos, sin, a.rope.pairs), v
 
 
 def mla_project(a: AttentionAttrs, w, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -69,8 +85,8 @@ def mla_project(a: AttentionAttrs, w, x: torch.Tensor, cos: torch.Tensor, sin: t
     kv = linear(x, w, "kv_a")
     latent = rms_norm(kv[..., :kvl], w["kv_a_norm"], a.norm_eps)
     k_rope = kv[..., kvl:].view(b, s, 1, rdim)
-    return (q[..., :nope], rope_mod.apply(q[..., nope:], cos, sin, a.rope.pairs), latent,
-            rope_mod.apply(k_rope, cos, sin, a.rope.pairs))
+    return (q[..., :nope], rotate(q[..., nope:], cos, sin, a.rope.pairs), latent,
+            rotate(k_rope, cos, sin, a.rope.pairs))
 
 
 #: query rows per block of the masked attention path (the mask is [rows, keys] booleans)

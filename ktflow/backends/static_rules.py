@@ -63,14 +63,32 @@ def _visible(a: AttentionAttrs, pos: torch.Tensor, s: int, length: int) -> torch
     return ok
 
 
+def _rope_rows(be, a: AttentionAttrs, ctx: StepContext):
+    """cos/sin at the step's positions (once per step and rope)."""
+    pos, s, length = ctx.position_t, ctx.seq, ctx.state.max_seq_len
+    return ctx.once(("rope", a.rope, pos.device, length), lambda: be.rope.at(a.rope, pos, s, length))
+
+
+def _new_rows(ctx: StepContext) -> torch.Tensor:
+    """The cache rows the step's tokens are written to (once per step)."""
+    pos = ctx.position_t
+    return ctx.once(("rows", pos.device), lambda: pos + torch.arange(ctx.seq, device=pos.device))
+
+
+def _mask(a: AttentionAttrs, ctx: StepContext, length: int) -> torch.Tensor:
+    """_visible once per step, window and cache length."""
+    pos = ctx.position_t
+    return ctx.once(("visible", a.window, length, pos.device), lambda: _visible(a, pos, ctx.seq, length))
+
+
 def gqa(be, a: AttentionAttrs, w, x: torch.Tensor, ctx: StepContext, dev) -> torch.Tensor:
-    b, s, pos = ctx.batch, ctx.seq, ctx.position_t
-    q, k, v = gqa_project(a, w, x.view(b, s, -1), *be.rope.at(a.rope, pos, s, ctx.state.max_seq_len))
+    b, s = ctx.batch, ctx.seq
+    q, k, v = gqa_project(a, w, x.view(b, s, -1), *_rope_rows(be, a, ctx))
     kc, vc = be.cache(ctx, a, dev)
-    rows = pos + torch.arange(s, device=pos.device)
+    rows = _new_rows(ctx)
     kc.index_copy_(2, rows, k.transpose(1, 2))
     vc.index_copy_(2, rows, v.transpose(1, 2))
-    mask = _visible(a, pos, s, kc.shape[2])
+    mask = _mask(a, ctx, kc.shape[2])
     out = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=mask, scale=a.softmax_scale,
                                          enable_gqa=a.heads != a.kv_heads)
     return linear(out.transpose(1, 2).reshape(b, s, -1), w, "o").view(b * s, -1)
@@ -83,11 +101,10 @@ def absorbed_kv_b(a: AttentionAttrs, kv_b: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def mla(be, a: AttentionAttrs, w, x: torch.Tensor, ctx: StepContext, dev) -> torch.Tensor:
-    b, s, pos = ctx.batch, ctx.seq, ctx.position_t
-    q_nope, q_rope, latent, k_rope = mla_project(a, w, x.view(b, s, -1),
-                                                 *be.rope.at(a.rope, pos, s, ctx.state.max_seq_len))
+    b, s = ctx.batch, ctx.seq
+    q_nope, q_rope, latent, k_rope = mla_project(a, w, x.view(b, s, -1), *_rope_rows(be, a, ctx))
     lc, rc, both = be.cache(ctx, a, dev)
-    rows = pos + torch.arange(s, device=pos.device)
+    rows = _new_rows(ctx)
     lc.index_copy_(1, rows, latent)
     rc.index_copy_(1, rows, k_rope[:, :, 0])
     w_uk, w_uv = absorbed_kv_b(a, w["kv_b"])
@@ -98,7 +115,7 @@ def mla(be, a: AttentionAttrs, w, x: torch.Tensor, ctx: StepContext, dev) -> tor
     q_lat = torch.einsum("bshn,hnc->bhsc", q_nope, w_uk)
     q = torch.cat([q_lat, q_rope.transpose(1, 2)], dim=-1).reshape(b, a.heads * s, -1)
     scores = _scores_f32(q, both).view(b, a.heads, s, -1) * a.softmax_scale
-    scores.masked_fill_(~_visible(a, pos, s, lc.shape[1]), float("-inf"))
+    scores.masked_fill_(~_mask(a, ctx, lc.shape[1]), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(lc.dtype).view(b, a.heads * s, -1)
     o_lat = torch.bmm(probs, lc).view(b, a.heads, s, -1)
     out = torch.einsum("bhsc,hvc->bshv", o_lat, w_uv).reshape(b, s, -1)

@@ -22,7 +22,9 @@ from ..ir.ops import AttentionAttrs, GateAttrs, Op
 from ..ir.types import Device
 from ..quant import scale_key
 from ..weights import WeightSource, check_finite
+from . import fused_gpu
 from .base import StepContext, node_key
+from .dequant_gpu import available as triton_on
 from .fp8_gpu import Fp8Weight, nan_bytes
 from .layers import attention, linear, matmul, rms_norm, swiglu
 from .moe_gpu import stack_experts
@@ -185,7 +187,11 @@ def route(a: GateAttrs, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 def _gate(be, node, w, ins, ctx, dev):
-    return route(node.attrs, ins[0], w["weight"], w.get("correction_bias"))
+    x = ins[0]
+    if x.is_cuda and fused_gpu.route_fusable(node.attrs) and isinstance(w["weight"], torch.Tensor) \
+            and triton_on(x.device):
+        return fused_gpu.route(node.attrs, x, w["weight"])  # the same picks in two kernels
+    return route(node.attrs, x, w["weight"], w.get("correction_bias"))
 
 
 def _mlp(be, node, w, ins, ctx, dev):
