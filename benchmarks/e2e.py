@@ -201,10 +201,14 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
     if records:
         native.queue().set_recording(True)
     _sync()
+    now = native.module().now_ns  # the native queue's clock (its records' timestamps)
     t0 = time.perf_counter_ns()
-    n0 = native.module().now_ns()
+    n0 = now()
+    calls = []  # per step: execute called, execute returned
     for _ in range(new):
+        c0 = now()
         logits, state = ktflow.execute(compiled, nxt, state)
+        calls.append((c0, now()))
         nxt = logits[:, -1:].argmax(-1)
     _sync()
     wall = time.perf_counter_ns() - t0
@@ -219,26 +223,41 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
                 merged += f - max(s, end)
                 end = f
         busy = merged / wall
-        split = replay_split(recs, new)
+        split = replay_split(recs, new, calls)
     return new / (wall * 1e-9), busy, split
 
 
-def replay_split(recs: list, steps: int) -> dict | None:
-    """Where a replayed step's time goes, from the native queue's timestamps alone (no trace, no
-    eager issue): per CPU task, `cpu` = from the dispatcher seeing it (doorbell or host submit)
-    to its outputs written and done flag set; `between` = from one task's done flag to the next
-    task of the same step being seen: the GPU's wait on the flag, the copy back, the GPU work up
-    to the next task's inputs, their copy to the host and the submit. Medians in us."""
-    if not recs or len(recs) % steps:
+def replay_split(recs: list, steps: int, calls: list) -> dict | None:
+    """Where a replayed step's time goes, from the native queue's timestamps and the host's
+    around each `execute` (one clock; no trace, no eager issue). Per CPU task: `cpu task` = from
+    the dispatcher seeing it (doorbell or host submit) to its outputs written and done flag set
+    (`first` the step's first task, `rest` the others); `between tasks` = from one task's done
+    flag to the next task of the same step being seen: the GPU's wait on the flag, the copy back,
+    the GPU work up to the next task's inputs, their copy to the host and the submit. Per step:
+    `to first task` = from execute called to the first task seen (the host's work before the
+    launch, the launch, the first layer's GPU work); `last task to return` = the last task's done
+    flag to execute returning (the GPU's last layer and lm_head, the logits' copy, the host's
+    wait and bookkeeping); `outside execute` = the caller's time between steps (its sampling).
+    Medians in us (and the mean CPU task, whose slow outliers the median hides)."""
+    if not recs or len(recs) % steps or len(calls) != steps:
         return None
     per = len(recs) // steps
-    cpu, between = [], []
-    for i in range(0, len(recs), per):
+    first, rest, between, lead, tail = [], [], [], [], []
+    for n, i in enumerate(range(0, len(recs), per)):
         step = recs[i:i + per]
-        cpu += [(f - s) / 1e3 for _, s, _, f in step]
+        took = [(f - s) / 1e3 for _, s, _, f in step]
+        first.append(took[0])
+        rest += took[1:]
         between += [(b[1] - a[3]) / 1e3 for a, b in zip(step, step[1:])]
+        lead.append((step[0][1] - calls[n][0]) / 1e3)
+        tail.append((calls[n][1] - step[-1][3]) / 1e3)
+    outside = [(b[0] - a[1]) / 1e3 for a, b in zip(calls, calls[1:])]
     med = lambda xs: round(statistics.median(xs), 1) if xs else None  # noqa: E731
-    return dict(tasks_per_step=per, replay_cpu_task_us=med(cpu), replay_between_tasks_us=med(between))
+    return dict(tasks_per_step=per, replay_cpu_task_us=med(first + rest),
+                replay_cpu_task_mean_us=round(statistics.mean(first + rest), 1),
+                replay_first_task_us=med(first), replay_other_tasks_us=med(rest),
+                replay_between_tasks_us=med(between), replay_to_first_task_us=med(lead),
+                replay_last_task_to_return_us=med(tail), replay_outside_execute_us=med(outside))
 
 
 def profile_decode(compiled, vocab: int, steps: int = 16) -> dict:
@@ -618,7 +637,10 @@ def main() -> int:
               + (f"; hand-off per layer to the CPU {row['handoff_to_cpu_us']} us, back {row['handoff_to_gpu_us']} us "
                  f"(traced step; predicted {row['predicted_handoff_to_cpu_us']} / {row['predicted_handoff_to_gpu_us']})"
                  if "handoff_to_cpu_us" in row else "")
-              + (f"; replayed: CPU task {row['replay_cpu_task_us']} us, between tasks {row['replay_between_tasks_us']} us "
+              + (f"; replayed (medians, us): CPU task {row['replay_cpu_task_us']} (mean {row['replay_cpu_task_mean_us']}, "
+                 f"first {row['replay_first_task_us']}, others {row['replay_other_tasks_us']}), between tasks "
+                 f"{row['replay_between_tasks_us']}, execute to first task {row['replay_to_first_task_us']}, last task to "
+                 f"return {row['replay_last_task_to_return_us']}, outside execute {row['replay_outside_execute_us']} "
                  f"(GPU kernels {row.get('gpu_us_per_layer')} us per layer, {row.get('gpu_ops_per_token')} GPU ops/token)"
                  if row.get("replay_cpu_task_us") is not None else ""), flush=True)
         append_jsonl(a.out, [row])  # row by row: a run cut short keeps what it measured

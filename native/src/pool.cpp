@@ -156,7 +156,9 @@ void ThreadPool::worker_main(int group, int) {
       if (++spins % 64 == 0 &&
           std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count() > spin_ns_) {
         std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return generation_.load() != seen; });
+        const uint64_t alarm = alarm_.load();
+        wake_.wait(lock, [&] { return generation_.load() != seen || alarm_.load() != alarm; });
+        t0 = std::chrono::steady_clock::now();  // a task or wake(): spin again before sleeping
       }
     }
     seen = g;
@@ -167,6 +169,14 @@ void ThreadPool::worker_main(int group, int) {
       done_.notify_all();
     }
   }
+}
+
+void ThreadPool::wake() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    alarm_.fetch_add(1);
+  }
+  wake_.notify_all();
 }
 
 void ThreadPool::run(const std::vector<int>& counts, TaskFn fn, void* ctx) {

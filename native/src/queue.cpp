@@ -56,6 +56,9 @@ void Queue::arm(int ring) {
     armed_count_.fetch_add(1, std::memory_order_release);
   }
   work_.notify_one();
+  // the step's first doorbell comes after the graph's launch and its first layer's GPU work: wake
+  // the workers now, so that no task pays their wake-up (the gap between steps outlasts their spin)
+  pool_->wake();
 }
 
 void Queue::wait() {

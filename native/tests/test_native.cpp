@@ -5,12 +5,14 @@
 #include <immintrin.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <functional>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ktf/common.h"
@@ -257,6 +259,19 @@ static void test_pool_stress(std::shared_ptr<ThreadPool> pool) {
   sum = 0;
   pool->run(std::vector<int>(pool->groups(), 3), [](void* ctx, int, int) { static_cast<std::atomic<long>*>(ctx)->fetch_add(1); }, &sum);
   CHECK(sum == 3 * pool->groups(), "the pool works after an exception");
+  // wake() between runs, and from another thread during them, neither loses a run nor runs one twice
+  std::atomic<bool> stop{false};
+  std::thread waker([&] {
+    while (!stop.load()) pool->wake();
+  });
+  for (int run = 0; run < 500; ++run) {
+    if (run % 50 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));  // past the spin: asleep
+    sum = 0;
+    pool->run(std::vector<int>(pool->groups(), 5), [](void* ctx, int, int) { static_cast<std::atomic<long>*>(ctx)->fetch_add(1); }, &sum);
+    CHECK(sum == 5 * pool->groups(), "run %d beside wake(): %ld tasks ran, want %d", run, sum.load(), 5 * pool->groups());
+  }
+  stop = true;
+  waker.join();
 }
 
 // A ring of batches submitted by doorbells, as a captured GPU step rings them: a thread plays the

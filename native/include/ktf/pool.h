@@ -36,6 +36,9 @@ class ThreadPool {
   // Runs task i of group g for every g < groups(), i < counts[g]; returns when all ran; rethrows
   // the first exception a task raised (the rest of that run is skipped). One run at a time.
   void run(const std::vector<int>& counts, TaskFn fn, void* ctx);
+  // Sleeping workers start spinning again (for spin_ns) without a task: a caller that knows work is
+  // coming shortly (a GPU step about to ring the CPU) takes their wake-up off the critical path.
+  void wake();
 
  private:
   struct alignas(64) Cursor {
@@ -53,6 +56,7 @@ class ThreadPool {
   TaskFn fn_ = nullptr;
   void* ctx_ = nullptr;
   std::atomic<uint64_t> generation_{0};
+  std::atomic<uint64_t> alarm_{0};  // bumped by wake()
   std::atomic<int> checked_in_{0};
   std::atomic<bool> failed_{false};
   std::exception_ptr error_;
