@@ -386,7 +386,7 @@ def run_llama(a, ckpt: Path, lengths: list[int]) -> list[dict]:
         return []
     binary = llama_cpp.llama_bench(Path(a.llama))
     gguf = Path(str(ckpt) + f".{a.gguf_type}.gguf")
-    secs = llama_cpp.convert(ckpt, gguf, a.gguf_type, Path(a.llama_src), Path(a.tools))
+    secs = llama_cpp.convert(ckpt, gguf, a.gguf_type, Path(a.llama_src), Path(a.tools), binary)
     print(f"GGUF {gguf} ({gguf.stat().st_size / 1e9:.1f} GB{f', converted in {secs:.0f} s' if secs else ''})", flush=True)
     threads = len(os.sched_getaffinity(0))
     log = lambda s: print(s, flush=True)  # noqa: E731
@@ -516,8 +516,7 @@ def main() -> int:
             import llama_cpp
 
             gguf = Path(str(d) + f".{a.gguf_type}.gguf")
-            llama_cpp.llama_bench(Path(a.llama))
-            llama_cpp.convert(d, gguf, a.gguf_type, Path(a.llama_src), Path(a.tools))
+            llama_cpp.convert(d, gguf, a.gguf_type, Path(a.llama_src), Path(a.tools), llama_cpp.llama_bench(Path(a.llama)))
             print(f"GGUF {gguf} ready", flush=True)
         return 0
     llama_rows = run_llama(a, d, lengths) if a.llama else []  # before ktflow's pool spins up
