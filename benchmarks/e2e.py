@@ -202,6 +202,11 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
         native.queue().set_recording(True)
     _sync()
     now = native.module().now_ns  # the native queue's clock (its records' timestamps)
+    runner = compiled.executor(compiled.decode).runner if records else None
+    bound = getattr(runner, "bound", {}).get(nxt.shape[0])
+    host = []  # per step: replay called, replay returned, wait returned (graph variants)
+    if bound is not None and bound.graph is not None:
+        bound.graph, runner._wait = _Stamped(bound.graph, host, now), _stamped_wait(runner._wait, host, now)
     t0 = time.perf_counter_ns()
     n0 = now()
     calls = []  # per step: execute called, execute returned
@@ -212,6 +217,8 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
         nxt = logits[:, -1:].argmax(-1)
     _sync()
     wall = time.perf_counter_ns() - t0
+    if host:
+        bound.graph, runner._wait = bound.graph.graph, runner._wait.inner  # as they were
     busy, split = None, None
     if records:
         recs = native.queue().take_records()
@@ -224,7 +231,33 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
                 end = f
         busy = merged / wall
         split = replay_split(recs, new, calls)
+        if split and len(host) == new:
+            med = lambda xs: round(statistics.median(xs), 1)  # noqa: E731
+            split.update(host_before_launch_us=med([(h[0] - c[0]) / 1e3 for h, c in zip(host, calls)]),
+                         host_launch_us=med([(h[1] - h[0]) / 1e3 for h in host]),
+                         host_after_wait_us=med([(c[1] - h[2]) / 1e3 for h, c in zip(host, calls)]))
     return new / (wall * 1e-9), busy, split
+
+
+class _Stamped:
+    """A captured graph whose replay() notes the clock before and after (benchmark only)."""
+
+    def __init__(self, graph, host: list, now):
+        self.graph, self.host, self.now = graph, host, now
+
+    def replay(self):
+        t = self.now()
+        self.graph.replay()
+        self.host.append([t, self.now()])
+
+
+def _stamped_wait(wait, host: list, now):
+    """The runner's end-of-step wait, noting when it returned (benchmark only)."""
+    def stamped():
+        wait()
+        host[-1].append(now())
+    stamped.inner = wait
+    return stamped
 
 
 def replay_split(recs: list, steps: int, calls: list) -> dict | None:
@@ -566,6 +599,9 @@ def main() -> int:
             default_wait, default_submit = shared.wait, shared.submit
         shared.wait = "host" if v == "graph+hostwait" else default_wait
         shared.submit = "host" if "+hostsubmit" in v else "doorbell" if "+bell" in v else default_submit
+        if "+onestream" in v:  # experiment: the copy lane issued on the compute stream (a straight-line graph)
+            c._backend = shared
+            c.executor(c.decode).runner.copy = shared.gpu_stream
         # (the host wait counts host submits: graph+hostwait submits through host nodes)
         # one backend for every variant (benchmark only): packed experts and GPU weights loaded once;
         # plans without GPU work (cpu) and the eager variant do not use its graph runner
@@ -639,7 +675,9 @@ def main() -> int:
               + (f"; replayed (medians, us): CPU task {row['replay_cpu_task_us']} (mean {row['replay_cpu_task_mean_us']}, "
                  f"first {row['replay_first_task_us']}, others {row['replay_other_tasks_us']}), between tasks "
                  f"{row['replay_between_tasks_us']}, execute to first task {row['replay_to_first_task_us']}, last task to "
-                 f"return {row['replay_last_task_to_return_us']}, outside execute {row['replay_outside_execute_us']} "
+                 f"return {row['replay_last_task_to_return_us']}, outside execute {row['replay_outside_execute_us']}; host: "
+                 f"execute to launch {row.get('host_before_launch_us')}, launch {row.get('host_launch_us')}, wait "
+                 f"returned to execute returning {row.get('host_after_wait_us')} "
                  f"(GPU kernels {row.get('gpu_us_per_layer')} us per layer, {row.get('gpu_ops_per_token')} GPU ops/token)"
                  if row.get("replay_cpu_task_us") is not None else ""), flush=True)
         append_jsonl(a.out, [row])  # row by row: a run cut short keeps what it measured
