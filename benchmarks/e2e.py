@@ -239,6 +239,28 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
     return new / (wall * 1e-9), busy, split
 
 
+def host_profile(compiled, vocab: int, steps: int = 32) -> None:
+    """Where the host's time goes in replayed decode steps (cProfile; its own overhead inflates
+    the Python-heavy lines)."""
+    import cProfile
+    import io
+    import pstats
+
+    import ktflow
+
+    logits, state = ktflow.execute(compiled, torch.randint(0, vocab, (1, 32)))
+    nxt = logits[:, -1:].argmax(-1)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        logits, state = ktflow.execute(compiled, nxt, state)
+        nxt = logits[:, -1:].argmax(-1)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+    print("\n".join("      " + line for line in out.getvalue().splitlines() if line.strip()), flush=True)
+
+
 class _Stamped:
     """A captured graph whose replay() notes the clock before and after (benchmark only)."""
 
@@ -519,6 +541,8 @@ def main() -> int:
                     "with 128 x 128 block scales) instead of bf16")
     ap.add_argument("--fp8-on-gpu", default="auto", choices=["auto", "keep", "dequantize"],
                     help="an FP8 checkpoint's dense weights on the GPU (compile option fp8_on_gpu)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="graph variants: cProfile over 32 replayed decode steps, the host's top functions printed")
     ap.add_argument("--prepare-only", action="store_true",
                     help="write the checkpoint (and with --llama its GGUF) and stop: a later run times them")
     ap.add_argument("--out", default=str(HERE / "e2e.jsonl"))
@@ -625,6 +649,8 @@ def main() -> int:
                 print(f"  {v:12s} prefill {p:5d}: {m:9.1f} +- {sd:6.1f} tok/s", flush=True)
         if v != "cpu":
             decode_run(c, vocab, 4, seed=99)  # capture (graph variants) and warm
+        if a.host_profile and v.startswith("graph"):
+            host_profile(c, vocab)
         torch.cuda.reset_peak_memory_stats()
         runs = [decode_run(c, vocab, a.decode, seed=r, records=v.startswith("graph")) for r in range(a.reps)]
         m, sd = mean_sd([r[0] for r in runs])
