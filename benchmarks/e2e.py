@@ -191,7 +191,9 @@ def prefill_rate(compiled, vocab: int, tokens: int, reps: int) -> list[float]:
 
 
 def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False):
-    """32-token prompt, then `new` greedy decode steps; returns (tokens/s, CPU busy fraction)."""
+    """32-token prompt, then `new` greedy decode steps (logits='argmax': only the next ids reach
+    the host, as `generate` runs greedy decoding); returns (tokens/s, CPU busy fraction, the
+    replayed step's split)."""
     import ktflow
     from ktflow import native
 
@@ -210,11 +212,10 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
     t0 = time.perf_counter_ns()
     n0 = now()
     calls = []  # per step: execute called, execute returned
-    for _ in range(new):
+    for _ in range(new):  # greedy, the argmax taken where the step runs (on the GPU in a captured graph)
         c0 = now()
-        logits, state = ktflow.execute(compiled, nxt, state)
+        nxt, state = ktflow.execute(compiled, nxt, state, logits="argmax")
         calls.append((c0, now()))
-        nxt = logits[:, -1:].argmax(-1)
     _sync()
     wall = time.perf_counter_ns() - t0
     if host:

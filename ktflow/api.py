@@ -399,7 +399,7 @@ def _check_ids(compiled: Compiled, input_ids: Any, state: State | None) -> torch
     return input_ids.to(torch.int64)
 
 
-LOGITS = ("all", "last")
+LOGITS = ("all", "last", "argmax")
 
 
 @torch.inference_mode()
@@ -408,25 +408,30 @@ def execute(compiled: Compiled, input_ids: torch.Tensor, state: State | None = N
     """Run `input_ids` [batch, tokens]. With state=None: prefill from position 0; with a state:
     continue those sequences (one token = a decode step). Returns (logits float32 on the device of
     input_ids, state): [batch, tokens, vocab], or with logits='last' the last position's only,
-    [batch, 1, vocab]. A prompt longer than the largest prefill bucket runs as chunks of it."""
+    [batch, 1, vocab], or with logits='argmax' the greedy next token ids [batch, 1] (int64; a
+    CUDA-graph decode step takes the argmax on the GPU, and only the ids reach the host). A prompt
+    longer than the largest prefill bucket runs as chunks of it."""
     if logits not in LOGITS:
-        raise InputError(f"logits={logits!r}: ask for 'all' (every position) or 'last' (the last position's)")
+        raise InputError(f"logits={logits!r}: ask for 'all' (every position), 'last' (the last position's) or "
+                         "'argmax' (the greedy next token ids)")
     ids = _check_ids(compiled, input_ids, state)
     if state is None:
         state = State(compiled.plans.model.fingerprint, ids.shape[0], compiled.max_seq_len)
     b, s = ids.shape
     if s == 1 and state.position > 0:
-        out = compiled.executor(compiled.decode).run(ids, state)
+        out = compiled.executor(compiled.decode).run(ids, state, logits=logits)
         return out.to(input_ids.device), state
     rows = max(1, compiled.chunk_tokens // b)
     pieces = []
     for lo in range(0, s, rows):
         part = ids[:, lo:lo + rows]
         final = lo + rows >= s
-        want = logits if final else ("all" if logits == "all" else "none")
+        want = logits if final else ("all" if logits == "all" else "none")  # argmax: the final chunk's
         out = compiled.executor(compiled.prefill_plan(part.numel())).run(part, state, logits=want)
         if out is not None:
             pieces.append(out.to(input_ids.device))
+    if logits == "argmax":
+        return pieces[-1], state
     return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)), state
 
 

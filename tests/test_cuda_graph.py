@@ -55,8 +55,35 @@ def run_steps(compiled, ids, steps, seed=5):
     return out
 
 
+def argmax_steps(compiled, ids, steps, seed=5):
+    """run_steps' token ids, each step asked for logits='argmax'."""
+    g = torch.Generator().manual_seed(seed)
+    nxt, state = ktflow.execute(compiled, ids, logits="argmax")
+    out = [nxt]
+    for _ in range(steps):
+        nxt = torch.randint(0, compiled.vocab_size, (ids.shape[0], 1), generator=g)
+        got, state = ktflow.execute(compiled, nxt, state, logits="argmax")
+        out.append(got)
+    return out
+
+
 def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@gpu
+def test_argmax_mode_takes_the_replayed_steps_argmax_on_the_gpu(tiny_dirs):
+    """logits='argmax' through the captured graph: the same ids as the argmax of the logits the
+    same steps return (the graph is deterministic: same inputs, same logits)."""
+    d, _ = tiny_dirs("qwen3_moe")
+    c = hybrid(ktflow.load(d), backend="cuda_graph")
+    ids = torch.randint(0, c.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    got = run_steps(c, ids, 5)
+    am = argmax_steps(c, ids, 5)
+    assert c.executor("decode").runner.bound[2].graph is not None
+    for i, (x, y) in enumerate(zip(am, got, strict=True)):
+        assert x.dtype == torch.int64 and x.shape == (2, 1), i
+        assert torch.equal(x, y[:, -1:].argmax(-1)), i
 
 
 @gpu

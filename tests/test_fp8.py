@@ -320,10 +320,11 @@ def test_fp8_gpu_kernels_against_float64():
 def test_cuda_graph_with_fp8_held_weights_matches_torch_ref(fp8_dirs):
     """The cuda_graph backend holding the dense weights in FP8 (the fused kernel inside the
     captured decode graph, the dequantize-then-cuBLAS path in the 80-row prompt step) against
-    torch_ref in float32 on the same FP8 checkpoint: within the bf16 tolerance, or within twice
-    the error of the same plan with the weights dequantized at load (this tiny random model's
-    own bf16 noise)."""
-    from test_cuda_graph import hw_here, rel, run_steps
+    torch_ref in float32 on the same FP8 checkpoint: every step within the bf16 tolerance, or
+    within twice the error of the same plan with the weights dequantized at load (this tiny random
+    model's own bf16 noise), but for at most FLIPS of the tokens (a router's near tie may go the
+    other way in one bf16 path: test_cuda_graph's allowance), and the whole run within FLIP_TOL."""
+    from test_cuda_graph import FLIP_TOL, FLIPS, hw_here, rel, run_steps
 
     d, _ = fp8_dirs("deepseek_v3", (128, 128))
     model = ktflow.load(d)
@@ -338,4 +339,8 @@ def test_cuda_graph_with_fp8_held_weights_matches_torch_ref(fp8_dirs):
     errs = [rel(a, b) for a, b in zip(got, want, strict=True)]
     noise = [rel(a, b) for a, b in zip(base, want, strict=True)]
     print(f"\n  fp8 held vs float32 {[f'{e:.4f}' for e in errs]}; dequantized vs float32 {[f'{e:.4f}' for e in noise]}")
-    assert all(e <= max(2e-2, 2 * n) for e, n in zip(errs, noise)), (errs, noise)
+    a, b, n = (torch.cat(x, 1).float() for x in (got, want, base))
+    per_token = ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
+    noise_t = ((n - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
+    assert (per_token > torch.clamp(2 * noise_t, min=2e-2)).float().mean() <= FLIPS, (per_token.tolist(), errs, noise)
+    assert rel(a, b) <= max(FLIP_TOL, 2 * rel(n, b)), (errs, noise)

@@ -95,6 +95,18 @@ def test_greedy_generation_follows_argmax(compiled):
     assert torch.equal(out, seq)
 
 
+def test_argmax_mode_returns_the_greedy_next_ids(compiled):
+    """logits='argmax' gives the argmax of the last position's logits, prefill and decode, batch 2."""
+    ids = torch.randint(0, compiled.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    logits, s1 = ktflow.execute(compiled, ids, logits="last")
+    nxt, s2 = ktflow.execute(compiled, ids, logits="argmax")
+    assert nxt.dtype == torch.int64 and nxt.shape == (2, 1)
+    assert torch.equal(nxt, logits.argmax(-1))
+    logits, _ = ktflow.execute(compiled, nxt, s1)
+    again, _ = ktflow.execute(compiled, nxt, s2, logits="argmax")
+    assert torch.equal(again, logits[:, -1:].argmax(-1))
+
+
 def test_sampling_is_reproducible_with_a_seed(compiled):
     p = ids([7, 8, 9])
     a = ktflow.generate(compiled, p, 6, temperature=1.5, seed=11)

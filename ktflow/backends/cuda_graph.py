@@ -33,7 +33,9 @@ backend and lent to the sequence that prefilled last. Prefill plans run through
 backends.prefill_runner: issued on the same lanes, not captured (prompts vary in length).
 
 CPU threads: the native pool's pinned workers spin between tasks, so they get every CPU but two
-(the Python thread, and the driver's host-function thread that runs the submits), and torch's
+(the Python thread, and the driver's host-function thread that runs host-node submits; the
+Python thread is confined to those two, `keep_off_workers`, and the pool's dispatcher pinned to
+its thread 0's CPU), and torch's
 own CPU ops one thread (`torch.set_num_threads(1)`, process-wide): an OpenMP team spinning after
 a parallel op (a logits copy, a caller's sampling on the CPU) takes the workers' cores.
 
@@ -44,6 +46,7 @@ timestamps for the CPU tasks, and returns it as the plan's steps with measured t
 from __future__ import annotations
 
 import ctypes
+import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,6 +168,7 @@ class Bound:
     bells: dict[int, tuple[int, int]]
     ring: native.Ring | None
     logits: torch.Tensor  # pinned float32 [batch, vocab]: the graph's output
+    next_ids: torch.Tensor  # pinned int64 [batch]: its argmax, taken on the GPU (greedy decoding)
     graph: torch.cuda.CUDAGraph | None = None
     keep: list = field(default_factory=list)  # values the graph reads or writes
 
@@ -202,7 +206,7 @@ class CudaGraphBackend(StaticRules, NativeBackend):
         # (the embedding, the logits copy, a caller's sampling) one thread: an OpenMP team that spins
         # after each parallel op would take the workers' cores (GPU host, DeepSeek-V2-Lite shape, 15
         # workers: decode 31.8 tok/s with one torch thread, 23.0 with sixteen; benchmarks/RESULTS.md)
-        native.pool(spare=2)
+        keep_off_workers(native.pool(spare=2))
         torch.set_num_threads(1)
         super().__init__(gpu_device, dtype, options)
         self.driver = Driver()
@@ -274,8 +278,22 @@ class CudaGraphBackend(StaticRules, NativeBackend):
         return None
 
 
+def keep_off_workers(pool) -> None:
+    """Confine the calling thread (the step loop: launches, the logits' copy, the caller's
+    sampling) to the CPUs the native pool does not use, where it has some: left to the scheduler
+    it can land on a pinned worker's CPU and share it with a spinning thread. Threads it starts
+    later (the driver's) inherit the set. KTFLOW_PIN=0 (an unpinned pool) leaves it alone."""
+    if os.environ.get("KTFLOW_PIN", "1") == "0":
+        return
+    free = set(os.sched_getaffinity(0)) - set(pool.cpus)
+    if free:
+        os.sched_setaffinity(0, free)
+
+
 class DecodeGraph:
     """Runs a decode plan: captured once per batch size, replayed per token (see module doc)."""
+
+    argmax_on_device = True  # logits='argmax': the graph takes it, only the ids cross
 
     def __init__(self, plan: Plan, be: CudaGraphBackend):
         self.plan, self.be, self.g = plan, be, plan.ir
@@ -319,7 +337,8 @@ class DecodeGraph:
                      position=torch.zeros(1, dtype=torch.int64, **pin),
                      position_dev=torch.zeros(1, dtype=torch.int64, device="cuda"), arena=arena, slots=slots,
                      tasks=tasks, done_at=done_at, bells=bells, ring=ring,
-                     logits=torch.zeros(b, vocab, dtype=torch.float32, **pin))
+                     logits=torch.zeros(b, vocab, dtype=torch.float32, **pin),
+                     next_ids=torch.zeros(b, dtype=torch.int64, **pin))
 
     def _doorbells(self, tasks: dict[str, list[native.Batch]], flag_at: dict[int, int]):
         """A pinned doorbell per batch, and the ring of every batch in the order the plan's submit
@@ -337,7 +356,8 @@ class DecodeGraph:
     # ------------------------------------------------------------------------------ running
     def run(self, input_ids: torch.Tensor, state, trace: bool = False, logits: str = "all"):
         """One decode step over input_ids [batch, 1] at state.position; returns logits [batch, 1, vocab]
-        (float32, CPU: one position, so every `logits` mode gives the same). With trace, also the
+        (float32, CPU: one position, so 'all' and 'last' give the same), or with logits='argmax' the
+        greedy next ids [batch, 1] (int64, CPU), taken on the GPU. With trace, also the
         plan's steps with measured times."""
         b = input_ids.shape[0]
         self._check_cache(state, b)
@@ -360,8 +380,8 @@ class DecodeGraph:
             self._wait()
         native.sync()  # raises here if a CPU task failed
         state.position += 1
-        logits = bound.logits.clone().view(b, 1, -1)
-        return (logits, measured) if trace else logits
+        out = bound.next_ids.clone().view(b, 1) if logits == "argmax" else bound.logits.clone().view(b, 1, -1)
+        return (out, measured) if trace else out
 
     def _check_cache(self, state, b: int) -> None:
         owner = self.be.kv_owner.get(b)
@@ -462,8 +482,9 @@ class DecodeGraph:
                 values[node.name] = bound.slots[node.inputs[1]]
             if timer:
                 timer.end(i, stream)
-        out = values[g.outputs[0]]
-        bound.logits.copy_(out.view(bound.batch, -1), non_blocking=True)
+        out = values[g.outputs[0]].view(bound.batch, -1)
+        bound.next_ids.copy_(out.argmax(-1), non_blocking=True)  # greedy: 8 bytes a row instead of the logits
+        bound.logits.copy_(out, non_blocking=True)
         self.gpu.wait_stream(self.copy)  # join it back
         self.current = ""
         return list(values.values())

@@ -69,9 +69,14 @@ class Executor:
     def run(self, input_ids: torch.Tensor, state: State, position_t: torch.Tensor | None = None,
             logits: str = "all") -> torch.Tensor | None:
         """Run one step over input_ids [batch, seq] from state.position; returns logits [batch, seq,
-        vocab], with logits='last' [batch, 1, vocab] (the last position's), with 'none' None (a
-        prompt's chunk before the last). With `position_t` (the position as a tensor), backends
+        vocab], with logits='last' [batch, 1, vocab] (the last position's), with 'argmax' the last
+        position's greedy next ids [batch, 1] (int64; on the device where the runner can), with
+        'none' None (a prompt's chunk before the last). With `position_t` (the position as a tensor), backends
         run their static-shape rules."""
+        if logits == "argmax" and not (self.runner is not None and position_t is None
+                                       and getattr(self.runner, "argmax_on_device", False)):
+            out = self.run(input_ids, state, position_t, "last")  # the last position's logits, then their argmax
+            return None if out is None else out.argmax(-1)
         tracing = self.trace > 0
         self.trace = max(self.trace - 1, 0)
         if self.runner is not None and position_t is None:
@@ -79,7 +84,7 @@ class Executor:
                 out, self.measured = self.runner.run(input_ids, state, trace=True, logits=logits)
             else:
                 out = self.runner.run(input_ids, state, logits=logits)
-            if self.check_finite:
+            if self.check_finite and logits != "argmax":
                 _check_finite(out, f"the {self.plan.phase} step's output (the backend ran the plan as a whole: "
                               "run it with backend='native' or 'torch_ref' to find the node)")
             return out

@@ -59,8 +59,10 @@ def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, 
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     ids = input_ids
+    greedy = temperature <= 0  # the steps return the next ids (taken on the GPU by a CUDA-graph step)
+    mode = "argmax" if greedy else "last"
     t0 = time.perf_counter()
-    logits, state = execute(compiled, ids, state, logits="last")
+    logits, state = execute(compiled, ids, state, logits=mode)
     t1 = time.perf_counter()
     out = [ids]
     done = torch.zeros(ids.shape[0], dtype=torch.bool)
@@ -68,7 +70,7 @@ def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, 
     from ..progress import bar
 
     for i in bar(range(max_new_tokens), "decode", "token", show=max_new_tokens > 1):
-        nxt = sample(logits[:, -1], temperature, top_p, gen).cpu()
+        nxt = logits[:, -1].cpu() if greedy else sample(logits[:, -1], temperature, top_p, gen).cpu()
         if eos:
             fill = next(iter(eos))
             nxt = torch.where(done, torch.full_like(nxt, fill), nxt)
@@ -76,7 +78,7 @@ def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, 
         out.append(nxt[:, None])
         if i == max_new_tokens - 1 or bool(done.all()):
             break
-        logits, state = execute(compiled, nxt[:, None], state)
+        logits, state = execute(compiled, nxt[:, None], state, logits=mode)
         steps += 1
     t2 = time.perf_counter()
     stats = GenerationStats(prompt_tokens=ids.numel(), new_tokens=steps * ids.shape[0],

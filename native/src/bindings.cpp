@@ -233,6 +233,7 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("groups", &ThreadPool::groups)
       .def("group_cpus", &ThreadPool::group_cpus)
       .def("group_threads", &ThreadPool::group_threads)
+      .def_property_readonly("cpus", &ThreadPool::cpus)
       .def("numa_node", &ThreadPool::numa_node);
 
   py::class_<PackedWeight>(m, "PackedWeight")

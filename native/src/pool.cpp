@@ -70,7 +70,7 @@ inline void cpu_relax() { _mm_pause(); }
 
 }  // namespace
 
-ThreadPool::ThreadPool(int threads, int groups, bool pin) {
+ThreadPool::ThreadPool(int threads, int groups, bool pin) : pin_(pin) {
   const char* spin = std::getenv("KTFLOW_SPIN_US");
   spin_ns_ = (spin ? std::atol(spin) : 1000) * 1000;
   std::vector<int> cpus = allowed_cpus();
@@ -105,6 +105,7 @@ ThreadPool::ThreadPool(int threads, int groups, bool pin) {
   for (int t = 0; t < threads; ++t) {
     int g = int(int64_t(t) * groups / threads);
     int cpu = group_cpus_[g][used[g]++ % group_cpus_[g].size()];
+    cpus_.push_back(cpu);
     if (t == 0) continue;  // the caller
     worker_group_.push_back(g);
     workers_.emplace_back([this, g, cpu, pin] {
@@ -170,6 +171,12 @@ void ThreadPool::worker_main(int group, int) {
     }
   }
 }
+
+void ThreadPool::pin_caller() const {
+  if (pin_ && !cpus_.empty()) pin_to(cpus_[0]);
+}
+
+std::vector<int> ThreadPool::cpus() const { return cpus_; }
 
 void ThreadPool::wake() {
   {

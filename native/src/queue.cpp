@@ -14,7 +14,10 @@ int64_t now_ns() {
 }
 
 Queue::Queue(std::shared_ptr<ThreadPool> pool) : pool_(std::move(pool)) {
-  dispatcher_ = std::thread([this] { dispatch(); });
+  dispatcher_ = std::thread([this] {
+    pool_->pin_caller();  // the dispatcher runs the pool's thread 0 (the caller of its runs): on that thread's CPU
+    dispatch();
+  });
 }
 
 Queue::~Queue() {

@@ -39,6 +39,10 @@ class ThreadPool {
   // Sleeping workers start spinning again (for spin_ns) without a task: a caller that knows work is
   // coming shortly (a GPU step about to ring the CPU) takes their wake-up off the critical path.
   void wake();
+  // Pins the calling thread to the CPU of thread 0 (the caller of run(): the queue's dispatcher),
+  // where the pool pins its workers; a no-op for an unpinned pool.
+  void pin_caller() const;
+  std::vector<int> cpus() const;  // the CPUs of the pool's threads, the caller's first
 
  private:
   struct alignas(64) Cursor {
@@ -57,6 +61,8 @@ class ThreadPool {
   void* ctx_ = nullptr;
   std::atomic<uint64_t> generation_{0};
   std::atomic<uint64_t> alarm_{0};  // bumped by wake()
+  std::vector<int> cpus_;           // thread t's CPU
+  bool pin_ = false;
   std::atomic<int> checked_in_{0};
   std::atomic<bool> failed_{false};
   std::exception_ptr error_;
