@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -62,8 +63,10 @@ def convert(ckpt: Path, gguf: Path, outtype: str, converter_src: Path, tools: Pa
         return 0.0
     t0 = time.perf_counter()
     quantize = binary.parent / "llama-quantize" if binary is not None else None
-    if outtype == "q8_0" and quantize is not None and quantize.exists():
-        bf16 = gguf.with_name(gguf.name.replace(".q8_0.", ".bf16."))
+    bf16 = gguf.with_name(gguf.name.replace(".q8_0.", ".bf16."))
+    ckpt_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+    room = bf16.exists() or shutil.disk_usage(gguf.parent).free > 1.6 * ckpt_bytes  # the bf16 GGUF and the Q8_0 one
+    if outtype == "q8_0" and quantize is not None and quantize.exists() and room:
         convert(ckpt, bf16, "bf16", converter_src, tools)
         tmp = gguf.with_name(gguf.name + ".part")
         subprocess.run([str(quantize), str(bf16), str(tmp), "Q8_0", str(len(os.sched_getaffinity(0)))], check=True,
