@@ -7,8 +7,7 @@ import json
 from dataclasses import dataclass
 
 from .ir.ops import Op
-from .passes.schedule import lane_order
-from .plan import Plan, PlanFile
+from .plan import Plan, PlanFile, lane_order
 
 
 

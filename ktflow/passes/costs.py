@@ -7,7 +7,19 @@ from dataclasses import replace
 from ..cost import node_cost
 from ..ir.graph import Graph, Node
 from ..ir.ops import Op, Work
+from ..ir.types import Cost
 from ..options import CompileContext
+
+
+def cost_in(n: Node, g: Graph, ctx: CompileContext, *, work: Work | None = None, hw=None,
+            numa_nodes: int | None = None, expert_format: str | None = None) -> Cost:
+    """`cost.node_cost` as the passes call it: the context's hardware, weight size, NUMA node
+    count and expert format, and the plan's step (`step_work`), each replaceable where a pass
+    prices something else (a decode step in a prefill plan, one NUMA node's share, a link
+    shared with a fetch)."""
+    return node_cost(n, g, work if work is not None else step_work(n, ctx), hw if hw is not None else ctx.hw,
+                     ctx.weight_itemsize, ctx.numa_nodes if numa_nodes is None else numa_nodes,
+                     ctx.expert_format if expert_format is None else expert_format)
 
 
 def step_work(n: Node, ctx: CompileContext) -> Work:
@@ -26,8 +38,7 @@ def annotate_costs(g: Graph, ctx: CompileContext) -> Graph:
     experts priced from the routing profile when given, else uniform routing.
     Requires: a verified spec graph. Guarantees: every node has `cost`; nothing else changes.
     """
-    return g.map(lambda n: replace(n, cost=node_cost(n, g, step_work(n, ctx), ctx.hw, ctx.weight_itemsize,
-                                                     ctx.numa_nodes, ctx.expert_format)))
+    return g.map(lambda n: replace(n, cost=cost_in(n, g, ctx)))
 
 
 def recost_changed(before: Graph, after: Graph, ctx: CompileContext) -> Graph:
@@ -41,7 +52,6 @@ def recost_changed(before: Graph, after: Graph, ctx: CompileContext) -> Graph:
                 and (old.op, old.inputs, old.attrs, old.weights) == (n.op, n.inputs, n.attrs, n.weights) \
                 and (old.place.numa if old.place else None) == (n.place.numa if n.place else None):
             return n
-        return replace(n, cost=node_cost(n, after, step_work(n, ctx), ctx.hw, ctx.weight_itemsize, ctx.numa_nodes,
-                                         ctx.expert_format))
+        return replace(n, cost=cost_in(n, after, ctx))
 
     return after.map(fresh)

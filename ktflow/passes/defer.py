@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..cost import node_cost, transfer_seconds
+from ..cost import transfer_seconds
 from ..errors import ConfigError
 from ..ir.graph import Graph, Node
 from ..ir.ops import DeferAttrs, Op, ffn_residual
 from ..ir.types import Device, Placement, _si
 from ..options import CompileContext
-from .costs import recost_changed, step_work
+from .costs import cost_in, recost_changed
 
 
 def defer_experts(g: Graph, ctx: CompileContext) -> Graph:
@@ -109,7 +109,7 @@ def _cpu_seconds(n: Node, g: Graph, ctx: CompileContext, ranks: tuple[int, int])
         m = replace(n, attrs=a, place=replace(n.place, numa=0))
     else:
         m = replace(n, attrs=a)
-    return node_cost(m, g, step_work(m, ctx), ctx.hw, ctx.weight_itemsize, nodes, ctx.expert_format).cpu_s
+    return cost_in(m, g, ctx, numa_nodes=nodes).cpu_s
 
 
 def _gpu_gap(g: Graph, ctx: CompileContext, j: int, moe: list[int]) -> float:

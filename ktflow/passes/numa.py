@@ -5,13 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from ..cost import node_cost
 from ..errors import ConfigError
 from ..ir.graph import Graph, Node
 from ..ir.ops import Op, ReduceAttrs
 from ..ir.types import Device, Placement
 from ..options import CompileContext
-from .costs import recost_changed, step_work
+from .costs import cost_in, recost_changed, step_work
 
 
 def tp_slices(inter: int, nodes: int, block: int) -> list[tuple[int, int]]:
@@ -58,8 +57,7 @@ def _shards(n: Node, ctx: CompileContext, mode: str) -> list[Node]:
 
 def _predicted(shards: list[Node], g: Graph, ctx: CompileContext) -> float:
     """Seconds until the slowest shard is done (they run at once, one per node)."""
-    return max(node_cost(s, g, step_work(s, ctx), ctx.hw, ctx.weight_itemsize, ctx.numa_nodes,
-                         ctx.expert_format).cpu_s for s in shards)
+    return max(cost_in(s, g, ctx).cpu_s for s in shards)
 
 
 def slice_block(ctx: CompileContext) -> int:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..cost import node_cost, transfer_seconds
+from ..cost import transfer_seconds
 from ..memory import activation_peak, gpu_workspace_bytes
 from ..errors import ConfigError
 from ..ir.graph import Graph, Node
 from ..ir.ops import FACTS, Op, Work, fp8_holdable
 from ..ir.types import FP8_BLOCK, Cost, Device, Placement, _si
 from ..options import CompileContext
-from .costs import recost_changed
+from .costs import cost_in, recost_changed
 
 
 
@@ -64,7 +64,7 @@ def _units(g: Graph, ctx: CompileContext) -> tuple[list[Unit], dict[str, tuple[C
         if not n.weights:
             continue
         w = _decode_work(ctx, n)
-        c = node_cost(n, g, w, ctx.hw, ctx.weight_itemsize, expert_format=ctx.expert_format)
+        c = cost_in(n, g, ctx, work=w, numa_nodes=1)
         # a layer's experts cross to the CPU anyway; dense nodes need not
         copies = _copies_avoided(n, g, ctx, w.tokens) if n.op != Op.ROUTED_EXPERTS else 0.0
         gains[n.name] = (c, copies)

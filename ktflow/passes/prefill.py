@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ..cost import fetch_seconds, node_cost, transfer_seconds
+from ..cost import fetch_seconds, transfer_seconds
 from ..errors import ConfigError
 from ..hw import HwProfile
 from ..ir.graph import Graph, Node
@@ -13,7 +13,7 @@ from ..ir.ops import FACTS, FetchAttrs, Op
 from ..ir.types import Device, Placement, _si
 from ..memory import prefill_room
 from ..options import CompileContext
-from .costs import recost_changed, step_work
+from .costs import cost_in, recost_changed, step_work
 
 #: candidate streamed-expert counts per layer: 0, then steps of 1/GRID of the layer's CPU experts
 GRID = 32
@@ -153,12 +153,12 @@ def _choose(g: Graph, ctx: CompileContext, n: Node, bounds: tuple[float, float],
     def price(k: int) -> tuple[float, float, float, float]:
         """(layer seconds, CPU part, GPU part, fetch) with the first k of `order` streamed."""
         hw = sharing if 0 < k < total else ctx.hw
-        cpu = node_cost(part(order[k:]), g, work, hw, ctx.weight_itemsize,
-                        expert_format=fmt).cpu_s + xfer if k < total else 0.0
+        cpu = cost_in(part(order[k:]), g, ctx, work=work, hw=hw, numa_nodes=1,
+                      expert_format=fmt).cpu_s + xfer if k < total else 0.0
         if k == 0:
             return d1 + max(cpu, d2), cpu, 0.0, 0.0
         gpu_node = replace(part(order[:k]), weights=())
-        gpu = node_cost(gpu_node, g, work, ctx.hw, ctx.weight_itemsize).gpu_s
+        gpu = cost_in(gpu_node, g, ctx, work=work, numa_nodes=1, expert_format="bf16").gpu_s
         fetch = fetch_seconds(_fetch(n, order[:k], fmt, 0).attrs, ctx.hw, g.act_dtype)
         return max(d1 + max(cpu, d2 + gpu), fetch), cpu, gpu, fetch
 

@@ -23,10 +23,6 @@ def lane_of(n: Node) -> str:
     return n.place.device.value
 
 
-def lane_order(lane: str) -> tuple[int, str]:
-    return ({"gpu": 0, "copy": 1, "fetch": 2, "cpu": 3}.get(lane, 4), lane)
-
-
 def schedule(g: Graph, ctx: CompileContext) -> list[Step]:
     """One step per node, in graph order, on its lane.
 

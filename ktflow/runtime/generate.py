@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
+from .execute import execute
 
 
 @dataclass
@@ -44,8 +45,6 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
 def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
                         top_p: float = 1.0, seed: int | None = None, eos_token_id: int | list[int] | None = None,
                         state=None) -> tuple[torch.Tensor, GenerationStats]:
-    from ..api import execute
-
     if max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if not 0.0 < top_p <= 1.0:  # NaN fails this too

@@ -1,0 +1,76 @@
+"""`execute`: one step of a compiled model (a prompt, in chunks of the largest prefill bucket, or
+a decode step) through the plan's executor. `api` re-exports it; `generate` builds on it (this
+module imports neither, so runtime and api do not import each other)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import InputError
+from .state import State
+
+
+def check_ids(compiled, input_ids: Any, state: State | None) -> torch.Tensor:
+    """`input_ids` as int64 [batch, tokens], or an InputError saying what does not fit the
+    compiled model (vocabulary, max_seq_len) or the state (model, batch, room left)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
+        raise InputError("input_ids must be an integer torch tensor of shape [batch, tokens]")
+    if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+        raise InputError(f"input_ids must have shape [batch, tokens] with both >= 1, got {list(input_ids.shape)}")
+    vocab = compiled.vocab_size
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise InputError(f"token id {bad} is out of range: the vocabulary has ids 0..{vocab - 1}")
+    b, s = input_ids.shape
+    if state is None:
+        if s > compiled.max_seq_len:
+            raise InputError(f"the prompt has {s} tokens, more than max_seq_len {compiled.max_seq_len}; "
+                             "compile with a larger max_seq_len")
+    else:
+        if state.fingerprint != compiled.plans.model.fingerprint:
+            raise InputError("this state belongs to another model's plan")
+        if state.batch != b:
+            raise InputError(f"the state holds {state.batch} sequences but input_ids has batch {b}")
+        if state.position + s > state.max_seq_len:
+            raise InputError(f"cannot add {s} tokens at position {state.position}: that passes max_seq_len "
+                             f"{state.max_seq_len} (the KV cache is full); compile with a larger max_seq_len")
+    return input_ids.to(torch.int64)
+
+
+LOGITS = ("all", "last", "argmax")
+
+
+@torch.inference_mode()
+def execute(compiled, input_ids: torch.Tensor, state: State | None = None, *,
+            logits: str = "all") -> tuple[torch.Tensor, State]:
+    """Run `input_ids` [batch, tokens]. With state=None: prefill from position 0; with a state:
+    continue those sequences (one token = a decode step). Returns (logits float32 on the device of
+    input_ids, state): [batch, tokens, vocab], or with logits='last' the last position's only,
+    [batch, 1, vocab], or with logits='argmax' the greedy next token ids [batch, 1] (int64; a
+    CUDA-graph decode step takes the argmax on the GPU, and only the ids reach the host). A prompt
+    longer than the largest prefill bucket runs as chunks of it."""
+    if logits not in LOGITS:
+        raise InputError(f"logits={logits!r}: ask for 'all' (every position), 'last' (the last position's) or "
+                         "'argmax' (the greedy next token ids)")
+    ids = check_ids(compiled, input_ids, state)
+    if state is None:
+        state = State(compiled.plans.model.fingerprint, ids.shape[0], compiled.max_seq_len)
+    b, s = ids.shape
+    if s == 1 and state.position > 0:
+        out = compiled.executor(compiled.decode).run(ids, state, logits=logits)
+        return out.to(input_ids.device), state
+    rows = max(1, compiled.chunk_tokens // b)
+    pieces = []
+    for lo in range(0, s, rows):
+        part = ids[:, lo:lo + rows]
+        final = lo + rows >= s
+        want = logits if final else ("all" if logits == "all" else "none")  # argmax: the final chunk's
+        out = compiled.executor(compiled.prefill_plan(part.numel())).run(part, state, logits=want)
+        if out is not None:
+            pieces.append(out.to(input_ids.device))
+    if logits == "argmax":
+        return pieces[-1], state
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)), state
