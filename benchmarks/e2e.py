@@ -16,6 +16,8 @@ repetitions, mean +- sd), for these variants of one model:
                doorbell (a word the stream writes and the armed native dispatcher polls); `+bell`
                forces the doorbell
   graph+d<k>   the graph with Expert Deferral, k deferred picks per token (and d=auto)
+  graph+onestream  an experiment kept for its RESULTS row: the copy lane issued on the compute
+               stream (one stream, a straight-line graph)
 
 prefill tokens/s for each `--prompts` length (cpu and eager: the prefill of the executor path) and
 decode tokens/s for `--decode` tokens after a 32-token prompt. For each
@@ -440,7 +442,7 @@ def run_llama(a, ckpt: Path, lengths: list[int]) -> list[dict]:
               "(to fit the disk, use all 27 with --gguf-type q8_0 --expert-format int8)", flush=True)
         return []
     binary = llama_cpp.llama_bench(Path(a.llama))
-    gguf = Path(str(ckpt) + f".{a.gguf_type}.gguf")
+    gguf = llama_cpp.gguf_for(ckpt, a.gguf_type)
     secs = llama_cpp.convert(ckpt, gguf, a.gguf_type, Path(a.llama_src), Path(a.tools), binary)
     print(f"GGUF {gguf} ({gguf.stat().st_size / 1e9:.1f} GB{f', converted in {secs:.0f} s' if secs else ''})", flush=True)
     threads = len(os.sched_getaffinity(0))
@@ -572,7 +574,7 @@ def main() -> int:
         if a.llama:
             import llama_cpp
 
-            gguf = Path(str(d) + f".{a.gguf_type}.gguf")
+            gguf = llama_cpp.gguf_for(d, a.gguf_type)
             llama_cpp.convert(d, gguf, a.gguf_type, Path(a.llama_src), Path(a.tools), llama_cpp.llama_bench(Path(a.llama)))
             print(f"GGUF {gguf} ready", flush=True)
         return 0

@@ -54,6 +54,11 @@ def llama_bench(where: Path) -> Path:
     return out
 
 
+def gguf_for(ckpt: Path, outtype: str) -> Path:
+    """Where the GGUF twin of checkpoint dir `ckpt` in `outtype` goes (beside the dir)."""
+    return Path(f"{ckpt}.{outtype}.gguf")
+
+
 def convert(ckpt: Path, gguf: Path, outtype: str, converter_src: Path, tools: Path, binary: Path | None = None) -> float:
     """GGUF of the checkpoint (llama.cpp's converter; a tiny tokenizer beside links to the
     checkpoint's files, as the converter needs one). Q8_0 is quantized from the bf16 GGUF by
@@ -63,7 +68,7 @@ def convert(ckpt: Path, gguf: Path, outtype: str, converter_src: Path, tools: Pa
         return 0.0
     t0 = time.perf_counter()
     quantize = binary.parent / "llama-quantize" if binary is not None else None
-    bf16 = gguf.with_name(gguf.name.replace(".q8_0.", ".bf16."))
+    bf16 = gguf_for(ckpt, "bf16")
     ckpt_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
     room = bf16.exists() or shutil.disk_usage(gguf.parent).free > 1.6 * ckpt_bytes  # the bf16 GGUF and the Q8_0 one
     if outtype == "q8_0" and quantize is not None and quantize.exists() and room:

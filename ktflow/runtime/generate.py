@@ -61,7 +61,7 @@ def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, 
     greedy = temperature <= 0  # the steps return the next ids (taken on the GPU by a CUDA-graph step)
     mode = "argmax" if greedy else "last"
     t0 = time.perf_counter()
-    logits, state = execute(compiled, ids, state, logits=mode)
+    step_out, state = execute(compiled, ids, state, logits=mode)  # next ids [b, 1] (greedy) or logits [b, 1, V]
     t1 = time.perf_counter()
     out = [ids]
     done = torch.zeros(ids.shape[0], dtype=torch.bool)
@@ -69,7 +69,7 @@ def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, 
     from ..progress import bar
 
     for i in bar(range(max_new_tokens), "decode", "token", show=max_new_tokens > 1):
-        nxt = logits[:, -1].cpu() if greedy else sample(logits[:, -1], temperature, top_p, gen).cpu()
+        nxt = step_out[:, -1].cpu() if greedy else sample(step_out[:, -1], temperature, top_p, gen).cpu()
         if eos:
             fill = next(iter(eos))
             nxt = torch.where(done, torch.full_like(nxt, fill), nxt)
@@ -77,7 +77,7 @@ def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, 
         out.append(nxt[:, None])
         if i == max_new_tokens - 1 or bool(done.all()):
             break
-        logits, state = execute(compiled, nxt[:, None], state, logits=mode)
+        step_out, state = execute(compiled, nxt[:, None], state, logits=mode)
         steps += 1
     t2 = time.perf_counter()
     stats = GenerationStats(prompt_tokens=ids.numel(), new_tokens=steps * ids.shape[0],
