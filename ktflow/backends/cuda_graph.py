@@ -407,10 +407,11 @@ class DecodeGraph:
         bound.position[0] = state.position
         ends = [torch.cuda.Event(blocking=True) for _ in range(2)]
         in_flight: list[tuple[torch.cuda.Event, int]] = []
+        first = state.position  # (advanced as steps finish)
         try:
             for k in range(steps):
                 self._launch(bound)  # step k+1 queues behind step k, its inputs written by step k
-                in_flight.append((ends[k % 2], state.position + k))
+                in_flight.append((ends[k % 2], first + k))
                 in_flight[-1][0].record(self.gpu)
                 if len(in_flight) == 2 or k == steps - 1:
                     yield from self._finish(bound, state, in_flight, everything=k == steps - 1)
