@@ -62,6 +62,7 @@ from ..passes.buffers import plan_buffers
 from ..plan import Plan, Step
 from ..weights import TORCH_DTYPE
 from .base import StepContext, node_key
+from . import pinned_copy
 from .cpu_native import NativeBackend
 from .staging import pin
 from .static_rules import StaticRules
@@ -511,7 +512,7 @@ class DecodeGraph:
         values: dict[str, Any] = {}
         events: dict[str, torch.cuda.Event] = {}
         streams = {"gpu": self.gpu, "copy": self.copy}
-        bound.position_dev.copy_(bound.position, non_blocking=True)
+        pinned_copy.copy(bound.position_dev, bound.position)
         # fork the copy stream from the step's stream (under capture this makes it part of the graph;
         # a copy whose only ordering is a CPU-lane event, such as the token ids', would escape it)
         self.copy.wait_stream(self.gpu)
@@ -533,7 +534,7 @@ class DecodeGraph:
             if step.kind == "launch" and node.place.device == Device.CPU:  # input, prologue or a task's part
                 values[node.name] = bound.tokens if node.op == Op.INPUT else bound.slots.get(node.name)
             elif node.op == Op.INPUT:  # token ids read on the GPU: copied from their pinned buffer in the graph
-                values[node.name] = torch.empty_like(bound.tokens, device="cuda").copy_(bound.tokens, non_blocking=True)
+                values[node.name] = pinned_copy.copy(torch.empty_like(bound.tokens, device="cuda"), bound.tokens)
             elif step.kind == "launch":
                 values[node.name] = be.run(node, [values[v] for v in node.inputs], ctx)
             elif step.kind == "copy":
@@ -560,9 +561,9 @@ class DecodeGraph:
         self.gpu.wait_stream(self.copy)  # join it back
         ids = out.argmax(-1)  # greedy: 8 bytes a row reach the host instead of the logits
         bound.history.index_copy_(0, bound.position_dev, ids.view(1, -1))
-        bound.next_ids.copy_(ids, non_blocking=True)
-        bound.tokens.copy_(ids, non_blocking=True)
-        bound.position.copy_(bound.position_dev + 1, non_blocking=True)
+        pinned_copy.copy(bound.next_ids, ids)
+        pinned_copy.copy(bound.tokens, ids)
+        pinned_copy.copy(bound.position, bound.position_dev + 1)
         self.current = ""
         return list(values.values()), out
 
@@ -571,7 +572,7 @@ class DecodeGraph:
             dst = bound.slots[node.name]
             with torch.cuda.stream(stream):
                 for d, s in zip(dst, src, strict=True) if isinstance(dst, tuple) else ((dst, src),):
-                    d.copy_(s.view(d.shape), non_blocking=True)
+                    pinned_copy.copy(d, s.reshape(d.shape))
             return dst
         if isinstance(src, tuple):  # a routing the CPU produced
             outs = tuple(torch.empty(s.shape, dtype=s.dtype, device="cuda") for s in src)
@@ -579,7 +580,7 @@ class DecodeGraph:
             outs = (torch.empty(src.shape, dtype=src.dtype, device="cuda"),)
         with torch.cuda.stream(stream):
             for d, s in zip(outs, src if isinstance(src, tuple) else (src,), strict=True):
-                d.copy_(s, non_blocking=True)
+                pinned_copy.copy(d, s)
         return outs if isinstance(src, tuple) else outs[0]
 
 

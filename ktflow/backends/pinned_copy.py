@@ -1,0 +1,77 @@
+"""Copies between GPU memory and pinned host memory as a kernel instead of a copy-engine memcpy.
+
+A captured decode step moves small values across PCIe every layer (the hidden state, the routing
+ids and weights to the CPU, the experts' result back; the token ids, the position and the next
+ids at the step's edges): about 50 copies of a few kilobytes a step. As nodes of a CUDA graph,
+a pinned memcpy costs about 11 us each on the GPU machine (H100: 300 small kernels replay in 302
+us, 741 us with 40 pinned device-to-host memcpy nodes among them), while a kernel that stores
+into the mapped pinned buffer costs about 1 us, and one that loads from it about 3 us (a PCIe
+read round trip); benchmarks/RESULTS.md has the measurement.
+
+Pinned memory from cudaHostAlloc is mapped into the GPU's address space at the same address
+(unified addressing), so a kernel reads and writes it directly. Coherence: loads from host
+memory use the `.cv` cache operator (fetched again every time, never served from a line an
+earlier step cached, since the CPU writes those buffers between reads), and stores use `.wt`
+(written through to host memory). What orders the CPU's reads after the store is the stream:
+the CPU reads the buffer only after a later stream operation says so (a doorbell write or a
+done-flag after the kernel completes, or the host's wait for the step).
+
+`copy(dst, src)` falls back to `dst.copy_(src, non_blocking=True)` where Triton is missing, the
+host side is not pinned, or either side is not contiguous.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import dequant_gpu
+
+_BLOCK = 1024
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_words(src, dst, n, from_host: tl.constexpr, to_host: tl.constexpr, block: tl.constexpr):
+        i = tl.program_id(0) * block + tl.arange(0, block)
+        inside = i < n
+        if from_host:
+            v = tl.load(src + i, mask=inside, cache_modifier=".cv")
+        else:
+            v = tl.load(src + i, mask=inside)
+        if to_host:
+            tl.store(dst + i, v, mask=inside, cache_modifier=".wt")
+        else:
+            tl.store(dst + i, v, mask=inside)
+
+    return triton, copy_words
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes as the widest integer words that divide them."""
+    nbytes = t.numel() * t.element_size()
+    for dtype in (torch.int32, torch.int16):
+        if nbytes % dtype.itemsize == 0:
+            return t.reshape(-1).view(torch.uint8).view(dtype)
+    return t.reshape(-1).view(torch.uint8)
+
+
+def copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """dst <- src (the same number of elements; one of them pinned host memory, the other on the
+    GPU), on the current stream; returns dst."""
+    gpu, host = (src, dst) if src.is_cuda else (dst, src)
+    if not (dst.is_contiguous() and src.is_contiguous() and dequant_gpu.available(gpu.device) and host.is_pinned()) \
+            or dst.numel() * dst.element_size() != src.numel() * src.element_size():
+        return dst.copy_(src.view(dst.shape), non_blocking=True)
+    if src.numel() == 0:
+        return dst
+    triton, kernel = _kernel()
+    s, d = _words(src), _words(dst)
+    n = s.numel()
+    kernel[(triton.cdiv(n, _BLOCK),)](s, d, n, from_host=not src.is_cuda, to_host=not dst.is_cuda, block=_BLOCK)
+    return dst

@@ -1,0 +1,50 @@
+"""Copies between the GPU and pinned host memory as a kernel (backends/pinned_copy): every
+direction and word size, and inside a captured graph, replayed with the host side changed
+between replays (a load must not be served from a line an earlier replay cached)."""
+
+import pytest
+import torch
+
+from ktflow.backends import dequant_gpu, pinned_copy
+
+gpu = pytest.mark.skipif(not (torch.cuda.is_available() and dequant_gpu.available(torch.device("cuda"))),
+                         reason="needs a CUDA GPU and Triton")
+
+
+@gpu
+@pytest.mark.parametrize("dtype,n", [(torch.bfloat16, 2048), (torch.int64, 3), (torch.float32, 5000),
+                                     (torch.uint8, 7), (torch.bfloat16, 3)])
+def test_both_directions_copy_every_byte(dtype, n):
+    g = torch.Generator().manual_seed(n)
+    src = (torch.randn(n, generator=g) * 100).to(dtype)
+    host = src.pin_memory()
+    dev = torch.empty(n, dtype=dtype, device="cuda")
+    pinned_copy.copy(dev, host)
+    back = torch.empty(n, dtype=dtype).pin_memory()
+    pinned_copy.copy(back, dev * 1)
+    torch.cuda.synchronize()
+    assert torch.equal(dev.cpu(), src) and torch.equal(back, src)
+
+
+@gpu
+def test_replays_read_the_host_values_of_their_time():
+    host_in = torch.zeros(1024, dtype=torch.float32).pin_memory()
+    host_out = torch.zeros(1024, dtype=torch.float32).pin_memory()
+    dev = torch.empty(1024, dtype=torch.float32, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # compile outside the capture
+        pinned_copy.copy(host_out, pinned_copy.copy(dev, host_in) + 1)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        pinned_copy.copy(host_out, pinned_copy.copy(dev, host_in) + 1)
+    for step in range(20):
+        host_in.fill_(step)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(host_out, torch.full((1024,), step + 1.0)), step
+
+
+def test_unpinned_or_cpu_only_copies_fall_back_to_copy_():
+    a, b = torch.arange(6), torch.zeros(6, dtype=torch.int64)
+    assert torch.equal(pinned_copy.copy(b, a), a)
