@@ -452,11 +452,8 @@ def test_prefill_runner_issues_what_the_executor_runs(mode, tiny_dirs, monkeypat
     real_zeros, real_batches = torch.zeros, prefill_runner.native_batches
     monkeypatch.setattr(torch, "zeros", lambda *a, pin_memory=False, **k: real_zeros(*a, **k))
 
-    from ktflow.backends.cuda_graph import CudaGraphBackend
-
     class HostLanes(NativeBackend):
         wait = "flag"
-        wait_for = CudaGraphBackend.wait_for  # the real one, on the stand-in driver
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
