@@ -12,8 +12,6 @@ repetitions, mean +- sd), for these variants of one model:
   graph        the cuda_graph backend: each decode step one CUDA graph, experts through host-node
                submits and a wait on each task's done flag (cuStreamWaitValue32)
   graph+hostwait  the same with the other wait: a host node blocking until the task has run
-  graph+spin   the same with the spin wait: kernels ring the doorbells and poll the done flags
-               (no stream memory operations; gpu_signals)
   graph+hostsubmit  the graph submitting each CPU task through a host node instead of the default
                doorbell (a word the stream writes and the armed native dispatcher polls); `+bell`
                forces the doorbell
@@ -636,7 +634,7 @@ def main() -> int:
         if shared is None:
             shared = shared_backend(c)
             default_wait, default_submit = shared.wait, shared.submit
-        shared.wait = "host" if v == "graph+hostwait" else "spin" if "+spin" in v else default_wait
+        shared.wait = "host" if v == "graph+hostwait" else default_wait
         shared.submit = "host" if "+hostsubmit" in v else "doorbell" if "+bell" in v else default_submit
         if "+onestream" in v:  # experiment: the copy lane issued on the compute stream (a straight-line graph)
             c._backend = shared

@@ -49,7 +49,7 @@ import ctypes
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -62,7 +62,7 @@ from ..passes.buffers import plan_buffers
 from ..plan import Plan, Step
 from ..weights import TORCH_DTYPE
 from .base import StepContext, node_key
-from . import dequant_gpu, gpu_signals, pinned_copy
+from . import pinned_copy
 from .cpu_native import NativeBackend
 from .staging import pin
 from .static_rules import StaticRules
@@ -149,14 +149,6 @@ class Driver:
         return int(word[0])
 
 
-class Word(NamedTuple):
-    """A pinned 32-bit word the GPU and the native queue share (a done flag, a doorbell): the
-    tensor a kernel takes, and the device address a stream memory operation takes."""
-
-    tensor: torch.Tensor
-    address: int
-
-
 @dataclass
 class Bound:
     """Everything one batch size's decode step is bound to: pinned inputs, the exchange arena
@@ -171,10 +163,10 @@ class Bound:
     #: task root -> its native batches, run in order (one per NUMA shard: shards after the first add
     #: into the same output); none for a prologue node, computed before the launch
     tasks: dict[str, list[native.Batch]]
-    done_at: dict[str, Word]  # task root -> its last batch's done flag
-    #: submit="doorbell": each batch's (done flag, doorbell), and the ring of the batches in the
-    #: order the step rings them
-    bells: dict[int, tuple[Word, Word]]
+    done_at: dict[str, int]  # task root -> device address of its last batch's done flag
+    #: submit="doorbell": each batch's (done flag, doorbell) device addresses, and the ring of the
+    #: batches in the order the step rings them
+    bells: dict[int, tuple[int, int]]
     ring: native.Ring | None
     next_ids: torch.Tensor  # pinned int64 [batch]: the step's argmax, taken on the GPU (greedy decoding)
     #: int64 [max_seq_len, batch] on the GPU: row p holds the argmax of the step at position p (a
@@ -189,16 +181,14 @@ class CudaGraphBackend(StaticRules, NativeBackend):
     name = "cuda_graph"
 
     #: how a captured step waits for a CPU task: "flag" (the stream waits on the task's done flag,
-    #: cuStreamWaitValue32), "spin" (a one-thread kernel polls the done flag, and doorbells are
-    #: rung by a kernel too: no stream memory operations, see gpu_signals) or "host" (a host node
-    #: calling ktf_wait_batch, which blocks the driver's host-function thread until the task has
-    #: run); "auto": flag where the driver supports it
-    WAITS = ("auto", "flag", "spin", "host")
+    #: cuStreamWaitValue32) or "host" (a host node calling ktf_wait_batch, which blocks the driver's
+    #: host-function thread until the task has run); "auto": flag where the driver supports it
+    WAITS = ("auto", "flag", "host")
     #: how a step submits a CPU task: "host" (a host node calling ktf_submit) or "doorbell" (the
     #: stream writes the batch's doorbell word, which the armed native dispatcher polls; needs the
-    #: flag or spin wait); "auto": doorbell where the driver supports it (a traced Qwen3-shaped
-    #: step on the GPU host: 41 us from the inputs in host memory to the task's start, against 147
-    #: us through a host node; benchmarks/RESULTS.md)
+    #: flag wait); "auto": doorbell where the driver supports it (a traced Qwen3-shaped step on the
+    #: GPU host: 41 us from the inputs in host memory to the task's start, against 147 us through
+    #: a host node; benchmarks/RESULTS.md)
     SUBMITS = ("auto", "host", "doorbell")
 
     def __init__(self, gpu_device: str = "cuda", dtype: torch.dtype = torch.bfloat16, options: Any = None,
@@ -229,15 +219,11 @@ class CudaGraphBackend(StaticRules, NativeBackend):
         elif wait == "flag" and not self.driver.can_wait_value():
             raise ConfigError("wait='flag' needs stream memory operations (cuStreamWaitValue32 on pinned host memory), "
                               "which this driver or GPU refuses; use wait='host'")
-        elif wait == "spin" and not dequant_gpu.available(torch.device("cuda")):
-            raise ConfigError("wait='spin' polls with a Triton kernel, and Triton is not importable here; "
-                              "use wait='flag' or 'host'")
-        rings = wait == "spin" or (wait == "flag" and self.driver.can_write_value())  # a doorbell can be rung
         if submit == "auto":
-            submit = "doorbell" if rings else "host"
-        elif submit == "doorbell" and not rings:
+            submit = "doorbell" if wait == "flag" and self.driver.can_write_value() else "host"
+        elif submit == "doorbell" and (wait != "flag" or not self.driver.can_write_value()):
             raise ConfigError("submit='doorbell' needs the flag wait and stream write-value operations "
-                              "(cuStreamWriteValue32 on pinned host memory), or the spin wait; use submit='host'")
+                              "(cuStreamWriteValue32 on pinned host memory); use submit='host'")
         self.submit = submit
         self.wait = wait
         # the lanes' streams, shared by every decode plan this backend runs: each stream that runs a
@@ -249,26 +235,6 @@ class CudaGraphBackend(StaticRules, NativeBackend):
         self.kv: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (layer, batch) -> static caches
         self.kv_owner: dict[int, Any] = {}  # batch -> weakref to the state using those caches
         self.static_setup()
-
-    def ring(self, stream: torch.cuda.Stream, flag: Word, bell: Word) -> None:
-        """In stream order: clear a batch's done flag, then ring its doorbell (the armed native
-        dispatcher runs the batch): two stream write-value operations, or with wait='spin' one kernel."""
-        if self.wait == "spin":
-            with torch.cuda.stream(stream):
-                gpu_signals.ring(flag.tensor, bell.tensor)
-        else:
-            self.driver.write_value(stream, flag.address, 0)
-            self.driver.write_value(stream, bell.address, 1)
-
-    def wait_for(self, stream: torch.cuda.Stream, flag: Word, batch: native.Batch) -> None:
-        """In stream order: wait until `batch` (whose done flag is `flag`) has run, the backend's way."""
-        if self.wait == "flag":
-            self.driver.wait_value(stream, flag.address, 1)
-        elif self.wait == "spin":
-            with torch.cuda.stream(stream):
-                gpu_signals.wait(flag.tensor)
-        else:
-            self.driver.launch_host(stream, self.driver.wait_fn, batch.handle)
 
     def cache(self, ctx: StepContext, attrs, dev: torch.device) -> tuple[torch.Tensor, ...]:
         """The static caches of this batch size (the graph captured their addresses), lent to
@@ -367,7 +333,7 @@ class DecodeGraph:
         tasks = {n.attrs.task: native_batches(self.be, g, n, slots, self.home) for n in g.nodes if n.op == Op.SUBMIT}
         done_at, flag_at = done_flags(self.driver, tasks)
         bells, ring = {}, None
-        if self.be.submit == "doorbell" and self.be.wait != "host":  # a host wait counts host submits
+        if self.be.submit == "doorbell" and self.be.wait == "flag":  # a host wait counts host submits
             bells, ring = self._doorbells(tasks, flag_at)
         pin = dict(pin_memory=True)
         return Bound(batch=b, tokens=torch.zeros(b, dtype=torch.int64, **pin),
@@ -377,7 +343,7 @@ class DecodeGraph:
                      next_ids=torch.zeros(b, dtype=torch.int64, **pin),
                      history=torch.zeros(max_seq, b, dtype=torch.int64, device="cuda"))
 
-    def _doorbells(self, tasks: dict[str, list[native.Batch]], flag_at: dict[int, Word]):
+    def _doorbells(self, tasks: dict[str, list[native.Batch]], flag_at: dict[int, int]):
         """A pinned doorbell per batch, and the ring of every batch in the order the plan's submit
         steps ring them (the one GPU lane issues them in plan order)."""
         order = [b for s in self.plan.steps if s.kind == "submit"
@@ -387,7 +353,7 @@ class DecodeGraph:
         bells = {}
         for i, batch in enumerate(order):
             batch.set_doorbell(words[i:i + 1])
-            bells[id(batch)] = (flag_at[id(batch)], Word(words[i:i + 1], base + i * words.itemsize))
+            bells[id(batch)] = (flag_at[id(batch)], base + i * words.itemsize)
         return bells, native.Ring(order)
 
     # ------------------------------------------------------------------------------ running
@@ -576,13 +542,18 @@ class DecodeGraph:
             elif step.kind == "submit":
                 for batch in bound.tasks[node.attrs.task]:
                     if bound.ring is not None:  # clear its done flag, then ring: the dispatcher runs it
-                        self.be.ring(stream, *bound.bells[id(batch)])
+                        flag, bell = bound.bells[id(batch)]
+                        self.driver.write_value(stream, flag, 0)
+                        self.driver.write_value(stream, bell, 1)
                     else:
                         self.driver.launch_host(stream, self.driver.submit_fn, batch.handle)
             elif step.kind == "sync":  # a task without batches is a prologue node, computed before the launch
                 root = node.inputs[1]
                 if bound.tasks[root]:
-                    self.be.wait_for(stream, bound.done_at[root], bound.tasks[root][-1])
+                    if self.be.wait == "flag":
+                        self.driver.wait_value(stream, bound.done_at[root], 1)
+                    else:
+                        self.driver.launch_host(stream, self.driver.wait_fn, bound.tasks[root][-1].handle)
                 values[node.name] = bound.slots[node.inputs[1]]
             if timer:
                 timer.end(i, stream)
@@ -677,17 +648,17 @@ def native_batches(be, g: Graph, sub: Node, slots: dict, home: dict[str, str],
     return batches
 
 
-def done_flags(driver: Driver, tasks: dict[str, list[native.Batch]]) -> tuple[dict[str, Word], dict[int, Word]]:
-    """A pinned done flag per native batch (the batch keeps it alive); returns each task's last
-    batch's flag (a sync waits on it: shards run in order) and every batch's flag, by id(batch)."""
+def done_flags(driver: Driver, tasks: dict[str, list[native.Batch]]) -> tuple[dict[str, int], dict[int, int]]:
+    """A pinned done flag per native batch (the batch keeps it alive); returns the device address
+    of each task's last batch's flag (a sync waits on it: shards run in order) and of every
+    batch's flag, by id(batch)."""
     flags = torch.zeros(max(sum(map(len, tasks.values())), 1), dtype=torch.int32, pin_memory=True)
     base = driver.device_address(flags)
     done_at, flag_at = {}, {}
     for root, batches in tasks.items():
         for batch in batches:
-            i = len(flag_at)
-            batch.set_done_flag(flags[i:i + 1])
-            flag_at[id(batch)] = Word(flags[i:i + 1], base + i * flags.itemsize)
+            batch.set_done_flag(flags[len(flag_at):len(flag_at) + 1])
+            flag_at[id(batch)] = base + len(flag_at) * flags.itemsize
         if batches:
             done_at[root] = flag_at[id(batches[-1])]
     return done_at, flag_at

@@ -53,7 +53,7 @@ class PrefillBound:
     slots: dict[str, Any]  # value -> pinned view with step_tokens rows
     tokens: torch.Tensor  # pinned int32 [1]: rows of the step being run
     tasks: dict[str, list[native.Batch]]  # task root -> its native batches
-    done_at: dict  # task root -> its last batch's done flag (cuda_graph.Word)
+    done_at: dict[str, int]  # task root -> device address of its last batch's done flag
     staged: dict[str, tuple[int, int, tuple[int, ...]]]  # fetch -> (offset, bytes, shape) in the staging arena
     staging_bytes: int
     landing_bytes: int  # packed experts land here before conversion
@@ -227,7 +227,10 @@ class PrefillRunner:
             elif step.kind == "sync":
                 root = node.inputs[1]
                 if bound.tasks[root]:
-                    be.wait_for(stream, bound.done_at[root], bound.tasks[root][-1])
+                    if be.wait == "flag":
+                        be.driver.wait_value(stream, bound.done_at[root], 1)
+                    else:
+                        be.driver.launch_host(stream, be.driver.wait_fn, bound.tasks[root][-1].handle)
                 values[node.name] = _rows(bound.slots[root], rows)
 
     def _copy(self, node: Node, src: Any, bound: PrefillBound, rows: int) -> Any:
