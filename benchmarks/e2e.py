@@ -18,9 +18,6 @@ repetitions, mean +- sd), for these variants of one model:
   graph+d<k>   the graph with Expert Deferral, k deferred picks per token (and d=auto)
   graph+onestream  an experiment kept for its RESULTS row: the copy lane issued on the compute
                stream (one stream, a straight-line graph)
-  graph+stepwise  decode through one `execute(..., logits='argmax')` call a step instead of
-               `decode_greedy`'s pipelined loop (each launch waits for the step before; with
-               the host's own split of each step)
 
 prefill tokens/s for each `--prompts` length (cpu and eager: the prefill of the executor path) and
 decode tokens/s for `--decode` tokens after a 32-token prompt. For each
@@ -195,11 +192,10 @@ def prefill_rate(compiled, vocab: int, tokens: int, reps: int) -> list[float]:
     return out
 
 
-def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False, stepwise: bool = False):
-    """32-token prompt, then `new` greedy decode steps through `ktflow.decode_greedy` (as
-    `generate` runs greedy decoding: the cuda_graph backend pipelines the steps, only the next ids
-    reach the host), or with `stepwise` one `execute(..., logits='argmax')` call a step; returns
-    (tokens/s, CPU busy fraction, the replayed step's split)."""
+def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False):
+    """32-token prompt, then `new` greedy decode steps (logits='argmax': only the next ids reach
+    the host, as `generate` runs greedy decoding); returns (tokens/s, CPU busy fraction, the
+    replayed step's split)."""
     import ktflow
     from ktflow import native
 
@@ -217,17 +213,11 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False,
         bound.graph, runner._wait = _Stamped(bound.graph, host, now), _stamped_wait(runner._wait, host, now)
     t0 = time.perf_counter_ns()
     n0 = now()
-    calls = []  # per step: execute called (pipelined: the previous step's ids yielded), its ids returned
-    if stepwise:
-        for _ in range(new):  # greedy, the argmax taken where the step runs (on the GPU in a captured graph)
-            c0 = now()
-            nxt, state = ktflow.execute(compiled, nxt, state, logits="argmax")
-            calls.append((c0, now()))
-    else:
+    calls = []  # per step: execute called, execute returned
+    for _ in range(new):  # greedy, the argmax taken where the step runs (on the GPU in a captured graph)
         c0 = now()
-        for _ in ktflow.decode_greedy(compiled, nxt, state, new):
-            calls.append((c0, now()))
-            c0 = calls[-1][1]
+        nxt, state = ktflow.execute(compiled, nxt, state, logits="argmax")
+        calls.append((c0, now()))
     _sync()
     wall = time.perf_counter_ns() - t0
     if host:
@@ -244,11 +234,10 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False,
                 end = f
         busy = merged / wall
         split = replay_split(recs, new, calls)
-        med = lambda xs: round(statistics.median(xs), 1)  # noqa: E731
         if split and len(host) == new:
-            split.update(host_launch_us=med([(h[1] - h[0]) / 1e3 for h in host]))
-        if split and len(host) == new and stepwise:  # pipelined: the launch overlaps the step before
+            med = lambda xs: round(statistics.median(xs), 1)  # noqa: E731
             split.update(host_before_launch_us=med([(h[0] - c[0]) / 1e3 for h, c in zip(host, calls)]),
+                         host_launch_us=med([(h[1] - h[0]) / 1e3 for h in host]),
                          host_after_wait_us=med([(c[1] - h[2]) / 1e3 for h, c in zip(host, calls)]))
     return new / (wall * 1e-9), busy, split
 
@@ -665,8 +654,7 @@ def main() -> int:
         if a.host_profile and v.startswith("graph"):
             host_profile(c, vocab)
         torch.cuda.reset_peak_memory_stats()
-        runs = [decode_run(c, vocab, a.decode, seed=r, records=v.startswith("graph"), stepwise="+stepwise" in v)
-                for r in range(a.reps)]
+        runs = [decode_run(c, vocab, a.decode, seed=r, records=v.startswith("graph")) for r in range(a.reps)]
         m, sd = mean_sd([r[0] for r in runs])
         busy = [r[1] for r in runs if r[1] is not None]
         split = runs[-1][2] or {}

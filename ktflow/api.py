@@ -1,4 +1,4 @@
-"""The public API: load, compile, execute, decode_greedy, generate."""
+"""The public API: load, compile, execute, generate."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from .passes import PIPELINE, edit_pipeline, pass_id, run_pipeline
 from .passes.buffers import plan_buffers
 from .passes.schedule import schedule
 from .plan import MemoryEstimate, ModelInfo, Plan, PlanFile
-from .runtime.execute import decode_greedy, execute  # noqa: F401 (the public API's)
+from .runtime.execute import execute  # noqa: F401 (the public API's execute)
 from .runtime.executor import Executor
 from .runtime.generate import generate_with_stats
 from .runtime.state import State

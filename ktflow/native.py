@@ -469,16 +469,6 @@ def sync() -> None:
             _INFLIGHT.clear()
 
 
-def check() -> None:
-    """Raise the first error a job hit since the last `sync` or `check`, without waiting for the
-    work still queued (a pipelined decode checks each finished step while the next one runs)."""
-    if _QUEUE is not None:
-        try:
-            _QUEUE.check()
-        except (ValueError, IndexError, RuntimeError) as e:
-            raise KtflowError(f"native CPU task failed: {e}") from None
-
-
 def c_entry_points() -> dict[str, int]:
     """Addresses of `void ktf_submit(void* batch)`, `void ktf_sync(void* queue)` and
     `void ktf_wait_batch(void* batch)`, and the queue's context pointer: what cudaLaunchHostFunc

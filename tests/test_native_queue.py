@@ -61,25 +61,6 @@ def test_worker_error_surfaces_at_sync_and_the_queue_goes_on(op):
     assert rel(out, reference_moe(x, ids, wts, *op.ref, set(range(8)), (0, 2))) < 1e-2
 
 
-def test_check_raises_a_finished_batch_error_without_waiting(op):
-    """check() rethrows an error once the failing batch has run, and then it is gone (neither a
-    second check nor the next sync raises it again)."""
-    x = torch.randn(2, 64).bfloat16()
-    ids, wts = routing(2, 8, 2, seed=1)
-    bad = ids.clone()
-    bad[0, 0] = 99
-    out = torch.zeros(2, 64)
-    b_bad = native.Batch()
-    b_bad.add(op, x, bad, wts, out)
-    native.check()  # nothing failed yet
-    b_bad.submit()
-    b_bad.wait()  # it has run (its error is kept for check or sync)
-    with pytest.raises(KtflowError, match="expert id 99 at token 0"):
-        native.check()
-    native.check()
-    native.sync()
-
-
 def test_c_entry_points_drive_the_queue(op):
     """ktf_submit(batch) and ktf_sync(queue) as plain C functions (what cudaLaunchHostFunc calls),
     with the token count read from a buffer at run time."""

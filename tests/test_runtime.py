@@ -107,29 +107,6 @@ def test_argmax_mode_returns_the_greedy_next_ids(compiled):
     assert torch.equal(again, logits[:, -1:].argmax(-1))
 
 
-def test_decode_greedy_gives_the_stepwise_argmax_ids_and_checks_its_input(compiled):
-    """decode_greedy yields the ids execute(logits='argmax') gives step by step, the state one
-    position on per id; bad calls are refused when made, naming what is wrong."""
-    prompt = ids([5, 6, 7], [8, 9, 10])
-    nxt, state = ktflow.execute(compiled, prompt, logits="argmax")
-    first, want = nxt, []
-    for _ in range(4):
-        nxt, state = ktflow.execute(compiled, nxt, state, logits="argmax")
-        want.append(nxt)
-    _, s2 = ktflow.execute(compiled, prompt, logits="argmax")
-    got = list(ktflow.decode_greedy(compiled, first, s2, 4))
-    assert len(got) == 4 and all(torch.equal(a, b) for a, b in zip(got, want))
-    assert s2.position == state.position == 7
-    with pytest.raises(InputError, match="run its prompt first"):
-        ktflow.decode_greedy(compiled, first, None, 2)
-    with pytest.raises(InputError, match="one token per sequence"):
-        ktflow.decode_greedy(compiled, prompt, s2, 2)
-    with pytest.raises(InputError, match="passes max_seq_len"):
-        ktflow.decode_greedy(compiled, first, s2, compiled.max_seq_len)
-    with pytest.raises(InputError, match="steps must be >= 0"):
-        ktflow.decode_greedy(compiled, first, s2, -1)
-
-
 def test_sampling_is_reproducible_with_a_seed(compiled):
     p = ids([7, 8, 9])
     a = ktflow.generate(compiled, p, 6, temperature=1.5, seed=11)

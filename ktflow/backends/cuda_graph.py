@@ -61,8 +61,8 @@ from ..ir.types import Device, DType
 from ..passes.buffers import plan_buffers
 from ..plan import Plan, Step
 from ..weights import TORCH_DTYPE
-from .base import StepContext, node_key
 from . import pinned_copy
+from .base import StepContext, node_key
 from .cpu_native import NativeBackend
 from .staging import pin
 from .static_rules import StaticRules
@@ -169,9 +169,6 @@ class Bound:
     bells: dict[int, tuple[int, int]]
     ring: native.Ring | None
     next_ids: torch.Tensor  # pinned int64 [batch]: the step's argmax, taken on the GPU (greedy decoding)
-    #: int64 [max_seq_len, batch] on the GPU: row p holds the argmax of the step at position p (a
-    #: pipelined greedy decode reads a finished step's ids here while the next step runs)
-    history: torch.Tensor
     logits: torch.Tensor | None = None  # float32 [batch, vocab] on the GPU: the captured graph's output
     graph: torch.cuda.CUDAGraph | None = None
     keep: list = field(default_factory=list)  # values the graph reads or writes
@@ -323,7 +320,7 @@ class DecodeGraph:
                 bound.slots[n.name].copy_(values[n.name])
 
     # ------------------------------------------------------------------------------ binding
-    def _bind(self, b: int, max_seq: int) -> Bound:
+    def _bind(self, b: int) -> Bound:
         plan, g = self.plan, self.g
         # the plan's buffer plan (its arenas are for step_tokens = max_batch tokens); a larger batch
         # gets the same liveness plan for its own size
@@ -340,8 +337,7 @@ class DecodeGraph:
                      position=torch.zeros(1, dtype=torch.int64, **pin),
                      position_dev=torch.zeros(1, dtype=torch.int64, device="cuda"), arena=arena, slots=slots,
                      tasks=tasks, done_at=done_at, bells=bells, ring=ring,
-                     next_ids=torch.zeros(b, dtype=torch.int64, **pin),
-                     history=torch.zeros(max_seq, b, dtype=torch.int64, device="cuda"))
+                     next_ids=torch.zeros(b, dtype=torch.int64, **pin))
 
     def _doorbells(self, tasks: dict[str, list[native.Batch]], flag_at: dict[int, int]):
         """A pinned doorbell per batch, and the ring of every batch in the order the plan's submit
@@ -363,7 +359,10 @@ class DecodeGraph:
         greedy next ids [batch, 1] (int64, CPU), taken on the GPU. With trace, also the
         plan's steps with measured times."""
         b = input_ids.shape[0]
-        bound = self._bound(b, state)
+        self._check_cache(state, b)
+        bound = self.bound.get(b)
+        if bound is None:
+            bound = self.bound[b] = self._bind(b)
         bound.tokens.copy_(input_ids.reshape(-1))
         bound.position[0] = state.position
         self._run_prologue(bound, state)
@@ -375,77 +374,15 @@ class DecodeGraph:
             if self.capture and bound.graph is None and not trace:
                 self._capture(bound, state)
         else:
-            self._launch(bound)
+            if bound.ring is not None:
+                bound.ring.arm()  # the dispatcher polls the step's doorbells
+            with torch.cuda.stream(self.gpu):  # replay launches on the current stream
+                bound.graph.replay()
             self._wait()
             native.sync()
             result = self._result(bound, bound.logits, logits)
         state.position += 1
         return (result, measured) if trace else result
-
-    def greedy(self, input_ids: torch.Tensor, state, steps: int):
-        """Up to `steps` greedy decode steps from input_ids [batch, 1]: yields each step's next ids
-        [batch, 1] (int64, CPU) as it finishes, state.position advanced by one per id yielded. The
-        same steps as `run(..., logits='argmax')` one after another, pipelined: the captured graph
-        feeds itself (it writes its argmax and the next position into the pinned inputs the next
-        replay reads), so step k+1 is armed and launched while step k runs, and the host's work
-        between steps (reading the ids, the launch) overlaps the GPU and CPU work instead of
-        sitting between steps. Closing the generator early waits for the step in flight, whose
-        cache row lies past the state's position (the next step overwrites it). A plan with host
-        prologue nodes, or capture off, runs step by step."""
-        b = input_ids.shape[0]
-        steps = min(steps, state.max_seq_len - state.position)
-        ids = input_ids
-        stepwise = bool(self.prologue) or not self.capture
-        if steps > 0 and (stepwise or self._bound(b, state).graph is None):
-            for _ in range(steps if stepwise else 1):  # the first step of a batch size captures
-                ids = self.run(ids, state, logits="argmax")
-                steps -= 1
-                yield ids
-        if steps <= 0:
-            return
-        bound = self._bound(b, state)
-        bound.tokens.copy_(ids.reshape(-1))
-        bound.position[0] = state.position
-        ends = [torch.cuda.Event(blocking=True) for _ in range(2)]
-        in_flight: list[tuple[torch.cuda.Event, int]] = []
-        first = state.position  # (advanced as steps finish)
-        try:
-            for k in range(steps):
-                self._launch(bound)  # step k+1 queues behind step k, its inputs written by step k
-                in_flight.append((ends[k % 2], first + k))
-                in_flight[-1][0].record(self.gpu)
-                if len(in_flight) == 2 or k == steps - 1:
-                    yield from self._finish(bound, state, in_flight, everything=k == steps - 1)
-        finally:
-            for end, _ in in_flight:
-                end.synchronize()
-            native.sync()
-
-    def _finish(self, bound: Bound, state, in_flight: list, everything: bool):
-        """Wait for the oldest step in flight (every one with `everything`) and yield its ids."""
-        while in_flight:
-            end, position = in_flight[0]
-            end.synchronize()
-            native.check()  # a failed CPU task fails this step, not a later one
-            ids = bound.history[position].to("cpu")  # the default stream: no wait for the step behind
-            in_flight.pop(0)
-            state.position += 1
-            yield ids.view(bound.batch, 1)
-            if not everything:
-                return
-
-    def _bound(self, b: int, state) -> Bound:
-        self._check_cache(state, b)
-        bound = self.bound.get(b)
-        if bound is None:
-            bound = self.bound[b] = self._bind(b, state.max_seq_len)
-        return bound
-
-    def _launch(self, bound: Bound) -> None:
-        if bound.ring is not None:
-            bound.ring.arm()  # the dispatcher polls the step's doorbells
-        with torch.cuda.stream(self.gpu):  # replay launches on the current stream
-            bound.graph.replay()
 
     @staticmethod
     def _result(bound: Bound, out: torch.Tensor, logits: str) -> torch.Tensor:
@@ -503,10 +440,9 @@ class DecodeGraph:
 
     def _issue(self, bound: Bound, state, timer) -> tuple[list, torch.Tensor]:
         """Issue the plan's steps in order on the streams; returns every value (kept alive with
-        the graph that reads them) and the logits [batch, vocab] on the GPU. The step ends by
-        feeding the next one: its argmax goes to `next_ids`, to its row of `history` and into the
-        pinned token ids, and position + 1 into the pinned position, which the next replay reads
-        (a host that writes them itself before a launch overrides both)."""
+        the graph that reads them) and the logits [batch, vocab] on the GPU, which stay there
+        unless the caller asks for them; their argmax goes to the pinned `next_ids` (greedy
+        decoding: 8 bytes a row cross instead of the logits)."""
         ctx = self._ctx(bound, state)
         be, g = self.be, self.g
         values: dict[str, Any] = {}
@@ -559,11 +495,7 @@ class DecodeGraph:
                 timer.end(i, stream)
         out = values[g.outputs[0]].view(bound.batch, -1)
         self.gpu.wait_stream(self.copy)  # join it back
-        ids = out.argmax(-1)  # greedy: 8 bytes a row reach the host instead of the logits
-        bound.history.index_copy_(0, bound.position_dev, ids.view(1, -1))
-        pinned_copy.copy(bound.next_ids, ids)
-        pinned_copy.copy(bound.tokens, ids)
-        pinned_copy.copy(bound.position, bound.position_dev + 1)
+        pinned_copy.copy(bound.next_ids, out.argmax(-1))
         self.current = ""
         return list(values.values()), out
 

@@ -4,7 +4,6 @@ module imports neither, so runtime and api do not import each other)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -75,32 +74,3 @@ def execute(compiled, input_ids: torch.Tensor, state: State | None = None, *,
     if logits == "argmax":
         return pieces[-1], state
     return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)), state
-
-
-def decode_greedy(compiled, input_ids: torch.Tensor, state: State, steps: int) -> Iterator[torch.Tensor]:
-    """`steps` greedy decode steps after `state`, starting from input_ids [batch, 1]: yields each
-    step's next ids [batch, 1] (int64, on the device of input_ids) as it finishes, the state
-    advanced by one position per step. The tokens are the ones `execute(..., logits='argmax')`
-    gives step by step, feeding each step's ids to the next; a backend that can pipelines them
-    (the cuda_graph backend launches step k+1 while step k runs, the graph feeding itself).
-    Stopping early (break, or closing the generator) is fine: at most the one step already in
-    flight is computed and dropped."""
-    if state is None or state.position == 0:
-        raise InputError("decode_greedy continues a sequence: run its prompt first (execute(compiled, prompt_ids))")
-    ids = check_ids(compiled, input_ids, state)
-    if ids.shape[1] != 1:
-        raise InputError(f"decode_greedy takes one token per sequence, input_ids [batch, 1]; got {list(ids.shape)}")
-    if steps < 0 or state.position + steps > state.max_seq_len:
-        raise InputError(f"cannot decode {steps} steps at position {state.position}: "
-                         + ("steps must be >= 0" if steps < 0 else
-                            f"that passes max_seq_len {state.max_seq_len}; compile with a larger max_seq_len"))
-    return _on(input_ids.device, compiled.executor(compiled.decode).greedy(ids, state, steps))
-
-
-@torch.inference_mode()
-def _on(device: torch.device, steps: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
-    try:
-        for out in steps:
-            yield out.to(device)
-    finally:
-        steps.close()  # an early stop waits for the step in flight

@@ -66,18 +66,6 @@ class Executor:
             return
         values[step.writes[0]] = self.backend.run(node, inputs, ctx)
 
-    def greedy(self, input_ids: torch.Tensor, state: State, steps: int):
-        """`steps` greedy steps from input_ids [batch, 1], each step's next ids [batch, 1] yielded as
-        it finishes: the runner's pipelined loop where it has one (and no trace is asked for), else
-        `run(..., logits='argmax')` step after step."""
-        if self.runner is not None and hasattr(self.runner, "greedy") and self.trace == 0:
-            yield from self.runner.greedy(input_ids, state, steps)
-            return
-        ids = input_ids
-        for _ in range(steps):
-            ids = self.run(ids, state, logits="argmax")
-            yield ids
-
     def run(self, input_ids: torch.Tensor, state: State, position_t: torch.Tensor | None = None,
             logits: str = "all") -> torch.Tensor | None:
         """Run one step over input_ids [batch, seq] from state.position; returns logits [batch, seq,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-from .execute import decode_greedy, execute
+from .execute import execute
 
 
 @dataclass
@@ -68,26 +68,17 @@ def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, 
     steps = 0
     from ..progress import bar
 
-    # greedy: the decode steps pipelined (decode_greedy; the next step runs while this one's ids are read)
-    pipelined = decode_greedy(compiled, step_out[:, -1:].cpu(), state, max(max_new_tokens - 1, 0)) if greedy else None
-    try:
-        for i in bar(range(max_new_tokens), "decode", "token", show=max_new_tokens > 1):
-            nxt = step_out[:, -1].cpu() if greedy else sample(step_out[:, -1], temperature, top_p, gen).cpu()
-            if eos:
-                fill = next(iter(eos))
-                nxt = torch.where(done, torch.full_like(nxt, fill), nxt)
-                done |= torch.isin(nxt, torch.tensor(sorted(eos)))
-            out.append(nxt[:, None])
-            if i == max_new_tokens - 1 or bool(done.all()):
-                break
-            if pipelined is not None:  # the step fed itself this row's argmax: a finished row's fill is dropped later
-                step_out = next(pipelined)
-            else:
-                step_out, state = execute(compiled, nxt[:, None], state, logits=mode)
-            steps += 1
-    finally:
-        if pipelined is not None:
-            pipelined.close()  # waits for the step in flight
+    for i in bar(range(max_new_tokens), "decode", "token", show=max_new_tokens > 1):
+        nxt = step_out[:, -1].cpu() if greedy else sample(step_out[:, -1], temperature, top_p, gen).cpu()
+        if eos:
+            fill = next(iter(eos))
+            nxt = torch.where(done, torch.full_like(nxt, fill), nxt)
+            done |= torch.isin(nxt, torch.tensor(sorted(eos)))
+        out.append(nxt[:, None])
+        if i == max_new_tokens - 1 or bool(done.all()):
+            break
+        step_out, state = execute(compiled, nxt[:, None], state, logits=mode)
+        steps += 1
     t2 = time.perf_counter()
     stats = GenerationStats(prompt_tokens=ids.numel(), new_tokens=steps * ids.shape[0],
                             prefill_seconds=t1 - t0, decode_seconds=t2 - t1)

@@ -362,7 +362,6 @@ PYBIND11_MODULE(_native, m) {
         py::gil_scoped_release nogil;
         q.sync();
       })
-      .def("check", &Queue::check, "rethrow the first error a batch raised since the last sync or check; never waits")
       .def_property_readonly("handle", [](Queue& q) { return reinterpret_cast<uintptr_t>(&q); })
       .def("add_ring", [](Queue& q, std::vector<std::shared_ptr<Batch>> ring) {
         std::vector<Batch*> raw;

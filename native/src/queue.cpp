@@ -84,15 +84,6 @@ void Queue::sync() {
   if (e) std::rethrow_exception(e);
 }
 
-void Queue::check() {
-  std::exception_ptr e;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    std::swap(e, error_);
-  }
-  if (e) std::rethrow_exception(e);
-}
-
 void Queue::set_recording(bool on) {
   std::lock_guard<std::mutex> lock(mutex_);
   recording_ = on;

@@ -66,7 +66,6 @@ class Queue {
 
   void submit(Batch* b);  // never blocks on work
   void sync();            // waits, then rethrows the first error since the last sync
-  void check();           // rethrows the first error since the last sync or check, without waiting
   void wait();            // waits; errors stay for the next sync (for C callers)
   void wait_batch(const Batch* b);  // waits until every submission of b has run (not later batches)
   int add_ring(std::vector<Batch*> ring);  // batches with doorbells, in ringing order; returns its id
