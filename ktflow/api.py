@@ -20,7 +20,7 @@ from .model import Model, load
 from .options import CompileContext, CompileOptions
 from .memory import (activation_peak, gpu_activation_peak, gpu_workspace_bytes, kv_cache_bytes, prefill_room,
                      resident_gpu_bytes, staging_bytes)
-from .passes import PIPELINE, edit_pipeline, pass_id, run_pipeline
+from .passes import PIPELINE, PassTimer, default_instruments, edit_pipeline, pass_id, run_pipeline
 from .passes.buffers import plan_buffers
 from .passes.schedule import schedule
 from .plan import MemoryEstimate, ModelInfo, Plan, PlanFile
@@ -214,8 +214,10 @@ def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
                           host_bytes=weights[Device.CPU] + (kv_all - kv_gpu) + act)
 
 
-def _compile_plan(spec: Graph, ctx: CompileContext, print_after: str | None, pipeline=PIPELINE) -> Plan:
-    g, timings = run_pipeline(spec, ctx, print_after=print_after, pipeline=pipeline)
+def _compile_plan(spec: Graph, ctx: CompileContext, instruments=(), pipeline=PIPELINE) -> Plan:
+    timer = PassTimer()
+    g = run_pipeline(spec, ctx, pipeline=pipeline, instruments=[timer, *instruments])
+    timings = timer.seconds
     steps = schedule(g, ctx)
     buffers, arenas = plan_buffers(g, steps, ctx.tokens)
     gpu_work = any(n.place.device == Device.GPU for n in g.nodes)
@@ -243,7 +245,7 @@ def _largest_step(spec: Graph, ctx_for, candidates: list[int], pipeline=PIPELINE
     if not ctx.hw.has_gpu or ctx.options.placement == "cpu":
         return candidates[-1]
     placed_at = next((i for i, (_, stage) in enumerate(pipeline) if stage == "placed"), 1)
-    placed, _ = run_pipeline(spec, ctx, pipeline=pipeline[:placed_at + 1])  # through the first placing pass
+    placed = run_pipeline(spec, ctx, pipeline=pipeline[:placed_at + 1])  # through the first placing pass
     kw = dict(weight_itemsize=ctx.weight_itemsize, kv_tokens=ctx.max_seq_len * ctx.options.max_batch,
               reserve_bytes=ctx.options.vram_reserve_gb * 1e9)
     layer = max((n.weight_elems() * ctx.weight_itemsize for n in placed.nodes
@@ -273,7 +275,7 @@ def _signature(plan: Plan) -> tuple:
                  if n.op == Op.ROUTED_EXPERTS)
 
 
-def _prefill_plans(spec: Graph, ctx_for, opts: CompileOptions, max_seq: int, print_after: str | None,
+def _prefill_plans(spec: Graph, ctx_for, opts: CompileOptions, max_seq: int, instruments=(),
                    pipeline=PIPELINE) -> list[Plan]:
     """One prefill plan per bucket. Buckets: the prefill_buckets option, else the grid of
     `_bucket_grid` with neighbours whose decisions agree merged (the larger bound kept). Bounds
@@ -291,7 +293,7 @@ def _prefill_plans(spec: Graph, ctx_for, opts: CompileOptions, max_seq: int, pri
     from .progress import bar
 
     for t in bar(cands, "compile: prefill buckets", "plan", show=len(cands) > 1):
-        plan = _compile_plan(spec, ctx_for(t), print_after if t == cands[-1] else None, pipeline)
+        plan = _compile_plan(spec, ctx_for(t), instruments if t == cands[-1] else (), pipeline)
         if auto and plans and _signature(plans[-1]) == _signature(plan):
             plans[-1] = plan  # same decisions: the larger bucket covers both
         else:
@@ -300,12 +302,14 @@ def _prefill_plans(spec: Graph, ctx_for, opts: CompileOptions, max_seq: int, pri
 
 
 def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, print_after: str | None = None,
-            passes: list | None = None, **options: Any) -> Compiled:
+            passes: list | None = None, instruments: list | None = None, **options: Any) -> Compiled:
     """Compile `model` into prefill plans (one per prompt-length bucket) and a decode plan for
     hardware `hw` (a profile, a preset name, a profile JSON path, or None for this machine).
     Options: see `CompileOptions`. `passes` edits the pass pipeline (`passes.edit_pipeline`: a
     list of (where, pass) pairs such as ("after:place_by_intensity", my_pass)); the plan file
-    records the pipeline that made it (`PlanFile.pipeline`)."""
+    records the pipeline that made it (`PlanFile.pipeline`). `instruments` (passes.Instrument)
+    watch every pass of the decode plan and the largest prefill bucket's, as `print_after`
+    (the graph printed after that pass) and KTFLOW_DUMP do."""
     try:
         opts = CompileOptions(**options)
     except ValidationError as e:
@@ -335,8 +339,9 @@ def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, pr
                               routing=routing, fp8_block=model.quant.block if model.quant is not None else None)
 
     pipeline = edit_pipeline(passes)
-    decode = _compile_plan(spec, context("decode", opts.max_batch), print_after, pipeline)
-    prefill = _prefill_plans(spec, lambda t: context("prefill", t), opts, max_seq, print_after, pipeline)
+    watching = [*default_instruments(print_after), *(instruments or ())]
+    decode = _compile_plan(spec, context("decode", opts.max_batch), watching, pipeline)
+    prefill = _prefill_plans(spec, lambda t: context("prefill", t), opts, max_seq, watching, pipeline)
     info = ModelInfo(model_type=cfg.model_type, fingerprint=model.fingerprint, path=str(model.path.resolve()),
                      layers=cfg.num_hidden_layers)
     pf = PlanFile(model=info, hw=hwp, options=opts, prefill=prefill, decode=decode,

@@ -11,7 +11,7 @@ import ktflow
 from ktflow.errors import ConfigError, PassError
 from ktflow.ir.ops import Op
 from ktflow.ir.types import Device, Placement
-from ktflow.passes import edit_pipeline, pass_names
+from ktflow.passes import Instrument, compiler_pass, edit_pipeline, pass_names
 
 
 def every_expert_on_the_cpu(g, ctx):
@@ -89,6 +89,51 @@ def test_print_after_names_a_custom_pass(demo_dir, capsys):
     model = ktflow.load(demo_dir)
     ktflow.compile(model, hw="paper-a100", print_after="tag_causes", passes=[("after:split_numa", tag_causes)])
     assert "graph after tag_causes" in capsys.readouterr().out
+
+
+@compiler_pass(requires="placed", produces="placed")
+def gpu_attention_only(g, ctx):
+    """A declared pass: needs placements (it reads them), leaves a placed graph."""
+    return g.map(lambda n: n if n.op != Op.MLP else replace(n, place=Placement(Device.CPU, cause="gpu_attention_only")))
+
+
+def test_a_declared_pass_is_checked_against_its_place_before_anything_runs():
+    p = edit_pipeline([("after:place_by_intensity", gpu_attention_only)])
+    assert dict((fn.__name__, stage) for fn, stage in p)["gpu_attention_only"] == "placed"
+    with pytest.raises(ConfigError, match="pass gpu_attention_only requires a 'placed' graph, but at its place in "
+                                          "the pipeline the graph is only 'costed' \\(after annotate_costs\\)"):
+        edit_pipeline([("before:place_by_intensity", gpu_attention_only)])
+    with pytest.raises(ConfigError, match="pass place_by_intensity requires a 'costed' graph.*only 'spec'"):
+        edit_pipeline([("drop:annotate_costs", None)])
+    with pytest.raises(ValueError, match="stages are spec, costed, placed, lowered"):
+        compiler_pass(requires="scheduled", produces="placed")
+
+
+def test_instruments_watch_every_pass_from_outside_the_pipeline(demo_dir):
+    """An instrument handed to compile sees each pass's name and verified output graph (here:
+    how many nodes each pass leaves on the GPU), the decode plan's and the largest prefill
+    bucket's; timing is an instrument too (what the plan's pass_seconds hold)."""
+    class GpuNodes(Instrument):
+        def __init__(self):
+            self.seen = []
+
+        def start(self, names, ctx):
+            self.names = names
+
+        def after(self, name, g, ctx, seconds):
+            assert seconds >= 0
+            self.seen.append((ctx.label, name, sum(n.place is not None and n.place.device == Device.GPU
+                                                   for n in g.nodes)))
+
+    watch = GpuNodes()
+    model = ktflow.load(demo_dir)
+    c = ktflow.compile(model, hw="paper-a100", vram_budget_gb=0.004, instruments=[watch])
+    decode = [(name, gpu) for label, name, gpu in watch.seen if label == "decode"]
+    assert [name for name, _ in decode] == pass_names() == watch.names
+    assert decode[0][1] == 0 and decode[1][1] > 0  # costed: nothing placed yet; placed: dense work on the GPU
+    labels = {label for label, _, _ in watch.seen}
+    assert "decode" in labels and len(labels) == 2  # and one prefill plan: the largest bucket's
+    assert set(c.decode.pass_seconds) == set(pass_names())
 
 
 def test_cli_loads_passes_from_a_file_and_a_module(demo_dir, tmp_path, monkeypatch, capsys):

@@ -18,7 +18,7 @@ HW = PRESETS["paper-a100"].model_copy(update={"overheads": Overheads(gpu_launch_
 def lowered(budget=66e-6, hw=HW):
     ctx = CompileContext(hw=hw, options=CompileOptions(vram_budget_gb=budget), phase="decode", tokens=1, batch=1,
                          context=64, weight_itemsize=2, max_seq_len=128, device="cuda")
-    return run_pipeline(graph_of("deepseek_v3"), ctx)[0]
+    return run_pipeline(graph_of("deepseek_v3"), ctx)
 
 
 def names(g):

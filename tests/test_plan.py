@@ -13,7 +13,7 @@ from ktflow.errors import PassError, PlanError
 from ktflow.ir.types import Device
 from ktflow.ir.printer import print_graph
 from ktflow.options import CompileContext, CompileOptions
-from ktflow.passes import PIPELINE, run_pipeline
+from ktflow.passes import PIPELINE, PassTimer, PrintAfter, default_instruments, run_pipeline
 from ktflow.plan import PlanFile
 from ktflow.hw import PRESETS
 from small_configs import graph_of
@@ -30,15 +30,16 @@ def ctx(phase="decode"):
 
 
 def test_pipeline_places_and_costs_every_node():
-    g, timings = run_pipeline(graph_of("deepseek_v3"), ctx())
-    assert set(timings) == {p.__name__ for p, _ in PIPELINE}
+    timer = PassTimer()
+    g = run_pipeline(graph_of("deepseek_v3"), ctx(), instruments=[timer])
+    assert set(timer.seconds) == {p.__name__ for p, _ in PIPELINE}
     for n in g.nodes:
         assert n.place.device == Device.CPU and "no GPU" in n.place.cause
         assert n.cost.cpu_s > 0 and n.cost.gpu_s is None
 
 
 def test_routed_expert_cost_reads_only_experts_hit():
-    g, _ = run_pipeline(graph_of("deepseek_v3"), ctx("decode"))
+    g = run_pipeline(graph_of("deepseek_v3"), ctx("decode"))
     n = g.by_name("L1.experts")
     all_bytes = n.weight_elems() * 2
     assert n.cost.bytes < 0.5 * all_bytes  # decode: 2 of 8 experts hit
@@ -48,7 +49,7 @@ def test_routed_expert_cost_reads_only_experts_hit():
 def test_print_after_and_dump(tmp_path, monkeypatch):
     monkeypatch.setenv("KTFLOW_DUMP", str(tmp_path))
     out = io.StringIO()
-    run_pipeline(graph_of("mixtral"), ctx(), print_after="place_by_intensity", out=out)
+    run_pipeline(graph_of("mixtral"), ctx(), instruments=default_instruments("place_by_intensity", out))
     text = out.getvalue()
     assert text.startswith("# decode graph after place_by_intensity")
     assert "@cpu" in text
@@ -56,7 +57,7 @@ def test_print_after_and_dump(tmp_path, monkeypatch):
         "decode.01.annotate_costs.txt", "decode.02.place_by_intensity.txt", "decode.03.place_prefill_experts.txt",
         "decode.04.defer_experts.txt", "decode.05.split_numa.txt", "decode.06.lower.txt"]
     with pytest.raises(PassError, match="no such pass"):
-        run_pipeline(graph_of("mixtral"), ctx(), print_after="nope")
+        run_pipeline(graph_of("mixtral"), ctx(), instruments=[PrintAfter("nope")])
 
 
 def test_failing_pass_is_named_with_the_passes_before_it():

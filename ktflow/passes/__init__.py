@@ -1,11 +1,13 @@
 """The pass pipeline.
 
-PIPELINE is a literal tuple of (pass, stage it leaves the graph in). `run_pipeline` runs them in
-order, verifies the graph after each, dumps the printed graph after a pass when asked
-(`print_after=NAME` / `--print-after NAME`, or `KTFLOW_DUMP=dir` for every pass), and on failure
-raises PassError naming the pass and the ones that ran before it, with the failing pass's input
-graph written as a JSON reproducer. A ConfigError (options or hardware that cannot work, e.g. a
-VRAM budget nothing fits) passes through as it is.
+PIPELINE is a literal tuple of (pass, stage it leaves the graph in); each built-in pass declares
+the stage it requires and the one it produces (`infra.compiler_pass`), and the pipeline's order
+is checked against them before it runs. `run_pipeline` runs the passes in order, verifies the
+graph after each at its stage, calls the instruments it is given around each pass (timing,
+`--print-after NAME`, `KTFLOW_DUMP=dir`: `infra`), and on failure raises PassError naming the
+pass and the ones that ran before it, with the failing pass's input graph written as a JSON
+reproducer. A ConfigError (options or hardware that cannot work, e.g. a VRAM budget nothing
+fits) passes through as it is.
 
 `edit_pipeline` applies a caller's edits (compile(..., passes=[(where, pass), ...]), or the CLI's
 --pass / --drop-pass through `load_pass`): passes of one's own inserted, replaced or dropped
@@ -20,30 +22,31 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import TextIO
 
 from ..errors import ConfigError, PassError
 from ..ir.graph import Graph
-from ..ir.printer import print_graph
 from ..ir.verify import VerifyError, verify
 from ..options import CompileContext
 from .costs import annotate_costs
 from .defer import defer_experts
+from .infra import DumpEach, Instrument, Pass, PassTimer, PrintAfter, check_stages, compiler_pass
 from .lower import lower
 from .numa import split_numa
 from .place import place_by_intensity
 from .prefill import place_prefill_experts
 
-Pass = Callable[[Graph, CompileContext], Graph]
+__all__ = ["PIPELINE", "Pass", "Instrument", "PassTimer", "PrintAfter", "DumpEach", "compiler_pass",
+           "edit_pipeline", "load_pass", "pass_id", "pass_names", "run_pipeline", "default_instruments"]
 
-PIPELINE: tuple[tuple[Pass, str], ...] = (
-    (annotate_costs, "costed"),
-    (place_by_intensity, "placed"),
-    (place_prefill_experts, "placed"),
-    (defer_experts, "placed"),
-    (split_numa, "placed"),
-    (lower, "lowered"),
-)
+PIPELINE: tuple[tuple[Pass, str], ...] = tuple((p, p.produces) for p in (
+    annotate_costs,
+    place_by_intensity,
+    place_prefill_experts,
+    defer_experts,
+    split_numa,
+    lower,
+))
 
 
 #: how compile(..., passes=...) edits the pipeline: (where, pass) pairs, applied in order
@@ -69,9 +72,11 @@ def edit_pipeline(edits, pipeline=PIPELINE) -> tuple[tuple[Pass, str], ...]:
 
     A pass is any callable `(Graph, CompileContext) -> Graph` with a `__name__` unique in the
     pipeline (the name `print_after`, dumps and failures use). The graph it returns is verified
-    at the stage of its position: an inserted pass leaves the stage the pass before it left (the
-    one named by after:, or the one before the one named by before:; "spec" at the start), a
-    replacement the stage of the pass it replaces. Raises ConfigError naming what is wrong."""
+    at the stage it declares (`compiler_pass(produces=)`), else at the stage of its position: an
+    inserted pass leaves the stage the pass before it left (the one named by after:, or the one
+    before the one named by before:; "spec" at the start), a replacement the stage of the pass it
+    replaces. A pass's declared `requires` must be reached by the passes before it. Raises
+    ConfigError naming what is wrong."""
     out = list(pipeline)
     for k, edit in enumerate(edits or ()):
         if not (isinstance(edit, (tuple, list)) and len(edit) == 2 and isinstance(edit[0], str)):
@@ -95,11 +100,12 @@ def edit_pipeline(edits, pipeline=PIPELINE) -> tuple[tuple[Pass, str], ...]:
             raise ConfigError(f"passes[{k}]: a pass named {fn.__name__!r} is already in the pipeline; give it "
                               "another name")
         if kind == "replace":
-            out[at] = (fn, out[at][1])
+            out[at] = (fn, getattr(fn, "produces", out[at][1]))
         elif kind == "after":
-            out.insert(at + 1, (fn, out[at][1]))
+            out.insert(at + 1, (fn, getattr(fn, "produces", out[at][1])))
         else:
-            out.insert(at, (fn, out[at - 1][1] if at else "spec"))
+            out.insert(at, (fn, getattr(fn, "produces", out[at - 1][1] if at else "spec")))
+    check_stages(out)
     return tuple(out)
 
 
@@ -131,26 +137,38 @@ def load_pass(target: str) -> Pass:
     return fn
 
 
-def run_pipeline(g: Graph, ctx: CompileContext, print_after: str | None = None,
-                 out: TextIO | None = None, pipeline=PIPELINE) -> tuple[Graph, dict[str, float]]:
-    """Run `pipeline` over `g`; returns the final graph and seconds spent per pass."""
+def default_instruments(print_after: str | None = None, out: TextIO | None = None) -> list[Instrument]:
+    """What `ktflow compile` runs the pipeline with: `PrintAfter(print_after)` when asked, and
+    `DumpEach(KTFLOW_DUMP)` when that variable names a directory."""
+    found: list[Instrument] = []
+    if print_after is not None:
+        found.append(PrintAfter(print_after, out))
+    if os.environ.get("KTFLOW_DUMP"):
+        found.append(DumpEach(os.environ["KTFLOW_DUMP"]))
+    return found
+
+
+def run_pipeline(g: Graph, ctx: CompileContext, pipeline=PIPELINE, instruments=()) -> Graph:
+    """Run `pipeline` over `g` with `instruments` (infra.Instrument) watching; returns the final
+    graph, verified at the last pass's stage."""
     names = [p.__name__ for p, _ in pipeline]
-    if print_after is not None and print_after not in names:
-        raise PassError(f"--print-after {print_after!r}: no such pass; passes: {', '.join(names)}")
-    dump_dir = os.environ.get("KTFLOW_DUMP")
+    check_stages(pipeline)
+    for ins in instruments:
+        ins.start(names, ctx)
     verify(g, "spec")
-    timings: dict[str, float] = {}
     from ..progress import bar
 
     # a bar for a big model (seconds a plan), naming the running pass
     steps = bar(list(enumerate(pipeline)), f"compile {ctx.label}", "pass", show=len(g.nodes) > 300)
-    for k, (fn, stage) in steps:
+    for k, (fn, produced) in steps:
         if hasattr(steps, "set_postfix_str"):
             steps.set_postfix_str(fn.__name__, refresh=False)
+        for ins in instruments:
+            ins.before(fn.__name__, g, ctx)
         t0 = time.perf_counter()
         try:
             new = fn(g, ctx)
-            verify(new, stage)
+            verify(new, produced)
         except ConfigError:
             raise  # the user's input cannot be compiled as asked: the message says what to change
         except Exception as e:
@@ -159,15 +177,11 @@ def run_pipeline(g: Graph, ctx: CompileContext, print_after: str | None = None,
             kind = "left the graph invalid" if isinstance(e, VerifyError) else "failed"
             raise PassError(f"pass {fn.__name__} {kind} ({ctx.label} plan): {e}\n  passes before it: {before}\n"
                             f"  its input graph: {repro}") from e
-        timings[fn.__name__] = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
         g = new
-        if dump_dir:
-            d = Path(dump_dir)
-            d.mkdir(parents=True, exist_ok=True)
-            (d / f"{ctx.label}.{k + 1:02d}.{fn.__name__}.txt").write_text(print_graph(g))
-        if print_after == fn.__name__:
-            (out or sys.stdout).write(f"# {ctx.label} graph after {fn.__name__}\n" + print_graph(g))
-    return g, timings
+        for ins in instruments:
+            ins.after(fn.__name__, g, ctx, seconds)
+    return g
 
 
 def _write_reproducer(g: Graph, pass_name: str) -> str:

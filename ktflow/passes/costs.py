@@ -9,6 +9,7 @@ from ..ir.graph import Graph, Node
 from ..ir.ops import Op, Work
 from ..ir.types import Cost
 from ..options import CompileContext
+from .infra import compiler_pass
 
 
 def cost_in(n: Node, g: Graph, ctx: CompileContext, *, work: Work | None = None, hw=None,
@@ -30,6 +31,7 @@ def step_work(n: Node, ctx: CompileContext) -> Work:
     return Work(tokens=ctx.tokens, context=ctx.context, batch=ctx.batch, expert_probs=probs)
 
 
+@compiler_pass(requires="spec", produces="costed")
 def annotate_costs(g: Graph, ctx: CompileContext) -> Graph:
     """Attach a `Cost` to every node.
 

@@ -11,8 +11,10 @@ from ..ir.ops import DeferAttrs, Op, ffn_residual
 from ..ir.types import Device, Placement, _si
 from ..options import CompileContext
 from .costs import cost_in, recost_changed
+from .infra import compiler_pass
 
 
+@compiler_pass(requires="placed", produces="placed")
 def defer_experts(g: Graph, ctx: CompileContext) -> Graph:
     """Split each MoE layer's routed experts into immediate and deferred picks.
 

@@ -9,8 +9,10 @@ from ..ir.ops import FACTS, CopyAttrs, Op, SubmitAttrs, SyncAttrs
 from ..ir.types import Device, Placement
 from ..options import CompileContext
 from .costs import recost_changed
+from .infra import compiler_pass
 
 
+@compiler_pass(requires="placed", produces="lowered")
 def lower(g: Graph, ctx: CompileContext) -> Graph:
     """Make every device crossing and every CPU/GPU hand-off a node.
 

@@ -11,6 +11,7 @@ from ..ir.ops import Op, ReduceAttrs
 from ..ir.types import Device, Placement
 from ..options import CompileContext
 from .costs import cost_in, recost_changed, step_work
+from .infra import compiler_pass
 
 
 def tp_slices(inter: int, nodes: int, block: int) -> list[tuple[int, int]]:
@@ -68,6 +69,7 @@ def slice_block(ctx: CompileContext) -> int:
     return math.lcm(block, 128) if ctx.expert_format == "fp8" else block
 
 
+@compiler_pass(requires="placed", produces="placed")
 def split_numa(g: Graph, ctx: CompileContext) -> Graph:
     """Split every CPU routed-experts node over the NUMA nodes, then reduce.
 

@@ -12,6 +12,7 @@ from ..ir.ops import FACTS, Op, Work, fp8_holdable
 from ..ir.types import FP8_BLOCK, Cost, Device, Placement, _si
 from ..options import CompileContext
 from .costs import cost_in, recost_changed
+from .infra import compiler_pass
 
 
 
@@ -84,6 +85,7 @@ def _units(g: Graph, ctx: CompileContext) -> tuple[list[Unit], dict[str, tuple[C
     return units, gains
 
 
+@compiler_pass(requires="costed", produces="placed")
 def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
     """Place every node on the GPU or the CPU.
 

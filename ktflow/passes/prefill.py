@@ -14,6 +14,7 @@ from ..ir.types import Device, Placement, _si
 from ..memory import prefill_room
 from ..options import CompileContext
 from .costs import cost_in, recost_changed, step_work
+from .infra import compiler_pass
 
 #: candidate streamed-expert counts per layer: 0, then steps of 1/GRID of the layer's CPU experts
 GRID = 32
@@ -28,6 +29,7 @@ class LayerChoice:
     cause: str  # what was decided, with the times compared
 
 
+@compiler_pass(requires="placed", produces="placed")
 def place_prefill_experts(g: Graph, ctx: CompileContext) -> Graph:
     """Decide, for a prefill step of ctx.tokens tokens, where each MoE layer's CPU routed
     experts compute: `cpu` (the native kernels, where they live), `stream` (their packed
