@@ -18,6 +18,7 @@ EPILOG = """examples:
   ktflow run ./model --prompt "Hello" --temperature 0.7 --top-p 0.9 --seed 1
   ktflow inspect v3.plan.json --text
   ktflow hw show paper-a100                     a hardware preset; `ktflow hw probe -o me.json` measures this one
+  ktflow calibrate ./model -o me.json           fit the profile to this machine's measured decode step
 """
 
 
@@ -336,6 +337,29 @@ def cmd_hw_probe(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(a: argparse.Namespace) -> int:
+    import ktflow
+    from ktflow.calibrate import calibrate
+    from ktflow.errors import ConfigError
+    from ktflow.fsutil import write_atomic
+
+    if a.steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {a.steps}")
+    model = ktflow.load(a.model)
+    if model.weights is None:
+        raise ConfigError(f"{a.model} has no weights (config.json only): calibrate runs the model, so it needs "
+                          "the checkpoint's *.safetensors")
+    opts = _options(a)
+    hw = a.hw
+    print(f"calibrating {model.path.name}: {a.steps} traced decode steps", flush=True)
+    cal = calibrate(model, hw, steps=a.steps, **opts)
+    print("\n".join(cal.lines()))
+    if a.output:
+        write_atomic(a.output, cal.profile.model_dump_json(indent=1) + "\n")
+        print(f"wrote {a.output} (compile with --hw {a.output})")
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line usage errors: `ktflow compile: error: <what> (see ktflow compile
     --help)`, exit 2 (the default prints the whole usage block first)."""
@@ -424,6 +448,16 @@ def parser() -> argparse.ArgumentParser:
     hp.add_argument("--name", help="profile name (default 'probed')")
     hp.add_argument("--quick", action="store_true", help="small sizes: seconds instead of a minute, rougher numbers")
     hp.set_defaults(fn=cmd_hw_probe)
+    cal = sub.add_parser("calibrate", help="fit a hardware profile to a model's measured decode step",
+                         description="Compile MODEL for --hw, run its decode plan here with the measured trace, "
+                         "fit what the roofline misses (the GPU's efficiency and fixed time per op, the CPU's rate "
+                         "and fixed time per op, the CPU task hand-off each way: ktflow.calibrate) and write the "
+                         "profile, which later compiles use with --hw PROFILE.json.")
+    cal.add_argument("model", help="HF checkpoint dir with weights")
+    cal.add_argument("-o", "--output", help="write the fitted profile JSON here (atomically)")
+    cal.add_argument("--steps", type=int, default=3, help="traced decode steps (the median of each op is fitted)")
+    _add_compile_options(cal)
+    cal.set_defaults(fn=cmd_calibrate)
     for sp in [*sub.choices.values(), *hsub.choices.values()]:  # also after the command: `ktflow run ... --debug`
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="on an error, the Python traceback too (or KTFLOW_DEBUG=1)")

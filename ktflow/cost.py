@@ -89,7 +89,7 @@ def roof(hw: HwProfile, device: Device, act: DType) -> Roof | None:
                     hw.overheads.gpu_launch_us * 1e-6)
     c = hw.cpu
     return Roof(c.gemm_tflops * 1e12 * (0.5 if act == DType.F32 else 1.0), c.gemv_gbps * 1e9,
-                hw.overheads.cpu_submit_us * 1e-6)
+                hw.overheads.cpu_op_us * 1e-6)
 
 
 def transfer_seconds(nbytes: float, hw: HwProfile, direction: str) -> float:

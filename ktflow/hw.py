@@ -105,6 +105,9 @@ class CpuSpec(_Frozen):
 class Overheads(_Frozen):
     gpu_launch_us: float = Field(5.0, ge=0)  # one kernel launch from the host
     cpu_submit_us: float = Field(2.0, ge=0)  # enqueue one CPU task
+    #: the fixed time of one op on the CPU besides its FLOPs and bytes (the host's dispatch of a
+    #: torch op or a native call); `ktflow calibrate` fits it
+    cpu_op_us: float = Field(2.0, ge=0)
     cpu_sync_us: float = Field(5.0, ge=0)  # wait for CPU work and see its result
 
 

@@ -1,0 +1,181 @@
+"""`ktflow calibrate`: run a model's decode plan on this machine, measure each step, fit the few
+terms of the hardware profile the roofline misses, and return the profile the compiler then uses.
+
+The cost model prices a node as max(FLOPs / peak, bytes / bandwidth) + a fixed cost per op, with
+the peaks from the profile (`ktflow hw probe` measures them with microbenchmarks). Calibration
+runs the real plan: a prompt, a few decode steps to warm up, then `steps` decode steps traced
+(each GPU op between CUDA events, each CPU task by the native queue's timestamps, or, on a
+backend that runs one step after another, each step's host time), and fits, from the median of
+each step's measured time:
+
+- `gpus[0].efficiency`, the fraction of its peak FLOP/s and HBM bandwidth the GPU's decode
+  kernels reach, and `overheads.gpu_launch_us`, the fixed time of one GPU op: a least-squares
+  line through (each GPU op's roofline time at peak, its measured time): slope 1 / efficiency,
+  intercept the fixed time;
+- the CPU's rate, `cpu.gemv_gbps`, `cpu.gemm_tflops` and the routed-experts rate table scaled by
+  one factor, and `overheads.cpu_op_us`, the fixed time of one CPU op: the same line through the
+  CPU ops (the native kernels as they run in this plan, in its expert format); where the CPU ops
+  are all alike (a hybrid plan's expert tasks) the factor alone, their predicted over measured;
+- `overheads.cpu_submit_us` and `overheads.cpu_sync_us`, the hand-off of a CPU task each way:
+  moved by the difference between the measured and the predicted median hand-off
+  (`timeline.handoffs`) of the plan's CPU tasks (plans with submit/sync only).
+
+A term without enough measured ops to fit (no GPU ops, fewer than three, no CPU tasks) keeps its
+value. The fit is reported as `Fitted` rows (term, before, after, from how many ops), and the
+plan's predicted step before and after beside the measured one (untraced decode steps).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .hw import HwProfile
+from .ir.types import Device
+from .plan import Plan, Step
+from .timeline import handoffs, with_measured_steps
+
+
+@dataclass
+class Fitted:
+    term: str  # the profile field, as a dotted path
+    before: float
+    after: float
+    ops: int  # measured ops (or hand-offs) it was fitted from
+    note: str = ""
+
+
+@dataclass
+class Calibration:
+    profile: HwProfile  # the fitted profile
+    fitted: list[Fitted]
+    measured_step_us: float  # median untraced decode step
+    predicted_before_us: float  # the plan's predicted step with the profile it was compiled for
+    predicted_after_us: float  # the same plan recompiled with the fitted profile
+
+    def lines(self) -> list[str]:
+        out = [f"{'term':28s} {'before':>12s} {'after':>12s}  from"]
+        for f in self.fitted:
+            out.append(f"{f.term:28s} {f.before:12.4g} {f.after:12.4g}  {f.ops} ops" + (f"; {f.note}" if f.note else ""))
+        out.append(f"decode step: measured {self.measured_step_us:.0f} us; predicted {self.predicted_before_us:.0f} us "
+                   f"before, {self.predicted_after_us:.0f} us after calibration")
+        return out
+
+
+def measure(compiled, steps: int = 3, prompt: int = 16, seed: int = 0) -> tuple[list[list[Step]], float]:
+    """`steps` traced decode steps of `compiled` (each the plan's steps with measured times),
+    and the median time of as many untraced decode steps, in us."""
+    import ktflow
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, compiled.vocab_size, (1, prompt), generator=g)
+    nxt, state = ktflow.execute(compiled, ids, logits="argmax")
+    for _ in range(2):  # warm: a captured backend captures here
+        nxt, state = ktflow.execute(compiled, nxt, state, logits="argmax")
+    walls = []
+    for _ in range(max(steps, 3)):
+        t0 = time.perf_counter()
+        nxt, state = ktflow.execute(compiled, nxt, state, logits="argmax")
+        walls.append((time.perf_counter() - t0) * 1e6)
+    ex = compiled.executor(compiled.decode)
+    traced = []
+    for _ in range(steps):
+        ex.trace = 1
+        nxt, state = ktflow.execute(compiled, nxt, state, logits="argmax")
+        traced.append(list(ex.measured))
+    return traced, statistics.median(walls)
+
+
+def _median_steps(traced: list[list[Step]]) -> list[Step]:
+    """Per step of the plan, the median measured duration (its start kept from the first run)."""
+    out = []
+    for i, s in enumerate(traced[0]):
+        d = statistics.median(run[i].end_us - run[i].start_us for run in traced)
+        out.append(s.model_copy(update={"end_us": s.start_us + d}))
+    return out
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares (slope, intercept) of y on x, or None where x does not vary."""
+    xs, ys = zip(*points)
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var <= 1e-12 * max(mx * mx, 1e-30) * len(xs):
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in points) / var
+    return slope, my - slope * mx
+
+
+def fit(plan: Plan, measured: list[Step], hw: HwProfile) -> tuple[HwProfile, list[Fitted]]:
+    """The profile `plan` was compiled for with the terms the measured steps fit (module doc)."""
+    g = plan.ir
+    o = hw.overheads
+    fitted: list[Fitted] = []
+    upd_gpu, upd_cpu, upd_over = {}, {}, {}
+    gpu_pts, cpu_pts = [], []  # (roofline seconds at the profile's peak without the fixed cost, measured)
+    for p, m in zip(plan.steps, measured, strict=True):
+        if p.kind != "launch" or m.end_us <= m.start_us:
+            continue
+        n = g.by_name(p.node)
+        if n.cost is None or n.place is None:
+            continue
+        took = (m.end_us - m.start_us) * 1e-6
+        if n.place.device == Device.GPU and n.cost.gpu_s is not None and hw.gpus:
+            gpu_pts.append((max(n.cost.gpu_s - o.gpu_launch_us * 1e-6, 0.0) * hw.gpus[0].efficiency, took))
+        elif n.place.device == Device.CPU:
+            cpu_pts.append((max(n.cost.cpu_s - o.cpu_op_us * 1e-6, 0.0), took))
+    line = _line(gpu_pts) if hw.gpus and len(gpu_pts) >= 3 else None
+    if line and line[0] > 0:
+        eff = min(1.0, max(0.01, 1.0 / line[0]))
+        launch = max(0.0, line[1]) * 1e6
+        fitted += [Fitted("gpus[0].efficiency", hw.gpus[0].efficiency, eff, len(gpu_pts), "1 / slope"),
+                   Fitted("overheads.gpu_launch_us", o.gpu_launch_us, launch, len(gpu_pts), "intercept")]
+        upd_gpu["efficiency"], upd_over["gpu_launch_us"] = eff, launch
+    if cpu_pts and sum(x for x, _ in cpu_pts) > 0:
+        line = _line(cpu_pts) if len(cpu_pts) >= 3 else None
+        if line and line[0] > 0:
+            scale, op_us, how = 1.0 / line[0], max(0.0, line[1]) * 1e6, "1 / slope"
+        else:  # one kind of op (a hybrid plan's expert tasks): the ratio, the fixed cost kept
+            op_us = o.cpu_op_us
+            scale = sum(x for x, _ in cpu_pts) / max(sum(y for _, y in cpu_pts) - len(cpu_pts) * op_us * 1e-6, 1e-12)
+            how = "predicted over measured"
+        c = hw.cpu
+        upd_cpu = dict(gemv_gbps=c.gemv_gbps * scale, gemm_tflops=c.gemm_tflops * scale)
+        if c.expert_tflops:
+            upd_cpu["expert_tflops"] = [(rows, tflops * scale) for rows, tflops in c.expert_tflops]
+        upd_over["cpu_op_us"] = op_us
+        fitted += [Fitted("cpu.gemv_gbps", c.gemv_gbps, upd_cpu["gemv_gbps"], len(cpu_pts),
+                          f"CPU rates x{scale:.3g} ({how})"),
+                   Fitted("cpu.gemm_tflops", c.gemm_tflops, upd_cpu["gemm_tflops"], len(cpu_pts)),
+                   Fitted("overheads.cpu_op_us", o.cpu_op_us, op_us, len(cpu_pts),
+                          "intercept" if how == "1 / slope" else "kept")]
+    got, want = handoffs(with_measured_steps(plan, measured)), handoffs(plan)
+    if got and want:
+        for term, field, each in (("overheads.cpu_submit_us", "cpu_submit_us", "to_cpu_us"),
+                                  ("overheads.cpu_sync_us", "cpu_sync_us", "to_gpu_us")):
+            delta = statistics.median(getattr(h, each) for h in got) - statistics.median(getattr(h, each) for h in want)
+            old = getattr(o, field)
+            upd_over[field] = max(0.0, old + delta)
+            fitted.append(Fitted(term, old, upd_over[field], len(got), "the measured hand-off less the predicted"))
+    out = hw.model_copy(update=dict(
+        name=hw.name if hw.name.endswith("+calibrated") else f"{hw.name}+calibrated",
+        overheads=o.model_copy(update=upd_over),
+        cpu=hw.cpu.model_copy(update=upd_cpu),
+        gpus=[hw.gpus[0].model_copy(update=upd_gpu), *hw.gpus[1:]] if hw.gpus else []))
+    return HwProfile.model_validate(out.model_dump()), fitted
+
+
+def calibrate(model, hw, steps: int = 3, **options) -> Calibration:
+    """Compile `model` for `hw` with `options`, measure its decode plan here, fit the profile and
+    recompile with it (module doc)."""
+    import ktflow
+
+    compiled = ktflow.compile(model, hw=hw, **options)
+    traced, wall = measure(compiled, steps)
+    plan = compiled.decode
+    profile, fitted = fit(plan, _median_steps(traced), compiled.plans.hw)
+    after = ktflow.compile(model, hw=profile, **options)
+    return Calibration(profile, fitted, wall, plan.predicted_step_us, after.decode.predicted_step_us)

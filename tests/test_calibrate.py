@@ -1,0 +1,94 @@
+"""`ktflow calibrate`: the fit recovers the terms a measured step was made with (fabricated
+measurements on real plans), and the command runs the demo model here, writes a profile the
+compiler takes, and refuses bad input with one line."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import ktflow
+from ktflow.calibrate import calibrate, fit
+from ktflow.hw import PRESETS, Overheads, resolve_hw
+from ktflow.ir.types import Device
+from ktflow.native import available as native_available
+
+
+def fabricate(plan, hw, gpu=None, cpu=None):
+    """The plan's steps with the durations a machine would give: GPU ops gpu(x) and CPU ops
+    cpu(x) of their roofline seconds at peak (without the fixed cost) under profile `hw`; the
+    rest as predicted. Steps back to back."""
+    o = hw.overheads
+    out, t = [], 0.0
+    g = plan.ir
+    for s in plan.steps:
+        d = s.end_us - s.start_us
+        if s.kind == "launch":
+            n = g.by_name(s.node)
+            if n.place.device == Device.GPU and gpu:
+                d = gpu((n.cost.gpu_s - o.gpu_launch_us * 1e-6) * hw.gpus[0].efficiency) * 1e6
+            elif n.place.device == Device.CPU and cpu:
+                d = cpu(n.cost.cpu_s - o.cpu_op_us * 1e-6) * 1e6
+        out.append(s.model_copy(update={"start_us": t, "end_us": t + d}))
+        t += d
+    return out
+
+
+def test_fit_recovers_gpu_efficiency_and_fixed_time(demo_dir):
+    hw = PRESETS["paper-a100"].model_copy(update={"overheads": Overheads(gpu_launch_us=5.0)})
+    c = ktflow.compile(ktflow.load(demo_dir), hw=hw, vram_budget_gb=0.004, max_seq_len=64)
+    assert sum(n.place.device == Device.GPU for n in c.decode.ir.nodes) >= 3
+    measured = fabricate(c.decode, c.plans.hw, gpu=lambda x: x / 0.5 + 3e-6)  # half the peak, 3 us per op
+    profile, fitted = fit(c.decode, measured, c.plans.hw)
+    assert profile.gpus[0].efficiency == pytest.approx(0.5, rel=1e-6)
+    assert profile.overheads.gpu_launch_us == pytest.approx(3.0, rel=1e-6)
+    terms = {f.term for f in fitted}
+    assert {"gpus[0].efficiency", "overheads.gpu_launch_us"} <= terms
+    assert profile.name == "paper-a100+calibrated"
+
+
+def test_fit_recovers_the_cpu_rate_and_fixed_time(demo_dir):
+    c = ktflow.compile(ktflow.load(demo_dir), hw="cpu", max_seq_len=64)
+    measured = fabricate(c.decode, c.plans.hw, cpu=lambda x: 4 * x + 10e-6)  # a quarter of the rate, 10 us per op
+    profile, fitted = fit(c.decode, measured, c.plans.hw)
+    assert profile.cpu.gemv_gbps == pytest.approx(c.plans.hw.cpu.gemv_gbps / 4, rel=1e-6)
+    assert profile.cpu.gemm_tflops == pytest.approx(c.plans.hw.cpu.gemm_tflops / 4, rel=1e-6)
+    assert profile.overheads.cpu_op_us == pytest.approx(10.0, rel=1e-6)
+    again = ktflow.compile(ktflow.load(demo_dir), hw=profile, max_seq_len=64)  # the fitted profile prices it so
+    want = sum(s.end_us - s.start_us for s in measured if s.kind == "launch")
+    got = sum(s.end_us - s.start_us for s in again.decode.steps if s.kind == "launch")
+    assert got == pytest.approx(want, rel=1e-3)
+
+
+@pytest.mark.skipif(not native_available(), reason="needs the native module")
+def test_calibrating_here_brings_the_prediction_to_the_measured_step(demo_dir):
+    cal = calibrate(ktflow.load(demo_dir), "cpu", steps=2, max_seq_len=64, backend="native")
+    assert abs(cal.predicted_after_us - cal.measured_step_us) < abs(cal.predicted_before_us - cal.measured_step_us)
+    assert any(f.term == "cpu.gemv_gbps" for f in cal.fitted) and "decode step: measured" in cal.lines()[-1]
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "ktflow", *map(str, args)], capture_output=True, text=True)
+
+
+def test_the_command_writes_a_profile_the_compiler_takes(demo_dir, tmp_path):
+    out = tmp_path / "me.json"
+    r = cli("calibrate", demo_dir, "--hw", "cpu", "--max-seq-len", 64, "--steps", 2, "-o", out)
+    assert r.returncode == 0, r.stderr
+    assert "cpu.gemv_gbps" in r.stdout and f"wrote {out}" in r.stdout
+    hw = resolve_hw(out)
+    assert hw.name == "cpu+calibrated" and json.loads(out.read_text())["overheads"]["cpu_op_us"] >= 0
+    r = cli("compile", demo_dir, "--hw", out, "--max-seq-len", 64)
+    assert r.returncode == 0, r.stderr
+
+
+def test_bad_calibrate_input_is_one_line(demo_dir, tmp_path):
+    r = cli("calibrate", demo_dir, "--steps", 0)
+    assert r.returncode == 2 and "--steps must be at least 1" in r.stderr and "Traceback" not in r.stderr
+    config_only = tmp_path / "cfg"
+    config_only.mkdir()
+    shutil.copy(demo_dir / "config.json", config_only / "config.json")
+    r = cli("calibrate", config_only, "--hw", "cpu")
+    assert r.returncode == 2 and "needs the checkpoint's *.safetensors" in r.stderr and "Traceback" not in r.stderr
