@@ -221,10 +221,12 @@ def _compile_plan(spec: Graph, ctx: CompileContext, instruments=(), pipeline=PIP
     steps = schedule(g, ctx)
     buffers, arenas = plan_buffers(g, steps, ctx.tokens)
     gpu_work = any(n.place.device == Device.GPU for n in g.nodes)
+    captured = ctx.phase == "decode" and gpu_work
+    fixed = ctx.hw.overheads.graph_step_us if captured else 0.0  # a captured step's launch and start
     return Plan(phase=ctx.phase, device=ctx.device, max_seq_len=ctx.max_seq_len, step_tokens=ctx.tokens,
-                graph=g.to_dict(), steps=steps, predicted_step_us=max((s.end_us for s in steps), default=0.0),
+                graph=g.to_dict(), steps=steps, predicted_step_us=max((s.end_us for s in steps), default=0.0) + fixed,
                 memory=_memory(g, ctx), pass_seconds=timings, buffers=buffers, arenas=arenas,
-                capture=[(0, len(steps) - 1)] if ctx.phase == "decode" and gpu_work else [])
+                capture=[(0, len(steps) - 1)] if captured else [])
 
 
 def _bucket_grid(max_seq: int) -> list[int]:

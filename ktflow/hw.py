@@ -108,6 +108,10 @@ class Overheads(_Frozen):
     #: the fixed time of one op on the CPU besides its FLOPs and bytes (the host's dispatch of a
     #: torch op or a native call); `ktflow calibrate` fits it
     cpu_op_us: float = Field(2.0, ge=0)
+    #: the fixed time of one captured decode step besides its ops (the graph's launch and start
+    #: on the GPU, the host's wait for its end); added to a captured plan's predicted step;
+    #: `ktflow calibrate` fits it
+    graph_step_us: float = Field(0.0, ge=0)
     cpu_sync_us: float = Field(5.0, ge=0)  # wait for CPU work and see its result
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import ktflow
-from ktflow.calibrate import calibrate, fit
+from ktflow.calibrate import Replayed, calibrate, fit, fit_replayed, predicted_tasks
 from ktflow.hw import PRESETS, Overheads, resolve_hw
 from ktflow.ir.types import Device
 from ktflow.native import available as native_available
@@ -60,6 +60,27 @@ def test_fit_recovers_the_cpu_rate_and_fixed_time(demo_dir):
     want = sum(s.end_us - s.start_us for s in measured if s.kind == "launch")
     got = sum(s.end_us - s.start_us for s in again.decode.steps if s.kind == "launch")
     assert got == pytest.approx(want, rel=1e-3)
+
+
+def test_a_replayed_step_fits_the_cpu_rate_the_gpu_fixed_time_and_the_step_edges(demo_dir):
+    """fit_replayed on a hybrid plan (CPU experts between GPU layers) and a replayed step made
+    from its prediction: tasks twice as long, 10 us more per GPU op in each gap, 500 us more at
+    the step's edges than the plan's ops there."""
+    hw = PRESETS["paper-a100"]
+    c = ktflow.compile(ktflow.load(demo_dir), hw=hw, vram_budget_gb=0.004, max_seq_len=64)
+    plan = c.decode
+    tasks, gaps, in_gap, edge_ops = predicted_tasks(plan)
+    assert len(tasks) >= 2 and len(gaps) == len(tasks) - 1 and all(k > 0 for k in in_gap) and edge_ops > 0
+    meas_tasks = [2 * t for t in tasks]
+    meas_gaps = [g + 10.0 * k for g, k in zip(gaps, in_gap)]
+    wall = plan.predicted_step_us + sum(tasks) + 10.0 * (sum(in_gap) + edge_ops) + 500.0
+    profile, fitted = fit_replayed(plan, Replayed(wall, meas_tasks, meas_gaps), c.plans.hw)
+    assert profile.cpu.gemv_gbps == pytest.approx(c.plans.hw.cpu.gemv_gbps / 2, rel=1e-6)
+    assert profile.overheads.gpu_launch_us == pytest.approx(c.plans.hw.overheads.gpu_launch_us + 10.0, rel=1e-6)
+    assert profile.overheads.graph_step_us == pytest.approx(500.0, rel=1e-6)
+    after = ktflow.compile(ktflow.load(demo_dir), hw=profile, vram_budget_gb=0.004, max_seq_len=64)
+    assert after.decode.predicted_step_us == pytest.approx(wall, rel=0.1)  # the fitted profile prices it so
+    assert fit_replayed(plan, Replayed(wall, meas_tasks[:-1], meas_gaps[:-1]), c.plans.hw) is None  # tasks differ
 
 
 @pytest.mark.skipif(not native_available(), reason="needs the native module")
