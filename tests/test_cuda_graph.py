@@ -29,7 +29,7 @@ def hw_here():
 
     base = PRESETS["paper-a100"]
     gpus = [base.gpus[0].model_copy(update={"memory_bytes": float(torch.cuda.get_device_properties(0).total_memory)})]
-    return base.model_copy(update={"gpus": gpus, "overheads": Overheads(gpu_launch_us=0, cpu_submit_us=0, cpu_sync_us=0)})
+    return base.model_copy(update={"gpus": gpus, "overheads": Overheads(gpu_launch_us=0, cpu_submit_us=0, cpu_op_us=0, cpu_sync_us=0)})
 
 
 def hybrid(model, **options):

@@ -12,7 +12,7 @@ from ktflow.options import CompileContext, CompileOptions
 from ktflow.passes import run_pipeline
 from small_configs import graph_of
 
-HW = PRESETS["paper-a100"].model_copy(update={"overheads": Overheads(gpu_launch_us=0, cpu_submit_us=0, cpu_sync_us=0)})
+HW = PRESETS["paper-a100"].model_copy(update={"overheads": Overheads(gpu_launch_us=0, cpu_submit_us=0, cpu_op_us=0, cpu_sync_us=0)})
 
 
 def lowered(budget=66e-6, hw=HW):

@@ -27,7 +27,7 @@ GOLDEN = Path(__file__).parent / "golden"
 def contexts():
     """The paper's A100 machine without fixed overheads (at this tiny size they would decide
     everything) and a VRAM budget that holds the dense work and 5 of the 8 experts."""
-    hw = PRESETS["paper-a100"].model_copy(update={"overheads": Overheads(gpu_launch_us=0, cpu_submit_us=0,
+    hw = PRESETS["paper-a100"].model_copy(update={"overheads": Overheads(gpu_launch_us=0, cpu_submit_us=0, cpu_op_us=0,
                                                                          cpu_sync_us=0)})
     opts = CompileOptions(vram_budget_gb=80e-6, defer=1)
     yield "decode", CompileContext(hw=hw, options=opts, phase="decode", tokens=1, batch=1, context=64,

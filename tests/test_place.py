@@ -17,7 +17,7 @@ from conftest import DATA
 
 GiB = 2**30
 #: the paper's A100 machine without fixed overheads: at toy sizes they would decide everything
-A100_NO_OVERHEAD = PRESETS["paper-a100"].model_copy(update={"overheads": Overheads(gpu_launch_us=0, cpu_submit_us=0,
+A100_NO_OVERHEAD = PRESETS["paper-a100"].model_copy(update={"overheads": Overheads(gpu_launch_us=0, cpu_submit_us=0, cpu_op_us=0,
                                                                                    cpu_sync_us=0)})
 
 

@@ -32,7 +32,7 @@ def machine(pcie_gbps: float = 32.0, memory_gb: float = 40.0, gemm_tflops: float
     gpu = base.gpus[0].model_copy(update=dict(pcie_h2d_gbps=pcie_gbps, pcie_d2h_gbps=pcie_gbps,
                                               memory_bytes=memory_gb * 2**30))
     cpu = base.cpu if gemm_tflops is None else base.cpu.model_copy(update=dict(gemm_tflops=gemm_tflops))
-    return base.model_copy(update=dict(gpus=[gpu], cpu=cpu, overheads=Overheads(gpu_launch_us=0, cpu_submit_us=0,
+    return base.model_copy(update=dict(gpus=[gpu], cpu=cpu, overheads=Overheads(gpu_launch_us=0, cpu_submit_us=0, cpu_op_us=0,
                                                                                  cpu_sync_us=0)))
 
 
