@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .hw import HwProfile
+from .ir.ops import Op
 from .ir.types import Device
 from .plan import Plan, Step
 from .timeline import handoffs, with_measured_steps
@@ -229,8 +230,9 @@ def predicted_tasks(plan: Plan) -> tuple[list[float], list[float], list[int], in
         by_node.setdefault(s.node, []).append(s)
     spans = []
     for s in plan.steps:
-        if s.kind == "submit":
-            parts = [p for m in g.by_name(s.node).attrs.members for p in by_node.get(m, []) if p.lane.startswith("cpu")]
+        members = g.by_name(s.node).attrs.members if s.kind == "submit" else ()
+        if any(g.by_name(m).op == Op.ROUTED_EXPERTS for m in members):  # a native task (others run before the launch)
+            parts = [p for m in members for p in by_node.get(m, []) if p.lane.startswith("cpu")]
             if parts:
                 spans.append((min(p.start_us for p in parts), max(p.end_us for p in parts)))
     gpu_ops = [s for s in plan.steps if not s.lane.startswith("cpu") and s.kind in ("launch", "copy")]
