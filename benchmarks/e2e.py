@@ -51,6 +51,10 @@ as full V2 and refuses it), with 8-bit experts on both sides so the checkpoint a
 block scales and quantization_config), which ktflow loads as published; its experts are packed in
 `--expert-format`.
 
+`--calibrate` fits the hardware profile to the first graph variant's replayed steps
+(`ktflow.calibrate.fit_replayed`) and prints every variant's prediction with it beside its
+measured step: out of sample for the variants after the first (deferral, another format).
+
 Rows go to benchmarks/e2e.jsonl. The checkpoint dir (--dir, default /tmp/ktflow-e2e/<model>) is
 reused when it exists and matches.
 """
@@ -234,12 +238,38 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
                 end = f
         busy = merged / wall
         split = replay_split(recs, new, calls)
+        if split is not None:
+            split["replayed"] = replayed_of(recs, new, calls)
         if split and len(host) == new:
             med = lambda xs: round(statistics.median(xs), 1)  # noqa: E731
             split.update(host_before_launch_us=med([(h[0] - c[0]) / 1e3 for h, c in zip(host, calls)]),
                          host_launch_us=med([(h[1] - h[0]) / 1e3 for h in host]),
                          host_after_wait_us=med([(c[1] - h[2]) / 1e3 for h, c in zip(host, calls)]))
     return new / (wall * 1e-9), busy, split
+
+
+def calibrated_prediction(a, model, opts: dict, plan, replayed, hw, calibrated, row: dict):
+    """With --calibrate: the first graph variant's replayed steps fit the profile (kept and
+    returned); every variant is compiled again with it and its prediction printed beside the
+    measured step. Returns the fitted profile."""
+    from ktflow.calibrate import fit_replayed
+
+    if calibrated is None:
+        got = fit_replayed(plan, replayed, hw)
+        if got is None:
+            print("  calibrate: this variant's tasks do not match its plan one to one; nothing fitted", flush=True)
+            return None
+        calibrated, fitted = got
+        row["calibrated_from"] = row["variant"]
+        for f in fitted:
+            print(f"  calibrate: {f.term} {f.before:.4g} -> {f.after:.4g} ({f.note})", flush=True)
+    again = compile_cpu_experts(model, dict(opts, hw=calibrated))
+    row.update(calibrated_predicted_step_us=round(again.decode.predicted_step_us, 1),
+               replayed_step_us=round(replayed.wall_us, 1))
+    print(f"  {row['variant']}: step {replayed.wall_us:.0f} us measured (replayed), predicted "
+          f"{plan.predicted_step_us:.0f} us, {again.decode.predicted_step_us:.0f} us calibrated "
+          f"({100 * (again.decode.predicted_step_us / replayed.wall_us - 1):+.1f}%)", flush=True)
+    return calibrated
 
 
 def host_profile(compiled, vocab: int, steps: int = 32) -> None:
@@ -282,6 +312,19 @@ def _stamped_wait(wait, host: list, now):
         host[-1].append(now())
     stamped.inner = wait
     return stamped
+
+
+def replayed_of(recs: list, steps: int, calls: list):
+    """The replayed steps as `ktflow.calibrate.fit_replayed` takes them: the median step (execute
+    called to returned), each CPU task and each gap between tasks, in the step's order."""
+    from ktflow.calibrate import Replayed
+
+    per = len(recs) // steps
+    runs = [recs[i * per:(i + 1) * per] for i in range(steps)]
+    med = statistics.median
+    return Replayed(wall_us=med((b - a) / 1e3 for a, b in calls),
+                    tasks_us=[med((r[k][3] - r[k][1]) / 1e3 for r in runs) for k in range(per)],
+                    gaps_us=[med((r[k + 1][1] - r[k][3]) / 1e3 for r in runs) for k in range(per - 1)])
 
 
 def replay_split(recs: list, steps: int, calls: list) -> dict | None:
@@ -543,6 +586,10 @@ def main() -> int:
                     "with 128 x 128 block scales) instead of bf16")
     ap.add_argument("--fp8-on-gpu", default="auto", choices=["auto", "keep", "dequantize"],
                     help="an FP8 checkpoint's dense weights on the GPU (compile option fp8_on_gpu)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="fit the profile to the first graph variant's replayed steps (ktflow.calibrate.fit_replayed) "
+                         "and print, for every variant after it, its prediction with the fitted profile beside the "
+                         "measured step (out of sample: fitted on another variant)")
     ap.add_argument("--host-profile", action="store_true",
                     help="graph variants: cProfile over 32 replayed decode steps, the host's top functions printed")
     ap.add_argument("--prepare-only", action="store_true",
@@ -607,6 +654,7 @@ def main() -> int:
         run_prefill(a, model, base, budget, lengths, info, vocab, llama_rows, hw)
     variants = [v for v in a.variants.split(",") if v]
     decoded: list[dict] = []
+    calibrated = None  # --calibrate: the profile fitted to the first graph variant
     for v in sorted(variants, key=lambda v: v == "cpu"):  # the slow all-CPU baseline last
         c = None
         gc.collect()  # the previous variant's graphs and arenas (peak VRAM is per variant)
@@ -658,7 +706,10 @@ def main() -> int:
         m, sd = mean_sd([r[0] for r in runs])
         busy = [r[1] for r in runs if r[1] is not None]
         split = runs[-1][2] or {}
+        replayed = split.pop("replayed", None)
         plan = c.decode
+        if a.calibrate and replayed is not None:
+            calibrated = calibrated_prediction(a, model, opts, plan, replayed, hw, calibrated, row)
         layers = [t for t in layer_times(plan) if t.layer is not None]
         predicted_layer = statistics.mean(t.span_us for t in layers)
         bpt = expert_bytes_per_token(plan, fmt)
