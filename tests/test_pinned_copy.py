@@ -27,6 +27,18 @@ def test_both_directions_copy_every_byte(dtype, n):
 
 
 @gpu
+def test_views_at_odd_offsets_copy_by_narrower_words():
+    host = torch.arange(64, dtype=torch.uint8).pin_memory()
+    dev = torch.zeros(64, dtype=torch.uint8, device="cuda")
+    pinned_copy.copy(dev[3:10], host[1:8])  # neither address is even
+    halves = torch.arange(32, dtype=torch.bfloat16).pin_memory()
+    out = torch.zeros(32, dtype=torch.bfloat16, device="cuda")
+    pinned_copy.copy(out[1:5], halves[3:7])  # 2-byte aligned, not 4
+    torch.cuda.synchronize()
+    assert torch.equal(dev[3:10].cpu(), host[1:8]) and torch.equal(out[1:5].cpu(), halves[3:7])
+
+
+@gpu
 def test_replays_read_the_host_values_of_their_time():
     host_in = torch.zeros(1024, dtype=torch.float32).pin_memory()
     host_out = torch.zeros(1024, dtype=torch.float32).pin_memory()

@@ -52,13 +52,17 @@ def _kernel():
     return triton, copy_words
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """t's bytes as the widest integer words that divide them."""
-    nbytes = t.numel() * t.element_size()
+def _word(*ts: torch.Tensor) -> torch.dtype:
+    """The widest integer word that divides the tensors' bytes and their addresses."""
+    nbytes = ts[0].numel() * ts[0].element_size()
     for dtype in (torch.int32, torch.int16):
-        if nbytes % dtype.itemsize == 0:
-            return t.reshape(-1).view(torch.uint8).view(dtype)
-    return t.reshape(-1).view(torch.uint8)
+        if nbytes % dtype.itemsize == 0 and all(t.data_ptr() % dtype.itemsize == 0 for t in ts):
+            return dtype
+    return torch.uint8
+
+
+def _as(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8).view(word)
 
 
 def copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -71,7 +75,8 @@ def copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     if src.numel() == 0:
         return dst
     triton, kernel = _kernel()
-    s, d = _words(src), _words(dst)
+    word = _word(src, dst)
+    s, d = _as(src, word), _as(dst, word)
     n = s.numel()
     kernel[(triton.cdiv(n, _BLOCK),)](s, d, n, from_host=not src.is_cuda, to_host=not dst.is_cuda, block=_BLOCK)
     return dst
