@@ -147,8 +147,9 @@ def fit(plan: Plan, measured: list[Step], hw: HwProfile) -> tuple[HwProfile, lis
             scale, op_us, how = 1.0 / line[0], max(0.0, line[1]) * 1e6, "1 / slope"
         else:  # one kind of op (a hybrid plan's expert tasks): the ratio, the fixed cost kept
             op_us = o.cpu_op_us
-            scale = sum(x for x, _ in cpu_pts) / max(sum(y for _, y in cpu_pts) - len(cpu_pts) * op_us * 1e-6, 1e-12)
-            how = "predicted over measured"
+            beyond = sum(y for _, y in cpu_pts) - len(cpu_pts) * op_us * 1e-6  # measured past the fixed cost
+            scale = sum(x for x, _ in cpu_pts) / beyond if beyond > 0 else 1.0
+            how = "predicted over measured" if beyond > 0 else "measured within the fixed cost: rates kept"
         c = hw.cpu
         upd_cpu = dict(gemv_gbps=c.gemv_gbps * scale, gemm_tflops=c.gemm_tflops * scale)
         if c.expert_tflops:
@@ -238,7 +239,10 @@ def predicted_tasks(plan: Plan) -> tuple[list[float], list[float], list[int], in
     gpu_ops = [s for s in plan.steps if not s.lane.startswith("cpu") and s.kind in ("launch", "copy")]
     gaps = [(a[1], b[0]) for a, b in zip(spans, spans[1:])]
     in_gap = [sum(1 for s in gpu_ops if lo <= s.start_us < hi) for lo, hi in gaps]
-    return [e - s for s, e in spans], [hi - lo for lo, hi in gaps], in_gap, len(gpu_ops) - sum(in_gap)
+    # the edges: before the first task and after the last (GPU ops during a task, such as the
+    # shared expert, are neither in a gap nor at an edge)
+    edges = sum(1 for s in gpu_ops if spans and (s.start_us < spans[0][0] or s.start_us >= spans[-1][1]))
+    return [e - s for s, e in spans], [hi - lo for lo, hi in gaps], in_gap, edges
 
 
 def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile) -> tuple[HwProfile, list[Fitted]] | None:
@@ -252,7 +256,7 @@ def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile) -> tuple[HwProfile, l
     - `overheads.graph_step_us`: what the measured step has beyond its tasks and gaps, less what
       the plan predicts there (its edges' GPU ops with the fitted fixed time)."""
     tasks, gaps, in_gap, edge_ops = predicted_tasks(plan)
-    if len(tasks) != len(rep.tasks_us) or not tasks:
+    if len(tasks) != len(rep.tasks_us) or not tasks or sum(rep.tasks_us) <= 0:
         return None
     o, c = hw.overheads, hw.cpu
     fitted: list[Fitted] = []

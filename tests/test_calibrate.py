@@ -74,6 +74,9 @@ def test_a_replayed_step_fits_the_cpu_rate_the_gpu_fixed_time_and_the_step_edges
     meas_tasks = [2 * t for t in tasks]
     meas_gaps = [g + 10.0 * k for g, k in zip(gaps, in_gap)]
     wall = plan.predicted_step_us + sum(tasks) + 10.0 * (sum(in_gap) + edge_ops) + 500.0
+    during = sum(1 for st in plan.steps if st.kind in ("launch", "copy") and not st.lane.startswith("cpu")) \
+        - sum(in_gap) - edge_ops
+    assert during > 0  # the shared experts run during the tasks: neither in a gap nor at an edge
     profile, fitted = fit_replayed(plan, Replayed(wall, meas_tasks, meas_gaps), c.plans.hw)
     assert profile.cpu.gemv_gbps == pytest.approx(c.plans.hw.cpu.gemv_gbps / 2, rel=1e-6)
     assert profile.overheads.gpu_launch_us == pytest.approx(c.plans.hw.overheads.gpu_launch_us + 10.0, rel=1e-6)

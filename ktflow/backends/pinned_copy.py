@@ -17,7 +17,10 @@ the CPU reads the buffer only after a later stream operation says so (a doorbell
 done-flag after the kernel completes, or the host's wait for the step).
 
 `copy(dst, src)` falls back to `dst.copy_(src, non_blocking=True)` where Triton is missing, the
-host side is not pinned, or either side is not contiguous.
+host side is not pinned, either side is not contiguous, or the dtypes or element counts differ
+(a conversion, which a byte copy is not). Unlike a non-blocking `copy_`, the kernel records no
+event with torch's pinned-memory cache: the pinned side must outlive the copy (the decode step's
+buffers live as long as its graph).
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ import torch
 from . import dequant_gpu
 
 _BLOCK = 1024
+
+
+@functools.cache
+def _triton(device_type: str) -> bool:
+    """Whether the kernel runs for tensors on this device type (asked once: a failed Triton
+    import is not cached by the module that tries it)."""
+    return dequant_gpu.available(torch.device(device_type))
 
 
 @functools.cache
@@ -69,9 +79,9 @@ def copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """dst <- src (the same number of elements; one of them pinned host memory, the other on the
     GPU), on the current stream; returns dst."""
     gpu, host = (src, dst) if src.is_cuda else (dst, src)
-    if not (dst.is_contiguous() and src.is_contiguous() and dequant_gpu.available(gpu.device) and host.is_pinned()) \
-            or dst.numel() * dst.element_size() != src.numel() * src.element_size():
-        return dst.copy_(src.view(dst.shape), non_blocking=True)
+    if not (dst.dtype == src.dtype and dst.numel() == src.numel() and dst.is_contiguous() and src.is_contiguous()
+            and _triton(gpu.device.type) and host.is_pinned()):
+        return dst.copy_(src.view(dst.shape) if src.numel() == dst.numel() else src, non_blocking=True)
     if src.numel() == 0:
         return dst
     triton, kernel = _kernel()
