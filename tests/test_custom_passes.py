@@ -97,6 +97,11 @@ def gpu_attention_only(g, ctx):
     return g.map(lambda n: n if n.op != Op.MLP else replace(n, place=Placement(Device.CPU, cause="gpu_attention_only")))
 
 
+def test_an_inserted_pass_takes_the_stage_of_the_pass_before_it_after_every_edit():
+    p = edit_pipeline([("after:lower", tag_causes), ("drop:lower", None)])
+    assert dict((fn.__name__, stage) for fn, stage in p)["tag_causes"] == "placed"  # lower is gone
+
+
 def test_a_declared_pass_is_checked_against_its_place_before_anything_runs():
     p = edit_pipeline([("after:place_by_intensity", gpu_attention_only)])
     assert dict((fn.__name__, stage) for fn, stage in p)["gpu_attention_only"] == "placed"

@@ -73,9 +73,8 @@ def edit_pipeline(edits, pipeline=PIPELINE) -> tuple[tuple[Pass, str], ...]:
     A pass is any callable `(Graph, CompileContext) -> Graph` with a `__name__` unique in the
     pipeline (the name `print_after`, dumps and failures use). The graph it returns is verified
     at the stage it declares (`compiler_pass(produces=)`), else at the stage of its position: an
-    inserted pass leaves the stage the pass before it left (the one named by after:, or the one
-    before the one named by before:; "spec" at the start), a replacement the stage of the pass it
-    replaces. A pass's declared `requires` must be reached by the passes before it. Raises
+    inserted pass leaves the stage the pass before it in the edited pipeline leaves ("spec" at
+    the start), a replacement the stage of the pass it replaces. A pass's declared `requires` must be reached by the passes before it. Raises
     ConfigError naming what is wrong."""
     out = list(pipeline)
     for k, edit in enumerate(edits or ()):
@@ -101,10 +100,13 @@ def edit_pipeline(edits, pipeline=PIPELINE) -> tuple[tuple[Pass, str], ...]:
                               "another name")
         if kind == "replace":
             out[at] = (fn, getattr(fn, "produces", out[at][1]))
-        elif kind == "after":
-            out.insert(at + 1, (fn, getattr(fn, "produces", out[at][1])))
-        else:
-            out.insert(at, (fn, getattr(fn, "produces", out[at - 1][1] if at else "spec")))
+        else:  # an undeclared insertion's stage: the one the pass before it leaves, once every edit is in
+            out.insert(at + 1 if kind == "after" else at, (fn, getattr(fn, "produces", None)))
+    stage = "spec"
+    for k, (fn, produced) in enumerate(out):
+        if produced is None:
+            out[k] = (fn, stage)
+        stage = out[k][1]
     check_stages(out)
     return tuple(out)
 
