@@ -22,7 +22,7 @@ from .memory import (activation_peak, gpu_activation_peak, gpu_workspace_bytes, 
                      resident_gpu_bytes, staging_bytes)
 from .passes import PIPELINE, PassTimer, default_instruments, edit_pipeline, pass_id, run_pipeline
 from .passes.buffers import plan_buffers
-from .passes.schedule import schedule
+from .passes.schedule import steps_of
 from .plan import MemoryEstimate, ModelInfo, Plan, PlanFile
 from .runtime.execute import execute  # noqa: F401 (the public API's execute)
 from .runtime.executor import Executor
@@ -218,7 +218,7 @@ def _compile_plan(spec: Graph, ctx: CompileContext, instruments=(), pipeline=PIP
     timer = PassTimer()
     g = run_pipeline(spec, ctx, pipeline=pipeline, instruments=[timer, *instruments])
     timings = timer.seconds
-    steps = schedule(g, ctx)
+    steps = steps_of(g)  # the scheduled graph's steps
     buffers, arenas = plan_buffers(g, steps, ctx.tokens)
     gpu_work = any(n.place.device == Device.GPU for n in g.nodes)
     captured = ctx.phase == "decode" and gpu_work

@@ -38,6 +38,39 @@ def test_pipeline_places_and_costs_every_node():
         assert n.cost.cpu_s > 0 and n.cost.gpu_s is None
 
 
+def test_the_schedule_pass_times_every_node_and_t1_t2_catch_a_broken_schedule(capsys):
+    """The pipeline ends scheduled: every node timed on its lane (printed with `t=`), the plan's
+    steps made from those times; T1 fires on a node timed before its input ends or not timed,
+    T2 on two nodes of one lane at once."""
+    from dataclasses import replace
+
+    from ktflow.ir.types import Timing
+    from ktflow.ir.verify import violations
+    from ktflow.passes.schedule import steps_of
+
+    g = run_pipeline(graph_of("deepseek_v3"), ctx("decode"), instruments=default_instruments("schedule"))
+    assert "graph after schedule" in capsys.readouterr().out
+    assert all(n.timing is not None for n in g.nodes) and not violations(g, "scheduled")
+    steps = [s for s in steps_of(g) if s.kind not in ("record", "wait")]
+    assert [s.node for s in steps] == [n.name for n in g.nodes]
+    assert all((s.start_us, s.end_us) == (n.timing.start_us, n.timing.end_us) for s, n in zip(steps, g.nodes))
+
+    def fired(nodes):
+        return {r for r, _, _ in violations(g.replace_nodes(nodes), "scheduled")}
+
+    k = next(i for i, n in enumerate(g.nodes) if n.inputs and g.by_name(n.inputs[0]).timing.end_us > 0)
+    n = g.nodes[k]
+    early = replace(n, timing=Timing(0.0, n.timing.end_us))
+    assert "T1" in fired([*g.nodes[:k], early, *g.nodes[k + 1:]])
+    assert "T1" in fired([*g.nodes[:k], replace(n, timing=None), *g.nodes[k + 1:]])
+    lane = [i for i, m in enumerate(g.nodes) if m.place.lane == n.place.lane and m.timing.end_us > m.timing.start_us]
+    a, b = g.nodes[lane[0]], g.nodes[lane[1]]
+    overlapping = replace(b, timing=Timing(a.timing.start_us, b.timing.end_us))
+    nodes = list(g.nodes)
+    nodes[lane[1]] = overlapping
+    assert "T2" in fired(nodes)
+
+
 def test_routed_expert_cost_reads_only_experts_hit():
     g = run_pipeline(graph_of("deepseek_v3"), ctx("decode"))
     n = g.by_name("L1.experts")
@@ -55,7 +88,7 @@ def test_print_after_and_dump(tmp_path, monkeypatch):
     assert "@cpu" in text
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "decode.01.annotate_costs.txt", "decode.02.place_by_intensity.txt", "decode.03.place_prefill_experts.txt",
-        "decode.04.defer_experts.txt", "decode.05.split_numa.txt", "decode.06.lower.txt"]
+        "decode.04.defer_experts.txt", "decode.05.split_numa.txt", "decode.06.lower.txt", "decode.07.schedule.txt"]
     with pytest.raises(PassError, match="no such pass"):
         run_pipeline(graph_of("mixtral"), ctx(), instruments=[PrintAfter("nope")])
 

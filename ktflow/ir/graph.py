@@ -14,7 +14,7 @@ from typing import Any, Iterable
 import networkx as nx
 
 from .ops import FACTS, Op, attrs_from_dict, attrs_to_dict, dataclass_from, typed
-from .types import Cost, Device, DType, Placement, TensorType, WeightRef
+from .types import Cost, Device, DType, Placement, TensorType, Timing, WeightRef
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class Node:
     weights: tuple[WeightRef, ...] = ()
     place: Placement | None = None
     cost: Cost | None = None
+    timing: Timing | None = None  # set by the schedule pass
 
     def weight_elems(self) -> int:
         """Elements of the weights this node holds (a routed-expert subset: its experts only)."""
@@ -61,6 +62,8 @@ class Node:
         if self.cost is not None:
             d["cost"] = {"tokens": self.cost.tokens, "flops": self.cost.flops, "bytes": self.cost.bytes,
                          "cpu_s": self.cost.cpu_s, "gpu_s": self.cost.gpu_s}
+        if self.timing is not None:
+            d["timing"] = {"start_us": self.timing.start_us, "end_us": self.timing.end_us}
         return d
 
     @staticmethod
@@ -74,7 +77,7 @@ class Node:
         out = d.get("out")
         if not isinstance(out, dict):
             raise ValueError(f"{where}.out must be a JSON object")
-        place, cost = d.get("place"), d.get("cost")
+        place, cost, timing = d.get("place"), d.get("cost"), d.get("timing")
         return Node(
             name=typed(str, d.get("name"), "node name"),
             op=op,
@@ -85,6 +88,7 @@ class Node:
             weights=typed(tuple[WeightRef, ...], d.get("weights", []), f"{where}.weights"),
             place=None if place is None else dataclass_from(Placement, place, f"{where}.place"),
             cost=None if cost is None else dataclass_from(Cost, cost, f"{where}.cost"),
+            timing=None if timing is None else dataclass_from(Timing, timing, f"{where}.timing"),
         )
 
 

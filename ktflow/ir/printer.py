@@ -1,6 +1,6 @@
 """Deterministic text form of a graph: one line per node.
 
-    <name> = <op>(<inputs>) <attrs> -> <type> [w=<tensors>/<elems>[:<stored formats>][ held fp8 <k>]] [@device] [cost]
+    <name> = <op>(<inputs>) <attrs> -> <type> [w=<tensors>/<elems>[:<stored formats>][ held fp8 <k>]] [@device] [cost] [t=<start>..<end>us]
 
 (`held fp8 <k>`: k of its weights are held on the device as stored, in FP8.)
 
@@ -34,6 +34,8 @@ def format_node(n: Node) -> str:
             line += f" ({n.place.cause})"
     if n.cost is not None:
         line += f" | {n.cost}"
+    if n.timing is not None:
+        line += f" {n.timing}"
     return line
 
 

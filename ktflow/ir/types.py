@@ -77,6 +77,27 @@ class Placement:
             s += f".{self.stream}"
         return s
 
+    @property
+    def lane(self) -> str:
+        """The plan lane the node runs on: its stream (gpu, copy, fetch), cpu<i> for NUMA node i's
+        share of the CPU, else its device."""
+        if self.stream:
+            return self.stream
+        if self.numa is not None:
+            return f"cpu{self.numa}"
+        return self.device.value
+
+
+@dataclass(frozen=True)
+class Timing:
+    """When a scheduled node runs in its plan's step, predicted: us from the step's start."""
+
+    start_us: float
+    end_us: float
+
+    def __str__(self) -> str:
+        return f"t={self.start_us:.3f}..{self.end_us:.3f}us"
+
 
 @dataclass(frozen=True)
 class Cost:

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from ..errors import KtflowError
-from .graph import Graph
+from .graph import Graph, Node
 from .ops import FACTS, Op, fp8_holdable
 from .types import DType, Device, FLOAT_DTYPES, STORED_FORMATS, TOKENS
 
-STAGES = ("spec", "costed", "placed", "lowered")
+STAGES = ("spec", "costed", "placed", "lowered", "scheduled")
 
 
 class VerifyError(KtflowError):
@@ -343,6 +343,36 @@ def _l2_submit_sync_pairs(g: Graph):
                 yield n.name, f"must come before every node of task {task.name} and read exactly its outside inputs"
 
 
+#: predicted times are rounded to the nanosecond: orderings hold within that
+_EPS_US = 1e-3
+
+
+def _t1_timed_after_inputs(g: Graph) -> Iterator[tuple[str | None, str]]:
+    for n in g.nodes:
+        t = n.timing
+        if t is None:
+            yield n.name, "no predicted time (scheduled graphs time every node)"
+            continue
+        if t.end_us < t.start_us:
+            yield n.name, f"ends ({t.end_us} us) before it starts ({t.start_us} us)"
+        for i in n.inputs:
+            ti = g.by_name(i).timing
+            if ti is not None and t.start_us < ti.end_us - _EPS_US:
+                yield n.name, f"starts at {t.start_us} us, before its input {i} ends ({ti.end_us} us)"
+
+
+def _t2_one_node_per_lane_at_a_time(g: Graph) -> Iterator[tuple[str | None, str]]:
+    last: dict[str, Node] = {}
+    for n in sorted((n for n in g.nodes if n.timing is not None and n.place is not None),
+                    key=lambda n: (n.timing.start_us, g.position(n.name))):
+        prev = last.get(n.place.lane)
+        if prev is not None and n.timing.start_us < prev.timing.end_us - _EPS_US:
+            yield n.name, f"starts at {n.timing.start_us} us on lane {n.place.lane} while {prev.name} runs there " \
+                          f"(until {prev.timing.end_us} us)"
+        if prev is None or n.timing.end_us >= prev.timing.end_us:
+            last[n.place.lane] = n
+
+
 RULES: dict[str, Rule] = {r.id: r for r in [
     Rule("V1", "spec", "node names are unique", _r1_unique_names),
     Rule("V2", "spec", "nodes are in topological order", _r2_topological),
@@ -364,6 +394,8 @@ RULES: dict[str, Rule] = {r.id: r for r in [
     Rule("S2", "placed", "a reused staging slot waits for its previous reader", _s2_slots_reused_in_order),
     Rule("L1", "lowered", "values cross devices only through copy nodes", _l1_edges_stay_on_one_device),
     Rule("L2", "lowered", "submit/sync pairs wrap a CPU task", _l2_submit_sync_pairs),
+    Rule("T1", "scheduled", "every node is timed, starting after its inputs end", _t1_timed_after_inputs),
+    Rule("T2", "scheduled", "a lane runs one node at a time", _t2_one_node_per_lane_at_a_time),
 ]}
 
 

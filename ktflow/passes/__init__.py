@@ -35,6 +35,7 @@ from .lower import lower
 from .numa import split_numa
 from .place import place_by_intensity
 from .prefill import place_prefill_experts
+from .schedule import schedule
 
 __all__ = ["PIPELINE", "Pass", "Instrument", "PassTimer", "PrintAfter", "DumpEach", "compiler_pass",
            "edit_pipeline", "load_pass", "pass_id", "pass_names", "run_pipeline", "default_instruments"]
@@ -46,6 +47,7 @@ PIPELINE: tuple[tuple[Pass, str], ...] = tuple((p, p.produces) for p in (
     defer_experts,
     split_numa,
     lower,
+    schedule,
 ))
 
 

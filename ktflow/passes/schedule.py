@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..ir.graph import Graph, Node
 from ..ir.ops import Op
+from ..ir.types import Timing
 from ..options import CompileContext
 from ..plan import Step
+from .infra import compiler_pass
 
 #: step kind per op; everything else is a kernel launch on its lane (record/wait steps mark events)
 STEP_KIND = {Op.COPY: "copy", Op.SUBMIT: "submit", Op.SYNC: "sync", Op.FETCH: "fetch"}
@@ -15,35 +19,40 @@ def lane_of(n: Node) -> str:
     """gpu (GPU compute, and submit/sync host functions in its stream), copy (PCIe copies of
     activations), fetch (streamed expert weights: PCIe copy and conversion, its own stream so a
     long weight copy never holds up an activation's), cpu, and cpu<i> for NUMA node i's share of
-    the CPU (shards run at once on their nodes)."""
-    if n.place.stream:
-        return n.place.stream
-    if n.place.numa is not None:
-        return f"cpu{n.place.numa}"
-    return n.place.device.value
+    the CPU (shards run at once on their nodes): `Placement.lane`."""
+    return n.place.lane
 
 
-def schedule(g: Graph, ctx: CompileContext) -> list[Step]:
-    """One step per node, in graph order, on its lane.
+@compiler_pass(requires="lowered", produces="scheduled")
+def schedule(g: Graph, ctx: CompileContext) -> Graph:
+    """Time every node of the step on its lane (the graph's order is the issue order).
 
-    Algorithm: list scheduling in topological order; a step starts when its lane is free, its
-    inputs are done and (a CPU task) its submit is done, and lasts its node's predicted seconds on
-    its device. Lanes run concurrently, so CPU tasks overlap the GPU work placed between their
-    submit and sync. Requires: a costed, placed (and lowered) graph. Guarantees: every node in
-    exactly one step, after the steps producing its inputs; predicted times from the cost model.
+    Algorithm: list scheduling in topological order; a node starts when its lane is free, its
+    inputs are done and (a CPU task) its submit is done, and lasts its predicted seconds on its
+    device. Lanes run concurrently, so CPU tasks overlap the GPU work placed between their submit
+    and sync. Requires: a costed, placed, lowered graph. Guarantees: every node timed (rule T1:
+    after its inputs; T2: one node at a time on a lane), predicted times from the cost model;
+    `steps_of` turns the timed graph into the plan's steps.
     """
     lane_free: dict[str, float] = {}
     done: dict[str, float] = {}
     submitted = {m: n.name for n in g.nodes if n.op == Op.SUBMIT for m in n.attrs.members}  # task node -> submit
-    steps = []
+    timed = []
     for n in g.nodes:
         lane = lane_of(n)
         deps = [done[i] for i in n.inputs] + ([done[submitted[n.name]]] if n.name in submitted else [])
         start = max([lane_free.get(lane, 0.0)] + deps)
         end = start + n.cost.on(n.place.device)
         lane_free[lane] = done[n.name] = end
-        steps.append(Step(kind=STEP_KIND.get(n.op, "launch"), node=n.name, lane=lane, reads=list(n.inputs),
-                          writes=[n.name], start_us=round(start * 1e6, 3), end_us=round(end * 1e6, 3)))
+        timed.append(replace(n, timing=Timing(round(start * 1e6, 3), round(end * 1e6, 3))))
+    return g.replace_nodes(timed)
+
+
+def steps_of(g: Graph) -> list[Step]:
+    """A scheduled graph's plan steps: one per node, in graph order, on its lane at its predicted
+    time, with the cross-lane orderings as record/wait events (`with_events`)."""
+    steps = [Step(kind=STEP_KIND.get(n.op, "launch"), node=n.name, lane=lane_of(n), reads=list(n.inputs),
+                  writes=[n.name], start_us=n.timing.start_us, end_us=n.timing.end_us) for n in g.nodes]
     return with_events(g, steps)
 
 
