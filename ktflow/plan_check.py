@@ -44,7 +44,8 @@ def plan_problems(plan: "Plan") -> list[str]:
     except (KeyError, ValueError, TypeError, IndexError, AttributeError, RecursionError, KtflowError) as e:
         return [f"graph: cannot be rebuilt ({type(e).__name__}: {e})"]
     try:
-        found = violations(g, "lowered")
+        # a plan written since the schedule became a pass carries its nodes' times: checked too
+        found = violations(g, "scheduled" if any(n.timing is not None for n in g.nodes) else "lowered")
     except (KeyError, ValueError, TypeError, IndexError, AttributeError, ZeroDivisionError, OverflowError,
             MemoryError) as e:
         return [f"graph: the verifier cannot read it ({type(e).__name__}: {e})"]

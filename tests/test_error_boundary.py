@@ -145,7 +145,10 @@ def test_an_edited_or_damaged_plan_is_refused_at_load(capsys, tmp_path, demo_dir
     def bad_buffer(p):
         p["buffers"][0]["offset"] = 1 << 40
 
-    for change, rule in ((drop_node, "V"), (swap_steps, "K4"), (bad_buffer, "K7")):
+    def untimed(p):
+        del next(n for n in p["graph"]["nodes"] if n["inputs"])["timing"]
+
+    for change, rule in ((drop_node, "V"), (swap_steps, "K4"), (bad_buffer, "K7"), (untimed, "T1")):
         bad = edited(change, f"{rule}.json")
         for argv in (["inspect", bad], ["run", demo_dir, "--plan", bad, "--input-ids", "1 2"]):
             code, _, err = run_cli(capsys, *argv)
