@@ -239,7 +239,9 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
         busy = merged / wall
         split = replay_split(recs, new, calls)
         if split is not None:
-            split["replayed"] = replayed_of(recs, new, calls)
+            from ktflow.calibrate import Replayed
+
+            split["replayed"] = Replayed.from_records(recs, new, [(b - a) / 1e3 for a, b in calls])
         if split and len(host) == new:
             med = lambda xs: round(statistics.median(xs), 1)  # noqa: E731
             split.update(host_before_launch_us=med([(h[0] - c[0]) / 1e3 for h, c in zip(host, calls)]),
@@ -248,7 +250,7 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
     return new / (wall * 1e-9), busy, split
 
 
-def calibrated_prediction(a, model, opts: dict, plan, replayed, hw, calibrated, row: dict):
+def calibrated_prediction(model, opts: dict, plan, replayed, hw, calibrated, row: dict):
     """With --calibrate: the first graph variant's replayed steps fit the profile (kept and
     returned); every variant is compiled again with it and its prediction printed beside the
     measured step. Returns the fitted profile."""
@@ -312,19 +314,6 @@ def _stamped_wait(wait, host: list, now):
         host[-1].append(now())
     stamped.inner = wait
     return stamped
-
-
-def replayed_of(recs: list, steps: int, calls: list):
-    """The replayed steps as `ktflow.calibrate.fit_replayed` takes them: the median step (execute
-    called to returned), each CPU task and each gap between tasks, in the step's order."""
-    from ktflow.calibrate import Replayed
-
-    per = len(recs) // steps
-    runs = [recs[i * per:(i + 1) * per] for i in range(steps)]
-    med = statistics.median
-    return Replayed(wall_us=med((b - a) / 1e3 for a, b in calls),
-                    tasks_us=[med((r[k][3] - r[k][1]) / 1e3 for r in runs) for k in range(per)],
-                    gaps_us=[med((r[k + 1][1] - r[k][3]) / 1e3 for r in runs) for k in range(per - 1)])
 
 
 def replay_split(recs: list, steps: int, calls: list) -> dict | None:
@@ -709,7 +698,7 @@ def main() -> int:
         replayed = split.pop("replayed", None)
         plan = c.decode
         if a.calibrate and replayed is not None:
-            calibrated = calibrated_prediction(a, model, opts, plan, replayed, hw, calibrated, row)
+            calibrated = calibrated_prediction(model, opts, plan, replayed, hw, calibrated, row)
         layers = [t for t in layer_times(plan) if t.layer is not None]
         predicted_layer = statistics.mean(t.span_us for t in layers)
         bpt = expert_bytes_per_token(plan, fmt)

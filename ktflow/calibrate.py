@@ -72,16 +72,24 @@ class Calibration:
         return out
 
 
+def _warm(compiled, prompt: int, seed: int):
+    """A random prompt and two decode steps (a captured backend captures here): (next ids, state)."""
+    import ktflow
+
+    g = torch.Generator().manual_seed(seed)
+    nxt, state = ktflow.execute(compiled, torch.randint(0, compiled.vocab_size, (1, prompt), generator=g),
+                                logits="argmax")
+    for _ in range(2):
+        nxt, state = ktflow.execute(compiled, nxt, state, logits="argmax")
+    return nxt, state
+
+
 def measure(compiled, steps: int = 3, prompt: int = 16, seed: int = 0) -> tuple[list[list[Step]], float]:
     """`steps` traced decode steps of `compiled` (each the plan's steps with measured times),
     and the median time of as many untraced decode steps, in us."""
     import ktflow
 
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, compiled.vocab_size, (1, prompt), generator=g)
-    nxt, state = ktflow.execute(compiled, ids, logits="argmax")
-    for _ in range(2):  # warm: a captured backend captures here
-        nxt, state = ktflow.execute(compiled, nxt, state, logits="argmax")
+    nxt, state = _warm(compiled, prompt, seed)
     walls = []
     for _ in range(max(steps, 3)):
         t0 = time.perf_counter()
@@ -114,6 +122,23 @@ def _line(points: list[tuple[float, float]]) -> tuple[float, float] | None:
         return None
     slope = sum((x - mx) * (y - my) for x, y in points) / var
     return slope, my - slope * mx
+
+
+def _scaled_cpu(c, scale: float) -> dict:
+    """The CPU's rates (GEMV, GEMM, the routed-experts table) times `scale`, as a model update."""
+    out = dict(gemv_gbps=c.gemv_gbps * scale, gemm_tflops=c.gemm_tflops * scale)
+    if c.expert_tflops:
+        out["expert_tflops"] = [(rows, tflops * scale) for rows, tflops in c.expert_tflops]
+    return out
+
+
+def _calibrated(hw: HwProfile, overheads: dict, cpu: dict, gpu: dict | None = None) -> HwProfile:
+    """`hw` with the fitted fields, named `<name>+calibrated` (once), validated."""
+    out = hw.model_copy(update=dict(
+        name=hw.name if hw.name.endswith("+calibrated") else f"{hw.name}+calibrated",
+        overheads=hw.overheads.model_copy(update=overheads), cpu=hw.cpu.model_copy(update=cpu),
+        gpus=[hw.gpus[0].model_copy(update=gpu or {}), *hw.gpus[1:]] if hw.gpus else []))
+    return HwProfile.model_validate(out.model_dump())
 
 
 def fit(plan: Plan, measured: list[Step], hw: HwProfile) -> tuple[HwProfile, list[Fitted]]:
@@ -151,9 +176,7 @@ def fit(plan: Plan, measured: list[Step], hw: HwProfile) -> tuple[HwProfile, lis
             scale = sum(x for x, _ in cpu_pts) / beyond if beyond > 0 else 1.0
             how = "predicted over measured" if beyond > 0 else "measured within the fixed cost: rates kept"
         c = hw.cpu
-        upd_cpu = dict(gemv_gbps=c.gemv_gbps * scale, gemm_tflops=c.gemm_tflops * scale)
-        if c.expert_tflops:
-            upd_cpu["expert_tflops"] = [(rows, tflops * scale) for rows, tflops in c.expert_tflops]
+        upd_cpu = _scaled_cpu(c, scale)
         upd_over["cpu_op_us"] = op_us
         fitted += [Fitted("cpu.gemv_gbps", c.gemv_gbps, upd_cpu["gemv_gbps"], len(cpu_pts),
                           f"CPU rates x{scale:.3g} ({how})"),
@@ -168,12 +191,7 @@ def fit(plan: Plan, measured: list[Step], hw: HwProfile) -> tuple[HwProfile, lis
             old = getattr(o, field)
             upd_over[field] = max(0.0, old + delta)
             fitted.append(Fitted(term, old, upd_over[field], len(got), "the measured hand-off less the predicted"))
-    out = hw.model_copy(update=dict(
-        name=hw.name if hw.name.endswith("+calibrated") else f"{hw.name}+calibrated",
-        overheads=o.model_copy(update=upd_over),
-        cpu=hw.cpu.model_copy(update=upd_cpu),
-        gpus=[hw.gpus[0].model_copy(update=upd_gpu), *hw.gpus[1:]] if hw.gpus else []))
-    return HwProfile.model_validate(out.model_dump()), fitted
+    return _calibrated(hw, upd_over, upd_cpu, upd_gpu), fitted
 
 
 @dataclass
@@ -187,6 +205,19 @@ class Replayed:
     tasks_us: list[float]
     gaps_us: list[float]
 
+    @staticmethod
+    def from_records(recs: list, steps: int, walls_us: list[float]) -> "Replayed | None":
+        """From the native queue's records of `steps` steps, (batch, seen, started, done) each in
+        ns, and each step's wall time; None if the records do not split into equal steps."""
+        if not recs or len(recs) % steps:
+            return None
+        per = len(recs) // steps
+        runs = [recs[i * per:(i + 1) * per] for i in range(steps)]
+        med = statistics.median
+        return Replayed(wall_us=med(walls_us),
+                        tasks_us=[med((r[k][3] - r[k][1]) / 1e3 for r in runs) for k in range(per)],
+                        gaps_us=[med((r[k + 1][1] - r[k][3]) / 1e3 for r in runs) for k in range(per - 1)])
+
 
 def measure_replayed(compiled, steps: int = 16, prompt: int = 16, seed: int = 0) -> Replayed | None:
     """`steps` untraced decode steps of `compiled` with the queue's records on (None if the
@@ -194,11 +225,7 @@ def measure_replayed(compiled, steps: int = 16, prompt: int = 16, seed: int = 0)
     import ktflow
     from . import native
 
-    g = torch.Generator().manual_seed(seed)
-    nxt, state = ktflow.execute(compiled, torch.randint(0, compiled.vocab_size, (1, prompt), generator=g),
-                                logits="argmax")
-    for _ in range(2):  # capture and warm
-        nxt, state = ktflow.execute(compiled, nxt, state, logits="argmax")
+    nxt, state = _warm(compiled, prompt, seed)
     native.sync()
     q = native.queue()
     q.set_recording(True)
@@ -211,14 +238,7 @@ def measure_replayed(compiled, steps: int = 16, prompt: int = 16, seed: int = 0)
         recs = q.take_records()
     finally:
         q.set_recording(False)
-    if not recs or len(recs) % steps:
-        return None
-    per = len(recs) // steps
-    runs = [recs[i * per:(i + 1) * per] for i in range(steps)]
-    med = statistics.median
-    return Replayed(wall_us=med(walls),
-                    tasks_us=[med((r[k][3] - r[k][1]) / 1e3 for r in runs) for k in range(per)],
-                    gaps_us=[med((r[k + 1][1] - r[k][3]) / 1e3 for r in runs) for k in range(per - 1)])
+    return Replayed.from_records(recs, steps, walls)
 
 
 def predicted_tasks(plan: Plan) -> tuple[list[float], list[float], list[int], int]:
@@ -261,9 +281,7 @@ def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile) -> tuple[HwProfile, l
     o, c = hw.overheads, hw.cpu
     fitted: list[Fitted] = []
     scale = sum(tasks) / sum(rep.tasks_us)
-    upd_cpu = dict(gemv_gbps=c.gemv_gbps * scale, gemm_tflops=c.gemm_tflops * scale)
-    if c.expert_tflops:
-        upd_cpu["expert_tflops"] = [(rows, tflops * scale) for rows, tflops in c.expert_tflops]
+    upd_cpu = _scaled_cpu(c, scale)
     fitted += [Fitted("cpu.gemv_gbps", c.gemv_gbps, upd_cpu["gemv_gbps"], len(tasks),
                       f"CPU rates x{scale:.3g}: the tasks' predicted over measured (replayed)"),
                Fitted("cpu.gemm_tflops", c.gemm_tflops, upd_cpu["gemm_tflops"], len(tasks))]
@@ -282,9 +300,7 @@ def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile) -> tuple[HwProfile, l
     upd_over["graph_step_us"] = step_us
     fitted.append(Fitted("overheads.graph_step_us", o.graph_step_us, step_us, 1,
                          f"step edges {edges_measured:.0f} us measured, {edges_predicted:.0f} us predicted"))
-    out = hw.model_copy(update=dict(name=hw.name if hw.name.endswith("+calibrated") else f"{hw.name}+calibrated",
-                                    overheads=o.model_copy(update=upd_over), cpu=c.model_copy(update=upd_cpu)))
-    return HwProfile.model_validate(out.model_dump()), fitted
+    return _calibrated(hw, upd_over, upd_cpu), fitted
 
 
 def calibrate(model, hw, steps: int = 3, **options) -> Calibration:
