@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from .backends import get_backend, resolve_backend
 from .config import DTYPE_BY_NAME
 from .cost import held_weight_bytes
-from .errors import ConfigError, InputError, PlanError, ResourceError
+from .errors import ConfigError, PlanError, ResourceError
 from .hw import HwProfile, resolve_hw
 from .ir.graph import Graph
 from .ir.ops import Op
@@ -27,7 +27,6 @@ from .plan import MemoryEstimate, ModelInfo, Plan, PlanFile
 from .runtime.execute import execute  # noqa: F401 (the public API's execute)
 from .runtime.executor import Executor
 from .runtime.generate import generate_with_stats
-from .runtime.state import State
 from .weights import TORCH_DTYPE
 
 

@@ -28,10 +28,10 @@ from .version import PLAN_FORMAT, __version__
 FILE_FORMAT = "ktflow-plan"
 
 
-
 def lane_order(lane: str) -> tuple[int, str]:
     """A sort key for a plan's lanes: GPU compute, copies, fetches, the CPU, then CPU shards by name."""
     return ({"gpu": 0, "copy": 1, "fetch": 2, "cpu": 3}.get(lane, 4), lane)
+
 
 class Step(BaseModel):
     """One step on one lane. launch/copy/fetch/submit/sync run their node; record marks `event` on its

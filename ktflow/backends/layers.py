@@ -40,7 +40,8 @@ def rms_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: str) -> torch.Tensor:
-    """rope.apply; on a GPU with Triton one kernel (fused_gpu.rotate, the same result bit for bit)."""
+    """rope.apply; on a GPU with Triton one kernel (fused_gpu.rotate: it rounds once where rope.apply
+    rounds each product, so the two agree within the activation dtype's rounding)."""
     if x.is_cuda and cos.dtype == x.dtype and triton_on(x.device):
         return fused_gpu.rotate(x, cos, sin, pairs)
     return rope_mod.apply(x, cos, sin, pairs)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -76,8 +75,8 @@ def edit_pipeline(edits, pipeline=PIPELINE) -> tuple[tuple[Pass, str], ...]:
     pipeline (the name `print_after`, dumps and failures use). The graph it returns is verified
     at the stage it declares (`compiler_pass(produces=)`), else at the stage of its position: an
     inserted pass leaves the stage the pass before it in the edited pipeline leaves ("spec" at
-    the start), a replacement the stage of the pass it replaces. A pass's declared `requires` must be reached by the passes before it. Raises
-    ConfigError naming what is wrong."""
+    the start), a replacement the stage of the pass it replaces. A pass's declared `requires`
+    must be reached by the passes before it. Raises ConfigError naming what is wrong."""
     out = list(pipeline)
     for k, edit in enumerate(edits or ()):
         if not (isinstance(edit, (tuple, list)) and len(edit) == 2 and isinstance(edit[0], str)):

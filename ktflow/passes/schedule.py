@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..ir.graph import Graph, Node
+from ..ir.graph import Graph
 from ..ir.ops import Op
 from ..ir.types import Timing
 from ..options import CompileContext
@@ -13,14 +13,6 @@ from .infra import compiler_pass
 
 #: step kind per op; everything else is a kernel launch on its lane (record/wait steps mark events)
 STEP_KIND = {Op.COPY: "copy", Op.SUBMIT: "submit", Op.SYNC: "sync", Op.FETCH: "fetch"}
-
-
-def lane_of(n: Node) -> str:
-    """gpu (GPU compute, and submit/sync host functions in its stream), copy (PCIe copies of
-    activations), fetch (streamed expert weights: PCIe copy and conversion, its own stream so a
-    long weight copy never holds up an activation's), cpu, and cpu<i> for NUMA node i's share of
-    the CPU (shards run at once on their nodes): `Placement.lane`."""
-    return n.place.lane
 
 
 @compiler_pass(requires="lowered", produces="scheduled")
@@ -39,7 +31,7 @@ def schedule(g: Graph, ctx: CompileContext) -> Graph:
     submitted = {m: n.name for n in g.nodes if n.op == Op.SUBMIT for m in n.attrs.members}  # task node -> submit
     timed = []
     for n in g.nodes:
-        lane = lane_of(n)
+        lane = n.place.lane
         deps = [done[i] for i in n.inputs] + ([done[submitted[n.name]]] if n.name in submitted else [])
         start = max([lane_free.get(lane, 0.0)] + deps)
         end = start + n.cost.on(n.place.device)
@@ -51,7 +43,7 @@ def schedule(g: Graph, ctx: CompileContext) -> Graph:
 def steps_of(g: Graph) -> list[Step]:
     """A scheduled graph's plan steps: one per node, in graph order, on its lane at its predicted
     time, with the cross-lane orderings as record/wait events (`with_events`)."""
-    steps = [Step(kind=STEP_KIND.get(n.op, "launch"), node=n.name, lane=lane_of(n), reads=list(n.inputs),
+    steps = [Step(kind=STEP_KIND.get(n.op, "launch"), node=n.name, lane=n.place.lane, reads=list(n.inputs),
                   writes=[n.name], start_us=n.timing.start_us, end_us=n.timing.end_us) for n in g.nodes]
     return with_events(g, steps)
 
