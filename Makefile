@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || { $(PYTHON) -m venv $(VENV) && $(PYTHON) -c 'import site; print("\n".join(site.getsitepackages()))' \
 	    > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_ktflow_parent_site.pth"; }
 	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q 'torch==2.13.0' || $(PY) -m pip install -q 'torch>=2.4'
-	$(PY) -m pip install -q -e '.[test]' || $(PY) -m pip install -q --no-build-isolation --no-index -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,serve]' || $(PY) -m pip install -q --no-build-isolation --no-index -e '.[test,serve]'
 	@touch $(STAMP)
 
 demo: $(STAMP)

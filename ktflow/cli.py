@@ -1,4 +1,4 @@
-"""The `ktflow` command line: compile, run, inspect, demo."""
+"""The `ktflow` command line: compile, run, serve, inspect, demo."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ EPILOG = """examples:
   ktflow inspect v3.plan.json --text
   ktflow hw show paper-a100                     a hardware preset; `ktflow hw probe -o me.json` measures this one
   ktflow calibrate ./model -o me.json           fit the profile to this machine's measured decode step
+  ktflow serve ./model --port 8000              an OpenAI-compatible HTTP server (needs tokenizer.json)
 """
 
 
@@ -360,6 +361,57 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    import ktflow
+    from ktflow.errors import ConfigError, ResourceError
+
+    try:
+        import prometheus_client  # noqa: F401
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ResourceError(f"ktflow serve needs {e.name}, which is not installed: pip install 'ktflow[serve]'") from None
+    from ktflow.serve.server import build, run
+    from ktflow.serve.tokenizer import ServeTokenizer
+
+    for flag, v, least in (("--port", a.port, 0), ("--max-batch", a.max_batch, 1), ("--max-queue", a.max_queue, 0)):
+        if v < least:
+            raise ConfigError(f"{flag} must be at least {least}, got {v}")
+    if a.port > 65535:
+        raise ConfigError(f"--port must be at most 65535, got {a.port}")
+    model_dir = Path(a.model)
+    if not model_dir.is_dir():
+        raise ConfigError(f"{model_dir} is not a directory (give the checkpoint dir with config.json, the weights "
+                          "and tokenizer.json)")
+    tok = ServeTokenizer.from_dir(model_dir)  # first: a dir without a tokenizer fails before any loading
+    model = ktflow.load(model_dir)
+    if model.weights is None:
+        raise ConfigError(f"{model_dir} has no weights (config.json only): serving runs the model, so it needs the "
+                          "checkpoint's *.safetensors")
+    if a.plan:
+        given = [f for f in _compile_flags_given(a) if f != "--max-batch"]
+        if given:
+            verb = "was" if len(given) == 1 else "were"
+            raise ConfigError(f"--plan fixes the compile options, but {', '.join(given)} {verb} given too: drop "
+                              "them, or leave out --plan to compile with them")
+        compiled = ktflow.Compiled.load(a.plan, model)
+    else:
+        compiled = ktflow.compile(model, hw=a.hw, **_options(a))
+    if tok.vocab_size > compiled.vocab_size:
+        raise ConfigError(f"{model_dir}/tokenizer.json has {tok.vocab_size} tokens but the model's vocabulary has "
+                          f"{compiled.vocab_size}: the tokenizer belongs to another model")
+    _print_ready(compiled)
+    served = build(compiled, tok, a.model_name or model_dir.resolve().name, max_batch=a.max_batch,
+                   max_queue=a.max_queue, api_key=a.api_key or None, prefill_tokens=a.prefill_step)
+    if served.note:
+        print(f"note: {served.note}", flush=True)
+    if tok.chat_template is None:
+        print("note: tokenizer_config.json has no chat_template: /v1/chat/completions answers 400, "
+              "/v1/completions works", flush=True)
+    run(served, a.host, a.port, shutdown_timeout=a.shutdown_timeout)
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line usage errors: `ktflow compile: error: <what> (see ktflow compile
     --help)`, exit 2 (the default prints the whole usage block first)."""
@@ -458,6 +510,42 @@ def parser() -> argparse.ArgumentParser:
     cal.add_argument("--steps", type=int, default=3, help="traced decode steps (the median of each op is fitted)")
     _add_compile_options(cal)
     cal.set_defaults(fn=cmd_calibrate)
+    sv = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible API)",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description="Compile MODEL (or load --plan) and serve it over HTTP with the OpenAI API:\n"
+                        "  POST /v1/chat/completions, /v1/completions  (\"stream\": true for server-sent events)\n"
+                        "  GET  /v1/models, /health, /metrics           (/metrics: Prometheus text format)\n"
+                        "Up to --max-batch sequences run at once, each in its own slot; new ones join between\n"
+                        "tokens (continuous batching), up to --max-queue wait, and past that requests get 429.\n"
+                        "SIGTERM stops admitting, lets requests in flight finish (--shutdown-timeout), exits 0.",
+                        epilog="""examples:
+  ktflow serve ./model --hw this --port 8000
+  ktflow serve ./model --plan model.plan.json --max-batch 8 --api-key $KEY
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "model", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'
+
+MODEL must hold tokenizer.json (and tokenizer_config.json with a chat_template for the chat endpoint).""")
+    sv.add_argument("model", help="HF checkpoint dir with weights and tokenizer.json")
+    sv.add_argument("--plan", help="use this compiled plan file instead of compiling")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only; "
+                    "0.0.0.0 for every interface, with --api-key)")
+    sv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    sv.add_argument("--model-name", default=None, help="the model name clients send (default: MODEL's dir name)")
+    sv.add_argument("--max-queue", type=int, default=64,
+                    help="requests that may wait for a slot; more get HTTP 429 with Retry-After (default 64)")
+    sv.add_argument("--api-key", default=os.environ.get("KTFLOW_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $KTFLOW_API_KEY; none: open)")
+    sv.add_argument("--prefill-step", type=int, default=None, metavar="TOKENS",
+                    help="most prompt tokens prefilled per scheduler iteration, so a long prompt delays running "
+                    "sequences by one such chunk per token (default: min(256, the largest prefill bucket))")
+    sv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                    help="on SIGTERM, seconds requests in flight get to finish before they are cancelled (default 30)")
+    _add_compile_options(sv)
+    sv.set_defaults(fn=cmd_serve, max_batch=4)
+    for act in sv._actions:
+        if act.dest == "max_batch":
+            act.help = "sequences served at once, each with its own KV cache slot (default 4); also the batch the " \
+                       "compiled plan's memory is planned for"
     for sp in [*sub.choices.values(), *hsub.choices.values()]:  # also after the command: `ktflow run ... --debug`
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="on an error, the Python traceback too (or KTFLOW_DEBUG=1)")

@@ -1,0 +1,8 @@
+"""`ktflow serve`: an OpenAI-compatible HTTP server over a compiled model.
+
+One job per module: `schemas` (request and response bodies, validation errors naming the field),
+`tokenizer` (tokenizer.json, chat templates), `stops` (ids to text with stop strings held back),
+`runner` (the Runner interface the scheduler runs the model through, and its per-sequence
+implementation), `engine` (the continuous-batching scheduler thread), `metrics` (Prometheus),
+`app` (the Starlette routes) and `server` (building it all and running uvicorn).
+"""

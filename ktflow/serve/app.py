@@ -1,0 +1,269 @@
+"""The HTTP app (Starlette): OpenAI-compatible endpoints over the serving engine.
+
+- `POST /v1/chat/completions`, `POST /v1/completions`: a whole answer, or with `"stream": true`
+  server-sent events in OpenAI's chunk format ending with `data: [DONE]`;
+- `GET /v1/models`, `GET /health` (the queue, the running batch, the free slots), `GET /metrics`
+  (Prometheus text format).
+
+Errors are answered in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400
+for a request that cannot be served as sent (the field named in `param`), 401 without the API
+key (when one is set), 429 with `Retry-After` when the queue is full, 503 while shutting down,
+500 when the model failed on this request (the server goes on). A client that disconnects
+cancels its sequence, which frees its slot at the scheduler's next iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .engine import Delta, Draining, Engine, Failed, Finished, GenRequest, QueueFull
+from .metrics import ServerMetrics
+from .schemas import (ApiError, ChatChoice, ChatChoiceMessage, ChatCompletion, ChatCompletionRequest, Completion,
+                      CompletionChoice, CompletionRequest, Usage, parse)
+from .tokenizer import ServeTokenizer, TemplateError
+
+#: status recorded for a request whose client went away before its answer
+CLIENT_GONE = 499
+
+
+class ServeApp:
+    """The routes and what they share: the engine, the tokenizer, the model's name and limits."""
+
+    def __init__(self, engine: Engine, tokenizer: ServeTokenizer, model_name: str, *, api_key: str | None = None,
+                 metrics: ServerMetrics | None = None, vocab_size: int | None = None):
+        self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        self.max_seq_len = engine.runner.max_seq_len
+        self.vocab_size = vocab_size or engine.runner.vocab_size
+        self.api_key = api_key
+        self.metrics = metrics or ServerMetrics(engine.stats)
+        self.created = int(time.time())
+
+    def starlette(self) -> Starlette:
+        @asynccontextmanager
+        async def lifespan(app):
+            yield
+            self.engine.stop(timeout=0.0)  # after the server's graceful wait: whatever still runs is cancelled
+
+        routes = [
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_text, methods=["GET"]),
+        ]
+        return Starlette(routes=routes, lifespan=lifespan)
+
+    # -------------------------------------------------------------------------------- helpers
+    def _error(self, endpoint: str, e: ApiError) -> JSONResponse:
+        self.metrics.request(endpoint, e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    def _check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>'",
+                           type="authentication_error")
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ApiError(400, f"model {name!r} is not served here; this server serves {self.model_name!r}",
+                           param="model")
+
+    def _limits(self, ids: list[int], limit: int | None, field: str) -> int:
+        """max_tokens for a prompt of `ids`: the request's, or all the room left; 400 naming the
+        field when the prompt or the request does not fit max_seq_len."""
+        n, ctx = len(ids), self.max_seq_len
+        if n == 0:
+            raise ApiError(400, f"{field}: the prompt encodes to no tokens", param=field)
+        if n >= ctx:
+            raise ApiError(400, f"{field}: the prompt has {n} tokens; this model's context is {ctx} tokens, so a "
+                           f"prompt may have {ctx - 1} at most", param=field)
+        if limit is None:
+            return ctx - n
+        if n + limit > ctx:
+            raise ApiError(400, f"max_tokens: the prompt ({n} tokens) + max_tokens ({limit}) exceed this model's "
+                           f"context of {ctx} tokens; ask for {ctx - n} at most", param="max_tokens")
+        return limit
+
+    def _submit(self, body, ids: list[int], max_tokens: int) -> tuple[GenRequest, asyncio.Queue]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        stop_ids = body.stop_ids()
+        bad = [i for i in stop_ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ApiError(400, f"stop: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                           param="stop")
+        req = GenRequest(prompt_ids=ids, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                         seed=body.seed, stops=body.stop_strings(), stop_ids=frozenset(stop_ids),
+                         emit=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+        try:
+            self.engine.submit(req)
+        except QueueFull as e:
+            raise ApiError(429, f"the server is busy: {e}; retry later", type="rate_limit_error",
+                           headers={"Retry-After": "1"}) from None
+        except Draining:
+            raise ApiError(503, "the server is shutting down", type="server_error") from None
+        return req, queue
+
+    async def _wait(self, request: Request, req: GenRequest, queue: asyncio.Queue):
+        """The request's final event (Finished or Failed), or None when the client went away
+        (its sequence is cancelled)."""
+        while True:
+            try:
+                ev = await asyncio.wait_for(queue.get(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    self.engine.cancel(req)
+                    return None
+                continue
+            except asyncio.CancelledError:
+                self.engine.cancel(req)
+                raise
+            if isinstance(ev, (Finished, Failed)):
+                return ev
+
+    # ------------------------------------------------------------------------------ endpoints
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        endpoint = request.url.path
+        try:
+            self._check_key(request)
+            body = parse(ChatCompletionRequest if chat else CompletionRequest, await request.body())
+            self._check_model(body.model)
+            if chat:
+                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                try:
+                    ids = self.tok.encode_chat(messages)
+                except TemplateError as e:
+                    raise ApiError(400, f"messages: {e}", param="messages") from None
+                field = "messages"
+            else:
+                field = "prompt"
+                if isinstance(body.prompt, str):
+                    ids = self.tok.encode(body.prompt)
+                else:
+                    ids = list(body.prompt)
+                    bad = [i for i in ids if not 0 <= i < self.vocab_size]
+                    if bad:
+                        raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary "
+                                       f"(0..{self.vocab_size - 1})", param="prompt")
+            max_tokens = self._limits(ids, body.limit(), field)
+            req, queue = self._submit(body, ids, max_tokens)
+        except ApiError as e:
+            return self._error(endpoint, e)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if body.stream:
+            return StreamingResponse(self._stream(req, queue, body, rid, chat, endpoint), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        ev = await self._wait(request, req, queue)
+        if ev is None:
+            self.metrics.request(endpoint, CLIENT_GONE)
+            return Response(status_code=CLIENT_GONE)
+        if isinstance(ev, Failed):
+            return self._error(endpoint, ApiError(500, f"generation failed: {ev.message}", type="server_error"))
+        if ev.reason == "cancelled":
+            return self._error(endpoint, ApiError(503, "the server shut down before this request finished",
+                                                  type="server_error"))
+        self.metrics.request(endpoint, 200)
+        usage = Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
+                      total_tokens=ev.prompt_tokens + ev.completion_tokens)
+        if chat:
+            out: Any = ChatCompletion(id=rid, created=int(time.time()), model=self.model_name, usage=usage,
+                                      choices=[ChatChoice(message=ChatChoiceMessage(content=ev.text),
+                                                          finish_reason=ev.reason)])
+        else:
+            out = Completion(id=rid, created=int(time.time()), model=self.model_name, usage=usage,
+                             choices=[CompletionChoice(text=ev.text, finish_reason=ev.reason)])
+        return JSONResponse(out.model_dump())
+
+    async def _stream(self, req: GenRequest, queue: asyncio.Queue, body, rid: str, chat: bool, endpoint: str):
+        """Server-sent events: a chunk per delta of text, one with the finish reason, optionally
+        one with the usage, then [DONE]. A client that goes away cancels the sequence. The request
+        is counted when the stream ends, by its outcome: 200, 500 (failed after the 200 was sent)
+        or 499 (the client went away)."""
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+            if chat:
+                delta: dict[str, Any] = {}
+                if first:
+                    delta["role"] = "assistant"
+                if text is not None:
+                    delta["content"] = text
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            return _sse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]})
+
+        ended = False
+        try:
+            if chat:
+                yield chunk("", None, first=True)
+            while True:
+                ev = await queue.get()
+                if isinstance(ev, Delta):
+                    if ev.text:
+                        yield chunk(ev.text, None)
+                    continue
+                ended = True
+                if isinstance(ev, Failed) or ev.reason == "cancelled":
+                    msg = (f"generation failed: {ev.message}" if isinstance(ev, Failed)
+                           else "the server shut down before this request finished")
+                    self.metrics.request(endpoint, 500)
+                    yield _sse(ApiError(500, msg, type="server_error").body())
+                else:
+                    self.metrics.request(endpoint, 200)
+                    yield chunk(None if chat else "", ev.reason)
+                    if body.include_usage():
+                        usage = {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
+                                 "total_tokens": ev.prompt_tokens + ev.completion_tokens}
+                        yield _sse({"id": rid, "object": kind, "created": created, "model": self.model_name,
+                                    "choices": [], "usage": usage})
+                yield "data: [DONE]\n\n"
+                return
+        finally:
+            if not ended:  # the client went away (the response was cancelled): free the slot
+                self.engine.cancel(req)
+                self.metrics.request(endpoint, CLIENT_GONE)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._check_key(request)
+        except ApiError as e:
+            return self._error(request.url.path, e)
+        self.metrics.request(request.url.path, 200)
+        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                         "created": self.created, "owned_by": "ktflow",
+                                                         "max_model_len": self.max_seq_len}]})
+
+    async def health(self, request: Request) -> Response:
+        stats = self.engine.stats()
+        ok = not stats["draining"] and self.engine.error is None
+        return JSONResponse({"status": "ok" if ok else "unavailable", **stats}, status_code=200 if ok else 503)
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.text(), media_type=self.metrics.content_type)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

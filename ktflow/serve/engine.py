@@ -1,0 +1,337 @@
+"""The serving engine: an iteration-level (continuous-batching) scheduler in one background thread.
+
+Requests wait in a bounded queue (`submit` raises `QueueFull` when it is full, `Draining` once
+shutdown began). Each iteration of the scheduler thread:
+
+1. retires sequences whose client went away (`cancel`) and admits waiting requests into free
+   slots (a fixed number, the runner's; a slot keeps its KV cache between sequences);
+2. prefills: at most `prefill_tokens` prompt tokens in all, in admission order, a chunk of a
+   long prompt at a time, so a long prompt delays the running decodes by one chunk per iteration;
+   the chunk that ends a prompt yields the sequence's first token;
+3. decodes one token for every sequence that has one pending;
+4. retires finished sequences (a stop string, a stop token id or eos, max_tokens, cancelled)
+   and frees their slots.
+
+The model is reached only through a `Runner` (`runner.py`). Tokens are sampled here: greedy at
+temperature 0, otherwise temperature + top-p with the request's own `torch.Generator`, seeded by
+its `seed`, so a seed gives the same tokens whatever else is running. A request hears about its
+sequence through `emit(event)`, called on the scheduler thread with a `Delta`, then one
+`Finished` or `Failed`.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import first_line
+from ..runtime.generate import sample
+from .runner import Runner
+from .stops import TextStream
+
+
+class QueueFull(Exception):
+    """The waiting queue holds `max_queue` requests already."""
+
+
+class Draining(Exception):
+    """The engine is shutting down and admits nothing new."""
+
+
+@dataclass
+class Delta:
+    """New text of a sequence (may be empty when tokens are held back), and its token count so far."""
+    text: str
+    completion_tokens: int
+
+
+@dataclass
+class Finished:
+    """The sequence ended: `reason` is 'stop', 'length' or 'cancelled'; `text` is all of it."""
+    reason: str
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Failed:
+    """The sequence failed; the other sequences go on."""
+    message: str
+
+
+Event = Delta | Finished | Failed
+
+
+@dataclass(eq=False)
+class GenRequest:
+    """One generation request as the engine sees it."""
+    prompt_ids: list[int]
+    max_tokens: int
+    emit: Callable[[Event], None]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stops: list[str] = field(default_factory=list)
+    stop_ids: frozenset[int] = frozenset()
+    arrived: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+
+
+class Metrics:
+    """What the engine reports as it runs; the default records nothing (`metrics.py` has the
+    Prometheus one)."""
+
+    def time_to_first_token(self, seconds: float) -> None: ...
+
+    def inter_token(self, seconds: float) -> None: ...
+
+    def tokens(self, prompt: int, completion: int) -> None: ...
+
+
+@dataclass(eq=False)
+class _Seq:
+    req: GenRequest
+    slot: int
+    text: TextStream
+    generator: torch.Generator | None
+    prefilled: int = 0
+    generated: list[int] = field(default_factory=list)
+    pending: int | None = None  # the sampled token the next decode step feeds
+    last_token: float = 0.0
+    done: bool = False
+
+
+class Engine:
+    """The scheduler thread and its queue (see the module docstring)."""
+
+    def __init__(self, runner: Runner, decode_text: Callable[[list[int]], str], *, eos_ids=frozenset(),
+                 max_queue: int = 64, prefill_tokens: int = 256, metrics: Metrics | None = None):
+        if max_queue < 0 or prefill_tokens < 1:
+            raise ValueError("max_queue must be >= 0 and prefill_tokens >= 1")
+        self.runner, self.decode_text = runner, decode_text
+        self.eos_ids = frozenset(eos_ids)
+        self.max_queue, self.prefill_tokens = max_queue, prefill_tokens
+        self.metrics = metrics or Metrics()
+        self._cond = threading.Condition()
+        self._waiting: deque[GenRequest] = deque()
+        self._free = list(range(runner.slots))[::-1]
+        self._running: list[_Seq] = []
+        self._draining = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.iterations = 0
+        self.error: BaseException | None = None  # a scheduler bug that stopped the thread
+
+    # ----------------------------------------------------------------------------- client side
+    @property
+    def slots(self) -> int:
+        return self.runner.slots
+
+    def stats(self) -> dict[str, int | bool]:
+        with self._cond:
+            return dict(waiting=len(self._waiting), running=len(self._running), slots=self.runner.slots,
+                        free_slots=len(self._free), draining=self._draining)
+
+    def submit(self, req: GenRequest) -> None:
+        """Queue `req`; QueueFull when max_queue requests wait already, Draining after shutdown began."""
+        with self._cond:
+            if self._draining:
+                raise Draining("the server is shutting down")
+            if len(self._waiting) - len(self._free) >= self.max_queue:  # those that will not get a slot now
+                raise QueueFull(f"{len(self._waiting)} requests are waiting already (--max-queue {self.max_queue})")
+            self._waiting.append(req)
+            self._cond.notify()
+
+    def cancel(self, req: GenRequest) -> None:
+        """The client is gone: its sequence ends (reason 'cancelled') and its slot is freed at the
+        next iteration; a request still waiting leaves the queue."""
+        with self._cond:
+            req.cancelled = True
+            if req in self._waiting:
+                self._waiting.remove(req)
+                self._emit(req, Finished("cancelled", "", len(req.prompt_ids), 0))
+            self._cond.notify()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="ktflow-serve-engine", daemon=True)
+        self._thread.start()
+
+    def drain(self) -> None:
+        """Admit no new request (submit raises Draining); what is queued or running goes on."""
+        with self._cond:
+            self._draining = True
+
+    def stop(self, timeout: float = 0.0) -> None:
+        """Drain, give what is queued and running up to `timeout` seconds to finish, cancel the
+        rest, and end the thread."""
+        self.drain()
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (self._waiting or self._running) and time.monotonic() < deadline and self._alive():
+                self._cond.wait(min(0.05, max(deadline - time.monotonic(), 0.0)))
+            self._stopping = True
+            for req in self._waiting:
+                req.cancelled = True
+                self._emit(req, Failed("the server shut down before this request started"))
+            self._waiting.clear()
+            for s in self._running:
+                s.req.cancelled = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -------------------------------------------------------------------------- scheduler side
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopping and not self._waiting and not self._running:
+                        self._cond.wait()
+                    if self._stopping and not self._running:
+                        return
+                    admitted = self._admit()
+                for s in admitted:
+                    self._start(s)
+                self._iterate()
+                self.iterations += 1
+        except BaseException as e:  # noqa: BLE001 - a bug here must not hang every client
+            self.error = e
+            with self._cond:
+                self._draining = True
+                for s in self._running:
+                    self._emit(s.req, Failed(f"the serving engine stopped: {type(e).__name__}: {first_line(e)}"))
+                for req in self._waiting:
+                    self._emit(req, Failed(f"the serving engine stopped: {type(e).__name__}: {first_line(e)}"))
+                self._waiting.clear()
+                self._running.clear()
+                self._cond.notify_all()
+
+    def _admit(self) -> list[_Seq]:
+        """Waiting requests into free slots (under the lock)."""
+        out = []
+        while self._free and self._waiting:
+            req = self._waiting.popleft()
+            gen = None
+            if req.temperature > 0:
+                gen = torch.Generator().manual_seed(req.seed if req.seed is not None else random.getrandbits(63))
+            s = _Seq(req, self._free.pop(), TextStream(self.decode_text, req.stops), gen)
+            self._running.append(s)
+            out.append(s)
+        return out
+
+    def _start(self, s: _Seq) -> None:
+        try:
+            self.runner.start(s.slot)
+        except Exception as e:  # noqa: BLE001
+            self._fail(s, e)
+
+    def _iterate(self) -> None:
+        for s in list(self._running):
+            if s.req.cancelled:
+                self._finish(s, "cancelled")
+        budget = self.prefill_tokens
+        for s in list(self._running):
+            if budget == 0:
+                break
+            prompt = s.req.prompt_ids
+            if s.done or s.prefilled >= len(prompt):
+                continue
+            n = min(budget, len(prompt) - s.prefilled)
+            last = s.prefilled + n == len(prompt)
+            try:
+                logits = self.runner.prefill(s.slot, prompt[s.prefilled:s.prefilled + n], last)
+            except Exception as e:  # noqa: BLE001 - this sequence fails, the others go on
+                self._fail(s, e)
+                continue
+            s.prefilled += n
+            budget -= n
+            if last:
+                self._accept(s, logits)
+        batch = [s for s in self._running if not s.done and s.pending is not None]
+        if batch:
+            outs = self.runner.decode([s.slot for s in batch], [s.pending for s in batch])
+            for s, out in zip(batch, outs):
+                if isinstance(out, BaseException):
+                    self._fail(s, out)
+                else:
+                    self._accept(s, out)
+        for s in [s for s in self._running if s.done]:
+            self._release(s)
+
+    def _accept(self, s: _Seq, logits: torch.Tensor) -> None:
+        """Sample the next token from `logits` [vocab] and see whether the sequence ends."""
+        if s.req.cancelled:
+            self._finish(s, "cancelled")
+            return
+        try:
+            if s.generator is None:
+                tok = int(logits.argmax())
+            else:
+                tok = int(sample(logits[None], s.req.temperature, s.req.top_p, s.generator)[0])
+        except Exception as e:  # noqa: BLE001
+            self._fail(s, e)
+            return
+        now = time.monotonic()
+        if s.generated:
+            self.metrics.inter_token(now - s.last_token)
+        else:
+            self.metrics.time_to_first_token(now - s.req.arrived)
+        s.last_token = now
+        s.generated.append(tok)
+        s.pending = tok
+        if tok in s.req.stop_ids or tok in self.eos_ids:
+            text_ids = s.generated[:-1]
+            self._delta(s, s.text.finish(text_ids))
+            self._finish(s, "stop")
+            return
+        delta = s.text.push(s.generated)
+        if s.text.stopped:
+            self._delta(s, delta)
+            self._finish(s, "stop")
+        elif len(s.generated) >= s.req.max_tokens:
+            self._delta(s, delta + s.text.finish(s.generated))
+            self._finish(s, "stop" if s.text.stopped else "length")
+        else:
+            self._delta(s, delta)
+
+    def _delta(self, s: _Seq, text: str) -> None:
+        self._emit(s.req, Delta(text, len(s.generated)))
+
+    def _finish(self, s: _Seq, reason: str) -> None:
+        if s.done:
+            return
+        s.done = True
+        self.metrics.tokens(len(s.req.prompt_ids), len(s.generated))
+        self._emit(s.req, Finished(reason, s.text.text, len(s.req.prompt_ids), len(s.generated)))
+
+    def _fail(self, s: _Seq, e: BaseException) -> None:
+        if s.done:
+            return
+        s.done = True
+        self._emit(s.req, Failed(f"{type(e).__name__}: {first_line(e)}"))
+
+    def _release(self, s: _Seq) -> None:
+        try:
+            self.runner.free(s.slot)
+        finally:
+            with self._cond:
+                self._running.remove(s)
+                self._free.append(s.slot)
+                self._cond.notify_all()
+
+    @staticmethod
+    def _emit(req: GenRequest, event: Event) -> None:
+        try:
+            req.emit(event)
+        except Exception:  # noqa: BLE001 - a client that went away cannot take events; the engine goes on
+            pass

@@ -1,0 +1,227 @@
+"""Request and response bodies of the OpenAI-compatible endpoints, as pydantic models.
+
+Requests are validated here (types, ranges, `n == 1`); what needs the model (the prompt's length
+against `max_seq_len`, the model name) is checked by the app. A failed validation becomes an
+`ApiError` whose `param` names the field, which the app answers with HTTP 400 and the OpenAI
+error body `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ApiError(Exception):
+    """An error answered to the client: HTTP `status`, a one-line `message`, the request field it
+    is about (`param`, or None) and the OpenAI error `type`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, type
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": None}}
+
+
+class _Request(BaseModel):
+    """Fields the two generation endpoints share. Fields ktflow does not use (user, metadata,
+    ...) are accepted and ignored; ones that would change the answer and are not supported
+    (n > 1, logprobs, echo, best_of > 1) are refused."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+    stop_token_ids: list[int] | None = None  # an extension: stop at any of these token ids
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"only n=1 is supported, got {v}")
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, v):
+        ok = v is None or isinstance(v, str) or isinstance(v, list) and (
+            all(isinstance(s, str) for s in v) or all(isinstance(s, int) and not isinstance(s, bool) for s in v))
+        if not ok:
+            raise ValueError("stop must be a string, a list of strings, or a list of token ids")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        if isinstance(v, list) and len(v) > 16:
+            raise ValueError(f"at most 16 stop sequences, got {len(v)}")
+        if isinstance(v, list) and any(isinstance(s, str) and not s for s in v) or v == "":
+            raise ValueError("a stop string must not be empty")
+        return v
+
+    def stop_strings(self) -> list[str]:
+        if isinstance(self.stop, str):
+            return [self.stop]
+        return [s for s in self.stop or [] if isinstance(s, str)]
+
+    def stop_ids(self) -> list[int]:
+        ids = [s for s in self.stop or [] if isinstance(s, int)] if isinstance(self.stop, list) else []
+        return ids + list(self.stop_token_ids or [])
+
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
+    logprobs: bool | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        ids = lambda x: isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)  # noqa: E731
+        ok = isinstance(v, str) or ids(v) or isinstance(v, list) and (
+            all(isinstance(p, str) for p in v) or all(ids(p) for p in v))
+        if not ok:
+            raise ValueError("prompt must be a string, a list of token ids, or a list holding one of those")
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError(f"only one prompt per request is supported, got {len(v)}")
+            v = v[0]
+        if isinstance(v, list) and not v:
+            raise ValueError("the prompt is empty")
+        return v
+
+    @field_validator("echo", "suffix", "best_of", "logprobs")
+    @classmethod
+    def _unsupported(cls, v, info):
+        if v and not (info.field_name == "best_of" and v == 1):
+            raise ValueError(f"{info.field_name} is not supported")
+        return v
+
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+
+def parse(cls: type[_Request], raw: bytes) -> Any:
+    """The request body `raw` as `cls`, or an ApiError (400) naming the field that is wrong."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        er = e.errors()[0]
+        loc = [str(p) for p in er["loc"] if not _is_union_branch(p)]
+        param = ".".join(loc) or None
+        msg = er["msg"].removeprefix("Value error, ")
+        more = f" (and {len(e.errors()) - 1} more problems)" if len(e.errors()) > 1 else ""
+        raise ApiError(400, f"{param or 'request'}: {msg}{more}", param=loc[0] if loc else None) from None
+
+
+def _is_union_branch(p: Any) -> bool:
+    """pydantic names the branch of a union it tried in the error location ('str', 'list[int]')."""
+    return isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p or p.startswith("function"))
+
+
+# ------------------------------------------------------------------------------------- responses
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatChoiceMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatChoiceMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage

@@ -1,0 +1,77 @@
+"""Putting a server together and running it: `build` makes the engine and the app for a compiled
+model and its tokenizer; `run` serves them with uvicorn until SIGTERM or Ctrl-C.
+
+Shutdown: on SIGTERM (or the first Ctrl-C) the engine stops admitting (new requests get 503),
+uvicorn stops accepting connections and waits up to `shutdown_timeout` seconds for the requests
+in flight to finish, then cancels what is left; `run` returns normally after SIGTERM (so
+`ktflow serve` exits 0) and raises KeyboardInterrupt after Ctrl-C (exit 130).
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+from ..errors import ResourceError
+from .app import ServeApp
+from .engine import Engine
+from .metrics import ServerMetrics
+from .runner import Runner, SequenceRunner
+from .tokenizer import ServeTokenizer
+
+
+@dataclass
+class Served:
+    """What `build` made: the engine (not started), the app and its Starlette application."""
+    engine: Engine
+    app: ServeApp
+    note: str = ""
+
+    @property
+    def asgi(self):
+        return self.app.starlette()
+
+
+def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: int = 4, max_queue: int = 64,
+          api_key: str | None = None, prefill_tokens: int | None = None, runner: Runner | None = None) -> Served:
+    """An engine over `runner` (default: a SequenceRunner with `max_batch` slots) and the app."""
+    runner = runner or SequenceRunner(compiled, max_batch)
+    step = prefill_tokens or min(compiled.chunk_tokens, 256)
+    eos = tokenizer.eos_ids | set(compiled.model.config.eos_ids if compiled.model is not None else ())
+    engine = Engine(runner, tokenizer.decode, eos_ids=eos, max_queue=max_queue, prefill_tokens=step)
+    metrics = ServerMetrics(engine.stats)
+    engine.metrics = metrics
+    app = ServeApp(engine, tokenizer, model_name, api_key=api_key, metrics=metrics, vocab_size=compiled.vocab_size)
+    return Served(engine, app, getattr(runner, "note", ""))
+
+
+def run(served: Served, host: str, port: int, *, shutdown_timeout: float = 30.0, log=print) -> None:
+    """Serve until SIGTERM (returns) or Ctrl-C (KeyboardInterrupt), draining as the module says."""
+    import uvicorn
+
+    engine = served.engine
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            engine.drain()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(served.asgi, host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
+    server = _Server(config)
+    terminated = []
+    # uvicorn raises the signal it caught again once it has shut down; a handler of our own takes
+    # SIGTERM's so the process ends with status 0 rather than being killed by it
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: terminated.append(sig))
+    engine.start()
+    log(f"serving {served.app.model_name} on http://{host}:{port}/v1 ({engine.slots} slots, queue {engine.max_queue}"
+        f"{', API key required' if served.app.api_key else ''}); SIGTERM or Ctrl-C stops", flush=True)
+    try:
+        server.run()
+    finally:
+        engine.stop(timeout=0.0)
+        signal.signal(signal.SIGTERM, previous)
+    if not server.started:
+        raise ResourceError(f"cannot serve on {host}:{port} (the address is in use or not this machine's); "
+                            "pick another --port or --host")
+    log("stopped", flush=True)

@@ -1,0 +1,74 @@
+"""Generated ids to text, a piece at a time, with stop strings.
+
+`TextStream.push(ids)` decodes the ids generated so far and returns the text that is safe to send:
+an incomplete UTF-8 character at the end (decoded as U+FFFD) is held back until its next byte
+arrives, and so is any tail of the text that could still become a stop string, so a stop string
+never reaches the client, streamed or not. When a stop string appears, the text ends just before
+it and `stopped` is set.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+_PARTIAL = "\ufffd"
+
+
+class TextStream:
+    """The text of one sequence's generated ids, released as deltas."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: list[str]):
+        self.decode = decode
+        self.stops = [s for s in stops if s]
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self.sent = 0  # characters of the text released so far
+        self.text = ""  # the text released so far
+        self.stopped = False
+
+    def push(self, ids: list[int]) -> str:
+        """The new text that `ids` (every id generated so far) makes safe to release."""
+        if self.stopped:
+            return ""
+        full = self.decode(ids)
+        if self.stops:
+            at = self._find_stop(full)
+            if at is not None:
+                self.stopped = True
+                return self._release(full, max(at, self.sent))
+        end = len(full)
+        while end > self.sent and full[end - 1] == _PARTIAL:  # an incomplete character: wait for its bytes
+            end -= 1
+        end -= self._partial_stop(full[:end])
+        return self._release(full, max(end, self.sent))
+
+    def finish(self, ids: list[int]) -> str:
+        """The rest of the text once generation ended for another reason than a stop string."""
+        if self.stopped:
+            return ""
+        full = self.decode(ids)
+        at = self._find_stop(full) if self.stops else None
+        if at is not None:
+            self.stopped = True
+            return self._release(full, max(at, self.sent))
+        return self._release(full, len(full))
+
+    def _release(self, full: str, end: int) -> str:
+        delta = full[self.sent:end]
+        self.sent = end
+        self.text += delta
+        return delta
+
+    def _find_stop(self, full: str) -> int | None:
+        """Where the earliest stop string starts in `full` (searched from a little before the text
+        already released), or None."""
+        start = max(0, self.sent - self.longest)
+        found = [i for i in (full.find(s, start) for s in self.stops) if i >= 0]
+        return min(found) if found else None
+
+    def _partial_stop(self, full: str) -> int:
+        """How many characters at the end of `full` are the start of some stop string."""
+        for k in range(min(self.longest - 1, len(full) - self.sent), 0, -1):
+            tail = full[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                return k
+        return 0

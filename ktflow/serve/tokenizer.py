@@ -1,0 +1,125 @@
+"""The checkpoint's tokenizer for serving: `tokenizer.json` (the `tokenizers` library) and, from
+`tokenizer_config.json`, the chat template and the bos/eos tokens.
+
+Chat templates render as in HF transformers: a sandboxed jinja2 environment with trim_blocks and
+lstrip_blocks, the loop controls extension, `raise_exception(msg)`, a `tojson` filter that keeps
+non-ASCII text, and the variables `messages`, `add_generation_prompt=True`, `bos_token` and
+`eos_token`. The rendered text is encoded without adding special tokens (the template writes
+them); a plain completion prompt is encoded with them (the tokenizer's post-processor decides).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError, ConfigError, first_line
+
+
+class TemplateError(Exception):
+    """A chat template refused the messages (its `raise_exception`) or failed to render."""
+
+
+def _token_text(v: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or {"content": ...}."""
+    if isinstance(v, dict):
+        v = v.get("content")
+    return v if isinstance(v, str) else None
+
+
+class ServeTokenizer:
+    """Encodes prompts, renders chat messages and decodes generated ids for one checkpoint dir."""
+
+    def __init__(self, tokenizer, chat_template: str | None, bos_token: str | None, eos_token: str | None,
+                 extra_eos_ids: tuple[int, ...] = ()):
+        self.tok = tokenizer
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token = bos_token, eos_token
+        eos = {tokenizer.token_to_id(eos_token)} if eos_token else set()
+        self.eos_ids = frozenset(i for i in eos | set(extra_eos_ids) if i is not None)
+        self._template = self._compile(chat_template) if chat_template else None
+
+    @staticmethod
+    def from_dir(path: str | Path, extra_eos_ids: tuple[int, ...] = ()) -> "ServeTokenizer":
+        """Load `path`/tokenizer.json and tokenizer_config.json (optional; chat_template.jinja is
+        read when the config has no template). A ConfigError names the missing or broken file."""
+        from tokenizers import Tokenizer
+
+        d = Path(path)
+        tok_file = d / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ConfigError(f"{d} has no tokenizer.json: serving text needs the checkpoint's tokenizer "
+                              "(copy tokenizer.json and tokenizer_config.json from the model's release)")
+        try:
+            tok = Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
+            raise CheckpointError(f"{tok_file} cannot be loaded as a tokenizer ({first_line(e) or type(e).__name__})") from None
+        cfg: dict[str, Any] = {}
+        cfg_file = d / "tokenizer_config.json"
+        if cfg_file.is_file():
+            try:
+                cfg = json.loads(cfg_file.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{cfg_file} is not valid JSON ({e})") from None
+            if not isinstance(cfg, dict):
+                raise CheckpointError(f"{cfg_file} must hold a JSON object")
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if template is None and (d / "chat_template.jinja").is_file():
+            template = (d / "chat_template.jinja").read_text()
+        if template is not None and not isinstance(template, str):
+            raise CheckpointError(f"{cfg_file}: chat_template must be a string, got {type(template).__name__}")
+        return ServeTokenizer(tok, template, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")),
+                              extra_eos_ids)
+
+    @staticmethod
+    def _compile(source: str):
+        from jinja2 import TemplateSyntaxError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(str(message))
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(source)
+        except TemplateSyntaxError as e:
+            raise CheckpointError(f"the chat template does not parse: {e.message} (line {e.lineno})") from None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text for `messages` ([{role, content}]); TemplateError when the template
+        refuses them or there is no template."""
+        if self._template is None:
+            raise TemplateError("this model has no chat template (tokenizer_config.json has no chat_template): "
+                                "use /v1/completions with a prompt instead")
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
+                                         eos_token=self.eos_token or "", tools=None)
+        except TemplateError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any error inside the template fails this request only
+            raise TemplateError(f"the chat template failed to render: {type(e).__name__}: {first_line(e)}") from None
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.tok.encode(self.render_chat(messages), add_special_tokens=False).ids
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
