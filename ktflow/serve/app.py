@@ -35,6 +35,8 @@ from .tokenizer import ServeTokenizer, TemplateError
 
 #: status recorded for a request whose client went away before its answer
 CLIENT_GONE = 499
+#: how often a request waiting for a whole answer checks that its client is still there
+DISCONNECT_POLL_S = 0.25
 
 
 class ServeApp:
@@ -122,19 +124,23 @@ class ServeApp:
     async def _wait(self, request: Request, req: GenRequest, queue: asyncio.Queue):
         """The request's final event (Finished or Failed), or None when the client went away
         (its sequence is cancelled)."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
         while True:
             try:
-                ev = await asyncio.wait_for(queue.get(), timeout=0.5)
+                ev = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
             except TimeoutError:
-                if await request.is_disconnected():
-                    self.engine.cancel(req)
-                    return None
-                continue
+                ev = None
             except asyncio.CancelledError:
                 self.engine.cancel(req)
                 raise
             if isinstance(ev, (Finished, Failed)):
                 return ev
+            if loop.time() - checked >= DISCONNECT_POLL_S:  # also while tokens keep coming
+                checked = loop.time()
+                if await request.is_disconnected():
+                    self.engine.cancel(req)
+                    return None
 
     # ------------------------------------------------------------------------------ endpoints
     async def chat(self, request: Request) -> Response:

@@ -5,9 +5,11 @@ shutdown began). Each iteration of the scheduler thread:
 
 1. retires sequences whose client went away (`cancel`) and admits waiting requests into free
    slots (a fixed number, the runner's; a slot keeps its KV cache between sequences);
-2. prefills: at most `prefill_tokens` prompt tokens in all, in admission order, a chunk of a
-   long prompt at a time, so a long prompt delays the running decodes by one chunk per iteration;
-   the chunk that ends a prompt yields the sequence's first token;
+2. prefills, in admission order, chunks of at most `prefill_tokens` prompt tokens, as many as
+   fit `prefill_tokens` in all (at least one), so a long prompt delays the running decodes by
+   one chunk per iteration. A prompt is always cut at the same places (multiples of
+   `prefill_tokens`), so what a sequence computes does not depend on what else runs. The chunk
+   that ends a prompt yields the sequence's first token;
 3. decodes one token for every sequence that has one pending;
 4. retires finished sequences (a stop string, a stop token id or eos, max_tokens, cancelled)
    and frees their slots.
@@ -241,12 +243,14 @@ class Engine:
                 self._finish(s, "cancelled")
         budget = self.prefill_tokens
         for s in list(self._running):
-            if budget == 0:
-                break
             prompt = s.req.prompt_ids
             if s.done or s.prefilled >= len(prompt):
                 continue
-            n = min(budget, len(prompt) - s.prefilled)
+            # chunks start at multiples of prefill_tokens whatever else runs, so a sequence's numbers
+            # (and its greedy tokens) do not depend on the load; the first chunk always runs
+            n = min(self.prefill_tokens, len(prompt) - s.prefilled)
+            if n > budget and budget < self.prefill_tokens:
+                break
             last = s.prefilled + n == len(prompt)
             try:
                 logits = self.runner.prefill(s.slot, prompt[s.prefilled:s.prefilled + n], last)

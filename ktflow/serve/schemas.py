@@ -173,7 +173,9 @@ def parse(cls: type[_Request], raw: bytes) -> Any:
         param = ".".join(loc) or None
         msg = er["msg"].removeprefix("Value error, ")
         more = f" (and {len(e.errors()) - 1} more problems)" if len(e.errors()) > 1 else ""
-        raise ApiError(400, f"{param or 'request'}: {msg}{more}", param=loc[0] if loc else None) from None
+        where = param or "request"
+        text = msg if msg.startswith(where) else f"{where}: {msg}"
+        raise ApiError(400, f"{text}{more}", param=loc[0] if loc else None) from None
 
 
 def _is_union_branch(p: Any) -> bool:

@@ -1,0 +1,480 @@
+"""`ktflow serve`: the OpenAI-compatible server on the demo checkpoint (random weights) with a small
+trained byte-level BPE tokenizer, through the official `openai` client and plain HTTP.
+
+Most tests share one server running in a thread of this process (uvicorn on a free loopback
+port) over a runner that can be slowed down and that fails any prompt holding a marked token;
+the shutdown and no-tokenizer tests run `ktflow serve` as a subprocess. Generation is checked
+against `ktflow.generate` on the same compiled model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+import ktflow  # noqa: E402
+from ktflow.serve.demo_tokenizer import write_demo_tokenizer  # noqa: E402
+from ktflow.serve.runner import SequenceRunner  # noqa: E402
+from ktflow.serve.server import build  # noqa: E402
+from ktflow.serve.stops import TextStream  # noqa: E402
+from ktflow.serve.tokenizer import ServeTokenizer  # noqa: E402
+
+MAX_SEQ = 128
+FAIL_TOKEN = 2047  # a prompt holding this id fails inside the runner (the tests' injected fault)
+COMPILE = dict(hw="paper-a100", device="cpu", max_seq_len=MAX_SEQ, max_batch=4)
+
+
+@pytest.fixture(scope="module")
+def serve_dir(demo_dir, tmp_path_factory):
+    """The demo checkpoint with a tokenizer (tokenizer.json + tokenizer_config.json with a chat template)."""
+    d = tmp_path_factory.mktemp("serve") / "demo"
+    shutil.copytree(demo_dir, d)
+    write_demo_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def compiled(serve_dir):
+    return ktflow.compile(ktflow.load(serve_dir), **COMPILE)
+
+
+@pytest.fixture(scope="module")
+def tok(serve_dir):
+    return ServeTokenizer.from_dir(serve_dir)
+
+
+class TestRunner(SequenceRunner):
+    """The per-sequence runner, with an injected fault (a prompt holding FAIL_TOKEN), an optional
+    delay per decode step, and a record of the widest decode step."""
+
+    __test__ = False
+
+    def __init__(self, compiled, slots):
+        super().__init__(compiled, slots)
+        self.delay, self.widest = 0.0, 0
+
+    def prefill(self, slot, ids, last):
+        if FAIL_TOKEN in ids:
+            raise RuntimeError("injected failure in this sequence's prefill")
+        return super().prefill(slot, ids, last)
+
+    def decode(self, slots, ids):
+        self.widest = max(self.widest, len(slots))
+        if self.delay:
+            time.sleep(self.delay)
+        return super().decode(slots, ids)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(compiled, tok, *, slots=4, **kw):
+    """A server in a thread of this process; yields (base url, Served, runner)."""
+    import uvicorn
+
+    runner = TestRunner(compiled, slots)
+    served = build(compiled, tok, "demo", runner=runner, **kw)
+    served.engine.start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(served.asgi, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", served, runner
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+        served.engine.stop()
+
+
+@pytest.fixture(scope="module")
+def srv(compiled, tok):
+    with running(compiled, tok, slots=4, max_queue=16, prefill_tokens=32) as s:
+        yield s
+
+
+@pytest.fixture
+def client(srv):
+    return openai.OpenAI(base_url=srv[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def health(base) -> dict:
+    return httpx.get(base + "/health", timeout=10).json()
+
+
+def wait_for(cond, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def reference(compiled, ids: list[int], new: int, tok) -> str:
+    """What ktflow.generate makes of `ids` greedily, up to eos, as text."""
+    out = ktflow.generate(compiled, torch.tensor([ids]), new)[0, len(ids):].tolist()
+    out = out[:next((i for i, t in enumerate(out) if t in tok.eos_ids), len(out))]
+    return tok.decode(out)
+
+
+# ------------------------------------------------------------------------------------ text pieces
+
+
+def test_text_stream_holds_back_a_partial_stop_string_and_an_incomplete_character():
+    pieces = {1: "ab", 2: "c<", 3: "|e", 4: "nd", 5: "\xe2", 6: "\x82", 7: "\xac!"}
+
+    def decode(ids):  # bytes as latin-1 chars, decoded as UTF-8 the way a byte-level tokenizer does
+        return "".join(pieces[i] for i in ids).encode("latin-1").decode("utf-8", errors="replace")
+
+    ts = TextStream(decode, ["<|end|>"])
+    assert ts.push([1]) == "ab"
+    assert ts.push([1, 2]) == "c"  # "<" may start the stop string
+    assert ts.push([1, 2, 3]) == ""  # "<|e" may still become "<|end|>"
+    assert ts.push([1, 2, 3, 4]) == ""
+    assert ts.finish([1, 2, 3, 4]) == "<|end"  # "|>" never came: "<|end" was text after all
+    assert ts.text == "abc<|end" and not ts.stopped
+    s2 = TextStream(decode, [])
+    assert s2.push([5]) == ""  # the first byte of a three-byte character
+    assert s2.push([5, 6]) == ""
+    assert s2.push([5, 6, 7]) == "€!"
+    s3 = TextStream(lambda ids: "".join("xy<|end|>z"[i] for i in ids), ["<|end|>"])
+    assert "".join(s3.push(list(range(n))) for n in range(1, 11)) == "xy" and s3.stopped
+
+
+# ------------------------------------------------------------------------------------ endpoints
+
+
+def test_completion_equals_ktflow_generate(client, compiled, tok):
+    ids = tok.encode("Hello world, what is the model?")
+    r = client.completions.create(model="demo", prompt=ids, max_tokens=12, temperature=0)
+    want = reference(compiled, ids, 12, tok)
+    assert r.choices[0].text == want
+    assert r.usage.prompt_tokens == len(ids) and r.usage.total_tokens == len(ids) + r.usage.completion_tokens
+    assert r.choices[0].finish_reason == ("length" if r.usage.completion_tokens == 12 else "stop")
+    text = client.completions.create(model="demo", prompt="Hello world, what is the model?", max_tokens=12,
+                                     temperature=0)
+    assert text.choices[0].text == want  # a text prompt is encoded (with bos) to the same ids
+
+
+def test_chat_completion_renders_the_template(client, compiled, tok):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How many experts?"}]
+    r = client.chat.completions.create(model="demo", messages=msgs, max_tokens=10, temperature=0)
+    ids = tok.encode_chat(msgs)
+    assert tok.render_chat(msgs) == "<|bos|><|system|>\nBe brief.\n<|user|>\nHow many experts?\n<|assistant|>\n"
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == reference(compiled, ids, 10, tok)
+    assert r.model == "demo" and r.id.startswith("chatcmpl-")
+
+
+def test_streaming_chunks_join_to_the_whole_answer(client):
+    msgs = [{"role": "user", "content": "Tell me about the queue"}]
+    whole = client.chat.completions.create(model="demo", messages=msgs, max_tokens=20, temperature=0)
+    chunks = list(client.chat.completions.create(model="demo", messages=msgs, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    comp = client.completions.create(model="demo", prompt="The server", max_tokens=15, temperature=0)
+    streamed = client.completions.create(model="demo", prompt="The server", max_tokens=15, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == comp.choices[0].text
+
+
+def test_stop_strings_end_the_text_before_them_streamed_or_not(client):
+    base = client.completions.create(model="demo", prompt="A slow answer", max_tokens=30, temperature=0)
+    text = base.choices[0].text
+    # a stop string from the middle of the greedy text, at its first occurrence
+    cut = next(k for k in range(len(text) // 3, len(text) - 3) if text[k:k + 3].strip() and text.find(text[k:k + 3]) == k)
+    stop = text[cut:cut + 3]
+    r = client.completions.create(model="demo", prompt="A slow answer", max_tokens=30, temperature=0,
+                                  stop=[stop, "never appears 123"])
+    assert r.choices[0].text == text[:cut] and r.choices[0].finish_reason == "stop"
+    chunks = [c.choices[0].text for c in client.completions.create(model="demo", prompt="A slow answer", max_tokens=30,
+                                                                  temperature=0, stop=stop, stream=True)]
+    assert "".join(chunks) == text[:cut]
+    assert not any(stop in c for c in chunks)
+
+
+def test_a_stop_token_id_ends_the_sequence(srv, compiled, tok):
+    ids = tok.encode("Token ids stop")
+    gen = ktflow.generate(compiled, torch.tensor([ids]), 12)[0, len(ids):].tolist()
+    gen = gen[:next((i for i, t in enumerate(gen) if t in tok.eos_ids), len(gen))]
+    assert len(gen) >= 4, "the greedy text reaches eos too soon for this test"
+    at = gen.index(gen[3])
+    body = dict(model="demo", prompt=ids, max_tokens=12, temperature=0, stop=[gen[3]])
+    r = httpx.post(srv[0] + "/v1/completions", json=body, timeout=60).json()
+    assert r["choices"][0]["text"] == tok.decode(gen[:at]) and r["choices"][0]["finish_reason"] == "stop"
+    assert r["usage"]["completion_tokens"] == at + 1
+
+
+def test_seeds_reproduce_and_greedy_is_deterministic(client):
+    kw = dict(model="demo", prompt="Sampling with a seed", max_tokens=16, temperature=1.0, top_p=0.9)
+    a = client.completions.create(seed=7, **kw).choices[0].text
+    b = client.completions.create(seed=7, **kw).choices[0].text
+    c = client.completions.create(seed=8, **kw).choices[0].text
+    assert a == b
+    assert a != c
+    g = [client.completions.create(model="demo", prompt="Greedy", max_tokens=16, temperature=0).choices[0].text
+         for _ in range(2)]
+    assert g[0] == g[1]
+
+
+def test_concurrent_requests_give_what_each_gives_alone(srv, client, tok):
+    base, served, runner = srv
+    prompts = [" ".join(["word"] * n) + f" number {n}" for n in (1, 3, 5, 7, 9)]
+    prompts.append(" ".join(f"piece {i}" for i in range(16)))  # > 64 tokens: prefilled in 32-token chunks
+    assert len(tok.encode(prompts[-1])) > 64
+    alone = [client.completions.create(model="demo", prompt=p, max_tokens=12, temperature=0).choices[0].text
+             for p in prompts]
+    seeded = client.completions.create(model="demo", prompt=prompts[0], max_tokens=12, temperature=0.8,
+                                       seed=3).choices[0].text
+    runner.widest = 0
+    results: dict[int, str] = {}
+
+    def one(i, p, **kw):
+        results[i] = client.completions.create(model="demo", prompt=p, max_tokens=12, **kw).choices[0].text
+
+    threads = [threading.Thread(target=one, args=(i, p), kwargs=dict(temperature=0)) for i, p in enumerate(prompts)]
+    threads.append(threading.Thread(target=one, args=(99, prompts[0]), kwargs=dict(temperature=0.8, seed=3)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[i] for i in range(len(prompts))] == alone
+    assert results[99] == seeded
+    assert runner.widest >= 2  # sequences did share iterations
+    assert health(base)["running"] == 0
+
+
+def test_disconnecting_mid_stream_frees_the_slot(srv):
+    base, served, runner = srv
+    runner.delay = 0.05  # 100 tokens would take 5 s
+    try:
+        before = httpx.get(base + "/metrics").text
+        with httpx.stream("POST", base + "/v1/completions", timeout=30,
+                          json=dict(model="demo", prompt="Leave early", max_tokens=100, temperature=0,
+                                    stream=True)) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(3)]
+            assert any(line.startswith("data: {") for line in got)
+            assert health(base)["running"] == 1
+        t0 = time.monotonic()
+        wait_for(lambda: health(base)["running"] == 0, timeout=1.5, what="the slot to be freed")
+        assert time.monotonic() - t0 < 1.5
+        # a client that gives up on a whole (non-streamed) answer frees its slot too
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(base + "/v1/completions", timeout=0.5,
+                       json=dict(model="demo", prompt="Leave early", max_tokens=100, temperature=0))
+        wait_for(lambda: health(base)["running"] == 0, timeout=2.0, what="the slot to be freed")
+        after = httpx.get(base + "/metrics").text
+        gone = 'ktflow_requests_total{endpoint="/v1/completions",status="499"}'
+        assert _sample(after, gone) == _sample(before, gone) + 2
+    finally:
+        runner.delay = 0.0
+
+
+def _sample(text: str, series: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_failing_request_fails_alone(srv, client):
+    base, served, runner = srv
+    out: dict = {}
+
+    def good():
+        out["good"] = client.completions.create(model="demo", prompt="Still here", max_tokens=8, temperature=0)
+
+    t = threading.Thread(target=good)
+    t.start()
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model="demo", prompt=[5, FAIL_TOKEN, 6], max_tokens=8, temperature=0)
+    t.join()
+    assert "injected failure" in e.value.message
+    assert out["good"].choices[0].finish_reason in ("stop", "length")
+    r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "ok?"}], max_tokens=4)
+    assert r.usage.completion_tokens >= 1
+    assert health(base)["status"] == "ok"
+
+
+def test_validation_errors_are_400_and_name_the_field(srv, client, tok):
+    base = srv[0]
+
+    def err(path, body: bytes | dict):
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = httpx.post(base + path, content=content, headers={"Content-Type": "application/json"}, timeout=30)
+        assert r.status_code == 400, r.text
+        e = r.json()["error"]
+        assert e["type"] == "invalid_request_error" and e["message"]
+        return e
+
+    assert "not valid JSON" in err("/v1/completions", b'{"model": "demo", "prompt": ')["message"]
+    long = " ".join(f"piece {i}" for i in range(200))
+    assert len(tok.encode(long)) > MAX_SEQ
+    e = err("/v1/completions", dict(model="demo", prompt=long))
+    assert e["param"] == "prompt" and f"context is {MAX_SEQ}" in e["message"]
+    assert err("/v1/completions", dict(model="demo", prompt="x", max_tokens=-1))["param"] == "max_tokens"
+    assert err("/v1/completions", dict(model="demo", prompt="x", max_tokens=MAX_SEQ))["param"] == "max_tokens"
+    assert err("/v1/completions", dict(model="gpt-4", prompt="x"))["param"] == "model"
+    assert err("/v1/completions", dict(model="demo", prompt="x", n=2))["param"] == "n"
+    assert err("/v1/completions", dict(model="demo", prompt=[1, 99999]))["param"] == "prompt"
+    assert err("/v1/completions", dict(model="demo", prompt="x", temperature=-1))["param"] == "temperature"
+    assert err("/v1/completions", dict(model="demo", prompt="x", stop=[1, "a"]))["param"] == "stop"
+    assert err("/v1/chat/completions", dict(model="demo", messages=[]))["param"] == "messages"
+    e = err("/v1/chat/completions", dict(model="demo", messages=[{"role": "tool", "content": "x"}]))
+    assert e["param"] == "messages" and "unknown role tool" in e["message"]
+    with pytest.raises(openai.BadRequestError) as ex:  # and as the openai client sees it
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], max_tokens=-5)
+    assert ex.value.param == "max_tokens"
+
+
+def test_metrics_have_the_named_series(srv, client):
+    base = srv[0]
+    before = httpx.get(base + "/metrics").text
+    r = client.completions.create(model="demo", prompt="Count me", max_tokens=5, temperature=0)
+    after = httpx.get(base + "/metrics")
+    assert after.headers["content-type"].startswith("text/plain")
+    for series in ("ktflow_requests_total", "ktflow_prompt_tokens_total", "ktflow_completion_tokens_total",
+                   "ktflow_queue_length", "ktflow_running_sequences", "ktflow_time_to_first_token_seconds_bucket",
+                   "ktflow_inter_token_latency_seconds_bucket"):
+        assert f"\n{series}" in after.text, series
+    name = "ktflow_completion_tokens_total"
+    assert _sample(after.text, name) == _sample(before, name) + r.usage.completion_tokens
+    ok = 'ktflow_requests_total{endpoint="/v1/completions",status="200"}'
+    assert _sample(after.text, ok) == _sample(before, ok) + 1
+    ttft = "ktflow_time_to_first_token_seconds_count"
+    assert _sample(after.text, ttft) == _sample(before, ttft) + 1
+
+
+def test_models_and_health(srv, client):
+    assert [m.id for m in client.models.list().data] == ["demo"]
+    h = health(srv[0])
+    assert h["status"] == "ok" and h["slots"] == 4 and h["free_slots"] == 4
+
+
+def test_a_full_queue_answers_429(compiled, tok):
+    with running(compiled, tok, slots=1, max_queue=1) as (base, served, runner):
+        runner.delay = 0.05
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+        first = c.completions.create(model="demo", prompt="first", max_tokens=60, temperature=0, stream=True)
+        next(iter(first))
+        wait_for(lambda: health(base)["running"] == 1, what="the first request to run")
+        second: dict = {}
+        t = threading.Thread(target=lambda: second.setdefault(
+            "r", c.completions.create(model="demo", prompt="second", max_tokens=3, temperature=0)))
+        t.start()
+        wait_for(lambda: health(base)["waiting"] == 1, what="the second request to wait")
+        r = httpx.post(base + "/v1/completions", json=dict(model="demo", prompt="third", max_tokens=3), timeout=30)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError):
+            c.completions.create(model="demo", prompt="third", max_tokens=3)
+        first.close()  # the first request leaves: the second gets the slot
+        t.join(timeout=30)
+        assert second["r"].usage.completion_tokens >= 1
+
+
+def test_no_chat_template_refuses_chat_but_serves_completions(compiled, tok):
+    bare = ServeTokenizer(tok.tok, None, tok.bos_token, tok.eos_token)
+    with running(compiled, bare, slots=1) as (base, served, runner):
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}])
+        assert "no chat template" in e.value.message and e.value.param == "messages"
+        assert c.completions.create(model="demo", prompt="hi", max_tokens=3).usage.completion_tokens >= 1
+
+
+def test_api_key_is_required_when_set(compiled, tok):
+    with running(compiled, tok, slots=1, api_key="sekret") as (base, served, runner):
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
+        r = httpx.post(base + "/v1/completions", json=dict(model="demo", prompt="x", max_tokens=2))
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        ok = openai.OpenAI(base_url=base + "/v1", api_key="sekret", max_retries=0, timeout=60)
+        assert ok.completions.create(model="demo", prompt="x", max_tokens=2).usage.completion_tokens >= 1
+        assert httpx.get(base + "/health").status_code == 200
+
+
+# ------------------------------------------------------------------------------------ the command
+
+
+def _ktflow(*args, **kw):
+    env = {**os.environ, "KTFLOW_QUIET": "1"}
+    return subprocess.Popen([sys.executable, "-m", "ktflow", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_serve_exits_0_on_sigterm_after_finishing_what_runs(serve_dir):
+    port = free_port()
+    p = _ktflow("serve", str(serve_dir), "--hw", "paper-a100", "--device", "cpu", "--max-seq-len", str(MAX_SEQ),
+                "--port", str(port), "--model-name", "demo", "--max-batch", "2")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def up():
+            assert p.poll() is None, p.communicate()[1]
+            try:
+                return httpx.get(base + "/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(up, timeout=60, what="ktflow serve to start")
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+        stream = c.completions.create(model="demo", prompt="in flight", max_tokens=60, temperature=0, stream=True)
+        it = iter(stream)
+        first = next(it)
+        p.send_signal(signal.SIGTERM)
+        rest = list(it)  # the request in flight finishes
+        assert rest[-1].choices[0].finish_reason in ("stop", "length")
+        assert len([first, *rest]) >= 2
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        assert "stopped" in out
+        with pytest.raises(httpx.TransportError):
+            httpx.get(base + "/health", timeout=2)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+def test_serve_without_a_tokenizer_exits_with_one_line(demo_dir):
+    p = _ktflow("serve", str(demo_dir), "--port", str(free_port()))
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "tokenizer.json" in lines[0] and lines[0].startswith("ktflow serve: error:")
+
+
+def test_serve_help_teaches():
+    out = subprocess.run([sys.executable, "-m", "ktflow", "serve", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for word in ("/v1/chat/completions", "--max-batch", "--max-queue", "--api-key", "127.0.0.1", "SIGTERM", "curl"):
+        assert word in out.stdout, word
