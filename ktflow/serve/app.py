@@ -111,6 +111,7 @@ class ServeApp:
                            param="stop")
         req = GenRequest(prompt_ids=ids, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                          seed=body.seed, stops=body.stop_strings(), stop_ids=frozenset(stop_ids),
+                         ignore_eos=body.ignore_eos,
                          emit=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
         try:
             self.engine.submit(req)

@@ -82,6 +82,7 @@ class GenRequest:
     seed: int | None = None
     stops: list[str] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
     arrived: float = field(default_factory=time.monotonic)
     cancelled: bool = False
 
@@ -293,7 +294,7 @@ class Engine:
         s.last_token = now
         s.generated.append(tok)
         s.pending = tok
-        if tok in s.req.stop_ids or tok in self.eos_ids:
+        if tok in s.req.stop_ids or (tok in self.eos_ids and not s.req.ignore_eos):
             text_ids = s.generated[:-1]
             self._delta(s, s.text.finish(text_ids))
             self._finish(s, "stop")

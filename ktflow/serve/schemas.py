@@ -42,6 +42,7 @@ class _Request(BaseModel):
     seed: int | None = None
     stop: str | list[str] | list[int] | None = None
     stop_token_ids: list[int] | None = None  # an extension: stop at any of these token ids
+    ignore_eos: bool = False  # an extension: generate past eos (fixed lengths for load tests)
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None

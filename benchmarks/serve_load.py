@@ -1,0 +1,195 @@
+"""A bounded load test of `ktflow serve`: N concurrent streaming clients, fixed prompts and lengths.
+
+For each number of streams, every stream sends `--requests` streamed completions one after the
+other (prompts of exactly `--prompt-tokens` token ids, `--max-tokens` new tokens, eos ignored so
+every answer has that length); a phase stops starting requests after `--max-seconds`. Prints per
+phase: total tokens/s (all streams, over the phase's wall time), tokens/s per stream (each
+request's tokens after the first over the time since its first), inter-token latency p50/p99
+(between streamed chunks), time to first token p50/p99, and appends one JSONL row per phase to
+benchmarks/serve_load.jsonl.
+
+Without --url it writes the demo checkpoint (and a small trained tokenizer) into a temporary dir,
+starts `ktflow serve` on a free loopback port with --max-batch equal to the most streams, and
+stops it with SIGTERM at the end. Traffic goes to that server or to --url only.
+
+    python benchmarks/serve_load.py --streams 1,2,4                       # the demo model, here
+    python benchmarks/serve_load.py --url http://127.0.0.1:8000 --model NAME --streams 1,8,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from common import append_jsonl, commit, machine
+
+HERE = Path(__file__).parent
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def one_request(client: httpx.Client, url: str, body: dict) -> dict:
+    """One streamed completion: its send time, each chunk's arrival, and the usage."""
+    t0 = time.perf_counter()
+    chunks, usage = [], None
+    with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            msg = json.loads(line[6:])
+            if "error" in msg:
+                raise RuntimeError(msg["error"]["message"])
+            if msg.get("usage"):
+                usage = msg["usage"]
+            if msg.get("choices") and msg["choices"][0].get("text"):
+                chunks.append(time.perf_counter())
+    return dict(start=t0, chunks=chunks, tokens=(usage or {}).get("completion_tokens", len(chunks)))
+
+
+def phase(url: str, model: str, streams: int, requests: int, prompt_tokens: int, max_tokens: int,
+          max_seconds: float, vocab: int) -> dict:
+    """`streams` clients, `requests` each (fewer if `max_seconds` runs out); the phase's numbers."""
+    results: list[dict] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    deadline = time.perf_counter() + max_seconds
+
+    def client(k: int) -> None:
+        with httpx.Client(timeout=max(60.0, max_seconds)) as c:
+            for i in range(requests):
+                if time.perf_counter() > deadline:
+                    return
+                ids = [(7 + 131 * k + 17 * i + 3 * j) % (vocab - 2) + 2 for j in range(prompt_tokens)]
+                body = dict(model=model, prompt=ids, max_tokens=max_tokens, temperature=0, stream=True,
+                            ignore_eos=True, stream_options={"include_usage": True})
+                try:
+                    res = one_request(c, url, body)
+                except Exception as e:  # noqa: BLE001 - counted and shown, the load goes on
+                    with lock:
+                        errors.append(str(e))
+                    continue
+                with lock:
+                    results.append(res)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in results)
+    itl = [(b - a) * 1e3 for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
+    ttft = [(r["chunks"][0] - r["start"]) * 1e3 for r in results if r["chunks"]]
+    rates = [(r["tokens"] - 1) / (r["chunks"][-1] - r["chunks"][0]) for r in results
+             if len(r["chunks"]) > 1 and r["chunks"][-1] > r["chunks"][0]]
+    return dict(streams=streams, requests=len(results), errors=len(errors), first_error=errors[0] if errors else None,
+                completion_tokens=tokens, wall_s=round(wall, 3), total_tok_s=round(tokens / wall, 2) if wall else 0.0,
+                per_stream_tok_s=round(statistics.mean(rates), 2) if rates else float("nan"),
+                itl_p50_ms=round(pct(itl, 0.5), 2), itl_p99_ms=round(pct(itl, 0.99), 2),
+                ttft_p50_ms=round(pct(ttft, 0.5), 2), ttft_p99_ms=round(pct(ttft, 0.99), 2))
+
+
+def start_demo_server(max_batch: int, hw: str, device: str, max_seq_len: int) -> tuple[subprocess.Popen, str, Path]:
+    """`ktflow serve` over the demo checkpoint with a trained tokenizer; (process, url, temp dir)."""
+    from ktflow.demo import ensure_demo_checkpoint
+    from ktflow.serve.demo_tokenizer import write_demo_tokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix="ktflow-serve-load-"))
+    src, _ = ensure_demo_checkpoint()
+    d = tmp / "demo"
+    shutil.copytree(src, d)
+    write_demo_tokenizer(d)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "ktflow", "serve", str(d), "--port", str(port), "--model-name", "demo",
+           "--max-batch", str(max_batch), "--max-seq-len", str(max_seq_len), "--hw", hw, "--device", device]
+    p = subprocess.Popen(cmd, env={**os.environ, "KTFLOW_QUIET": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if p.poll() is not None:
+            raise SystemExit(f"ktflow serve exited with {p.returncode} before it was up")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return p, url, tmp
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            p.kill()
+            raise SystemExit("ktflow serve did not come up in 120 s")
+        time.sleep(0.2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", help="a running server (default: start `ktflow serve` on the demo model here)")
+    ap.add_argument("--model", default="demo", help="the model name the server serves (with --url)")
+    ap.add_argument("--streams", default="1,2,4", help="comma list of concurrent client counts")
+    ap.add_argument("--requests", type=int, default=4, help="requests per stream per phase")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-seconds", type=float, default=120.0, help="a phase starts no request after this long")
+    ap.add_argument("--vocab", type=int, default=2048, help="prompt ids are drawn below this (default 2048, the "
+                    "demo model's vocabulary)")
+    ap.add_argument("--hw", default="cpu", help="demo server: hardware profile (default cpu)")
+    ap.add_argument("--device", default="cpu", help="demo server: where GPU nodes run (default cpu)")
+    ap.add_argument("--out", default=str(HERE / "serve_load.jsonl"))
+    a = ap.parse_args()
+    streams = [int(s) for s in a.streams.split(",")]
+    proc = tmp = None
+    url = a.url
+    if url is None:
+        proc, url, tmp = start_demo_server(max(streams), a.hw, a.device, a.prompt_tokens + a.max_tokens + 8)
+    try:
+        vocab = a.vocab
+        httpx.get(url + "/v1/models", timeout=10).raise_for_status()
+        rows = []
+        print(f"{'streams':>7} {'reqs':>5} {'err':>4} {'total tok/s':>12} {'tok/s/stream':>13} {'ITL p50 ms':>11} "
+              f"{'ITL p99 ms':>11} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}")
+        for n in streams:
+            r = phase(url, a.model, n, a.requests, a.prompt_tokens, a.max_tokens, a.max_seconds, vocab)
+            print(f"{r['streams']:>7} {r['requests']:>5} {r['errors']:>4} {r['total_tok_s']:>12.1f} "
+                  f"{r['per_stream_tok_s']:>13.1f} {r['itl_p50_ms']:>11.1f} {r['itl_p99_ms']:>11.1f} "
+                  f"{r['ttft_p50_ms']:>12.1f} {r['ttft_p99_ms']:>12.1f}", flush=True)
+            if r["first_error"]:
+                print(f"        first error: {r['first_error']}")
+            rows.append(dict(bench="serve_load", commit=commit(), **machine(), url="demo" if proc else url,
+                             model=a.model, prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens,
+                             hw=a.hw if proc else None, **r))
+        append_jsonl(a.out, rows)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
