@@ -433,19 +433,16 @@ def _ktflow(*args, **kw):
 
 
 def test_serve_exits_0_on_sigterm_after_finishing_what_runs(serve_dir):
-    port = free_port()
     p = _ktflow("serve", str(serve_dir), "--hw", "paper-a100", "--device", "cpu", "--max-seq-len", str(MAX_SEQ),
-                "--port", str(port), "--model-name", "demo", "--max-batch", "2")
-    base = f"http://127.0.0.1:{port}"
+                "--port", "0", "--model-name", "demo", "--max-batch", "2")
     try:
-        def up():
-            assert p.poll() is None, p.communicate()[1]
-            try:
-                return httpx.get(base + "/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(up, timeout=60, what="ktflow serve to start")
+        line = ""
+        while "serving demo on " not in line:  # --port 0: the line says which port it got
+            line = p.stdout.readline()
+            assert line, f"ktflow serve ended before serving: {p.communicate()[1]}"
+        base = line.split(" on ")[1].split("/v1")[0]
+        assert base.startswith("http://127.0.0.1:")
+        assert httpx.get(base + "/health", timeout=5).json()["slots"] == 2
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
         stream = c.completions.create(model="demo", prompt="in flight", max_tokens=60, temperature=0, stream=True)
         it = iter(stream)
@@ -471,6 +468,16 @@ def test_serve_without_a_tokenizer_exits_with_one_line(demo_dir):
     assert p.returncode == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "tokenizer.json" in lines[0] and lines[0].startswith("ktflow serve: error:")
+
+
+def test_serve_on_a_port_in_use_exits_with_one_line(serve_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        p = _ktflow("serve", str(serve_dir), "--hw", "cpu", "--max-seq-len", "64", "--port", str(s.getsockname()[1]))
+        out, err = p.communicate(timeout=120)
+    assert p.returncode == 1
+    assert len(err.strip().splitlines()) == 1 and "cannot listen on 127.0.0.1:" in err
 
 
 def test_serve_help_teaches():

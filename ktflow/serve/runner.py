@@ -66,6 +66,14 @@ class SequenceRunner:
         fingerprint = compiled.plans.model.fingerprint
         self.states = [State(fingerprint, 1, self.max_seq_len) for _ in range(slots)]
 
+    def warm(self) -> None:
+        """Run one token in every slot, so each slot's KV cache (and the plans' first-use work)
+        is made before the first request rather than during it."""
+        for slot in range(self.slots):
+            self.start(slot)
+            self.prefill(slot, [0], last=False)
+            self.start(slot)
+
     def start(self, slot: int) -> None:
         self.states[slot].position = 0
 

@@ -10,6 +10,7 @@ in flight to finish, then cancels what is left; `run` returns normally after SIG
 from __future__ import annotations
 
 import signal
+import socket
 from dataclasses import dataclass
 
 from ..errors import ResourceError
@@ -34,8 +35,11 @@ class Served:
 
 def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: int = 4, max_queue: int = 64,
           api_key: str | None = None, prefill_tokens: int | None = None, runner: Runner | None = None) -> Served:
-    """An engine over `runner` (default: a SequenceRunner with `max_batch` slots) and the app."""
-    runner = runner or SequenceRunner(compiled, max_batch)
+    """An engine over `runner` (default: a SequenceRunner with `max_batch` slots, warmed: every
+    slot's KV cache made now) and the app."""
+    if runner is None:
+        runner = SequenceRunner(compiled, max_batch)
+        runner.warm()
     step = prefill_tokens or min(compiled.chunk_tokens, 256)
     eos = tokenizer.eos_ids | set(compiled.model.config.eos_ids if compiled.model is not None else ())
     engine = Engine(runner, tokenizer.decode, eos_ids=eos, max_queue=max_queue, prefill_tokens=step)
@@ -56,7 +60,12 @@ def run(served: Served, host: str, port: int, *, shutdown_timeout: float = 30.0,
             engine.drain()
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(served.asgi, host=host, port=port, log_level="warning", access_log=False,
+    try:  # bound here, so a port in use is one clear error rather than uvicorn's log and exit
+        sock = socket.create_server((host, port), backlog=2048)
+    except OSError as e:
+        raise ResourceError(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port (or --host)") from None
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(served.asgi, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
     server = _Server(config)
     terminated = []
@@ -67,11 +76,9 @@ def run(served: Served, host: str, port: int, *, shutdown_timeout: float = 30.0,
     log(f"serving {served.app.model_name} on http://{host}:{port}/v1 ({engine.slots} slots, queue {engine.max_queue}"
         f"{', API key required' if served.app.api_key else ''}); SIGTERM or Ctrl-C stops", flush=True)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.stop(timeout=0.0)
         signal.signal(signal.SIGTERM, previous)
-    if not server.started:
-        raise ResourceError(f"cannot serve on {host}:{port} (the address is in use or not this machine's); "
-                            "pick another --port or --host")
+        sock.close()
     log("stopped", flush=True)
