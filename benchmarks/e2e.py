@@ -54,6 +54,8 @@ block scales and quantization_config), which ktflow loads as published; its expe
 `--calibrate` fits the hardware profile to the first graph variant's replayed steps
 (`ktflow.calibrate.fit_replayed`) and prints every variant's prediction with it beside its
 measured step: out of sample for the variants after the first (deferral, another format).
+A `graph+dauto` variant after the fit compiles with the fitted profile, so its choice is the
+calibrated cost model's.
 
 Rows go to benchmarks/e2e.jsonl. The checkpoint dir (--dir, default /tmp/ktflow-e2e/<model>) is
 reused when it exists and matches.
@@ -656,6 +658,8 @@ def main() -> int:
             if "+d" in v:
                 k = v.split("+d")[1]
                 opts["defer"] = "auto" if k == "auto" else int(k)
+                if k == "auto" and calibrated is not None:  # auto decides from the fitted profile
+                    opts["hw"] = calibrated
         c = ktflow.compile(model, **opts) if v == "cpu" else compile_cpu_experts(model, opts)
         if shared is None:
             shared = shared_backend(c)
@@ -697,6 +701,9 @@ def main() -> int:
         split = runs[-1][2] or {}
         replayed = split.pop("replayed", None)
         plan = c.decode
+        if opts.get("defer") == "auto":  # what auto chose, and the candidates' predicted steps
+            row["defer_cause"] = next((n.place.cause for n in plan.ir.nodes if n.op == Op.DEFER), "no deferral")
+            print(f"  {v}: {row['defer_cause']}", flush=True)
         if a.calibrate and replayed is not None:
             calibrated = calibrated_prediction(model, opts, plan, replayed, hw, calibrated, row)
         layers = [t for t in layer_times(plan) if t.layer is not None]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,7 +22,6 @@ from .options import CompileContext, CompileOptions
 from .memory import (activation_peak, gpu_activation_peak, gpu_workspace_bytes, kv_cache_bytes, prefill_room,
                      resident_gpu_bytes, staging_bytes)
 from .passes import PIPELINE, PassTimer, default_instruments, edit_pipeline, pass_id, run_pipeline
-from .passes.buffers import plan_buffers
 from .passes.schedule import steps_of
 from .plan import MemoryEstimate, ModelInfo, Plan, PlanFile
 from .runtime.execute import execute  # noqa: F401 (the public API's execute)
@@ -216,16 +216,55 @@ def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
 def _compile_plan(spec: Graph, ctx: CompileContext, instruments=(), pipeline=PIPELINE) -> Plan:
     timer = PassTimer()
     g = run_pipeline(spec, ctx, pipeline=pipeline, instruments=[timer, *instruments])
-    timings = timer.seconds
     steps = steps_of(g)  # the scheduled graph's steps
-    buffers, arenas = plan_buffers(g, steps, ctx.tokens)
-    gpu_work = any(n.place.device == Device.GPU for n in g.nodes)
-    captured = ctx.phase == "decode" and gpu_work
-    fixed = ctx.hw.overheads.graph_step_us if captured else 0.0  # a captured step's launch and start
     return Plan(phase=ctx.phase, device=ctx.device, max_seq_len=ctx.max_seq_len, step_tokens=ctx.tokens,
-                graph=g.to_dict(), steps=steps, predicted_step_us=max((s.end_us for s in steps), default=0.0) + fixed,
-                memory=_memory(g, ctx), pass_seconds=timings, buffers=buffers, arenas=arenas,
-                capture=[(0, len(steps) - 1)] if captured else [])
+                graph=g.to_dict(), steps=steps, predicted_step_us=_predicted_step_us(g, ctx),
+                memory=_memory(g, ctx), pass_seconds=timer.seconds,
+                capture=[(0, len(steps) - 1)] if _captured(g, ctx) else [])
+
+
+def _captured(g: Graph, ctx: CompileContext) -> bool:
+    """A decode plan with GPU work runs as one captured CUDA graph."""
+    return ctx.phase == "decode" and any(n.place.device == Device.GPU for n in g.nodes)
+
+
+def _predicted_step_us(g: Graph, ctx: CompileContext) -> float:
+    """The scheduled graph's last end, plus a captured step's launch and start."""
+    fixed = ctx.hw.overheads.graph_step_us if _captured(g, ctx) else 0.0
+    return max((n.timing.end_us for n in g.nodes), default=0.0) + fixed
+
+
+#: defer="auto" keeps the least deferral predicted within this fraction of the fastest candidate
+#: (deferral changes the model's outputs: it has to pay for itself)
+DEFER_TIE = 0.01
+
+
+def _decode_plan(spec: Graph, ctx: CompileContext, instruments=(), pipeline=PIPELINE) -> Plan:
+    """The decode plan. With defer="auto", the cost model picks the deferral: the decode plan of
+    every candidate is compiled and scheduled (no deferral, each uniform d from 1 to top_k - 2,
+    and the defer pass's per-layer rule, which defers until the CPU work covers the GPU gap),
+    and the one predicted fastest is kept; among those within DEFER_TIE of it, the one deferring
+    the fewest picks. With a calibrated profile (`ktflow calibrate`) the prediction is fitted to
+    measured steps, so this is the choice that measures fastest as far as the model holds. The
+    chosen plan's deferred nodes name the candidates' predicted steps (their causes)."""
+    opts = ctx.options
+    top_k = max((n.attrs.top_k for n in spec.nodes if n.op == Op.ROUTED_EXPERTS), default=0)
+    if opts.defer != "auto" or top_k < 3:
+        return _compile_plan(spec, ctx, instruments, pipeline)
+    tried = []
+    for d in [0, *range(1, top_k - 1), "auto"]:
+        c = replace(ctx, options=opts.model_copy(update=dict(defer=d or None)))
+        g = run_pipeline(spec, c, pipeline=pipeline)
+        deferred = {n.attrs.layer: n.attrs.rank_range[1] - n.attrs.rank_range[0]  # a deferred part: ranks from > 0
+                    for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.rank_range[0] > 0}
+        tried.append((_predicted_step_us(g, c), d, sum(deferred.values())))
+    best = min(us for us, _, _ in tried)
+    us, d, _ = min((t for t in tried if t[0] <= best * (1 + DEFER_TIE)), key=lambda t: (t[2], t[0]))
+    label = lambda d: "the per-layer rule" if d == "auto" else f"d={d}"  # noqa: E731
+    note = (f"auto: {label(d)} predicted {us:.0f} us/step (candidates: "
+            + ", ".join(f"{label(d)} {u:.0f}" for u, d, _ in tried) + ")")
+    return _compile_plan(spec, replace(ctx, options=opts.model_copy(update=dict(defer=d or None)), defer_choice=note),
+                         instruments, pipeline)
 
 
 def _bucket_grid(max_seq: int) -> list[int]:
@@ -341,7 +380,7 @@ def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, pr
 
     pipeline = edit_pipeline(passes)
     watching = [*default_instruments(print_after), *(instruments or ())]
-    decode = _compile_plan(spec, context("decode", opts.max_batch), watching, pipeline)
+    decode = _decode_plan(spec, context("decode", opts.max_batch), watching, pipeline)
     prefill = _prefill_plans(spec, lambda t: context("prefill", t), opts, max_seq, watching, pipeline)
     info = ModelInfo(model_type=cfg.model_type, fingerprint=model.fingerprint, path=str(model.path.resolve()),
                      layers=cfg.num_hidden_layers)

@@ -46,7 +46,7 @@ class CompileOptions(BaseModel):
         "(baselines; gpu must fit the budget)")
     defer: int | list[int] | Literal["auto"] | None = Field(
         None, description="Expert Deferral in decode plans: deferred picks per token for every MoE layer but "
-        "the last, a list with one entry per MoE layer, or 'auto' (cost model); None = no deferral")
+        "the last, a list with one entry per MoE layer, or 'auto' (the candidate the cost model predicts fastest); None = no deferral")
     numa: Literal["auto", "tp", "ep"] = Field(
         "auto", description="how CPU experts split over NUMA nodes: tp (each node a slice of every expert), "
         "ep (whole experts per node), auto (the cheaper by the cost model; ties go to tp)")
@@ -97,6 +97,9 @@ class CompileContext:
     device: Literal["cpu", "cuda"]
     routing: RoutingProfile | None = None
     fp8_block: tuple[int, int] | None = None  # an FP8 checkpoint's scale block (quantization_config)
+    #: why this deferral (compile's defer="auto" search names the candidates it compared); the
+    #: defer pass writes it into its nodes' causes
+    defer_choice: str = ""
 
     @property
     def label(self) -> str:

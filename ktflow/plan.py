@@ -22,6 +22,7 @@ from .fsutil import write_atomic
 from .hw import HwProfile
 from .ir.graph import Graph
 from .ir.printer import print_graph
+from .ir.types import Slot
 from .options import CompileOptions
 from .version import PLAN_FORMAT, __version__
 
@@ -47,20 +48,6 @@ class Step(BaseModel):
     start_us: float
     end_us: float
     event: str | None = None
-
-
-class Buffer(BaseModel):
-    """Where a step's value lives: an offset in an arena, live from its producing step to its
-    last reader. Arenas: gpu (device memory), host, pinned (the exchange buffer PCIe copies
-    read and write), staging (GPU slots streamed expert weights are fetched into)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    value: str
-    arena: Literal["gpu", "host", "pinned", "staging"]
-    offset: int
-    bytes: int
-    first_step: int
-    last_step: int
 
 
 class ModelInfo(BaseModel):
@@ -93,8 +80,6 @@ class Plan(BaseModel):
     predicted_step_us: float
     memory: MemoryEstimate
     pass_seconds: dict[str, float]
-    buffers: list[Buffer]
-    arenas: dict[str, int]  # bytes of each arena (for step_tokens tokens)
     #: (first, last) step indices captured as one CUDA graph each: decode, every step of a plan
     #: with GPU work; prefill runs eagerly
     capture: list[tuple[int, int]]
@@ -102,6 +87,20 @@ class Plan(BaseModel):
     @cached_property
     def ir(self) -> Graph:
         return Graph.from_dict(self.graph)
+
+    @cached_property
+    def buffers(self) -> dict[str, Slot]:
+        """Where each value of the step lives (the buffer pass's `Node.buffer`), in graph order."""
+        return {n.name: n.buffer for n in self.ir.nodes if n.buffer is not None}
+
+    def arena_bytes(self, tokens: int | None = None) -> dict[str, int]:
+        """Bytes of each arena in a step of `tokens` tokens (default: the plan's step_tokens)."""
+        t = self.step_tokens if tokens is None else tokens
+        out: dict[str, int] = {}
+        for slot in self.buffers.values():
+            off, size = slot.span(t)
+            out[slot.arena] = max(out.get(slot.arena, 0), off + size)
+        return out
 
     @cached_property
     def frees(self) -> list[list[str]]:
@@ -125,7 +124,7 @@ class Plan(BaseModel):
         for i, s in enumerate(self.steps):
             ev = f"  [{s.event}]" if s.event else ""
             lines.append(f"  {i:4d} {s.kind:6s} {s.lane:5s} {s.node:28s} {s.start_us:12.1f} .. {s.end_us:12.1f} us{ev}")
-        lines.append("buffers: " + ", ".join(f"{a} {n / 1e6:.2f} MB" for a, n in sorted(self.arenas.items()))
+        lines.append("buffers: " + ", ".join(f"{a} {n / 1e6:.2f} MB" for a, n in sorted(self.arena_bytes().items()))
                      + f"; capture regions: {self.capture or 'none (eager)'}")
         return "\n".join(lines) + "\n"
 

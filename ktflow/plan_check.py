@@ -1,5 +1,5 @@
 """Checks a plan read from a file before anything runs it: its graph rebuilt into the typed IR
-and verified up to the lowered stage (ktflow.ir.verify), then its schedule and buffers (rules K1-K8
+and verified at its stage (ktflow.ir.verify), then its schedule and buffers (rules K1-K8
 below), so that an edited or damaged plan is refused at load with the rule it breaks instead of
 failing midway through a run.
 
@@ -10,8 +10,8 @@ K3  every node has exactly one step that runs it
 K4  a node runs after the nodes it reads
 K5  every wait follows the record of its event; events are recorded once
 K6  lanes are gpu, copy, fetch, cpu or cpu<k>; CPU nodes run on cpu lanes, GPU nodes on the others
-K7  buffers hold graph values inside their arena, live over steps of the plan, and no two
-    buffers of one arena share bytes while both are live
+K7  every value's buffer (the graph's slots: rules B1, B2) is live over the steps that write and
+    read it, inside the plan
 K8  captured step ranges lie inside the plan
 K9  (the file) every plan has the file's max_seq_len, prefill steps fit it, the decode step is
     max_batch tokens, and each plan's predicted KV-cache bytes are those of max_seq_len x max_batch
@@ -20,7 +20,6 @@ K9  (the file) every plan has the file's max_seq_len, prefill steps fit it, the 
 from __future__ import annotations
 
 import re
-from bisect import insort
 from typing import TYPE_CHECKING
 
 from .ir.ops import Op
@@ -44,8 +43,7 @@ def plan_problems(plan: "Plan") -> list[str]:
     except (KeyError, ValueError, TypeError, IndexError, AttributeError, RecursionError, KtflowError) as e:
         return [f"graph: cannot be rebuilt ({type(e).__name__}: {e})"]
     try:
-        # a plan written since the schedule became a pass carries its nodes' times: checked too
-        found = violations(g, "scheduled" if any(n.timing is not None for n in g.nodes) else "lowered")
+        found = violations(g, "buffered")
     except (KeyError, ValueError, TypeError, IndexError, AttributeError, ZeroDivisionError, OverflowError,
             MemoryError) as e:
         return [f"graph: the verifier cannot read it ({type(e).__name__}: {e})"]
@@ -101,37 +99,31 @@ def _schedule_problems(plan: "Plan", g) -> list[str]:
     not_run = sorted(names - ran_at.keys())
     if not_run:
         out.append(f"K3: nodes {not_run[:5]}{' ...' if len(not_run) > 5 else ''} have no step that runs them")
-    out += _buffer_problems(plan, names)
+    out += _buffer_problems(plan, g)
     steps = len(plan.steps)
     out += [f"K8: captured steps {a}..{b} are not inside the plan's {steps} steps" for a, b in plan.capture
             if not 0 <= a <= b < steps]
     return out
 
 
-def _buffer_problems(plan: "Plan", names: set[str]) -> list[str]:
+def _buffer_problems(plan: "Plan", g) -> list[str]:
+    """K7: each slot (rules B1, B2 checked its shape and overlaps) is live over the plan's steps
+    that write and read its value: a slot freed before a reader would let another value
+    overwrite it."""
     out: list[str] = []
     steps = len(plan.steps)
-    by_arena: dict[str, list] = {}
-    for b in plan.buffers:
-        where = f"buffer of {b.value} in arena {b.arena}"
-        size = plan.arenas.get(b.arena)
-        if b.value not in names:
-            out.append(f"K7: {where}: no such value in the graph")
-        elif size is None or b.offset < 0 or b.bytes < 0 or b.offset + b.bytes > size:
-            out.append(f"K7: {where}: bytes {b.offset}..{b.offset + b.bytes} lie outside the arena's {size}")
-        elif not 0 <= b.first_step <= b.last_step < steps:
-            out.append(f"K7: {where}: live over steps {b.first_step}..{b.last_step}, not inside the plan's {steps}")
-        else:
-            by_arena.setdefault(b.arena, []).append(b)
-    for arena, bufs in by_arena.items():  # a sweep over steps: the buffers live at once, by offset
-        live: list[tuple[int, int, str, int]] = []  # (offset, end, value, last step)
-        for b in sorted(bufs, key=lambda b: (b.first_step, b.offset)):
-            live = [x for x in live if x[3] >= b.first_step]
-            for off, end, value, _ in live:
-                if b.offset < end and off < b.offset + b.bytes and b.bytes and end > off:
-                    out.append(f"K7: buffers of {value} and {b.value} share bytes of arena {arena} while both are live")
-                    break
-            insort(live, (b.offset, b.offset + b.bytes, b.value, b.last_step))
+    home = {n.name: n.inputs[1] for n in g.nodes if n.op == Op.SYNC}
+    for i, s in enumerate(plan.steps):
+        for v in s.writes + s.reads:
+            while v in home:
+                v = home[v]
+            b = plan.buffers.get(v)
+            if b is not None and not b.first_step <= i <= b.last_step:
+                out.append(f"K7: step {i} ({s.kind} {s.node}) uses {v}, whose buffer is live over steps "
+                           f"{b.first_step}..{b.last_step} only")
+    for v, b in plan.buffers.items():
+        if b.last_step >= steps:
+            out.append(f"K7: buffer of {v} is live until step {b.last_step}, past the plan's {steps} steps")
     return out
 
 

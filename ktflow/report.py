@@ -64,7 +64,7 @@ placement tables below.</p>
 {% if defers %}<table><tr><th>deferred edge</th><th>from layer</th><th>to layer</th><th>why</th></tr>
 {% for n in defers %}<tr><td>{{ n.name }}</td><td class="num">{{ n.attrs.src }}</td><td class="num">{{ n.attrs.dst }}</td>
 <td>{{ n.place.cause }}</td></tr>
-{% endfor %}</table>{% else %}<p>No deferral (option <code>defer</code> unset or 0; prefill plans never defer).</p>{% endif %}
+{% endfor %}</table>{% else %}<p>No deferral (option <code>defer</code> unset or 0, or <code>auto</code> predicted the plan without it fastest; prefill plans never defer).</p>{% endif %}
 
 {% for p in [pf.decode, pf.prefill[-1]] %}
 <h2>Placement, {{ p.phase }} plan{% if p.phase == "prefill" %} (largest bucket, {{ p.step_tokens }} tokens){% endif %}</h2>

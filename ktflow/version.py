@@ -1,3 +1,3 @@
 __version__ = "0.1.0"
 #: bumped whenever the plan JSON layout changes
-PLAN_FORMAT = 4  # 4: weights carry `held`, residual adds their layer, the file its pipeline
+PLAN_FORMAT = 5  # 5: buffers live on the graph's nodes (the buffer pass), per token

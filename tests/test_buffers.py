@@ -17,31 +17,70 @@ def test_values_live_at_once_never_share_bytes(hybrid, which):
 
 
 def _no_overlap(plan):
-    by_arena = {}
-    for b in plan.buffers:
-        by_arena.setdefault(b.arena, []).append(b)
-        assert b.offset % 256 == 0 and b.offset + b.bytes <= plan.arenas[b.arena]
-    for bufs in by_arena.values():
-        for i, a in enumerate(bufs):
-            for b in bufs[i + 1:]:
-                if a.first_step <= b.last_step and b.first_step <= a.last_step:
-                    assert a.offset + a.bytes <= b.offset or b.offset + b.bytes <= a.offset, (a, b)
+    """Checked by hand (not by the verifier the pass is held to), at the plan's step size and at
+    other sizes: the per-token layout serves every step size."""
+    for tokens in (plan.step_tokens, 1, 3, 4 * plan.step_tokens):
+        arenas = plan.arena_bytes(tokens)
+        by_arena = {}
+        for value, b in plan.buffers.items():
+            offset, size = b.span(tokens)
+            by_arena.setdefault(b.arena, []).append((offset, size, b.first_step, b.last_step, value))
+            if b.per_token:
+                assert offset % (64 * tokens) == 0 and size >= plan.ir.by_name(value).out.numel(tokens) * \
+                    plan.ir.by_name(value).out.dtype.itemsize
+            assert offset + size <= arenas[b.arena]
+        for bufs in by_arena.values():
+            for i, (o1, n1, f1, l1, v1) in enumerate(bufs):
+                for o2, n2, f2, l2, v2 in bufs[i + 1:]:
+                    if f1 <= l2 and f2 <= l1:
+                        assert o1 + n1 <= o2 or o2 + n2 <= o1, (v1, v2, tokens)
+
+
+def test_the_buffer_plan_is_a_verified_pass(hybrid):
+    """The buffer pass ends the pipeline: the graph's nodes carry their slots, the plan reads them
+    there, and the verifier's buffer rules hold the pass (an overlap is caught, naming B2)."""
+    from dataclasses import replace
+
+    from ktflow.ir.verify import VerifyError, verify
+    from ktflow.passes import pass_names
+
+    assert pass_names()[-2:] == ["schedule", "plan_buffers"]
+    plan = hybrid.decode
+    g = plan.ir
+    assert set(plan.buffers) == {n.name for n in g.nodes if n.buffer is not None}
+    verify(g, "buffered")
+    pinned = [n for n in g.nodes if n.buffer is not None and n.buffer.arena == "pinned"]
+    a, b = next((a, b) for a in pinned for b in pinned if a.name < b.name  # two exchange values live at once
+                and a.buffer.first_step <= b.buffer.last_step and b.buffer.first_step <= a.buffer.last_step)
+    moved = replace(b, buffer=replace(b.buffer, offset=a.buffer.offset))
+    with pytest.raises(VerifyError, match="B2"):
+        verify(g.replace_nodes(moved if n.name == b.name else n for n in g.nodes), "buffered")
+    with pytest.raises(VerifyError, match="B1"):
+        verify(g.replace_nodes(replace(n, buffer=None) if n.name == a.name else n for n in g.nodes), "buffered")
+
+
+def test_a_larger_batch_scales_the_arenas(hybrid):
+    """The layout is per token: a decode batch of 4 needs 4x the exchange memory of one token."""
+    plan = hybrid.decode
+    assert plan.step_tokens == 1
+    one, four = plan.arena_bytes(1), plan.arena_bytes(4)
+    assert four["pinned"] == 4 * one["pinned"] and four["gpu"] == 4 * one["gpu"]
 
 
 def test_arenas_reuse_memory_across_layers(hybrid):
     plan = hybrid.decode
-    total = sum(b.bytes for b in plan.buffers)
-    assert sum(plan.arenas.values()) < total / 2  # liveness reuse, not one slot per value
-    pinned = {b.value for b in plan.buffers if b.arena == "pinned"}
+    total = sum(b.bytes for b in plan.buffers.values())
+    assert sum(plan.arena_bytes().values()) < total / 2  # liveness reuse, not one slot per value
+    pinned = {v for v, b in plan.buffers.items() if b.arena == "pinned"}
     assert "L2.experts" in pinned and "L2.ffn_norm.to_cpu" in pinned  # what crosses PCIe on the host side
-    assert not any(b.value.endswith(".sync") for b in plan.buffers)  # a sync aliases its task's buffer
-    task = next(b for b in plan.buffers if b.value == "L2.experts")
+    assert not any(v.endswith(".sync") for v in plan.buffers)  # a sync aliases its task's buffer
+    task = plan.buffers["L2.experts"]
     copy_step = next(i for i, s in enumerate(plan.steps) if s.node == "L2.experts.to_gpu" and s.kind == "copy")
     assert task.last_step >= copy_step  # live until the copy has read it
     g = plan.ir
-    for b in plan.buffers:  # unpinned buffers live on their node's device
+    for v, b in plan.buffers.items():  # unpinned buffers live on their node's device
         if b.arena != "pinned":
-            assert b.arena == ("gpu" if g.by_name(b.value).place.device.value == "gpu" else "host"), b
+            assert b.arena == ("gpu" if g.by_name(v).place.device.value == "gpu" else "host"), b
 
 
 def test_events_pair_writers_with_readers_on_other_lanes(hybrid):
@@ -75,7 +114,7 @@ def test_cpu_task_values_live_from_submit_to_sync(hybrid):
     plan = hybrid.decode
     g = plan.ir
     at = {(s.kind, s.node): i for i, s in enumerate(plan.steps)}
-    buf = {b.value: b for b in plan.buffers}
+    buf = plan.buffers
     sync_of = {n.inputs[1]: n.name for n in g.nodes if n.op.value == "sync"}
     checked = 0
     for sub in (n for n in g.nodes if n.op.value == "submit"):

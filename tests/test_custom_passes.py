@@ -33,7 +33,7 @@ def test_edit_pipeline_inserts_replaces_and_drops_in_order():
     p = edit_pipeline([("after:place_by_intensity", tag_causes), ("drop:defer_experts", None),
                        ("before:annotate_costs", forget_placements)])
     assert pass_names(p) == ["forget_placements", "annotate_costs", "place_by_intensity", "tag_causes",
-                             "place_prefill_experts", "split_numa", "lower", "schedule"]
+                             "place_prefill_experts", "split_numa", "lower", "schedule", "plan_buffers"]
     stages = dict((fn.__name__, stage) for fn, stage in p)
     assert stages["tag_causes"] == "placed" and stages["forget_placements"] == "spec"
     assert pass_names(edit_pipeline([("replace:place_by_intensity", every_expert_on_the_cpu)]))[1] == \
@@ -72,7 +72,7 @@ def test_compile_runs_custom_passes_and_the_plan_records_them(demo_dir, tmp_path
     assert ktflow.Compiled.load(tmp_path / "p.json", model).plans.pipeline == c.plans.pipeline
     assert "pipeline  " in c.summary() and "tag_causes" in c.summary()
     plain = ktflow.compile(model, hw="paper-a100", vram_budget_gb=0.004)
-    assert "pipeline  " not in plain.summary() and len(plain.plans.pipeline) == 7
+    assert "pipeline  " not in plain.summary() and len(plain.plans.pipeline) == 8
 
 
 def test_a_replaced_pass_decides_and_a_broken_one_is_named(demo_dir):
@@ -100,7 +100,7 @@ def gpu_attention_only(g, ctx):
 def test_an_inserted_pass_takes_the_stage_of_the_pass_before_it_after_every_edit():
     from ktflow.passes import PIPELINE
 
-    without_schedule = PIPELINE[:-1]  # (the schedule needs the lowered graph)
+    without_schedule = PIPELINE[:-2]  # (the schedule needs the lowered graph, the buffer pass the scheduled one)
     p = edit_pipeline([("after:lower", tag_causes), ("drop:lower", None)], pipeline=without_schedule)
     assert dict((fn.__name__, stage) for fn, stage in p)["tag_causes"] == "placed"  # lower is gone
 
@@ -158,7 +158,7 @@ def test_cli_loads_passes_from_a_file_and_a_module(demo_dir, tmp_path, monkeypat
     assert any(p.endswith(":mark") for p in plan["pipeline"]) and not any("defer_experts" in p for p in plan["pipeline"])
     monkeypatch.syspath_prepend(str(tmp_path))
     assert cli.main(["compile", str(demo_dir), "--hw", "paper-a100", "--pass", "mypasses:mark", "-o", str(out)]) == 0
-    assert json.loads(out.read_text())["pipeline"][-3].endswith("mypasses:mark")  # default: before lower
+    assert json.loads(out.read_text())["pipeline"][-4].endswith("mypasses:mark")  # default: before lower
     capsys.readouterr()
     for bad, message in ((f"{f}:nothing", "has no function 'nothing'"), ("no_such_module_x:f", "importing no_such"),
                          (f"{f}:mark@under=lower", "@after=PASS, @before=PASS or @replace=PASS")):

@@ -143,12 +143,17 @@ def test_an_edited_or_damaged_plan_is_refused_at_load(capsys, tmp_path, demo_dir
         s[i], s[j] = s[j], s[i]
 
     def bad_buffer(p):
-        p["buffers"][0]["offset"] = 1 << 40
+        next(n for n in p["graph"]["nodes"] if "buffer" in n)["buffer"]["offset"] = 1 << 40
+
+    def short_lived(p):  # a buffer freed before the step that writes it
+        n = next(n for n in p["graph"]["nodes"] if "buffer" in n and n["buffer"]["first_step"] > 0)
+        n["buffer"]["first_step"] = n["buffer"]["last_step"] = 0
 
     def untimed(p):
         del next(n for n in p["graph"]["nodes"] if n["inputs"])["timing"]
 
-    for change, rule in ((drop_node, "V"), (swap_steps, "K4"), (bad_buffer, "K7"), (untimed, "T1")):
+    for change, rule in ((drop_node, "V"), (swap_steps, "K4"), (bad_buffer, "B3"), (short_lived, "K7"),
+                         (untimed, "T1")):
         bad = edited(change, f"{rule}.json")
         for argv in (["inspect", bad], ["run", demo_dir, "--plan", bad, "--input-ids", "1 2"]):
             code, _, err = run_cli(capsys, *argv)

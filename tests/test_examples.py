@@ -57,7 +57,7 @@ def test_the_examples_run_from_the_command_line(demo_dir, tmp_path):
     pf = ktflow.Compiled.load(out, demo_dir).plans
     assert [p.rsplit(":", 1)[1] for p in pf.pipeline] == ["annotate_costs", "place_by_intensity", "pin_first_moe_layer",
                                                          "place_prefill_experts", "defer_by_depth", "split_numa",
-                                                         "lower", "schedule"]
+                                                         "lower", "schedule", "plan_buffers"]
     r = subprocess.run([env_py, str(EXAMPLES / "compare_plans.py"), str(demo_dir), "--vram-budget-gb", "0.004"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

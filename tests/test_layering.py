@@ -16,9 +16,6 @@ COMPILER = [*(ROOT / "ir").glob("*.py"), *(ROOT / "passes").glob("*.py"),
             *(ROOT / f for f in ("cost.py", "memory.py", "plan.py", "plan_check.py", "timeline.py", "diff.py",
                                  "options.py"))]
 RUNNING = ("ktflow.backends", "ktflow.runtime", "ktflow.native", "ktflow._native", "ktflow.api", "torch")
-#: backends/cuda_graph.py makes the buffer plan of a batch larger than the plan's step at bind
-#: time; that plan belongs in the Plan (issue 17, deliverable 6), until then it is the one exception
-BACKEND_PLANS = {("cuda_graph.py", "ktflow.passes.buffers")}
 
 
 def imported(path: Path) -> set[str]:
@@ -48,7 +45,7 @@ def test_compiling_imports_nothing_that_runs():
 def test_backends_do_not_plan():
     found = {(p.name, i) for p in (ROOT / "backends").glob("*.py") for i in imported(p) if under(i, ("ktflow.passes",))}
     found = {(f, i.rsplit(".", 1)[0] if i.count(".") > 2 else i) for f, i in found}
-    assert found <= BACKEND_PLANS, found - BACKEND_PLANS
+    assert not found, found
 
 
 def test_runtime_and_api_do_not_import_each_other():
@@ -59,7 +56,7 @@ def test_runtime_and_api_do_not_import_each_other():
 def test_the_reader_sees_imports_inside_functions():
     """The rules above would pass vacuously if lazy imports went unseen."""
     assert "ktflow.backends.BACKENDS" not in imported(ROOT / "options.py")  # moved out this way
-    assert "ktflow.passes.buffers.plan_buffers" in imported(ROOT / "backends" / "cuda_graph.py")
+    assert "ktflow.ir.verify.violations" in imported(ROOT / "plan_check.py")  # inside plan_problems
     assert "ktflow.native" in imported(ROOT / "backends" / "__init__.py")  # inside resolve_backend
 
 

@@ -88,7 +88,8 @@ def test_print_after_and_dump(tmp_path, monkeypatch):
     assert "@cpu" in text
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "decode.01.annotate_costs.txt", "decode.02.place_by_intensity.txt", "decode.03.place_prefill_experts.txt",
-        "decode.04.defer_experts.txt", "decode.05.split_numa.txt", "decode.06.lower.txt", "decode.07.schedule.txt"]
+        "decode.04.defer_experts.txt", "decode.05.split_numa.txt", "decode.06.lower.txt", "decode.07.schedule.txt",
+        "decode.08.plan_buffers.txt"]
     with pytest.raises(PassError, match="no such pass"):
         run_pipeline(graph_of("mixtral"), ctx(), instruments=[PrintAfter("nope")])
 

@@ -79,7 +79,7 @@ def test_short_prompts_stay_on_the_cpu_long_ones_stream(demo_dir):
     # the copy of layer 2's experts runs while layer 1 computes (two slots), layer 3's waits for slot 0
     assert steps["L2.experts.fetch"].start_us < steps["L1.experts"].end_us
     assert steps["L3.experts.fetch"].start_us >= steps["L1.experts"].end_us
-    assert long.memory.staging_bytes > 0 and long.arenas["staging"] >= 2 * fetches[0].out.numel(0) * 2
+    assert long.memory.staging_bytes > 0 and long.arena_bytes()["staging"] >= 2 * fetches[0].out.numel(0) * 2
 
 
 def test_auto_buckets_merge_where_decisions_agree(demo_dir):

@@ -69,9 +69,11 @@ class _Collect(HTMLParser):
 
 
 def test_report_lists_deferral_choices(demo_dir):
-    c = ktflow.compile(ktflow.load(demo_dir), hw="paper-a100", vram_budget_gb=0.004, defer="auto")
+    c = ktflow.compile(ktflow.load(demo_dir), hw="paper-a100", vram_budget_gb=0.004, defer=1)
     html = render_report(c.plans)
-    assert "L1.deferred" in html and "auto: deferred CPU work" in html
+    assert "L1.deferred" in html and "fixed by option" in html
+    c = ktflow.compile(ktflow.load(demo_dir), hw="paper-a100", vram_budget_gb=0.004, defer=[2, 1, 0])
+    assert "L2.deferred" in render_report(c.plans)
     assert "No deferral" in render_report(ktflow.compile(ktflow.load(demo_dir), hw="cpu").plans)
 
 

@@ -58,7 +58,6 @@ from ..errors import ConfigError, InputError, KtflowError
 from ..ir.graph import Graph, Node
 from ..ir.ops import Op
 from ..ir.types import Device, DType
-from ..passes.buffers import plan_buffers
 from ..plan import Plan, Step
 from ..weights import TORCH_DTYPE
 from . import pinned_copy
@@ -322,11 +321,9 @@ class DecodeGraph:
     # ------------------------------------------------------------------------------ binding
     def _bind(self, b: int) -> Bound:
         plan, g = self.plan, self.g
-        # the plan's buffer plan (its arenas are for step_tokens = max_batch tokens); a larger batch
-        # gets the same liveness plan for its own size
-        buffers, arenas = (plan.buffers, plan.arenas) if b <= plan.step_tokens else plan_buffers(g, plan.steps, b)
-        arena = torch.zeros(max(arenas.get("pinned", 0), 1), dtype=torch.uint8, pin_memory=True)
-        slots = exchange_slots(g, buffers, arena, b)
+        # the plan's buffer plan is per token: the same layout for any batch
+        arena = torch.zeros(max(plan.arena_bytes(b).get("pinned", 0), 1), dtype=torch.uint8, pin_memory=True)
+        slots = exchange_slots(g, plan.buffers, arena, b)
         tasks = {n.attrs.task: native_batches(self.be, g, n, slots, self.home) for n in g.nodes if n.op == Op.SUBMIT}
         done_at, flag_at = done_flags(self.driver, tasks)
         bells, ring = {}, None
@@ -547,19 +544,19 @@ def exchange_slots(g: Graph, buffers, arena: torch.Tensor, tokens: int) -> dict[
     """Views of the pinned exchange arena for every value the buffer plan put there, shaped for
     `tokens` tokens (a routing is an (ids int64, weights float32) pair, ids first)."""
     slots: dict[str, Any] = {}
-    for buf in buffers:
+    for value, buf in buffers.items():
         if buf.arena != "pinned":
             continue
-        t = g.by_name(buf.value).out
+        t, (offset, _) = g.by_name(value).out, buf.span(tokens)
         if t.dtype == DType.ROUTE:
             k = t.shape[1]
-            ids = arena[buf.offset:buf.offset + tokens * k * 8].view(torch.int64).view(tokens, k)
-            wts = arena[buf.offset + tokens * k * 8:buf.offset + tokens * k * 12].view(torch.float32).view(tokens, k)
-            slots[buf.value] = (ids, wts)
+            ids = arena[offset:offset + tokens * k * 8].view(torch.int64).view(tokens, k)
+            wts = arena[offset + tokens * k * 8:offset + tokens * k * 12].view(torch.float32).view(tokens, k)
+            slots[value] = (ids, wts)
         else:
             dt = _TORCH_DTYPE[t.dtype]
             n = t.numel(tokens) * dt.itemsize
-            slots[buf.value] = arena[buf.offset:buf.offset + n].view(dt).view(t.concrete(tokens))
+            slots[value] = arena[offset:offset + n].view(dt).view(t.concrete(tokens))
     return slots
 
 

@@ -102,20 +102,21 @@ class PrefillRunner:
     # ------------------------------------------------------------------------------ binding
     def _bind(self) -> PrefillBound:
         plan, g, be = self.plan, self.g, self.be
-        arena = torch.zeros(max(plan.arenas.get("pinned", 0), 1), dtype=torch.uint8, pin_memory=True)
+        arenas = plan.arena_bytes()
+        arena = torch.zeros(max(arenas.get("pinned", 0), 1), dtype=torch.uint8, pin_memory=True)
         slots = exchange_slots(g, plan.buffers, arena, plan.step_tokens)
         tokens = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         tasks = {n.attrs.task: native_batches(be, g, n, slots, self.home, tokens=tokens)
                  for n in g.nodes if n.op == Op.SUBMIT}
         done_at, _ = done_flags(be.driver, tasks)
         staged, landing = {}, 0
-        for buf in plan.buffers:
+        for value, buf in plan.buffers.items():
             if buf.arena == "staging":
-                n = g.by_name(buf.value)
+                n = g.by_name(value)
                 staged[n.name] = (buf.offset, buf.bytes, n.out.concrete(0))
                 landing = max(landing, be.stagers[node_key(n)].landing_bytes(len(n.attrs.subset)))
         return PrefillBound(arena=arena, slots=slots, tokens=tokens, tasks=tasks, done_at=done_at, staged=staged,
-                            staging_bytes=plan.arenas.get("staging", 0), landing_bytes=landing)
+                            staging_bytes=arenas.get("staging", 0), landing_bytes=landing)
 
     def _staging(self, bound: PrefillBound) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         """This step's staging slots and landing buffer: views of the backend's GPU buffers,

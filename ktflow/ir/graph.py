@@ -14,7 +14,7 @@ from typing import Any, Iterable
 import networkx as nx
 
 from .ops import FACTS, Op, attrs_from_dict, attrs_to_dict, dataclass_from, typed
-from .types import Cost, Device, DType, Placement, TensorType, Timing, WeightRef
+from .types import Cost, Device, DType, Placement, Slot, TensorType, Timing, WeightRef
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class Node:
     place: Placement | None = None
     cost: Cost | None = None
     timing: Timing | None = None  # set by the schedule pass
+    buffer: Slot | None = None  # set by the buffer pass
 
     def weight_elems(self) -> int:
         """Elements of the weights this node holds (a routed-expert subset: its experts only)."""
@@ -64,6 +65,10 @@ class Node:
                          "cpu_s": self.cost.cpu_s, "gpu_s": self.cost.gpu_s}
         if self.timing is not None:
             d["timing"] = {"start_us": self.timing.start_us, "end_us": self.timing.end_us}
+        if self.buffer is not None:
+            b = self.buffer
+            d["buffer"] = {"arena": b.arena, "offset": b.offset, "bytes": b.bytes, "first_step": b.first_step,
+                           "last_step": b.last_step, "per_token": b.per_token}
         return d
 
     @staticmethod
@@ -77,7 +82,7 @@ class Node:
         out = d.get("out")
         if not isinstance(out, dict):
             raise ValueError(f"{where}.out must be a JSON object")
-        place, cost, timing = d.get("place"), d.get("cost"), d.get("timing")
+        place, cost, timing, buffer = d.get("place"), d.get("cost"), d.get("timing"), d.get("buffer")
         return Node(
             name=typed(str, d.get("name"), "node name"),
             op=op,
@@ -89,6 +94,7 @@ class Node:
             place=None if place is None else dataclass_from(Placement, place, f"{where}.place"),
             cost=None if cost is None else dataclass_from(Cost, cost, f"{where}.cost"),
             timing=None if timing is None else dataclass_from(Timing, timing, f"{where}.timing"),
+            buffer=None if buffer is None else dataclass_from(Slot, buffer, f"{where}.buffer"),
         )
 
 

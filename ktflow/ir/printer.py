@@ -36,6 +36,8 @@ def format_node(n: Node) -> str:
         line += f" | {n.cost}"
     if n.timing is not None:
         line += f" {n.timing}"
+    if n.buffer is not None:
+        line += f" {n.buffer}"
     return line
 
 

@@ -99,6 +99,39 @@ class Timing:
         return f"t={self.start_us:.3f}..{self.end_us:.3f}us"
 
 
+#: the arenas a buffer plan places values in: gpu (device memory), host, pinned (the exchange
+#: memory PCIe copies read and write on the host side), staging (GPU slots streamed expert
+#: weights are fetched into)
+ARENAS = ("gpu", "host", "pinned", "staging")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a node's value lives in its step (set by the buffer pass): bytes `offset` ..
+    `offset + bytes` of `arena`, live from plan step `first_step` (the writer, or its task's
+    submit) to `last_step` (its last reader) inclusive.
+
+    per_token: offset and bytes are per token of the step, so one layout serves every step size
+    (a step of t tokens places the value at t x offset, t x bytes: scaling keeps disjoint ranges
+    disjoint); else they are absolute (streamed expert weights, whose size does not depend on
+    the step's tokens)."""
+
+    arena: str
+    offset: int
+    bytes: int
+    first_step: int
+    last_step: int
+    per_token: bool = True
+
+    def span(self, tokens: int) -> tuple[int, int]:
+        """(offset, bytes) in a step of `tokens` tokens."""
+        return (self.offset * tokens, self.bytes * tokens) if self.per_token else (self.offset, self.bytes)
+
+    def __str__(self) -> str:
+        unit = "/token" if self.per_token else ""
+        return f"@{self.arena}+{self.offset}:{self.bytes}{unit} live {self.first_step}..{self.last_step}"
+
+
 @dataclass(frozen=True)
 class Cost:
     """Predicted work of one node in one step of the plan's phase, and its time on each device

@@ -1,7 +1,8 @@
 """Graph invariants, numbered, checked after every pass.
 
 Each rule has an id, the first stage it applies to, and a check that yields (node, message)
-for each violation. Stages are ordered: spec < costed < placed < lowered. `verify(graph, stage)` runs
+for each violation. Stages are ordered: spec < costed < placed < lowered < scheduled < buffered.
+`verify(graph, stage)` runs
 every rule of that stage and the ones before it and raises `VerifyError` naming the rule.
 """
 
@@ -13,9 +14,9 @@ from typing import Callable, Iterator
 from ..errors import KtflowError
 from .graph import Graph, Node
 from .ops import FACTS, Op, fp8_holdable
-from .types import DType, Device, FLOAT_DTYPES, STORED_FORMATS, TOKENS
+from .types import ARENAS, DType, Device, FLOAT_DTYPES, STORED_FORMATS, TOKENS
 
-STAGES = ("spec", "costed", "placed", "lowered", "scheduled")
+STAGES = ("spec", "costed", "placed", "lowered", "scheduled", "buffered")
 
 
 class VerifyError(KtflowError):
@@ -375,6 +376,64 @@ def _t2_one_node_per_lane_at_a_time(g: Graph) -> Iterator[tuple[str | None, str]
             last[n.place.lane] = n
 
 
+def _needs_buffer(n: Node) -> bool:
+    """A value a step writes into memory of its own: not a completion token, not the token-id
+    input (the caller's memory), not a sync (its value is its task's)."""
+    return n.out.dtype != DType.TOKEN and n.op not in (Op.INPUT, Op.SYNC)
+
+
+def _b1_slots_well_formed(g: Graph) -> Iterator[tuple[str | None, str]]:
+    for n in g.nodes:
+        b = n.buffer
+        if b is None:
+            if _needs_buffer(n):
+                yield n.name, "no buffer (the buffer pass gives every value a slot)"
+            continue
+        if not _needs_buffer(n):
+            yield n.name, f"a {n.op.value} node of type {n.out.dtype.value} takes no buffer"
+        elif b.arena not in ARENAS:
+            yield n.name, f"arena {b.arena!r} is not one of {', '.join(ARENAS)}"
+        elif (b.arena == "staging") != (n.op == Op.FETCH) or b.per_token == (b.arena == "staging"):
+            yield n.name, "staging slots (absolute) hold fetched expert weights, per-token slots everything else"
+        elif b.offset < 0 or b.first_step < 0 or b.last_step < b.first_step:
+            yield n.name, f"slot {b} has a negative offset or ends before it starts"
+        else:
+            need = n.out.numel(0 if not b.per_token else 1) * n.out.dtype.itemsize
+            if b.bytes < need:
+                yield n.name, f"slot {b} holds {b.bytes} bytes{'/token' if b.per_token else ''}, the value needs {need}"
+
+
+def _b2_live_slots_disjoint(g: Graph) -> Iterator[tuple[str | None, str]]:
+    by_arena: dict[str, list[Node]] = {}
+    for n in g.nodes:
+        if n.buffer is not None:
+            by_arena.setdefault(n.buffer.arena, []).append(n)
+    for arena, nodes in by_arena.items():  # a sweep over steps: the slots live at once, by offset
+        live: list[Node] = []
+        for n in sorted(nodes, key=lambda n: (n.buffer.first_step, n.buffer.offset)):
+            b = n.buffer
+            live = [m for m in live if m.buffer.last_step >= b.first_step]
+            for m in live:
+                o = m.buffer
+                if b.bytes and o.bytes and b.offset < o.offset + o.bytes and o.offset < b.offset + b.bytes:
+                    yield n.name, f"shares bytes of arena {arena} with {m.name} while both are live"
+                    break
+            live.append(n)
+
+
+def _b3_arenas_without_gaps(g: Graph) -> Iterator[tuple[str | None, str]]:
+    """A slot ends within the sum of its arena's slots: a layout never needs a gap larger than
+    everything else in the arena (an absurd offset in an edited plan is refused, not allocated)."""
+    total: dict[str, int] = {}
+    for n in g.nodes:
+        if n.buffer is not None:
+            total[n.buffer.arena] = total.get(n.buffer.arena, 0) + n.buffer.bytes
+    for n in g.nodes:
+        b = n.buffer
+        if b is not None and b.offset + b.bytes > total[b.arena]:
+            yield n.name, f"slot {b} ends past the {total[b.arena]} bytes all slots of arena {b.arena} need together"
+
+
 RULES: dict[str, Rule] = {r.id: r for r in [
     Rule("V1", "spec", "node names are unique", _r1_unique_names),
     Rule("V2", "spec", "nodes are in topological order", _r2_topological),
@@ -398,6 +457,9 @@ RULES: dict[str, Rule] = {r.id: r for r in [
     Rule("L2", "lowered", "submit/sync pairs wrap a CPU task", _l2_submit_sync_pairs),
     Rule("T1", "scheduled", "every node is timed, starting after its inputs end", _t1_timed_after_inputs),
     Rule("T2", "scheduled", "a lane runs one node at a time", _t2_one_node_per_lane_at_a_time),
+    Rule("B1", "buffered", "every value has one well-formed slot of the right arena", _b1_slots_well_formed),
+    Rule("B2", "buffered", "values live at once do not share bytes of an arena", _b2_live_slots_disjoint),
+    Rule("B3", "buffered", "an arena is no larger than its slots together", _b3_arenas_without_gaps),
 ]}
 
 

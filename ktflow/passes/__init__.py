@@ -35,6 +35,7 @@ from .numa import split_numa
 from .place import place_by_intensity
 from .prefill import place_prefill_experts
 from .schedule import schedule
+from .buffers import plan_buffers
 
 __all__ = ["PIPELINE", "Pass", "Instrument", "PassTimer", "PrintAfter", "DumpEach", "compiler_pass",
            "edit_pipeline", "load_pass", "pass_id", "pass_names", "run_pipeline", "default_instruments"]
@@ -47,6 +48,7 @@ PIPELINE: tuple[tuple[Pass, str], ...] = tuple((p, p.produces) for p in (
     split_numa,
     lower,
     schedule,
+    plan_buffers,
 ))
 
 

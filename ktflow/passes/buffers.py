@@ -1,29 +1,53 @@
-"""Static buffer plan: every value of a step gets an arena and an offset, reused by liveness."""
+"""The buffer pass: every value of a step gets an arena and an offset, reused by liveness."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..ir.graph import Graph
 from ..ir.ops import Op
-from ..ir.types import Device, DType
-from ..plan import Buffer, Step
+from ..ir.types import Device, DType, Slot
+from ..options import CompileContext
+from ..plan import Step
+from .infra import compiler_pass
+from .schedule import steps_of
 
-ALIGN = 256
+#: alignment of a value's bytes per token (a cache line: every slot of a step of t tokens starts
+#: on a multiple of 64 x t bytes)
+ALIGN = 64
 
 
-def plan_buffers(g: Graph, steps: list[Step], tokens: int) -> tuple[list[Buffer], dict[str, int]]:
-    """Assign each value an (arena, offset) for a step of `tokens` tokens.
+@compiler_pass(requires="scheduled", produces="buffered")
+def plan_buffers(g: Graph, ctx: CompileContext) -> Graph:
+    """Give every value of the step a buffer: `Node.buffer`, a Slot in an arena.
 
-    Algorithm: a value lives from the step that writes it to the last step that reads it (graph
-    outputs to the end). Arena: pinned for values a PCIe copy reads or writes on the host side
-    (the exchange buffer, reused across layers), gpu for other GPU values, host for other CPU
-    values. Within an arena, values are placed in order of their first step at the lowest
-    256-byte-aligned offset that no value live at the same time occupies (first fit). Streamed
-    expert weights (fetch outputs) go to the staging arena: its first fit gives one slot per
-    fetch in flight.
+    Algorithm (`layout`): liveness over the scheduled graph's plan steps (`steps_of`), then
+    first fit per arena in order of first step. Requires: a scheduled graph (its steps are the
+    ones the plan will hold). Guarantees (rules B1, B2): a slot for every value a step writes
+    except completion tokens, the token-id input (host memory the caller hands in) and syncs (a
+    sync's value is its task's); staging slots for fetched expert weights only, absolute; every
+    other slot per token, so the one layout serves a step of any number of tokens (a decode plan
+    run at a larger batch than it was compiled for, a prefill chunk shorter than its bucket)
+    without the backend planning anything; values live at once never share bytes of one arena.
+    """
+    slots = layout(g, steps_of(g))
+    return g.map(lambda n: replace(n, buffer=slots.get(n.name)))
+
+
+def layout(g: Graph, steps: list[Step]) -> dict[str, Slot]:
+    """Each value's Slot.
+
+    A value lives from the step that writes it to the last step that reads it (graph outputs to
+    the end). Arena: pinned for values a PCIe copy reads or writes on the host side (the exchange
+    memory, reused across layers), staging for streamed expert weights (fetch outputs: first fit
+    gives one slot per fetch in flight), gpu for other GPU values, host for other CPU values.
+    Sizes: per token, rounded up to ALIGN bytes (a value with no token dimension takes its whole
+    size per token: more than it needs in a step of several tokens, never less); staging slots
+    their absolute size. Within an arena, values are placed in order of their first step at the
+    lowest offset that no value live at the same time occupies (first fit).
     A sync's value is its task's (no buffer of its own; the task's stays live until the sync's
     readers are done). A CPU task runs asynchronously from its submit to its sync, so its nodes'
-    values are live from the submit and their inputs until the sync. Guarantees: values live at once never share bytes of one arena;
-    completion tokens and the token-id input (host memory handed in by the caller) take no buffer.
+    values are live from the submit and their inputs until the sync.
     """
     alias = {n.name: n.inputs[1] for n in g.nodes if n.op == Op.SYNC}  # a sync passes its task's value on
 
@@ -56,9 +80,9 @@ def plan_buffers(g: Graph, steps: list[Step], tokens: int) -> tuple[list[Buffer]
             continue
         arena = "pinned" if n.name in pinned else "staging" if n.op == Op.FETCH else (
             "gpu" if n.place.device == Device.GPU else "host")
-        size = n.out.numel(tokens) * n.out.dtype.itemsize
+        size = n.out.numel(0 if arena == "staging" else 1) * n.out.dtype.itemsize
         values.append((first[n.name], last[n.name], n.name, arena, -(-size // ALIGN) * ALIGN))
-    buffers, arenas = [], {}
+    slots: dict[str, Slot] = {}
     live: dict[str, list[tuple[int, int, int]]] = {}  # arena -> (offset, size, last step)
     for start, end, name, arena, size in sorted(values):
         taken = sorted((o, sz) for o, sz, e in live.get(arena, []) if e >= start)
@@ -68,9 +92,8 @@ def plan_buffers(g: Graph, steps: list[Step], tokens: int) -> tuple[list[Buffer]
                 break
             offset = max(offset, o + sz)
         live.setdefault(arena, []).append((offset, size, end))
-        arenas[arena] = max(arenas.get(arena, 0), offset + size)
-        buffers.append(Buffer(value=name, arena=arena, offset=offset, bytes=size, first_step=start, last_step=end))
-    return buffers, arenas
+        slots[name] = Slot(arena, offset, size, start, end, per_token=arena != "staging")
+    return slots
 
 
 def _extend_async_tasks(g: Graph, steps: list[Step], first: dict[str, int], last: dict[str, int], home) -> None:

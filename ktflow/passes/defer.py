@@ -40,6 +40,8 @@ def defer_experts(g: Graph, ctx: CompileContext) -> Graph:
         return g
     top_k = next(n.attrs.top_k for n in g.nodes if n.op == Op.ROUTED_EXPERTS)
     ds, causes = _choose(g, ctx, moe, top_k, opt)
+    if ctx.defer_choice:
+        causes = {j: ctx.defer_choice if c == "fixed by option" else f"{c}; {ctx.defer_choice}" for j, c in causes.items()}
     out: list[Node] = []
     deferred: dict[int, list[str]] = {}
     for n in g.nodes:

@@ -2,7 +2,7 @@
 
 A pass is a function `(Graph, CompileContext) -> Graph`. `@compiler_pass(requires=, produces=)`
 declares the stage it needs its input graph in and the stage its output is verified at (stages
-in order: spec < costed < placed < lowered < scheduled, `ir.verify.STAGES`). The pipeline is checked against
+in order: spec < costed < placed < lowered < scheduled < buffered, `ir.verify.STAGES`). The pipeline is checked against
 those declarations before anything runs: a pass that needs a placed graph cannot sit before the
 placement (`edit_pipeline` raises a ConfigError naming both). An undeclared pass (a researcher's
 plain function) requires "spec" and is verified at the stage its position leaves the graph in.
