@@ -296,8 +296,11 @@ def probe(quick: bool = False, log: Callable[[str], None] = lambda s: None) -> H
     operator on its pool, one token picking 8 bf16 experts of a set 8x the last-level cache
     (torch's bf16 matrix-vector product where the native module is not built; it streams
     several times slower). GPU: device copy
-    (read + write bytes), bf16 GEMM, pinned host<->device copies, and the time per tiny kernel
-    launch. Per-node DRAM bandwidth is the measured total split evenly over the nodes.
+    (read + write bytes), bf16 GEMM, pinned host<->device copies, the time per tiny kernel
+    launch, and the CPU task hand-off round trip inside a replayed graph
+    (`backends/handoff_probe.py`; priced as cpu_submit_us + cpu_sync_us, the sync taking what
+    the submit's value leaves). Per-node DRAM bandwidth is the measured total split evenly over
+    the nodes.
     """
     import torch
 
@@ -346,6 +349,14 @@ def probe(quick: bool = False, log: Callable[[str], None] = lambda s: None) -> H
         gpus, overheads = _probe_gpu(torch, quick, reps, overheads, log)
         measured += ["hbm_gbps", "bf16_tflops", "pcie_h2d_gbps", "pcie_d2h_gbps", "gpu_launch_us", "attention_tflops",
                      "grouped_tflops"]
+        from .backends.handoff_probe import round_trip_us
+
+        trip = round_trip_us(n=8 if quick else 32, reps=reps)
+        if trip is not None:  # priced whole: submit keeps its value, the sync takes the rest
+            overheads = overheads.model_copy(update=dict(cpu_sync_us=max(trip - overheads.cpu_submit_us, 0.0)))
+            measured.append("cpu_sync_us")
+            log(f"CPU task hand-off in a replayed graph (doorbell, dispatcher, done flag; empty task): {trip:.1f} us "
+                "round trip")
     return HwProfile(name="probed", description=f"measured on this machine{' (quick)' if quick else ''}",
                      cpu=cpu, gpus=gpus, overheads=overheads, measured=measured)
 

@@ -71,6 +71,10 @@ def test_quick_probe_measures_this_machine():
     if torch.cuda.is_available():
         g = hw.gpus[0]
         assert g.hbm_gbps > 100 and g.bf16_tflops > 10 and g.pcie_h2d_gbps > 1 and "gpu_launch_us" in hw.measured
+        from ktflow import native
+
+        if native.available():  # the hand-off priced from its measured round trip
+            assert "cpu_sync_us" in hw.measured and any("hand-off" in line for line in lines)
     assert HwProfile.model_validate_json(hw.model_dump_json()) == hw
 
 
@@ -94,3 +98,18 @@ def test_compile_records_the_profile(demo_dir, tmp_path):
     c = ktflow.compile(ktflow.load(demo_dir), hw="paper-a100", device="cpu")
     assert c.plans.hw == PRESETS["paper-a100"]
     assert "2x Intel Xeon Platinum 8452Y + NVIDIA A100 40GB" in c.summary()
+
+
+def test_handoff_round_trip_is_measured_where_a_gpu_runs_it():
+    """The hand-off probe times doorbell -> native dispatcher -> done flag inside a replayed graph;
+    on a machine without CUDA (or the native module) it says so with None instead of a number."""
+    import torch
+
+    from ktflow import native
+    from ktflow.backends.handoff_probe import round_trip_us
+
+    trip = round_trip_us(n=8, reps=3)
+    if not (torch.cuda.is_available() and native.available()):
+        assert trip is None
+        return
+    assert trip is not None and 0.0 < trip < 1000.0  # microseconds: a few to tens on a healthy host
