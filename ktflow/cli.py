@@ -197,22 +197,29 @@ def _compile_flags_given(a: argparse.Namespace) -> list[str]:
             if act.option_strings and getattr(a, act.dest, act.default) != act.default]
 
 
-def cmd_run(a: argparse.Namespace) -> int:
+def _compiled(a: argparse.Namespace, model, allowed: tuple[str, ...] = ()):
+    """The model's plans: loaded from --plan (no other compile flag but `allowed` beside it), or
+    compiled with the flags given."""
     import ktflow
     from ktflow.errors import ConfigError
+
+    if not a.plan:
+        return ktflow.compile(model, hw=a.hw, **_options(a))
+    given = [f for f in _compile_flags_given(a) if f not in allowed]
+    if given:
+        verb = "was" if len(given) == 1 else "were"
+        raise ConfigError(f"--plan fixes the compile options, but {', '.join(given)} {verb} given too: drop "
+                          "them, or leave out --plan to compile with them")
+    return ktflow.Compiled.load(a.plan, model)
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    import ktflow
     from ktflow.runtime.generate import generate_with_stats
 
     model = ktflow.load(a.model)
     ids, tok = _token_ids(a, model.path)
-    if a.plan:
-        given = _compile_flags_given(a)
-        if given:
-            verb = "was" if len(given) == 1 else "were"
-            raise ConfigError(f"--plan fixes the compile options, but {', '.join(given)} {verb} given too: drop "
-                              "them, or leave out --plan to compile with them")
-        compiled = ktflow.Compiled.load(a.plan, model)
-    else:
-        compiled = ktflow.compile(model, hw=a.hw, **_options(a))
+    compiled = _compiled(a, model)
     compiled.check_finite = a.check_finite
     eos = None if a.ignore_eos else list(model.config.eos_ids) or None
     _print_ready(compiled)
@@ -388,15 +395,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if model.weights is None:
         raise ConfigError(f"{model_dir} has no weights (config.json only): serving runs the model, so it needs the "
                           "checkpoint's *.safetensors")
-    if a.plan:
-        given = [f for f in _compile_flags_given(a) if f != "--max-batch"]
-        if given:
-            verb = "was" if len(given) == 1 else "were"
-            raise ConfigError(f"--plan fixes the compile options, but {', '.join(given)} {verb} given too: drop "
-                              "them, or leave out --plan to compile with them")
-        compiled = ktflow.Compiled.load(a.plan, model)
-    else:
-        compiled = ktflow.compile(model, hw=a.hw, **_options(a))
+    compiled = _compiled(a, model, allowed=("--max-batch",))
     if tok.vocab_size > compiled.vocab_size:
         raise ConfigError(f"{model_dir}/tokenizer.json has {tok.vocab_size} tokens but the model's vocabulary has "
                           f"{compiled.vocab_size}: the tokenizer belongs to another model")

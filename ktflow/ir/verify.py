@@ -376,7 +376,7 @@ def _t2_one_node_per_lane_at_a_time(g: Graph) -> Iterator[tuple[str | None, str]
             last[n.place.lane] = n
 
 
-def _needs_buffer(n: Node) -> bool:
+def needs_buffer(n: Node) -> bool:
     """A value a step writes into memory of its own: not a completion token, not the token-id
     input (the caller's memory), not a sync (its value is its task's)."""
     return n.out.dtype != DType.TOKEN and n.op not in (Op.INPUT, Op.SYNC)
@@ -386,10 +386,10 @@ def _b1_slots_well_formed(g: Graph) -> Iterator[tuple[str | None, str]]:
     for n in g.nodes:
         b = n.buffer
         if b is None:
-            if _needs_buffer(n):
+            if needs_buffer(n):
                 yield n.name, "no buffer (the buffer pass gives every value a slot)"
             continue
-        if not _needs_buffer(n):
+        if not needs_buffer(n):
             yield n.name, f"a {n.op.value} node of type {n.out.dtype.value} takes no buffer"
         elif b.arena not in ARENAS:
             yield n.name, f"arena {b.arena!r} is not one of {', '.join(ARENAS)}"

@@ -6,7 +6,8 @@ from dataclasses import replace
 
 from ..ir.graph import Graph
 from ..ir.ops import Op
-from ..ir.types import Device, DType, Slot
+from ..ir.types import Device, Slot
+from ..ir.verify import needs_buffer
 from ..options import CompileContext
 from ..plan import Step
 from .infra import compiler_pass
@@ -76,7 +77,7 @@ def layout(g: Graph, steps: list[Step]) -> dict[str, Slot]:
                 pinned.add(n.name)
     values = []
     for n in g.nodes:
-        if n.out.dtype == DType.TOKEN or n.op == Op.INPUT or n.name in alias or n.name not in first:
+        if not needs_buffer(n) or n.name not in first:
             continue
         arena = "pinned" if n.name in pinned else "staging" if n.op == Op.FETCH else (
             "gpu" if n.place.device == Device.GPU else "host")
