@@ -22,8 +22,12 @@ class StepContext:
     state: Any  # ktflow.runtime.state.State: KV caches
     token_ids: torch.Tensor  # [batch * seq] int64
     #: the position as a one-element int64 tensor on the GPU device: set for steps run with
-    #: static shapes (captured as CUDA graphs), where rules must not read `position`
+    #: static shapes (captured as CUDA graphs), where rules must not read `position`; for a
+    #: ragged step (below), one element per row
     position_t: torch.Tensor | None = None
+    #: a ragged decode step (seq 1, sequences at different positions, e.g. a server's slots): each
+    #: row's position, int64 [batch] on the host; `position` is then 0 and not to be read
+    positions: torch.Tensor | None = None
     #: which positions' logits the step computes: all, last (each sequence's last), none
     logits: str = "all"
     #: values every layer of the step would compute alike (the rope rows at the position, the

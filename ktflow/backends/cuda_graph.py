@@ -155,8 +155,8 @@ class Bound:
 
     batch: int
     tokens: torch.Tensor  # pinned int64 [batch]
-    position: torch.Tensor  # pinned int64 [1]
-    position_dev: torch.Tensor  # int64 [1] on the GPU
+    position: torch.Tensor  # pinned int64 [1], or [batch] for a ragged step (a position per row)
+    position_dev: torch.Tensor  # the same on the GPU
     arena: torch.Tensor  # pinned uint8
     slots: dict[str, Any]  # value -> pinned view (routings: (ids, weights))
     #: task root -> its native batches, run in order (one per NUMA shard: shards after the first add
@@ -301,7 +301,8 @@ class DecodeGraph:
         # waiting for a step's end sleeps instead of spinning a core the native workers need
         self.done = torch.cuda.Event(blocking=True)
         self.driver = be.driver
-        self.bound: dict[int, Bound] = {}
+        self.bound: dict[int, Bound] = {}  # batch -> its binding over the backend's static caches
+        self.ragged: dict[tuple, Bound] = {}  # (batch, the caches' addresses) -> a ragged step's binding
         self.capture = True  # False: every step eager on the streams (same issue order, no graph)
         self.current = ""  # the node being issued (named in out-of-memory errors)
         self.prologue = host_prologue(self.g, be, "inside a CUDA graph")
@@ -319,7 +320,7 @@ class DecodeGraph:
                 bound.slots[n.name].copy_(values[n.name])
 
     # ------------------------------------------------------------------------------ binding
-    def _bind(self, b: int) -> Bound:
+    def _bind(self, b: int, positions: int) -> Bound:
         plan, g = self.plan, self.g
         # the plan's buffer plan is per token: the same layout for any batch
         arena = torch.zeros(max(plan.arena_bytes(b).get("pinned", 0), 1), dtype=torch.uint8, pin_memory=True)
@@ -331,8 +332,8 @@ class DecodeGraph:
             bells, ring = self._doorbells(tasks, flag_at)
         pin = dict(pin_memory=True)
         return Bound(batch=b, tokens=torch.zeros(b, dtype=torch.int64, **pin),
-                     position=torch.zeros(1, dtype=torch.int64, **pin),
-                     position_dev=torch.zeros(1, dtype=torch.int64, device="cuda"), arena=arena, slots=slots,
+                     position=torch.zeros(positions, dtype=torch.int64, **pin),
+                     position_dev=torch.zeros(positions, dtype=torch.int64, device="cuda"), arena=arena, slots=slots,
                      tasks=tasks, done_at=done_at, bells=bells, ring=ring,
                      next_ids=torch.zeros(b, dtype=torch.int64, **pin))
 
@@ -350,18 +351,21 @@ class DecodeGraph:
         return bells, native.Ring(order)
 
     # ------------------------------------------------------------------------------ running
-    def run(self, input_ids: torch.Tensor, state, trace: bool = False, logits: str = "all"):
+    def run(self, input_ids: torch.Tensor, state, trace: bool = False, logits: str = "all",
+            positions: torch.Tensor | None = None):
         """One decode step over input_ids [batch, 1] at state.position; returns logits [batch, 1, vocab]
         (float32, CPU: one position, so 'all' and 'last' give the same), or with logits='argmax' the
         greedy next ids [batch, 1] (int64, CPU), taken on the GPU. With trace, also the
-        plan's steps with measured times."""
+        plan's steps with measured times. With `positions` (a ragged step, `Executor.run`), each
+        row at its own position over `state`'s own caches: bound and captured once per batch size
+        and caches, and state.position is left as it is."""
         b = input_ids.shape[0]
-        self._check_cache(state, b)
-        bound = self.bound.get(b)
-        if bound is None:
-            bound = self.bound[b] = self._bind(b)
+        bound = self._bound_for(state, b, positions is not None)
         bound.tokens.copy_(input_ids.reshape(-1))
-        bound.position[0] = state.position
+        if positions is None:
+            bound.position[0] = state.position
+        else:
+            bound.position.copy_(positions)
         self._run_prologue(bound, state)
         measured = None
         if trace or not self.capture or bound.graph is None:
@@ -378,8 +382,23 @@ class DecodeGraph:
             self._wait()
             native.sync()
             result = self._result(bound, bound.logits, logits)
-        state.position += 1
+        if positions is None:
+            state.position += 1
         return (result, measured) if trace else result
+
+    def _bound_for(self, state, b: int, ragged: bool) -> Bound:
+        """The binding of this step: per batch size over the backend's static caches (checked to
+        be this state's), or, for a ragged step, per batch size and the caller's caches (the
+        graph captures their addresses)."""
+        if not ragged:
+            self._check_cache(state, b)
+            if b not in self.bound:
+                self.bound[b] = self._bind(b, 1)
+            return self.bound[b]
+        key = (b, tuple(t.data_ptr() for ts in state.kv.values() for t in ts))
+        if key not in self.ragged:
+            self.ragged[key] = self._bind(b, b)
+        return self.ragged[key]
 
     @staticmethod
     def _result(bound: Bound, out: torch.Tensor, logits: str) -> torch.Tensor:

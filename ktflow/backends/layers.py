@@ -13,6 +13,8 @@ to the key width so the flash kernels take them. memory.SCRATCH mirrors these te
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -167,4 +169,18 @@ def mla(be, a: AttentionAttrs, w, x: torch.Tensor, ctx, dev) -> torch.Tensor:
 
 
 def attention(be, node, w, ins, ctx, dev):
-    return (mla if node.attrs.kind == "mla" else gqa)(be, node.attrs, w, ins[0], ctx, dev)
+    rule = mla if node.attrs.kind == "mla" else gqa
+    if ctx.positions is None:
+        return rule(be, node.attrs, w, ins[0], ctx, dev)
+    # a ragged step (each row a sequence at its own position): one row at a time, each over its
+    # own row of the caches
+    x = ins[0].view(ctx.batch, -1)
+    return torch.cat([rule(be, node.attrs, w, x[i:i + 1], row_context(ctx, i), dev) for i in range(ctx.batch)])
+
+
+def row_context(ctx, i: int):
+    """Row `i` of a ragged decode step as a step of its own: batch 1 at that row's position, over
+    that row's caches."""
+    p = int(ctx.positions[i])
+    return replace(ctx, batch=1, seq=1, position=p, state=ctx.state.row(i, p), token_ids=ctx.token_ids[i:i + 1],
+                   positions=None, position_t=None, shared={})

@@ -7,6 +7,9 @@ rule's device, rewritten before each replay) and keep every shape static:
 
 - rope: cos/sin rows looked up in a table of every position the KV cache holds;
 - KV cache: the new rows written with `index_copy_` at the position;
+- ragged steps (a server's slots: one token per row, each row at its own position, so
+  `position_t` has a row each): the rows projected as one sequence so each takes its own rope
+  row, each row's entry written at its own position, each row masked by its own;
 - GQA: `scaled_dot_product_attention` over the whole static cache with a mask of the positions
   reached (and the sliding window);
 - MLA, absorbed: the queries are folded into the latent space (q_nope x W_uk), attention runs
@@ -54,13 +57,37 @@ class RopeTables:
 
 
 def _visible(a: AttentionAttrs, pos: torch.Tensor, s: int, length: int) -> torch.Tensor:
-    """[s, length] bool: may query i (at pos + i) see cache position j."""
+    """[s, length] bool: may query i (at pos + i) see cache position j; for a ragged step (a
+    position per row, s = 1) [rows, 1, 1, length]: may row r's query see its position j."""
     qpos = (pos + torch.arange(s, device=pos.device))[:, None]
     kpos = torch.arange(length, device=pos.device)[None, :]
     ok = kpos <= qpos
     if a.window:
         ok &= (qpos - kpos) < a.window
-    return ok
+    return ok[:, None, None, :] if pos.numel() > 1 else ok
+
+
+def ragged(ctx: StepContext) -> bool:
+    """Is this a ragged step: one decode token per row, each row at its own position
+    (`ctx.position_t` holds one per row)?"""
+    return ctx.position_t.numel() > 1
+
+
+def _tokens_as_sequence(ctx: StepContext) -> tuple[int, int]:
+    """The [B, S] the projections see: a ragged step's rows as one sequence of `batch` tokens (so
+    each takes its own rope row), otherwise the step's own."""
+    return (1, ctx.batch) if ragged(ctx) else (ctx.batch, ctx.seq)
+
+
+def _write(cache: torch.Tensor, dim: int, new: torch.Tensor, ctx: StepContext) -> None:
+    """The step's new entries `new` (the cache's shape, `seq` long along `dim`) into `cache` at
+    the step's positions: the same rows for every sequence with index_copy_, or on a ragged step
+    each row at its own position."""
+    if not ragged(ctx):
+        cache.index_copy_(dim, _new_rows(ctx), new)
+        return
+    rows = ctx.once(("batch rows", cache.device), lambda: torch.arange(ctx.batch, device=cache.device))
+    cache[(rows,) + (slice(None),) * (dim - 1) + (ctx.position_t,)] = new.select(dim, 0)
 
 
 def _rope_rows(be, a: AttentionAttrs, ctx: StepContext):
@@ -83,11 +110,11 @@ def _mask(a: AttentionAttrs, ctx: StepContext, length: int) -> torch.Tensor:
 
 def gqa(be, a: AttentionAttrs, w, x: torch.Tensor, ctx: StepContext, dev) -> torch.Tensor:
     b, s = ctx.batch, ctx.seq
-    q, k, v = gqa_project(a, w, x.view(b, s, -1), *_rope_rows(be, a, ctx))
+    q, k, v = gqa_project(a, w, x.view(*_tokens_as_sequence(ctx), -1), *_rope_rows(be, a, ctx))
+    q, k, v = (t.view(b, s, *t.shape[2:]) for t in (q, k, v))
     kc, vc = be.cache(ctx, a, dev)
-    rows = _new_rows(ctx)
-    kc.index_copy_(2, rows, k.transpose(1, 2))
-    vc.index_copy_(2, rows, v.transpose(1, 2))
+    _write(kc, 2, k.transpose(1, 2), ctx)
+    _write(vc, 2, v.transpose(1, 2), ctx)
     mask = _mask(a, ctx, kc.shape[2])
     out = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=mask, scale=a.softmax_scale,
                                          enable_gqa=a.heads != a.kv_heads)
@@ -102,11 +129,11 @@ def absorbed_kv_b(a: AttentionAttrs, kv_b: torch.Tensor) -> tuple[torch.Tensor, 
 
 def mla(be, a: AttentionAttrs, w, x: torch.Tensor, ctx: StepContext, dev) -> torch.Tensor:
     b, s = ctx.batch, ctx.seq
-    q_nope, q_rope, latent, k_rope = mla_project(a, w, x.view(b, s, -1), *_rope_rows(be, a, ctx))
+    projected = mla_project(a, w, x.view(*_tokens_as_sequence(ctx), -1), *_rope_rows(be, a, ctx))
+    q_nope, q_rope, latent, k_rope = (t.view(b, s, *t.shape[2:]) for t in projected)
     lc, rc, both = be.cache(ctx, a, dev)
-    rows = _new_rows(ctx)
-    lc.index_copy_(1, rows, latent)
-    rc.index_copy_(1, rows, k_rope[:, :, 0])
+    _write(lc, 1, latent, ctx)
+    _write(rc, 1, k_rope[:, :, 0], ctx)
     w_uk, w_uv = absorbed_kv_b(a, w["kv_b"])
     # queries in the latent space, beside their rope part: one key head [latent | rope] shared by
     # every query head, the latent as its value. Two GEMMs with the heads folded into the rows (an

@@ -62,6 +62,14 @@ def execute(compiled, input_ids: torch.Tensor, state: State | None = None, *,
     if s == 1 and state.position > 0:
         out = compiled.executor(compiled.decode).run(ids, state, logits=logits)
         return out.to(input_ids.device), state
+    return prefill(compiled, ids, state, logits, input_ids.device)
+
+
+def prefill(compiled, ids: torch.Tensor, state: State, logits: str, device=None) -> tuple[torch.Tensor, State]:
+    """Run the prompt `ids` [batch, tokens] (checked) through prefill plans, from state.position,
+    in chunks of the largest prefill bucket (even a one-token chunk past position 0 runs a
+    prefill plan); returns the logits `execute` describes, on `device` (default: where they are)."""
+    b, s = ids.shape
     rows = max(1, compiled.chunk_tokens // b)
     pieces = []
     for lo in range(0, s, rows):
@@ -70,7 +78,7 @@ def execute(compiled, input_ids: torch.Tensor, state: State | None = None, *,
         want = logits if final else ("all" if logits == "all" else "none")  # argmax: the final chunk's
         out = compiled.executor(compiled.prefill_plan(part.numel())).run(part, state, logits=want)
         if out is not None:
-            pieces.append(out.to(input_ids.device))
+            pieces.append(out if device is None else out.to(device))
     if logits == "argmax":
         return pieces[-1], state
     return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)), state

@@ -67,30 +67,38 @@ class Executor:
         values[step.writes[0]] = self.backend.run(node, inputs, ctx)
 
     def run(self, input_ids: torch.Tensor, state: State, position_t: torch.Tensor | None = None,
-            logits: str = "all") -> torch.Tensor | None:
+            logits: str = "all", positions: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run one step over input_ids [batch, seq] from state.position; returns logits [batch, seq,
         vocab], with logits='last' [batch, 1, vocab] (the last position's), with 'argmax' the last
         position's greedy next ids [batch, 1] (int64; on the device where the runner can), with
         'none' None (a prompt's chunk before the last). With `position_t` (the position as a tensor), backends
-        run their static-shape rules."""
+        run their static-shape rules.
+
+        With `positions` (int64 [batch] on the host: a ragged decode step, seq 1), each row is a
+        sequence at its own position, over its own row of `state`'s caches, which must exist for
+        every layer (`SlotPool` makes them); state.position is then neither read nor advanced:
+        the caller keeps the rows' positions."""
+        if positions is not None:
+            _check_ragged(self.graph, input_ids, state, positions)
         if logits == "argmax" and not (self.runner is not None and position_t is None
                                        and getattr(self.runner, "argmax_on_device", False)):
-            out = self.run(input_ids, state, position_t, "last")  # the last position's logits, then their argmax
+            out = self.run(input_ids, state, position_t, "last", positions)  # the last position's logits, then their argmax
             return None if out is None else out.argmax(-1)
         tracing = self.trace > 0
         self.trace = max(self.trace - 1, 0)
         if self.runner is not None and position_t is None:
+            extra = {} if positions is None else {"positions": positions}
             if tracing:
-                out, self.measured = self.runner.run(input_ids, state, trace=True, logits=logits)
+                out, self.measured = self.runner.run(input_ids, state, trace=True, logits=logits, **extra)
             else:
-                out = self.runner.run(input_ids, state, logits=logits)
+                out = self.runner.run(input_ids, state, logits=logits, **extra)
             if self.check_finite and logits != "argmax":
                 _check_finite(out, f"the {self.plan.phase} step's output (the backend ran the plan as a whole: "
                               "run it with backend='native' or 'torch_ref' to find the node)")
             return out
         b, s = input_ids.shape
-        ctx = StepContext(batch=b, seq=s, position=state.position, state=state, token_ids=input_ids.reshape(-1),
-                          position_t=position_t, logits=logits)
+        ctx = StepContext(batch=b, seq=s, position=0 if positions is not None else state.position, state=state,
+                          token_ids=input_ids.reshape(-1), position_t=position_t, logits=logits, positions=positions)
         values: dict[str, Any] = {}
         timed = [] if tracing else None
         t0 = time.perf_counter()
@@ -109,6 +117,26 @@ class Executor:
                 values.pop(name, None)
         if timed is not None:
             self.measured = timed
-        state.position += s
+        if positions is None:
+            state.position += s
         out = values[self.graph.outputs[0]]
         return None if out is None else out.view(b, s if logits == "all" else 1, -1)
+
+
+def _check_ragged(g: Graph, input_ids: torch.Tensor, state: State, positions: torch.Tensor) -> None:
+    """A ragged step's inputs as `Executor.run` needs them, or an InputError saying what is wrong."""
+    from ..errors import InputError
+
+    b, s = input_ids.shape
+    if s != 1 or positions.shape != (b,) or positions.device.type != "cpu":
+        raise InputError(f"a ragged decode step takes one token per row and a position per row on the host: got "
+                         f"input_ids {list(input_ids.shape)} and positions {list(positions.shape)} on {positions.device}")
+    if b > state.batch:
+        raise InputError(f"a ragged step of {b} rows over a state of {state.batch}")
+    lo, hi = int(positions.min()), int(positions.max())
+    if lo < 0 or hi >= state.max_seq_len:
+        raise InputError(f"a row's position {lo if lo < 0 else hi} is outside its KV cache (0..{state.max_seq_len - 1})")
+    missing = sorted({n.attrs.layer for n in g.nodes if n.op == Op.ATTENTION} - set(state.kv))
+    if missing:
+        raise InputError(f"a ragged step needs the state's caches made for every attention layer (SlotPool makes "
+                         f"them); layers {missing} have none")

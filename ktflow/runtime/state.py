@@ -28,3 +28,9 @@ class State:
 
     def kv_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for ts in self.kv.values() for t in ts)
+
+    def row(self, i: int, position: int | None = None) -> "State":
+        """Sequence `i` of this batch as a batch-1 state over views of its rows of the caches
+        (what it writes lands in this state's caches), at `position` (default: this state's)."""
+        kv = {layer: tuple(t[i:i + 1] for t in ts) for layer, ts in self.kv.items()}
+        return State(self.fingerprint, 1, self.max_seq_len, self.position if position is None else position, kv)

@@ -1,0 +1,125 @@
+"""`SlotPool`: KV caches for a fixed number of sequences that start, grow and end on their own,
+decoded together in one batched step (what a server's continuous batching needs).
+
+The pool owns one `State` of `slots` rows, its caches made once for every attention layer (no
+allocation later). A sequence lives in a slot (a row) and has its own position:
+
+- `start(slot)`: a new sequence at position 0 (the row's old entries are never read again:
+  attention masks every position past a row's own);
+- `prefill(slot, ids)`: the next part of that sequence's prompt, through the prefill plans, over
+  views of its row (batch 1);
+- `decode(slots, ids)`: one token for each listed slot in ONE ragged decode step
+  (`Executor.run(positions=...)`): the step runs rows 0..b-1, b the smallest batch bucket (1, 2,
+  4, 8, ... capped at `slots`) above the highest listed slot; each row at its own position. Rows in
+  the bucket that are not listed are padding: token 0, written at their own next position, which
+  their next real token overwrites before anything reads it, and their outputs dropped. Keep
+  busy slots low (take the lowest free slot) and the buckets stay small.
+
+On the cuda_graph backend each bucket is bound and captured once, over the pool's rows 0..b-1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError, InputError
+from ..ir.ops import Op
+from .execute import check_ids, prefill
+from .state import State
+
+
+def buckets(slots: int) -> list[int]:
+    """The batch sizes a pool of `slots` decodes at: the powers of two below it, and itself."""
+    out, b = [], 1
+    while b < slots:
+        out.append(b)
+        b *= 2
+    return out + [slots]
+
+
+class SlotPool:
+    """See the module docstring."""
+
+    def __init__(self, compiled, slots: int):
+        if slots < 1:
+            raise ConfigError(f"a slot pool needs at least one slot, got {slots}")
+        planned = compiled.plans.options.max_batch
+        if slots > planned:
+            raise ConfigError(f"{slots} slots, but the plan's memory was planned for max_batch {planned}: compile "
+                              f"with max_batch >= {slots} (the KV caches of every slot must fit)")
+        self.compiled, self.slots = compiled, slots
+        self.max_seq_len = compiled.max_seq_len
+        self.buckets = buckets(slots)
+        self.state = State(compiled.plans.model.fingerprint, slots, self.max_seq_len)
+        self.positions = torch.zeros(slots, dtype=torch.int64)
+        self._make_caches()
+        # each bucket's rows 0..b-1 as a state of b rows (views: what it writes lands in the pool)
+        self._views = {b: State(self.state.fingerprint, b, self.max_seq_len,
+                                kv={layer: tuple(t[:b] for t in ts) for layer, ts in self.state.kv.items()})
+                       for b in self.buckets}
+
+    def _make_caches(self) -> None:
+        """Every attention layer's cache for all slots, where the decode plan runs that layer."""
+        from ..backends import StepContext
+        from ..backends.torch_ref import TorchRefBackend
+
+        ex = self.compiled.executor(self.compiled.decode)
+        ctx = StepContext(batch=self.slots, seq=1, position=0, state=self.state,
+                          token_ids=torch.zeros(self.slots, dtype=torch.int64))
+        for n in ex.graph.nodes:
+            if n.op == Op.ATTENTION:  # the pool's own caches, not a backend's shared ones
+                TorchRefBackend.cache(ex.backend, ctx, n.attrs, ex.backend.device_of(n))
+
+    def bucket(self, rows: int) -> int:
+        """The smallest bucket of at least `rows` rows."""
+        return next(b for b in self.buckets if b >= rows)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise InputError(f"slot {slot} does not exist: the pool has slots 0..{self.slots - 1}")
+
+    def start(self, slot: int) -> None:
+        self._check_slot(slot)
+        self.positions[slot] = 0
+
+    def position(self, slot: int) -> int:
+        return int(self.positions[slot])
+
+    def prefill(self, slot: int, ids: torch.Tensor, logits: str = "last") -> torch.Tensor:
+        """The next `ids` [1, n] of the sequence in `slot`; returns `execute`'s logits for them."""
+        self._check_slot(slot)
+        state = self.state.row(slot, self.position(slot))
+        ids = check_ids(self.compiled, ids, state)
+        if ids.shape[0] != 1:
+            raise InputError(f"a slot holds one sequence: prefill takes ids of shape [1, n], got {list(ids.shape)}")
+        out, _ = prefill(self.compiled, ids, state, logits)
+        self.positions[slot] = state.position
+        return out
+
+    def decode(self, slots: list[int], ids: list[int], logits: str = "last") -> torch.Tensor:
+        """One token for each of `slots` (distinct, each started and prefilled), `ids` in the same
+        order, as one batched step; returns per listed slot, in order, the next-token logits
+        [len(slots), vocab] (float32, host), or with logits='argmax' the greedy ids [len(slots)]."""
+        if not slots or len(slots) != len(ids) or len(set(slots)) != len(slots):
+            raise InputError(f"decode takes distinct slots and one token id each: got slots {slots}, ids {ids}")
+        for s in slots:
+            self._check_slot(s)
+            if self.position(s) == 0:
+                raise InputError(f"slot {s} has no prompt yet: prefill it before decoding")
+            if self.position(s) >= self.max_seq_len:
+                raise InputError(f"slot {s} is at max_seq_len {self.max_seq_len}: its KV cache is full")
+        vocab = self.compiled.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InputError(f"token id {bad[0]} is out of range: the vocabulary has ids 0..{vocab - 1}")
+        b = self.bucket(max(slots) + 1)
+        rows = torch.tensor(slots, dtype=torch.int64)
+        tokens = torch.zeros(b, 1, dtype=torch.int64)
+        tokens[rows, 0] = torch.tensor(ids, dtype=torch.int64)
+        # padding rows write at their own next position (full rows at their last: never read again)
+        positions = self.positions[:b].clamp(max=self.max_seq_len - 1)
+        out = self.compiled.executor(self.compiled.decode).run(tokens, self._views[b], positions=positions,
+                                                               logits=logits)
+        self.positions[rows] += 1
+        out = out.reshape(b, -1)[rows]
+        return out[:, 0] if logits == "argmax" else out.float()

@@ -1,0 +1,132 @@
+"""Ragged decode (sequences at different positions in one batched step) and the SlotPool built on
+it: every sequence gets the logits it gets when run alone, on torch_ref, the native backend and
+the static-shape rules a CUDA graph captures (run on the CPU here; test_gpu runs the graph)."""
+
+import pytest
+import torch
+
+import ktflow
+from ktflow.backends.static_rules import StaticRules
+from ktflow.backends.torch_ref import TorchRefBackend
+from ktflow.errors import ConfigError, InputError
+from ktflow.runtime.executor import Executor
+from ktflow.runtime.slots import SlotPool, buckets
+
+
+def _alone(c, prompt: list[int], steps: list[int]) -> list[torch.Tensor]:
+    """The logits of a sequence run by itself: after its prompt, then after each token of `steps`."""
+    out, state = ktflow.execute(c, torch.tensor([prompt]), logits="last")
+    got = [out[0, -1]]
+    for t in steps:
+        out, state = ktflow.execute(c, torch.tensor([[t]]), state, logits="last")
+        got.append(out[0, -1])
+    return got
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    return float((a.float() - b.float()).norm() / b.float().norm()) < tol
+
+
+@pytest.mark.parametrize("case,backend", [("qwen3_moe", "torch_ref"), ("deepseek_v3", "torch_ref"),
+                                          ("mixtral_sliding", "torch_ref"), ("qwen3_moe", "native")])
+@torch.inference_mode()
+def test_pool_decodes_each_sequence_as_if_alone(case, backend, tiny_dirs):
+    """Three sequences with prompts of different lengths, started at different times, decoded
+    together (one step per token for all of them, in a bucket with a padding row): each one's
+    logits match running it alone."""
+    d, _ = tiny_dirs(case)
+    model = ktflow.load(d)
+    c = ktflow.compile(model, hw="paper-a100", device="cpu", dtype="float32", max_seq_len=48, max_batch=4,
+                       backend=backend)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(3)
+    prompts = {0: torch.randint(0, vocab, (7,), generator=g).tolist(),
+               2: torch.randint(0, vocab, (3,), generator=g).tolist(),  # slot 1 left free: a padding row
+               3: torch.randint(0, vocab, (12,), generator=g).tolist()}
+    feed = {s: torch.randint(0, vocab, (6,), generator=g).tolist() for s in prompts}
+    pool = SlotPool(c, 4)
+    got: dict[int, list[torch.Tensor]] = {s: [] for s in prompts}
+    for s in (0, 2):  # slot 3 joins after two steps
+        pool.start(s)
+        got[s].append(pool.prefill(s, torch.tensor([prompts[s]]))[0, -1])
+    for step in range(6):
+        if step == 2:
+            pool.start(3)
+            got[3].append(pool.prefill(3, torch.tensor([prompts[3]]))[0, -1])
+        active = [s for s in prompts if len(got[s]) <= len(feed[s]) and (s != 3 or step >= 2)]
+        out = pool.decode(active, [feed[s][len(got[s]) - 1] for s in active])
+        assert out.shape == (len(active), vocab)
+        for i, s in enumerate(active):
+            got[s].append(out[i])
+    for s, prompt in prompts.items():
+        want = _alone(c, prompt, feed[s][:len(got[s]) - 1])
+        for i, (a, b) in enumerate(zip(got[s], want, strict=True)):
+            assert _close(a, b, 1e-4), (case, backend, s, i)
+    assert pool.position(0) == 7 + 6 and pool.position(3) == 12 + 4
+
+
+class StaticRef(StaticRules, TorchRefBackend):
+    pass
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe", "deepseek_v3", "mixtral_sliding"])
+@torch.inference_mode()
+def test_static_rules_ragged_step_matches_torch_ref(case, tiny_dirs):
+    """The rules a CUDA graph captures, on a ragged step (a position per row as a tensor): the
+    same logits and the same cache entries as torch_ref's row-by-row form."""
+    d, _ = tiny_dirs(case)
+    model = ktflow.load(d)
+    c = ktflow.compile(model, hw="paper-a100", device="cpu", placement="gpu", dtype="float32", max_seq_len=40,
+                       max_batch=3, backend="torch_ref")
+    pool, twin = SlotPool(c, 3), SlotPool(c, 3)
+    g = torch.Generator().manual_seed(5)
+    for s, n in enumerate((4, 9, 2)):
+        ids = torch.randint(0, model.config.vocab_size, (1, n), generator=g)
+        for p in (pool, twin):
+            p.start(s)
+            p.prefill(s, ids)
+    be = StaticRef("cpu", torch.float32)
+    be.static_setup()
+    be.prepare(c.decode.ir, model.weights)
+    static = Executor(c.decode, be)
+    ref = Executor(c.decode, c.executor(c.decode).backend)
+    for _ in range(3):
+        ids = torch.randint(0, model.config.vocab_size, (3, 1), generator=g)
+        pos = pool.positions.clone()
+        want = ref.run(ids, pool.state, positions=pos)
+        got = static.run(ids, twin.state, position_t=pos, positions=pos)
+        assert _close(got, want, 1e-5), case
+        pool.positions += 1
+        twin.positions += 1
+    for layer, caches in pool.state.kv.items():
+        for a, b in zip(caches, twin.state.kv[layer], strict=True):
+            assert torch.allclose(a, b, atol=1e-5), layer
+
+
+def test_buckets():
+    assert buckets(1) == [1]
+    assert buckets(8) == [1, 2, 4, 8]
+    assert buckets(6) == [1, 2, 4, 6]
+
+
+@torch.inference_mode()
+def test_pool_refuses_what_it_cannot_do(tiny_dirs):
+    d, _ = tiny_dirs("qwen3_moe")
+    c = ktflow.compile(ktflow.load(d), hw="paper-a100", device="cpu", dtype="float32", max_seq_len=16, max_batch=2,
+                       backend="torch_ref")
+    with pytest.raises(ConfigError, match="max_batch >= 3"):
+        SlotPool(c, 3)
+    pool = SlotPool(c, 2)
+    with pytest.raises(InputError, match="slot 5 does not exist"):
+        pool.start(5)
+    pool.start(0)
+    with pytest.raises(InputError, match="slot 0 has no prompt yet"):
+        pool.decode([0], [1])
+    pool.prefill(0, torch.tensor([[1] * 15]))
+    with pytest.raises(InputError, match="out of range"):
+        pool.decode([0], [10 ** 6])
+    pool.decode([0], [2])  # position 16: full
+    with pytest.raises(InputError, match="KV cache is full"):
+        pool.decode([0], [2])
+    with pytest.raises(InputError, match="distinct"):
+        pool.decode([0, 0], [1, 1])
