@@ -402,8 +402,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
     _print_ready(compiled)
     served = build(compiled, tok, a.model_name or model_dir.resolve().name, max_batch=a.max_batch,
                    max_queue=a.max_queue, api_key=a.api_key or None, prefill_tokens=a.prefill_step)
-    if served.note:
-        print(f"note: {served.note}", flush=True)
     if tok.chat_template is None:
         print("note: tokenizer_config.json has no chat_template: /v1/chat/completions answers 400, "
               "/v1/completions works", flush=True)

@@ -30,7 +30,7 @@ httpx = pytest.importorskip("httpx")
 
 import ktflow  # noqa: E402
 from ktflow.serve.demo_tokenizer import write_demo_tokenizer  # noqa: E402
-from ktflow.serve.runner import SequenceRunner  # noqa: E402
+from ktflow.serve.runner import PoolRunner  # noqa: E402
 from ktflow.serve.server import build  # noqa: E402
 from ktflow.serve.stops import TextStream  # noqa: E402
 from ktflow.serve.tokenizer import ServeTokenizer  # noqa: E402
@@ -59,8 +59,8 @@ def tok(serve_dir):
     return ServeTokenizer.from_dir(serve_dir)
 
 
-class TestRunner(SequenceRunner):
-    """The per-sequence runner, with an injected fault (a prompt holding FAIL_TOKEN), an optional
+class TestRunner(PoolRunner):
+    """The pool runner, with an injected fault (a prompt holding FAIL_TOKEN), an optional
     delay per decode step, and a record of the widest decode step."""
 
     __test__ = False

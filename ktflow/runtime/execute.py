@@ -68,7 +68,8 @@ def execute(compiled, input_ids: torch.Tensor, state: State | None = None, *,
 def prefill(compiled, ids: torch.Tensor, state: State, logits: str, device=None) -> tuple[torch.Tensor, State]:
     """Run the prompt `ids` [batch, tokens] (checked) through prefill plans, from state.position,
     in chunks of the largest prefill bucket (even a one-token chunk past position 0 runs a
-    prefill plan); returns the logits `execute` describes, on `device` (default: where they are)."""
+    prefill plan); returns the logits `execute` describes (None for logits='none'), on `device`
+    (default: where they are), and the state."""
     b, s = ids.shape
     rows = max(1, compiled.chunk_tokens // b)
     pieces = []
@@ -79,6 +80,8 @@ def prefill(compiled, ids: torch.Tensor, state: State, logits: str, device=None)
         out = compiled.executor(compiled.prefill_plan(part.numel())).run(part, state, logits=want)
         if out is not None:
             pieces.append(out if device is None else out.to(device))
+    if not pieces:  # logits='none'
+        return None, state
     if logits == "argmax":
         return pieces[-1], state
     return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)), state

@@ -23,6 +23,7 @@ sequence through `emit(event)`, called on the scheduler thread with a `Delta`, t
 
 from __future__ import annotations
 
+import heapq
 import random
 import threading
 import time
@@ -124,7 +125,7 @@ class Engine:
         self.metrics = metrics or Metrics()
         self._cond = threading.Condition()
         self._waiting: deque[GenRequest] = deque()
-        self._free = list(range(runner.slots))[::-1]
+        self._free = list(range(runner.slots))  # a heap: the lowest free slot first (low rows: small buckets)
         self._running: list[_Seq] = []
         self._draining = False
         self._stopping = False
@@ -227,7 +228,7 @@ class Engine:
             gen = None
             if req.temperature > 0:
                 gen = torch.Generator().manual_seed(req.seed if req.seed is not None else random.getrandbits(63))
-            s = _Seq(req, self._free.pop(), TextStream(self.decode_text, req.stops), gen)
+            s = _Seq(req, heapq.heappop(self._free), TextStream(self.decode_text, req.stops), gen)
             self._running.append(s)
             out.append(s)
         return out
@@ -331,7 +332,7 @@ class Engine:
         finally:
             with self._cond:
                 self._running.remove(s)
-                self._free.append(s.slot)
+                heapq.heappush(self._free, s.slot)
                 self._cond.notify_all()
 
     @staticmethod

@@ -17,7 +17,7 @@ from ..errors import ResourceError
 from .app import ServeApp
 from .engine import Engine
 from .metrics import ServerMetrics
-from .runner import Runner, SequenceRunner
+from .runner import Runner, PoolRunner
 from .tokenizer import ServeTokenizer
 
 
@@ -26,7 +26,6 @@ class Served:
     """What `build` made: the engine (not started), the app and its Starlette application."""
     engine: Engine
     app: ServeApp
-    note: str = ""
 
     @property
     def asgi(self):
@@ -35,10 +34,10 @@ class Served:
 
 def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: int = 4, max_queue: int = 64,
           api_key: str | None = None, prefill_tokens: int | None = None, runner: Runner | None = None) -> Served:
-    """An engine over `runner` (default: a SequenceRunner with `max_batch` slots, warmed: every
-    slot's KV cache made now) and the app."""
+    """An engine over `runner` (default: a PoolRunner with `max_batch` slots, warmed: every
+    slot's KV cache and every batch bucket's step made now) and the app."""
     if runner is None:
-        runner = SequenceRunner(compiled, max_batch)
+        runner = PoolRunner(compiled, max_batch)
         runner.warm()
     step = prefill_tokens or min(compiled.chunk_tokens, 256)
     eos = tokenizer.eos_ids | set(compiled.model.config.eos_ids if compiled.model is not None else ())
@@ -46,7 +45,7 @@ def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: in
     metrics = ServerMetrics(engine.stats)
     engine.metrics = metrics
     app = ServeApp(engine, tokenizer, model_name, api_key=api_key, metrics=metrics, vocab_size=compiled.vocab_size)
-    return Served(engine, app, getattr(runner, "note", ""))
+    return Served(engine, app)
 
 
 def run(served: Served, host: str, port: int, *, shutdown_timeout: float = 30.0, log=print) -> None:
