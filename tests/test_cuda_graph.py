@@ -34,7 +34,7 @@ def hw_here():
 
 def hybrid(model, **options):
     """Dense work on the GPU and about two experts per MoE layer; the other experts on the CPU."""
-    opts = dict(hw=hw_here(), device="cuda", dtype="bfloat16", max_seq_len=64, max_batch=2)
+    opts = dict(hw=hw_here(), device="cuda", dtype="bfloat16", max_seq_len=64, max_batch=options.pop("max_batch", 2))
     probe = ktflow.compile(model, vram_budget_gb=1.0, **opts)
     nodes = probe.decode.ir.nodes
     dense = sum(n.weight_elems() * 4 for n in nodes if n.op != Op.ROUTED_EXPERTS)

@@ -74,11 +74,11 @@ class TestRunner(PoolRunner):
             raise RuntimeError("injected failure in this sequence's prefill")
         return super().prefill(slot, ids, last)
 
-    def decode(self, slots, ids):
+    def decode(self, slots, ids, greedy=False):
         self.widest = max(self.widest, len(slots))
         if self.delay:
             time.sleep(self.delay)
-        return super().decode(slots, ids)
+        return super().decode(slots, ids, greedy)
 
 
 def free_port() -> int:

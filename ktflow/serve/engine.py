@@ -265,7 +265,9 @@ class Engine:
                 self._accept(s, logits)
         batch = [s for s in self._running if not s.done and s.pending is not None]
         if batch:
-            outs = self.runner.decode([s.slot for s in batch], [s.pending for s in batch])
+            # every sequence greedy: the runner takes the argmax where the logits are (on the GPU)
+            greedy = all(s.generator is None for s in batch)
+            outs = self.runner.decode([s.slot for s in batch], [s.pending for s in batch], greedy)
             for s, out in zip(batch, outs):
                 if isinstance(out, BaseException):
                     self._fail(s, out)
@@ -274,13 +276,16 @@ class Engine:
         for s in [s for s in self._running if s.done]:
             self._release(s)
 
-    def _accept(self, s: _Seq, logits: torch.Tensor) -> None:
-        """Sample the next token from `logits` [vocab] and see whether the sequence ends."""
+    def _accept(self, s: _Seq, logits: torch.Tensor | int) -> None:
+        """Sample the next token from `logits` [vocab] (or take the greedy id the runner chose)
+        and see whether the sequence ends."""
         if s.req.cancelled:
             self._finish(s, "cancelled")
             return
         try:
-            if s.generator is None:
+            if isinstance(logits, int):
+                tok = logits
+            elif s.generator is None:
                 tok = int(logits.argmax())
             else:
                 tok = int(sample(logits[None], s.req.temperature, s.req.top_p, s.generator)[0])

@@ -7,9 +7,10 @@ Runner, in slot numbers and token ids:
   not reallocated: positions past the new sequence's are never read);
 - `prefill(slot, ids, last)`: the next chunk of that sequence's prompt, continuing its cache;
   when `last` is set, returns the logits of the chunk's final position ([vocab], float32, CPU);
-- `decode(slots, ids)`: one token for each listed slot (each at its own position), returning
-  per slot either its next-token logits ([vocab], float32, CPU) or the exception that failed
-  that slot only;
+- `decode(slots, ids, greedy)`: one token for each listed slot (each at its own position),
+  returning per slot its next-token logits ([vocab], float32, CPU), or with `greedy` (every
+  listed sequence decodes greedily) its argmax id (an int; taken where the logits are, so on
+  the GPU only the ids cross), or the exception that failed that slot only;
 - `free(slot)`: the sequence in `slot` is finished.
 
 `PoolRunner` runs every decode step as ONE batched step over all listed slots
@@ -38,7 +39,7 @@ class Runner(Protocol):
 
     def prefill(self, slot: int, ids: list[int], last: bool) -> torch.Tensor | None: ...
 
-    def decode(self, slots: list[int], ids: list[int]) -> list[torch.Tensor | BaseException]: ...
+    def decode(self, slots: list[int], ids: list[int], greedy: bool = False) -> list[torch.Tensor | int | BaseException]: ...
 
     def free(self, slot: int) -> None: ...
 
@@ -71,12 +72,12 @@ class PoolRunner:
         out = self.pool.prefill(slot, torch.tensor([ids], dtype=torch.int64), logits="last" if last else "none")
         return out[0, -1].float().cpu() if last else None
 
-    def decode(self, slots: list[int], ids: list[int]) -> list[torch.Tensor | BaseException]:
+    def decode(self, slots: list[int], ids: list[int], greedy: bool = False) -> list[torch.Tensor | int | BaseException]:
         try:
-            out = self.pool.decode(slots, ids)
+            out = self.pool.decode(slots, ids, logits="argmax" if greedy else "last")
         except Exception as e:  # noqa: BLE001 - the step's sequences fail, the server goes on
             return [e] * len(slots)
-        return list(out)
+        return out.tolist() if greedy else list(out)
 
     def free(self, slot: int) -> None:
         pass  # the slot's cache stays allocated for its next sequence
