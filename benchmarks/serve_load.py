@@ -8,11 +8,16 @@ request's tokens after the first over the time since its first), inter-token lat
 (between streamed chunks), time to first token p50/p99, and appends one JSONL row per phase to
 benchmarks/serve_load.jsonl.
 
-Without --url it writes the demo checkpoint (and a small trained tokenizer) into a temporary dir,
-starts `ktflow serve` on a free loopback port with --max-batch equal to the most streams, and
-stops it with SIGTERM at the end. Traffic goes to that server or to --url only.
+Without --url it serves the demo checkpoint, or --checkpoint (either given the demo tokenizer,
+a small trained one, where it has none), with `ktflow serve` on a free loopback port and
+--max-batch equal to the most streams, and stops it with SIGTERM at the end; --experts-on-cpu
+compiles the plan with every routed expert on the CPU first, and --baseline times `ktflow run`
+(its generate, warmed) on the same plan before the server starts (the one-stream ratio). Traffic goes to that server or
+to --url only.
 
     python benchmarks/serve_load.py --streams 1,2,4                       # the demo model, here
+    python benchmarks/serve_load.py --checkpoint /tmp/ktflow-e2e/qwen3-12l --experts-on-cpu \
+        --hw this --device cuda --streams 1,2,4,8,16 --baseline             # on the GPU machine
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --model NAME --streams 1,8,32
 """
 
@@ -111,35 +116,90 @@ def phase(url: str, model: str, streams: int, requests: int, prompt_tokens: int,
                 ttft_p50_ms=round(pct(ttft, 0.5), 2), ttft_p99_ms=round(pct(ttft, 0.99), 2))
 
 
-def start_demo_server(max_batch: int, hw: str, device: str, max_seq_len: int) -> tuple[subprocess.Popen, str, Path]:
-    """`ktflow serve` over the demo checkpoint with a trained tokenizer; (process, url, temp dir)."""
+def served_dir(tmp: Path, checkpoint: str | None) -> Path:
+    """The dir to serve, in `tmp`: the demo checkpoint, or `checkpoint`'s files linked, each with
+    the demo tokenizer where it has no tokenizer.json (its ids are below 2048: any vocabulary)."""
     from ktflow.demo import ensure_demo_checkpoint
     from ktflow.serve.demo_tokenizer import write_demo_tokenizer
 
-    tmp = Path(tempfile.mkdtemp(prefix="ktflow-serve-load-"))
-    src, _ = ensure_demo_checkpoint()
-    d = tmp / "demo"
-    shutil.copytree(src, d)
-    write_demo_tokenizer(d)
+    d = tmp / "model"
+    if checkpoint is None:
+        src, _ = ensure_demo_checkpoint()
+        shutil.copytree(src, d)
+    else:
+        d.mkdir()
+        for f in Path(checkpoint).iterdir():
+            (d / f.name).symlink_to(f.resolve())
+    if not (d / "tokenizer.json").exists():
+        write_demo_tokenizer(d)
+    return d
+
+
+def experts_on_cpu_plan(d: Path, out: Path, hw: str, device: str, max_batch: int, max_seq_len: int) -> Path:
+    """Compile `d` with every routed expert on the CPU (a VRAM budget of the dense weights, the KV
+    caches and half an expert, as benchmarks/e2e.py does) and save the plan to `out`."""
+    import ktflow
+    from ktflow.ir.ops import Op
+
+    model = ktflow.load(d)
+    opts = dict(hw=hw, device=device, max_batch=max_batch, max_seq_len=max_seq_len)
+    probe = ktflow.compile(model, vram_budget_gb=1000, allow_oversize=True, **opts).decode
+    dense = sum(n.weight_bytes(2) for n in probe.ir.nodes if n.op != Op.ROUTED_EXPERTS and n.place.device.value == "gpu")
+    per_expert = min(n.weight_elems() / n.attrs.experts for n in probe.ir.nodes if n.op == Op.ROUTED_EXPERTS) * 2
+    budget = (dense + probe.memory.kv_cache_bytes + 0.5 * per_expert) / 1e9
+    c = ktflow.compile(model, vram_budget_gb=budget, **opts)
+    on_gpu = sum(1 for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "gpu")
+    print(f"plan: VRAM budget {budget:.2f} GB, routed-expert nodes on the GPU: {on_gpu}", flush=True)
+    c.save(out)
+    return out
+
+
+BASELINE = """
+import sys, torch, ktflow
+from ktflow.runtime.generate import generate_with_stats
+d, plan, prompt, new = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+model = ktflow.load(d)
+c = ktflow.Compiled.load(plan, model) if plan else ktflow.compile(model, **eval(sys.argv[5]))
+ids = torch.tensor([[(7 + 3 * j) % 2046 + 2 for j in range(prompt)]])
+generate_with_stats(c, ids, new)  # warm: weights, the first decode step's capture
+_, st = generate_with_stats(c, ids, new)
+print(st.decode_tokens_per_s)
+"""
+
+
+def run_baseline(d: Path, plan: Path | None, compile_opts: dict, prompt_tokens: int, max_tokens: int) -> float:
+    """What `ktflow run` decodes at on the same model and plan (its `generate_with_stats`, warmed:
+    the first decode step's capture is not timed): one sequence, greedy, the benchmark's prompt
+    and answer lengths; in its own process, gone before the server starts."""
+    cmd = [sys.executable, "-c", BASELINE, str(d), str(plan or ""), str(prompt_tokens), str(max_tokens),
+           repr(compile_opts)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "KTFLOW_QUIET": "1"})
+    if p.returncode != 0:
+        raise SystemExit(f"the baseline run failed: {p.stderr.strip().splitlines()[-1:]}")
+    return float(p.stdout.strip().splitlines()[-1])
+
+
+def start_server(d: Path, max_batch: int, args: list[str]) -> tuple[subprocess.Popen, str]:
+    """`ktflow serve d` on a free loopback port; (process, url) once /health answers."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "ktflow", "serve", str(d), "--port", str(port), "--model-name", "demo",
-           "--max-batch", str(max_batch), "--max-seq-len", str(max_seq_len), "--hw", hw, "--device", device]
+           "--max-batch", str(max_batch)] + args
     p = subprocess.Popen(cmd, env={**os.environ, "KTFLOW_QUIET": "1"})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600
     while True:
         if p.poll() is not None:
             raise SystemExit(f"ktflow serve exited with {p.returncode} before it was up")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return p, url, tmp
+                return p, url
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:
             p.kill()
-            raise SystemExit("ktflow serve did not come up in 120 s")
+            raise SystemExit("ktflow serve did not come up in 600 s")
         time.sleep(0.2)
 
 
@@ -156,13 +216,33 @@ def main() -> None:
                     "demo model's vocabulary)")
     ap.add_argument("--hw", default="cpu", help="demo server: hardware profile (default cpu)")
     ap.add_argument("--device", default="cpu", help="demo server: where GPU nodes run (default cpu)")
+    ap.add_argument("--checkpoint", help="serve this checkpoint dir instead of the demo (linked into a temp dir, "
+                    "with the demo tokenizer where it has none), e.g. one benchmarks/e2e.py wrote")
+    ap.add_argument("--experts-on-cpu", action="store_true",
+                    help="compile the plan with every routed expert on the CPU (as e2e.py does) and serve it")
+    ap.add_argument("--baseline", action="store_true",
+                    help="first time `ktflow run` (one sequence, same plan and lengths) for the one-stream ratio")
     ap.add_argument("--out", default=str(HERE / "serve_load.jsonl"))
     a = ap.parse_args()
     streams = [int(s) for s in a.streams.split(",")]
     proc = tmp = None
     url = a.url
+    baseline = None
     if url is None:
-        proc, url, tmp = start_demo_server(max(streams), a.hw, a.device, a.prompt_tokens + a.max_tokens + 8)
+        tmp = Path(tempfile.mkdtemp(prefix="ktflow-serve-load-"))
+        d = served_dir(tmp, a.checkpoint)
+        max_seq = a.prompt_tokens + a.max_tokens + 8
+        plan = None
+        if a.experts_on_cpu:
+            plan = experts_on_cpu_plan(d, tmp / "plan.json", a.hw, a.device, max(streams), max_seq)
+            args = ["--plan", str(plan)]
+        else:
+            args = ["--max-seq-len", str(max_seq), "--hw", a.hw, "--device", a.device]
+        if a.baseline:
+            opts = dict(max_seq_len=max_seq, hw=a.hw, device=a.device, max_batch=max(streams))
+            baseline = run_baseline(d, plan, opts, a.prompt_tokens, a.max_tokens)
+            print(f"ktflow run's generate, one sequence: decode {baseline:.1f} tok/s", flush=True)
+        proc, url = start_server(d, max(streams), args)
     try:
         vocab = a.vocab
         httpx.get(url + "/v1/models", timeout=10).raise_for_status()
@@ -176,9 +256,13 @@ def main() -> None:
                   f"{r['ttft_p50_ms']:>12.1f} {r['ttft_p99_ms']:>12.1f}", flush=True)
             if r["first_error"]:
                 print(f"        first error: {r['first_error']}")
-            rows.append(dict(bench="serve_load", commit=commit(), **machine(), url="demo" if proc else url,
-                             model=a.model, prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens,
-                             hw=a.hw if proc else None, **r))
+            if baseline and n == 1:
+                print(f"        one stream through the server / ktflow run's generate: "
+                      f"{r['per_stream_tok_s'] / baseline:.3f}")
+            rows.append(dict(bench="serve_load", commit=commit(), **machine(),
+                             url=(a.checkpoint or "demo") if proc else url, model=a.model,
+                             prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens, hw=a.hw if proc else None,
+                             experts_on_cpu=a.experts_on_cpu, run_decode_tok_s=baseline, **r))
         append_jsonl(a.out, rows)
     finally:
         if proc is not None:
