@@ -51,10 +51,11 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def one_request(client: httpx.Client, url: str, body: dict) -> dict:
-    """One streamed completion: its send time, each chunk's arrival, and the usage."""
+def one_request(client: httpx.Client, url: str, body: dict, chunks: list | None = None) -> dict:
+    """One streamed completion: its send time, each chunk's arrival (into `chunks` as they come,
+    if given), and the usage."""
     t0 = time.perf_counter()
-    chunks, usage = [], None
+    chunks, usage = ([] if chunks is None else chunks), None
     with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             r.read()
@@ -67,7 +68,7 @@ def one_request(client: httpx.Client, url: str, body: dict) -> dict:
                 raise RuntimeError(msg["error"]["message"])
             if msg.get("usage"):
                 usage = msg["usage"]
-            if msg.get("choices") and msg["choices"][0].get("text"):
+            if msg.get("choices") and msg["choices"][0].get("text"):  # a token's text (every id has some: served_dir)
                 chunks.append(time.perf_counter())
     return dict(start=t0, chunks=chunks, tokens=(usage or {}).get("completion_tokens", len(chunks)))
 
@@ -107,13 +108,59 @@ def phase(url: str, model: str, streams: int, requests: int, prompt_tokens: int,
     tokens = sum(r["tokens"] for r in results)
     itl = [(b - a) * 1e3 for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
     ttft = [(r["chunks"][0] - r["start"]) * 1e3 for r in results if r["chunks"]]
-    rates = [(r["tokens"] - 1) / (r["chunks"][-1] - r["chunks"][0]) for r in results
+    rates = [(len(r["chunks"]) - 1) / (r["chunks"][-1] - r["chunks"][0]) for r in results
              if len(r["chunks"]) > 1 and r["chunks"][-1] > r["chunks"][0]]
     return dict(streams=streams, requests=len(results), errors=len(errors), first_error=errors[0] if errors else None,
                 completion_tokens=tokens, wall_s=round(wall, 3), total_tok_s=round(tokens / wall, 2) if wall else 0.0,
                 per_stream_tok_s=round(statistics.mean(rates), 2) if rates else float("nan"),
                 itl_p50_ms=round(pct(itl, 0.5), 2), itl_p99_ms=round(pct(itl, 0.99), 2),
                 ttft_p50_ms=round(pct(ttft, 0.5), 2), ttft_p99_ms=round(pct(ttft, 0.99), 2))
+
+
+def long_prompt_phase(url: str, model: str, streams: int, long_tokens: int, prompt_tokens: int, max_tokens: int,
+                      vocab: int) -> dict:
+    """`streams` clients decoding (one answer of `max_tokens` each); once they all stream, one request with
+    a `long_tokens` prompt arrives: its time to first token, and the decoding streams'
+    inter-token latency while it is prefilled (from its arrival to its first token)."""
+    out: dict[int, dict] = {}
+    seen: dict[int, list] = {k: [] for k in range(-1, streams)}
+
+    def send(k: int, n: int, new: int) -> None:
+        ids = [(11 + 37 * k + 5 * j) % (vocab - 2) + 2 for j in range(n)]
+        body = dict(model=model, prompt=ids, max_tokens=new, temperature=0, stream=True, ignore_eos=True,
+                    stream_options={"include_usage": True})
+        with httpx.Client(timeout=600.0) as c:
+            out[k] = one_request(c, url, body, seen[k])
+
+    threads = [threading.Thread(target=send, args=(k, prompt_tokens, max_tokens)) for k in range(streams)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 300
+    while any(len(seen[k]) < 2 for k in range(streams)) and time.monotonic() < deadline:
+        time.sleep(0.02)  # until every stream decodes
+    send(-1, long_tokens, 1)
+    for t in threads:
+        t.join()
+    long = out[-1]
+    first = long["chunks"][0] if long["chunks"] else float("nan")
+    itl = [(b - a) * 1e3 for k in range(streams) for a, b in zip(out[k]["chunks"], out[k]["chunks"][1:])
+           if long["start"] <= b <= first]
+    return dict(streams=streams, long_prompt=long_tokens, long_ttft_ms=round((first - long["start"]) * 1e3, 1),
+                itl_during_p50_ms=round(pct(itl, 0.5), 2), itl_during_p99_ms=round(pct(itl, 0.99), 2),
+                itl_during_n=len(itl))
+
+
+def expert_read_ceiling(d: Path, streams: int) -> float | None:
+    """With every routed expert on the CPU and decode bound by reading them, the most `streams`
+    sequences can decode over one (total tokens/s ratio) when each token picks top-k of E experts
+    uniformly at random (a random-weight model routes about so): `streams` tokens per step over
+    the expected distinct experts they read, E (1 - (1 - k/E)^streams), against k for one."""
+    cfg = json.loads((d / "config.json").read_text())
+    e = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
+    k = cfg.get("num_experts_per_tok")
+    if not e or not k:
+        return None
+    return streams * k / (e * (1 - (1 - k / e) ** streams))
 
 
 def served_dir(tmp: Path, checkpoint: str | None) -> Path:
@@ -132,7 +179,22 @@ def served_dir(tmp: Path, checkpoint: str | None) -> Path:
             (d / f.name).symlink_to(f.resolve())
     if not (d / "tokenizer.json").exists():
         write_demo_tokenizer(d)
+        cover_vocabulary(d)
     return d
+
+
+def cover_vocabulary(d: Path) -> None:
+    """Give the demo tokenizer a token for every id of the model's vocabulary past its own (a
+    random-weight model's greedy ids land anywhere in it): each decodes to some text, so every
+    generated token is a streamed chunk the latencies can be timed by."""
+    from tokenizers import Tokenizer
+
+    vocab = json.loads((d / "config.json").read_text())["vocab_size"]
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    have = tok.get_vocab_size()
+    if vocab > have:
+        tok.add_tokens([f"<{i}>" for i in range(have, vocab)])
+        tok.save(str(d / "tokenizer.json"))
 
 
 def experts_on_cpu_plan(d: Path, out: Path, hw: str, device: str, max_batch: int, max_seq_len: int) -> Path:
@@ -222,6 +284,9 @@ def main() -> None:
                     help="compile the plan with every routed expert on the CPU (as e2e.py does) and serve it")
     ap.add_argument("--baseline", action="store_true",
                     help="first time `ktflow run` (one sequence, same plan and lengths) for the one-stream ratio")
+    ap.add_argument("--long-prompt", type=int, default=0,
+                    help="then one request with a prompt this long arriving while the most streams decode: its "
+                         "time to first token and their inter-token latency meanwhile")
     ap.add_argument("--out", default=str(HERE / "serve_load.jsonl"))
     a = ap.parse_args()
     streams = [int(s) for s in a.streams.split(",")]
@@ -231,7 +296,7 @@ def main() -> None:
     if url is None:
         tmp = Path(tempfile.mkdtemp(prefix="ktflow-serve-load-"))
         d = served_dir(tmp, a.checkpoint)
-        max_seq = a.prompt_tokens + a.max_tokens + 8
+        max_seq = max(a.prompt_tokens + 4 * a.max_tokens, a.long_prompt + 1) + 8  # the long-prompt phase's answers
         plan = None
         if a.experts_on_cpu:
             plan = experts_on_cpu_plan(d, tmp / "plan.json", a.hw, a.device, max(streams), max_seq)
@@ -247,6 +312,7 @@ def main() -> None:
         vocab = a.vocab
         httpx.get(url + "/v1/models", timeout=10).raise_for_status()
         rows = []
+        first = None
         print(f"{'streams':>7} {'reqs':>5} {'err':>4} {'total tok/s':>12} {'tok/s/stream':>13} {'ITL p50 ms':>11} "
               f"{'ITL p99 ms':>11} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}")
         for n in streams:
@@ -256,13 +322,28 @@ def main() -> None:
                   f"{r['ttft_p50_ms']:>12.1f} {r['ttft_p99_ms']:>12.1f}", flush=True)
             if r["first_error"]:
                 print(f"        first error: {r['first_error']}")
+            first = first or (r["total_tok_s"] if n == 1 else None)
+            ceiling = expert_read_ceiling(d, n) if proc else None
+            if first and n > 1:
+                print(f"        total tok/s over one stream's: {r['total_tok_s'] / first:.2f}x"
+                      + (f" (uniform-routing expert-read ceiling {ceiling:.2f}x)" if ceiling else ""))
             if baseline and n == 1:
                 print(f"        one stream through the server / ktflow run's generate: "
                       f"{r['per_stream_tok_s'] / baseline:.3f}")
             rows.append(dict(bench="serve_load", commit=commit(), **machine(),
                              url=(a.checkpoint or "demo") if proc else url, model=a.model,
                              prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens, hw=a.hw if proc else None,
-                             experts_on_cpu=a.experts_on_cpu, run_decode_tok_s=baseline, **r))
+                             experts_on_cpu=a.experts_on_cpu, run_decode_tok_s=baseline,
+                             uniform_ceiling=round(ceiling, 3) if ceiling else None, **r))
+        if a.long_prompt:
+            n = max(streams)
+            r = long_prompt_phase(url, a.model, n, a.long_prompt, a.prompt_tokens, 4 * a.max_tokens, vocab)
+            print(f"a {a.long_prompt}-token prompt arriving while {n} streams decode: time to first token "
+                  f"{r['long_ttft_ms']:.0f} ms; the streams' inter-token latency meanwhile p50 "
+                  f"{r['itl_during_p50_ms']:.1f} ms, p99 {r['itl_during_p99_ms']:.1f} ms", flush=True)
+            rows.append(dict(bench="serve_load_long_prompt", commit=commit(), **machine(),
+                             url=(a.checkpoint or "demo") if proc else url, model=a.model, prompt_tokens=a.prompt_tokens,
+                             max_tokens=a.max_tokens, experts_on_cpu=a.experts_on_cpu, **r))
         append_jsonl(a.out, rows)
     finally:
         if proc is not None:

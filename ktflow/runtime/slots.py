@@ -86,13 +86,14 @@ class SlotPool:
         return int(self.positions[slot])
 
     def prefill(self, slot: int, ids: torch.Tensor, logits: str = "last") -> torch.Tensor:
-        """The next `ids` [1, n] of the sequence in `slot`; returns `execute`'s logits for them."""
+        """The next `ids` [1, n] of the sequence in `slot`; returns `execute`'s logits for them (on
+        the device of `ids`, as `execute` does)."""
         self._check_slot(slot)
         state = self.state.row(slot, self.position(slot))
         ids = check_ids(self.compiled, ids, state)
         if ids.shape[0] != 1:
             raise InputError(f"a slot holds one sequence: prefill takes ids of shape [1, n], got {list(ids.shape)}")
-        out, _ = prefill(self.compiled, ids, state, logits)
+        out, _ = prefill(self.compiled, ids, state, logits, ids.device)
         self.positions[slot] = state.position
         return out
 
