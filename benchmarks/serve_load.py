@@ -119,7 +119,8 @@ def phase(url: str, model: str, streams: int, requests: int, prompt_tokens: int,
 
 def long_prompt_phase(url: str, model: str, streams: int, long_tokens: int, prompt_tokens: int, max_tokens: int,
                       vocab: int) -> dict:
-    """`streams` clients decoding (one answer of `max_tokens` each); once they all stream, one request with
+    """`streams` clients decoding (one answer of `max_tokens` each; the server needs a slot more);
+    once they all stream, one request with
     a `long_tokens` prompt arrives: its time to first token, and the decoding streams'
     inter-token latency while it is prefilled (from its arrival to its first token)."""
     out: dict[int, dict] = {}
@@ -285,8 +286,9 @@ def main() -> None:
     ap.add_argument("--baseline", action="store_true",
                     help="first time `ktflow run` (one sequence, same plan and lengths) for the one-stream ratio")
     ap.add_argument("--long-prompt", type=int, default=0,
-                    help="then one request with a prompt this long arriving while the most streams decode: its "
-                         "time to first token and their inter-token latency meanwhile")
+                    help="then one request with a prompt this long arriving while --long-streams streams decode: "
+                         "its time to first token and their inter-token latency meanwhile")
+    ap.add_argument("--long-streams", type=int, default=8)
     ap.add_argument("--out", default=str(HERE / "serve_load.jsonl"))
     a = ap.parse_args()
     streams = [int(s) for s in a.streams.split(",")]
@@ -336,7 +338,9 @@ def main() -> None:
                              experts_on_cpu=a.experts_on_cpu, run_decode_tok_s=baseline,
                              uniform_ceiling=round(ceiling, 3) if ceiling else None, **r))
         if a.long_prompt:
-            n = max(streams)
+            n = a.long_streams
+            if n >= max(streams) and proc:
+                raise SystemExit(f"--long-streams {n} leaves the long prompt no slot (--max-batch is {max(streams)})")
             r = long_prompt_phase(url, a.model, n, a.long_prompt, a.prompt_tokens, 4 * a.max_tokens, vocab)
             print(f"a {a.long_prompt}-token prompt arriving while {n} streams decode: time to first token "
                   f"{r['long_ttft_ms']:.0f} ms; the streams' inter-token latency meanwhile p50 "

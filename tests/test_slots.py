@@ -104,6 +104,21 @@ def test_static_rules_ragged_step_matches_torch_ref(case, tiny_dirs):
             assert torch.allclose(a, b, atol=1e-5), layer
 
 
+def test_pool_and_execute_share_a_compiled_model(tiny_dirs):
+    """`execute` and a pool on one compiled model, in either order, outside inference mode (the
+    backends' buffers made by one are written by the other)."""
+    d, _ = tiny_dirs("qwen3_moe")
+    c = ktflow.compile(ktflow.load(d), hw="paper-a100", device="cpu", dtype="float32", max_seq_len=16, max_batch=2)
+    ids = torch.tensor([[1, 2, 3]])
+    want, state = ktflow.execute(c, ids, logits="last")
+    pool = SlotPool(c, 2)
+    pool.start(1)
+    assert _close(pool.prefill(1, ids)[0, -1], want[0, -1], 1e-5)
+    got = pool.decode([1], [4])[0]
+    want, _ = ktflow.execute(c, torch.tensor([[4]]), state, logits="last")
+    assert _close(got, want[0, -1], 1e-5)
+
+
 def test_buckets():
     assert buckets(1) == [1]
     assert buckets(8) == [1, 2, 4, 8]

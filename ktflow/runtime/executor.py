@@ -41,6 +41,7 @@ class Executor:
         self.plan, self.backend = plan, backend
         self.graph: Graph = plan.ir
         self.frees = plan.frees  # values to drop after step i
+        self.attention_layers = frozenset(n.attrs.layer for n in self.graph.nodes if n.op == Op.ATTENTION)
         # torch_ref runs every kind the same way (a copy moves the value, submit is a no-op, sync
         # passes the task's value); asynchronous backends give submit and sync their own handlers
         # record/wait order lanes; a backend that runs steps in plan order on one thread needs neither
@@ -79,7 +80,7 @@ class Executor:
         every layer (`SlotPool` makes them); state.position is then neither read nor advanced:
         the caller keeps the rows' positions."""
         if positions is not None:
-            _check_ragged(self.graph, input_ids, state, positions)
+            _check_ragged(self.attention_layers, input_ids, state, positions)
         if logits == "argmax" and not (self.runner is not None and position_t is None
                                        and getattr(self.runner, "argmax_on_device", False)):
             out = self.run(input_ids, state, position_t, "last", positions)  # the last position's logits, then their argmax
@@ -123,7 +124,7 @@ class Executor:
         return None if out is None else out.view(b, s if logits == "all" else 1, -1)
 
 
-def _check_ragged(g: Graph, input_ids: torch.Tensor, state: State, positions: torch.Tensor) -> None:
+def _check_ragged(layers: frozenset[int], input_ids: torch.Tensor, state: State, positions: torch.Tensor) -> None:
     """A ragged step's inputs as `Executor.run` needs them, or an InputError saying what is wrong."""
     from ..errors import InputError
 
@@ -136,7 +137,7 @@ def _check_ragged(g: Graph, input_ids: torch.Tensor, state: State, positions: to
     lo, hi = int(positions.min()), int(positions.max())
     if lo < 0 or hi >= state.max_seq_len:
         raise InputError(f"a row's position {lo if lo < 0 else hi} is outside its KV cache (0..{state.max_seq_len - 1})")
-    missing = sorted({n.attrs.layer for n in g.nodes if n.op == Op.ATTENTION} - set(state.kv))
+    missing = sorted(layers - set(state.kv))
     if missing:
         raise InputError(f"a ragged step needs the state's caches made for every attention layer (SlotPool makes "
                          f"them); layers {missing} have none")

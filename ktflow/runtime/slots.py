@@ -40,6 +40,7 @@ def buckets(slots: int) -> list[int]:
 class SlotPool:
     """See the module docstring."""
 
+    @torch.inference_mode()  # as `execute`: the backends' bound buffers are made and written in it
     def __init__(self, compiled, slots: int):
         if slots < 1:
             raise ConfigError(f"a slot pool needs at least one slot, got {slots}")
@@ -78,6 +79,7 @@ class SlotPool:
         if not 0 <= slot < self.slots:
             raise InputError(f"slot {slot} does not exist: the pool has slots 0..{self.slots - 1}")
 
+    @torch.inference_mode()
     def start(self, slot: int) -> None:
         self._check_slot(slot)
         self.positions[slot] = 0
@@ -85,6 +87,7 @@ class SlotPool:
     def position(self, slot: int) -> int:
         return int(self.positions[slot])
 
+    @torch.inference_mode()
     def prefill(self, slot: int, ids: torch.Tensor, logits: str = "last") -> torch.Tensor:
         """The next `ids` [1, n] of the sequence in `slot`; returns `execute`'s logits for them (on
         the device of `ids`, as `execute` does)."""
@@ -97,6 +100,7 @@ class SlotPool:
         self.positions[slot] = state.position
         return out
 
+    @torch.inference_mode()
     def decode(self, slots: list[int], ids: list[int], logits: str = "last") -> torch.Tensor:
         """One token for each of `slots` (distinct, each started and prefilled), `ids` in the same
         order, as one batched step; returns per listed slot, in order, the next-token logits
