@@ -151,6 +151,71 @@ def long_prompt_phase(url: str, model: str, streams: int, long_tokens: int, prom
                 itl_during_n=len(itl))
 
 
+def _metric(text: str, series: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return float("nan")
+
+
+def _slope_per_minute(ts: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over ts (seconds), per minute."""
+    n = len(ts)
+    if n < 2:
+        return float("nan")
+    mt, my = sum(ts) / n, sum(ys) / n
+    var = sum((t - mt) ** 2 for t in ts)
+    return 60 * sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / var if var else float("nan")
+
+
+def soak_phase(url: str, model: str, streams: int, seconds: float, every: float, prompt_tokens: int,
+               max_tokens: int, vocab: int) -> dict:
+    """`streams` clients sending requests back to back for `seconds`, the server's resident memory
+    and GPU memory (its /metrics) sampled every `every` seconds: first, last and the least-squares
+    slope over the second half of the samples (the first half includes warming up: caches,
+    allocator pools)."""
+    stop = time.monotonic() + seconds
+    counts = [0] * streams
+    errors: list[str] = []
+
+    def client(k: int) -> None:
+        i = 0
+        with httpx.Client(timeout=600.0) as c:
+            while time.monotonic() < stop:
+                ids = [(13 + 71 * k + 29 * i + 3 * j) % (vocab - 2) + 2 for j in range(prompt_tokens)]
+                body = dict(model=model, prompt=ids, max_tokens=max_tokens, temperature=0, stream=True,
+                            ignore_eos=True, stream_options={"include_usage": True})
+                try:
+                    counts[k] += one_request(c, url, body)["tokens"]
+                except Exception as e:  # noqa: BLE001
+                    errors.append(str(e))
+                i += 1
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(streams)]
+    for t in threads:
+        t.start()
+    t0 = time.monotonic()
+    samples = []
+    while time.monotonic() < stop:
+        text = httpx.get(url + "/metrics", timeout=30).text
+        samples.append((time.monotonic() - t0, _metric(text, "process_resident_memory_bytes") / 1e6,
+                        _metric(text, "ktflow_gpu_memory_reserved_bytes") / 1e6,
+                        _metric(text, "ktflow_gpu_memory_allocated_bytes") / 1e6))
+        time.sleep(every)
+    for t in threads:
+        t.join()
+    late = samples[len(samples) // 2:]
+    ts = [x[0] for x in late]
+    return dict(streams=streams, soak_s=round(time.monotonic() - t0, 1), samples=len(samples),
+                tokens=sum(counts), errors=len(errors), first_error=errors[0] if errors else None,
+                rss_first_mb=round(samples[0][1], 1), rss_last_mb=round(samples[-1][1], 1),
+                rss_slope_mb_per_min=round(_slope_per_minute(ts, [x[1] for x in late]), 3),
+                vram_reserved_first_mb=round(samples[0][2], 1), vram_reserved_last_mb=round(samples[-1][2], 1),
+                vram_reserved_slope_mb_per_min=round(_slope_per_minute(ts, [x[2] for x in late]), 3),
+                vram_allocated_last_mb=round(samples[-1][3], 1),
+                vram_allocated_slope_mb_per_min=round(_slope_per_minute(ts, [x[3] for x in late]), 3))
+
+
 def expert_read_ceiling(d: Path, streams: int) -> float | None:
     """With every routed expert on the CPU and decode bound by reading them, the most `streams`
     sequences can decode over one (total tokens/s ratio) when each token picks top-k of E experts
@@ -210,9 +275,17 @@ def experts_on_cpu_plan(d: Path, out: Path, hw: str, device: str, max_batch: int
     dense = sum(n.weight_bytes(2) for n in probe.ir.nodes if n.op != Op.ROUTED_EXPERTS and n.place.device.value == "gpu")
     per_expert = min(n.weight_elems() / n.attrs.experts for n in probe.ir.nodes if n.op == Op.ROUTED_EXPERTS) * 2
     budget = (dense + probe.memory.kv_cache_bytes + 0.5 * per_expert) / 1e9
-    c = ktflow.compile(model, vram_budget_gb=budget, **opts)
-    on_gpu = sum(1 for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "gpu")
-    print(f"plan: VRAM budget {budget:.2f} GB, routed-expert nodes on the GPU: {on_gpu}", flush=True)
+    for _ in range(16):  # a long prompt's activations may need more: grow it until attention stays on the GPU
+        c = ktflow.compile(model, vram_budget_gb=budget, **opts)
+        if not dense or not any(n.op == Op.ATTENTION and n.place.device.value == "cpu"
+                                for p in c.plans.plans for n in p.ir.nodes):
+            break
+        budget += 0.25
+    else:
+        raise SystemExit(f"no VRAM budget up to {budget:.2f} GB keeps attention on the GPU in every plan")
+    held = sum(len(n.attrs.ids) for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "gpu")
+    total = sum({n.attrs.layer: n.attrs.experts for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS}.values())
+    print(f"plan: VRAM budget {budget:.2f} GB, routed experts on the GPU: {held} of {total}", flush=True)
     c.save(out)
     return out
 
@@ -289,6 +362,11 @@ def main() -> None:
                     help="then one request with a prompt this long arriving while --long-streams streams decode: "
                          "its time to first token and their inter-token latency meanwhile")
     ap.add_argument("--long-streams", type=int, default=8)
+    ap.add_argument("--soak", type=float, default=0.0,
+                    help="then a soak of this many seconds at --soak-streams streams: the server's RSS and GPU "
+                         "memory sampled from /metrics, first, last and slope")
+    ap.add_argument("--soak-streams", type=int, default=8)
+    ap.add_argument("--soak-every", type=float, default=5.0, help="seconds between memory samples")
     ap.add_argument("--out", default=str(HERE / "serve_load.jsonl"))
     a = ap.parse_args()
     streams = [int(s) for s in a.streams.split(",")]
@@ -346,6 +424,17 @@ def main() -> None:
                   f"{r['long_ttft_ms']:.0f} ms; the streams' inter-token latency meanwhile p50 "
                   f"{r['itl_during_p50_ms']:.1f} ms, p99 {r['itl_during_p99_ms']:.1f} ms", flush=True)
             rows.append(dict(bench="serve_load_long_prompt", commit=commit(), **machine(),
+                             url=(a.checkpoint or "demo") if proc else url, model=a.model, prompt_tokens=a.prompt_tokens,
+                             max_tokens=a.max_tokens, experts_on_cpu=a.experts_on_cpu, **r))
+        if a.soak:
+            r = soak_phase(url, a.model, a.soak_streams, a.soak, a.soak_every, a.prompt_tokens, a.max_tokens, vocab)
+            print(f"soak: {r['soak_s']:.0f} s at {r['streams']} streams, {r['tokens']} tokens, {r['errors']} errors; "
+                  f"RSS {r['rss_first_mb']:.0f} -> {r['rss_last_mb']:.0f} MB (slope {r['rss_slope_mb_per_min']:+.2f} "
+                  f"MB/min over the second half); GPU reserved {r['vram_reserved_first_mb']:.0f} -> "
+                  f"{r['vram_reserved_last_mb']:.0f} MB ({r['vram_reserved_slope_mb_per_min']:+.2f} MB/min), "
+                  f"allocated {r['vram_allocated_last_mb']:.0f} MB ({r['vram_allocated_slope_mb_per_min']:+.2f} MB/min)",
+                  flush=True)
+            rows.append(dict(bench="serve_load_soak", commit=commit(), **machine(),
                              url=(a.checkpoint or "demo") if proc else url, model=a.model, prompt_tokens=a.prompt_tokens,
                              max_tokens=a.max_tokens, experts_on_cpu=a.experts_on_cpu, **r))
         append_jsonl(a.out, rows)

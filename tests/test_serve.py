@@ -371,6 +371,9 @@ def test_metrics_have_the_named_series(srv, client):
     assert _sample(after.text, ok) == _sample(before, ok) + 1
     ttft = "ktflow_time_to_first_token_seconds_count"
     assert _sample(after.text, ttft) == _sample(before, ttft) + 1
+    assert _sample(after.text, "ktflow_gpu_memory_reserved_bytes") >= 0
+    if sys.platform == "linux":  # what a soak test samples: the server's resident memory
+        assert _sample(after.text, "process_resident_memory_bytes") > 10e6
 
 
 def test_models_and_health(srv, client):

@@ -3,15 +3,18 @@
 Series: `ktflow_requests_total{endpoint, status}`, `ktflow_prompt_tokens_total`,
 `ktflow_completion_tokens_total`, `ktflow_queue_length`, `ktflow_running_sequences`,
 `ktflow_slots`, `ktflow_time_to_first_token_seconds` and `ktflow_inter_token_latency_seconds`
-(histograms).
+(histograms), `ktflow_gpu_memory_allocated_bytes` and `ktflow_gpu_memory_reserved_bytes` (torch's
+CUDA allocator; 0 without a GPU), and the process's own (`process_resident_memory_bytes` and the
+rest of prometheus_client's process collector, on Linux): what a soak test watches for leaks.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
-                               generate_latest)
+import torch
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               disable_created_metrics, generate_latest)
 
 disable_created_metrics()  # no `_created` twin of every series: scrapers do not need them
 
@@ -38,6 +41,12 @@ class ServerMetrics(Metrics):
         Gauge("ktflow_running_sequences", "sequences in slots (the running batch)", registry=r).set_function(
             lambda: stats()["running"])
         Gauge("ktflow_slots", "sequence slots (--max-batch)", registry=r).set_function(lambda: stats()["slots"])
+        gpu = torch.cuda.is_available()
+        Gauge("ktflow_gpu_memory_allocated_bytes", "GPU memory held by tensors (torch's CUDA allocator)",
+              registry=r).set_function(lambda: torch.cuda.memory_allocated() if gpu else 0)
+        Gauge("ktflow_gpu_memory_reserved_bytes", "GPU memory torch's CUDA allocator holds (tensors and its cache)",
+              registry=r).set_function(lambda: torch.cuda.memory_reserved() if gpu else 0)
+        ProcessCollector(registry=r)
         self.ttft = Histogram("ktflow_time_to_first_token_seconds", "from a request's arrival to its first token",
                               buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("ktflow_inter_token_latency_seconds", "between two tokens of one sequence",
