@@ -11,7 +11,7 @@ benchmarks/serve_load.jsonl.
 Without --url it serves the demo checkpoint, or --checkpoint (either given the demo tokenizer,
 a small trained one, where it has none), with `ktflow serve` on a free loopback port and
 --max-batch equal to the most streams, and stops it with SIGTERM at the end; --experts-on-cpu
-compiles the plan with every routed expert on the CPU first, and --baseline times `ktflow run`
+compiles the plan with every routed expert on the CPU first (a custom pass after placement), and --baseline times `ktflow run`
 (its generate, warmed) on the same plan before the server starts (the one-stream ratio). Traffic goes to that server or
 to --url only.
 
@@ -263,29 +263,36 @@ def cover_vocabulary(d: Path) -> None:
         tok.save(str(d / "tokenizer.json"))
 
 
+def experts_to_cpu(g, ctx):
+    """A custom pass (after placement): every routed-experts node on the CPU, whatever the cost
+    model chose (at a batch of several sequences it would spend VRAM on hot experts before
+    attention)."""
+    from dataclasses import replace
+
+    from ktflow.ir.ops import Op
+    from ktflow.ir.types import Device, Placement
+
+    def moved(n):
+        if n.op == Op.ROUTED_EXPERTS and n.place.device != Device.CPU:
+            return replace(n, place=Placement(Device.CPU, cause="serve_load --experts-on-cpu"))
+        return n
+
+    return g.map(moved)
+
+
 def experts_on_cpu_plan(d: Path, out: Path, hw: str, device: str, max_batch: int, max_seq_len: int) -> Path:
-    """Compile `d` with every routed expert on the CPU (a VRAM budget of the dense weights, the KV
-    caches and half an expert, as benchmarks/e2e.py does) and save the plan to `out`."""
+    """Compile `d` with every routed expert on the CPU (the default VRAM budget, then the
+    `experts_to_cpu` pass) and save the plan to `out`."""
     import ktflow
     from ktflow.ir.ops import Op
 
     model = ktflow.load(d)
-    opts = dict(hw=hw, device=device, max_batch=max_batch, max_seq_len=max_seq_len)
-    probe = ktflow.compile(model, vram_budget_gb=1000, allow_oversize=True, **opts).decode
-    dense = sum(n.weight_bytes(2) for n in probe.ir.nodes if n.op != Op.ROUTED_EXPERTS and n.place.device.value == "gpu")
-    per_expert = min(n.weight_elems() / n.attrs.experts for n in probe.ir.nodes if n.op == Op.ROUTED_EXPERTS) * 2
-    budget = (dense + probe.memory.kv_cache_bytes + 0.5 * per_expert) / 1e9
-    for _ in range(16):  # a long prompt's activations may need more: grow it until attention stays on the GPU
-        c = ktflow.compile(model, vram_budget_gb=budget, **opts)
-        if not dense or not any(n.op == Op.ATTENTION and n.place.device.value == "cpu"
-                                for p in c.plans.plans for n in p.ir.nodes):
-            break
-        budget += 0.25
-    else:
-        raise SystemExit(f"no VRAM budget up to {budget:.2f} GB keeps attention on the GPU in every plan")
-    held = sum(len(n.attrs.ids) for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "gpu")
-    total = sum({n.attrs.layer: n.attrs.experts for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS}.values())
-    print(f"plan: VRAM budget {budget:.2f} GB, routed experts on the GPU: {held} of {total}", flush=True)
+    c = ktflow.compile(model, hw=hw, device=device, max_batch=max_batch, max_seq_len=max_seq_len,
+                       passes=[("after:place_by_intensity", experts_to_cpu)])
+    held = sum(1 for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device.value != "cpu")
+    attn = sum(1 for n in c.decode.ir.nodes if n.op == Op.ATTENTION and n.place.device.value == "gpu")
+    print(f"plan: decode routed-expert nodes off the CPU: {held}; decode attention layers on the GPU: {attn}; "
+          f"predicted GPU memory {c.decode.memory.gpu_bytes / 1e9:.2f} GB", flush=True)
     c.save(out)
     return out
 
