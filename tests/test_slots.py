@@ -28,17 +28,20 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     return float((a.float() - b.float()).norm() / b.float().norm()) < tol
 
 
-@pytest.mark.parametrize("case,backend", [("qwen3_moe", "torch_ref"), ("deepseek_v3", "torch_ref"),
-                                          ("mixtral_sliding", "torch_ref"), ("qwen3_moe", "native")])
+@pytest.mark.parametrize("case,backend,defer", [("qwen3_moe", "torch_ref", None), ("deepseek_v3", "torch_ref", None),
+                                                ("mixtral_sliding", "torch_ref", None), ("qwen3_moe", "native", None),
+                                                ("deepseek_v3", "native", 1)])
 @torch.inference_mode()
-def test_pool_decodes_each_sequence_as_if_alone(case, backend, tiny_dirs):
+def test_pool_decodes_each_sequence_as_if_alone(case, backend, defer, tiny_dirs):
     """Three sequences with prompts of different lengths, started at different times, decoded
     together (one step per token for all of them, in a bucket with a padding row): each one's
-    logits match running it alone."""
+    logits match running it alone (with Expert Deferral too: both sides run the same plan)."""
     d, _ = tiny_dirs(case)
     model = ktflow.load(d)
     c = ktflow.compile(model, hw="paper-a100", device="cpu", dtype="float32", max_seq_len=48, max_batch=4,
-                       backend=backend)
+                       backend=backend, defer=defer)
+    if defer:
+        assert any(n.op.value == "defer" for n in c.decode.ir.nodes)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(3)
     prompts = {0: torch.randint(0, vocab, (7,), generator=g).tolist(),
