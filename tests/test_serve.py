@@ -32,7 +32,7 @@ import ktflow  # noqa: E402
 from ktflow.serve.demo_tokenizer import write_demo_tokenizer  # noqa: E402
 from ktflow.serve.runner import PoolRunner  # noqa: E402
 from ktflow.serve.server import build  # noqa: E402
-from ktflow.serve.stops import TextStream  # noqa: E402
+from ktflow.serve.stops import IncrementalText, TextStream  # noqa: E402
 from ktflow.serve.tokenizer import ServeTokenizer  # noqa: E402
 
 MAX_SEQ = 128
@@ -162,6 +162,22 @@ def test_text_stream_holds_back_a_partial_stop_string_and_an_incomplete_characte
     assert s2.push([5, 6, 7]) == "€!"
     s3 = TextStream(lambda ids: "".join("xy<|end|>z"[i] for i in ids), ["<|end|>"])
     assert "".join(s3.push(list(range(n))) for n in range(1, 11)) == "xy" and s3.stopped
+
+
+def test_incremental_text_equals_decoding_every_id(tok):
+    """Growing ids decoded a window at a time give what decoding all of them gives, at every
+    length, with characters split over byte tokens (random ids of the byte-level tokenizer), and
+    the window stays short once the text is whole."""
+    g = torch.Generator().manual_seed(11)
+    for trial in range(4):
+        ids = torch.randint(0, tok.vocab_size, (300,), generator=g).tolist()
+        if trial == 3:  # the euro sign's three bytes as three tokens, twice
+            euro = [tok.tok.token_to_id(c) for c in ("\u00e2", "\u0124", "\u00ac")]
+            ids = ids[:50] + euro + ids[50:100] + euro
+        inc = IncrementalText(tok.decode)
+        for n in range(1, len(ids) + 1):
+            assert inc.of(ids[:n]) == tok.decode(ids[:n]), (trial, n)
+        assert len(ids) - inc.p < 40  # not every id again
 
 
 # ------------------------------------------------------------------------------------ endpoints
