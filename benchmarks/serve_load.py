@@ -374,6 +374,7 @@ def main() -> None:
                          "memory sampled from /metrics, first, last and slope")
     ap.add_argument("--soak-streams", type=int, default=8)
     ap.add_argument("--soak-every", type=float, default=5.0, help="seconds between memory samples")
+    ap.add_argument("--client-cpus", default="", help="comma list of CPUs the clients run on (default: any)")
     ap.add_argument("--out", default=str(HERE / "serve_load.jsonl"))
     a = ap.parse_args()
     streams = [int(s) for s in a.streams.split(",")]
@@ -395,6 +396,8 @@ def main() -> None:
             baseline = run_baseline(d, plan, opts, a.prompt_tokens, a.max_tokens)
             print(f"ktflow run's generate, one sequence: decode {baseline:.1f} tok/s", flush=True)
         proc, url = start_server(d, max(streams), args)
+    if a.client_cpus:  # after the server started: it keeps every CPU
+        os.sched_setaffinity(0, {int(c) for c in a.client_cpus.split(",")})
     try:
         vocab = a.vocab
         httpx.get(url + "/v1/models", timeout=10).raise_for_status()
