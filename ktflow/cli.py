@@ -534,8 +534,7 @@ MODEL must hold tokenizer.json (and tokenizer_config.json with a chat_template f
                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $KTFLOW_API_KEY; none: open)")
     sv.add_argument("--prefill-step", type=int, default=None, metavar="TOKENS",
                     help="most prompt tokens prefilled per scheduler iteration, so a long prompt delays running "
-                    "sequences by one such chunk per token (default: the smallest prefill bucket, a chunk of which costs "
-                    "about what a smaller one costs)")
+                    "sequences by one such chunk per token (default: min(256, the largest prefill bucket))")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                     help="on SIGTERM, seconds requests in flight get to finish before they are cancelled (default 30)")
     _add_compile_options(sv)

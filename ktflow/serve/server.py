@@ -39,10 +39,7 @@ def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: in
     if runner is None:
         runner = PoolRunner(compiled, max_batch)
         runner.warm()
-    # a chunk below the smallest prefill bucket runs that bucket's plan anyway, at nearly its cost where
-    # the experts are on the CPU (each chunk reads them all: Qwen3 12L, H100 host, 256 tokens 90-135 ms,
-    # 2048 in one step 513 ms), so the default chunk is that bucket
-    step = prefill_tokens or compiled.prefill[0].step_tokens
+    step = prefill_tokens or min(compiled.chunk_tokens, 256)
     eos = tokenizer.eos_ids | set(compiled.model.config.eos_ids if compiled.model is not None else ())
     engine = Engine(runner, tokenizer.decode, eos_ids=eos, max_queue=max_queue, prefill_tokens=step)
     metrics = ServerMetrics(engine.stats)
