@@ -61,18 +61,19 @@ def tok(serve_dir):
 
 class TestRunner(PoolRunner):
     """The pool runner, with an injected fault (a prompt holding FAIL_TOKEN), an optional
-    delay per decode step, and a record of the widest decode step."""
+    delay per decode step, and a record of the widest decode and prefill steps tried."""
 
     __test__ = False
 
     def __init__(self, compiled, slots):
         super().__init__(compiled, slots)
-        self.delay, self.widest = 0.0, 0
+        self.delay, self.widest, self.widest_prefill = 0.0, 0, 0
 
-    def prefill(self, slot, ids, last):
-        if FAIL_TOKEN in ids:
+    def _prefill_step(self, items):
+        self.widest_prefill = max(self.widest_prefill, len(items))
+        if any(FAIL_TOKEN in ids for _, ids, _ in items):
             raise RuntimeError("injected failure in this sequence's prefill")
-        return super().prefill(slot, ids, last)
+        return super()._prefill_step(items)
 
     def decode(self, slots, ids, greedy=False):
         self.widest = max(self.widest, len(slots))
@@ -246,6 +247,31 @@ def test_a_stop_token_id_ends_the_sequence(srv, compiled, tok):
     r = httpx.post(srv[0] + "/v1/completions", json=body, timeout=60).json()
     assert r["choices"][0]["text"] == tok.decode(gen[:at]) and r["choices"][0]["finish_reason"] == "stop"
     assert r["usage"]["completion_tokens"] == at + 1
+
+
+def test_prompts_arriving_together_are_prefilled_in_one_packed_step(compiled, tok):
+    """Three requests waiting when the engine starts: their prompts go into one prefill step, and
+    each answer is what it is alone (ktflow.generate, greedy); a prompt whose chunk fails fails
+    only its own request (the packed step is retried a chunk at a time)."""
+    from ktflow.serve.engine import Engine, Failed, Finished, GenRequest
+
+    runner = TestRunner(compiled, 4)
+    engine = Engine(runner, tok.decode, eos_ids=tok.eos_ids, prefill_tokens=64)
+    prompts = [tok.encode(t) for t in ("The first prompt", "A second one, a little longer than that", "Third")]
+    prompts.append([5, FAIL_TOKEN, 6])
+    events: dict[int, list] = {i: [] for i in range(len(prompts))}
+    for i, ids in enumerate(prompts):
+        engine.submit(GenRequest(prompt_ids=ids, max_tokens=8, emit=events[i].append))
+    engine.start()
+    try:
+        wait_for(lambda: all(ev and isinstance(ev[-1], (Finished, Failed)) for ev in events.values()), 60,
+                 "the four requests")
+    finally:
+        engine.stop(5)
+    assert runner.widest_prefill == 4  # the four prompts tried in one step (then, as it failed, one by one)
+    for i, ids in enumerate(prompts[:3]):
+        assert isinstance(events[i][-1], Finished) and events[i][-1].text == reference(compiled, ids, 8, tok), i
+    assert isinstance(events[3][-1], Failed) and "injected failure" in events[3][-1].message
 
 
 def test_seeds_reproduce_and_greedy_is_deterministic(client):

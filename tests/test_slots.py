@@ -69,6 +69,41 @@ def test_pool_decodes_each_sequence_as_if_alone(case, backend, defer, tiny_dirs)
     assert pool.position(0) == 7 + 6 and pool.position(3) == 12 + 4
 
 
+def _packed_matches_alone(c, vocab: int, tol: float) -> None:
+    """Slots 0, 2, 3 prefilled in packed steps (a first chunk each, then the second chunk of two
+    of them with a new sequence in slot 1), then decoded together: every logit as each sequence
+    alone gets it."""
+    g = torch.Generator().manual_seed(9)
+    prompts = {s: torch.randint(0, vocab, (n,), generator=g).tolist() for s, n in ((0, 11), (2, 5), (3, 9), (1, 4))}
+    cut = {0: 6, 2: 5, 3: 4}  # slot 2's prompt is whole in the first step
+    pool = SlotPool(c, 4)
+    for s in prompts:
+        pool.start(s)
+    first = pool.prefill_many([0, 2, 3], [prompts[s][:cut[s]] for s in (0, 2, 3)])
+    second = pool.prefill_many([3, 1, 0], [prompts[3][cut[3]:], prompts[1], prompts[0][cut[0]:]])
+    nxt = pool.decode([0, 1, 2, 3], [7, 8, 9, 10])
+    for s in prompts:
+        alone, state = ktflow.execute(c, torch.tensor([prompts[s]]), logits="last")
+        if s == 2:
+            assert _close(first[1], alone[0, -1], tol), s
+        else:
+            assert _close(second[[3, 1, 0].index(s)], alone[0, -1], tol), s
+        step, _ = ktflow.execute(c, torch.tensor([[7 + s]]), state, logits="last")
+        assert _close(nxt[s], step[0, -1], tol), s
+    assert [pool.position(s) for s in range(4)] == [12, 5, 6, 10]
+
+
+@pytest.mark.parametrize("case,backend", [("qwen3_moe", "torch_ref"), ("deepseek_v3", "native"),
+                                          ("mixtral_sliding", "torch_ref")])
+@torch.inference_mode()
+def test_packed_prefill_continues_each_sequence_as_if_alone(case, backend, tiny_dirs):
+    d, _ = tiny_dirs(case)
+    model = ktflow.load(d)
+    c = ktflow.compile(model, hw="paper-a100", device="cpu", dtype="float32", max_seq_len=32, max_batch=4,
+                       backend=backend)
+    _packed_matches_alone(c, model.config.vocab_size, 1e-4)
+
+
 class StaticRef(StaticRules, TorchRefBackend):
     pass
 
@@ -182,6 +217,18 @@ def test_cuda_graph_ragged_steps_match_each_sequence_alone(case, tiny_dirs):
     runner = c.executor(c.decode).runner
     graphs = [bd for (b, _), bd in runner.ragged.items() if b == 4]
     assert len(graphs) == 1 and graphs[0].graph is not None  # bucket 4: bound once, captured, replayed
+
+
+@gpu
+@pytest.mark.parametrize("case", ["qwen3_moe", "deepseek_v3"])
+@torch.inference_mode()
+def test_cuda_graph_packed_prefill_continues_each_sequence_as_if_alone(case, tiny_dirs):
+    """Packed prefill steps through the prefill runner (the GPU lanes), then a ragged decode step
+    (the captured graph): as each sequence alone (bf16: within the test_cuda_graph tolerance)."""
+    d, _ = tiny_dirs(case)
+    model = ktflow.load(d)
+    c = hybrid(model, backend="cuda_graph", max_batch=4)
+    _packed_matches_alone(c, model.config.vocab_size, FLIP_TOL)
 
 
 def rel(a, b):

@@ -28,6 +28,10 @@ class StepContext:
     #: a ragged decode step (seq 1, sequences at different positions, e.g. a server's slots): each
     #: row's position, int64 [batch] on the host; `position` is then 0 and not to be read
     positions: torch.Tensor | None = None
+    #: a packed prefill step: the step's tokens (batch 1) are several sequences' prompt chunks one
+    #: after another, each (row of the state's caches, its first position, its token count);
+    #: `position` is then 0 and not to be read, and logits='last' means each segment's last
+    segments: tuple[tuple[int, int, int], ...] | None = None
     #: which positions' logits the step computes: all, last (each sequence's last), none
     logits: str = "all"
     #: values every layer of the step would compute alike (the rope rows at the position, the
@@ -71,6 +75,9 @@ def lm_head_rows(backend: Any, node: Node, x: torch.Tensor, ctx: StepContext) ->
     if ctx.logits == "none":
         return None
     if ctx.logits == "last":
+        if ctx.segments:
+            ends = torch.tensor([n for _, _, n in ctx.segments]).cumsum(0) - 1
+            return backend.run(node, [x.view(-1, x.shape[-1])[ends.to(x.device)]], ctx)
         return backend.run(node, [x.view(ctx.batch, ctx.seq, -1)[:, -1]], ctx)
     if x.device.type != "cuda" or x.shape[0] <= LOGIT_ROWS:
         return backend.run(node, [x], ctx)
@@ -79,3 +86,11 @@ def lm_head_rows(backend: Any, node: Node, x: torch.Tensor, ctx: StepContext) ->
         out[lo:lo + LOGIT_ROWS].copy_(backend.run(node, [x[lo:lo + LOGIT_ROWS]], ctx), non_blocking=True)
     torch.cuda.current_stream().synchronize()
     return out
+
+
+def step_output(out: torch.Tensor, b: int, s: int, logits: str, segments) -> torch.Tensor:
+    """A step's logits as [batch, seq, vocab] (logits='all'), [batch, 1, vocab] (each sequence's
+    last), or for a packed step's 'last' [segments, 1, vocab]."""
+    if logits != "all" and segments:
+        return out.view(len(segments), 1, -1)
+    return out.view(b, s if logits == "all" else 1, -1)

@@ -170,17 +170,22 @@ def mla(be, a: AttentionAttrs, w, x: torch.Tensor, ctx, dev) -> torch.Tensor:
 
 def attention(be, node, w, ins, ctx, dev):
     rule = mla if node.attrs.kind == "mla" else gqa
-    if ctx.positions is None:
+    if ctx.positions is None and ctx.segments is None:
         return rule(be, node.attrs, w, ins[0], ctx, dev)
-    # a ragged step (each row a sequence at its own position): one row at a time, each over its
-    # own row of the caches
-    x = ins[0].view(ctx.batch, -1)
-    return torch.cat([rule(be, node.attrs, w, x[i:i + 1], row_context(ctx, i), dev) for i in range(ctx.batch)])
+    # several sequences in one step (a ragged decode step: a token per row at its own position; a
+    # packed prefill: prompt chunks one after another): one sequence at a time, each over its own
+    # row of the caches
+    segments = ctx.segments or tuple((i, int(p), 1) for i, p in enumerate(ctx.positions))
+    x = ins[0].view(-1, ins[0].shape[-1])
+    outs, lo = [], 0
+    for row, position, n in segments:
+        outs.append(rule(be, node.attrs, w, x[lo:lo + n], segment_context(ctx, row, position, lo, n), dev))
+        lo += n
+    return torch.cat(outs)
 
 
-def row_context(ctx, i: int):
-    """Row `i` of a ragged decode step as a step of its own: batch 1 at that row's position, over
-    that row's caches."""
-    p = int(ctx.positions[i])
-    return replace(ctx, batch=1, seq=1, position=p, state=ctx.state.row(i, p), token_ids=ctx.token_ids[i:i + 1],
-                   positions=None, position_t=None, shared={})
+def segment_context(ctx, row: int, position: int, lo: int, n: int):
+    """Tokens lo..lo+n of a step holding several sequences, as a step of their own: batch 1, at
+    `position`, over row `row` of the caches."""
+    return replace(ctx, batch=1, seq=n, position=position, state=ctx.state.row(row, position),
+                   token_ids=ctx.token_ids[lo:lo + n], positions=None, segments=None, position_t=None, shared={})

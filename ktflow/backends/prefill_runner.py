@@ -40,7 +40,7 @@ from ..ir.ops import Op
 from ..ir.types import Device
 from ..plan import Plan
 from ..weights import TORCH_DTYPE
-from .base import StepContext, lm_head_rows, node_key
+from .base import StepContext, lm_head_rows, node_key, step_output
 from .cuda_graph import _Timer, done_flags, exchange_slots, host_prologue, native_batches
 
 
@@ -131,10 +131,10 @@ class PrefillRunner:
         return views, landing
 
     # ------------------------------------------------------------------------------ running
-    def run(self, input_ids: torch.Tensor, state, trace: bool = False, logits: str = "all"):
+    def run(self, input_ids: torch.Tensor, state, trace: bool = False, logits: str = "all", segments=None):
         """One prefill step of input_ids [batch, seq] at state.position (seq * batch at most the
         plan's step_tokens); returns logits as the executor does (with trace, also the plan's
-        steps with measured times)."""
+        steps with measured times). With `segments`, a packed step (`Executor.run`)."""
         b, s = input_ids.shape
         rows = b * s
         if rows > self.plan.step_tokens:
@@ -144,7 +144,8 @@ class PrefillRunner:
         bound = self.bound
         bound.tokens[0] = rows
         ids = input_ids.reshape(-1).to(torch.int64)
-        ctx = StepContext(batch=b, seq=s, position=state.position, state=state, token_ids=ids, logits=logits)
+        ctx = StepContext(batch=b, seq=s, position=0 if segments else state.position, state=state, token_ids=ids,
+                          logits=logits, segments=segments)
         staged, landing = self._staging(bound)
         for stream in self.streams.values():
             stream.wait_stream(torch.cuda.current_stream())
@@ -179,8 +180,9 @@ class PrefillRunner:
         self.done.synchronize()
         torch.cuda.current_stream().wait_stream(self.gpu)
         native.sync()  # raises here if a CPU task failed
-        state.position += s
-        out = None if out is None else out.view(b, s if logits == "all" else 1, -1)
+        if not segments:
+            state.position += s
+        out = None if out is None else step_output(out, b, s, logits, segments)
         return (out, timer.steps(bound)) if trace else out
 
     def _issue(self, step, node: Node, stream, values: dict, bound: PrefillBound, ctx: StepContext, rows: int,

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from ..backends import StepContext
-from ..backends.base import lm_head_rows
+from ..backends.base import lm_head_rows, step_output
 from ..ir.graph import Graph
 from ..ir.ops import Op
 from ..plan import Plan, Step
@@ -68,7 +68,8 @@ class Executor:
         values[step.writes[0]] = self.backend.run(node, inputs, ctx)
 
     def run(self, input_ids: torch.Tensor, state: State, position_t: torch.Tensor | None = None,
-            logits: str = "all", positions: torch.Tensor | None = None) -> torch.Tensor | None:
+            logits: str = "all", positions: torch.Tensor | None = None,
+            segments: tuple[tuple[int, int, int], ...] | None = None) -> torch.Tensor | None:
         """Run one step over input_ids [batch, seq] from state.position; returns logits [batch, seq,
         vocab], with logits='last' [batch, 1, vocab] (the last position's), with 'argmax' the last
         position's greedy next ids [batch, 1] (int64; on the device where the runner can), with
@@ -78,17 +79,24 @@ class Executor:
         With `positions` (int64 [batch] on the host: a ragged decode step, seq 1), each row is a
         sequence at its own position, over its own row of `state`'s caches, which must exist for
         every layer (`SlotPool` makes them); state.position is then neither read nor advanced:
-        the caller keeps the rows' positions."""
+        the caller keeps the rows' positions.
+
+        With `segments` (a packed prefill step: input_ids [1, T] holding several sequences' prompt
+        chunks one after another, each (row of `state`'s caches, its first position, its token
+        count)), each segment continues its own row; logits='last' gives [segments, 1, vocab],
+        each segment's last position; state.position is left alone as with `positions`."""
         if positions is not None:
             _check_ragged(self.attention_layers, input_ids, state, positions)
+        if segments is not None:
+            _check_packed(self.attention_layers, input_ids, state, segments)
+        extra = {k: v for k, v in (("positions", positions), ("segments", segments)) if v is not None}
         if logits == "argmax" and not (self.runner is not None and position_t is None
                                        and getattr(self.runner, "argmax_on_device", False)):
-            out = self.run(input_ids, state, position_t, "last", positions)  # the last position's logits, then their argmax
+            out = self.run(input_ids, state, position_t, "last", **extra)  # the last position's logits, then their argmax
             return None if out is None else out.argmax(-1)
         tracing = self.trace > 0
         self.trace = max(self.trace - 1, 0)
         if self.runner is not None and position_t is None:
-            extra = {} if positions is None else {"positions": positions}
             if tracing:
                 out, self.measured = self.runner.run(input_ids, state, trace=True, logits=logits, **extra)
             else:
@@ -98,8 +106,9 @@ class Executor:
                               "run it with backend='native' or 'torch_ref' to find the node)")
             return out
         b, s = input_ids.shape
-        ctx = StepContext(batch=b, seq=s, position=0 if positions is not None else state.position, state=state,
-                          token_ids=input_ids.reshape(-1), position_t=position_t, logits=logits, positions=positions)
+        ctx = StepContext(batch=b, seq=s, position=0 if extra else state.position, state=state,
+                          token_ids=input_ids.reshape(-1), position_t=position_t, logits=logits, positions=positions,
+                          segments=segments)
         values: dict[str, Any] = {}
         timed = [] if tracing else None
         t0 = time.perf_counter()
@@ -118,10 +127,31 @@ class Executor:
                 values.pop(name, None)
         if timed is not None:
             self.measured = timed
-        if positions is None:
+        if not extra:
             state.position += s
         out = values[self.graph.outputs[0]]
-        return None if out is None else out.view(b, s if logits == "all" else 1, -1)
+        return None if out is None else step_output(out, b, s, logits, segments)
+
+
+def _check_packed(layers: frozenset[int], input_ids: torch.Tensor, state: State, segments) -> None:
+    """A packed prefill step's inputs as `Executor.run` needs them, or an InputError."""
+    from ..errors import InputError
+
+    total = sum(n for _, _, n in segments)
+    if input_ids.shape != (1, total) or not segments:
+        raise InputError(f"a packed prefill step takes input_ids [1, T] with T the segments' tokens ({total}), "
+                         f"got {list(input_ids.shape)}")
+    rows = [r for r, _, _ in segments]
+    if len(set(rows)) != len(rows) or not all(0 <= r < state.batch for r in rows):
+        raise InputError(f"a packed step's segments need distinct rows of the state's {state.batch}: got {rows}")
+    for r, p, n in segments:
+        if n < 1 or p < 0 or p + n > state.max_seq_len:
+            raise InputError(f"segment of row {r}: {n} tokens at position {p} do not fit its KV cache "
+                             f"({state.max_seq_len} positions)")
+    missing = sorted(layers - set(state.kv))
+    if missing:
+        raise InputError(f"a packed step needs the state's caches made for every attention layer (SlotPool makes "
+                         f"them); layers {missing} have none")
 
 
 def _check_ragged(layers: frozenset[int], input_ids: torch.Tensor, state: State, positions: torch.Tensor) -> None:

@@ -7,7 +7,8 @@ allocation later). A sequence lives in a slot (a row) and has its own position:
 - `start(slot)`: a new sequence at position 0 (the row's old entries are never read again:
   attention masks every position past a row's own);
 - `prefill(slot, ids)`: the next part of that sequence's prompt, through the prefill plans, over
-  views of its row (batch 1);
+  views of its row (batch 1); `prefill_many(slots, chunks)`: a chunk of each of several
+  sequences' prompts in ONE packed prefill step (`Executor.run(segments=...)`);
 - `decode(slots, ids)`: one token for each listed slot in ONE ragged decode step
   (`Executor.run(positions=...)`): the step runs rows 0..b-1, b the smallest batch bucket (1, 2,
   4, 8, ... capped at `slots`) above the highest listed slot; each row at its own position. Rows in
@@ -99,6 +100,31 @@ class SlotPool:
         out, _ = prefill(self.compiled, ids, state, logits, ids.device)
         self.positions[slot] = state.position
         return out
+
+    @torch.inference_mode()
+    def prefill_many(self, slots: list[int], chunks: list[list[int]], logits: str = "last") -> torch.Tensor | None:
+        """The next prompt chunk of each of `slots` (distinct), all in ONE packed prefill step (the
+        chunks one after another, each continuing its own row: the experts are read once for all
+        of them); returns each chunk's last logits [len(slots), vocab] (float32, host), or None
+        with logits='none'. The chunks together must fit the largest prefill bucket."""
+        if not slots or len(slots) != len(chunks) or len(set(slots)) != len(slots) or not all(chunks):
+            raise InputError(f"prefill_many takes distinct slots and a non-empty chunk each: got slots {slots}")
+        total = sum(len(c) for c in chunks)
+        if total > self.compiled.chunk_tokens:
+            raise InputError(f"{total} prompt tokens in one packed step: more than the largest prefill bucket "
+                             f"({self.compiled.chunk_tokens}); pack fewer")
+        for s, c in zip(slots, chunks):
+            self._check_slot(s)
+            if self.position(s) + len(c) > self.max_seq_len:
+                raise InputError(f"slot {s}: {len(c)} more tokens at position {self.position(s)} pass max_seq_len "
+                                 f"{self.max_seq_len}")
+        ids = check_ids(self.compiled, torch.tensor([[t for c in chunks for t in c]], dtype=torch.int64), None)
+        segments = tuple((s, self.position(s), len(c)) for s, c in zip(slots, chunks))
+        out = self.compiled.executor(self.compiled.prefill_plan(total)).run(ids, self.state, logits=logits,
+                                                                           segments=segments)
+        for s, c in zip(slots, chunks):
+            self.positions[s] += len(c)
+        return None if out is None else out[:, 0].float().cpu()
 
     @torch.inference_mode()
     def decode(self, slots: list[int], ids: list[int], logits: str = "last") -> torch.Tensor:

@@ -6,8 +6,8 @@ shutdown began). Each iteration of the scheduler thread:
 1. retires sequences whose client went away (`cancel`) and admits waiting requests into free
    slots (a fixed number, the runner's; a slot keeps its KV cache between sequences);
 2. prefills, in admission order, chunks of at most `prefill_tokens` prompt tokens, as many as
-   fit `prefill_tokens` in all (at least one), so a long prompt delays the running decodes by
-   one chunk per iteration. A prompt is always cut at the same places (multiples of
+   fit `prefill_tokens` in all (at least one), all in one step (the runner packs them), so a
+   long prompt delays the running decodes by one chunk per iteration. A prompt is always cut at the same places (multiples of
    `prefill_tokens`), so what a sequence computes does not depend on what else runs. The chunk
    that ends a prompt yields the sequence's first token;
 3. decodes one token for every sequence that has one pending;
@@ -244,6 +244,7 @@ class Engine:
             if s.req.cancelled:
                 self._finish(s, "cancelled")
         budget = self.prefill_tokens
+        chunks: list[tuple[_Seq, int, bool]] = []  # (sequence, tokens, ends its prompt)
         for s in list(self._running):
             prompt = s.req.prompt_ids
             if s.done or s.prefilled >= len(prompt):
@@ -253,16 +254,17 @@ class Engine:
             n = min(self.prefill_tokens, len(prompt) - s.prefilled)
             if n > budget and budget < self.prefill_tokens:
                 break
-            last = s.prefilled + n == len(prompt)
-            try:
-                logits = self.runner.prefill(s.slot, prompt[s.prefilled:s.prefilled + n], last)
-            except Exception as e:  # noqa: BLE001 - this sequence fails, the others go on
-                self._fail(s, e)
-                continue
-            s.prefilled += n
+            chunks.append((s, n, s.prefilled + n == len(prompt)))
             budget -= n
-            if last:
-                self._accept(s, logits)
+        if chunks:  # one step for all of them
+            items = [(s.slot, s.req.prompt_ids[s.prefilled:s.prefilled + n], last) for s, n, last in chunks]
+            for (s, n, last), out in zip(chunks, self.runner.prefill(items)):
+                if isinstance(out, BaseException):  # this sequence fails, the others go on
+                    self._fail(s, out)
+                    continue
+                s.prefilled += n
+                if last:
+                    self._accept(s, out)
         batch = [s for s in self._running if not s.done and s.pending is not None]
         if batch:
             # every sequence greedy: the runner takes the argmax where the logits are (on the GPU)

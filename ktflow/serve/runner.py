@@ -5,8 +5,9 @@ Runner, in slot numbers and token ids:
 
 - `start(slot)`: a new sequence begins in `slot` at position 0 (the slot's KV cache is reused,
   not reallocated: positions past the new sequence's are never read);
-- `prefill(slot, ids, last)`: the next chunk of that sequence's prompt, continuing its cache;
-  when `last` is set, returns the logits of the chunk's final position ([vocab], float32, CPU);
+- `prefill(items)`: for each (slot, ids, last), the next chunk of that sequence's prompt,
+  continuing its cache; returns per item the logits of the chunk's final position ([vocab],
+  float32, CPU) where `last` is set (else None), or the exception that failed that item only;
 - `decode(slots, ids, greedy)`: one token for each listed slot (each at its own position),
   returning per slot its next-token logits ([vocab], float32, CPU), or with `greedy` (every
   listed sequence decodes greedily) its argmax id (an int; taken where the logits are, so on
@@ -15,8 +16,10 @@ Runner, in slot numbers and token ids:
 
 `PoolRunner` runs every decode step as ONE batched step over all listed slots
 (`ktflow.runtime.slots.SlotPool`: each row at its own position, in the smallest batch bucket that
-holds the highest slot; the engine takes the lowest free slot so the buckets stay small). A step
-that fails fails the sequences in it.
+holds the highest slot; the engine takes the lowest free slot so the buckets stay small), and the
+prompt chunks of one iteration as ONE packed prefill step. A decode step that fails fails the
+sequences in it; a packed prefill that fails is run again one chunk at a time, so only the
+chunks that fail alone fail.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class Runner(Protocol):
 
     def start(self, slot: int) -> None: ...
 
-    def prefill(self, slot: int, ids: list[int], last: bool) -> torch.Tensor | None: ...
+    def prefill(self, items: list[tuple[int, list[int], bool]]) -> list[torch.Tensor | None | BaseException]: ...
 
     def decode(self, slots: list[int], ids: list[int], greedy: bool = False) -> list[torch.Tensor | int | BaseException]: ...
 
@@ -59,7 +62,7 @@ class PoolRunner:
         request rather than during it."""
         for slot in range(self.slots):
             self.start(slot)
-            self.prefill(slot, [0], last=False)
+        self.prefill([(slot, [0], False) for slot in range(self.slots)])
         for b in self.pool.buckets:
             self.pool.decode(list(range(b)), [0] * b)
         for slot in range(self.slots):
@@ -68,9 +71,26 @@ class PoolRunner:
     def start(self, slot: int) -> None:
         self.pool.start(slot)
 
-    def prefill(self, slot: int, ids: list[int], last: bool) -> torch.Tensor | None:
-        out = self.pool.prefill(slot, torch.tensor([ids], dtype=torch.int64), logits="last" if last else "none")
-        return out[0, -1].float().cpu() if last else None
+    def prefill(self, items: list[tuple[int, list[int], bool]]) -> list[torch.Tensor | None | BaseException]:
+        try:
+            return self._prefill_step(items)
+        except Exception as e:  # noqa: BLE001 - again one at a time: only the chunks that fail alone fail
+            if len(items) == 1:
+                return [e]
+        out: list[torch.Tensor | None | BaseException] = []
+        for item in items:  # rewriting a chunk's cache entries at the same positions is harmless
+            try:
+                out += self._prefill_step([item])
+            except Exception as e:  # noqa: BLE001
+                out.append(e)
+        return out
+
+    def _prefill_step(self, items: list[tuple[int, list[int], bool]]) -> list[torch.Tensor | None]:
+        """The chunks of `items` in one packed prefill step (positions advance only if it ran)."""
+        want = any(last for _, _, last in items)
+        out = self.pool.prefill_many([s for s, _, _ in items], [ids for _, ids, _ in items],
+                                     logits="last" if want else "none")
+        return [out[i] if last else None for i, (_, _, last) in enumerate(items)]
 
     def decode(self, slots: list[int], ids: list[int], greedy: bool = False) -> list[torch.Tensor | int | BaseException]:
         try:

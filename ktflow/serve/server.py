@@ -39,7 +39,7 @@ def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: in
     if runner is None:
         runner = PoolRunner(compiled, max_batch)
         runner.warm()
-    step = prefill_tokens or min(compiled.chunk_tokens, 256)
+    step = min(prefill_tokens or 256, compiled.chunk_tokens)  # one iteration's chunks are one prefill step
     eos = tokenizer.eos_ids | set(compiled.model.config.eos_ids if compiled.model is not None else ())
     engine = Engine(runner, tokenizer.decode, eos_ids=eos, max_queue=max_queue, prefill_tokens=step)
     metrics = ServerMetrics(engine.stats)
