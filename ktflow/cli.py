@@ -20,6 +20,7 @@ EPILOG = """examples:
   ktflow hw show paper-a100                     a hardware preset; `ktflow hw probe -o me.json` measures this one
   ktflow calibrate ./model -o me.json           fit the profile to this machine's measured decode step
   ktflow serve ./model --port 8000              an OpenAI-compatible HTTP server (needs tokenizer.json)
+  ktflow profile ./model --prompts p.txt -o routing.json   record routing; compile --routing-profile reads it
 """
 
 
@@ -368,6 +369,56 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(a: argparse.Namespace) -> int:
+    import ktflow
+    from ktflow.errors import ConfigError, InputError
+    from ktflow.fsutil import write_atomic
+    from ktflow.runtime.routing import record_routing
+
+    if a.decode < 0:
+        raise ConfigError(f"--decode must be at least 0, got {a.decode}")
+    model = ktflow.load(a.model)
+    if model.weights is None:
+        raise ConfigError(f"{a.model} has no weights (config.json only): profiling runs the model, so it needs the "
+                          "checkpoint's *.safetensors")
+    try:
+        lines = [ln.strip() for ln in Path(a.prompts).read_text(encoding="utf-8").splitlines()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--prompts {a.prompts}: cannot read it as UTF-8 text ({e})") from None
+    lines = [ln for ln in lines if ln]
+    if not lines:
+        raise InputError(f"--prompts {a.prompts} has no prompts (one per line)")
+    tok_file = model.path / "tokenizer.json"
+    if not tok_file.exists():
+        raise InputError(f"{tok_file} does not exist: ktflow profile tokenizes the prompts with the checkpoint's "
+                         "tokenizer.json")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_file))
+    opts = _options(a)
+    if opts.get("backend", "auto") not in ("auto", "native", "torch_ref"):
+        raise ConfigError(f"--backend {opts['backend']}: routing is recorded op by op; use native or torch_ref")
+    opts["backend"] = "native" if opts.get("backend", "auto") == "auto" else opts["backend"]
+    compiled = ktflow.compile(model, hw=a.hw, **opts)
+    prompts = []
+    for i, text in enumerate(lines):
+        ids = tok.encode(text).ids[:compiled.max_seq_len]
+        if not ids:
+            raise InputError(f"--prompts {a.prompts}, line {i + 1}: no tokens")
+        prompts.append(ids)
+    prof = record_routing(compiled, prompts, a.decode, pairs=a.pairs)
+    write_atomic(a.output, prof.model_dump_json(indent=None) + "\n")
+    top = []
+    for layer, fr in list(prof.layers.items())[:3]:
+        k = sum(fr)
+        hot = sorted(fr, reverse=True)[:max(1, len(fr) // 10)]
+        top.append(f"layer {layer}: the busiest 10% of experts take {100 * sum(hot) / k:.0f}% of the picks")
+    print(f"recorded {prof.tokens} tokens over {len(prof.layers)} MoE layers ({len(prompts)} prompts, {a.decode} "
+          f"decoded tokens each); " + "; ".join(top))
+    print(f"wrote {a.output} (compile with --routing-profile {a.output})")
+    return 0
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     import ktflow
     from ktflow.errors import ConfigError, ResourceError
@@ -507,6 +558,20 @@ def parser() -> argparse.ArgumentParser:
     cal.add_argument("--steps", type=int, default=3, help="traced decode steps (the median of each op is fitted)")
     _add_compile_options(cal)
     cal.set_defaults(fn=cmd_calibrate)
+    pr = sub.add_parser("profile", help="record which experts a model's routers pick on some prompts",
+                        description="Run each prompt of --prompts (one per line, tokenized with the checkpoint's "
+                        "tokenizer.json) through MODEL, then --decode greedy tokens after it, counting per MoE layer "
+                        "how often each expert is picked (and with --pairs each pair of experts together), and "
+                        "write the routing profile JSON that `ktflow compile --routing-profile` places hot experts "
+                        "by. It runs the plan op by op (backend native) to see every router.")
+    pr.add_argument("model", help="HF checkpoint dir with weights and tokenizer.json")
+    pr.add_argument("--prompts", required=True, help="text file, one prompt per line")
+    pr.add_argument("-o", "--output", required=True, help="routing profile JSON to write (atomically)")
+    pr.add_argument("--decode", type=int, default=16, help="greedy tokens decoded after each prompt (default 16)")
+    pr.add_argument("--pairs", action="store_true",
+                    help="also count pairs of experts picked by one token (experts^2 numbers per layer)")
+    _add_compile_options(pr)
+    pr.set_defaults(fn=cmd_profile)
     sv = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible API)",
                         formatter_class=argparse.RawDescriptionHelpFormatter,
                         description="Compile MODEL (or load --plan) and serve it over HTTP with the OpenAI API:\n"

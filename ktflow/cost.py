@@ -37,6 +37,9 @@ class RoutingProfile(BaseModel):
     layers: dict[int, list[float]]
     model_type: str | None = None
     tokens: int | None = None  # how many tokens the frequencies were counted over
+    #: optional, `pairs[layer][i][j]`: the fraction of tokens that pick both experts i and j (the
+    #: diagonal is `layers`); measured by `ktflow profile --pairs`, not read by placement yet
+    pairs: dict[int, list[list[float]]] | None = None
 
     @field_validator("layers")
     @classmethod

@@ -17,6 +17,7 @@ from ..backends.base import lm_head_rows, step_output
 from ..ir.graph import Graph
 from ..ir.ops import Op
 from ..plan import Plan, Step
+from .routing import gate_layers
 from .state import State
 
 
@@ -42,6 +43,9 @@ class Executor:
         self.graph: Graph = plan.ir
         self.frees = plan.frees  # values to drop after step i
         self.attention_layers = frozenset(n.attrs.layer for n in self.graph.nodes if n.op == Op.ATTENTION)
+        #: a RoutingRecorder (runtime/routing.py) that sees every router's picks, or None
+        self.recorder = None
+        self.gate_layer = gate_layers(self.graph)
         # torch_ref runs every kind the same way (a copy moves the value, submit is a no-op, sync
         # passes the task's value); asynchronous backends give submit and sync their own handlers
         # record/wait order lanes; a backend that runs steps in plan order on one thread needs neither
@@ -66,6 +70,8 @@ class Executor:
             values[step.writes[0]] = lm_head_rows(self.backend, node, inputs[0], ctx)
             return
         values[step.writes[0]] = self.backend.run(node, inputs, ctx)
+        if self.recorder is not None and node.op == Op.GATE and node.name in self.gate_layer:
+            self.recorder.add(self.gate_layer[node.name], values[step.writes[0]][0], node.attrs.experts)
 
     def run(self, input_ids: torch.Tensor, state: State, position_t: torch.Tensor | None = None,
             logits: str = "all", positions: torch.Tensor | None = None,
@@ -97,6 +103,11 @@ class Executor:
         tracing = self.trace > 0
         self.trace = max(self.trace - 1, 0)
         if self.runner is not None and position_t is None:
+            if self.recorder is not None:
+                from ..errors import ConfigError
+
+                raise ConfigError(f"routing is recorded op by op, but the {self.backend.name} backend runs this "
+                                  f"{self.plan.phase} plan as a whole: compile with backend='native' to record it")
             if tracing:
                 out, self.measured = self.runner.run(input_ids, state, trace=True, logits=logits, **extra)
             else:

@@ -1,0 +1,107 @@
+"""Recording real routing (`ktflow profile`, runtime/routing.py): the counts are the routers'
+picks, the profile is one placement reads, and the errors name what is wrong."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import ktflow
+from ktflow.cli import main
+from ktflow.cost import RoutingProfile
+from ktflow.errors import ConfigError
+from ktflow.runtime.routing import RoutingRecorder, record_routing
+
+
+def _biased_copy(src, dst, layer: int, favoured: list[int], experts: int):
+    """The checkpoint with layer `layer`'s correction bias so large on `favoured` that every token
+    picks exactly those experts (the bias decides the choice, not the weights)."""
+    shutil.copytree(src, dst)
+    key = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+    for f in dst.glob("*.safetensors"):
+        t = load_file(f)
+        if key in t:
+            bias = torch.zeros(experts, dtype=t[key].dtype)
+            bias[favoured] = 1e3
+            t[key] = bias
+            save_file(t, f, metadata={"format": "pt"})
+            return dst
+    raise AssertionError(f"{key} not in the checkpoint")
+
+
+@pytest.mark.parametrize("backend", ["torch_ref", "native"])
+def test_recorded_routing_is_the_routers_picks(backend, tiny_dirs, tmp_path):
+    d, _ = tiny_dirs("deepseek_v3")
+    cfg = json.loads((d / "config.json").read_text())
+    layer, experts, k = cfg["first_k_dense_replace"], cfg["n_routed_experts"], cfg["num_experts_per_tok"]
+    assert experts // cfg["n_group"] >= k  # the favoured experts share a group: nothing else can be picked
+    biased = _biased_copy(d, tmp_path / "biased", layer, list(range(k)), experts)
+    c = ktflow.compile(ktflow.load(biased), hw="paper-a100", device="cpu", dtype="float32", max_seq_len=32,
+                       backend=backend)
+    prof = record_routing(c, [[1, 2, 3, 4, 5], [6, 7, 8]], decode=3, pairs=True, progress=False)
+    assert prof.tokens == 5 + 3 + 2 * 3  # every prompt token and every decoded token (the last is not fed back)
+    assert prof.layers[layer][:k] == [1.0] * k and sum(prof.layers[layer][k:]) == 0.0
+    assert prof.pairs[layer][0][1] == 1.0 and prof.pairs[layer][0][0] == 1.0 and prof.pairs[layer][k][k + 1] == 0.0
+    assert prof.model_type == "deepseek_v3"
+    # unbiased: fractions of real picks, each token k of them
+    plain = record_routing(ktflow.compile(ktflow.load(d), hw="paper-a100", device="cpu", dtype="float32",
+                                          max_seq_len=32, backend=backend), [[1, 2, 3, 4, 5, 6]], progress=False)
+    assert abs(sum(plain.layers[layer]) - k) < 1e-4
+
+
+def test_recorder_counts_each_pick():
+    rec = RoutingRecorder(pairs=True)
+    rec.add(3, torch.tensor([[0, 2], [2, 1]]), 4)
+    rec.add(3, torch.tensor([[2, 3]]), 4)
+    prof = rec.profile()
+    assert prof.layers[3] == [round(1 / 3, 6), round(1 / 3, 6), 1.0, round(1 / 3, 6)] and prof.tokens == 3
+    assert prof.pairs[3][2][1] == round(1 / 3, 6) and prof.pairs[3][0][1] == 0.0
+    with pytest.raises(ValueError, match="no routing was recorded"):
+        RoutingRecorder().profile()
+
+
+def test_ktflow_profile_writes_what_compile_reads(demo_dir, tmp_path, capsys):
+    from ktflow.serve.demo_tokenizer import write_demo_tokenizer
+
+    d = tmp_path / "demo"
+    shutil.copytree(demo_dir, d)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The first prompt about experts\n\nA second prompt, longer than the first one\n")
+    out = tmp_path / "routing.json"
+    args = ["profile", str(d), "--prompts", str(prompts), "-o", str(out), "--decode", "4", "--hw", "cpu"]
+    assert main(args) == 2 and not out.exists()  # no tokenizer.json yet (bad input: exit 2)
+    assert "tokenizer.json" in capsys.readouterr().err
+    write_demo_tokenizer(d)
+    assert main(args) == 0
+    prof = RoutingProfile.load(out)
+    assert prof.tokens > 8 and prof.layers
+    model = ktflow.load(d)
+    split = None
+    for budget in (0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2):  # until some layer's experts are split
+        compiled = ktflow.compile(model, hw="rtx4090-desktop", routing_profile=str(out), device="cpu",
+                                  vram_budget_gb=budget, allow_oversize=True)
+        nodes = [n for n in compiled.decode.ir.nodes if n.op.value == "routed_experts"]
+        gpu = {n.attrs.layer: set(n.attrs.ids) for n in nodes if n.place.device.value == "gpu"}
+        cpu = {n.attrs.layer: set(n.attrs.ids) for n in nodes if n.place.device.value == "cpu"}
+        split = next((j for j in gpu if j in cpu and gpu[j]), None)
+        if split is not None:
+            break
+    assert split is not None, "no budget split a layer's experts between the devices"
+    fr = prof.layers[split]  # placement read the profile: the GPU holds that layer's most picked experts
+    assert min(fr[e] for e in gpu[split]) >= max(fr[e] for e in cpu[split])
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    assert main(["profile", str(d), "--prompts", str(empty), "-o", str(tmp_path / "x.json")]) == 2
+    assert "has no prompts" in capsys.readouterr().err
+
+
+def test_recording_refuses_a_plan_run_as_a_whole(tiny_dirs):
+    d, _ = tiny_dirs("qwen3_moe")
+    c = ktflow.compile(ktflow.load(d), hw="paper-a100", device="cpu", dtype="float32", max_seq_len=16)
+    ex = c.executor(c.decode)
+    ex.runner = object()  # as a backend that runs the plan as a whole (cuda_graph) has one
+    ex.recorder = RoutingRecorder()
+    with pytest.raises(ConfigError, match="backend='native'"):
+        ex.run(torch.tensor([[1]]), ktflow.runtime.state.State(c.plans.model.fingerprint, 1, 16, position=1))
