@@ -150,7 +150,10 @@ class RoutedExpertsAttrs:
     `inter_slice` (lo, hi): only intermediate rows lo..hi of gate/up and the matching columns of
     down (a NUMA tensor-parallel shard: it yields a partial sum a reduce completes); empty = all.
     `ranks` (lo, hi): only each token's picks ranked lo..hi by routing weight (Expert Deferral
-    splits the immediate top picks from the deferred rest); empty = all top_k."""
+    splits the immediate top picks from the deferred rest); empty = all top_k.
+    `skip`: the layer drops each token's `skip` lowest-weight picks (expert skipping: an
+    approximation a pass must ask for; no built-in pass does), so its nodes' ranks cover
+    0..top_k - skip."""
 
     layer: int
     hidden: int
@@ -160,6 +163,7 @@ class RoutedExpertsAttrs:
     subset: tuple[int, ...] = ()
     inter_slice: tuple[int, ...] = ()
     ranks: tuple[int, ...] = ()
+    skip: int = 0
 
     @property
     def rank_range(self) -> tuple[int, int]:

@@ -161,7 +161,7 @@ def _r9_one_attention_per_layer(g: Graph):
 
 def _r10_expert_subsets_partition(g: Graph):
     """Each expert of a layer is computed once: by one node, or by NUMA shards whose
-    intermediate slices tile 0..inter exactly."""
+    intermediate slices tile 0..inter exactly; each token's picks 0..top_k - skip once each."""
     by_layer: dict[int, list] = {}
     for n in g.nodes:
         if n.op == Op.ROUTED_EXPERTS:
@@ -170,7 +170,12 @@ def _r10_expert_subsets_partition(g: Graph):
         by_ranks: dict[tuple[int, int], list] = {}
         for n in all_nodes:
             by_ranks.setdefault(n.attrs.rank_range, []).append(n)
-        edge, k = 0, all_nodes[0].attrs.top_k
+        skips = {n.attrs.skip for n in all_nodes}
+        k = all_nodes[0].attrs.top_k
+        if len(skips) > 1 or not 0 <= min(skips) < k:
+            yield all_nodes[0].name, f"layer {layer}: its nodes must agree on a skip in 0..{k - 1}, got {sorted(skips)}"
+            continue
+        edge, k = 0, k - skips.pop()  # picks past top_k - skip are dropped on purpose (expert skipping)
         for lo, hi in sorted(by_ranks):
             if lo != edge or hi <= lo:
                 yield by_ranks[(lo, hi)][0].name, f"layer {layer}: rank ranges must tile 0..{k} once each"

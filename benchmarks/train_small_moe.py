@@ -1,0 +1,226 @@
+"""Train a small DeepSeek-V3-style MoE with learned routing, here, on text every machine has.
+
+Random-weight models route about uniformly, so nothing about hot experts, expert caches or
+Expert Deferral's accuracy can be measured on them. This trains one whose routing is learned:
+
+- corpus: the Python standard library's own sources (`*.py` under `sysconfig`'s stdlib path,
+  site-packages left out), files in path order; a file goes to the held-out split when a hash of
+  its relative path says so (5%), so the split does not depend on the machine's file order;
+- tokenizer: a byte-level BPE trained on the training split (`tokenizers`), saved as the
+  checkpoint's tokenizer.json;
+- model: `transformers`' DeepseekV3ForCausalLM (MLA attention, a dense first layer, routed
+  experts with a shared one, the sigmoid router with group-limited top-k), sizes by `--size`:
+  `tiny` trains on 2 CPU cores in about a minute (a CI-sized fixture), `small` on the GPU machine
+  in a few minutes;
+- router balancing: DeepSeek-V3's auxiliary-loss-free rule: after every step each MoE layer's
+  score-correction bias moves by `--bias-rate` towards its under-loaded experts (bias_e +=
+  rate * sign(mean load - load_e)); no auxiliary loss;
+- deterministic by `--seed` (data order, initialisation; on the CPU bit for bit).
+
+Writes `save_pretrained` files (ktflow.load and transformers both read them), tokenizer.json and
+tokenizer_config.json, `heldout.safetensors` (the held-out split's token ids, for
+benchmarks/fidelity.py) and `train_report.json` (steps, tokens, seconds, training loss, held-out
+perplexity, each MoE layer's expert load on the held-out split), and appends one row to
+benchmarks/train_small_moe.jsonl.
+
+    python benchmarks/train_small_moe.py --size tiny -o /tmp/moe-tiny        # CPU, about a minute
+    python benchmarks/train_small_moe.py --size small -o /tmp/moe-small      # GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import HERE, append_jsonl, commit, machine  # noqa: E402
+
+SIZES = {
+    "tiny": dict(model=dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=96, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=32, num_experts_per_tok=4,
+                            n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=64,
+                            q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32),
+                 vocab=2048, seq=128, batch=16, steps=150, lr=4e-3, corpus_mb=3),
+    "small": dict(model=dict(hidden_size=512, intermediate_size=1536, moe_intermediate_size=384, num_hidden_layers=8,
+                             num_attention_heads=8, num_key_value_heads=8, n_routed_experts=64, num_experts_per_tok=6,
+                             n_group=8, topk_group=4, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=128,
+                             q_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64),
+                  vocab=8192, seq=256, batch=32, steps=1500, lr=2e-3, corpus_mb=40),
+}
+
+
+def corpus(limit_mb: float) -> tuple[list[str], list[str]]:
+    """(training texts, held-out texts): the stdlib's .py files, path order, split by path hash."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train, held, size = [], [], 0
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root).as_posix()
+        if "site-packages" in rel:
+            continue
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        (held if hashlib.sha256(rel.encode()).digest()[0] < 13 else train).append(text)  # 13/256: about 5%
+        size += len(text)
+        if size > limit_mb * 1e6 and held:  # (at least one held-out file)
+            break
+    if not train or not held:
+        raise SystemExit(f"no usable .py sources under {root}")
+    return train, held
+
+
+def train_tokenizer(texts: list[str], vocab: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|bos|>", "<|eos|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def token_stream(tok, texts: list[str]) -> torch.Tensor:
+    eos = tok.token_to_id("<|eos|>")
+    ids: list[int] = []
+    for enc in tok.encode_batch(texts):
+        ids += enc.ids + [eos]
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def load_per_layer(model, ids: torch.Tensor, seq: int, device) -> dict[int, list[float]]:
+    """Each MoE layer's fraction of picks per expert over `ids` (in sequences of `seq`)."""
+    counts: dict[int, torch.Tensor] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is None or not hasattr(gate, "e_score_correction_bias"):
+            continue
+
+        def hook(mod, args, out, i=i):
+            counts[i] = counts.get(i, 0) + torch.bincount(out[2].reshape(-1), minlength=mod.num_experts).cpu()
+        hooks.append(gate.register_forward_hook(hook))
+    n = len(ids) // seq * seq
+    with torch.no_grad():
+        for lo in range(0, n, seq * 8):
+            model(ids[lo:min(n, lo + seq * 8)].view(-1, seq).to(device))
+    for h in hooks:
+        h.remove()
+    return {i: (c / c.sum()).tolist() for i, c in counts.items()}
+
+
+def perplexity(model, ids: torch.Tensor, seq: int, device) -> float:
+    n = len(ids) // seq * seq
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for lo in range(0, n, seq * 8):
+            x = ids[lo:min(n, lo + seq * 8)].view(-1, seq).to(device)
+            out = model(x, labels=x)
+            total += float(out.loss) * x.shape[0] * (seq - 1)
+            count += x.shape[0] * (seq - 1)
+    return math.exp(total / count)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument("-o", "--out", required=True, help="checkpoint dir to write")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the size's)")
+    ap.add_argument("--bias-rate", type=float, default=1e-2, help="the balancing bias's step per optimizer step")
+    ap.add_argument("--corpus-mb", type=float, default=None, help="MB of sources read (default: the size's)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--jsonl", default=str(HERE / "train_small_moe.jsonl"))
+    a = ap.parse_args()
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast
+
+    size = SIZES[a.size]
+    steps = a.steps or size["steps"]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(a.seed)
+    t0 = time.perf_counter()
+    train_texts, held_texts = corpus(a.corpus_mb or size["corpus_mb"])
+    tok = train_tokenizer(train_texts, size["vocab"])
+    train_ids, held_ids = token_stream(tok, train_texts), token_stream(tok, held_texts)
+    print(f"corpus: {len(train_texts)} files, {len(train_ids)} tokens to train on; held out {len(held_texts)} files, "
+          f"{len(held_ids)} tokens; tokenizer {tok.get_vocab_size()} tokens ({time.perf_counter() - t0:.1f} s)",
+          flush=True)
+    cfg = DeepseekV3Config(vocab_size=tok.get_vocab_size(), max_position_embeddings=4 * size["seq"],
+                           rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, norm_topk_prob=True,
+                           routed_scaling_factor=1.0, initializer_range=0.02,
+                           bos_token_id=tok.token_to_id("<|bos|>"), eos_token_id=tok.token_to_id("<|eos|>"),
+                           **size["model"])
+    model = DeepseekV3ForCausalLM(cfg).to(a.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=size["lr"], betas=(0.9, 0.95), weight_decay=0.1)
+    warm = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(getattr(layer.mlp, "gate", None),
+                                                                       "e_score_correction_bias")]
+    picks: dict[int, torch.Tensor] = {}
+    for i, g in enumerate(gates):
+        g.register_forward_hook(lambda mod, args, o, i=i: picks.__setitem__(
+            i, torch.bincount(o[2].reshape(-1), minlength=mod.num_experts)))
+    seq, batch = size["seq"], size["batch"]
+    windows = (len(train_ids) - 1) // seq
+    order = torch.randperm(windows, generator=torch.Generator().manual_seed(a.seed))
+    model.train()
+    t1 = time.perf_counter()
+    losses = []
+    for step in range(steps):
+        rows = order[(step * batch + torch.arange(batch)) % windows]
+        x = torch.stack([train_ids[r * seq:(r + 1) * seq] for r in rows.tolist()]).to(a.device)
+        loss = model(x, labels=x).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        with torch.no_grad():  # auxiliary-loss-free balancing: nudge each layer's bias toward its idle experts
+            for i, g in enumerate(gates):
+                load = picks[i].float()
+                g.e_score_correction_bias += a.bias_rate * torch.sign(load.mean() - load)
+        losses.append(float(loss))
+        if step % max(1, steps // 10) == 0 or step == steps - 1:
+            print(f"step {step:5d}  loss {losses[-1]:.3f}  {time.perf_counter() - t1:.0f} s", flush=True)
+    train_s = time.perf_counter() - t1
+    model.eval()
+    ppl = perplexity(model, held_ids, seq, a.device)
+    load = load_per_layer(model, held_ids, seq, a.device)
+    model = model.to("cpu")
+    model.save_pretrained(out)
+    tok_json = out / "tokenizer.json"
+    tok.save(str(tok_json))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>").save_pretrained(out)
+    from safetensors.torch import save_file
+
+    save_file({"ids": held_ids}, str(out / "heldout.safetensors"))
+    k = size["model"]["num_experts_per_tok"]
+    busiest = {i: round(sum(sorted(fr, reverse=True)[:max(1, len(fr) // 10)]), 4) for i, fr in load.items()}
+    report = dict(size=a.size, seed=a.seed, steps=steps, tokens=steps * batch * seq, train_seconds=round(train_s, 1),
+                  final_loss=round(sum(losses[-10:]) / len(losses[-10:]), 4), heldout_tokens=len(held_ids),
+                  heldout_perplexity=round(ppl, 3), top_k=k, experts=size["model"]["n_routed_experts"],
+                  busiest_tenth_share=busiest, load=load, corpus=str(Path(sysconfig.get_paths()["stdlib"])))
+    (out / "train_report.json").write_text(json.dumps(report, indent=1))
+    print(f"trained {steps} steps ({report['tokens']} tokens) in {train_s:.0f} s on {a.device}; final loss "
+          f"{report['final_loss']:.3f}; held-out perplexity {ppl:.2f}; the busiest 10% of experts take "
+          + ", ".join(f"L{i} {100 * s:.0f}%" for i, s in busiest.items()) + " of the picks (uniform: 10%)")
+    append_jsonl(a.jsonl, [dict(bench="train_small_moe", commit=commit(), **machine(), device=a.device,
+                                **{k2: v for k2, v in report.items() if k2 != "load"})])
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

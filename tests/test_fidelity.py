@@ -1,0 +1,70 @@
+"""The trained-model workflow (issue 19): benchmarks/train_small_moe.py makes a checkpoint that
+ktflow and transformers read alike, and benchmarks/fidelity.py measures deferral, expert
+skipping and expert formats on it. Run here with a few steps (the real run is in the
+benchmark); plus the verifier's view of expert skipping."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import ktflow
+from ktflow.ir.ops import Op
+from ktflow.ir.verify import violations
+
+BENCH = Path(__file__).parent.parent / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("moe") / "tiny"
+    p = subprocess.run([sys.executable, str(BENCH / "train_small_moe.py"), "--size", "tiny", "--steps", "3",
+                        "--corpus-mb", "0.3", "-o", str(out), "--jsonl", str(out.parent / "t.jsonl"), "--device", "cpu"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return out
+
+
+def test_trained_checkpoint_reads_alike_in_ktflow_and_transformers(trained):
+    from transformers import AutoModelForCausalLM
+
+    report = json.loads((trained / "train_report.json").read_text())
+    assert report["steps"] == 3 and report["heldout_tokens"] > 0 and report["heldout_perplexity"] > 1
+    c = ktflow.compile(ktflow.load(trained), hw="cpu", dtype="float32", max_seq_len=32)
+    ids = torch.tensor([[3, 50, 700, 12, 9]])
+    got, _ = ktflow.execute(c, ids)
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32)(ids).logits
+    assert float((got - want).norm() / want.norm()) < 1e-4
+
+
+def test_fidelity_table_runs_on_the_trained_model(trained, tmp_path):
+    out = tmp_path / "f.jsonl"
+    p = subprocess.run([sys.executable, str(BENCH / "fidelity.py"), str(trained), "--seqs", "1", "--len", "24",
+                        "--prompt", "8", "--defer", "1", "--formats", "int8", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = {r["variant"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(rows) == {"exact", "defer 1", "skip 1", "int8 experts"}
+    assert rows["exact"]["kl"] == 0.0 and rows["exact"]["top1_changed"] == 0.0
+    assert all(r["kl"] >= -1e-6 and r["positions"] == 24 - 8 for r in rows.values())
+
+
+def test_verifier_takes_declared_skipping_only(tiny_dirs):
+    """Picks past top_k - skip may go uncomputed where the layer declares skip; a node that drops
+    them without it, or nodes disagreeing on it, break rule V10."""
+    d, _ = tiny_dirs("qwen3_moe")
+    g = ktflow.load(d).graph()
+    k = next(n.attrs.top_k for n in g.nodes if n.op == Op.ROUTED_EXPERTS)
+
+    def cut(skip):
+        return g.map(lambda n: replace(n, attrs=replace(n.attrs, ranks=(0, k - 1), skip=skip))
+                     if n.op == Op.ROUTED_EXPERTS else n)
+
+    assert not [v for v in violations(cut(1)) if v[0] == "V10"]
+    assert any(v[0] == "V10" and "computed by no node" in v[2] for v in violations(cut(0)))
