@@ -191,7 +191,7 @@ def main() -> int:
             for i, g in enumerate(gates):
                 load = picks[i].float()
                 g.e_score_correction_bias += a.bias_rate * torch.sign(load.mean() - load)
-        losses.append(float(loss))
+        losses.append(loss.item())
         if step % max(1, steps // 10) == 0 or step == steps - 1:
             print(f"step {step:5d}  loss {losses[-1]:.3f}  {time.perf_counter() - t1:.0f} s", flush=True)
     train_s = time.perf_counter() - t1
