@@ -10,8 +10,8 @@ Expert Deferral's accuracy can be measured on them. This trains one whose routin
   checkpoint's tokenizer.json;
 - model: `transformers`' DeepseekV3ForCausalLM (MLA attention, a dense first layer, routed
   experts with a shared one, the sigmoid router with group-limited top-k), sizes by `--size`:
-  `tiny` trains on 2 CPU cores in about a minute (a CI-sized fixture), `small` on the GPU machine
-  in a few minutes;
+  `tiny` trains on 2 CPU cores in a few minutes (150 steps, 307k tokens), `small` is sized for the
+  GPU machine (not run yet);
 - router balancing: DeepSeek-V3's auxiliary-loss-free rule: after every step each MoE layer's
   score-correction bias moves by `--bias-rate` towards its under-loaded experts (bias_e +=
   rate * sign(mean load - load_e)); no auxiliary loss;
@@ -23,7 +23,7 @@ benchmarks/fidelity.py) and `train_report.json` (steps, tokens, seconds, trainin
 perplexity, each MoE layer's expert load on the held-out split), and appends one row to
 benchmarks/train_small_moe.jsonl.
 
-    python benchmarks/train_small_moe.py --size tiny -o /tmp/moe-tiny        # CPU, about a minute
+    python benchmarks/train_small_moe.py --size tiny -o /tmp/moe-tiny        # CPU, a few minutes
     python benchmarks/train_small_moe.py --size small -o /tmp/moe-small      # GPU machine
 """
 
