@@ -577,8 +577,9 @@ def parser() -> argparse.ArgumentParser:
                         description="Compile MODEL (or load --plan) and serve it over HTTP with the OpenAI API:\n"
                         "  POST /v1/chat/completions, /v1/completions  (\"stream\": true for server-sent events)\n"
                         "  GET  /v1/models, /health, /metrics           (/metrics: Prometheus text format)\n"
-                        "Up to --max-batch sequences run at once, each in its own slot; new ones join between\n"
-                        "tokens (continuous batching), up to --max-queue wait, and past that requests get 429.\n"
+                        "Up to --max-batch sequences run at once, each in its own slot, decoded together in one\n"
+                        "batched step per token; new ones join between tokens (continuous batching), prompts that\n"
+                        "arrive together are prefilled in one step, up to --max-queue wait, past that 429.\n"
                         "SIGTERM stops admitting, lets requests in flight finish (--shutdown-timeout), exits 0.",
                         epilog="""examples:
   ktflow serve ./model --hw this --port 8000
@@ -598,16 +599,18 @@ MODEL must hold tokenizer.json (and tokenizer_config.json with a chat_template f
     sv.add_argument("--api-key", default=os.environ.get("KTFLOW_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $KTFLOW_API_KEY; none: open)")
     sv.add_argument("--prefill-step", type=int, default=None, metavar="TOKENS",
-                    help="most prompt tokens prefilled per scheduler iteration, so a long prompt delays running "
-                    "sequences by one such chunk per token (default: min(256, the largest prefill bucket))")
+                    help="most prompt tokens prefilled per scheduler iteration (the chunks of every waiting prompt "
+                    "that fit, in one packed step), so a long prompt delays running sequences by one such chunk "
+                    "per token (default: min(256, the largest prefill bucket))")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                     help="on SIGTERM, seconds requests in flight get to finish before they are cancelled (default 30)")
     _add_compile_options(sv)
     sv.set_defaults(fn=cmd_serve, max_batch=4)
     for act in sv._actions:
         if act.dest == "max_batch":
-            act.help = "sequences served at once, each with its own KV cache slot (default 4); also the batch the " \
-                       "compiled plan's memory is planned for"
+            act.help = "sequences served at once, each with its own KV cache slot, decoded together in one batched " \
+                       "step (default 4); also the batch the compiled plan's memory is planned for (a --plan must " \
+                       "have been compiled with max_batch at least this)"
     for sp in [*sub.choices.values(), *hsub.choices.values()]:  # also after the command: `ktflow run ... --debug`
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="on an error, the Python traceback too (or KTFLOW_DEBUG=1)")
