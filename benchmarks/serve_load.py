@@ -108,7 +108,7 @@ def phase(url: str, model: str, streams: int, requests: int, prompt_tokens: int,
     tokens = sum(r["tokens"] for r in results)
     itl = [(b - a) * 1e3 for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
     ttft = [(r["chunks"][0] - r["start"]) * 1e3 for r in results if r["chunks"]]
-    rates = [(len(r["chunks"]) - 1) / (r["chunks"][-1] - r["chunks"][0]) for r in results
+    rates = [(r["tokens"] - 1) / (r["chunks"][-1] - r["chunks"][0]) for r in results
              if len(r["chunks"]) > 1 and r["chunks"][-1] > r["chunks"][0]]
     return dict(streams=streams, requests=len(results), errors=len(errors), first_error=errors[0] if errors else None,
                 completion_tokens=tokens, wall_s=round(wall, 3), total_tok_s=round(tokens / wall, 2) if wall else 0.0,

@@ -129,7 +129,7 @@ def _buffer_problems(plan: "Plan", g) -> list[str]:
 
 #: attrs fields passes rewrite (which experts and rows a node computes): left out of the
 #: comparison with the model's spec
-_PLACED_FIELDS = ("subset", "inter_slice", "ranks")
+_PLACED_FIELDS = ("subset", "inter_slice", "ranks", "skip")
 
 
 def spec_mismatches(plan: "Plan", spec) -> list[str]:

@@ -68,3 +68,18 @@ def test_verifier_takes_declared_skipping_only(tiny_dirs):
 
     assert not [v for v in violations(cut(1)) if v[0] == "V10"]
     assert any(v[0] == "V10" and "computed by no node" in v[2] for v in violations(cut(0)))
+
+
+def test_a_plan_with_declared_skipping_saves_and_loads(tiny_dirs, tmp_path):
+    sys.path.insert(0, str(BENCH))
+    from fidelity import skip_lowest
+
+    d, _ = tiny_dirs("qwen3_moe")
+    model = ktflow.load(d)
+    c = ktflow.compile(model, hw="cpu", dtype="float32", max_seq_len=16, numa_nodes=1,
+                       passes=[("after:place_by_intensity", skip_lowest(1))])
+    assert any(n.attrs.skip == 1 for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS)
+    c.save(tmp_path / "p.json")
+    back = ktflow.Compiled.load(tmp_path / "p.json", model)  # the plan check takes `skip` as placed
+    assert [n.attrs for n in back.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS] == \
+        [n.attrs for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS]

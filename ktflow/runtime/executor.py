@@ -173,8 +173,9 @@ def _check_ragged(layers: frozenset[int], input_ids: torch.Tensor, state: State,
     if s != 1 or positions.shape != (b,) or positions.device.type != "cpu":
         raise InputError(f"a ragged decode step takes one token per row and a position per row on the host: got "
                          f"input_ids {list(input_ids.shape)} and positions {list(positions.shape)} on {positions.device}")
-    if b > state.batch:
-        raise InputError(f"a ragged step of {b} rows over a state of {state.batch}")
+    if b != state.batch:
+        raise InputError(f"a ragged step of {b} rows over a state of {state.batch}: give a state of exactly its rows "
+                         "(SlotPool passes a view of rows 0..b-1)")
     lo, hi = int(positions.min()), int(positions.max())
     if lo < 0 or hi >= state.max_seq_len:
         raise InputError(f"a row's position {lo if lo < 0 else hi} is outside its KV cache (0..{state.max_seq_len - 1})")

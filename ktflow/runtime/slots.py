@@ -93,10 +93,11 @@ class SlotPool:
         """The next `ids` [1, n] of the sequence in `slot`; returns `execute`'s logits for them (on
         the device of `ids`, as `execute` does)."""
         self._check_slot(slot)
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
+            raise InputError(f"a slot holds one sequence: prefill takes ids of shape [1, n], got "
+                             f"{list(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
         state = self.state.row(slot, self.position(slot))
         ids = check_ids(self.compiled, ids, state)
-        if ids.shape[0] != 1:
-            raise InputError(f"a slot holds one sequence: prefill takes ids of shape [1, n], got {list(ids.shape)}")
         out, _ = prefill(self.compiled, ids, state, logits, ids.device)
         self.positions[slot] = state.position
         return out

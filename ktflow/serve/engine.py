@@ -7,9 +7,10 @@ shutdown began). Each iteration of the scheduler thread:
    slots (a fixed number, the runner's; a slot keeps its KV cache between sequences);
 2. prefills, in admission order, chunks of at most `prefill_tokens` prompt tokens, as many as
    fit `prefill_tokens` in all (at least one), all in one step (the runner packs them), so a
-   long prompt delays the running decodes by one chunk per iteration. A prompt is always cut at the same places (multiples of
-   `prefill_tokens`), so what a sequence computes does not depend on what else runs. The chunk
-   that ends a prompt yields the sequence's first token;
+   long prompt delays the running decodes by one chunk per iteration. A prompt is always cut at
+   the same places (multiples of `prefill_tokens`); the rows it shares a step with still change
+   the kernels' shapes, so its numbers may differ from running alone by rounding (in bf16 a greedy
+   near-tie can flip). The chunk that ends a prompt yields the sequence's first token;
 3. decodes one token for every sequence that has one pending;
 4. retires finished sequences (a stop string, a stop token id or eos, max_tokens, cancelled)
    and frees their slots.
@@ -249,8 +250,8 @@ class Engine:
             prompt = s.req.prompt_ids
             if s.done or s.prefilled >= len(prompt):
                 continue
-            # chunks start at multiples of prefill_tokens whatever else runs, so a sequence's numbers
-            # (and its greedy tokens) do not depend on the load; the first chunk always runs
+            # chunks start at multiples of prefill_tokens whatever else runs (only rounding depends on
+            # the load); the first chunk always runs
             n = min(self.prefill_tokens, len(prompt) - s.prefilled)
             if n > budget and budget < self.prefill_tokens:
                 break

@@ -11,7 +11,8 @@ Runner, in slot numbers and token ids:
 - `decode(slots, ids, greedy)`: one token for each listed slot (each at its own position),
   returning per slot its next-token logits ([vocab], float32, CPU), or with `greedy` (every
   listed sequence decodes greedily) its argmax id (an int; taken where the logits are, so on
-  the GPU only the ids cross), or the exception that failed that slot only;
+  the GPU only the ids cross), or the exception that failed it (a batched step that fails fails
+  every slot in it);
 - `free(slot)`: the sequence in `slot` is finished.
 
 `PoolRunner` runs every decode step as ONE batched step over all listed slots
