@@ -346,18 +346,26 @@ def cmd_hw_probe(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_calibrate(a: argparse.Namespace) -> int:
+def _model_with_weights(path: str, what: str):
+    """The checkpoint at `path`, or a ConfigError if it has no weights (`what` runs the model)."""
     import ktflow
+    from ktflow.errors import ConfigError
+
+    model = ktflow.load(path)
+    if model.weights is None:
+        raise ConfigError(f"{path} has no weights (config.json only): {what} runs the model, so it needs the "
+                          "checkpoint's *.safetensors")
+    return model
+
+
+def cmd_calibrate(a: argparse.Namespace) -> int:
     from ktflow.calibrate import calibrate
     from ktflow.errors import ConfigError
     from ktflow.fsutil import write_atomic
 
     if a.steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {a.steps}")
-    model = ktflow.load(a.model)
-    if model.weights is None:
-        raise ConfigError(f"{a.model} has no weights (config.json only): calibrate runs the model, so it needs "
-                          "the checkpoint's *.safetensors")
+    model = _model_with_weights(a.model, "calibrate")
     opts = _options(a)
     hw = a.hw
     print(f"calibrating {model.path.name}: {a.steps} traced decode steps", flush=True)
@@ -377,10 +385,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
     if a.decode < 0:
         raise ConfigError(f"--decode must be at least 0, got {a.decode}")
-    model = ktflow.load(a.model)
-    if model.weights is None:
-        raise ConfigError(f"{a.model} has no weights (config.json only): profiling runs the model, so it needs the "
-                          "checkpoint's *.safetensors")
+    model = _model_with_weights(a.model, "profiling")
     try:
         lines = [ln.strip() for ln in Path(a.prompts).read_text(encoding="utf-8").splitlines()]
     except (OSError, UnicodeDecodeError) as e:
