@@ -16,6 +16,8 @@ repetitions, mean +- sd), for these variants of one model:
                doorbell (a word the stream writes and the armed native dispatcher polls); `+bell`
                forces the doorbell
   graph+d<k>   the graph with Expert Deferral, k deferred picks per token (and d=auto)
+  graph+run<K> greedy decoding K steps per graph launch (`greedy_steps`: each step's argmax fed to
+               the next on the GPU); combines with +d<k>, e.g. graph+d4+run8
   graph+onestream  an experiment kept for its RESULTS row: the copy lane issued on the compute
                stream (one stream, a straight-line graph)
 
@@ -204,6 +206,7 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
     replayed step's split)."""
     import ktflow
     from ktflow import native
+    from ktflow.runtime.execute import decode_greedy
 
     g = torch.Generator().manual_seed(seed)
     logits, state = ktflow.execute(compiled, torch.randint(0, vocab, (1, 32), generator=g))
@@ -215,18 +218,23 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
     runner = compiled.executor(compiled.decode).runner if records else None
     bound = getattr(runner, "bound", {}).get(nxt.shape[0])
     host = []  # per step: replay called, replay returned, wait returned (graph variants)
-    if bound is not None and bound.graph is not None:
+    run = compiled.plans.options.greedy_steps  # steps per call (a +run<K> variant: one launch per K)
+    if run == 1 and bound is not None and bound.graph is not None:
         bound.graph, runner._wait = _Stamped(bound.graph, host, now), _stamped_wait(runner._wait, host, now)
     t0 = time.perf_counter_ns()
     n0 = now()
     calls = []  # per step: execute called, execute returned
-    for _ in range(new):  # greedy, the argmax taken where the step runs (on the GPU in a captured graph)
+    for _ in range(new // run):  # greedy, the argmax taken where the step runs (on the GPU in a captured graph)
         c0 = now()
-        nxt, state = ktflow.execute(compiled, nxt, state, logits="argmax")
+        if run > 1:
+            nxt = decode_greedy(compiled, nxt, state, run)[:, -1:]
+        else:
+            nxt, state = ktflow.execute(compiled, nxt, state, logits="argmax")
         calls.append((c0, now()))
+    new = run * (new // run)
     _sync()
     wall = time.perf_counter_ns() - t0
-    if host:
+    if bound is not None and isinstance(bound.graph, _Stamped):
         bound.graph, runner._wait = bound.graph.graph, runner._wait.inner  # as they were
     busy, split = None, None
     if records:
@@ -239,7 +247,7 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
                 merged += f - max(s, end)
                 end = f
         busy = merged / wall
-        split = replay_split(recs, new, calls)
+        split = replay_split(recs, new, calls) if run == 1 else None
         if split is not None:
             from ktflow.calibrate import Replayed
 
@@ -655,8 +663,10 @@ def main() -> int:
             torch.set_num_threads(len(os.sched_getaffinity(0)))  # CPU attention runs in torch (the backend set 1)
         else:
             opts.update(device="cuda", vram_budget_gb=budget, backend="native" if v == "eager" else "cuda_graph")
+            if "+run" in v:  # greedy decode runs of K steps per launch
+                opts["greedy_steps"] = int(v.split("+run")[1].split("+")[0])
             if "+d" in v:
-                k = v.split("+d")[1]
+                k = v.split("+d")[1].split("+")[0]
                 opts["defer"] = "auto" if k == "auto" else int(k)
                 if k == "auto" and calibrated is not None:  # auto decides from the fitted profile
                     opts["hw"] = calibrated
@@ -733,12 +743,12 @@ def main() -> int:
                                                        / 1e9, 3) if plan.memory.gpu_bytes else 0.0,
                    defer=str(c.plans.options.defer))
         row.update(split)
-        if v != "cpu":
+        if v != "cpu" and "+run" not in v:
             row.update(profile_decode(c, vocab))
             row["gpu_us_per_layer"] = round(row["gpu_busy_us_per_token"] / cfg["num_hidden_layers"], 1)
             for t in row["gpu_top_ops"]:
                 print(f"      {t['per_token']:7.1f}/token {t['us_per_token']:8.1f} us/token  {t['name']}")
-        if v.startswith("graph"):
+        if v.startswith("graph") and "+run" not in v:  # (a +run variant's single steps are its base variant's)
             row.update(traced_handoffs(c, vocab))
         print(f"  {v:12s} decode: {m:7.2f} +- {sd:5.2f} tok/s ({100 * m / bound:.0f}% of the roofline {bound:.1f}); "
               f"step {1e6 / m:.0f} us vs predicted {plan.predicted_step_us:.0f} us; "

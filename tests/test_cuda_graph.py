@@ -8,7 +8,7 @@ import torch
 
 import ktflow
 from ktflow import native
-from ktflow.errors import KtflowError, PlanError, ResourceError
+from ktflow.errors import InputError, KtflowError, PlanError, ResourceError
 from ktflow.ir.ops import Op
 
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and native.available()),
@@ -84,6 +84,44 @@ def test_argmax_mode_takes_the_replayed_steps_argmax_on_the_gpu(tiny_dirs):
     for i, (x, y) in enumerate(zip(am, got, strict=True)):
         assert x.dtype == torch.int64 and x.shape == (2, 1), i
         assert torch.equal(x, y[:, -1:].argmax(-1)), i
+
+
+@gpu
+@pytest.mark.parametrize("case,defer", [("qwen3_moe", None), ("qwen3_moe", 1), ("deepseek_v3", 1)])
+def test_greedy_runs_of_several_steps_a_launch_equal_one_step_a_launch(case, defer, tiny_dirs):
+    """decode_greedy(steps=K): K steps captured as one graph, each step's argmax fed to the next on
+    the GPU and the position advanced there, give the ids K replays of the one-step graph give
+    (first call eager, second replayed; deferral's queued tasks carry over between the steps)."""
+    from ktflow.runtime.execute import decode_greedy
+
+    d, _ = tiny_dirs(case)
+    model = ktflow.load(d)
+    one, many = hybrid(model, defer=defer), hybrid(model, defer=defer)
+    prompt = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(6))
+    nxt, s1 = ktflow.execute(one, prompt, logits="argmax")
+    want = []
+    for _ in range(10):
+        nxt, s1 = ktflow.execute(one, nxt, s1, logits="argmax")
+        want.append(nxt)
+    want = torch.cat(want, 1)
+    first, s2 = ktflow.execute(many, prompt, logits="argmax")
+    got = torch.cat([decode_greedy(many, first, s2, 4), decode_greedy(many, want[:, 3:4], s2, 4),
+                     decode_greedy(many, want[:, 7:8], s2, 2)], 1)
+    runner = many.executor("decode").runner
+    assert set(runner.bound[2].greedy_graphs) == {4, 2} and s2.position == s1.position
+    assert torch.equal(got, want)
+
+
+def test_decode_greedy_refuses_a_run_past_the_cache(demo_dir):
+    from ktflow.runtime.execute import decode_greedy
+
+    c = ktflow.compile(ktflow.load(demo_dir), hw="cpu", max_seq_len=8, dtype="float32")
+    nxt, state = ktflow.execute(c, torch.tensor([[1, 2, 3, 4, 5]]), logits="argmax")
+    with pytest.raises(InputError, match=r"cannot decode 4 tokens at position 5.*max_seq_len 8"):
+        decode_greedy(c, nxt, state, 4)
+    with pytest.raises(InputError, match=r"one token per sequence"):
+        decode_greedy(c, torch.tensor([[1, 2]]), state, 2)
+    assert decode_greedy(c, nxt, state, 3).shape == (1, 3) and state.position == 8
 
 
 @gpu
@@ -217,11 +255,11 @@ def test_out_of_memory_at_capture_names_the_node_and_the_prediction(demo_dir, mo
     c = ktflow.compile(model, hw=hw_here(), device="cuda", vram_budget_gb=0.01, max_seq_len=64)
     issue = DecodeGraph._issue
 
-    def failing(self, bound, state, timer):
+    def failing(self, bound, state, timer, steps=1):
         if torch.cuda.is_current_stream_capturing():
             self.current = "L2.attn"
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return issue(self, bound, state, timer)
+        return issue(self, bound, state, timer, steps)
 
     monkeypatch.setattr(DecodeGraph, "_issue", failing)
     _, state = ktflow.execute(c, torch.tensor([[1, 2, 3]]))

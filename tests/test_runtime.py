@@ -107,6 +107,20 @@ def test_argmax_mode_returns_the_greedy_next_ids(compiled):
     assert torch.equal(again, logits[:, -1:].argmax(-1))
 
 
+@pytest.mark.parametrize("backend", ["torch_ref", "native"])
+def test_greedy_steps_per_call_change_nothing_generated(demo_dir, backend):
+    """generate with greedy_steps = 4 (decode_greedy runs of 4, the last 2 tokens one at a time,
+    an end-of-sequence token inside a run) returns what one step a call returns."""
+    model = ktflow.load(demo_dir)
+    one, four = (ktflow.compile(model, hw="cpu", max_seq_len=32, dtype="float32", backend=backend,
+                                greedy_steps=k) for k in (1, 4))
+    p = ids([5, 6, 7], [9, 10, 11])
+    a, b = ktflow.generate(one, p, 11), ktflow.generate(four, p, 11)
+    assert a.shape == (2, 14) and torch.equal(a, b)
+    eos = int(a[0, 8])  # a token greedy decoding reaches inside the second run
+    assert torch.equal(ktflow.generate(one, p, 11, eos_token_id=eos), ktflow.generate(four, p, 11, eos_token_id=eos))
+
+
 def test_sampling_is_reproducible_with_a_seed(compiled):
     p = ids([7, 8, 9])
     a = ktflow.generate(compiled, p, 6, temperature=1.5, seed=11)

@@ -171,6 +171,11 @@ class Bound:
     logits: torch.Tensor | None = None  # float32 [batch, vocab] on the GPU: the captured graph's output
     graph: torch.cuda.CUDAGraph | None = None
     keep: list = field(default_factory=list)  # values the graph reads or writes
+    #: greedy runs of K steps a launch (`DecodeGraph.run_greedy`), per K: the pinned ids [K, batch]
+    #: the run writes, its graph, and the values that graph reads or writes
+    greedy: dict[int, torch.Tensor] = field(default_factory=dict)
+    greedy_graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
+    greedy_keep: dict[int, list] = field(default_factory=dict)
 
 
 class CudaGraphBackend(StaticRules, NativeBackend):
@@ -386,6 +391,55 @@ class DecodeGraph:
             state.position += 1
         return (result, measured) if trace else result
 
+    def run_greedy(self, input_ids: torch.Tensor, state, steps: int) -> torch.Tensor:
+        """`steps` greedy decode steps from input_ids [batch, 1] at state.position, as one graph
+        launch: each step's argmax is the next step's input, taken and fed back on the GPU, so
+        the host neither waits for nor launches the steps between (its turnaround and the graph
+        launch are paid once per `steps` tokens). Returns the ids [batch, steps] (int64, CPU);
+        equal to `steps` calls of run(logits='argmax'). Captured once per batch size and steps
+        (the first call issues the steps eagerly); a plan with a host prologue (a CPU embedding,
+        which reads the ids on the host) runs one step a launch."""
+        b = input_ids.shape[0]
+        if steps == 1 or self.prologue or not self.capture:
+            out = []
+            for _ in range(steps):
+                input_ids = self.run(input_ids, state, logits="argmax")
+                out.append(input_ids)
+            return torch.cat(out, dim=1)
+        bound = self._bound_for(state, b, False)
+        bound.tokens.copy_(input_ids.reshape(-1))
+        bound.position[0] = state.position
+        if steps not in bound.greedy:
+            bound.greedy[steps] = torch.zeros(steps, b, dtype=torch.int64, pin_memory=True)
+        if bound.ring is not None:
+            for _ in range(steps):
+                bound.ring.arm()  # one pass of the ring per step, polled in order
+        graph = bound.greedy_graphs.get(steps)
+        if graph is None:
+            self.gpu.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.gpu):
+                self._issue(bound, state, None, steps)
+        else:
+            with torch.cuda.stream(self.gpu):
+                graph.replay()
+        self._wait()
+        native.sync()
+        ids = bound.greedy[steps].clone().T.contiguous()
+        if graph is None:
+            self._capture_greedy(bound, state, steps)
+        state.position += steps
+        return ids
+
+    def _capture_greedy(self, bound: Bound, state, steps: int) -> None:
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        try:
+            with torch.cuda.graph(graph, stream=self.gpu):
+                bound.greedy_keep[steps], _ = self._issue(bound, state, None, steps)
+        except torch.cuda.OutOfMemoryError:
+            raise self._oom(bound) from None
+        bound.greedy_graphs[steps] = graph
+
     def _bound_for(self, state, b: int, ragged: bool) -> Bound:
         """The binding of this step: per batch size over the backend's static caches (checked to
         be this state's), or, for a ragged step, per batch size and the caller's caches (the
@@ -414,8 +468,10 @@ class DecodeGraph:
                              f"cache per batch size ({b}), and a later prefill of that batch size took it over; "
                              "decode a sequence before starting the next one of the same batch size")
 
-    def _ctx(self, bound: Bound, state) -> StepContext:
-        return StepContext(batch=bound.batch, seq=1, position=state.position, state=state,
+    def _ctx(self, bound: Bound, state, k: int = 0) -> StepContext:
+        """The context of the step k steps after state.position (a fresh one per step: the values a
+        step shares between layers are the step's own)."""
+        return StepContext(batch=bound.batch, seq=1, position=state.position + k, state=state,
                            token_ids=bound.tokens, position_t=bound.position_dev)
 
     def _eager(self, bound: Bound, state, trace: bool):
@@ -454,17 +510,40 @@ class DecodeGraph:
                            "reserve). Lower max_seq_len or "
                            "max_batch, or the VRAM budget (vram_budget_gb), and recompile")
 
-    def _issue(self, bound: Bound, state, timer) -> tuple[list, torch.Tensor]:
+    def _issue(self, bound: Bound, state, timer, steps: int = 1) -> tuple[list, torch.Tensor]:
         """Issue the plan's steps in order on the streams; returns every value (kept alive with
         the graph that reads them) and the logits [batch, vocab] on the GPU, which stay there
         unless the caller asks for them; their argmax goes to the pinned `next_ids` (greedy
-        decoding: 8 bytes a row cross instead of the logits)."""
-        ctx = self._ctx(bound, state)
+        decoding: 8 bytes a row cross instead of the logits).
+
+        With steps = K > 1 (greedy decoding, `run_greedy`), K decode steps one after another:
+        step k's argmax goes to row k of the pinned `greedy[K]` ids and into the pinned token
+        ids step k + 1 reads, and the position advances on the GPU; the logits returned are the
+        last step's."""
+        pinned_copy.copy(bound.position_dev, bound.position)
+        kept: list = []
+        for k in range(steps):
+            if k:
+                bound.position_dev.add_(1)
+            values, out = self._issue_step(bound, self._ctx(bound, state, k), timer)
+            kept += values
+            ids = out.argmax(-1)
+            if steps == 1:
+                pinned_copy.copy(bound.next_ids, ids)
+                break
+            pinned_copy.copy(bound.greedy[steps][k], ids)
+            if k + 1 < steps:
+                pinned_copy.copy(bound.tokens, ids)  # the next step's input, read where the first step's was
+        self.current = ""
+        return kept, out
+
+    def _issue_step(self, bound: Bound, ctx: StepContext, timer) -> tuple[list, torch.Tensor]:
+        """One decode step's plan steps in order on the streams (the position already on the GPU):
+        every value, and the logits [batch, vocab] on the GPU."""
         be, g = self.be, self.g
         values: dict[str, Any] = {}
         events: dict[str, torch.cuda.Event] = {}
         streams = {"gpu": self.gpu, "copy": self.copy}
-        pinned_copy.copy(bound.position_dev, bound.position)
         # fork the copy stream from the step's stream (under capture this makes it part of the graph;
         # a copy whose only ordering is a CPU-lane event, such as the token ids', would escape it)
         self.copy.wait_stream(self.gpu)
@@ -511,8 +590,6 @@ class DecodeGraph:
                 timer.end(i, stream)
         out = values[g.outputs[0]].view(bound.batch, -1)
         self.gpu.wait_stream(self.copy)  # join it back
-        pinned_copy.copy(bound.next_ids, out.argmax(-1))
-        self.current = ""
         return list(values.values()), out
 
     def _copy(self, node: Node, src: Any, bound: Bound, stream: torch.cuda.Stream) -> Any:

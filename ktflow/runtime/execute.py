@@ -65,6 +65,26 @@ def execute(compiled, input_ids: torch.Tensor, state: State | None = None, *,
     return prefill(compiled, ids, state, logits, input_ids.device)
 
 
+@torch.inference_mode()
+def decode_greedy(compiled, input_ids: torch.Tensor, state: State, steps: int) -> torch.Tensor:
+    """`steps` greedy decode steps continuing `state` from input_ids [batch, 1] (the last token
+    of each sequence): each step's argmax is the next one's input. Returns the new ids [batch,
+    steps] (int64, CPU); the same as `steps` calls of execute(..., logits='argmax'). A CUDA-graph
+    decode plan runs them as one graph launch (the decode plan's `greedy_steps` option is what
+    `generate` asks for)."""
+    if not isinstance(steps, int) or steps < 1:
+        raise InputError(f"steps must be an integer >= 1, got {steps!r}")
+    if state is None or state.position == 0:
+        raise InputError("decode_greedy continues a prefilled state: run the prompt with execute first")
+    ids = check_ids(compiled, input_ids, state)
+    if ids.shape[1] != 1:
+        raise InputError(f"decode_greedy takes one token per sequence, got input_ids of shape {list(ids.shape)}")
+    if state.position + steps > state.max_seq_len:
+        raise InputError(f"cannot decode {steps} tokens at position {state.position}: that passes max_seq_len "
+                         f"{state.max_seq_len} (the KV cache is full); compile with a larger max_seq_len")
+    return compiled.executor(compiled.decode).greedy(ids, state, steps)
+
+
 def prefill(compiled, ids: torch.Tensor, state: State, logits: str, device=None) -> tuple[torch.Tensor, State]:
     """Run the prompt `ids` [batch, tokens] (checked) through prefill plans, from state.position,
     in chunks of the largest prefill bucket (even a one-token chunk past position 0 runs a

@@ -73,6 +73,20 @@ class Executor:
         if self.recorder is not None and node.op == Op.GATE and node.name in self.gate_layer:
             self.recorder.add(self.gate_layer[node.name], values[step.writes[0]][0], node.attrs.experts)
 
+    def greedy(self, input_ids: torch.Tensor, state: State, steps: int) -> torch.Tensor:
+        """`steps` greedy decode steps from input_ids [batch, 1] at state.position, each step's
+        argmax the next one's input; returns the ids [batch, steps] (int64) and advances
+        state.position by `steps`. A runner that can (cuda_graph) runs them as one launch; any
+        other backend runs them one step at a time."""
+        runner_greedy = getattr(self.runner, "run_greedy", None)
+        if runner_greedy is not None and self.recorder is None and self.trace == 0 and not self.check_finite:
+            return runner_greedy(input_ids, state, steps)
+        out = []
+        for _ in range(steps):
+            input_ids = self.run(input_ids, state, logits="argmax").reshape(-1, 1).cpu()
+            out.append(input_ids)
+        return torch.cat(out, dim=1)
+
     def run(self, input_ids: torch.Tensor, state: State, position_t: torch.Tensor | None = None,
             logits: str = "all", positions: torch.Tensor | None = None,
             segments: tuple[tuple[int, int, int], ...] | None = None) -> torch.Tensor | None:

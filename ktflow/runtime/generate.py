@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-from .execute import execute
+from .execute import decode_greedy, execute
 
 
 @dataclass
@@ -66,6 +66,8 @@ def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, 
     out = [ids]
     done = torch.zeros(ids.shape[0], dtype=torch.bool)
     steps = 0
+    run = compiled.plans.options.greedy_steps if greedy else 1  # decode steps per call of the decode plan
+    ahead: list[torch.Tensor] = []  # greedy ids a multi-step call returned, not yet taken
     from ..progress import bar
 
     for i in bar(range(max_new_tokens), "decode", "token", show=max_new_tokens > 1):
@@ -77,7 +79,12 @@ def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, 
         out.append(nxt[:, None])
         if i == max_new_tokens - 1 or bool(done.all()):
             break
-        step_out, state = execute(compiled, nxt[:, None], state, logits=mode)
+        if not ahead and run > 1 and max_new_tokens - 1 - i >= run:
+            ahead = list(decode_greedy(compiled, nxt[:, None], state, run).unbind(1))
+        if ahead:
+            step_out = ahead.pop(0)[:, None]
+        else:
+            step_out, state = execute(compiled, nxt[:, None], state, logits=mode)
         steps += 1
     t2 = time.perf_counter()
     stats = GenerationStats(prompt_tokens=ids.numel(), new_tokens=steps * ids.shape[0],
