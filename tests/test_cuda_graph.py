@@ -86,17 +86,33 @@ def test_argmax_mode_takes_the_replayed_steps_argmax_on_the_gpu(tiny_dirs):
         assert torch.equal(x, y[:, -1:].argmax(-1)), i
 
 
+def embed_on_cpu(g, ctx):
+    """A custom pass (after placement): the embedding on the CPU, as the cost model leaves a large
+    vocabulary's table (the decode step's host prologue then looks the ids up)."""
+    from dataclasses import replace
+
+    from ktflow.ir.types import Device, Placement
+
+    return g.map(lambda n: replace(n, place=Placement(Device.CPU, cause="test: embedding on the CPU"))
+                 if n.op == Op.EMBED else n)
+
+
 @gpu
-@pytest.mark.parametrize("case,defer", [("qwen3_moe", None), ("qwen3_moe", 1), ("deepseek_v3", 1)])
-def test_greedy_runs_of_several_steps_a_launch_equal_one_step_a_launch(case, defer, tiny_dirs):
+@pytest.mark.parametrize("case,defer,embed_cpu", [("qwen3_moe", None, False), ("qwen3_moe", 1, False),
+                                                  ("deepseek_v3", 1, False), ("qwen3_moe", None, True)])
+def test_greedy_runs_of_several_steps_a_launch_equal_one_step_a_launch(case, defer, embed_cpu, tiny_dirs):
     """decode_greedy(steps=K): K steps captured as one graph, each step's argmax fed to the next on
     the GPU and the position advanced there, give the ids K replays of the one-step graph give
-    (first call eager, second replayed; deferral's queued tasks carry over between the steps)."""
+    (first call eager, second replayed; deferral's queued tasks carry over between the steps; an
+    embedding left on the CPU is looked up on the GPU from its page-locked table)."""
     from ktflow.runtime.execute import decode_greedy
 
     d, _ = tiny_dirs(case)
     model = ktflow.load(d)
-    one, many = hybrid(model, defer=defer), hybrid(model, defer=defer)
+    extra = dict(passes=[("after:place_by_intensity", embed_on_cpu)]) if embed_cpu else {}
+    one, many = hybrid(model, defer=defer, **extra), hybrid(model, defer=defer, **extra)
+    assert embed_cpu == (many.decode.ir.by_name(next(n.name for n in many.decode.ir.nodes if n.op == Op.EMBED))
+                         .place.device.value == "cpu")
     prompt = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(6))
     nxt, s1 = ktflow.execute(one, prompt, logits="argmax")
     want = []

@@ -63,7 +63,7 @@ from ..weights import TORCH_DTYPE
 from . import pinned_copy
 from .base import StepContext, node_key
 from .cpu_native import NativeBackend
-from .staging import pin
+from .staging import pin, pin_tensor
 from .static_rules import StaticRules
 
 _TORCH_DTYPE = {**TORCH_DTYPE, DType.I64: torch.int64}  # and the integer values an arena may hold
@@ -398,9 +398,10 @@ class DecodeGraph:
         launch are paid once per `steps` tokens). Returns the ids [batch, steps] (int64, CPU);
         equal to `steps` calls of run(logits='argmax'). Captured once per batch size and steps
         (the first call issues the steps eagerly); a plan with a host prologue (a CPU embedding,
-        which reads the ids on the host) runs one step a launch."""
+        which reads the ids on the host) runs one step a launch, unless the prologue is embedding
+        lookups the GPU can make from the page-locked table (`pinned_copy.gather_rows`)."""
         b = input_ids.shape[0]
-        if steps == 1 or self.prologue or not self.capture:
+        if steps == 1 or not self.capture or self._lookups(b) is None:
             out = []
             for _ in range(steps):
                 input_ids = self.run(input_ids, state, logits="argmax")
@@ -429,6 +430,24 @@ class DecodeGraph:
             self._capture_greedy(bound, state, steps)
         state.position += steps
         return ids
+
+    def _lookups(self, b: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The host prologue as lookups a step can make on the GPU from the ids it computed: (its
+        pinned slot [b, width], the page-locked table) per prologue node; None where a node is not
+        an embedding of the token ids whose table can be page-locked and gathered from."""
+        if b not in self.bound:
+            return None if self.prologue else []  # (a first step binds; greedy runs follow it)
+        bound, out = self.bound[b], []
+        for n in self.prologue:
+            table = self.be.weights.get(node_key(n), {}).get("weight") if n.op == Op.EMBED else None
+            slot = bound.slots.get(n.name)
+            if table is None or slot is None or not pin_tensor(table):
+                return None
+            slot = slot.view(b, -1)
+            if not pinned_copy.can_gather(table, slot):
+                return None
+            out.append((slot, table))
+        return out
 
     def _capture_greedy(self, bound: Bound, state, steps: int) -> None:
         graph = torch.cuda.CUDAGraph()
@@ -534,6 +553,8 @@ class DecodeGraph:
             pinned_copy.copy(bound.greedy[steps][k], ids)
             if k + 1 < steps:
                 pinned_copy.copy(bound.tokens, ids)  # the next step's input, read where the first step's was
+                for slot, table in self._lookups(bound.batch):  # the host prologue's lookups, made here
+                    pinned_copy.gather_rows(slot, table, ids)
         self.current = ""
         return kept, out
 

@@ -15,6 +15,10 @@ earlier step cached, since the CPU writes those buffers between reads), and stor
 the CPU reads the buffer only after a later stream operation says so (a doorbell write or a
 done-flag after the kernel completes, or the host's wait for the step).
 
+`gather_rows(out, table, ids)` gathers rows of a table held in page-locked host memory (an
+embedding the plan keeps on the CPU) by ids on the GPU, so a step that makes its own token ids
+on the GPU looks up their rows without the host (4 KB a row over PCIe).
+
 `copy(dst, src)` falls back to `dst.copy_(src, non_blocking=True)` where Triton is missing, the
 host side is not pinned, either side is not contiguous, or the dtypes or element counts differ
 (a conversion, which a byte copy is not). Unlike a non-blocking `copy_`, the kernel records no
@@ -89,3 +93,37 @@ def copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     n = s.numel()
     kernel[(triton.cdiv(n, _BLOCK),)](s, d, n, from_host=not src.is_cuda, to_host=not dst.is_cuda, block=_BLOCK)
     return dst
+
+
+@functools.cache
+def _gather_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gather_rows(table, ids, out, width, block: tl.constexpr):
+        r = tl.program_id(0)
+        c = tl.program_id(1) * block + tl.arange(0, block)
+        inside = c < width
+        row = tl.load(ids + r).to(tl.int64)
+        v = tl.load(table + row * width + c, mask=inside)
+        tl.store(out + r * width + c, v, mask=inside, cache_modifier=".wt")
+
+    return triton, gather_rows
+
+
+def can_gather(table: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether gather_rows runs for this table (CPU, page-locked, contiguous) into `out` (pinned
+    host or GPU memory, the table's dtype and row width)."""
+    return (_triton("cuda") and not table.is_cuda and table.is_contiguous() and table.is_pinned() and table.dim() == 2
+            and out.dtype == table.dtype and out.is_contiguous() and out.shape[-1] == table.shape[1]
+            and (out.is_cuda or out.is_pinned()))
+
+
+def gather_rows(out: torch.Tensor, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """out[i] <- table[ids[i]] on the current stream: `table` [rows, width] page-locked host memory
+    (`can_gather`), `ids` int64 on the GPU, `out` [len(ids), width]; returns out."""
+    triton, kernel = _gather_kernel()
+    width = table.shape[1]
+    kernel[(ids.numel(), triton.cdiv(width, _BLOCK))](table, ids, out, width, block=_BLOCK)
+    return out

@@ -122,6 +122,20 @@ def pin(op: native.ExpertOp) -> bool:
     return ok
 
 
+def pin_tensor(t: torch.Tensor) -> bool:
+    """Page-lock a contiguous CPU tensor's memory for the GPU (cudaHostRegister; with unified
+    addressing a kernel then reads it at the tensor's own address), once; unregistered when the
+    tensor is freed. Returns False where the driver refused."""
+    address, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    if address in _PINNED:
+        return True
+    if not t.is_contiguous() or t.is_cuda or int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)) != 0:
+        return False
+    _PINNED[address] = nbytes
+    weakref.finalize(t, _unpin, address)
+    return True
+
+
 def _unpin(address: int) -> None:
     if _PINNED.pop(address, None) is not None:
         try:
