@@ -16,8 +16,9 @@ repetitions, mean +- sd), for these variants of one model:
                doorbell (a word the stream writes and the armed native dispatcher polls); `+bell`
                forces the doorbell
   graph+d<k>   the graph with Expert Deferral, k deferred picks per token (and d=auto)
-  graph+run<K> greedy decoding K steps per graph launch (`greedy_steps`: each step's argmax fed to
-               the next on the GPU); combines with +d<k>, e.g. graph+d4+run8
+  graph+run<K> greedy decoding K steps per graph launch (the `greedy_steps` option, default 8: each
+               step's argmax fed to the next on the GPU; graph+run1 is one step per launch); combines
+               with +d<k>, e.g. graph+d4+run1
   graph+onestream  an experiment kept for its RESULTS row: the copy lane issued on the compute
                stream (one stream, a straight-line graph)
 
