@@ -702,7 +702,8 @@ def main() -> int:
                 row[f"prefill_{p}_tok_s"], row[f"prefill_{p}_sd"] = round(m, 1), round(sd, 1)
                 print(f"  {v:12s} prefill {p:5d}: {m:9.1f} +- {sd:6.1f} tok/s", flush=True)
         if v != "cpu":
-            decode_run(c, vocab, 4, seed=99)  # capture (graph variants) and warm
+            # capture (graph variants: a greedy run's graph too) and warm
+            decode_run(c, vocab, max(4, 2 * c.plans.options.greedy_steps), seed=99)
         if a.host_profile and v.startswith("graph"):
             host_profile(c, vocab)
         torch.cuda.reset_peak_memory_stats()
