@@ -24,7 +24,7 @@ from .memory import (activation_peak, gpu_activation_peak, gpu_workspace_bytes, 
 from .passes import PIPELINE, PassTimer, default_instruments, edit_pipeline, pass_id, run_pipeline
 from .passes.schedule import steps_of
 from .plan import MemoryEstimate, ModelInfo, Plan, PlanFile
-from .runtime.execute import execute  # noqa: F401 (the public API's execute)
+from .runtime.execute import decode_greedy, execute  # noqa: F401 (the public API's execute and greedy runs)
 from .runtime.executor import Executor
 from .runtime.generate import generate_with_stats
 from .weights import TORCH_DTYPE

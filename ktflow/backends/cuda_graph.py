@@ -32,6 +32,12 @@ replay it: one graph launch per token. KV caches are static: one set per batch s
 backend and lent to the sequence that prefilled last. Prefill plans run through
 backends.prefill_runner: issued on the same lanes, not captured (prompts vary in length).
 
+Greedy runs (`DecodeGraph.run_greedy`): K decode steps issued one after another and captured as
+one graph per batch size and K; each step's argmax goes into the pinned token ids the next step
+reads (and its row of the run's pinned ids), the position advances on the GPU, and the ring is
+armed K times before the launch. A host prologue of embedding lookups is made on the GPU for the
+steps after the first, from the page-locked table; any other prologue runs one step a launch.
+
 CPU threads: the native pool's pinned workers spin between tasks, so they get every CPU but two
 (the Python thread, and the driver's host-function thread that runs host-node submits; the
 Python thread is confined to those two, `keep_off_workers`, and the pool's dispatcher pinned to
