@@ -2,6 +2,7 @@
 // AMX/AVX-512 crossover, and NUMA-local allocation through libnuma loaded at run time.
 #include <cpuid.h>
 #include <dlfcn.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -205,15 +206,36 @@ void free_on_node(void* p, size_t bytes, int node) {
     std::free(p);
 }
 
+namespace {
+
+constexpr size_t HUGE_PAGE = size_t(2) << 20;
+
+// Ask for transparent huge pages over an arena of at least one huge page (KTFLOW_HUGEPAGES=0: no):
+// a decode step streams every routed expert's bytes once, and with 4 KiB pages each page of the
+// stream costs a TLB walk and stops the hardware prefetcher at its edge.
+void advise_huge(void* p, size_t bytes) {
+  static const bool on = [] {
+    const char* v = std::getenv("KTFLOW_HUGEPAGES");
+    return !(v && v[0] == '0');
+  }();
+  if (on && bytes >= HUGE_PAGE) madvise(p, bytes, MADV_HUGEPAGE);  // advice only: refused is fine
+}
+
+}  // namespace
+
 void* alloc_pages_on_node(size_t bytes, int node) {
   bytes = round_up(std::max<size_t>(bytes, 1), 4096);
   if (node >= 0 && libnuma().alloc_onnode) {  // numa_alloc_onnode maps whole pages
     void* p = libnuma().alloc_onnode(bytes, node);
     if (!p) throw std::bad_alloc();
+    advise_huge(p, bytes);
     return p;
   }
-  void* p = std::aligned_alloc(4096, bytes);
+  // huge-page aligned where the arena spans huge pages, so that every one of them can be one
+  const size_t align = bytes >= HUGE_PAGE ? HUGE_PAGE : 4096;
+  void* p = std::aligned_alloc(align, round_up(bytes, align));
   if (!p) throw std::bad_alloc();
+  advise_huge(p, bytes);
   return p;
 }
 
