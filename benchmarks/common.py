@@ -35,7 +35,8 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return dict(machine=platform.node(), cpu=cpu)
+    # whether the native expert arenas asked for transparent huge pages (KTFLOW_HUGEPAGES=0: not)
+    return dict(machine=platform.node(), cpu=cpu, hugepages=os.environ.get("KTFLOW_HUGEPAGES", "1") != "0")
 
 
 def append_jsonl(path: str | Path, rows: list[dict]) -> None:
