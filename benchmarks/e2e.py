@@ -54,7 +54,8 @@ as full V2 and refuses it), with 8-bit experts on both sides so the checkpoint a
 block scales and quantization_config), which ktflow loads as published; its experts are packed in
 `--expert-format`.
 
-`--calibrate` fits the hardware profile to the first graph variant's replayed steps
+`--calibrate` fits the hardware profile to the first graph variant run one step a launch
+(`graph+run1`: its replayed steps are timed one by one; a greedy run's are not)
 (`ktflow.calibrate.fit_replayed`) and prints every variant's prediction with it beside its
 measured step: out of sample for the variants after the first (deferral, another format).
 A `graph+dauto` variant after the fit compiles with the fitted profile, so its choice is the
@@ -220,6 +221,7 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
     bound = getattr(runner, "bound", {}).get(nxt.shape[0])
     host = []  # per step: replay called, replay returned, wait returned (graph variants)
     run = compiled.plans.options.greedy_steps  # steps per call (a +run<K> variant: one launch per K)
+    run = run if new >= run else 1
     if run == 1 and bound is not None and bound.graph is not None:
         bound.graph, runner._wait = _Stamped(bound.graph, host, now), _stamped_wait(runner._wait, host, now)
     t0 = time.perf_counter_ns()

@@ -423,6 +423,8 @@ def _check_fits(pf: PlanFile, runnable: bool) -> None:
 def generate(compiled: Compiled, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, seed: int | None = None, eos_token_id: int | list[int] | None = None) -> torch.Tensor:
     """Prompt + up to `max_new_tokens` generated tokens per row, [batch, prompt + new] (greedy when
-    temperature is 0; rows that reach an eos token are padded with it until all rows have)."""
+    temperature is 0; rows that reach an eos token are padded with it until all rows have).
+    Greedy decoding runs `greedy_steps` steps per call of the decode plan (`decode_greedy`: one
+    graph launch on the cuda_graph backend); the ids are those of one step at a time."""
     return generate_with_stats(compiled, input_ids, max_new_tokens, temperature=temperature, top_p=top_p,
                                seed=seed, eos_token_id=eos_token_id)[0]

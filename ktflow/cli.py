@@ -314,7 +314,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
     print(compiled.summary(), end="")
     ids = torch.randint(0, model.config.vocab_size, (1, a.prompt_tokens), generator=torch.Generator().manual_seed(0))
     _print_ready(compiled)
-    ktflow.generate(compiled, ids[:, :4], 2)  # warm-up: first-call costs stay out of the timings below
+    # warm-up: first-call costs (a greedy run's capture too) stay out of the timings below
+    ktflow.generate(compiled, ids[:, :4], 2 + compiled.plans.options.greedy_steps)
     out, st = generate_with_stats(compiled, ids, a.max_new_tokens)
     _print_generation(ids, out, st, note="  (random weights: the tokens mean nothing)")
     return 0

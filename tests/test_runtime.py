@@ -121,6 +121,21 @@ def test_greedy_steps_per_call_change_nothing_generated(demo_dir, backend):
     assert torch.equal(ktflow.generate(one, p, 11, eos_token_id=eos), ktflow.generate(four, p, 11, eos_token_id=eos))
 
 
+def test_greedy_runs_leave_a_callers_state_at_the_last_token(demo_dir):
+    """A caller's own state, continued by generate with an end-of-sequence token, holds exactly the
+    tokens returned (greedy runs, which may go past the token, are not used for it)."""
+    from ktflow.runtime.generate import generate_with_stats
+
+    model = ktflow.load(demo_dir)
+    one, four = (ktflow.compile(model, hw="cpu", max_seq_len=32, dtype="float32", greedy_steps=k) for k in (1, 4))
+    p = ids([5, 6, 7])
+    eos = int(ktflow.generate(one, p, 11)[0, 8])
+    _, st = ktflow.execute(four, p[:, :1])
+    out, _ = generate_with_stats(four, p[:, 1:], 11, eos_token_id=eos, state=st)
+    assert int(out[0, -1]) == eos and out.shape[1] < 2 + 11
+    assert st.position == 1 + out.shape[1] - 1  # every token but the last was fed
+
+
 def test_sampling_is_reproducible_with_a_seed(compiled):
     p = ids([7, 8, 9])
     a = ktflow.generate(compiled, p, 6, temperature=1.5, seed=11)

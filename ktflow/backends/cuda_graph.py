@@ -314,6 +314,7 @@ class DecodeGraph:
         self.driver = be.driver
         self.bound: dict[int, Bound] = {}  # batch -> its binding over the backend's static caches
         self.ragged: dict[tuple, Bound] = {}  # (batch, the caches' addresses) -> a ragged step's binding
+        self.lookups: dict[int, list | None] = {}  # batch -> a greedy run's lookups (`_lookups`)
         self.capture = True  # False: every step eager on the streams (same issue order, no graph)
         self.current = ""  # the node being issued (named in out-of-memory errors)
         self.prologue = host_prologue(self.g, be, "inside a CUDA graph")
@@ -416,6 +417,7 @@ class DecodeGraph:
         bound = self._bound_for(state, b, False)
         bound.tokens.copy_(input_ids.reshape(-1))
         bound.position[0] = state.position
+        self._run_prologue(bound, state)  # the first step's lookups on the host; the later steps' on the GPU
         if steps not in bound.greedy:
             bound.greedy[steps] = torch.zeros(steps, b, dtype=torch.int64, pin_memory=True)
         if bound.ring is not None:
@@ -443,14 +445,22 @@ class DecodeGraph:
         an embedding of the token ids whose table can be page-locked and gathered from."""
         if b not in self.bound:
             return None if self.prologue else []  # (a first step binds; greedy runs follow it)
-        bound, out = self.bound[b], []
+        if b not in self.lookups:
+            self.lookups[b] = self._find_lookups(self.bound[b], b)
+        return self.lookups[b]
+
+    def _find_lookups(self, bound: Bound, b: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        out = []
         for n in self.prologue:
             table = self.be.weights.get(node_key(n), {}).get("weight") if n.op == Op.EMBED else None
             slot = bound.slots.get(n.name)
-            if table is None or slot is None or not pin_tensor(table):
+            if table is None or slot is None:
                 return None
             slot = slot.view(b, -1)
-            if not pinned_copy.can_gather(table, slot):
+            # the kernel's other conditions first: page-locking a table that then is not gathered from
+            # would cost its registration (and, for a private mapping, a copy of every page)
+            if not (pinned_copy.can_gather(table, slot, pinned=False) and pin_tensor(table)
+                    and pinned_copy.can_gather(table, slot)):
                 return None
             out.append((slot, table))
         return out

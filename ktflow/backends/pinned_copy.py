@@ -112,12 +112,13 @@ def _gather_kernel():
     return triton, gather_rows
 
 
-def can_gather(table: torch.Tensor, out: torch.Tensor) -> bool:
+def can_gather(table: torch.Tensor, out: torch.Tensor, pinned: bool = True) -> bool:
     """Whether gather_rows runs for this table (CPU, page-locked, contiguous) into `out` (pinned
-    host or GPU memory, the table's dtype and row width)."""
-    return (_triton("cuda") and not table.is_cuda and table.is_contiguous() and table.is_pinned() and table.dim() == 2
-            and out.dtype == table.dtype and out.is_contiguous() and out.shape[-1] == table.shape[1]
-            and (out.is_cuda or out.is_pinned()))
+    host or GPU memory, the table's dtype and row width); pinned=False: everything but the
+    table's page-locking."""
+    return (_triton("cuda") and not table.is_cuda and table.is_contiguous() and (table.is_pinned() or not pinned)
+            and table.dim() == 2 and out.dtype == table.dtype and out.is_contiguous()
+            and out.shape[-1] == table.shape[1] and (out.is_cuda or out.is_pinned()))
 
 
 def gather_rows(out: torch.Tensor, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

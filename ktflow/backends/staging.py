@@ -122,18 +122,53 @@ def pin(op: native.ExpertOp) -> bool:
     return ok
 
 
+#: tables page-locked by `pin_tensor`: address -> (bytes, how many live tensors lean on it). Tensors of
+#: one checkpoint's memory map loaded twice (two compiled plans of one model) are different objects
+#: at one address: the registration ends with the last of them.
+_TABLES: dict[int, list[int]] = {}
+_REFUSED: set[tuple[int, int]] = set()  # (address, bytes) the driver would not register: not asked again
+
+
 def pin_tensor(t: torch.Tensor) -> bool:
     """Page-lock a contiguous CPU tensor's memory for the GPU (cudaHostRegister; with unified
-    addressing a kernel then reads it at the tensor's own address), once; unregistered when the
-    tensor is freed. Returns False where the driver refused."""
-    address, nbytes = t.data_ptr(), t.numel() * t.element_size()
-    if address in _PINNED:
-        return True
-    if not t.is_contiguous() or t.is_cuda or int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)) != 0:
+    addressing a kernel then reads it at the tensor's own address); unregistered when the last
+    tensor over that memory is freed. True where it is (already pinned memory included); False
+    where the driver refused."""
+    if t.is_cuda or not t.is_contiguous():
         return False
-    _PINNED[address] = nbytes
-    weakref.finalize(t, _unpin, address)
+    if t.is_pinned() and t.data_ptr() not in _TABLES:  # allocated pinned, or registered by someone else
+        return True
+    address, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    entry = _TABLES.get(address)
+    if entry is None or entry[0] < nbytes:
+        if (address, nbytes) in _REFUSED or address in _PINNED:
+            return False
+        cudart = torch.cuda.cudart()
+        if entry is not None:  # a shorter registration at this address: widen it
+            cudart.cudaHostUnregister(address)
+        if int(cudart.cudaHostRegister(address, nbytes, 0)) != 0:
+            cudart.cudaGetLastError()  # clear it: torch's next launch check would raise it
+            _REFUSED.add((address, nbytes))
+            _TABLES.pop(address, None)
+            return False
+        entry = _TABLES.setdefault(address, [nbytes, 0])
+        entry[0] = nbytes
+    entry[1] += 1
+    weakref.finalize(t, _release_table, address)
     return True
+
+
+def _release_table(address: int) -> None:
+    entry = _TABLES.get(address)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] <= 0:
+        del _TABLES[address]
+        try:
+            torch.cuda.cudart().cudaHostUnregister(address)
+        except Exception:  # noqa: BLE001 - exiting, or the context is gone: nothing to undo
+            pass
 
 
 def _unpin(address: int) -> None:

@@ -72,8 +72,8 @@ def decode_greedy(compiled, input_ids: torch.Tensor, state: State, steps: int) -
     steps] (int64, CPU); the same as `steps` calls of execute(..., logits='argmax'). A CUDA-graph
     decode plan runs them as one graph launch (the decode plan's `greedy_steps` option is what
     `generate` asks for)."""
-    if not isinstance(steps, int) or steps < 1:
-        raise InputError(f"steps must be an integer >= 1, got {steps!r}")
+    if not isinstance(steps, int) or not 1 <= steps <= 64:  # each K is captured as its own graph: a few, small
+        raise InputError(f"steps must be an integer from 1 to 64, got {steps!r}")
     if state is None or state.position == 0:
         raise InputError("decode_greedy continues a prefilled state: run the prompt with execute first")
     ids = check_ids(compiled, input_ids, state)

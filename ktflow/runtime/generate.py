@@ -61,12 +61,15 @@ def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, 
     greedy = temperature <= 0  # the steps return the next ids (taken on the GPU by a CUDA-graph step)
     mode = "argmax" if greedy else "last"
     t0 = time.perf_counter()
+    own_state = state is None  # generate's own state: steps past an end-of-sequence token harm nothing
     step_out, state = execute(compiled, ids, state, logits=mode)  # next ids [b, 1] (greedy) or logits [b, 1, V]
     t1 = time.perf_counter()
     out = [ids]
     done = torch.zeros(ids.shape[0], dtype=torch.bool)
     steps = 0
-    run = compiled.plans.options.greedy_steps if greedy else 1  # decode steps per call of the decode plan
+    # decode steps per call of the decode plan: a greedy run may go past an end-of-sequence token,
+    # which a caller's own state (continued after this call) must not see
+    run = compiled.plans.options.greedy_steps if greedy and (own_state or not eos) else 1
     ahead: list[torch.Tensor] = []  # greedy ids a multi-step call returned, not yet taken
     from ..progress import bar
 
