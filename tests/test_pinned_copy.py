@@ -57,6 +57,28 @@ def test_replays_read_the_host_values_of_their_time():
         assert torch.equal(host_out, torch.full((1024,), step + 1.0)), step
 
 
+@gpu
+@pytest.mark.parametrize("dtype,width", [(torch.bfloat16, 2048), (torch.float32, 1500)])
+def test_rows_gathered_from_a_page_locked_table_by_ids_on_the_gpu(dtype, width):
+    """gather_rows: an ordinary CPU tensor page-locked by staging.pin_tensor (as an embedding table
+    the plan keeps on the CPU), rows picked by GPU ids, into pinned host memory and into GPU memory."""
+    from ktflow.backends.staging import pin_tensor
+
+    table = torch.randn(3000, width, generator=torch.Generator().manual_seed(width)).to(dtype)
+    ids = torch.tensor([2999, 0, 17, 17, 1234], device="cuda")
+    out_host = torch.zeros(5, width, dtype=dtype).pin_memory()
+    out_dev = torch.zeros(5, width, dtype=dtype, device="cuda")
+    assert pinned_copy.can_gather(table, out_host, pinned=False) and not pinned_copy.can_gather(table, out_host)
+    assert pin_tensor(table) and pin_tensor(table)  # twice: counted, one registration
+    assert pinned_copy.can_gather(table, out_host) and pinned_copy.can_gather(table, out_dev)
+    pinned_copy.gather_rows(out_host, table, ids)
+    pinned_copy.gather_rows(out_dev, table, ids)
+    torch.cuda.synchronize()
+    want = table[ids.cpu()]
+    assert torch.equal(out_host, want) and torch.equal(out_dev.cpu(), want)
+    assert not pinned_copy.can_gather(table, torch.zeros(5, width, dtype=torch.float16).pin_memory())
+
+
 def test_unpinned_or_cpu_only_copies_fall_back_to_copy_():
     a, b = torch.arange(6), torch.zeros(6, dtype=torch.int64)
     assert torch.equal(pinned_copy.copy(b, a), a)
