@@ -457,6 +457,12 @@ class Ring:
             _INFLIGHT.extend(self.batches)
             self.queue.arm(self.id)
 
+    def disarm(self) -> None:
+        """The passes armed on this queue are not coming (the launch that rings them failed): the
+        dispatcher drops them, ends the pass it polls without an error, and sets the done flags of
+        that pass's batches not run, so GPU work already issued does not wait on them."""
+        self.queue.disarm()
+
 
 def sync() -> None:
     """Wait for everything submitted to the process queue; raises the first error a job hit."""

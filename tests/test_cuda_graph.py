@@ -132,6 +132,44 @@ def test_greedy_runs_of_several_steps_a_launch_equal_one_step_a_launch(case, def
     assert torch.equal(torch.cat(got, 1), torch.cat(want, 1))
 
 
+@gpu
+def test_a_step_failing_mid_issue_leaves_the_cpu_side_ready_for_the_next(tiny_dirs, monkeypatch):
+    """A decode step that raises while it is being issued, after its ring was armed and some of its
+    doorbells queued (here: the second wait), disarms the ring: the error is the caller's, and the
+    next steps run at once (no 30-second ring timeout) with the logits of a plan that never failed."""
+    import time
+
+    d, _ = tiny_dirs("qwen3_moe")
+    model = ktflow.load(d)
+    c, ref = hybrid(model), hybrid(model)
+    prompt = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(8))
+    _, s = ktflow.execute(c, prompt)
+    _, sr = ktflow.execute(ref, prompt)
+    runner = c.executor("decode").runner
+    assert runner.be.submit == "doorbell"
+    waits = {"n": 0}
+    real = runner.driver.wait_value
+
+    def second_fails(stream, address, value):
+        waits["n"] += 1
+        if waits["n"] == 2:
+            raise RuntimeError("injected: the second wait fails")
+        return real(stream, address, value)
+
+    monkeypatch.setattr(runner.driver, "wait_value", second_fails)
+    nxt = torch.tensor([[3], [4]])
+    with pytest.raises(RuntimeError, match="injected"):
+        ktflow.execute(c, nxt, s)
+    monkeypatch.setattr(runner.driver, "wait_value", real)
+    t0 = time.monotonic()
+    for t in range(4):
+        tok = torch.tensor([[5 + t], [9 + t]])
+        a, s = ktflow.execute(c, tok, s)
+        b, sr = ktflow.execute(ref, tok, sr)
+        assert (a - b).abs().max() <= 1e-3 * b.abs().max(), t
+    assert time.monotonic() - t0 < 10
+
+
 def test_decode_greedy_refuses_a_run_past_the_cache(demo_dir):
     from ktflow.runtime.execute import decode_greedy
 

@@ -224,3 +224,47 @@ def test_doorbells_submit_an_armed_ring_in_order(op):
             native.sync()
     finally:
         native.queue().set_ring_timeout_ns(30_000_000_000)
+
+
+def test_disarm_ends_a_pass_without_an_error_and_drops_those_armed_after(op):
+    """A step that fails after its ring was armed (three passes for a run of three steps) disarms
+    it: the pass being polled ends at once with its done flags set, the passes after it are
+    dropped, sync raises nothing, and the ring runs normally when armed again."""
+    x = torch.randn(2, 64).bfloat16()
+    ids, wts = routing(2, 8, 2, seed=5)
+    out = torch.zeros(2, 64)
+    bells, flags = torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    batches = []
+    for i in range(2):
+        b = native.Batch()
+        b.add(op, x, ids, wts, out, accumulate=True)
+        b.set_doorbell(bells[i:i + 1])
+        b.set_done_flag(flags[i:i + 1])
+        batches.append(b)
+    ring = native.Ring(batches)
+    for _ in range(3):
+        ring.arm()
+    bells[0] = 1  # the failed step rang its first task only
+    deadline = time.monotonic() + 10
+    while int(flags[0]) != 1:
+        assert time.monotonic() < deadline, "the first task never ran"
+    t0 = time.monotonic()
+    ring.disarm()
+    while int(flags[1]) != 1:
+        assert time.monotonic() - t0 < 5, "the pass did not end at the disarm"
+    native.sync()  # no error: the failure is the caller's to report
+    once = out.clone()
+    flags.zero_()
+    ring.arm()
+    bells[0], bells[1] = 1, 1
+    deadline = time.monotonic() + 10
+    while flags.tolist() != [1, 1]:
+        assert time.monotonic() < deadline, "a dropped pass is still being polled, or the new one never ran"
+    native.sync()
+    assert torch.allclose(out, 3 * once, rtol=1e-3, atol=1e-3) and bells.tolist() == [0, 0]
+    native.queue().set_ring_timeout_ns(50_000_000)
+    try:  # a pass left armed would time out now and fail the sync
+        time.sleep(0.3)
+        native.sync()
+    finally:
+        native.queue().set_ring_timeout_ns(30_000_000_000)

@@ -51,6 +51,7 @@ timestamps for the CPU tasks, and returns it as the plan's steps with measured t
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import weakref
@@ -173,6 +174,7 @@ class Bound:
     #: batches in the order the step rings them
     bells: dict[int, tuple[int, int]]
     ring: native.Ring | None
+    doorbells: torch.Tensor | None  # the ring's pinned doorbell words, one per batch
     next_ids: torch.Tensor  # pinned int64 [batch]: the step's argmax, taken on the GPU (greedy decoding)
     logits: torch.Tensor | None = None  # float32 [batch, vocab] on the GPU: the captured graph's output
     graph: torch.cuda.CUDAGraph | None = None
@@ -339,14 +341,14 @@ class DecodeGraph:
         slots = exchange_slots(g, plan.buffers, arena, b)
         tasks = {n.attrs.task: native_batches(self.be, g, n, slots, self.home) for n in g.nodes if n.op == Op.SUBMIT}
         done_at, flag_at = done_flags(self.driver, tasks)
-        bells, ring = {}, None
+        bells, ring, words = {}, None, None
         if self.be.submit == "doorbell" and self.be.wait == "flag":  # a host wait counts host submits
-            bells, ring = self._doorbells(tasks, flag_at)
+            bells, ring, words = self._doorbells(tasks, flag_at)
         pin = dict(pin_memory=True)
         return Bound(batch=b, tokens=torch.zeros(b, dtype=torch.int64, **pin),
                      position=torch.zeros(positions, dtype=torch.int64, **pin),
                      position_dev=torch.zeros(positions, dtype=torch.int64, device="cuda"), arena=arena, slots=slots,
-                     tasks=tasks, done_at=done_at, bells=bells, ring=ring,
+                     tasks=tasks, done_at=done_at, bells=bells, ring=ring, doorbells=words,
                      next_ids=torch.zeros(b, dtype=torch.int64, **pin))
 
     def _doorbells(self, tasks: dict[str, list[native.Batch]], flag_at: dict[int, int]):
@@ -360,7 +362,7 @@ class DecodeGraph:
         for i, batch in enumerate(order):
             batch.set_doorbell(words[i:i + 1])
             bells[id(batch)] = (flag_at[id(batch)], base + i * words.itemsize)
-        return bells, native.Ring(order)
+        return bells, native.Ring(order), words
 
     # ------------------------------------------------------------------------------ running
     def run(self, input_ids: torch.Tensor, state, trace: bool = False, logits: str = "all",
@@ -381,17 +383,19 @@ class DecodeGraph:
         self._run_prologue(bound, state)
         measured = None
         if trace or not self.capture or bound.graph is None:
-            measured, out = self._eager(bound, state, trace)
+            with self._abandoned_on_failure(bound):
+                measured, out = self._eager(bound, state, trace)
             native.sync()  # raises here if a CPU task failed
             result = self._result(bound, out, logits)
             if self.capture and bound.graph is None and not trace:
                 self._capture(bound, state)
         else:
-            if bound.ring is not None:
-                bound.ring.arm()  # the dispatcher polls the step's doorbells
-            with torch.cuda.stream(self.gpu):  # replay launches on the current stream
-                bound.graph.replay()
-            self._wait()
+            with self._abandoned_on_failure(bound):
+                if bound.ring is not None:
+                    bound.ring.arm()  # the dispatcher polls the step's doorbells
+                with torch.cuda.stream(self.gpu):  # replay launches on the current stream
+                    bound.graph.replay()
+                self._wait()
             native.sync()
             result = self._result(bound, bound.logits, logits)
         if positions is None:
@@ -420,18 +424,19 @@ class DecodeGraph:
         self._run_prologue(bound, state)  # the first step's lookups on the host; the later steps' on the GPU
         if steps not in bound.greedy:
             bound.greedy[steps] = torch.zeros(steps, b, dtype=torch.int64, pin_memory=True)
-        if bound.ring is not None:
-            for _ in range(steps):
-                bound.ring.arm()  # one pass of the ring per step, polled in order
         graph = bound.greedy_graphs.get(steps)
-        if graph is None:
-            self.gpu.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.gpu):
-                self._issue(bound, state, None, steps)
-        else:
-            with torch.cuda.stream(self.gpu):
-                graph.replay()
-        self._wait()
+        with self._abandoned_on_failure(bound):
+            if bound.ring is not None:
+                for _ in range(steps):
+                    bound.ring.arm()  # one pass of the ring per step, polled in order
+            if graph is None:
+                self.gpu.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.gpu):
+                    self._issue(bound, state, None, steps)
+            else:
+                with torch.cuda.stream(self.gpu):
+                    graph.replay()
+            self._wait()
         native.sync()
         ids = bound.greedy[steps].clone().T.contiguous()
         if graph is None:
@@ -519,6 +524,26 @@ class DecodeGraph:
             _, out = self._issue(bound, state, timer)
         self._wait()
         return (timer.steps(bound) if timer else None), out
+
+    @contextlib.contextmanager
+    def _abandoned_on_failure(self, bound: Bound):
+        """Around arming a step's ring and issuing or launching what rings it: on a failure there
+        (a rule raising mid-issue, a launch or the wait failing) the passes armed are not all
+        coming. The dispatcher is told so (it drops them and releases the done flags of the pass
+        it polls), the GPU work already issued drains, and the doorbells it may have rung after
+        the dispatcher stopped looking are cleared, so the next step's pass starts clean."""
+        try:
+            yield
+        except BaseException:
+            if bound.ring is not None:
+                bound.ring.disarm()
+                try:
+                    torch.cuda.synchronize()
+                    native.sync()
+                except Exception:  # noqa: BLE001 - the failure being raised is the one to report
+                    pass
+                bound.doorbells.zero_()
+            raise
 
     def _wait(self) -> None:
         self.done.record(self.gpu)

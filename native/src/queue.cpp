@@ -64,6 +64,13 @@ void Queue::arm(int ring) {
   pool_->wake();
 }
 
+void Queue::disarm() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  armed_.clear();
+  armed_count_.store(0, std::memory_order_release);
+  disarmed_.fetch_add(1, std::memory_order_acq_rel);
+}
+
 void Queue::wait() {
   std::unique_lock<std::mutex> lock(mutex_);
   idle_.wait(lock, [&] { return in_flight_ == 0; });
@@ -111,6 +118,7 @@ void Queue::dispatch() {
     }
     Batch* b = nullptr;
     int ring = -1;
+    uint64_t armed_at = 0;  // disarm() calls before the pass was taken (a later one ends it)
     {
       std::unique_lock<std::mutex> lock(mutex_);
       work_.wait(lock, [&] { return stop_ || !pending_.empty() || !armed_.empty(); });
@@ -119,7 +127,10 @@ void Queue::dispatch() {
         pending_.pop_front();
         pending_count_.fetch_sub(1, std::memory_order_relaxed);
       } else if (!armed_.empty()) {
-        ring = armed_.front();
+        ring = armed_.front();  // taken now: a disarm() while it runs drops only the passes after it
+        armed_at = disarmed_.load(std::memory_order_acquire);
+        armed_.pop_front();
+        armed_count_.fetch_sub(1, std::memory_order_relaxed);
       } else {
         return;  // stopping, and everything submitted has run
       }
@@ -128,10 +139,7 @@ void Queue::dispatch() {
       run(b);
       continue;
     }
-    run_ring(ring);
-    std::lock_guard<std::mutex> lock(mutex_);
-    armed_.pop_front();
-    armed_count_.fetch_sub(1, std::memory_order_relaxed);
+    run_ring(ring, armed_at);
   }
 }
 
@@ -155,22 +163,27 @@ void Queue::run(Batch* b) {
   idle_.notify_all();
 }
 
-void Queue::run_ring(int ring) {
+void Queue::run_ring(int ring, uint64_t armed_at) {
   const std::vector<Batch*>& batches = rings_[ring];  // rings are only appended to: the reference stays valid
   for (size_t i = 0; i < batches.size(); ++i) {
     Batch* b = batches[i];
     const int64_t t0 = now_ns();
-    bool rung = true;
+    bool rung = true, dropped = false;
     for (int spins = 0; b->doorbell->load(std::memory_order_acquire) == 0; ++spins) {
       _mm_pause();
+      if (spins % 1024 == 0 && disarmed_.load(std::memory_order_acquire) != armed_at) {
+        rung = false;
+        dropped = true;
+        break;
+      }
       if (spins % 1024 == 0 && (stopping_.load(std::memory_order_relaxed) || now_ns() - t0 > ring_timeout_ns_)) {
         rung = false;
         break;
       }
     }
-    if (!rung) {  // release a GPU waiting on the rest, and say why at the next sync
+    if (!rung) {  // release a GPU waiting on the rest, and (unless disarmed) say why at the next sync
       std::lock_guard<std::mutex> lock(mutex_);
-      if (!error_)
+      if (!error_ && !dropped)
         error_ = std::make_exception_ptr(std::runtime_error(
             "a GPU step did not ring CPU task " + std::to_string(i) + " of " + std::to_string(batches.size()) +
             " within " + std::to_string(ring_timeout_ns_ / 1'000'000) + " ms (the step failed or was never launched)"));

@@ -70,6 +70,10 @@ class Queue {
   void wait_batch(const Batch* b);  // waits until every submission of b has run (not later batches)
   int add_ring(std::vector<Batch*> ring);  // batches with doorbells, in ringing order; returns its id
   void arm(int ring);                      // one pass of that ring is coming: poll its doorbells
+  // The passes armed are not coming (the host failed to launch what rings them): drop those not
+  // started, end the one being polled at its next doorbell without an error, and set the done
+  // flags of its batches not run, so nothing waits on them
+  void disarm();
   void set_ring_timeout_ns(int64_t ns) { ring_timeout_ns_ = ns; }
   ThreadPool& pool() { return *pool_; }
   std::vector<BatchRecord> take_records();  // run times since the last call
@@ -78,7 +82,7 @@ class Queue {
  private:
   void dispatch();
   void run(Batch* b);        // runs a submitted batch, records it, sets its done flag
-  void run_ring(int ring);   // one armed pass over a ring's doorbells
+  void run_ring(int ring, uint64_t armed_at);  // one armed pass over a ring's doorbells (armed_at: see disarm)
   std::shared_ptr<ThreadPool> pool_;
   std::mutex mutex_;
   std::condition_variable work_, idle_;
@@ -88,6 +92,7 @@ class Queue {
   std::deque<int> armed_;                // rings armed, in order
   std::atomic<int> armed_count_{0};      // armed_.size(), read like pending_count_
   std::atomic<bool> stopping_{false};
+  std::atomic<uint64_t> disarmed_{0};    // counts disarm() calls: a pass polled across one ends
   int64_t ring_timeout_ns_ = 30'000'000'000;  // 30 s
   int in_flight_ = 0;
   bool stop_ = false;
