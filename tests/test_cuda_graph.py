@@ -169,6 +169,29 @@ def test_a_step_failing_mid_issue_leaves_the_cpu_side_ready_for_the_next(tiny_di
         assert (a - b).abs().max() <= 1e-3 * b.abs().max(), t
     assert time.monotonic() - t0 < 10
 
+    # a greedy run of 4 steps failing in its second step: the first step has cleared, rung and
+    # waited on every flag once, the second clears them again before it fails
+    from ktflow.runtime.execute import decode_greedy
+
+    bound = runner.bound[2]
+    per_step = sum(1 for st in c.decode.steps  # the waits a step issues: its syncs of tasks with batches
+                   if st.kind == "sync" and bound.tasks[c.decode.ir.by_name(st.node).inputs[1]])
+    waits["n"] = -per_step - 1  # the failure comes at the second step's second wait
+
+    def later_fails(stream, address, value):
+        waits["n"] += 1
+        if waits["n"] == 2:
+            raise RuntimeError("injected: a wait of the run's second step fails")
+        return real(stream, address, value)
+
+    monkeypatch.setattr(runner.driver, "wait_value", later_fails)
+    with pytest.raises(RuntimeError, match="second step fails"):
+        decode_greedy(c, torch.tensor([[1], [2]]), s, 4)
+    monkeypatch.setattr(runner.driver, "wait_value", real)
+    t0 = time.monotonic()
+    assert torch.equal(decode_greedy(c, torch.tensor([[1], [2]]), s, 4), decode_greedy(ref, torch.tensor([[1], [2]]), sr, 4))
+    assert time.monotonic() - t0 < 10
+
 
 def test_decode_greedy_refuses_a_run_past_the_cache(demo_dir):
     from ktflow.runtime.execute import decode_greedy

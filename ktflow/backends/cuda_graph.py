@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -175,6 +176,7 @@ class Bound:
     bells: dict[int, tuple[int, int]]
     ring: native.Ring | None
     doorbells: torch.Tensor | None  # the ring's pinned doorbell words, one per batch
+    done_words: torch.Tensor  # every batch's pinned done flag
     next_ids: torch.Tensor  # pinned int64 [batch]: the step's argmax, taken on the GPU (greedy decoding)
     logits: torch.Tensor | None = None  # float32 [batch, vocab] on the GPU: the captured graph's output
     graph: torch.cuda.CUDAGraph | None = None
@@ -340,7 +342,7 @@ class DecodeGraph:
         arena = torch.zeros(max(plan.arena_bytes(b).get("pinned", 0), 1), dtype=torch.uint8, pin_memory=True)
         slots = exchange_slots(g, plan.buffers, arena, b)
         tasks = {n.attrs.task: native_batches(self.be, g, n, slots, self.home) for n in g.nodes if n.op == Op.SUBMIT}
-        done_at, flag_at = done_flags(self.driver, tasks)
+        done_at, flag_at, flags = done_flags(self.driver, tasks)
         bells, ring, words = {}, None, None
         if self.be.submit == "doorbell" and self.be.wait == "flag":  # a host wait counts host submits
             bells, ring, words = self._doorbells(tasks, flag_at)
@@ -348,7 +350,7 @@ class DecodeGraph:
         return Bound(batch=b, tokens=torch.zeros(b, dtype=torch.int64, **pin),
                      position=torch.zeros(positions, dtype=torch.int64, **pin),
                      position_dev=torch.zeros(positions, dtype=torch.int64, device="cuda"), arena=arena, slots=slots,
-                     tasks=tasks, done_at=done_at, bells=bells, ring=ring, doorbells=words,
+                     tasks=tasks, done_at=done_at, bells=bells, ring=ring, doorbells=words, done_words=flags,
                      next_ids=torch.zeros(b, dtype=torch.int64, **pin))
 
     def _doorbells(self, tasks: dict[str, list[native.Batch]], flag_at: dict[int, int]):
@@ -530,15 +532,20 @@ class DecodeGraph:
         """Around arming a step's ring and issuing or launching what rings it: on a failure there
         (a rule raising mid-issue, a launch or the wait failing) the passes armed are not all
         coming. The dispatcher is told so (it drops them and releases the done flags of the pass
-        it polls), the GPU work already issued drains, and the doorbells it may have rung after
-        the dispatcher stopped looking are cleared, so the next step's pass starts clean."""
+        it polls); the GPU work already issued drains, its waits released from the host (a later
+        step of a greedy run clears a flag again before it waits: the flags are set until the
+        streams are idle, 10 s at most); the doorbells it rang after the dispatcher stopped
+        looking are cleared, so the next step's pass starts clean."""
         try:
             yield
         except BaseException:
             if bound.ring is not None:
                 bound.ring.disarm()
                 try:
-                    torch.cuda.synchronize()
+                    deadline = time.monotonic() + 10
+                    while not (self.gpu.query() and self.copy.query()) and time.monotonic() < deadline:
+                        bound.done_words.fill_(1)
+                        time.sleep(50e-6)
                     native.sync()
                 except Exception:  # noqa: BLE001 - the failure being raised is the one to report
                     pass
@@ -735,10 +742,11 @@ def native_batches(be, g: Graph, sub: Node, slots: dict, home: dict[str, str],
     return batches
 
 
-def done_flags(driver: Driver, tasks: dict[str, list[native.Batch]]) -> tuple[dict[str, int], dict[int, int]]:
+def done_flags(driver: Driver,
+               tasks: dict[str, list[native.Batch]]) -> tuple[dict[str, int], dict[int, int], torch.Tensor]:
     """A pinned done flag per native batch (the batch keeps it alive); returns the device address
-    of each task's last batch's flag (a sync waits on it: shards run in order) and of every
-    batch's flag, by id(batch)."""
+    of each task's last batch's flag (a sync waits on it: shards run in order), of every batch's
+    flag, by id(batch), and the flags' pinned words."""
     flags = torch.zeros(max(sum(map(len, tasks.values())), 1), dtype=torch.int32, pin_memory=True)
     base = driver.device_address(flags)
     done_at, flag_at = {}, {}
@@ -748,7 +756,7 @@ def done_flags(driver: Driver, tasks: dict[str, list[native.Batch]]) -> tuple[di
             flag_at[id(batch)] = base + len(flag_at) * flags.itemsize
         if batches:
             done_at[root] = flag_at[id(batches[-1])]
-    return done_at, flag_at
+    return done_at, flag_at, flags
 
 
 class _Timer:

@@ -108,7 +108,7 @@ class PrefillRunner:
         tokens = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         tasks = {n.attrs.task: native_batches(be, g, n, slots, self.home, tokens=tokens)
                  for n in g.nodes if n.op == Op.SUBMIT}
-        done_at, _ = done_flags(be.driver, tasks)
+        done_at, _, _ = done_flags(be.driver, tasks)
         staged, landing = {}, 0
         for value, buf in plan.buffers.items():
             if buf.arena == "staging":
