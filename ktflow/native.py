@@ -458,9 +458,10 @@ class Ring:
             self.queue.arm(self.id)
 
     def disarm(self) -> None:
-        """The passes armed on this queue are not coming (the launch that rings them failed): the
-        dispatcher drops them, ends the pass it polls without an error, and sets the done flags of
-        that pass's batches not run, so GPU work already issued does not wait on them."""
+        """The passes armed on this queue (every ring's) are not coming (the launch that rings
+        them failed): the dispatcher drops them, ends the pass it polls without an error before
+        its next batch, and sets the done flags of that pass's batches not run. Returns once that
+        pass has ended; doorbells rung after it are never run (the caller clears them)."""
         self.queue.disarm()
 
 

@@ -140,19 +140,17 @@ def pin_tensor(t: torch.Tensor) -> bool:
         return True
     address, nbytes = t.data_ptr(), t.numel() * t.element_size()
     entry = _TABLES.get(address)
-    if entry is None or entry[0] < nbytes:
-        if (address, nbytes) in _REFUSED or address in _PINNED:
+    if entry is not None and entry[0] < nbytes:
+        return False  # a shorter registration others lean on: not widened under them
+    if entry is None:
+        if (address, nbytes) in _REFUSED:
             return False
         cudart = torch.cuda.cudart()
-        if entry is not None:  # a shorter registration at this address: widen it
-            cudart.cudaHostUnregister(address)
         if int(cudart.cudaHostRegister(address, nbytes, 0)) != 0:
             cudart.cudaGetLastError()  # clear it: torch's next launch check would raise it
             _REFUSED.add((address, nbytes))
-            _TABLES.pop(address, None)
             return False
-        entry = _TABLES.setdefault(address, [nbytes, 0])
-        entry[0] = nbytes
+        entry = _TABLES[address] = [nbytes, 0]
     entry[1] += 1
     weakref.finalize(t, _release_table, address)
     return True

@@ -369,8 +369,11 @@ PYBIND11_MODULE(_native, m) {
         return q.add_ring(std::move(raw));
       }, "register batches with doorbells, in the order a GPU step rings them; returns the ring's id")
       .def("arm", &Queue::arm, "one pass of the ring is coming: the dispatcher polls its doorbells in order")
-      .def("disarm", &Queue::disarm, "the armed passes are not coming: drop them, end the one being polled "
-           "without an error and release its done flags")
+      .def("disarm", [](Queue& q) {
+        py::gil_scoped_release nogil;
+        q.disarm();
+      }, "the armed passes are not coming: drop them, end the one being polled without an error, release its "
+         "done flags; returns once it has ended")
       .def("set_ring_timeout_ns", &Queue::set_ring_timeout_ns)
       .def("set_recording", &Queue::set_recording)
       .def("take_records", [](Queue& q) {

@@ -65,10 +65,11 @@ void Queue::arm(int ring) {
 }
 
 void Queue::disarm() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
   armed_.clear();
   armed_count_.store(0, std::memory_order_release);
   disarmed_.fetch_add(1, std::memory_order_acq_rel);
+  idle_.wait(lock, [&] { return !in_ring_; });  // the pass being polled has ended: no batch of it runs later
 }
 
 void Queue::wait() {
@@ -131,6 +132,7 @@ void Queue::dispatch() {
         armed_at = disarmed_.load(std::memory_order_acquire);
         armed_.pop_front();
         armed_count_.fetch_sub(1, std::memory_order_relaxed);
+        in_ring_ = true;
       } else {
         return;  // stopping, and everything submitted has run
       }
@@ -140,6 +142,11 @@ void Queue::dispatch() {
       continue;
     }
     run_ring(ring, armed_at);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      in_ring_ = false;
+    }
+    idle_.notify_all();
   }
 }
 
@@ -168,8 +175,9 @@ void Queue::run_ring(int ring, uint64_t armed_at) {
   for (size_t i = 0; i < batches.size(); ++i) {
     Batch* b = batches[i];
     const int64_t t0 = now_ns();
-    bool rung = true, dropped = false;
-    for (int spins = 0; b->doorbell->load(std::memory_order_acquire) == 0; ++spins) {
+    // disarmed: no batch of the pass runs from here, rung or not
+    bool dropped = disarmed_.load(std::memory_order_acquire) != armed_at, rung = !dropped;
+    for (int spins = 0; rung && b->doorbell->load(std::memory_order_acquire) == 0; ++spins) {
       _mm_pause();
       if (spins % 1024 == 0 && disarmed_.load(std::memory_order_acquire) != armed_at) {
         rung = false;

@@ -71,8 +71,10 @@ class Queue {
   int add_ring(std::vector<Batch*> ring);  // batches with doorbells, in ringing order; returns its id
   void arm(int ring);                      // one pass of that ring is coming: poll its doorbells
   // The passes armed are not coming (the host failed to launch what rings them): drop those not
-  // started, end the one being polled at its next doorbell without an error, and set the done
-  // flags of its batches not run, so nothing waits on them
+  // started, end the one being polled before its next batch (rung or not) without an error, and
+  // set the done flags of its batches not run. Returns once that pass has ended: no batch of the
+  // abandoned passes runs after it (the caller then clears the doorbells a GPU may still ring).
+  // Every ring of this queue is disarmed.
   void disarm();
   void set_ring_timeout_ns(int64_t ns) { ring_timeout_ns_ = ns; }
   ThreadPool& pool() { return *pool_; }
@@ -93,6 +95,7 @@ class Queue {
   std::atomic<int> armed_count_{0};      // armed_.size(), read like pending_count_
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> disarmed_{0};    // counts disarm() calls: a pass polled across one ends
+  bool in_ring_ = false;                 // the dispatcher is in a pass (mutex_; disarm waits for it to end)
   int64_t ring_timeout_ns_ = 30'000'000'000;  // 30 s
   int in_flight_ = 0;
   bool stop_ = false;
