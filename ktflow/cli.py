@@ -69,6 +69,10 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                    "activations and staging fit the GPU)")
     g.add_argument("--staging-slots", type=int, default=2,
                    help="GPU staging slots for streamed experts (2 or more: the next layer's copy overlaps this one)")
+    g.add_argument("--greedy-steps", type=int, default=8, metavar="K",
+                   help="greedy decoding runs K steps per call of the decode plan: one CUDA graph launch for K "
+                   "tokens on the cuda_graph backend, each step's argmax fed to the next on the GPU (up to K - 1 "
+                   "steps past an end-of-sequence token are dropped); 1: a launch per token (default 8)")
     g.add_argument("--pass", dest="passes", action="append", default=[], metavar="MODULE:FN[@WHERE=PASS]",
                    help="add a pass of your own, a function (Graph, CompileContext) -> Graph, from an importable "
                    "module or a FILE.py: after=, before= or replace= a pass of the pipeline (default: before=lower); "
@@ -85,7 +89,7 @@ def _options(a: argparse.Namespace) -> dict:
                 expert_format=a.expert_format, fp8_on_gpu=a.fp8_on_gpu,
                 placement=a.placement, vram_budget_gb=a.vram_budget_gb, numa=a.numa, numa_nodes=a.numa_nodes,
                 prefill_experts=a.prefill_experts, prefill_chunk=a.prefill_chunk, staging_slots=a.staging_slots,
-                allow_oversize=a.allow_oversize)
+                greedy_steps=a.greedy_steps, allow_oversize=a.allow_oversize)
     if a.prefill_buckets:
         from ktflow.errors import ConfigError
 

@@ -35,6 +35,15 @@ def test_compile_inspect_run(demo_dir, tmp_path):
     assert len(gen) == 5 and "decode:" in r.stdout and "tokens/s" in r.stdout
 
 
+def test_greedy_steps_reach_the_plan_and_a_bad_value_is_one_line(demo_dir, tmp_path):
+    plan = tmp_path / "plan.json"
+    r = ktflow("compile", demo_dir, "-o", plan, "--hw", "cpu", "--max-seq-len", 64, "--greedy-steps", 3)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(plan.read_text())["options"]["greedy_steps"] == 3
+    r = ktflow("compile", demo_dir, "--hw", "cpu", "--max-seq-len", 64, "--greedy-steps", 0)
+    assert r.returncode == 2 and "greedy_steps" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
 def test_run_trace_writes_the_measured_steps_beside_the_predicted_format(demo_dir, tmp_path):
     """`run --trace`: the prompt step and the first decode step, every plan step with a
     measured time, as the Chrome trace `compile --trace` writes (here on the CPU, a hybrid plan
