@@ -300,3 +300,20 @@ def test_disarm_returns_only_when_no_batch_of_the_ring_can_run_any_more(op):
         time.sleep(0.03)
         assert all(torch.equal(o, c) for o, c in zip(outs, seen[0])) and torch.equal(flags, seen[1]), trial
         native.sync()
+
+
+def test_an_idle_queue_and_pool_use_no_cpu(op):
+    """After work, the dispatcher and the pool's workers spin briefly, then sleep: a loaded model
+    with no requests costs (near) no CPU time."""
+    x = torch.randn(4, 64).bfloat16()
+    ids, wts = routing(4, 8, 2, seed=7)
+    b = native.Batch()
+    b.add(op, x, ids, wts, torch.zeros(4, 64))
+    for _ in range(20):
+        b.submit()
+    native.sync()
+    time.sleep(0.3)  # past every spin
+    t0, c0 = time.monotonic(), time.process_time()
+    time.sleep(0.5)
+    busy = (time.process_time() - c0) / (time.monotonic() - t0)
+    assert busy < 0.05, f"idle process used {busy:.0%} of a core"
