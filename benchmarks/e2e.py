@@ -720,6 +720,9 @@ def main() -> int:
             print(f"  {v}: {row['defer_cause']}", flush=True)
         if a.calibrate and replayed is not None:
             calibrated = calibrated_prediction(model, opts, plan, replayed, hw, calibrated, row)
+        elif a.calibrate and calibrated is None and v.startswith("graph"):
+            print(f"  calibrate: {v} runs {c.plans.options.greedy_steps} steps a launch, whose steps are not timed "
+                  "one by one; put graph+run1 first to fit from it", flush=True)
         layers = [t for t in layer_times(plan) if t.layer is not None]
         predicted_layer = statistics.mean(t.span_us for t in layers)
         bpt = expert_bytes_per_token(plan, fmt)
