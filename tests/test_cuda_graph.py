@@ -98,8 +98,9 @@ def embed_on_cpu(g, ctx):
 
 
 @gpu
-@pytest.mark.parametrize("case,defer,embed_cpu", [("qwen3_moe", None, False), ("qwen3_moe", 1, False),
-                                                  ("deepseek_v3", 1, False), ("qwen3_moe", None, True)])
+@pytest.mark.parametrize("case,defer,embed_cpu", [*((f, None, False) for f in FAMILIES), ("qwen3_moe", 1, False),
+                                                  ("deepseek_v3", 1, False), ("qwen3_moe", None, True),
+                                                  ("deepseek_v2_lite", 1, True)])
 def test_greedy_runs_of_several_steps_a_launch_equal_one_step_a_launch(case, defer, embed_cpu, tiny_dirs):
     """decode_greedy(steps=K): K steps captured as one graph, each step's argmax fed to the next on
     the GPU and the position advanced there, give the ids K one-step launches give. Each call starts
