@@ -459,6 +459,18 @@ def shared_backend(compiled):
     return _SHARED
 
 
+def budget_without_experts(wide_plan) -> float:
+    """A VRAM budget (GB) for the dense nodes the cost model puts on the GPU when everything fits
+    (`wide_plan`; an embedding lookup stays on the CPU) and the KV cache, where no routed expert fits."""
+    from ktflow.ir.ops import Op
+
+    nodes = wide_plan.ir.nodes
+    dense = sum(n.weight_bytes(2) for n in nodes  # FP8-held weights at their stored size
+                if n.op != Op.ROUTED_EXPERTS and n.place.device.value == "gpu")
+    per_expert = min(n.weight_elems() / n.attrs.experts for n in nodes if n.op == Op.ROUTED_EXPERTS) * 2
+    return (dense + wide_plan.memory.kv_cache_bytes + 0.5 * per_expert) / 1e9
+
+
 def compile_cpu_experts(model, opts: dict):
     """Compile with every routed expert on the CPU: the cost model may leave a dense node (the
     embedding) on the CPU, and its room in the budget then takes experts; lower the budget by
@@ -637,13 +649,8 @@ def main() -> int:
     model = ktflow.load(d)
     base = dict(hw=hw, max_seq_len=max_seq, expert_format=a.expert_format, fp8_on_gpu=a.fp8_on_gpu)
     probe_compiled = ktflow.compile(model, device="cuda", vram_budget_gb=1000, allow_oversize=True, **base)
-    probe_plan = probe_compiled.decode
     fmt = probe_compiled.plans.options.expert_format  # auto resolved by the checkpoint
-    # the dense nodes the cost model puts on the GPU when everything fits (an embedding lookup stays on the CPU)
-    dense = sum(n.weight_bytes(2) for n in probe_plan.ir.nodes  # FP8-held weights at their stored size
-                if n.op != Op.ROUTED_EXPERTS and n.place.device.value == "gpu")
-    per_expert = min(n.weight_elems() / n.attrs.experts for n in probe_plan.ir.nodes if n.op == Op.ROUTED_EXPERTS) * 2
-    budget = (dense + probe_plan.memory.kv_cache_bytes + 0.5 * per_expert) / 1e9  # no routed expert fits
+    budget = budget_without_experts(probe_compiled.decode)
     shared = None
     info = dict(commit=commit(), **machine(), gpu=torch.cuda.get_device_name(0), model=a.model,
                 checkpoint="fp8" if a.fp8 else "bf16",

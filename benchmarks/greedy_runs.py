@@ -42,17 +42,13 @@ def compile_model(d: Path, fmt: str, defer: int | None):
     import ktflow
     from ktflow import native
     from ktflow.hw import probe
-    from ktflow.ir.ops import Op
-    from e2e import compile_cpu_experts
+    from e2e import budget_without_experts, compile_cpu_experts
 
     model = ktflow.load(d)
     native.pool(spare=2)  # the pool the cuda_graph backend makes (the first caller sizes it)
     base = dict(hw=probe(quick=True), max_seq_len=512, expert_format=fmt)
     wide = ktflow.compile(model, device="cuda", vram_budget_gb=1000, allow_oversize=True, **base).decode
-    dense = sum(n.weight_bytes(2) for n in wide.ir.nodes if n.op != Op.ROUTED_EXPERTS and n.place.device.value == "gpu")
-    per_expert = min(n.weight_elems() / n.attrs.experts for n in wide.ir.nodes if n.op == Op.ROUTED_EXPERTS) * 2
-    opts = dict(base, device="cuda", backend="cuda_graph", defer=defer,
-                vram_budget_gb=(dense + wide.memory.kv_cache_bytes + 0.5 * per_expert) / 1e9)
+    opts = dict(base, device="cuda", backend="cuda_graph", defer=defer, vram_budget_gb=budget_without_experts(wide))
     c = compile_cpu_experts(model, opts)
     c.prepare()
     return c, model.config.vocab_size

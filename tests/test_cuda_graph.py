@@ -128,7 +128,7 @@ def test_greedy_runs_of_several_steps_a_launch_equal_one_step_a_launch(case, def
             want.append(nxt)
         got.append(decode_greedy(many, starts[len(got)], s2, k))
     runner = many.executor("decode").runner
-    assert set(runner.bound[2].greedy_graphs) == {4, 2} and s2.position == s1.position
+    assert {k for k, run in runner.bound[2].greedy.items() if run.graph} == {4, 2} and s2.position == s1.position
     assert embed_cpu == bool(runner.lookups.get(2))  # the table gathered from on the GPU
     assert torch.equal(torch.cat(got, 1), torch.cat(want, 1))
 
@@ -148,16 +148,19 @@ def test_a_step_failing_mid_issue_leaves_the_cpu_side_ready_for_the_next(tiny_di
     _, sr = ktflow.execute(ref, prompt)
     runner = c.executor("decode").runner
     assert runner.be.submit == "doorbell"
-    waits = {"n": 0}
     real = runner.driver.wait_value
 
-    def second_fails(stream, address, value):
-        waits["n"] += 1
-        if waits["n"] == 2:
-            raise RuntimeError("injected: the second wait fails")
-        return real(stream, address, value)
+    def failing_wait(at: int, message: str):
+        """The driver's wait, raising `message` at its `at`-th call from now."""
+        calls = iter(range(1, 1 << 30))
 
-    monkeypatch.setattr(runner.driver, "wait_value", second_fails)
+        def wait(stream, address, value):
+            if next(calls) == at:
+                raise RuntimeError(message)
+            return real(stream, address, value)
+        return wait
+
+    monkeypatch.setattr(runner.driver, "wait_value", failing_wait(2, "injected: the second wait fails"))
     nxt = torch.tensor([[3], [4]])
     with pytest.raises(RuntimeError, match="injected"):
         ktflow.execute(c, nxt, s)
@@ -177,15 +180,9 @@ def test_a_step_failing_mid_issue_leaves_the_cpu_side_ready_for_the_next(tiny_di
     bound = runner.bound[2]
     per_step = sum(1 for st in c.decode.steps  # the waits a step issues: its syncs of tasks with batches
                    if st.kind == "sync" and bound.tasks[c.decode.ir.by_name(st.node).inputs[1]])
-    waits["n"] = -per_step - 1  # the failure comes at the second step's second wait
-
-    def later_fails(stream, address, value):
-        waits["n"] += 1
-        if waits["n"] == 2:
-            raise RuntimeError("injected: a wait of the run's second step fails")
-        return real(stream, address, value)
-
-    monkeypatch.setattr(runner.driver, "wait_value", later_fails)
+    # the failure comes at the second step's second wait
+    monkeypatch.setattr(runner.driver, "wait_value",
+                        failing_wait(per_step + 2, "injected: a wait of the run's second step fails"))
     with pytest.raises(RuntimeError, match="second step fails"):
         decode_greedy(c, torch.tensor([[1], [2]]), s, 4)
     monkeypatch.setattr(runner.driver, "wait_value", real)

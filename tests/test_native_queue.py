@@ -173,6 +173,20 @@ def test_done_flag_is_cleared_at_submit_and_set_after_the_outputs(op):
         b.set_done_flag(torch.zeros(1, dtype=torch.int64))
 
 
+def rung_ring(op, x, ids, wts, outs):
+    """A ring of one batch per output (each adding the layer over x into it), with the doorbells
+    and done flags (zeroed) a captured GPU step would ring and wait on; this thread plays the GPU."""
+    bells, flags = torch.zeros(len(outs), dtype=torch.int32), torch.zeros(len(outs), dtype=torch.int32)
+    batches = []
+    for i, o in enumerate(outs):
+        b = native.Batch()
+        b.add(op, x, ids, wts, o, accumulate=True)
+        b.set_doorbell(bells[i:i + 1])
+        b.set_done_flag(flags[i:i + 1])
+        batches.append(b)
+    return native.Ring(batches), batches, bells, flags
+
+
 def test_doorbells_submit_an_armed_ring_in_order(op):
     """A ring of batches submitted by doorbells, as a captured GPU step rings them (this thread
     plays the GPU: clear the done flag, ring, wait for the flag): each batch runs once per armed
@@ -183,15 +197,8 @@ def test_doorbells_submit_an_armed_ring_in_order(op):
     x = torch.randn(3, 64).bfloat16()
     ids, wts = routing(3, 8, 2, seed=4)
     outs = [torch.zeros(3, 64) for _ in range(3)]
-    bells, flags = torch.zeros(3, dtype=torch.int32), torch.ones(3, dtype=torch.int32)
-    batches = []
-    for i, o in enumerate(outs):
-        b = native.Batch()
-        b.add(op, x, ids, wts, o, accumulate=True)
-        b.set_doorbell(bells[i:i + 1])
-        b.set_done_flag(flags[i:i + 1])
-        batches.append(b)
-    ring = native.Ring(batches)
+    ring, batches, bells, flags = rung_ring(op, x, ids, wts, outs)
+    flags.fill_(1)
 
     def gpu(upto=3):
         for i in range(upto):
@@ -233,15 +240,7 @@ def test_disarm_ends_a_pass_without_an_error_and_drops_those_armed_after(op):
     x = torch.randn(2, 64).bfloat16()
     ids, wts = routing(2, 8, 2, seed=5)
     out = torch.zeros(2, 64)
-    bells, flags = torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
-    batches = []
-    for i in range(2):
-        b = native.Batch()
-        b.add(op, x, ids, wts, out, accumulate=True)
-        b.set_doorbell(bells[i:i + 1])
-        b.set_done_flag(flags[i:i + 1])
-        batches.append(b)
-    ring = native.Ring(batches)
+    ring, _, bells, flags = rung_ring(op, x, ids, wts, [out, out])
     for _ in range(3):
         ring.arm()
     bells[0] = 1  # the failed step rang its first task only
@@ -281,15 +280,7 @@ def test_disarm_returns_only_when_no_batch_of_the_ring_can_run_any_more(op):
     ids, wts = routing(64, 8, 2, seed=6)
     for trial in range(30):
         outs = [torch.zeros(64, 64) for _ in range(2)]
-        bells, flags = torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
-        batches = []
-        for i in range(2):
-            b = native.Batch()
-            b.add(op, x, ids, wts, outs[i], accumulate=True)
-            b.set_doorbell(bells[i:i + 1])
-            b.set_done_flag(flags[i:i + 1])
-            batches.append(b)
-        ring = native.Ring(batches)
+        ring, _, bells, flags = rung_ring(op, x, ids, wts, outs)
         ring.arm()
         bells[0] = 1
         bells[1] = 1

@@ -181,11 +181,17 @@ class Bound:
     logits: torch.Tensor | None = None  # float32 [batch, vocab] on the GPU: the captured graph's output
     graph: torch.cuda.CUDAGraph | None = None
     keep: list = field(default_factory=list)  # values the graph reads or writes
-    #: greedy runs of K steps a launch (`DecodeGraph.run_greedy`), per K: the pinned ids [K, batch]
-    #: the run writes, its graph, and the values that graph reads or writes
-    greedy: dict[int, torch.Tensor] = field(default_factory=dict)
-    greedy_graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
-    greedy_keep: dict[int, list] = field(default_factory=dict)
+    greedy: dict[int, "GreedyRun"] = field(default_factory=dict)  # K -> its greedy run (`DecodeGraph.run_greedy`)
+
+
+@dataclass
+class GreedyRun:
+    """A greedy run of K steps a launch: the pinned ids [K, batch] it writes, its graph once
+    captured, and the values that graph reads or writes."""
+
+    ids: torch.Tensor
+    graph: torch.cuda.CUDAGraph | None = None
+    keep: list = field(default_factory=list)
 
 
 class CudaGraphBackend(StaticRules, NativeBackend):
@@ -404,29 +410,27 @@ class DecodeGraph:
             state.position += 1
         return (result, measured) if trace else result
 
-    def run_greedy(self, input_ids: torch.Tensor, state, steps: int) -> torch.Tensor:
+    def run_greedy(self, input_ids: torch.Tensor, state, steps: int) -> torch.Tensor | None:
         """`steps` greedy decode steps from input_ids [batch, 1] at state.position, as one graph
         launch: each step's argmax is the next step's input, taken and fed back on the GPU, so
         the host neither waits for nor launches the steps between (its turnaround and the graph
         launch are paid once per `steps` tokens). Returns the ids [batch, steps] (int64, CPU);
         equal to `steps` calls of run(logits='argmax'). Captured once per batch size and steps
-        (the first call issues the steps eagerly); a plan with a host prologue (a CPU embedding,
-        which reads the ids on the host) runs one step a launch, unless the prologue is embedding
-        lookups the GPU can make from the page-locked table (`pinned_copy.gather_rows`)."""
+        (the first call issues the steps eagerly). None where the steps cannot run as one launch
+        (the caller runs them one by one): one step, no capture, or a host prologue other than
+        embedding lookups the GPU can make from the page-locked table (`pinned_copy.gather_rows`;
+        a first step binds the batch's lookups)."""
         b = input_ids.shape[0]
         if steps == 1 or not self.capture or self._lookups(b) is None:
-            out = []
-            for _ in range(steps):
-                input_ids = self.run(input_ids, state, logits="argmax")
-                out.append(input_ids)
-            return torch.cat(out, dim=1)
+            return None
         bound = self._bound_for(state, b, False)
         bound.tokens.copy_(input_ids.reshape(-1))
         bound.position[0] = state.position
         self._run_prologue(bound, state)  # the first step's lookups on the host; the later steps' on the GPU
         if steps not in bound.greedy:
-            bound.greedy[steps] = torch.zeros(steps, b, dtype=torch.int64, pin_memory=True)
-        graph = bound.greedy_graphs.get(steps)
+            bound.greedy[steps] = GreedyRun(torch.zeros(steps, b, dtype=torch.int64, pin_memory=True))
+        run = bound.greedy[steps]
+        graph = run.graph
         with self._abandoned_on_failure(bound):
             if bound.ring is not None:
                 for _ in range(steps):
@@ -440,9 +444,9 @@ class DecodeGraph:
                     graph.replay()
             self._wait()
         native.sync()
-        ids = bound.greedy[steps].clone().T.contiguous()
+        ids = run.ids.clone().T.contiguous()
         if graph is None:
-            self._capture_greedy(bound, state, steps)
+            self._capture_greedy(bound, state, run)
         state.position += steps
         return ids
 
@@ -472,15 +476,15 @@ class DecodeGraph:
             out.append((slot, table))
         return out
 
-    def _capture_greedy(self, bound: Bound, state, steps: int) -> None:
+    def _capture_greedy(self, bound: Bound, state, run: GreedyRun) -> None:
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         try:
             with torch.cuda.graph(graph, stream=self.gpu):
-                bound.greedy_keep[steps], _ = self._issue(bound, state, None, steps)
+                run.keep, _ = self._issue(bound, state, None, run.ids.shape[0])
         except torch.cuda.OutOfMemoryError:
             raise self._oom(bound) from None
-        bound.greedy_graphs[steps] = graph
+        run.graph = graph
 
     def _bound_for(self, state, b: int, ragged: bool) -> Bound:
         """The binding of this step: per batch size over the backend's static caches (checked to
@@ -584,7 +588,7 @@ class DecodeGraph:
         decoding: 8 bytes a row cross instead of the logits).
 
         With steps = K > 1 (greedy decoding, `run_greedy`), K decode steps one after another:
-        step k's argmax goes to row k of the pinned `greedy[K]` ids and into the pinned token
+        step k's argmax goes to row k of the run's pinned ids (`greedy[K].ids`) and into the pinned token
         ids step k + 1 reads, and the position advances on the GPU; the logits returned are the
         last step's."""
         pinned_copy.copy(bound.position_dev, bound.position)
@@ -598,7 +602,7 @@ class DecodeGraph:
             if steps == 1:
                 pinned_copy.copy(bound.next_ids, ids)
                 break
-            pinned_copy.copy(bound.greedy[steps][k], ids)
+            pinned_copy.copy(bound.greedy[steps].ids[k], ids)
             if k + 1 < steps:
                 pinned_copy.copy(bound.tokens, ids)  # the next step's input, read where the first step's was
                 for slot, table in self._lookups(bound.batch):  # the host prologue's lookups, made here

@@ -100,48 +100,18 @@ class ExpertStager:
         return out
 
 
-_PINNED: dict[int, int] = {}  # arena address -> bytes, registered with the CUDA driver by `pin`
-
-
-def pin(op: native.ExpertOp) -> bool:
-    """Page-lock an operator's arenas for the GPU (cudaHostRegister), once; unregistered when the
-    operator is freed. Returns False where the driver refused (copies then run from pageable
-    memory, slower)."""
-    cudart = torch.cuda.cudart()
-    ok = True
-    for i in range(len(op.slices)):
-        address, nbytes, _ = op.op.arena(i)
-        if address in _PINNED:
-            continue
-        err = cudart.cudaHostRegister(address, nbytes, 0)
-        if int(err) != 0:
-            ok = False
-            continue
-        _PINNED[address] = nbytes
-        weakref.finalize(op, _unpin, address)
-    return ok
-
-
-#: tables page-locked by `pin_tensor`: address -> (bytes, how many live tensors lean on it). Tensors of
-#: one checkpoint's memory map loaded twice (two compiled plans of one model) are different objects
-#: at one address: the registration ends with the last of them.
-_TABLES: dict[int, list[int]] = {}
+#: memory page-locked here: address -> (bytes, the ids of the live owners leaning on it). Two owners
+#: may share memory (a checkpoint's memory map read by two compiled plans: different tensors at one
+#: address); it is unregistered when the last of them is freed.
+_PINNED: dict[int, tuple[int, set[int]]] = {}
 _REFUSED: set[tuple[int, int]] = set()  # (address, bytes) the driver would not register: not asked again
 
 
-def pin_tensor(t: torch.Tensor) -> bool:
-    """Page-lock a contiguous CPU tensor's memory for the GPU (cudaHostRegister; with unified
-    addressing a kernel then reads it at the tensor's own address); unregistered when the last
-    tensor over that memory is freed. True where it is (already pinned memory included); False
-    where the driver refused."""
-    if t.is_cuda or not t.is_contiguous():
-        return False
-    if t.is_pinned() and t.data_ptr() not in _TABLES:  # allocated pinned, or registered by someone else
-        return True
-    address, nbytes = t.data_ptr(), t.numel() * t.element_size()
-    entry = _TABLES.get(address)
-    if entry is not None and entry[0] < nbytes:
-        return False  # a shorter registration others lean on: not widened under them
+def _register(owner: object, address: int, nbytes: int) -> bool:
+    """Page-lock [address, address + nbytes) for the GPU (cudaHostRegister) for as long as `owner`
+    lives, counted with any other owner of the same memory. False where the driver refused, or
+    where a shorter registration at that address is in use (not widened under its owners)."""
+    entry = _PINNED.get(address)
     if entry is None:
         if (address, nbytes) in _REFUSED:
             return False
@@ -150,28 +120,44 @@ def pin_tensor(t: torch.Tensor) -> bool:
             cudart.cudaGetLastError()  # clear it: torch's next launch check would raise it
             _REFUSED.add((address, nbytes))
             return False
-        entry = _TABLES[address] = [nbytes, 0]
-    entry[1] += 1
-    weakref.finalize(t, _release_table, address)
+        entry = _PINNED[address] = (nbytes, set())
+    elif entry[0] < nbytes:
+        return False
+    if id(owner) not in entry[1]:
+        entry[1].add(id(owner))
+        weakref.finalize(owner, _release, address, id(owner))
     return True
 
 
-def _release_table(address: int) -> None:
-    entry = _TABLES.get(address)
+def _release(address: int, owner: int) -> None:
+    entry = _PINNED.get(address)
     if entry is None:
         return
-    entry[1] -= 1
-    if entry[1] <= 0:
-        del _TABLES[address]
+    entry[1].discard(owner)
+    if not entry[1]:
+        del _PINNED[address]
         try:
             torch.cuda.cudart().cudaHostUnregister(address)
         except Exception:  # noqa: BLE001 - exiting, or the context is gone: nothing to undo
             pass
 
 
-def _unpin(address: int) -> None:
-    if _PINNED.pop(address, None) is not None:
-        try:
-            torch.cuda.cudart().cudaHostUnregister(address)
-        except Exception:  # noqa: BLE001 - exiting, or the context is gone: nothing to undo
-            pass
+def pin(op: native.ExpertOp) -> bool:
+    """Page-lock an operator's arenas for the GPU while the operator lives. Returns False where the
+    driver refused (copies then run from pageable memory, slower)."""
+    ok = True
+    for i in range(len(op.slices)):
+        address, nbytes, _ = op.op.arena(i)
+        ok = _register(op, address, nbytes) and ok
+    return ok
+
+
+def pin_tensor(t: torch.Tensor) -> bool:
+    """Page-lock a contiguous CPU tensor's memory for the GPU while the tensor lives (with unified
+    addressing a kernel then reads it at the tensor's own address). True where it is (memory
+    allocated pinned included); False where the driver refused."""
+    if t.is_cuda or not t.is_contiguous():
+        return False
+    if t.is_pinned() and t.data_ptr() not in _PINNED:  # allocated pinned, or registered elsewhere
+        return True
+    return _register(t, t.data_ptr(), t.numel() * t.element_size())

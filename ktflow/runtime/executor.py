@@ -80,7 +80,9 @@ class Executor:
         other backend runs them one step at a time."""
         runner_greedy = getattr(self.runner, "run_greedy", None)
         if runner_greedy is not None and self.recorder is None and self.trace == 0:  # (ids: nothing to check for NaN)
-            return runner_greedy(input_ids, state, steps)
+            ids = runner_greedy(input_ids, state, steps)
+            if ids is not None:
+                return ids
         out = []
         for _ in range(steps):
             input_ids = self.run(input_ids, state, logits="argmax").reshape(-1, 1).cpu()
