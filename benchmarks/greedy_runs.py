@@ -109,6 +109,35 @@ def kernels_at_boundary(c, vocab: int, k: int) -> None:
               f"s{getattr(e, 'device_resource_id', '?')} {e.name[:64]}")
 
 
+def kernels_of_a_layer(c, vocab: int, k: int) -> None:
+    """The GPU kernels of one layer in the middle of a K-step run, from one router kernel to the
+    next: what the GPU does between two CPU tasks (the largest gap is the CPU task itself)."""
+    import ktflow
+    from torch.profiler import ProfilerActivity, profile
+
+    from ktflow.runtime.execute import decode_greedy
+
+    nxt, state = ktflow.execute(c, torch.randint(0, vocab, (1, 32)), logits="argmax")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        nxt = decode_greedy(c, nxt, state, k)[:, -1:]
+    torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    routers = [i for i, e in enumerate(ev) if e.name == "route"]
+    if len(routers) < 3:
+        print(f"kernels of a layer: {len(routers)} router kernels in the run, too few to cut a layer out")
+        return
+    lo, hi = routers[len(routers) // 2], routers[len(routers) // 2 + 1]
+    busy = sum(ev[i].time_range.elapsed_us() for i in range(lo + 1, hi + 1))
+    span = ev[hi].time_range.end - ev[lo].time_range.end
+    print(f"kernels of one layer (router to router, K={k}): {hi - lo} kernels, {busy:.1f} us busy in a "
+          f"{span:.1f} us span; gap before (us), duration (us), stream, kernel")
+    for i in range(lo, hi + 1):
+        e = ev[i]
+        print(f"  {e.time_range.start - ev[i - 1].time_range.end:8.1f} {e.time_range.elapsed_us():7.1f} "
+              f"s{getattr(e, 'device_resource_id', '?')} {e.name[:90]}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3")
@@ -117,8 +146,9 @@ def main() -> int:
     ap.add_argument("--expert-format", default="bf16", choices=["bf16", "int8", "int4"])
     ap.add_argument("--defer", type=int, default=None)
     ap.add_argument("--steps", type=int, default=8, help="K: greedy steps per launch against one")
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=6, help="A/B rounds (0: none, only the kernel listings)")
     ap.add_argument("--kernels", action="store_true", help="print the GPU kernels around one step boundary")
+    ap.add_argument("--layer-kernels", action="store_true", help="print the GPU kernels of one layer (router to router)")
     ap.add_argument("--out", default=str(HERE / "greedy_runs.jsonl"))
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -132,6 +162,18 @@ def main() -> int:
     c, vocab = compile_model(d, a.expert_format, a.defer)
     K = a.steps
     one_round(c, vocab, 1, 99), one_round(c, vocab, K, 99)  # capture both graphs, warm
+    if a.rounds:
+        ab_rounds(a, c, vocab)
+    if a.kernels:
+        kernels_at_boundary(c, vocab, K)
+    if a.layer_kernels:
+        kernels_of_a_layer(c, vocab, K)
+    return 0
+
+
+def ab_rounds(a, c, vocab: int) -> None:
+    """The A/B: rounds alternating one step a launch and K, their rows printed and appended."""
+    K = a.steps
     rounds: dict[int, list[dict]] = {1: [], K: []}
     for r in range(a.rounds):
         for k in (1, K) if r % 2 == 0 else (K, 1):
@@ -153,9 +195,6 @@ def main() -> int:
           "runs of the same prompt one step a launch did not match either: a random-weight model's near ties flip "
           "between runs; equality is tested on the tiny models, tests/test_cuda_graph.py)")
     append_jsonl(a.out, rows)
-    if a.kernels:
-        kernels_at_boundary(c, vocab, K)
-    return 0
 
 
 if __name__ == "__main__":

@@ -267,6 +267,7 @@ class CudaGraphBackend(StaticRules, NativeBackend):
 
     def prepare(self, graph: Graph, weights) -> None:
         super().prepare(graph, weights)
+        self.fuse_weights(graph)
         for stager in self.stagers.values():  # host memory experts are streamed from: page-locked, once
             for piece in stager.pieces:
                 pin(piece.op)

@@ -127,7 +127,9 @@ def route(a, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch
     if t:
         kernel[(t,)](logits, logits.stride(0), ids, wts, a.experts, k=a.top_k, sigmoid=a.scoring == "sigmoid",
                      renormalize=a.renormalize, scale=float(a.scale), block_e=triton.next_power_of_2(a.experts),
-                     block_k=triton.next_power_of_2(a.top_k))
+                     block_k=triton.next_power_of_2(a.top_k),
+                     # up to 256 scores fit one warp's registers: its reductions are shuffles, no barriers
+                     num_warps=1 if a.experts <= 256 else 4)
     return ids, wts
 
 

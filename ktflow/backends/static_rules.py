@@ -32,10 +32,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import rope as rope_mod
+from ..ir.graph import Graph
 from ..ir.ops import AttentionAttrs, Op
 from ..ir.types import Device
+from . import attention_gpu
 from .base import StepContext, node_key
-from .layers import gqa_project, linear, mla_project
+from .layers import gqa_project, linear, mla_project, rms_norm
 
 
 class RopeTables:
@@ -110,6 +112,8 @@ def _mask(a: AttentionAttrs, ctx: StepContext, length: int) -> torch.Tensor:
 
 def gqa(be, a: AttentionAttrs, w, x: torch.Tensor, ctx: StepContext, dev) -> torch.Tensor:
     b, s = ctx.batch, ctx.seq
+    if attention_gpu.fusable(a, w, x):
+        return gqa_fused(be, a, w, x, ctx, dev)
     q, k, v = gqa_project(a, w, x.view(*_tokens_as_sequence(ctx), -1), *_rope_rows(be, a, ctx))
     q, k, v = (t.view(b, s, *t.shape[2:]) for t in (q, k, v))
     kc, vc = be.cache(ctx, a, dev)
@@ -121,6 +125,18 @@ def gqa(be, a: AttentionAttrs, w, x: torch.Tensor, ctx: StepContext, dev) -> tor
     return linear(out.transpose(1, 2).reshape(b, s, -1), w, "o").view(b * s, -1)
 
 
+def gqa_fused(be, a: AttentionAttrs, w, x: torch.Tensor, ctx: StepContext, dev) -> torch.Tensor:
+    """gqa in attention_gpu's kernels: one GEMM for q, k and v, one kernel for the norms, the
+    rotation and the cache writes, one (or a split and a merge) for attention up to each token's
+    position."""
+    kc, vc = be.cache(ctx, a, dev)
+    qkv = linear(x.view(-1, x.shape[-1]), w, "qkv")
+    cos, sin = _rope_rows(be, a, ctx)
+    seq, ragged_step = (1, True) if ragged(ctx) else (ctx.seq, False)
+    q = attention_gpu.project(a, qkv, w, cos, sin, ctx.position_t, kc, vc, seq, ragged_step)
+    return linear(attention_gpu.attend(a, q, kc, vc, ctx.position_t, seq, ragged_step), w, "o")
+
+
 def absorbed_kv_b(a: AttentionAttrs, kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """kv_b [heads * (nope + v), kv_lora_rank] as W_uk [heads, nope, rank] and W_uv [heads, v, rank]."""
     per = kv_b.view(a.heads, a.qk_nope_dim + a.v_head_dim, a.kv_lora_rank)
@@ -129,6 +145,8 @@ def absorbed_kv_b(a: AttentionAttrs, kv_b: torch.Tensor) -> tuple[torch.Tensor, 
 
 def mla(be, a: AttentionAttrs, w, x: torch.Tensor, ctx: StepContext, dev) -> torch.Tensor:
     b, s = ctx.batch, ctx.seq
+    if attention_gpu.mla_fusable(a, w, x):
+        return mla_fused(be, a, w, x, ctx, dev)
     projected = mla_project(a, w, x.view(*_tokens_as_sequence(ctx), -1), *_rope_rows(be, a, ctx))
     q_nope, q_rope, latent, k_rope = (t.view(b, s, *t.shape[2:]) for t in projected)
     lc, rc, both = be.cache(ctx, a, dev)
@@ -147,6 +165,29 @@ def mla(be, a: AttentionAttrs, w, x: torch.Tensor, ctx: StepContext, dev) -> tor
     o_lat = torch.bmm(probs, lc).view(b, a.heads, s, -1)
     out = torch.einsum("bhsc,hvc->bshv", o_lat, w_uv).reshape(b, s, -1)
     return linear(out, w, "o").view(b * s, -1)
+
+
+def mla_fused(be, a: AttentionAttrs, w, x: torch.Tensor, ctx: StepContext, dev) -> torch.Tensor:
+    """mla in attention_gpu's kernels: one GEMM for the query (or its LoRA's first half) and kv_a
+    together, one kernel for the latent's norm, the rotations and the cache writes, the queries
+    folded into the latent space (q_nope x W_uk), one kernel (or a split and a merge) for
+    attention over the latent cache up to each token's position, W_uv and o."""
+    _, _, both = be.cache(ctx, a, dev)
+    rows = x.view(-1, x.shape[-1])
+    t, kv_width = rows.shape[0], a.kv_lora_rank + a.qk_rope_dim
+    first = linear(rows, w, "q_kv_a")
+    q = first[:, :-kv_width]
+    if a.q_lora_rank:
+        q = linear(rms_norm(q, w["q_a_norm"], a.norm_eps), w, "q_b")
+    cos, sin = _rope_rows(be, a, ctx)
+    seq, ragged_step = (1, True) if ragged(ctx) else (ctx.seq, False)
+    q_rope = attention_gpu.mla_project(a, q, first[:, -kv_width:], w["kv_a_norm"], cos, sin, ctx.position_t, both,
+                                       seq, ragged_step)
+    w_uk, w_uv = absorbed_kv_b(a, w["kv_b"])
+    q_nope = q.view(t, a.heads, a.qk_nope_dim + a.qk_rope_dim)[..., :a.qk_nope_dim]
+    q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)
+    o_lat = attention_gpu.attend_latent(a, q_lat, q_rope, both, ctx.position_t, seq, ragged_step)
+    return linear(torch.einsum("thc,hvc->thv", o_lat, w_uv).reshape(t, -1), w, "o")
 
 
 def _scores_f32(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -189,6 +230,14 @@ class StaticRules:
 
     def static_setup(self) -> None:
         self.rope = RopeTables(self.dtype)
+
+    def fuse_weights(self, graph: Graph) -> None:
+        """The layouts the fused decode rules read, made once the weights are ready: each
+        GPU-placed attention layer's input projections as one matrix (attention_gpu.fuse_qkv)."""
+        for n in graph.nodes:
+            if n.op == Op.ATTENTION and n.place is not None and n.place.device == Device.GPU \
+                    and node_key(n) in self.weights:
+                attention_gpu.fuse_qkv(self.weights[node_key(n)], n.attrs.kind)
 
     def run(self, node, inputs: list, ctx: StepContext):
         rule = STATIC_RULES.get(node.op)
