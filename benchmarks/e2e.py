@@ -250,8 +250,8 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
                 merged += f - max(s, end)
                 end = f
         busy = merged / wall
-        split = replay_split(recs, new, calls) if run == 1 else None
-        if split is not None:
+        split = replay_split(recs, new, calls if run == 1 else None)
+        if split is not None and run == 1:
             from ktflow.calibrate import Replayed
 
             split["replayed"] = Replayed.from_records(recs, new, [(b - a) / 1e3 for a, b in calls])
@@ -329,7 +329,7 @@ def _stamped_wait(wait, host: list, now):
     return stamped
 
 
-def replay_split(recs: list, steps: int, calls: list) -> dict | None:
+def replay_split(recs: list, steps: int, calls: list | None) -> dict | None:
     """Where a replayed step's time goes, from the native queue's timestamps and the host's
     around each `execute` (one clock; no trace, no eager issue). Per CPU task: `cpu task` = from
     the dispatcher seeing it (doorbell or host submit) to its outputs written and done flag set
@@ -340,8 +340,9 @@ def replay_split(recs: list, steps: int, calls: list) -> dict | None:
     launch, the launch, the first layer's GPU work); `last task to return` = the last task's done
     flag to execute returning (the GPU's last layer and lm_head, the logits' copy, the host's
     wait and bookkeeping); `outside execute` = the caller's time between steps (its sampling).
-    Medians in us (and the mean CPU task, whose slow outliers the median hides)."""
-    if not recs or len(recs) % steps or len(calls) != steps:
+    Medians in us (and the mean CPU task, whose slow outliers the median hides). Without `calls`
+    (greedy runs, K steps a launch) only the per-task medians."""
+    if not recs or len(recs) % steps or (calls is not None and len(calls) != steps):
         return None
     per = len(recs) // steps
     first, rest, between, lead, tail = [], [], [], [], []
@@ -351,9 +352,10 @@ def replay_split(recs: list, steps: int, calls: list) -> dict | None:
         first.append(took[0])
         rest += took[1:]
         between += [(b[1] - a[3]) / 1e3 for a, b in zip(step, step[1:])]
-        lead.append((step[0][1] - calls[n][0]) / 1e3)
-        tail.append((calls[n][1] - step[-1][3]) / 1e3)
-    outside = [(b[0] - a[1]) / 1e3 for a, b in zip(calls, calls[1:])]
+        if calls is not None:
+            lead.append((step[0][1] - calls[n][0]) / 1e3)
+            tail.append((calls[n][1] - step[-1][3]) / 1e3)
+    outside = [(b[0] - a[1]) / 1e3 for a, b in zip(calls, calls[1:])] if calls is not None else []
     med = lambda xs: round(statistics.median(xs), 1) if xs else None  # noqa: E731
     return dict(tasks_per_step=per, replay_cpu_task_us=med(first + rest),
                 replay_cpu_task_mean_us=round(statistics.mean(first + rest), 1),
@@ -380,12 +382,13 @@ def profile_decode(compiled, vocab: int, steps: int = 16) -> dict:
         wall = time.perf_counter() - t0
     launches = {"cudaGraphLaunch": 0, "cudaLaunchKernel": 0, "cuLaunchKernel": 0, "cudaMemcpyAsync": 0,
                 "cuLaunchHostFunc": 0, "cudaLaunchKernelExC": 0}
-    spans = []
+    spans, kernels_in_order = [], []
     for e in prof.events():
         if e.name in launches:
             launches[e.name] += 1
         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
             spans.append((e.time_range.start, e.time_range.end))
+            kernels_in_order.append((e.time_range.start, e.time_range.end, e.name))
     busy, end = 0.0, float("-inf")
     for s, f in sorted(spans):
         if f > end:
@@ -397,12 +400,31 @@ def profile_decode(compiled, vocab: int, steps: int = 16) -> dict:
         if k.device_type == torch.autograd.DeviceType.CUDA and k.count:
             kernels[k.key] = (k.count, k.self_device_time_total)
     top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:12]
-    return dict(gpu_busy=busy * 1e-6 / wall, launches_per_token=total / steps,
+    return dict(gpu_busy=busy * 1e-6 / wall, launches_per_token=total / steps, gpu_chain_us=gpu_chain(kernels_in_order),
                 graph_launches_per_token=launches["cudaGraphLaunch"] / steps,
                 gpu_ops_per_token=round(sum(c for c, _ in kernels.values()) / steps, 1),
                 gpu_busy_us_per_token=round(busy / steps, 1),
                 gpu_top_ops=[dict(name=n[:90], per_token=round(c / steps, 1), us_per_token=round(t / steps, 1))
                              for n, (c, t) in top])
+
+
+def gpu_chain(kernels: list[tuple[float, float, str]], idle_us: float = 30.0) -> float | None:
+    """The GPU's own work between two CPU tasks of a replayed step: the GPU timeline cut where
+    it idles longer than `idle_us` (a CPU task, or the host between launches), each stretch from
+    its first kernel (the copy of a task's result back) to the end of its last pinned copy (the
+    next task's inputs; the doorbell is rung after it, and GPU work the plan puts after the
+    submit, a shared expert, runs beside the task); median over the stretches, most of them one
+    layer's. Between tasks (the native queue's records) minus this is the hand-off, both ways."""
+    chains, stretch, end = [], [], float("-inf")
+    for k in sorted(kernels) + [(float("inf"), float("inf"), "")]:
+        if stretch and k[0] - end > idle_us:
+            copies = [f for _, f, n in stretch if n == "copy_words"]
+            if copies:
+                chains.append(max(copies) - stretch[0][0])
+            stretch = []
+        stretch.append(k)
+        end = max(end, k[1])
+    return round(statistics.median(chains), 1) if chains else None
 
 
 def traced_handoffs(compiled, vocab: int) -> dict:
@@ -764,13 +786,19 @@ def main() -> int:
                 print(f"      {t['per_token']:7.1f}/token {t['us_per_token']:8.1f} us/token  {t['name']}")
         if v.startswith("graph") and "+run" not in v:  # (a +run variant's single steps are its base variant's)
             row.update(traced_handoffs(c, vocab))
+        if row.get("gpu_chain_us") is not None and row.get("replay_between_tasks_us") is not None \
+                and c.plans.options.defer is None:  # (deferred tasks overlap the GPU's work: no plain chain)
+            row["replay_handoff_us"] = round(row["replay_between_tasks_us"] - row["gpu_chain_us"], 1)
         print(f"  {v:12s} decode: {m:7.2f} +- {sd:5.2f} tok/s ({100 * m / bound:.0f}% of the roofline {bound:.1f}); "
               f"step {1e6 / m:.0f} us vs predicted {plan.predicted_step_us:.0f} us; "
               f"CPU busy {row['cpu_busy']}, GPU busy {row.get('gpu_busy')}, launches/token "
               f"{row.get('launches_per_token')}; peak VRAM {row['peak_vram_gb']} GB vs plan {row['predicted_vram_gb']} GB"
+              + (f"; hand-off per layer, replayed: {row['replay_handoff_us']} us both ways (between tasks "
+                 f"{row['replay_between_tasks_us']} us, the GPU's own work between them {row['gpu_chain_us']} us)"
+                 if "replay_handoff_us" in row else "")
               + (f"; hand-off per layer to the CPU {row['handoff_to_cpu_us']} us, back {row['handoff_to_gpu_us']} us "
-                 f"(traced step; predicted {row['predicted_handoff_to_cpu_us']} / {row['predicted_handoff_to_gpu_us']})"
-                 if "handoff_to_cpu_us" in row else "")
+                 f"(traced step, issued eagerly; predicted {row['predicted_handoff_to_cpu_us']} / "
+                 f"{row['predicted_handoff_to_gpu_us']})" if "handoff_to_cpu_us" in row else "")
               + (f"; replayed (medians, us): CPU task {row['replay_cpu_task_us']} (mean {row['replay_cpu_task_mean_us']}, "
                  f"first {row['replay_first_task_us']}, others {row['replay_other_tasks_us']}), between tasks "
                  f"{row['replay_between_tasks_us']}, execute to first task {row['replay_to_first_task_us']}, last task to "
