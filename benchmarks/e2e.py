@@ -4,8 +4,11 @@ Writes a random-weight checkpoint of a real model's shape (Qwen3-30B-A3B: 48 lay
 experts top-8, H 2048, I 768; DeepSeek-V2-Lite: 27 layers, 64 experts top-6 + 2 shared, H 2048,
 I 1408, MLA) tensor by tensor: the key names and shapes come from ktflow's own spec of that
 config (the names the HF checkpoints use), each tensor's bytes are streamed into safetensors
-shards, and no module is ever built. Then, llama-bench style (random token ids, `--reps`
-repetitions, mean +- sd), for these variants of one model:
+shards, and no module is ever built. Then, llama-bench style (random token ids, mean +- sd over
+`--reps` rounds), for these variants of one model; the graph variants and llama.cpp's decode (with
+`--llama`) run in rounds, each round every one of them once, so that the machine's drift (this
+VM's DRAM read moves by 2x within minutes) falls on all of them alike, and their ratios compare
+like with like:
 
   cpu          every node on the CPU, native experts
   eager        GPU dense work (torch ops, one launch per op) + native CPU experts, synchronous
@@ -74,7 +77,9 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -510,6 +515,224 @@ def compile_cpu_experts(model, opts: dict):
         opts["vram_budget_gb"] -= sum(n.weight_elems() * 2 for n in on_gpu if n.attrs.rank_range[0] == 0) / 1e9
 
 
+@dataclass
+class Variant:
+    """A decode variant compiled, prepared and warmed (its graphs captured), and its runs
+    (tok/s, CPU busy, replayed split) as the rounds make them."""
+
+    name: str
+    c: Any
+    opts: dict
+    row: dict
+    wait: str
+    submit: str
+    peak_vram_gb: float
+    weights_gb: float
+    runs: list = field(default_factory=list)
+
+    def apply(self) -> None:
+        """The shared backend's waits and submits as this variant runs them."""
+        be = shared_backend(None)
+        be.wait, be.submit = self.wait, self.submit
+
+
+_DEFAULTS: dict = {}  # the shared backend's own wait and submit, before any variant changed them
+
+
+def prepare_variant(v: str, model, opts: dict, vocab: int) -> Variant:
+    """Compile `v` with every routed expert on the CPU, prepare it on the shared backend and warm
+    it (its step's graph and a greedy run's captured); its peak VRAM is what this variant added
+    to the shared weights, with them."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    c = compile_cpu_experts(model, opts)
+    shared = shared_backend(c)
+    if not _DEFAULTS:
+        _DEFAULTS.update(wait=shared.wait, submit=shared.submit, weights=None)
+    wait = "host" if v == "graph+hostwait" else _DEFAULTS["wait"]
+    submit = "host" if "+hostsubmit" in v else "doorbell" if "+bell" in v else _DEFAULTS["submit"]
+    c._backend = shared  # one backend for every variant (benchmark only): packed experts and GPU weights once
+    if "+onestream" in v:  # experiment: the copy lane issued on the compute stream (a straight-line graph)
+        c.executor(c.decode).runner.copy = shared.gpu_stream
+    t1 = time.perf_counter()
+    c.prepare()
+    if _DEFAULTS["weights"] is None:
+        _DEFAULTS["weights"] = torch.cuda.memory_allocated() - before  # the weights every variant shares
+    print(f"  {v}: compiled, weights ready in {time.perf_counter() - t1:.1f} s", flush=True)
+    assert not [n for n in c.decode.ir.nodes if n.op.value == "routed_experts" and n.place.device.value == "gpu"], \
+        "a routed expert landed on the GPU: the budget is meant to hold none"
+    x = Variant(v, c, opts, dict(variant=v), wait, submit, 0.0, _DEFAULTS["weights"] / 1e9)
+    x.apply()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    decode_run(c, vocab, max(4, 2 * c.plans.options.greedy_steps), seed=99)  # capture (a greedy run's too) and warm
+    x.peak_vram_gb = (torch.cuda.max_memory_allocated() - base + _DEFAULTS["weights"]) / 1e9
+    return x
+
+
+def gguf_made(a, ckpt: Path) -> bool:
+    import llama_cpp
+
+    return llama_cpp.gguf_for(ckpt, a.gguf_type).exists()
+
+
+def llama_cpp_decode(a, ckpt: Path):
+    """llama.cpp's decode in rounds beside ktflow's: (run round r, round r's best as text, the
+    rows per thread count over every round). One llama-bench call a round times each thread count
+    once (its own warm-up first)."""
+    import llama_cpp
+
+    binary = llama_cpp.llama_bench(Path(a.llama))
+    gguf = llama_cpp.gguf_for(ckpt, a.gguf_type)
+    threads = len(os.sched_getaffinity(0))
+    tried = sorted({t for t in (threads - 2, threads - 1, threads) if t > 0})
+    got: dict[int, list[dict]] = {}
+    quiet = lambda s: None  # noqa: E731
+
+    def run(r: int) -> None:
+        got[r] = llama_cpp.decode(binary, gguf, a.decode, 1, tried, quiet)
+
+    def best(r: int) -> str:
+        ok = [x for x in got.get(r, []) if "decode_tok_s" in x]
+        return max((f"{x['decode_tok_s']:.1f} ({x['threads']})" for x in ok), default="failed",
+                   key=lambda t: float(t.split()[0]) if t != "failed" else -1)
+
+    def rows() -> list[dict]:
+        info = dict(commit=commit(), **machine(), gpu=torch.cuda.get_device_name(0), model=a.model,
+                    layers=json.loads((ckpt / "config.json").read_text())["num_hidden_layers"], gguf=a.gguf_type)
+        out = []
+        for t in tried:
+            rates = [x["decode_tok_s"] for r in sorted(got) for x in got[r] if x.get("threads") == t]
+            if not rates:
+                continue
+            m, sd = mean_sd(rates)
+            one = next(x for r in sorted(got) for x in got[r] if x.get("threads") == t)
+            out.append(dict(one, decode_tok_s=round(m, 2), decode_sd=round(sd, 2), rounds=len(rates),
+                            per_round=rates))
+            print(f"  llama.cpp decode, {t:2d} threads: {m:7.2f} +- {sd:5.2f} tok/s over {len(rates)} rounds "
+                  f"({one.get('model_type')})", flush=True)
+        append_jsonl(a.out, [dict(info, table="decode", **r) for r in out])
+        return out
+
+    return run, best, rows
+
+
+def finish_variant(a, x: Variant, vocab: int, cfg: dict, info: dict, dram: float, hw) -> dict:
+    """Variant x's row from its rounds (tok/s mean +- sd, CPU busy, the last round's replayed
+    split), what auto chose, the prediction, the roofline, memory, and the one-step diagnostics:
+    the GPU's kernels (profiled), the hand-off (replayed; and from a traced, eagerly issued step)."""
+    from ktflow.ir.ops import Op
+    from ktflow.timeline import layer_times
+
+    v, c, row = x.name, x.c, dict(info, **x.row)
+    x.apply()
+    if a.host_profile:
+        host_profile(c, vocab)
+    m, sd = mean_sd([r[0] for r in x.runs])
+    busy = [r[1] for r in x.runs if r[1] is not None]
+    split = dict(x.runs[-1][2] or {})
+    split.pop("replayed", None)
+    plan = c.decode
+    if x.opts.get("defer") == "auto":  # what auto chose, and the candidates' predicted steps
+        row["defer_cause"] = next((n.place.cause for n in plan.ir.nodes if n.op == Op.DEFER), "no deferral")
+        print(f"  {v}: {row['defer_cause']}", flush=True)
+    layers = [t for t in layer_times(plan) if t.layer is not None]
+    predicted_layer = statistics.mean(t.span_us for t in layers)
+    bpt = expert_bytes_per_token(plan, info["expert_format"])
+    # the faster DRAM read measured here: the native expert kernel over a set 8x the LLC (the probe)
+    # streams more than the plain all-CPU sum read
+    bound = max(dram, hw.cpu.gemv_gbps) * 1e9 / bpt
+    row.update(decode_tok_s=round(m, 2), decode_sd=round(sd, 2), rounds=len(x.runs),
+               per_round=[round(r[0], 2) for r in x.runs],
+               cpu_busy=round(statistics.mean(busy), 3) if busy else None,
+               predicted_step_us=round(plan.predicted_step_us, 1), measured_step_us=round(1e6 / m, 1),
+               predicted_layer_us=round(predicted_layer, 1),
+               measured_layer_us=round(1e6 / m / cfg["num_hidden_layers"], 1),
+               expert_bytes_per_token=bpt, roofline_tok_s=round(bound, 2), roofline_fraction=round(m / bound, 3),
+               peak_vram_gb=round(x.peak_vram_gb, 3), allocated_after_prepare_gb=round(x.weights_gb, 3), wait=x.wait,
+               predicted_gpu_weights_gb=round(sum(n.weight_bytes(2) for n in plan.ir.nodes
+                                                  if n.place.device.value == "gpu") / 1e9, 3),
+               fp8_held_weights=sum(w.held == "fp8" for n in plan.ir.nodes for w in n.weights),
+               predicted_kv_gb=round(plan.memory.kv_cache_bytes / 1e9, 3),
+               predicted_activation_mb=round(plan.memory.activation_bytes / 1e6, 2),
+               # the decode runs' 32-token prompts run a prefill plan whose staging stays allocated:
+               # the run's peak is the larger of the two plans' predictions
+               predicted_vram_gb=round((max(plan.memory.gpu_bytes, c.prefill_plan(32).memory.gpu_bytes)
+                                        - c.plans.options.vram_reserve_gb * 1e9) / 1e9, 3)
+               if plan.memory.gpu_bytes else 0.0,
+               predicted_decode_plan_vram_gb=round((plan.memory.gpu_bytes - c.plans.options.vram_reserve_gb * 1e9)
+                                                   / 1e9, 3) if plan.memory.gpu_bytes else 0.0,
+               defer=str(c.plans.options.defer))
+    row.update(split)
+    if "+run" not in v:  # (a +run variant's single steps are its base variant's)
+        row.update(profile_decode(c, vocab))
+        row["gpu_us_per_layer"] = round(row["gpu_busy_us_per_token"] / cfg["num_hidden_layers"], 1)
+        for t in row["gpu_top_ops"]:
+            print(f"      {t['per_token']:7.1f}/token {t['us_per_token']:8.1f} us/token  {t['name']}")
+        row.update(traced_handoffs(c, vocab))
+    if row.get("gpu_chain_us") is not None and row.get("replay_between_tasks_us") is not None \
+            and c.plans.options.defer is None:  # (deferred tasks overlap the GPU's work: no plain chain)
+        row["replay_handoff_us"] = round(row["replay_between_tasks_us"] - row["gpu_chain_us"], 1)
+    print_variant(row, bound)
+    return row
+
+
+def print_variant(row: dict, bound: float) -> None:
+    v, m, sd = row["variant"], row["decode_tok_s"], row["decode_sd"]
+    print(f"  {v:12s} decode: {m:7.2f} +- {sd:5.2f} tok/s ({100 * m / bound:.0f}% of the roofline {bound:.1f}); "
+          f"step {1e6 / m:.0f} us vs predicted {row['predicted_step_us']:.0f} us; "
+          f"CPU busy {row['cpu_busy']}, GPU busy {row.get('gpu_busy')}, launches/token "
+          f"{row.get('launches_per_token')}; peak VRAM {row['peak_vram_gb']} GB vs plan {row['predicted_vram_gb']} GB"
+          + (f"; hand-off per layer, replayed: {row['replay_handoff_us']} us both ways (between tasks "
+             f"{row['replay_between_tasks_us']} us, the GPU's own work between them {row['gpu_chain_us']} us)"
+             if "replay_handoff_us" in row else "")
+          + (f"; hand-off per layer to the CPU {row['handoff_to_cpu_us']} us, back {row['handoff_to_gpu_us']} us "
+             f"(traced step, issued eagerly; predicted {row['predicted_handoff_to_cpu_us']} / "
+             f"{row['predicted_handoff_to_gpu_us']})" if "handoff_to_cpu_us" in row else "")
+          + (f"; replayed (medians, us): CPU task {row['replay_cpu_task_us']} (mean {row['replay_cpu_task_mean_us']}, "
+             f"first {row['replay_first_task_us']}, others {row['replay_other_tasks_us']}), between tasks "
+             f"{row['replay_between_tasks_us']}, execute to first task {row.get('replay_to_first_task_us')}, last task to "
+             f"return {row.get('replay_last_task_to_return_us')}, outside execute {row.get('replay_outside_execute_us')}; "
+             f"host: execute to launch {row.get('host_before_launch_us')}, launch {row.get('host_launch_us')}, wait "
+             f"returned to execute returning {row.get('host_after_wait_us')} "
+             f"(GPU kernels {row.get('gpu_us_per_layer')} us per layer, {row.get('gpu_ops_per_token')} GPU ops/token)"
+             if row.get("replay_cpu_task_us") is not None else ""), flush=True)
+
+
+def own_variant(a, v: str, model, opts: dict, prompts: list[int], vocab: int, cfg: dict, info: dict,
+                dram: float, hw) -> dict:
+    """The cpu and eager variants, measured on their own after the rounds (their prefill rows too):
+    all-CPU (torch's CPU attention with every thread) and the decode plan run op by op."""
+    import ktflow
+
+    if v == "cpu":
+        opts = dict(opts, device="cpu", placement="cpu", backend="native")
+        torch.set_num_threads(len(os.sched_getaffinity(0)))  # CPU attention runs in torch (the backend set 1)
+        c = ktflow.compile(model, **opts)
+    else:
+        c = compile_cpu_experts(model, opts)
+        c._backend = shared_backend(c)
+    c.prepare()
+    if v == "eager":  # the decode plan runs op by op: no graph runner
+        c.executor("decode").runner = None
+    row = dict(variant=v)
+    for p in prompts if v == "cpu" or a.prompts else []:
+        if v == "cpu" and p > 2048:
+            continue  # torch_ref's CPU attention materialises [heads, p, p] scores: minutes per rep
+        rates = prefill_rate(c, vocab, p, a.reps)
+        m, sd = mean_sd(rates)
+        row[f"prefill_{p}_tok_s"], row[f"prefill_{p}_sd"] = round(m, 1), round(sd, 1)
+        print(f"  {v:12s} prefill {p:5d}: {m:9.1f} +- {sd:6.1f} tok/s", flush=True)
+    if v != "cpu":
+        decode_run(c, vocab, 4, seed=99)
+    x = Variant(v, c, opts, row, shared_backend(None).wait, shared_backend(None).submit, 0.0, 0.0)
+    torch.cuda.reset_peak_memory_stats()
+    x.runs = [decode_run(c, vocab, a.decode, seed=r) for r in range(a.reps)]
+    x.peak_vram_gb = torch.cuda.max_memory_allocated() / 1e9
+    return finish_variant(a, x, vocab, cfg, info, dram, hw)
+
+
 def run_llama(a, ckpt: Path, lengths: list[int]) -> list[dict]:
     """The checkpoint as GGUF, prompt processing in llama.cpp's modes (rows also to the JSONL)."""
     import llama_cpp
@@ -530,17 +753,11 @@ def run_llama(a, ckpt: Path, lengths: list[int]) -> list[dict]:
     info = dict(commit=commit(), **machine(), gpu=torch.cuda.get_device_name(0), model=a.model, layers=layers,
                 gguf=a.gguf_type)
     append_jsonl(a.out, [dict(info, table="prefill", **r) for r in rows])
-    if a.decode and "graph" in a.variants:  # the decode peer of the graph variants, its best thread count quoted
-        tried = sorted({t for t in (threads - 2, threads - 1, threads) if t > 0})
-        dec = llama_cpp.decode(binary, gguf, a.decode, a.reps, tried, log)
-        append_jsonl(a.out, [dict(info, table="decode", **r) for r in dec])
-        rows += dec
-    return rows
+    return rows  # (decode: in rounds beside ktflow's, llama_cpp_decode)
 
 
 def run_prefill(a, model, base: dict, budget: float, lengths: list[int], info: dict, vocab: int, llama_rows, hw) -> None:
     """ktflow's prefill variants at every length, then the side-by-side table."""
-    import ktflow
     from prefill import measure
 
     rows = []
@@ -638,8 +855,6 @@ def main() -> int:
     import ktflow
     from ktflow import native
     from ktflow.hw import probe
-    from ktflow.ir.ops import Op
-    from ktflow.timeline import layer_times
 
     cfg = dict(MODELS[a.model])
     if a.layers:
@@ -673,7 +888,6 @@ def main() -> int:
     probe_compiled = ktflow.compile(model, device="cuda", vram_budget_gb=1000, allow_oversize=True, **base)
     fmt = probe_compiled.plans.options.expert_format  # auto resolved by the checkpoint
     budget = budget_without_experts(probe_compiled.decode)
-    shared = None
     info = dict(commit=commit(), **machine(), gpu=torch.cuda.get_device_name(0), model=a.model,
                 checkpoint="fp8" if a.fp8 else "bf16",
                 layers=cfg["num_hidden_layers"], expert_format=fmt, dram_gbps=round(dram, 1),
@@ -686,129 +900,51 @@ def main() -> int:
     variants = [v for v in a.variants.split(",") if v]
     decoded: list[dict] = []
     calibrated = None  # --calibrate: the profile fitted to the first graph variant
-    for v in sorted(variants, key=lambda v: v == "cpu"):  # the slow all-CPU baseline last
-        c = None
-        gc.collect()  # the previous variant's graphs and arenas (peak VRAM is per variant)
-        opts = dict(base)
-        if v == "cpu":
-            opts.update(device="cpu", placement="cpu", backend="native")
-            torch.set_num_threads(len(os.sched_getaffinity(0)))  # CPU attention runs in torch (the backend set 1)
-        else:
-            opts.update(device="cuda", vram_budget_gb=budget, backend="native" if v == "eager" else "cuda_graph")
-            if "+run" in v:  # greedy decode runs of K steps per launch
-                opts["greedy_steps"] = int(v.split("+run")[1].split("+")[0])
-            if "+d" in v:
-                k = v.split("+d")[1].split("+")[0]
-                opts["defer"] = "auto" if k == "auto" else int(k)
-                if k == "auto" and calibrated is not None:  # auto decides from the fitted profile
-                    opts["hw"] = calibrated
-        c = ktflow.compile(model, **opts) if v == "cpu" else compile_cpu_experts(model, opts)
-        if shared is None:
-            shared = shared_backend(c)
-            default_wait, default_submit = shared.wait, shared.submit
-        shared.wait = "host" if v == "graph+hostwait" else default_wait
-        shared.submit = "host" if "+hostsubmit" in v else "doorbell" if "+bell" in v else default_submit
-        if "+onestream" in v:  # experiment: the copy lane issued on the compute stream (a straight-line graph)
-            c._backend = shared
-            c.executor(c.decode).runner.copy = shared.gpu_stream
-        # (the host wait counts host submits: graph+hostwait submits through host nodes)
-        # one backend for every variant (benchmark only): packed experts and GPU weights loaded once;
-        # plans without GPU work (cpu) and the eager variant do not use its graph runner
-        c._backend = shared
-        t1 = time.perf_counter()
-        c.prepare()
-        weights_gb = torch.cuda.memory_allocated() / 1e9  # GPU weights of every variant so far (shared)
-        print(f"  {v}: compiled, weights ready in {time.perf_counter() - t1:.1f} s", flush=True)
-        if v == "eager":  # the decode plan runs op by op: no graph runner
-            c.executor("decode").runner = None
-        cpu_experts = [n for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "gpu"]
-        assert not cpu_experts, "a routed expert landed on the GPU: the budget is meant to hold none"
-        row = dict(info, variant=v)
-        if v in ("cpu", "eager"):
-            for p in prompts if v == "cpu" or a.prompts else []:
-                if v == "cpu" and p > 2048:
-                    continue  # torch_ref's CPU attention materialises [heads, p, p] scores: minutes per rep
-                rates = prefill_rate(c, vocab, p, a.reps)
-                m, sd = mean_sd(rates)
-                row[f"prefill_{p}_tok_s"], row[f"prefill_{p}_sd"] = round(m, 1), round(sd, 1)
-                print(f"  {v:12s} prefill {p:5d}: {m:9.1f} +- {sd:6.1f} tok/s", flush=True)
-        if v != "cpu":
-            # capture (graph variants: a greedy run's graph too) and warm
-            decode_run(c, vocab, max(4, 2 * c.plans.options.greedy_steps), seed=99)
-        if a.host_profile and v.startswith("graph"):
-            host_profile(c, vocab)
-        torch.cuda.reset_peak_memory_stats()
-        runs = [decode_run(c, vocab, a.decode, seed=r, records=v.startswith("graph")) for r in range(a.reps)]
-        m, sd = mean_sd([r[0] for r in runs])
-        busy = [r[1] for r in runs if r[1] is not None]
-        split = runs[-1][2] or {}
-        replayed = split.pop("replayed", None)
-        plan = c.decode
-        if opts.get("defer") == "auto":  # what auto chose, and the candidates' predicted steps
-            row["defer_cause"] = next((n.place.cause for n in plan.ir.nodes if n.op == Op.DEFER), "no deferral")
-            print(f"  {v}: {row['defer_cause']}", flush=True)
-        if a.calibrate and replayed is not None:
-            calibrated = calibrated_prediction(model, opts, plan, replayed, hw, calibrated, row)
-        elif a.calibrate and calibrated is None and v.startswith("graph"):
-            print(f"  calibrate: {v} runs {c.plans.options.greedy_steps} steps a launch, whose steps are not timed "
-                  "one by one; put graph+run1 first to fit from it", flush=True)
-        layers = [t for t in layer_times(plan) if t.layer is not None]
-        predicted_layer = statistics.mean(t.span_us for t in layers)
-        bpt = expert_bytes_per_token(plan, fmt)
-        # the faster DRAM read measured here: the native expert kernel over a set 8x the LLC (the probe)
-        # streams more than the plain all-CPU sum read
-        bound = max(dram, hw.cpu.gemv_gbps) * 1e9 / bpt
-        row.update(decode_tok_s=round(m, 2), decode_sd=round(sd, 2), cpu_busy=round(statistics.mean(busy), 3) if busy else None,
-                   predicted_step_us=round(plan.predicted_step_us, 1), measured_step_us=round(1e6 / m, 1),
-                   predicted_layer_us=round(predicted_layer, 1),
-                   measured_layer_us=round(1e6 / m / cfg["num_hidden_layers"], 1),
-                   expert_bytes_per_token=bpt, roofline_tok_s=round(bound, 2), roofline_fraction=round(m / bound, 3),
-                   peak_vram_gb=round(torch.cuda.max_memory_allocated() / 1e9, 3),
-                   allocated_after_prepare_gb=round(weights_gb, 3), wait=shared.wait if v.startswith("graph") else None,
-                   predicted_gpu_weights_gb=round(sum(n.weight_bytes(2) for n in plan.ir.nodes
-                                                      if n.place.device.value == "gpu") / 1e9, 3),
-                   fp8_held_weights=sum(w.held == "fp8" for n in plan.ir.nodes for w in n.weights),
-                   predicted_kv_gb=round(plan.memory.kv_cache_bytes / 1e9, 3),
-                   predicted_activation_mb=round(plan.memory.activation_bytes / 1e6, 2),
-                   # the decode runs' 32-token prompts run a prefill plan whose staging stays allocated:
-                   # the run's peak is the larger of the two plans' predictions
-                   predicted_vram_gb=round((max(plan.memory.gpu_bytes, c.prefill_plan(32).memory.gpu_bytes)
-                                            - c.plans.options.vram_reserve_gb * 1e9) / 1e9, 3)
-                   if plan.memory.gpu_bytes else 0.0,
-                   predicted_decode_plan_vram_gb=round((plan.memory.gpu_bytes - c.plans.options.vram_reserve_gb * 1e9)
-                                                       / 1e9, 3) if plan.memory.gpu_bytes else 0.0,
-                   defer=str(c.plans.options.defer))
-        row.update(split)
-        if v != "cpu" and "+run" not in v:
-            row.update(profile_decode(c, vocab))
-            row["gpu_us_per_layer"] = round(row["gpu_busy_us_per_token"] / cfg["num_hidden_layers"], 1)
-            for t in row["gpu_top_ops"]:
-                print(f"      {t['per_token']:7.1f}/token {t['us_per_token']:8.1f} us/token  {t['name']}")
-        if v.startswith("graph") and "+run" not in v:  # (a +run variant's single steps are its base variant's)
-            row.update(traced_handoffs(c, vocab))
-        if row.get("gpu_chain_us") is not None and row.get("replay_between_tasks_us") is not None \
-                and c.plans.options.defer is None:  # (deferred tasks overlap the GPU's work: no plain chain)
-            row["replay_handoff_us"] = round(row["replay_between_tasks_us"] - row["gpu_chain_us"], 1)
-        print(f"  {v:12s} decode: {m:7.2f} +- {sd:5.2f} tok/s ({100 * m / bound:.0f}% of the roofline {bound:.1f}); "
-              f"step {1e6 / m:.0f} us vs predicted {plan.predicted_step_us:.0f} us; "
-              f"CPU busy {row['cpu_busy']}, GPU busy {row.get('gpu_busy')}, launches/token "
-              f"{row.get('launches_per_token')}; peak VRAM {row['peak_vram_gb']} GB vs plan {row['predicted_vram_gb']} GB"
-              + (f"; hand-off per layer, replayed: {row['replay_handoff_us']} us both ways (between tasks "
-                 f"{row['replay_between_tasks_us']} us, the GPU's own work between them {row['gpu_chain_us']} us)"
-                 if "replay_handoff_us" in row else "")
-              + (f"; hand-off per layer to the CPU {row['handoff_to_cpu_us']} us, back {row['handoff_to_gpu_us']} us "
-                 f"(traced step, issued eagerly; predicted {row['predicted_handoff_to_cpu_us']} / "
-                 f"{row['predicted_handoff_to_gpu_us']})" if "handoff_to_cpu_us" in row else "")
-              + (f"; replayed (medians, us): CPU task {row['replay_cpu_task_us']} (mean {row['replay_cpu_task_mean_us']}, "
-                 f"first {row['replay_first_task_us']}, others {row['replay_other_tasks_us']}), between tasks "
-                 f"{row['replay_between_tasks_us']}, execute to first task {row['replay_to_first_task_us']}, last task to "
-                 f"return {row['replay_last_task_to_return_us']}, outside execute {row['replay_outside_execute_us']}; host: "
-                 f"execute to launch {row.get('host_before_launch_us')}, launch {row.get('host_launch_us')}, wait "
-                 f"returned to execute returning {row.get('host_after_wait_us')} "
-                 f"(GPU kernels {row.get('gpu_us_per_layer')} us per layer, {row.get('gpu_ops_per_token')} GPU ops/token)"
-                 if row.get("replay_cpu_task_us") is not None else ""), flush=True)
-        append_jsonl(a.out, [row])  # row by row: a run cut short keeps what it measured
-        decoded.append(row)
+    ready: list[Variant] = []
+    for v in variants:
+        if v in ("cpu", "eager"):  # measured on their own (their prefill rows too), after the interleaved ones
+            continue
+        opts = dict(base, device="cuda", vram_budget_gb=budget, backend="cuda_graph")
+        if "+run" in v:  # greedy decode runs of K steps per launch
+            opts["greedy_steps"] = int(v.split("+run")[1].split("+")[0])
+        if "+d" in v:
+            k = v.split("+d")[1].split("+")[0]
+            opts["defer"] = "auto" if k == "auto" else int(k)
+            if k == "auto" and calibrated is not None:  # auto decides from the fitted profile
+                opts["hw"] = calibrated
+        x = prepare_variant(v, model, opts, vocab)
+        ready.append(x)
+        if a.calibrate and calibrated is None:  # fit now, so that a later auto variant compiles with it
+            replayed = decode_run(x.c, vocab, a.decode, seed=98, records=True)[2]
+            replayed = (replayed or {}).get("replayed")
+            if replayed is not None:
+                calibrated = calibrated_prediction(model, opts, x.c.decode, replayed, hw, None, x.row)
+            else:
+                print(f"  calibrate: {v} runs {x.c.plans.options.greedy_steps} steps a launch, whose steps are not "
+                      "timed one by one; put graph+run1 first to fit from it", flush=True)
+    # llama.cpp's decode in the same rounds, where run_llama made its GGUF
+    llama_decode = llama_cpp_decode(a, d) if a.llama and ready and a.decode and gguf_made(a, d) else []
+    for r in range(a.reps):  # rounds: every system once per round, so a machine's drift falls on all alike
+        if llama_decode:
+            llama_decode[0](r)
+        for x in ready:
+            x.apply()
+            x.runs.append(decode_run(x.c, vocab, a.decode, seed=r, records=True))
+        print(f"  round {r + 1} of {a.reps}: " + ", ".join(f"{x.name} {x.runs[-1][0]:.1f}" for x in ready)
+              + (f"; llama.cpp {llama_decode[1](r)}" if llama_decode else "") + " tok/s", flush=True)
+    if llama_decode:
+        rows = llama_decode[2]()
+        llama_rows += rows
+    for x in ready:
+        if a.calibrate and calibrated is not None and x.runs[-1][2] and x.runs[-1][2].get("replayed") is not None \
+                and "calibrated_from" not in x.row:
+            calibrated_prediction(model, x.opts, x.c.decode, x.runs[-1][2]["replayed"], hw, calibrated, x.row)
+        decoded.append(finish_variant(a, x, vocab, cfg, info, dram, hw))
+        append_jsonl(a.out, [decoded[-1]])  # row by row: a run cut short keeps what it measured
+    for v in [v for v in variants if v in ("cpu", "eager")]:
+        opts = dict(base, device="cuda", vram_budget_gb=budget, backend="native")
+        decoded.append(own_variant(a, v, model, opts, prompts, vocab, cfg, info, dram, hw))
+        append_jsonl(a.out, [decoded[-1]])
     print_decode_table(decoded, [r for r in llama_rows if "decode_tok_s" in r])
     return 0
 
