@@ -526,7 +526,7 @@ class Variant:
     row: dict
     wait: str
     submit: str
-    peak_vram_gb: float
+    peak_vram_gb: float | None
     weights_gb: float
     runs: list = field(default_factory=list)
 
@@ -537,12 +537,13 @@ class Variant:
 
 
 _DEFAULTS: dict = {}  # the shared backend's own wait and submit, before any variant changed them
+ALL_CPUS = os.sched_getaffinity(0)  # before the cuda_graph backend confines this thread (keep_off_workers)
 
 
 def prepare_variant(v: str, model, opts: dict, vocab: int) -> Variant:
     """Compile `v` with every routed expert on the CPU, prepare it on the shared backend and warm
-    it (its step's graph and a greedy run's captured); its peak VRAM is what this variant added
-    to the shared weights, with them."""
+    it (its step's graph and a greedy run's captured). The first variant's peak VRAM is the
+    process's (later variants share its weights and staging: theirs is not told apart)."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     c = compile_cpu_experts(model, opts)
@@ -561,13 +562,12 @@ def prepare_variant(v: str, model, opts: dict, vocab: int) -> Variant:
     print(f"  {v}: compiled, weights ready in {time.perf_counter() - t1:.1f} s", flush=True)
     assert not [n for n in c.decode.ir.nodes if n.op.value == "routed_experts" and n.place.device.value == "gpu"], \
         "a routed expert landed on the GPU: the budget is meant to hold none"
-    x = Variant(v, c, opts, dict(variant=v), wait, submit, 0.0, _DEFAULTS["weights"] / 1e9)
+    x = Variant(v, c, opts, dict(variant=v), wait, submit, None, _DEFAULTS["weights"] / 1e9)
     x.apply()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    first = "peak" not in _DEFAULTS
     decode_run(c, vocab, max(4, 2 * c.plans.options.greedy_steps), seed=99)  # capture (a greedy run's too) and warm
-    x.peak_vram_gb = (torch.cuda.max_memory_allocated() - base + _DEFAULTS["weights"]) / 1e9
+    if first:  # the process's peak is this plan's alone only while it is the first (later ones share its buffers)
+        x.peak_vram_gb = _DEFAULTS["peak"] = torch.cuda.max_memory_allocated() / 1e9
     return x
 
 
@@ -585,13 +585,13 @@ def llama_cpp_decode(a, ckpt: Path):
 
     binary = llama_cpp.llama_bench(Path(a.llama))
     gguf = llama_cpp.gguf_for(ckpt, a.gguf_type)
-    threads = len(os.sched_getaffinity(0))
+    threads = len(ALL_CPUS)
     tried = sorted({t for t in (threads - 2, threads - 1, threads) if t > 0})
     got: dict[int, list[dict]] = {}
     quiet = lambda s: None  # noqa: E731
 
-    def run(r: int) -> None:
-        got[r] = llama_cpp.decode(binary, gguf, a.decode, 1, tried, quiet)
+    def run(r: int) -> None:  # on every CPU: the cuda_graph backend confined this thread to the pool's spare ones
+        got[r] = llama_cpp.decode(binary, gguf, a.decode, 1, tried, quiet, cpus=ALL_CPUS)
 
     def best(r: int) -> str:
         ok = [x for x in got.get(r, []) if "decode_tok_s" in x]
@@ -650,7 +650,8 @@ def finish_variant(a, x: Variant, vocab: int, cfg: dict, info: dict, dram: float
                predicted_layer_us=round(predicted_layer, 1),
                measured_layer_us=round(1e6 / m / cfg["num_hidden_layers"], 1),
                expert_bytes_per_token=bpt, roofline_tok_s=round(bound, 2), roofline_fraction=round(m / bound, 3),
-               peak_vram_gb=round(x.peak_vram_gb, 3), allocated_after_prepare_gb=round(x.weights_gb, 3), wait=x.wait,
+               peak_vram_gb=round(x.peak_vram_gb, 3) if x.peak_vram_gb is not None else None,
+               allocated_after_prepare_gb=round(x.weights_gb, 3), wait=x.wait,
                predicted_gpu_weights_gb=round(sum(n.weight_bytes(2) for n in plan.ir.nodes
                                                   if n.place.device.value == "gpu") / 1e9, 3),
                fp8_held_weights=sum(w.held == "fp8" for n in plan.ir.nodes for w in n.weights),

@@ -124,12 +124,15 @@ def bench(binary: Path, gguf: Path, lengths: list[int], reps: int, threads: int,
     return rows
 
 
-def decode(binary: Path, gguf: Path, tokens: int, reps: int, threads: list[int], log) -> list[dict]:
+def decode(binary: Path, gguf: Path, tokens: int, reps: int, threads: list[int], log,
+           cpus: set[int] | None = None) -> list[dict]:
     """Token generation after an empty prompt (llama-bench's tg), routed experts on the CPU, one
-    row per thread count: tok/s mean and sd over `reps`."""
+    row per thread count: tok/s mean and sd over `reps`. `cpus`: the CPUs llama-bench may run on
+    (default: the caller's; a process whose own thread is confined to a few CPUs passes all)."""
     cmd = [str(binary), "-m", str(gguf), "-ngl", "99", "-fa", "on", "-ot", "exps=CPU", "-p", "0", "-n", str(tokens),
            "-t", ",".join(map(str, threads)), "-r", str(reps), "-o", "jsonl"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True,
+                       preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     if r.returncode != 0:
         log(f"  llama.cpp decode: llama-bench failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
         return [dict(system="llama.cpp decode", error=r.stderr[-500:])]
