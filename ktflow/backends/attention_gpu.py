@@ -51,6 +51,29 @@ def _kernels():
     return attention_kernels
 
 
+def _splits(length: int) -> tuple[int, int]:
+    """(splits, keys per split) for a cache of `length` positions."""
+    if length <= ONE_SPLIT_MAX:
+        return 1, length
+    return -(-length // SPLIT_KEYS), SPLIT_KEYS
+
+
+def _attended(rows: int, width: int, splits: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
+    """The output [rows, width] (rows: token * heads + head) and, past one split, each split's
+    unnormalised sums, maxima and sums of exponentials for `combine` (else the output again)."""
+    out = torch.empty(rows, width, dtype=dtype, device=device)
+    if splits == 1:
+        return out, out, out, out
+    part_m = torch.empty(rows * splits, dtype=torch.float32, device=device)
+    return out, torch.empty(rows * splits, width, dtype=torch.float32, device=device), part_m, torch.empty_like(part_m)
+
+
+def _combine(k, out, part_acc, part_m, part_l, width: int, splits: int) -> None:
+    if splits > 1:
+        k.combine[(out.shape[0],)](part_acc, part_m, part_l, out, D=width, BLOCK_D=k.triton.next_power_of_2(width),
+                                   SPLITS=splits, BLOCK_S=k.triton.next_power_of_2(splits))
+
+
 def fusable(a, w: dict, x: torch.Tensor) -> bool:
     """Whether this GQA layer's decode attention runs here: on a CUDA device with Triton, weights
     held in the activation dtype (not FP8) and q/k/v concatenated (`fuse_qkv`), heads that share a
@@ -113,27 +136,18 @@ def attend(a, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     (and from its window's start); returns [T, heads * head_dim] in q's dtype."""
     k = _kernels()
     triton = k.triton
-    t, length = q.shape[0], k_cache.shape[2]
+    t = q.shape[0]
     D, group = a.head_dim, a.heads // a.kv_heads
-    splits = 1 if length <= ONE_SPLIT_MAX else triton.cdiv(length, SPLIT_KEYS)
-    split_keys = length if splits == 1 else SPLIT_KEYS
-    out = torch.empty(t, a.heads * D, dtype=q.dtype, device=q.device)
-    if splits == 1:
-        part_acc = part_m = part_l = out
-    else:
-        part_acc = torch.empty(t * a.heads * splits, D, dtype=torch.float32, device=q.device)
-        part_m = torch.empty(t * a.heads * splits, dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
+    splits, split_keys = _splits(k_cache.shape[2])
+    out, part_acc, part_m, part_l = _attended(t * a.heads, D, splits, q.dtype, q.device)
     block_d = triton.next_power_of_2(D)
     k.attend[(t, a.kv_heads, splits)](
         q, k_cache, v_cache, *k_cache.stride()[:3], pos, out, part_acc, part_m, part_l, seq, a.heads, group,
         float(a.softmax_scale), int(a.window), split_keys, D=D, BLOCK_D=block_d,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64 if block_d <= 128 else 32, RAGGED=ragged,
         SPLITS=splits, num_warps=4)
-    if splits > 1:
-        k.combine[(t * a.heads,)](part_acc, part_m, part_l, out, D=D, BLOCK_D=block_d, SPLITS=splits,
-                              BLOCK_S=triton.next_power_of_2(splits))
-    return out
+    _combine(k, out, part_acc, part_m, part_l, D, splits)
+    return out.view(t, a.heads * D)
 
 
 def mla_fusable(a, w: dict, x: torch.Tensor) -> bool:
@@ -171,23 +185,15 @@ def attend_latent(a, q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch.Ten
     position. Returns the latent outputs [T, heads, rank] in q_lat's dtype."""
     k = _kernels()
     triton = k.triton
-    t, length = q_lat.shape[0], cache.shape[1]
+    t = q_lat.shape[0]
     rank, heads = a.kv_lora_rank, a.heads
-    splits = 1 if length <= ONE_SPLIT_MAX else triton.cdiv(length, SPLIT_KEYS)
-    out = torch.empty(t, heads, rank, dtype=q_lat.dtype, device=q_lat.device)
-    if splits == 1:
-        part_acc = part_m = part_l = out
-    else:
-        part_acc = torch.empty(t * heads * splits, rank, dtype=torch.float32, device=q_lat.device)
-        part_m = torch.empty(t * heads * splits, dtype=torch.float32, device=q_lat.device)
-        part_l = torch.empty_like(part_m)
+    splits, split_keys = _splits(cache.shape[1])
+    out, part_acc, part_m, part_l = _attended(t * heads, rank, splits, q_lat.dtype, q_lat.device)
     block_h = 16
     k.attend_latent[(t, triton.cdiv(heads, block_h), splits)](
         q_lat, q_lat.stride(0), q_lat.stride(1), q_rope, cache, cache.stride(0), cache.stride(1), pos, out, part_acc,
-        part_m, part_l, seq, heads, float(a.softmax_scale), length if splits == 1 else SPLIT_KEYS, RANK=rank,
-        ROPE=a.qk_rope_dim, BLOCK_R=triton.next_power_of_2(rank), BLOCK_P=max(16, triton.next_power_of_2(a.qk_rope_dim)),
+        part_m, part_l, seq, heads, float(a.softmax_scale), split_keys, RANK=rank, ROPE=a.qk_rope_dim,
+        BLOCK_R=triton.next_power_of_2(rank), BLOCK_P=max(16, triton.next_power_of_2(a.qk_rope_dim)),
         BLOCK_H=block_h, BLOCK_N=32, RAGGED=ragged, SPLITS=splits, num_warps=4)
-    if splits > 1:
-        k.combine[(t * heads,)](part_acc, part_m, part_l, out, D=rank, BLOCK_D=triton.next_power_of_2(rank), SPLITS=splits,
-                            BLOCK_S=triton.next_power_of_2(splits))
-    return out
+    _combine(k, out, part_acc, part_m, part_l, rank, splits)
+    return out.view(t, heads, rank)
