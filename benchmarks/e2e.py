@@ -709,7 +709,9 @@ def own_variant(a, v: str, model, opts: dict, prompts: list[int], vocab: int, cf
 
     if v == "cpu":
         opts = dict(opts, device="cpu", placement="cpu", backend="native")
-        torch.set_num_threads(len(os.sched_getaffinity(0)))  # CPU attention runs in torch (the backend set 1)
+        # CPU attention runs in torch: every CPU (the cuda_graph backend confined this thread and set one)
+        os.sched_setaffinity(0, ALL_CPUS)
+        torch.set_num_threads(len(ALL_CPUS))
         c = ktflow.compile(model, **opts)
     else:
         c = compile_cpu_experts(model, opts)
