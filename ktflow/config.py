@@ -139,6 +139,11 @@ def semantic_problems(cfg: HFConfig) -> list[str]:
     heads, kv = val("num_attention_heads"), val("num_key_value_heads")
     if heads and kv and heads % kv:
         out.append(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    hidden = val("hidden_size")
+    if getattr(cfg, "head_dim", None) is None and getattr(cfg, "kv_lora_rank", None) is None \
+            and hidden and heads and hidden < heads:  # (MLA's head sizes are fields of their own)
+        out.append(f"hidden_size {hidden} over num_attention_heads {heads} leaves a head dimension of 0: "
+                   "set head_dim or fix those two")
     experts = next((val(n) for n in _EXPERTS if val(n) is not None), None)
     topk = val("num_experts_per_tok")
     if experts is not None and topk is not None and topk > experts:

@@ -102,6 +102,7 @@ def test_mixtral_default_theta_is_1e6():
     ({"num_experts": -1}, "'num_experts' must be >= 1, got -1"),
     ({"num_experts": 1 << 40}, "past any real model"),
     ({"mlp_only_layers": [5]}, "mlp_only_layers [5] are not layer indices 0..1"),
+    ({"head_dim": None, "hidden_size": 1}, "hidden_size 1 over num_attention_heads 4 leaves a head dimension of 0"),
 ])
 def test_configs_are_checked_semantically(tmp_path, edit, words):
     """A config that parses but cannot describe a model is refused, naming the field, the value
