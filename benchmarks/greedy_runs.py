@@ -191,9 +191,8 @@ def ab_rounds(a, c, vocab: int) -> None:
               f"step boundary {row['boundary_us']:.0f} us, between tasks {row['between_us']:.0f} us, "
               f"CPU task {row['task_us']:.0f} us (medians)", flush=True)
     same = [torch.equal(rounds[1][r]["ids"], rounds[K][r]["ids"]) for r in range(a.rounds)]
-    print(f"rounds whose greedy ids match between the two ways: {sum(same)} of {a.rounds} (on the GPU machine two "
-          "runs of the same prompt one step a launch did not match either: a random-weight model's near ties flip "
-          "between runs; equality is tested on the tiny models, tests/test_cuda_graph.py)")
+    print(f"rounds whose greedy ids match between the two ways: {sum(same)} of {a.rounds} (a random-weight "
+          "model's near ties can flip; equality is tested on the tiny models, tests/test_cuda_graph.py)")
     append_jsonl(a.out, rows)
 
 

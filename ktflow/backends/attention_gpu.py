@@ -74,14 +74,24 @@ def _combine(k, out, part_acc, part_m, part_l, width: int, splits: int) -> None:
                                    SPLITS=splits, BLOCK_S=k.triton.next_power_of_2(splits))
 
 
+#: the matrix `fuse_qkv` concatenates an attention kind's input projections into
+FUSED = {"gqa": "qkv", "mla": "q_kv_a"}
+
+
 def fusable(a, w: dict, x: torch.Tensor) -> bool:
-    """Whether this GQA layer's decode attention runs here: on a CUDA device with Triton, weights
-    held in the activation dtype (not FP8) and q/k/v concatenated (`fuse_qkv`), heads that share a
-    key head at most 64."""
+    """Whether this layer's decode attention runs here: on a CUDA device with Triton, its input
+    projections concatenated by `fuse_qkv` (held in the activation dtype, not FP8); for GQA heads
+    that share a key head at most 64 and a rotary part within the head, for MLA a latent of at
+    most 1024."""
     from .dequant_gpu import available
 
-    return (x.is_cuda and "qkv" in w and a.kind == "gqa" and a.heads % a.kv_heads == 0
-            and a.heads // a.kv_heads <= 64 and 2 * (a.rope.dim // 2) <= a.head_dim and available(x.device))
+    if not (x.is_cuda and FUSED.get(a.kind) in w):
+        return False
+    if a.kind == "gqa":
+        shape_ok = a.heads % a.kv_heads == 0 and a.heads // a.kv_heads <= 64 and 2 * (a.rope.dim // 2) <= a.head_dim
+    else:
+        shape_ok = a.qk_rope_dim % 2 == 0 and a.kv_lora_rank <= 1024
+    return shape_ok and available(x.device)
 
 
 def fuse_qkv(w: dict, kind: str = "gqa") -> None:
@@ -89,8 +99,8 @@ def fuse_qkv(w: dict, kind: str = "gqa") -> None:
     place, each left as a view of it (no second copy): a GQA layer's q, k, v (and their biases)
     into `qkv`; an MLA layer's q (or q_a, with a query LoRA) and kv_a into `q_kv_a`. Nothing
     where one is held in another form (FP8), on the CPU, has a bias of its own, or is fused already."""
-    fused, roles = ("qkv", ("q", "k", "v")) if kind == "gqa" else \
-        ("q_kv_a", ("q_a" if "q_a" in w else "q", "kv_a"))
+    fused = FUSED[kind]
+    roles = ("q", "k", "v") if kind == "gqa" else ("q_a" if "q_a" in w else "q", "kv_a")
     if fused in w or not all(isinstance(w.get(r), torch.Tensor) for r in roles):
         return
     parts = [w[r] for r in roles]
@@ -148,15 +158,6 @@ def attend(a, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
         SPLITS=splits, num_warps=4)
     _combine(k, out, part_acc, part_m, part_l, D, splits)
     return out.view(t, a.heads * D)
-
-
-def mla_fusable(a, w: dict, x: torch.Tensor) -> bool:
-    """Whether this MLA layer's decode attention runs here (CUDA with Triton, the first projections
-    concatenated by `fuse_qkv`)."""
-    from .dequant_gpu import available
-
-    return (x.is_cuda and "q_kv_a" in w and a.kind == "mla" and a.qk_rope_dim % 2 == 0
-            and a.kv_lora_rank <= 1024 and available(x.device))
 
 
 def mla_project(a, q: torch.Tensor, kv: torch.Tensor, kv_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

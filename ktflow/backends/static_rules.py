@@ -125,6 +125,12 @@ def gqa(be, a: AttentionAttrs, w, x: torch.Tensor, ctx: StepContext, dev) -> tor
     return linear(out.transpose(1, 2).reshape(b, s, -1), w, "o").view(b * s, -1)
 
 
+def _kernel_tokens(ctx: StepContext) -> tuple[int, bool]:
+    """(tokens a row, ragged) as attention_gpu's kernels read a step: a ragged step's rows one token
+    each at their own position."""
+    return (1, True) if ragged(ctx) else (ctx.seq, False)
+
+
 def gqa_fused(be, a: AttentionAttrs, w, x: torch.Tensor, ctx: StepContext, dev) -> torch.Tensor:
     """gqa in attention_gpu's kernels: one GEMM for q, k and v, one kernel for the norms, the
     rotation and the cache writes, one (or a split and a merge) for attention up to each token's
@@ -132,7 +138,7 @@ def gqa_fused(be, a: AttentionAttrs, w, x: torch.Tensor, ctx: StepContext, dev) 
     kc, vc = be.cache(ctx, a, dev)
     qkv = linear(x.view(-1, x.shape[-1]), w, "qkv")
     cos, sin = _rope_rows(be, a, ctx)
-    seq, ragged_step = (1, True) if ragged(ctx) else (ctx.seq, False)
+    seq, ragged_step = _kernel_tokens(ctx)
     q = attention_gpu.project(a, qkv, w, cos, sin, ctx.position_t, kc, vc, seq, ragged_step)
     return linear(attention_gpu.attend(a, q, kc, vc, ctx.position_t, seq, ragged_step), w, "o")
 
@@ -145,7 +151,7 @@ def absorbed_kv_b(a: AttentionAttrs, kv_b: torch.Tensor) -> tuple[torch.Tensor, 
 
 def mla(be, a: AttentionAttrs, w, x: torch.Tensor, ctx: StepContext, dev) -> torch.Tensor:
     b, s = ctx.batch, ctx.seq
-    if attention_gpu.mla_fusable(a, w, x):
+    if attention_gpu.fusable(a, w, x):
         return mla_fused(be, a, w, x, ctx, dev)
     projected = mla_project(a, w, x.view(*_tokens_as_sequence(ctx), -1), *_rope_rows(be, a, ctx))
     q_nope, q_rope, latent, k_rope = (t.view(b, s, *t.shape[2:]) for t in projected)
@@ -180,7 +186,7 @@ def mla_fused(be, a: AttentionAttrs, w, x: torch.Tensor, ctx: StepContext, dev) 
     if a.q_lora_rank:
         q = linear(rms_norm(q, w["q_a_norm"], a.norm_eps), w, "q_b")
     cos, sin = _rope_rows(be, a, ctx)
-    seq, ragged_step = (1, True) if ragged(ctx) else (ctx.seq, False)
+    seq, ragged_step = _kernel_tokens(ctx)
     q_rope = attention_gpu.mla_project(a, q, first[:, -kv_width:], w["kv_a_norm"], cos, sin, ctx.position_t, both,
                                        seq, ragged_step)
     w_uk, w_uv = absorbed_kv_b(a, w["kv_b"])
