@@ -1,7 +1,10 @@
 #include "ktf/moe.h"
 #include "ktf/queue.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <string>
 
@@ -396,10 +399,13 @@ struct JobState {
   std::vector<int> token_row0, token_rows;  // CSR: token t's rows
 };
 
+enum class Kind : uint8_t { Gather, Up, Down, Reduce };
+
 struct Task {
   int job, slice, expert, nb0, nb1;  // expert: index into JobState::experts (-1: not per expert)
   int c0 = 0, c1 = 0;                // reduce: output columns
   int r0 = 0, r1 = 0;                // gather, up, down: the expert's rows r0..r1-1 (of its er.rows)
+  Kind kind = Kind::Gather;
 };
 
 // Rows of one expert per task at most: an expert many tokens picked (a long prompt through a
@@ -409,9 +415,24 @@ constexpr int ROW_RUN = 256;
 inline int row_runs(int rows) { return std::max(1, (rows + ROW_RUN - 1) / ROW_RUN); }
 inline int row_run(int rows) { return std::min(rows, int(round_up(size_t((rows + row_runs(rows) - 1) / row_runs(rows)), 16))); }
 
+// What the up, down and reduce tasks of one pool run wait on, and when each kind's last task ended.
+// A down task waits for every up task of its (job, slice, expert); a reduce task for every down task
+// of its job. Each group's list holds its up tasks, then its down tasks, then its reduce tasks, and
+// a worker claims a list's tasks in order, so a task only ever waits on tasks already claimed, by
+// threads that never wait on it: the run cannot deadlock, and a failed task stops the waiters.
+struct Dependencies {
+  std::vector<size_t> key0;                          // per job: its first (slice, expert) counter
+  std::unique_ptr<std::atomic<int>[]> ups_left;      // per (job, slice, expert)
+  std::unique_ptr<std::atomic<int>[]> downs_left;    // per job
+  std::atomic<int> left[3] = {};                     // up, down, reduce tasks not yet finished
+  std::atomic<int64_t> end_ns[3] = {};               // when the last of each kind finished
+  std::atomic<bool> failed{false};
+};
+
 struct PhaseCtx {
   std::vector<JobState>* states;
   std::vector<std::vector<Task>> lists;
+  Dependencies* deps = nullptr;  // set for the fused up/down/reduce run
 };
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
@@ -552,6 +573,55 @@ void reduce_task(void* ctx, int group, int i) {
   }
 }
 
+// Spins until `counter` reaches zero (the tasks it counts are claimed and running on other
+// threads): true, or false when a task of the run failed (the waiter is skipped; the pool rethrows
+// the failure itself).
+bool await_zero(const std::atomic<int>& counter, const Dependencies& d) {
+  while (counter.load(std::memory_order_acquire) > 0) {
+    if (d.failed.load(std::memory_order_relaxed)) return false;
+    _mm_pause();
+  }
+  return true;
+}
+
+void finished(Dependencies& d, int kind) {
+  if (d.left[kind].fetch_sub(1, std::memory_order_acq_rel) == 1) d.end_ns[kind].store(now_ns());
+}
+
+// One task of the fused run: up, then down (after its expert's up tasks), then reduce (after its
+// job's down tasks).
+void fused_task(void* ctx, int group, int i) {
+  auto* c = static_cast<PhaseCtx*>(ctx);
+  Dependencies& d = *c->deps;
+  const Task& tk = c->lists[group][i];
+  try {
+    const size_t key = tk.expert >= 0 ? d.key0[tk.job] + size_t(tk.slice) * (*c->states)[tk.job].experts.size() + tk.expert : 0;
+    switch (tk.kind) {
+      case Kind::Up:
+        up_task(ctx, group, i);
+        d.ups_left[key].fetch_sub(1, std::memory_order_acq_rel);
+        finished(d, 0);
+        break;
+      case Kind::Down:
+        if (!await_zero(d.ups_left[key], d)) return;
+        down_task(ctx, group, i);
+        d.downs_left[tk.job].fetch_sub(1, std::memory_order_acq_rel);
+        finished(d, 1);
+        break;
+      case Kind::Reduce:
+        if (!await_zero(d.downs_left[tk.job], d)) return;
+        reduce_task(ctx, group, i);
+        finished(d, 2);
+        break;
+      case Kind::Gather:
+        throw std::logic_error("gather task in the fused run");
+    }
+  } catch (...) {
+    d.failed.store(true);
+    throw;
+  }
+}
+
 double weight_bytes(Format f) { return f == Format::BF16 ? 2.0 : f == Format::INT4 ? 0.5 : 1.0; }
 
 // One task per (job, slice, expert, run of at most ROW_RUN of its rows, run of output blocks of
@@ -562,7 +632,7 @@ double weight_bytes(Format f) { return f == Format::BF16 ? 2.0 : f == Format::IN
 // but never so many blocks that the group gets fewer than two tasks per thread (a few experts
 // with many rows each: a long prompt's CPU share of a split layer).
 void plan_block_tasks(ThreadPool& pool, std::vector<JobState>& states, PhaseCtx& ctx,
-                      std::vector<PackedMatrix> MoE::Slice::*which, int matrices) {
+                      std::vector<PackedMatrix> MoE::Slice::*which, int matrices, Kind kind) {
   auto block_bytes = [&](const MoE& m, const PackedMatrix& W) {
     return NB * double(W.kp) * weight_bytes(m.shape().fmt) * matrices;
   };
@@ -589,7 +659,7 @@ void plan_block_tasks(ThreadPool& pool, std::vector<JobState>& states, PhaseCtx&
         for (int r = 0; r < er.rows; r += run)
           for (int b = 0; b < W.nblocks(); b += nbt)
             ctx.lists[group].push_back(
-                {int(q), int(s), int(a), b, std::min(W.nblocks(), b + nbt), 0, 0, r, std::min(er.rows, r + run)});
+                {int(q), int(s), int(a), b, std::min(W.nblocks(), b + nbt), 0, 0, r, std::min(er.rows, r + run), kind});
       }
   }
 }
@@ -690,27 +760,51 @@ void run_jobs(ThreadPool& pool, std::vector<Job>& jobs) {
   stamp[1] = now_ns();
   run_phase(pool, ctx, gather_task, gather_bytes <= (64 << 10));
   stamp[2] = now_ns();
-  // up: (job, slice, expert, output blocks of gate/up); down: (job, slice, expert, output columns)
-  plan_block_tasks(pool, states, ctx, &MoE::Slice::gate, 2);
-  run_phase(pool, ctx, up_task);
-  stamp[3] = now_ns();
-  plan_block_tasks(pool, states, ctx, &MoE::Slice::down, 1);
-  run_phase(pool, ctx, down_task);
-  stamp[4] = now_ns();
-  // reduce: token ranges; with fewer tokens than threads, each token's columns in pieces as well
-  size_t reduce_bytes = 0;
+  // up: (job, slice, expert, output blocks of gate/up); down: (job, slice, expert, output columns);
+  // reduce: token ranges, with fewer tokens than threads each token's columns in pieces as well.
+  // All three in one pool run (see Dependencies): no barrier between the phases, so threads done
+  // with the up tasks go on with the down tasks of the experts whose up tasks are done, and the
+  // reduce follows without another wake-up.
+  plan_block_tasks(pool, states, ctx, &MoE::Slice::gate, 2, Kind::Up);
+  plan_block_tasks(pool, states, ctx, &MoE::Slice::down, 1, Kind::Down);
   for (size_t q = 0; q < states.size(); ++q) {
     const JobState& st = states[q];
     const int T = st.T, per = std::max(1, std::min(64, T / (4 * pool.threads()) + 1));
     const int pieces = T >= pool.threads() ? 1 : (pool.threads() + T - 1) / T;
     const int width = int(round_up((st.H + pieces - 1) / pieces, 16));
-    reduce_bytes += st.row_token.size() * st.moe->slices().size() * st.H * sizeof(float);
     for (int t = 0, n = 0; t < T; t += per)
       for (int c = 0; c < st.H; c += width, ++n)
-        ctx.lists[n % pool.groups()].push_back({int(q), 0, -1, t, std::min(T, t + per), c, std::min(st.H, c + width)});
+        ctx.lists[n % pool.groups()].push_back(
+            {int(q), 0, -1, t, std::min(T, t + per), c, std::min(st.H, c + width), 0, 0, Kind::Reduce});
   }
-  run_phase(pool, ctx, reduce_task, reduce_bytes <= (16 << 10));
+  Dependencies deps;
+  size_t keys = 0;
+  for (const JobState& st : states) {
+    deps.key0.push_back(keys);
+    keys += st.moe->slices().size() * st.experts.size();
+  }
+  deps.ups_left.reset(new std::atomic<int>[std::max<size_t>(keys, 1)]());
+  deps.downs_left.reset(new std::atomic<int>[states.size()]());
+  int left[3] = {0, 0, 0};
+  for (const auto& list : ctx.lists)
+    for (const Task& tk : list) {
+      if (tk.kind == Kind::Up) deps.ups_left[deps.key0[tk.job] + size_t(tk.slice) * states[tk.job].experts.size() + tk.expert]++;
+      if (tk.kind == Kind::Down) deps.downs_left[tk.job]++;
+      ++left[int(tk.kind) - int(Kind::Up)];
+    }
+  for (int k = 0; k < 3; ++k) {
+    deps.left[k] = left[k];
+    deps.end_ns[k] = stamp[2];
+  }
+  ctx.deps = &deps;
+  run_phase(pool, ctx, fused_task);
+  // the phases as they overlapped: up until its last task ended, down and reduce from the end of
+  // the phase before to their own last task's end
+  // the phases as they overlapped: up until its last task ended, down from there to the end of its
+  // last task, reduce from there to the end of the run
   stamp[5] = now_ns();
+  stamp[3] = std::clamp(deps.end_ns[0].load(), stamp[2], stamp[5]);
+  stamp[4] = std::clamp(deps.end_ns[1].load(), stamp[3], stamp[5]);
   for (int i = 0; i < 5; ++i) ws.phase_ns[i] = stamp[i + 1] - stamp[i];
 }
 

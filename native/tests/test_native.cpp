@@ -193,6 +193,8 @@ static void test_moe(std::shared_ptr<ThreadPool> pool, int T, int k, int E, Path
   Job& j = jobs[0];
   j.path = path;
   run_jobs(*pool, jobs);
+  const int64_t* ph = moe.workspace().phase_ns;
+  CHECK(ph[0] >= 0 && ph[1] >= 0 && ph[2] >= 0 && ph[3] >= 0 && ph[4] >= 0, "moe phases: negative time");
   auto ref = reference(x, in, ids, wts, T, k, k0, k, present);
   std::vector<double> got(out.begin(), out.end());
   const double e = rel_err(got, ref);
@@ -214,6 +216,24 @@ static void test_moe(std::shared_ptr<ThreadPool> pool, int T, int k, int E, Path
   auto masked = reference(x, in, ids, wts, T, k, k0, k, both);
   got.assign(out.begin(), out.end());
   CHECK(rel_err(got, masked) < tol(fmt), "moe with an expert mask: rel err %g", rel_err(got, masked));
+  // a task that fails (here: a kernel path this CPU lacks, in every up task) fails the run with its
+  // own error, and the down and reduce tasks waiting on it are skipped rather than left spinning
+  bool routed = false;  // some pick in columns k0.. names a held expert
+  for (int t = 0; t < T; ++t)
+    for (int s = k0; s < k; ++s) routed |= ids[size_t(t) * k + s] >= 0 && present[ids[size_t(t) * k + s]];
+  if (routed && !path_available(Path::AMX)) {
+    j.path = Path::AMX;
+    j.mask = nullptr;
+    bool raised = false;
+    try {
+      run_jobs(*pool, jobs);
+    } catch (const std::runtime_error& err) {
+      raised = std::string(err.what()).find("not available") != std::string::npos;
+    }
+    CHECK(raised, "moe T %d k %d E %d %s: a failing up task did not fail the run with its own error", T, k, E,
+          format_name(fmt));
+    j.path = path;
+  }
   // every held expert's matrices lie in its slice's arena: block arena_slot(e), at the layout's offsets
   for (const MoE::Slice& sl : moe.slices()) {
     CHECK(reinterpret_cast<uintptr_t>(sl.arena) % 4096 == 0 && sl.arena_bytes % 4096 == 0, "arena is page aligned");

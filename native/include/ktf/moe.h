@@ -33,7 +33,9 @@ class MoE;
 class Workspace {
  public:
   std::mutex busy;
-  // nanoseconds of the last batch's phases: route (and scratch), gather, up, down, reduce
+  // nanoseconds of the last batch's phases: route (and scratch), gather, up, down, reduce (up, down
+  // and reduce run as one overlapped pool run: up until its last task ended, down from there until
+  // its last task ended, reduce the rest)
   int64_t phase_ns[5] = {};
   void* reserve(size_t bytes);  // 64-byte aligned; contents undefined; invalidates older pointers
   ~Workspace();
