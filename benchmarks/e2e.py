@@ -30,9 +30,10 @@ decode tokens/s for `--decode` tokens after a 32-token prompt. For each
 decode variant also: CPU busy % (the native queue's task times over the wall time), GPU busy %
 and API launches per token (torch.profiler over 16 steps), predicted vs measured per-layer time,
 peak VRAM vs the plan, the hand-off of each layer's CPU task to the CPU and back (graph variants: one
-traced step, `ktflow.timeline.handoffs`), and the roofline bound: routed-expert bytes per token over the measured
-DRAM bandwidth (the faster of an all-CPU sum read and the probe's native expert read over a set
-8x the last-level cache). Every routed expert stays on the CPU (the VRAM budget holds the dense weights
+traced step, `ktflow.timeline.handoffs`), and the roofline: routed-expert bytes per token over the
+DRAM read measured (the native pool streaming 1 GiB on every CPU) at the start of each round, the
+fraction being the mean of the rounds' own fractions; exact variants also print their CPU task's
+expert bytes per second (replayed) against it. Every routed expert stays on the CPU (the VRAM budget holds the dense weights
 and the KV cache only), as on a machine whose GPU cannot hold the experts.
 
     python benchmarks/e2e.py --model dsv2lite             # the full table for one model
@@ -618,10 +619,14 @@ def llama_cpp_decode(a, ckpt: Path):
     return run, best, rows
 
 
-def finish_variant(a, x: Variant, vocab: int, cfg: dict, info: dict, dram: float, hw) -> dict:
+def finish_variant(a, x: Variant, vocab: int, cfg: dict, info: dict, dram: list[float], hw) -> dict:
     """Variant x's row from its rounds (tok/s mean +- sd, CPU busy, the last round's replayed
     split), what auto chose, the prediction, the roofline, memory, and the one-step diagnostics:
-    the GPU's kernels (profiled), the hand-off (replayed; and from a traced, eagerly issued step)."""
+    the GPU's kernels (profiled), the hand-off (replayed; and from a traced, eagerly issued step).
+
+    `dram`: the DRAM read measured in each round (one figure: for every run). The roofline fraction
+    is the mean over the rounds of the round's tok/s over the round's own bound (routed-expert bytes
+    per token at that round's DRAM read): this VM's DRAM read drifts by 10-30% within minutes."""
     from ktflow.ir.ops import Op
     from ktflow.timeline import layer_times
 
@@ -640,16 +645,17 @@ def finish_variant(a, x: Variant, vocab: int, cfg: dict, info: dict, dram: float
     layers = [t for t in layer_times(plan) if t.layer is not None]
     predicted_layer = statistics.mean(t.span_us for t in layers)
     bpt = expert_bytes_per_token(plan, info["expert_format"])
-    # the faster DRAM read measured here: the native expert kernel over a set 8x the LLC (the probe)
-    # streams more than the plain all-CPU sum read
-    bound = max(dram, hw.cpu.gemv_gbps) * 1e9 / bpt
+    per_round = dram if len(dram) == len(x.runs) else [statistics.mean(dram)] * len(x.runs)
+    bound = statistics.mean(per_round) * 1e9 / bpt
+    fraction = statistics.mean(r[0] * bpt / (g * 1e9) for r, g in zip(x.runs, per_round))
     row.update(decode_tok_s=round(m, 2), decode_sd=round(sd, 2), rounds=len(x.runs),
                per_round=[round(r[0], 2) for r in x.runs],
                cpu_busy=round(statistics.mean(busy), 3) if busy else None,
                predicted_step_us=round(plan.predicted_step_us, 1), measured_step_us=round(1e6 / m, 1),
                predicted_layer_us=round(predicted_layer, 1),
                measured_layer_us=round(1e6 / m / cfg["num_hidden_layers"], 1),
-               expert_bytes_per_token=bpt, roofline_tok_s=round(bound, 2), roofline_fraction=round(m / bound, 3),
+               expert_bytes_per_token=bpt, roofline_tok_s=round(bound, 2), roofline_fraction=round(fraction, 3),
+               dram_gbps_rounds=[round(g, 1) for g in per_round],
                peak_vram_gb=round(x.peak_vram_gb, 3) if x.peak_vram_gb is not None else None,
                allocated_after_prepare_gb=round(x.weights_gb, 3), wait=x.wait,
                predicted_gpu_weights_gb=round(sum(n.weight_bytes(2) for n in plan.ir.nodes
@@ -675,13 +681,21 @@ def finish_variant(a, x: Variant, vocab: int, cfg: dict, info: dict, dram: float
     if row.get("gpu_chain_us") is not None and row.get("replay_between_tasks_us") is not None \
             and c.plans.options.defer is None:  # (deferred tasks overlap the GPU's work: no plain chain)
         row["replay_handoff_us"] = round(row["replay_between_tasks_us"] - row["gpu_chain_us"], 1)
+    tasks = sum(n.op == Op.ROUTED_EXPERTS and n.place.device.value == "cpu" for n in plan.ir.nodes)
+    if c.plans.options.defer is None and tasks and row.get("replay_cpu_task_mean_us"):
+        # one CPU task per MoE layer: its expert bytes over its mean replayed time, against the DRAM read
+        row["replay_cpu_task_gbps"] = round(bpt / tasks / row["replay_cpu_task_mean_us"] / 1e3, 1)
+        row["replay_cpu_task_dram_fraction"] = round(row["replay_cpu_task_gbps"] / statistics.mean(per_round), 3)
     print_variant(row, bound)
     return row
 
 
 def print_variant(row: dict, bound: float) -> None:
     v, m, sd = row["variant"], row["decode_tok_s"], row["decode_sd"]
-    print(f"  {v:12s} decode: {m:7.2f} +- {sd:5.2f} tok/s ({100 * m / bound:.0f}% of the roofline {bound:.1f}); "
+    print(f"  {v:12s} decode: {m:7.2f} +- {sd:5.2f} tok/s ({100 * row['roofline_fraction']:.0f}% of the roofline, "
+          f"{bound:.1f} at the rounds' mean DRAM read); "
+          + (f"CPU task {row['replay_cpu_task_gbps']} GB/s of experts ({100 * row['replay_cpu_task_dram_fraction']:.0f}% "
+             "of the DRAM read); " if "replay_cpu_task_gbps" in row else "") +
           f"step {1e6 / m:.0f} us vs predicted {row['predicted_step_us']:.0f} us; "
           f"CPU busy {row['cpu_busy']}, GPU busy {row.get('gpu_busy')}, launches/token "
           f"{row.get('launches_per_token')}; peak VRAM {row['peak_vram_gb']} GB vs plan {row['predicted_vram_gb']} GB"
@@ -702,7 +716,7 @@ def print_variant(row: dict, bound: float) -> None:
 
 
 def own_variant(a, v: str, model, opts: dict, prompts: list[int], vocab: int, cfg: dict, info: dict,
-                dram: float, hw) -> dict:
+                dram: list[float], hw) -> dict:
     """The cpu and eager variants, measured on their own after the rounds (their prefill rows too):
     all-CPU (torch's CPU attention with every thread) and the decode plan run op by op."""
     import ktflow
@@ -883,7 +897,8 @@ def main() -> int:
     native.pool(spare=2)  # the pool the cuda_graph backend makes (the first caller sizes it): probe with it
     hw = probe(log=lambda line: print(f"  probe: {line}", flush=True))  # full sizes: the rates must come from past the caches
     # the physical limit: DRAM read bandwidth with every CPU (a one-off pool; the workers' pool leaves two)
-    dram = native.module().stream_read_gbps(native.module().Pool(threads=0, groups=0, pin=True))
+    dram_pool = native.module().Pool(threads=0, groups=0, pin=True)
+    dram = native.module().stream_read_gbps(dram_pool)
     prompts = [int(p) for p in a.prompts.split(",") if p]
     max_seq = max(prompts + lengths + [32 + a.decode]) + 8
     model = ktflow.load(d)
@@ -927,13 +942,16 @@ def main() -> int:
                       "timed one by one; put graph+run1 first to fit from it", flush=True)
     # llama.cpp's decode in the same rounds, where run_llama made its GGUF
     llama_decode = llama_cpp_decode(a, d) if a.llama and ready and a.decode and gguf_made(a, d) else []
+    round_dram: list[float] = []
     for r in range(a.reps):  # rounds: every system once per round, so a machine's drift falls on all alike
+        round_dram.append(native.module().stream_read_gbps(dram_pool, 1 << 30, 3))
         if llama_decode:
             llama_decode[0](r)
         for x in ready:
             x.apply()
             x.runs.append(decode_run(x.c, vocab, a.decode, seed=r, records=True))
-        print(f"  round {r + 1} of {a.reps}: " + ", ".join(f"{x.name} {x.runs[-1][0]:.1f}" for x in ready)
+        print(f"  round {r + 1} of {a.reps} (DRAM read {round_dram[-1]:.1f} GB/s): "
+              + ", ".join(f"{x.name} {x.runs[-1][0]:.1f}" for x in ready)
               + (f"; llama.cpp {llama_decode[1](r)}" if llama_decode else "") + " tok/s", flush=True)
     if llama_decode:
         rows = llama_decode[2]()
@@ -942,11 +960,11 @@ def main() -> int:
         if a.calibrate and calibrated is not None and x.runs[-1][2] and x.runs[-1][2].get("replayed") is not None \
                 and "calibrated_from" not in x.row:
             calibrated_prediction(model, x.opts, x.c.decode, x.runs[-1][2]["replayed"], hw, calibrated, x.row)
-        decoded.append(finish_variant(a, x, vocab, cfg, info, dram, hw))
+        decoded.append(finish_variant(a, x, vocab, cfg, info, round_dram, hw))
         append_jsonl(a.out, [decoded[-1]])  # row by row: a run cut short keeps what it measured
     for v in [v for v in variants if v in ("cpu", "eager")]:
         opts = dict(base, device="cuda", vram_budget_gb=budget, backend="native")
-        decoded.append(own_variant(a, v, model, opts, prompts, vocab, cfg, info, dram, hw))
+        decoded.append(own_variant(a, v, model, opts, prompts, vocab, cfg, info, [dram], hw))
         append_jsonl(a.out, [decoded[-1]])
     print_decode_table(decoded, [r for r in llama_rows if "decode_tok_s" in r])
     return 0
