@@ -272,9 +272,18 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
 def calibrated_prediction(model, opts: dict, plan, replayed, hw, calibrated, row: dict):
     """With --calibrate: the first graph variant's replayed steps fit the profile (kept and
     returned); every variant is compiled again with it and its prediction printed beside the
-    measured step. Returns the fitted profile."""
+    measured step: its replayed median (one step a launch) or, for a variant run K steps a launch
+    (`replayed` None), its rounds' mean step. Returns the fitted profile."""
     from ktflow.calibrate import fit_replayed
 
+    if replayed is None:
+        again = compile_cpu_experts(model, dict(opts, hw=calibrated))
+        measured = row["measured_step_us"]
+        row["calibrated_predicted_step_us"] = round(again.decode.predicted_step_us, 1)
+        print(f"  {row['variant']}: step {measured:.0f} us measured (rounds), predicted {plan.predicted_step_us:.0f} "
+              f"us, {again.decode.predicted_step_us:.0f} us calibrated "
+              f"({100 * (again.decode.predicted_step_us / measured - 1):+.1f}%)", flush=True)
+        return calibrated
     if calibrated is None:
         got = fit_replayed(plan, replayed, hw)
         if got is None:
@@ -957,10 +966,10 @@ def main() -> int:
         rows = llama_decode[2]()
         llama_rows += rows
     for x in ready:
-        if a.calibrate and calibrated is not None and x.runs[-1][2] and x.runs[-1][2].get("replayed") is not None \
-                and "calibrated_from" not in x.row:
-            calibrated_prediction(model, x.opts, x.c.decode, x.runs[-1][2]["replayed"], hw, calibrated, x.row)
         decoded.append(finish_variant(a, x, vocab, cfg, info, round_dram, hw))
+        if a.calibrate and calibrated is not None and "calibrated_from" not in x.row:
+            replayed = (x.runs[-1][2] or {}).get("replayed")
+            calibrated_prediction(model, x.opts, x.c.decode, replayed, hw, calibrated, decoded[-1])
         append_jsonl(a.out, [decoded[-1]])  # row by row: a run cut short keeps what it measured
     for v in [v for v in variants if v in ("cpu", "eager")]:
         opts = dict(base, device="cuda", vram_budget_gb=budget, backend="native")

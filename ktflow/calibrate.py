@@ -265,27 +265,49 @@ def predicted_tasks(plan: Plan) -> tuple[list[float], list[float], list[int], in
     return [e - s for s, e in spans], [hi - lo for lo, hi in gaps], in_gap, edges
 
 
+#: fit_replayed fits a line through the tasks (rate and fixed time) only where the largest task is
+#: predicted at least this many times the smallest: otherwise the intercept is noise
+TASK_SIZES_TO_FIT = 1.5
+
+
 def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile) -> tuple[HwProfile, list[Fitted]] | None:
     """The profile `plan` was compiled for with the terms a replayed step fits (None where its
     tasks do not match the plan's one to one, e.g. NUMA shards: one record per batch):
 
-    - the CPU rate factor: the tasks' predicted time over their measured time;
+    - the CPU rates: where the plan's tasks differ in size (a deferred layer's two tasks: the
+      picks needed now and the deferred ones), a least-squares line through (each task's
+      predicted time less the fixed cost, its measured time): the rate from its slope and
+      `overheads.cpu_op_us`, the fixed time of one CPU task, from its intercept (what a second
+      task per layer costs beyond its bytes); where they are all alike (an exact plan's layers),
+      the factor alone, their predicted over measured, the fixed time kept;
     - `overheads.gpu_launch_us`: moved by the median gap's excess over the predicted, spread over
       the GPU ops in a gap (at decode the GPU's ops are small: their fixed time is what the
       roofline misses; the efficiency is left as it is);
     - `overheads.graph_step_us`: what the measured step has beyond its tasks and gaps, less what
-      the plan predicts there (its edges' GPU ops with the fitted fixed time)."""
+      the plan predicts there (its edges' GPU ops with the fitted fixed time). `rep` times one
+      step a launch, so this is the edge of one launch (a plan's predicted step divides it by
+      its greedy steps a launch: `api._predicted_step_us`)."""
     tasks, gaps, in_gap, edge_ops = predicted_tasks(plan)
     if len(tasks) != len(rep.tasks_us) or not tasks or sum(rep.tasks_us) <= 0:
         return None
     o, c = hw.overheads, hw.cpu
     fitted: list[Fitted] = []
-    scale = sum(tasks) / sum(rep.tasks_us)
-    upd_cpu = _scaled_cpu(c, scale)
-    fitted += [Fitted("cpu.gemv_gbps", c.gemv_gbps, upd_cpu["gemv_gbps"], len(tasks),
-                      f"CPU rates x{scale:.3g}: the tasks' predicted over measured (replayed)"),
-               Fitted("cpu.gemm_tflops", c.gemm_tflops, upd_cpu["gemm_tflops"], len(tasks))]
     upd_over = {}
+    line = _line([(max(t - o.cpu_op_us, 0.0), m) for t, m in zip(tasks, rep.tasks_us)]) \
+        if max(tasks) >= TASK_SIZES_TO_FIT * min(tasks) else None
+    if line and line[0] > 0 and line[1] >= 0:
+        scale, op_us = 1.0 / line[0], line[1]
+        how = f"CPU rates x{scale:.3g}: 1 / the slope through the tasks' predicted and measured times (replayed)"
+        upd_over["cpu_op_us"] = op_us
+    else:
+        scale, op_us = sum(tasks) / sum(rep.tasks_us), o.cpu_op_us
+        how = f"CPU rates x{scale:.3g}: the tasks' predicted over measured (replayed)"
+    upd_cpu = _scaled_cpu(c, scale)
+    fitted += [Fitted("cpu.gemv_gbps", c.gemv_gbps, upd_cpu["gemv_gbps"], len(tasks), how),
+               Fitted("cpu.gemm_tflops", c.gemm_tflops, upd_cpu["gemm_tflops"], len(tasks))]
+    if "cpu_op_us" in upd_over:
+        fitted.append(Fitted("overheads.cpu_op_us", o.cpu_op_us, op_us, len(tasks),
+                             "the intercept: the fixed time of one CPU task"))
     launch = o.gpu_launch_us
     if gaps and statistics.median(in_gap) > 0:
         excess = statistics.median(rep.gaps_us) - statistics.median(gaps)
@@ -295,8 +317,10 @@ def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile) -> tuple[HwProfile, l
                              f"median gap {statistics.median(rep.gaps_us):.1f} us measured, "
                              f"{statistics.median(gaps):.1f} us predicted, {statistics.median(in_gap):.0f} GPU ops in it"))
     edges_measured = rep.wall_us - sum(rep.tasks_us) - sum(rep.gaps_us)
-    edges_predicted = plan.predicted_step_us - sum(tasks) - sum(gaps) + edge_ops * (launch - o.gpu_launch_us)
-    step_us = max(0.0, o.graph_step_us + edges_measured - edges_predicted)
+    # the plan's edges without the step's fixed time it added (its share of graph_step_us)
+    scheduled = max((n.timing.end_us for n in plan.ir.nodes if n.timing is not None), default=0.0)
+    edges_predicted = scheduled - sum(tasks) - sum(gaps) + edge_ops * (launch - o.gpu_launch_us)
+    step_us = max(0.0, edges_measured - edges_predicted)
     upd_over["graph_step_us"] = step_us
     fitted.append(Fitted("overheads.graph_step_us", o.graph_step_us, step_us, 1,
                          f"step edges {edges_measured:.0f} us measured, {edges_predicted:.0f} us predicted"))
@@ -310,6 +334,9 @@ def calibrate(model, hw, steps: int = 3, **options) -> Calibration:
     host's issue more than the GPU's work); any other from traced steps (`fit`)."""
     import ktflow
 
+    # the steps are measured one a launch (`execute`), so they are compared with that prediction;
+    # the profile serves any greedy_steps (the plan divides graph_step_us by it)
+    options = dict(options, greedy_steps=1)
     compiled = ktflow.compile(model, hw=hw, **options)
     plan = compiled.decode
     replayed = getattr(compiled.executor(plan).runner, "capture", False) and any(s.kind == "submit" for s in plan.steps)

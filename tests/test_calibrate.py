@@ -81,9 +81,45 @@ def test_a_replayed_step_fits_the_cpu_rate_the_gpu_fixed_time_and_the_step_edges
     assert profile.cpu.gemv_gbps == pytest.approx(c.plans.hw.cpu.gemv_gbps / 2, rel=1e-6)
     assert profile.overheads.gpu_launch_us == pytest.approx(c.plans.hw.overheads.gpu_launch_us + 10.0, rel=1e-6)
     assert profile.overheads.graph_step_us == pytest.approx(500.0, rel=1e-6)
-    after = ktflow.compile(ktflow.load(demo_dir), hw=profile, vram_budget_gb=0.004, max_seq_len=64)
+    # (the replay times one step a launch: so does this plan's prediction)
+    after = ktflow.compile(ktflow.load(demo_dir), hw=profile, vram_budget_gb=0.004, max_seq_len=64, greedy_steps=1)
     assert after.decode.predicted_step_us == pytest.approx(wall, rel=0.1)  # the fitted profile prices it so
     assert fit_replayed(plan, Replayed(wall, meas_tasks[:-1], meas_gaps[:-1]), c.plans.hw) is None  # tasks differ
+
+
+def test_deferred_tasks_of_two_sizes_fit_the_rate_and_the_fixed_time_of_a_task(demo_dir):
+    """A deferred plan has two CPU tasks per layer of different sizes (the picks needed now, the
+    deferred ones): the fit through them recovers both the rate (the slope) and the fixed time
+    of one task (the intercept) a fabricated replay was made with; an exact plan's alike tasks
+    keep the fixed time and fit the rate alone."""
+    base = PRESETS["paper-a100"]  # a CPU 100x slower: the demo's small experts' tasks priced by their bytes
+    hw = base.model_copy(update={"cpu": base.cpu.model_copy(update={"gemv_gbps": base.cpu.gemv_gbps / 100})})
+    model = ktflow.load(demo_dir)
+    c = ktflow.compile(model, hw=hw, vram_budget_gb=0.004, max_seq_len=64, defer=1)
+    tasks, gaps, _, _ = predicted_tasks(c.decode)
+    assert max(tasks) >= 1.5 * min(tasks)  # the deferred part is the smaller task
+    op = c.plans.hw.overheads.cpu_op_us
+    meas = [1.25 * (t - op) + 40.0 for t in tasks]  # 1.25x slower streaming, 40 us per task
+    profile, fitted = fit_replayed(c.decode, Replayed(c.decode.predicted_step_us + sum(meas), meas, gaps), c.plans.hw)
+    assert profile.cpu.gemv_gbps == pytest.approx(c.plans.hw.cpu.gemv_gbps / 1.25, rel=1e-6)
+    assert profile.overheads.cpu_op_us == pytest.approx(40.0, rel=1e-6)
+    assert any(f.term == "overheads.cpu_op_us" for f in fitted)
+    exact = ktflow.compile(model, hw=hw, vram_budget_gb=0.004, max_seq_len=64)
+    tasks, gaps, _, _ = predicted_tasks(exact.decode)
+    assert max(tasks) < 1.5 * min(tasks)
+    profile, fitted = fit_replayed(exact.decode, Replayed(exact.decode.predicted_step_us, tasks, gaps), exact.plans.hw)
+    assert profile.overheads.cpu_op_us == exact.plans.hw.overheads.cpu_op_us
+    assert not any(f.term == "overheads.cpu_op_us" for f in fitted)
+
+
+def test_a_launch_of_k_greedy_steps_shares_the_fixed_step_time(demo_dir):
+    """`overheads.graph_step_us` is the host's work around one launch: a plan run K greedy steps a
+    launch adds 1/K of it to its predicted step."""
+    hw = PRESETS["paper-a100"].model_copy(update={"overheads": Overheads(graph_step_us=800.0)})
+    model = ktflow.load(demo_dir)
+    one = ktflow.compile(model, hw=hw, vram_budget_gb=0.004, max_seq_len=64, greedy_steps=1).decode
+    eight = ktflow.compile(model, hw=hw, vram_budget_gb=0.004, max_seq_len=64, greedy_steps=8).decode
+    assert one.capture and one.predicted_step_us - eight.predicted_step_us == pytest.approx(700.0, rel=1e-6)
 
 
 @pytest.mark.skipif(not native_available(), reason="needs the native module")
