@@ -13,7 +13,8 @@ exact decode plan, bf16 experts) it reports:
 Variants: Expert Deferral with d = 1 .. top_k - 1 (`--defer`), expert skipping with the same d
 (each token's d lowest-weight picks dropped: the paper's figure-13 comparison; a custom pass
 after placement sets the routed experts' `skip` to d and their rank range to the top k - d, in
-every MoE layer but the last, as deferral does), and the CPU experts' formats (`--formats`: int8, int4) without deferral.
+every MoE layer but the last, as deferral does), and the CPU experts' formats (`--formats`: int8, int4, fp8 e4m3 in groups of 128) without
+deferral.
 Every plan keeps every routed expert on the CPU (native backend). Prints a table and appends rows
 to benchmarks/fidelity.jsonl.
 
@@ -79,7 +80,7 @@ def main() -> int:
     ap.add_argument("--len", type=int, default=96, help="tokens per sequence")
     ap.add_argument("--prompt", type=int, default=16, help="tokens prefilled before the decode steps")
     ap.add_argument("--defer", default="", help="comma list of d (default: 1 .. top_k - 1)")
-    ap.add_argument("--formats", default="int8,int4")
+    ap.add_argument("--formats", default="int8,int4,fp8")
     ap.add_argument("--out", default=str(HERE / "fidelity.jsonl"))
     a = ap.parse_args()
     import ktflow
