@@ -1,6 +1,7 @@
 """The trained-model workflow (issue 19): benchmarks/train_small_moe.py makes a checkpoint that
-ktflow and transformers read alike, and benchmarks/fidelity.py measures deferral, expert
-skipping and expert formats on it. Run here with a few steps (the real run is in the
+ktflow and transformers read alike, benchmarks/fidelity.py measures deferral, expert
+skipping and expert formats on it, and benchmarks/placement_hits.py checks placement from a
+routing profile on its held-out text. Run here with a few steps (the real run is in the
 benchmark); plus the verifier's view of expert skipping."""
 
 import json
@@ -53,6 +54,25 @@ def test_fidelity_table_runs_on_the_trained_model(trained, tmp_path):
     assert set(rows) == {"exact", "defer 1", "skip 1", "int8 experts"}
     assert rows["exact"]["kl"] == 0.0 and rows["exact"]["top1_changed"] == 0.0
     assert all(r["kl"] >= -1e-6 and r["positions"] == 24 - 8 for r in rows.values())
+
+
+def test_placement_hits_runs_on_the_trained_model(trained, tmp_path):
+    """benchmarks/placement_hits.py: a profile from training text, plans with and without it at the
+    same budget, the held-out picks that land on each plan's GPU experts, per layer."""
+    out = tmp_path / "h.jsonl"
+    p = subprocess.run([sys.executable, str(BENCH / "placement_hits.py"), str(trained), "--shares", "0.25",
+                        "--profile-seqs", "2", "--seqs", "2", "--len", "24", "--corpus-mb", "0.3", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    cfg = json.loads((trained / "config.json").read_text())
+    moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    assert len(rows) == moe_layers and all(r["share"] == 0.25 for r in rows)
+    # the budget puts a quarter of the experts on the GPU without a profile; the cause of each GPU part says
+    # the share of its layer's picks it expects
+    assert sum(r["gpu_experts_uniform"] for r in rows) >= 0.25 * cfg["n_routed_experts"] * moe_layers
+    assert all(r["expected"] is not None for r in rows if r["gpu_experts"])
+    assert all(0.0 <= r[k] <= 1.0 for r in rows for k in ("profiled", "uniform", "best"))
 
 
 def test_verifier_takes_declared_skipping_only(tiny_dirs):

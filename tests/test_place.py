@@ -101,6 +101,7 @@ def test_hot_experts_from_a_routing_profile_go_first(demo_dir, tmp_path):
     hot_node = g.by_name("L2.experts.gpu")
     assert hot_node.attrs.subset == (3, 17, 21, 30) and hot_node.place.device == Device.GPU
     assert "routing profile" in hot_node.place.cause
+    assert "expected 90% of the layer's picks" in hot_node.place.cause  # 4 x 0.9 of the 4 a token makes
     assert g.by_name("L2.experts").attrs.subset == tuple(e for e in range(32) if e not in (3, 17, 21, 30))
     assert g.by_name("L2.ffn_res").inputs[-1] == "L2.experts.gpu"
 
@@ -116,6 +117,7 @@ def test_hybrid_plan_with_split_experts_computes_the_same_logits(demo_dir):
     assert g.by_name("L1.experts").place.device == Device.GPU and "L1.experts.gpu" not in g
     hot = g.by_name("L2.experts.gpu").attrs.subset
     assert 0 < len(hot) < 32 and hot == tuple(range(len(hot)))  # uniform routing: ties in expert order
+    assert f"expected {len(hot) / 32:.0%} of the layer's picks (uniform routing)" in g.by_name("L2.experts.gpu").place.cause
     assert g.by_name("L2.experts").place.device == Device.CPU and g.by_name("L3.experts").place.device == Device.CPU
     assert g.by_name("L1.attn").place.device == Device.GPU
     ref = ktflow.compile(model, hw="cpu", dtype="float32", max_seq_len=64)

@@ -201,7 +201,12 @@ def _drop_fp8(n: Node) -> Node:
 def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, placed, split) -> list[Node]:
     gpu_ids = tuple(e for e in n.attrs.ids if (n.name, e) in taken)
     cpu_ids = tuple(e for e in n.attrs.ids if (n.name, e) not in taken)
-    source = "routing profile" if ctx.routing is not None and ctx.routing.probs(n.attrs.layer) else "uniform routing"
+    probs = ctx.routing.probs(n.attrs.layer) if ctx.routing is not None else None
+    source = "routing profile" if probs else "uniform routing"
+    # the share of the layer's picks its GPU experts are expected to take (the plan shows it)
+    weight = (lambda e: probs[e]) if probs else (lambda e: 1.0)
+    total = sum(weight(e) for e in n.attrs.ids)
+    share = sum(weight(e) for e in gpu_ids) / total if total > 0 else 0.0
     out = []  # a split layer: the CPU part keeps the name and comes first, its GPU part is <name>.gpu
     if cpu_ids:
         attrs = replace(n.attrs, subset=cpu_ids if gpu_ids else n.attrs.subset)
@@ -216,7 +221,8 @@ def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, 
     if gpu_ids:
         name = n.name if not cpu_ids else n.name + ".gpu"
         attrs = replace(n.attrs, subset=gpu_ids if cpu_ids else n.attrs.subset)
-        why = f"{len(gpu_ids)} of {n.attrs.experts} experts fit the VRAM budget ({source})"
+        why = (f"{len(gpu_ids)} of {n.attrs.experts} experts fit the VRAM budget: expected {share:.0%} of the "
+               f"layer's picks ({source})")
         out.append(replace(n, name=name, attrs=attrs, place=Placement(Device.GPU, cause=why)))
         placed[name] = Device.GPU
         if cpu_ids:

@@ -1,0 +1,156 @@
+"""Hot experts on the GPU from a routing profile, checked on text the profile never saw.
+
+On a model with learned routing (train_small_moe.py), for each GPU share of the routed experts:
+
+1. the profile: the routers' picks over training-split text (the standard library files the
+   training used; `ktflow.runtime.routing.record_routing`, exact plans on the CPU);
+2. the plan: `ktflow.compile` with that profile and the VRAM budget at which a plan without one
+   puts that share of the routed experts on the GPU; the placement pass picks which experts go
+   to the GPU per layer and its cause states the share of the layer's picks it expects them to
+   take. The profile is paper-a100 with its fixed per-op costs set to 0: a tiny model's experts
+   are too small for a GPU launch to beat the CPU, and without those costs the pass ranks them by
+   the roofline alone, as it does a model whose experts cost real bandwidth;
+3. the check: the picks over the held-out split (`heldout.safetensors`, files the training never
+   saw), and the share of them that lands on the plan's GPU experts, beside the same budget
+   placed without a profile (uniform routing: the first experts of each layer) and beside the
+   held-out text's own busiest experts in the same numbers (the best any static choice could do).
+
+`CPU picks` is the fraction of a token's routed picks left to the CPU; their ratio (uniform over
+profiled) is what a CPU-bound decode step would gain if its time followed the CPU's picks: a
+proxy, not a measured speed (that needs the GPU machine and a model whose experts cost real
+bandwidth). Prints a table and appends rows to benchmarks/placement_hits.jsonl.
+
+    python benchmarks/placement_hits.py /tmp/moe-tiny --shares 0.1,0.25
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import HERE, append_jsonl, commit, machine  # noqa: E402
+
+
+def profile_of(model, seqs: list[list[int]], max_seq_len: int):
+    """The routing of `seqs` (prefilled, no decode) through exact CPU plans."""
+    import ktflow
+    from ktflow.runtime.routing import record_routing
+
+    c = ktflow.compile(model, hw="cpu", device="cpu", backend="native", placement="cpu", max_seq_len=max_seq_len)
+    return record_routing(c, seqs, 0, progress=False)
+
+
+def gpu_experts(plan) -> dict[int, tuple[tuple[int, ...], str]]:
+    """Per MoE layer: the experts the plan puts on the GPU, and the GPU part's cause."""
+    from ktflow.ir.ops import Op
+
+    out: dict[int, tuple[tuple[int, ...], str]] = {}
+    for n in plan.ir.nodes:
+        if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "gpu":
+            out[n.attrs.layer] = (tuple(n.attrs.ids), n.place.cause)
+    return out
+
+
+def roofline_only():
+    """paper-a100 without fixed per-op costs (module doc)."""
+    from ktflow.hw import PRESETS, Overheads
+
+    return PRESETS["paper-a100"].model_copy(update={"overheads": Overheads(
+        gpu_launch_us=0, cpu_submit_us=0, cpu_op_us=0, cpu_sync_us=0)})
+
+
+def budget_for(model, share: float, max_seq_len: int) -> float:
+    """GB: the smallest VRAM budget (bisected) at which the plan without a profile puts at least
+    `share` of the routed experts on the GPU: the same budget then goes to both plans."""
+    import ktflow
+    from ktflow.ir.ops import Op
+
+    def on_gpu(gb: float) -> float:
+        nodes = ktflow.compile(model, hw=roofline_only(), vram_budget_gb=gb, max_seq_len=max_seq_len,
+                               numa_nodes=1).decode.ir.nodes
+        routed = [n for n in nodes if n.op == Op.ROUTED_EXPERTS]
+        total = sum(n.attrs.experts for n in routed if n.place.device.value == "cpu" or not n.attrs.subset) or 1
+        return sum(len(n.attrs.ids) for n in routed if n.place.device.value == "gpu") / total
+
+    lo, hi = 0.0, 1.0
+    while on_gpu(hi) < share:
+        hi *= 2
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if on_gpu(mid) < share else (lo, mid)
+    return hi
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="a checkpoint dir from train_small_moe.py (with heldout.safetensors)")
+    ap.add_argument("--shares", default="0.1,0.25", help="GPU shares of the routed experts (comma list)")
+    ap.add_argument("--profile-seqs", type=int, default=64, help="training-split sequences to profile")
+    ap.add_argument("--seqs", type=int, default=64, help="held-out sequences to check on")
+    ap.add_argument("--len", type=int, default=128, help="tokens per sequence")
+    ap.add_argument("--corpus-mb", type=float, default=3.0, help="as train_small_moe.py --corpus-mb")
+    ap.add_argument("--out", default=str(HERE / "placement_hits.jsonl"))
+    a = ap.parse_args()
+    import ktflow
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+    from train_small_moe import corpus, token_stream
+
+    d = Path(a.model)
+    model = ktflow.load(d)
+    cfg = json.loads((d / "config.json").read_text())
+    k, experts = cfg["num_experts_per_tok"], cfg["n_routed_experts"]
+    held = load_file(str(d / "heldout.safetensors"))["ids"]
+    train_ids = token_stream(Tokenizer.from_file(str(d / "tokenizer.json")), corpus(a.corpus_mb)[0])
+    need = max(a.seqs, a.profile_seqs) * a.len
+    if len(held) < a.seqs * a.len or len(train_ids) < need:
+        raise SystemExit(f"not enough tokens: held-out {len(held)}, training {len(train_ids)}, need {need}")
+    # profile from the training stream's end (what the last training steps read least recently is as good)
+    step = len(train_ids) // a.profile_seqs
+    prof = profile_of(model, [train_ids[i * step:i * step + a.len].tolist() for i in range(a.profile_seqs)], a.len + 8)
+    check = profile_of(model, held[:a.seqs * a.len].view(a.seqs, a.len).tolist(), a.len + 8)
+    tmp = tempfile.TemporaryDirectory()
+    path = Path(tmp.name) / "routing.json"  # what `ktflow profile` would write
+    path.write_text(prof.model_dump_json() + "\n")
+    rows = []
+    print(f"{'share':>5s} {'layer':>5s} {'GPU experts':>11s} {'expected':>8s} {'profiled':>8s} {'uniform':>8s} "
+          f"{'best':>6s}   (share of the held-out picks on the GPU)")
+    for share in [float(x) for x in a.shares.split(",") if x]:
+        budget = budget_for(model, share, a.len + 8)
+        opts = dict(hw=roofline_only(), vram_budget_gb=budget, max_seq_len=a.len + 8, numa_nodes=1)
+        aware = gpu_experts(ktflow.compile(model, routing_profile=str(path), **opts).decode)
+        uniform = gpu_experts(ktflow.compile(model, **opts).decode)
+        got = {"profiled": [], "uniform": [], "best": []}
+        for layer, fr in sorted(check.layers.items()):
+            ids, cause = aware.get(layer, ((), ""))
+            flat = uniform.get(layer, ((), ""))[0]
+            best = sorted(range(experts), key=lambda e: -fr[e])[:len(ids)]
+            on = {name: sum(fr[e] for e in s) / k for name, s in (("profiled", ids), ("uniform", flat), ("best", best))}
+            m = re.search(r"expected (\d+)%", cause)
+            expected = float(m.group(1)) / 100 if m else None
+            for name in got:
+                got[name].append(on[name])
+            print(f"{share:5.2f} {layer:5d} {len(ids):5d} / {len(flat):<3d} "
+                  f"{'-' if expected is None else f'{expected:.0%}':>8s} {on['profiled']:8.1%} {on['uniform']:8.1%} "
+                  f"{on['best']:6.1%}")
+            rows.append(dict(bench="placement_hits", commit=commit(), **machine(), model=str(d), share=share, layer=layer,
+                             gpu_experts=len(ids), gpu_experts_uniform=len(flat), expected=expected,
+                             profiled=round(on["profiled"], 4), uniform=round(on["uniform"], 4),
+                             best=round(on["best"], 4), profile_tokens=prof.tokens, check_tokens=check.tokens))
+        mean = {name: statistics.mean(v) for name, v in got.items()}
+        print(f"{share:5.2f}  mean: on the GPU profiled {mean['profiled']:.1%}, uniform {mean['uniform']:.1%}, best "
+              f"{mean['best']:.1%}; CPU picks {1 - mean['profiled']:.1%} vs {1 - mean['uniform']:.1%} "
+              f"(ratio {(1 - mean['uniform']) / (1 - mean['profiled']):.3f})")
+    append_jsonl(a.out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
