@@ -435,6 +435,11 @@ struct PhaseCtx {
   Dependencies* deps = nullptr;  // set for the fused up/down/reduce run
 };
 
+// The up-task counter a down task of `tk`'s (job, slice, expert) waits on.
+inline size_t up_key(const Dependencies& d, const std::vector<JobState>& states, const Task& tk) {
+  return d.key0[tk.job] + size_t(tk.slice) * states[tk.job].experts.size() + tk.expert;
+}
+
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
 void route(JobState& st) {
@@ -595,7 +600,7 @@ void fused_task(void* ctx, int group, int i) {
   Dependencies& d = *c->deps;
   const Task& tk = c->lists[group][i];
   try {
-    const size_t key = tk.expert >= 0 ? d.key0[tk.job] + size_t(tk.slice) * (*c->states)[tk.job].experts.size() + tk.expert : 0;
+    const size_t key = tk.expert >= 0 ? up_key(d, *c->states, tk) : 0;
     switch (tk.kind) {
       case Kind::Up:
         up_task(ctx, group, i);
@@ -788,7 +793,7 @@ void run_jobs(ThreadPool& pool, std::vector<Job>& jobs) {
   int left[3] = {0, 0, 0};
   for (const auto& list : ctx.lists)
     for (const Task& tk : list) {
-      if (tk.kind == Kind::Up) deps.ups_left[deps.key0[tk.job] + size_t(tk.slice) * states[tk.job].experts.size() + tk.expert]++;
+      if (tk.kind == Kind::Up) deps.ups_left[up_key(deps, states, tk)]++;
       if (tk.kind == Kind::Down) deps.downs_left[tk.job]++;
       ++left[int(tk.kind) - int(Kind::Up)];
     }
@@ -798,8 +803,6 @@ void run_jobs(ThreadPool& pool, std::vector<Job>& jobs) {
   }
   ctx.deps = &deps;
   run_phase(pool, ctx, fused_task);
-  // the phases as they overlapped: up until its last task ended, down and reduce from the end of
-  // the phase before to their own last task's end
   // the phases as they overlapped: up until its last task ended, down from there to the end of its
   // last task, reduce from there to the end of the run
   stamp[5] = now_ns();
