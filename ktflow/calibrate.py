@@ -21,8 +21,9 @@ each step's measured time:
   (`timeline.handoffs`) of the plan's CPU tasks (plans with submit/sync only).
 
 A plan the backend replays as one captured graph is fitted from replayed steps instead
-(`fit_replayed`): the CPU rate from the tasks, `overheads.gpu_launch_us` from the gaps between
-them, `overheads.graph_step_us` from the step's edges (an instrumented step runs eagerly and
+(`fit_replayed`): the CPU rate from the tasks (and, where they differ in size, as a deferred
+plan's do, `overheads.cpu_op_us` as well: the fixed time of one task), `overheads.gpu_launch_us`
+from the gaps between them, `overheads.graph_step_us` (one launch's) from the step's edges (an instrumented step runs eagerly and
 times the host's issue more than the GPU's work; measured on the GPU machine, a fit from it made
 the Qwen3-shaped prediction worse, 11.8 to 30.4 ms against 11.3 measured).
 
