@@ -21,8 +21,8 @@ each step's measured time:
   (`timeline.handoffs`) of the plan's CPU tasks (plans with submit/sync only).
 
 A plan the backend replays as one captured graph is fitted from replayed steps instead
-(`fit_replayed`): the CPU rate from the tasks (and, where they differ in size, as a deferred
-plan's do, `overheads.cpu_op_us` as well: the fixed time of one task), `overheads.gpu_launch_us`
+(`fit_replayed`): the CPU rate from the tasks (and, in a deferred plan,
+`overheads.cpu_deferred_us`: what a deferred task takes beyond its bytes), `overheads.gpu_launch_us`
 from the gaps between them, `overheads.graph_step_us` (one launch's) from the step's edges (an instrumented step runs eagerly and
 times the host's issue more than the GPU's work; measured on the GPU machine, a fit from it made
 the Qwen3-shaped prediction worse, 11.8 to 30.4 ms against 11.3 measured).
@@ -242,10 +242,9 @@ def measure_replayed(compiled, steps: int = 16, prompt: int = 16, seed: int = 0)
     return Replayed.from_records(recs, steps, walls)
 
 
-def predicted_tasks(plan: Plan) -> tuple[list[float], list[float], list[int], int]:
-    """The plan's CPU tasks as `Replayed` measures them: each task's predicted duration, each gap
-    between consecutive tasks, the GPU-lane ops (launches and copies) starting in each gap, and
-    the GPU-lane ops outside every gap (the step's edges)."""
+def _task_spans(plan: Plan) -> list[tuple[float, float, bool]]:
+    """The plan's native CPU tasks in order: (start, end, deferred), deferred where every routed
+    expert node it runs is a deferred part (its ranks start past 0)."""
     g = plan.ir
     by_node: dict[str, list[Step]] = {}
     for s in plan.steps:
@@ -253,10 +252,26 @@ def predicted_tasks(plan: Plan) -> tuple[list[float], list[float], list[int], in
     spans = []
     for s in plan.steps:
         members = g.by_name(s.node).attrs.members if s.kind == "submit" else ()
-        if any(g.by_name(m).op == Op.ROUTED_EXPERTS for m in members):  # a native task (others run before the launch)
+        routed = [g.by_name(m) for m in members if g.by_name(m).op == Op.ROUTED_EXPERTS]
+        if routed:  # a native task (others run before the launch)
             parts = [p for m in members for p in by_node.get(m, []) if p.lane.startswith("cpu")]
             if parts:
-                spans.append((min(p.start_us for p in parts), max(p.end_us for p in parts)))
+                spans.append((min(p.start_us for p in parts), max(p.end_us for p in parts),
+                              all(n.attrs.rank_range[0] > 0 for n in routed)))
+    return spans
+
+
+def deferred_tasks(plan: Plan) -> list[bool]:
+    """For each of the plan's native CPU tasks (as `predicted_tasks` lists them): whether it runs
+    deferred picks."""
+    return [d for _, _, d in _task_spans(plan)]
+
+
+def predicted_tasks(plan: Plan) -> tuple[list[float], list[float], list[int], int]:
+    """The plan's CPU tasks as `Replayed` measures them: each task's predicted duration, each gap
+    between consecutive tasks, the GPU-lane ops (launches and copies) starting in each gap, and
+    the GPU-lane ops outside every gap (the step's edges)."""
+    spans = [(a, b) for a, b, _ in _task_spans(plan)]
     gpu_ops = [s for s in plan.steps if not s.lane.startswith("cpu") and s.kind in ("launch", "copy")]
     gaps = [(a[1], b[0]) for a, b in zip(spans, spans[1:])]
     in_gap = [sum(1 for s in gpu_ops if lo <= s.start_us < hi) for lo, hi in gaps]
@@ -266,21 +281,15 @@ def predicted_tasks(plan: Plan) -> tuple[list[float], list[float], list[int], in
     return [e - s for s, e in spans], [hi - lo for lo, hi in gaps], in_gap, edges
 
 
-#: fit_replayed fits a line through the tasks (rate and fixed time) only where the largest task is
-#: predicted at least this many times the smallest: otherwise the intercept is noise
-TASK_SIZES_TO_FIT = 1.5
-
-
 def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile) -> tuple[HwProfile, list[Fitted]] | None:
     """The profile `plan` was compiled for with the terms a replayed step fits (None where its
     tasks do not match the plan's one to one, e.g. NUMA shards: one record per batch):
 
-    - the CPU rates: where the plan's tasks differ in size (a deferred layer's two tasks: the
-      picks needed now and the deferred ones), a least-squares line through (each task's
-      predicted time less the fixed cost, its measured time): the rate from its slope and
-      `overheads.cpu_op_us`, the fixed time of one CPU task, from its intercept (what a second
-      task per layer costs beyond its bytes); where they are all alike (an exact plan's layers),
-      the factor alone, their predicted over measured, the fixed time kept;
+    - the CPU rate factor: the tasks' predicted time over their measured time, from the tasks
+      that run a layer's picks needed now;
+    - `overheads.cpu_deferred_us`, in a deferred plan: the deferred tasks' median measured time
+      beyond their predicted time at the fitted rate (on the GPU host such a task ran 1.5-2x
+      slower per expert than the layer's other task, session 32);
     - `overheads.gpu_launch_us`: moved by the median gap's excess over the predicted, spread over
       the GPU ops in a gap (at decode the GPU's ops are small: their fixed time is what the
       roofline misses; the efficiency is left as it is);
@@ -294,21 +303,20 @@ def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile) -> tuple[HwProfile, l
     o, c = hw.overheads, hw.cpu
     fitted: list[Fitted] = []
     upd_over = {}
-    line = _line([(max(t - o.cpu_op_us, 0.0), m) for t, m in zip(tasks, rep.tasks_us)]) \
-        if max(tasks) >= TASK_SIZES_TO_FIT * min(tasks) else None
-    if line and line[0] > 0 and line[1] >= 0:
-        scale, op_us = 1.0 / line[0], line[1]
-        how = f"CPU rates x{scale:.3g}: 1 / the slope through the tasks' predicted and measured times (replayed)"
-        upd_over["cpu_op_us"] = op_us
-    else:
-        scale, op_us = sum(tasks) / sum(rep.tasks_us), o.cpu_op_us
-        how = f"CPU rates x{scale:.3g}: the tasks' predicted over measured (replayed)"
+    deferred = deferred_tasks(plan)
+    now = [(t, m) for t, m, d in zip(tasks, rep.tasks_us, deferred) if not d] or list(zip(tasks, rep.tasks_us))
+    scale = sum(t for t, _ in now) / sum(m for _, m in now)
     upd_cpu = _scaled_cpu(c, scale)
-    fitted += [Fitted("cpu.gemv_gbps", c.gemv_gbps, upd_cpu["gemv_gbps"], len(tasks), how),
-               Fitted("cpu.gemm_tflops", c.gemm_tflops, upd_cpu["gemm_tflops"], len(tasks))]
-    if "cpu_op_us" in upd_over:
-        fitted.append(Fitted("overheads.cpu_op_us", o.cpu_op_us, op_us, len(tasks),
-                             "the intercept: the fixed time of one CPU task"))
+    fitted += [Fitted("cpu.gemv_gbps", c.gemv_gbps, upd_cpu["gemv_gbps"], len(now),
+                      f"CPU rates x{scale:.3g}: the tasks' predicted over measured (replayed)"),
+               Fitted("cpu.gemm_tflops", c.gemm_tflops, upd_cpu["gemm_tflops"], len(now))]
+    late = [(t, m) for t, m, d in zip(tasks, rep.tasks_us, deferred) if d]
+    if late and len(late) < len(tasks):
+        # a deferred task's time at the fitted rate without the extra it was priced with, and what it took beyond
+        extra = max(0.0, statistics.median(m - (t - o.cpu_deferred_us) / scale for t, m in late))
+        upd_over["cpu_deferred_us"] = extra
+        fitted.append(Fitted("overheads.cpu_deferred_us", o.cpu_deferred_us, extra, len(late),
+                             "the deferred tasks' median time beyond their bytes at the fitted rate"))
     launch = o.gpu_launch_us
     if gaps and statistics.median(in_gap) > 0:
         excess = statistics.median(rep.gaps_us) - statistics.median(gaps)

@@ -113,6 +113,10 @@ class Overheads(_Frozen):
     #: `ktflow calibrate` fits it
     graph_step_us: float = Field(0.0, ge=0)
     cpu_sync_us: float = Field(5.0, ge=0)  # wait for CPU work and see its result
+    #: the extra time of a deferred expert task (a layer's lowest-ranked picks, run as a second CPU
+    #: task beside the GPU's next layer) over its bytes at the CPU's rate; `ktflow calibrate` fits
+    #: it from a deferred plan's replayed steps (0 until then)
+    cpu_deferred_us: float = Field(0.0, ge=0)
 
 
 class HwProfile(_Frozen):

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import ktflow
-from ktflow.calibrate import Replayed, calibrate, fit, fit_replayed, predicted_tasks
+from ktflow.calibrate import Replayed, calibrate, deferred_tasks, fit, fit_replayed, predicted_tasks
 from ktflow.hw import PRESETS, Overheads, resolve_hw
 from ktflow.ir.types import Device
 from ktflow.native import available as native_available
@@ -87,29 +87,32 @@ def test_a_replayed_step_fits_the_cpu_rate_the_gpu_fixed_time_and_the_step_edges
     assert fit_replayed(plan, Replayed(wall, meas_tasks[:-1], meas_gaps[:-1]), c.plans.hw) is None  # tasks differ
 
 
-def test_deferred_tasks_of_two_sizes_fit_the_rate_and_the_fixed_time_of_a_task(demo_dir):
-    """A deferred plan has two CPU tasks per layer of different sizes (the picks needed now, the
-    deferred ones): the fit through them recovers both the rate (the slope) and the fixed time
-    of one task (the intercept) a fabricated replay was made with; an exact plan's alike tasks
-    keep the fixed time and fit the rate alone."""
+def test_a_deferred_plans_replay_fits_the_rate_and_the_deferred_tasks_extra_time(demo_dir):
+    """In a deferred plan each MoE layer but the last runs two CPU tasks (the picks needed now, the
+    deferred ones): the rate comes from the first kind, and what the deferred ones take beyond
+    their bytes at that rate becomes `overheads.cpu_deferred_us`, which the cost model then adds to
+    every deferred part; an exact plan's replay fits the rate alone."""
     base = PRESETS["paper-a100"]  # a CPU 100x slower: the demo's small experts' tasks priced by their bytes
     hw = base.model_copy(update={"cpu": base.cpu.model_copy(update={"gemv_gbps": base.cpu.gemv_gbps / 100})})
     model = ktflow.load(demo_dir)
-    c = ktflow.compile(model, hw=hw, vram_budget_gb=0.004, max_seq_len=64, defer=1)
+    c = ktflow.compile(model, hw=hw, vram_budget_gb=0.004, max_seq_len=64, defer=1, greedy_steps=1)
     tasks, gaps, _, _ = predicted_tasks(c.decode)
-    assert max(tasks) >= 1.5 * min(tasks)  # the deferred part is the smaller task
-    op = c.plans.hw.overheads.cpu_op_us
-    meas = [1.25 * (t - op) + 40.0 for t in tasks]  # 1.25x slower streaming, 40 us per task
+    late = deferred_tasks(c.decode)
+    assert any(late) and not all(late)
+    meas = [1.25 * t + (40.0 if d else 0.0) for t, d in zip(tasks, late)]  # 1.25x slower, deferred +40 us
     profile, fitted = fit_replayed(c.decode, Replayed(c.decode.predicted_step_us + sum(meas), meas, gaps), c.plans.hw)
     assert profile.cpu.gemv_gbps == pytest.approx(c.plans.hw.cpu.gemv_gbps / 1.25, rel=1e-6)
-    assert profile.overheads.cpu_op_us == pytest.approx(40.0, rel=1e-6)
-    assert any(f.term == "overheads.cpu_op_us" for f in fitted)
+    assert profile.overheads.cpu_deferred_us == pytest.approx(40.0, rel=1e-6)
+    assert any(f.term == "overheads.cpu_deferred_us" for f in fitted)
+    again = ktflow.compile(model, hw=profile, vram_budget_gb=0.004, max_seq_len=64, defer=1, greedy_steps=1)
+    got, _, _, _ = predicted_tasks(again.decode)
+    for t, g, d in zip(meas, got, deferred_tasks(again.decode)):
+        assert g == pytest.approx(t, rel=0.05, abs=1.0), (d, t, g)  # the fitted profile prices both kinds so
     exact = ktflow.compile(model, hw=hw, vram_budget_gb=0.004, max_seq_len=64)
     tasks, gaps, _, _ = predicted_tasks(exact.decode)
-    assert max(tasks) < 1.5 * min(tasks)
+    assert not any(deferred_tasks(exact.decode))
     profile, fitted = fit_replayed(exact.decode, Replayed(exact.decode.predicted_step_us, tasks, gaps), exact.plans.hw)
-    assert profile.overheads.cpu_op_us == exact.plans.hw.overheads.cpu_op_us
-    assert not any(f.term == "overheads.cpu_op_us" for f in fitted)
+    assert profile.overheads.cpu_deferred_us == 0.0 and not any(f.term == "overheads.cpu_deferred_us" for f in fitted)
 
 
 def test_a_launch_of_k_greedy_steps_shares_the_fixed_step_time(demo_dir):
