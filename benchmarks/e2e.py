@@ -646,8 +646,9 @@ def finish_variant(a, x: Variant, vocab: int, cfg: dict, info: dict, dram: list[
     m, sd = mean_sd([r[0] for r in x.runs])
     busy = [r[1] for r in x.runs if r[1] is not None]
     split = dict(x.runs[-1][2] or {})
-    split.pop("replayed", None)
+    replayed = split.pop("replayed", None)
     plan = c.decode
+    split.update(tasks_by_kind(plan, replayed))
     if x.opts.get("defer") == "auto":  # what auto chose, and the candidates' predicted steps
         row["defer_cause"] = next((n.place.cause for n in plan.ir.nodes if n.op == Op.DEFER), "no deferral")
         print(f"  {v}: {row['defer_cause']}", flush=True)
@@ -697,6 +698,30 @@ def finish_variant(a, x: Variant, vocab: int, cfg: dict, info: dict, dram: list[
         row["replay_cpu_task_dram_fraction"] = round(row["replay_cpu_task_gbps"] / statistics.mean(per_round), 3)
     print_variant(row, bound)
     return row
+
+
+def tasks_by_kind(plan, replayed) -> dict:
+    """A replayed run's CPU tasks (one step a launch) split by kind: those running a layer's picks
+    needed now and the deferred ones, each kind's median measured and predicted time (us), so a
+    deferred task's time can be read beside the other's (and its picks: top_k - d against d)."""
+    from ktflow.calibrate import deferred_tasks, predicted_tasks
+
+    if replayed is None:
+        return {}
+    kinds, predicted = deferred_tasks(plan), predicted_tasks(plan)[0]
+    if len(kinds) != len(replayed.tasks_us):
+        return {}
+    out = {}
+    for name, want in (("now", False), ("deferred", True)):
+        got = [(m, p) for m, p, d in zip(replayed.tasks_us, predicted, kinds) if d == want]
+        if got:
+            out[f"replay_task_{name}_us"] = round(statistics.median(m for m, _ in got), 1)
+            out[f"predicted_task_{name}_us"] = round(statistics.median(p for _, p in got), 1)
+    if "replay_task_deferred_us" in out:
+        print(f"      replayed tasks (medians): now "
+              f"{out['replay_task_now_us']} us (predicted {out['predicted_task_now_us']}), deferred "
+              f"{out['replay_task_deferred_us']} us (predicted {out['predicted_task_deferred_us']})", flush=True)
+    return out
 
 
 def print_variant(row: dict, bound: float) -> None:
