@@ -152,7 +152,8 @@ class HwProfile(_Frozen):
             lines.append("  gpu   none")
         o = self.overheads
         lines.append(f"  fixed launch {o.gpu_launch_us:.1f} us, CPU op {o.cpu_op_us:.1f} us, CPU submit "
-                     f"{o.cpu_submit_us:.1f} us, sync {o.cpu_sync_us:.1f} us, captured step {o.graph_step_us:.0f} us")
+                     f"{o.cpu_submit_us:.1f} us, sync {o.cpu_sync_us:.1f} us, captured step {o.graph_step_us:.0f} us, "
+                     f"deferred task +{o.cpu_deferred_us:.0f} us")
         if self.measured:
             lines.append("  measured: " + ", ".join(self.measured))
         return "\n".join(lines) + "\n"
