@@ -276,14 +276,6 @@ def calibrated_prediction(model, opts: dict, plan, replayed, hw, calibrated, row
     (`replayed` None), its rounds' mean step. Returns the fitted profile."""
     from ktflow.calibrate import fit_replayed
 
-    if replayed is None:
-        again = compile_cpu_experts(model, dict(opts, hw=calibrated))
-        measured = row["measured_step_us"]
-        row["calibrated_predicted_step_us"] = round(again.decode.predicted_step_us, 1)
-        print(f"  {row['variant']}: step {measured:.0f} us measured (rounds), predicted {plan.predicted_step_us:.0f} "
-              f"us, {again.decode.predicted_step_us:.0f} us calibrated "
-              f"({100 * (again.decode.predicted_step_us / measured - 1):+.1f}%)", flush=True)
-        return calibrated
     if calibrated is None:
         got = fit_replayed(plan, replayed, hw)
         if got is None:
@@ -293,12 +285,15 @@ def calibrated_prediction(model, opts: dict, plan, replayed, hw, calibrated, row
         row["calibrated_from"] = row["variant"]
         for f in fitted:
             print(f"  calibrate: {f.term} {f.before:.4g} -> {f.after:.4g} ({f.note})", flush=True)
-    again = compile_cpu_experts(model, dict(opts, hw=calibrated))
-    row.update(calibrated_predicted_step_us=round(again.decode.predicted_step_us, 1),
-               replayed_step_us=round(replayed.wall_us, 1))
-    print(f"  {row['variant']}: step {replayed.wall_us:.0f} us measured (replayed), predicted "
-          f"{plan.predicted_step_us:.0f} us, {again.decode.predicted_step_us:.0f} us calibrated "
-          f"({100 * (again.decode.predicted_step_us / replayed.wall_us - 1):+.1f}%)", flush=True)
+    again = compile_cpu_experts(model, dict(opts, hw=calibrated)).decode.predicted_step_us
+    row["calibrated_predicted_step_us"] = round(again, 1)
+    if replayed is not None:
+        measured, how = replayed.wall_us, "replayed"
+        row["replayed_step_us"] = round(measured, 1)
+    else:
+        measured, how = row["measured_step_us"], "rounds"
+    print(f"  {row['variant']}: step {measured:.0f} us measured ({how}), predicted {plan.predicted_step_us:.0f} us, "
+          f"{again:.0f} us calibrated ({100 * (again / measured - 1):+.1f}%)", flush=True)
     return calibrated
 
 
@@ -628,7 +623,7 @@ def llama_cpp_decode(a, ckpt: Path):
     return run, best, rows
 
 
-def finish_variant(a, x: Variant, vocab: int, cfg: dict, info: dict, dram: list[float], hw) -> dict:
+def finish_variant(a, x: Variant, vocab: int, cfg: dict, info: dict, dram: list[float]) -> dict:
     """Variant x's row from its rounds (tok/s mean +- sd, CPU busy, the last round's replayed
     split), what auto chose, the prediction, the roofline, memory, and the one-step diagnostics:
     the GPU's kernels (profiled), the hand-off (replayed; and from a traced, eagerly issued step).
@@ -750,7 +745,7 @@ def print_variant(row: dict, bound: float) -> None:
 
 
 def own_variant(a, v: str, model, opts: dict, prompts: list[int], vocab: int, cfg: dict, info: dict,
-                dram: list[float], hw) -> dict:
+                dram: list[float]) -> dict:
     """The cpu and eager variants, measured on their own after the rounds (their prefill rows too):
     all-CPU (torch's CPU attention with every thread) and the decode plan run op by op."""
     import ktflow
@@ -781,7 +776,7 @@ def own_variant(a, v: str, model, opts: dict, prompts: list[int], vocab: int, cf
     torch.cuda.reset_peak_memory_stats()
     x.runs = [decode_run(c, vocab, a.decode, seed=r) for r in range(a.reps)]
     x.peak_vram_gb = torch.cuda.max_memory_allocated() / 1e9
-    return finish_variant(a, x, vocab, cfg, info, dram, hw)
+    return finish_variant(a, x, vocab, cfg, info, dram)
 
 
 def run_llama(a, ckpt: Path, lengths: list[int]) -> list[dict]:
@@ -991,14 +986,14 @@ def main() -> int:
         rows = llama_decode[2]()
         llama_rows += rows
     for x in ready:
-        decoded.append(finish_variant(a, x, vocab, cfg, info, round_dram, hw))
+        decoded.append(finish_variant(a, x, vocab, cfg, info, round_dram))
         if a.calibrate and calibrated is not None and "calibrated_from" not in x.row:
             replayed = (x.runs[-1][2] or {}).get("replayed")
             calibrated_prediction(model, x.opts, x.c.decode, replayed, hw, calibrated, decoded[-1])
         append_jsonl(a.out, [decoded[-1]])  # row by row: a run cut short keeps what it measured
     for v in [v for v in variants if v in ("cpu", "eager")]:
         opts = dict(base, device="cuda", vram_budget_gb=budget, backend="native")
-        decoded.append(own_variant(a, v, model, opts, prompts, vocab, cfg, info, [dram], hw))
+        decoded.append(own_variant(a, v, model, opts, prompts, vocab, cfg, info, [dram]))
         append_jsonl(a.out, [decoded[-1]])
     print_decode_table(decoded, [r for r in llama_rows if "decode_tok_s" in r])
     return 0

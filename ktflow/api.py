@@ -257,8 +257,8 @@ def _decode_plan(spec: Graph, ctx: CompileContext, instruments=(), pipeline=PIPE
     for d in [0, *range(1, top_k - 1), "auto"]:
         c = replace(ctx, options=opts.model_copy(update=dict(defer=d or None)))
         g = run_pipeline(spec, c, pipeline=pipeline)
-        deferred = {n.attrs.layer: n.attrs.rank_range[1] - n.attrs.rank_range[0]  # a deferred part: ranks from > 0
-                    for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.rank_range[0] > 0}
+        deferred = {n.attrs.layer: n.attrs.rank_range[1] - n.attrs.rank_range[0]
+                    for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.deferred}
         tried.append((_predicted_step_us(g, c), d, sum(deferred.values())))
     best = min(us for us, _, _ in tried)
     us, d, _ = min((t for t in tried if t[0] <= best * (1 + DEFER_TIE)), key=lambda t: (t[2], t[0]))

@@ -257,7 +257,7 @@ def _task_spans(plan: Plan) -> list[tuple[float, float, bool]]:
             parts = [p for m in members for p in by_node.get(m, []) if p.lane.startswith("cpu")]
             if parts:
                 spans.append((min(p.start_us for p in parts), max(p.end_us for p in parts),
-                              all(n.attrs.rank_range[0] > 0 for n in routed)))
+                              all(n.attrs.deferred for n in routed)))
     return spans
 
 

@@ -167,7 +167,7 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
     half = 0.5 if g.act_dtype == DType.F32 else 1.0
     if n.op == Op.ROUTED_EXPERTS and flops > 0:  # the native operator's measured rate at this many rows per expert
         cpu = Roof(hw.cpu.expert_rate(rows_per_expert(n, work)) * half, cpu.bandwidth, cpu.overhead)
-    if n.op == Op.ROUTED_EXPERTS and n.attrs.rank_range[0] > 0:  # a deferred part: its own task's extra time
+    if n.op == Op.ROUTED_EXPERTS and n.attrs.deferred:  # its own task's extra time
         cpu = Roof(cpu.flops, cpu.bandwidth, cpu.overhead + hw.overheads.cpu_deferred_us * 1e-6)
     sockets = len(hw.cpu.numa)
     if n.place is not None and n.place.numa is not None:

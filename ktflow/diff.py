@@ -90,7 +90,7 @@ def _deferred(g: Graph) -> dict[int, int]:
     do not start at 0)."""
     out: dict[int, int] = {}
     for n in g.nodes:
-        if n.op == Op.ROUTED_EXPERTS and n.attrs.rank_range[0] > 0:
+        if n.op == Op.ROUTED_EXPERTS and n.attrs.deferred:
             lo, hi = n.attrs.rank_range
             out[n.attrs.layer] = max(out.get(n.attrs.layer, 0), hi - lo)
     return out

@@ -171,6 +171,11 @@ class RoutedExpertsAttrs:
         return (self.ranks[0], self.ranks[1]) if self.ranks else (0, self.top_k)
 
     @property
+    def deferred(self) -> bool:
+        """A deferred part (Expert Deferral): its picks start past each token's first."""
+        return self.rank_range[0] > 0
+
+    @property
     def rank_fraction(self) -> float:
         lo, hi = self.rank_range
         return (hi - lo) / self.top_k

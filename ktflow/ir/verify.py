@@ -241,7 +241,7 @@ def _d1_deferred_edges(g: Graph):
                 continue
             p = _producer(g, i)
             parts = [g.by_name(x) for x in p.inputs if x in g] if p.op == Op.REDUCE else [p]
-            ok = bool(parts) and all(x.op == Op.ROUTED_EXPERTS and x.attrs.layer == a.src and x.attrs.rank_range[0] > 0
+            ok = bool(parts) and all(x.op == Op.ROUTED_EXPERTS and x.attrs.layer == a.src and x.attrs.deferred
                                      for x in parts)
             if not ok:
                 yield n.name, f"input {i} is not deferred routed-expert output of layer {a.src}"
