@@ -7,7 +7,7 @@ On a model with learned routing (train_small_moe.py), for each GPU share of the 
 2. the plan: `ktflow.compile` with that profile and the VRAM budget at which a plan without one
    puts that share of the routed experts on the GPU; the placement pass picks which experts go
    to the GPU per layer and its cause states the share of the layer's picks it expects them to
-   take. The profile is paper-a100 with its fixed per-op costs set to 0: a tiny model's experts
+   take (`expected`: that share, from the profile). The profile is paper-a100 with its fixed per-op costs set to 0: a tiny model's experts
    are too small for a GPU launch to beat the CPU, and without those costs the pass ranks them by
    the roofline alone, as it does a model whose experts cost real bandwidth;
 3. the check: the picks over the held-out split (`heldout.safetensors`, files the training never
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import tempfile
@@ -47,15 +46,12 @@ def profile_of(model, seqs: list[list[int]], max_seq_len: int):
     return record_routing(c, seqs, 0, progress=False)
 
 
-def gpu_experts(plan) -> dict[int, tuple[tuple[int, ...], str]]:
-    """Per MoE layer: the experts the plan puts on the GPU, and the GPU part's cause."""
+def gpu_experts(plan) -> dict[int, tuple[int, ...]]:
+    """Per MoE layer: the experts the plan puts on the GPU."""
     from ktflow.ir.ops import Op
 
-    out: dict[int, tuple[tuple[int, ...], str]] = {}
-    for n in plan.ir.nodes:
-        if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "gpu":
-            out[n.attrs.layer] = (tuple(n.attrs.ids), n.place.cause)
-    return out
+    return {n.attrs.layer: tuple(n.attrs.ids) for n in plan.ir.nodes
+            if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "gpu"}
 
 
 def roofline_only():
@@ -76,7 +72,7 @@ def budget_for(model, share: float, max_seq_len: int) -> float:
         nodes = ktflow.compile(model, hw=roofline_only(), vram_budget_gb=gb, max_seq_len=max_seq_len,
                                numa_nodes=1).decode.ir.nodes
         routed = [n for n in nodes if n.op == Op.ROUTED_EXPERTS]
-        total = sum(n.attrs.experts for n in routed if n.place.device.value == "cpu" or not n.attrs.subset) or 1
+        total = sum({n.attrs.layer: n.attrs.experts for n in routed}.values())  # a split layer's parts once
         return sum(len(n.attrs.ids) for n in routed if n.place.device.value == "gpu") / total
 
     lo, hi = 0.0, 1.0
@@ -112,14 +108,13 @@ def main() -> int:
     need = max(a.seqs, a.profile_seqs) * a.len
     if len(held) < a.seqs * a.len or len(train_ids) < need:
         raise SystemExit(f"not enough tokens: held-out {len(held)}, training {len(train_ids)}, need {need}")
-    # profile from the training stream's end (what the last training steps read least recently is as good)
-    step = len(train_ids) // a.profile_seqs
+    step = len(train_ids) // a.profile_seqs  # sequences spread over the training text
     prof = profile_of(model, [train_ids[i * step:i * step + a.len].tolist() for i in range(a.profile_seqs)], a.len + 8)
     check = profile_of(model, held[:a.seqs * a.len].view(a.seqs, a.len).tolist(), a.len + 8)
     tmp = tempfile.TemporaryDirectory()
     path = Path(tmp.name) / "routing.json"  # what `ktflow profile` would write
     path.write_text(prof.model_dump_json() + "\n")
-    rows = []
+    rows, info = [], dict(commit=commit(), **machine())
     print(f"{'share':>5s} {'layer':>5s} {'GPU experts':>11s} {'expected':>8s} {'profiled':>8s} {'uniform':>8s} "
           f"{'best':>6s}   (share of the held-out picks on the GPU)")
     for share in [float(x) for x in a.shares.split(",") if x]:
@@ -129,18 +124,17 @@ def main() -> int:
         uniform = gpu_experts(ktflow.compile(model, **opts).decode)
         got = {"profiled": [], "uniform": [], "best": []}
         for layer, fr in sorted(check.layers.items()):
-            ids, cause = aware.get(layer, ((), ""))
-            flat = uniform.get(layer, ((), ""))[0]
+            ids, flat = aware.get(layer, ()), uniform.get(layer, ())
             best = sorted(range(experts), key=lambda e: -fr[e])[:len(ids)]
             on = {name: sum(fr[e] for e in s) / k for name, s in (("profiled", ids), ("uniform", flat), ("best", best))}
-            m = re.search(r"expected (\d+)%", cause)
-            expected = float(m.group(1)) / 100 if m else None
+            trained = prof.layers[layer]
+            expected = sum(trained[e] for e in ids) / sum(trained) if ids else None
             for name in got:
                 got[name].append(on[name])
             print(f"{share:5.2f} {layer:5d} {len(ids):5d} / {len(flat):<3d} "
                   f"{'-' if expected is None else f'{expected:.0%}':>8s} {on['profiled']:8.1%} {on['uniform']:8.1%} "
                   f"{on['best']:6.1%}")
-            rows.append(dict(bench="placement_hits", commit=commit(), **machine(), model=str(d), share=share, layer=layer,
+            rows.append(dict(bench="placement_hits", **info, model=str(d), share=share, layer=layer,
                              gpu_experts=len(ids), gpu_experts_uniform=len(flat), expected=expected,
                              profiled=round(on["profiled"], 4), uniform=round(on["uniform"], 4),
                              best=round(on["best"], 4), profile_tokens=prof.tokens, check_tokens=check.tokens))
@@ -149,6 +143,7 @@ def main() -> int:
               f"{mean['best']:.1%}; CPU picks {1 - mean['profiled']:.1%} vs {1 - mean['uniform']:.1%} "
               f"(ratio {(1 - mean['uniform']) / (1 - mean['profiled']):.3f})")
     append_jsonl(a.out, rows)
+    tmp.cleanup()
     return 0
 
 
