@@ -204,9 +204,9 @@ def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, 
     probs = ctx.routing.probs(n.attrs.layer) if ctx.routing is not None else None
     source = "routing profile" if probs else "uniform routing"
     # the share of the layer's picks its GPU experts are expected to take (the plan shows it)
-    weight = (lambda e: probs[e]) if probs else (lambda e: 1.0)
-    total = sum(weight(e) for e in n.attrs.ids)
-    share = sum(weight(e) for e in gpu_ids) / total if total > 0 else 0.0
+    weights = probs or (1.0,) * n.attrs.experts
+    total = sum(weights[e] for e in n.attrs.ids)
+    share = sum(weights[e] for e in gpu_ids) / total if total > 0 else 0.0
     out = []  # a split layer: the CPU part keeps the name and comes first, its GPU part is <name>.gpu
     if cpu_ids:
         attrs = replace(n.attrs, subset=cpu_ids if gpu_ids else n.attrs.subset)
