@@ -58,10 +58,12 @@ as full V2 and refuses it), with 8-bit experts on both sides so the checkpoint a
 block scales and quantization_config), which ktflow loads as published; its experts are packed in
 `--expert-format`.
 
-`--calibrate` fits the hardware profile to the first graph variant run one step a launch
-(`graph+run1`: its replayed steps are timed one by one; a greedy run's are not)
-(`ktflow.calibrate.fit_replayed`) and prints every variant's prediction with it beside its
-measured step: out of sample for the variants after the first (deferral, another format).
+`--calibrate` fits the hardware profile to the graph variants run one step a launch
+(`graph+run1`: their replayed steps are timed one by one; a greedy run's are not;
+`ktflow.calibrate.fit_replayed`): the first (exact) fits every term but the deferred task's extra
+time, the first deferred one (`graph+run1+d2`) that term; then every variant's prediction with the
+fitted profile is printed beside its measured step, its rounds' mean (the fitting variants' own
+rows record the replayed step too).
 A `graph+dauto` variant after the fit compiles with the fitted profile, so its choice is the
 calibrated cost model's.
 
@@ -269,22 +271,37 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
     return new / (wall * 1e-9), busy, split
 
 
-def calibrated_prediction(model, opts: dict, plan, replayed, hw, calibrated, row: dict):
-    """With --calibrate: the first graph variant's replayed steps fit the profile (kept and
-    returned); every variant is compiled again with it and its prediction printed beside the
-    measured step: its replayed median (one step a launch) or, for a variant run K steps a launch
-    (`replayed` None), its rounds' mean step. Returns the fitted profile."""
-    from ktflow.calibrate import fit_replayed
+def fit_from_variant(plan, replayed, hw, calibrated, row: dict):
+    """With --calibrate: a graph variant run one step a launch fits the profile from its replayed
+    steps (`ktflow.calibrate.fit_replayed`): the first, exact, every term but the deferred task's
+    extra time; then the first deferred one only that term, on top (its gaps are not the GPU's
+    chain), as `ktflow.calibrate.calibrate` does. Returns the profile (`calibrated` where the
+    variant adds nothing)."""
+    from ktflow.calibrate import _calibrated, deferred_tasks, fit_replayed
 
-    if calibrated is None:
-        got = fit_replayed(plan, replayed, hw)
-        if got is None:
-            print("  calibrate: this variant's tasks do not match its plan one to one; nothing fitted", flush=True)
-            return None
-        calibrated, fitted = got
-        row["calibrated_from"] = row["variant"]
-        for f in fitted:
-            print(f"  calibrate: {f.term} {f.before:.4g} -> {f.after:.4g} ({f.note})", flush=True)
+    deferred = any(deferred_tasks(plan))
+    if calibrated is not None and (not deferred or calibrated.overheads.cpu_deferred_us > 0):
+        return calibrated
+    got = fit_replayed(plan, replayed, calibrated or hw)
+    if got is None:
+        print("  calibrate: this variant's tasks do not match its plan one to one; nothing fitted", flush=True)
+        return calibrated
+    profile, fitted = got
+    if calibrated is not None:  # the deferred term only
+        fitted = [f for f in fitted if f.term == "overheads.cpu_deferred_us"]
+        profile = _calibrated(calibrated, {f.term.split(".")[1]: f.after for f in fitted}, {})
+    elif deferred:
+        print("  calibrate: the first variant defers, so its gaps fit nothing; put graph+run1 (exact) first", flush=True)
+    row["calibrated_from"] = row["variant"]
+    for f in fitted:
+        print(f"  calibrate: {f.term} {f.before:.4g} -> {f.after:.4g} ({f.note})", flush=True)
+    return profile
+
+
+def calibrated_prediction(model, opts: dict, plan, replayed, calibrated, row: dict) -> None:
+    """With --calibrate: the variant compiled again with the fitted profile, its prediction printed
+    beside the measured step: its replayed median (one step a launch) or, for a variant run K
+    steps a launch (`replayed` None), its rounds' mean step."""
     again = compile_cpu_experts(model, dict(opts, hw=calibrated)).decode.predicted_step_us
     row["calibrated_predicted_step_us"] = round(again, 1)
     if replayed is not None:
@@ -294,7 +311,6 @@ def calibrated_prediction(model, opts: dict, plan, replayed, hw, calibrated, row
         measured, how = row["measured_step_us"], "rounds"
     print(f"  {row['variant']}: step {measured:.0f} us measured ({how}), predicted {plan.predicted_step_us:.0f} us, "
           f"{again:.0f} us calibrated ({100 * (again / measured - 1):+.1f}%)", flush=True)
-    return calibrated
 
 
 def host_profile(compiled, vocab: int, steps: int = 32) -> None:
@@ -961,14 +977,15 @@ def main() -> int:
                 opts["hw"] = calibrated
         x = prepare_variant(v, model, opts, vocab)
         ready.append(x)
-        if a.calibrate and calibrated is None:  # fit now, so that a later auto variant compiles with it
+        if a.calibrate and x.c.plans.options.greedy_steps == 1:  # fit now, so that a later auto variant uses it
             replayed = decode_run(x.c, vocab, a.decode, seed=98, records=True)[2]
             replayed = (replayed or {}).get("replayed")
             if replayed is not None:
-                calibrated = calibrated_prediction(model, opts, x.c.decode, replayed, hw, None, x.row)
-            else:
-                print(f"  calibrate: {v} runs {x.c.plans.options.greedy_steps} steps a launch, whose steps are not "
-                      "timed one by one; put graph+run1 first to fit from it", flush=True)
+                calibrated = fit_from_variant(x.c.decode, replayed, hw, calibrated, x.row)
+                x.row["fit_replayed_step_us"] = round(replayed.wall_us, 1)
+        elif a.calibrate and calibrated is None:
+            print(f"  calibrate: {v} runs {x.c.plans.options.greedy_steps} steps a launch, whose steps are not "
+                  "timed one by one; put graph+run1 (and graph+run1+d2) first to fit from them", flush=True)
     # llama.cpp's decode in the same rounds, where run_llama made its GGUF
     llama_decode = llama_cpp_decode(a, d) if a.llama and ready and a.decode and gguf_made(a, d) else []
     round_dram: list[float] = []
@@ -987,9 +1004,9 @@ def main() -> int:
         llama_rows += rows
     for x in ready:
         decoded.append(finish_variant(a, x, vocab, cfg, info, round_dram))
-        if a.calibrate and calibrated is not None and "calibrated_from" not in x.row:
+        if a.calibrate and calibrated is not None:
             replayed = (x.runs[-1][2] or {}).get("replayed")
-            calibrated_prediction(model, x.opts, x.c.decode, replayed, hw, calibrated, decoded[-1])
+            calibrated_prediction(model, x.opts, x.c.decode, replayed, calibrated, decoded[-1])
         append_jsonl(a.out, [decoded[-1]])  # row by row: a run cut short keeps what it measured
     for v in [v for v in variants if v in ("cpu", "eager")]:
         opts = dict(base, device="cuda", vram_budget_gb=budget, backend="native")

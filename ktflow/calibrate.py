@@ -57,19 +57,27 @@ class Fitted:
 
 
 @dataclass
+class StepPrediction:
+    plan: str  # which decode plan was measured ("exact", "defer 2")
+    measured_step_us: float  # median untraced decode step
+    predicted_before_us: float  # the plan's predicted step with the profile calibration started from
+    predicted_after_us: float  # the same plan recompiled with the fitted profile
+
+
+@dataclass
 class Calibration:
     profile: HwProfile  # the fitted profile
     fitted: list[Fitted]
-    measured_step_us: float  # median untraced decode step
-    predicted_before_us: float  # the plan's predicted step with the profile it was compiled for
-    predicted_after_us: float  # the same plan recompiled with the fitted profile
+    steps: list[StepPrediction]  # each measured plan: the exact one first
 
     def lines(self) -> list[str]:
         out = [f"{'term':28s} {'before':>12s} {'after':>12s}  from"]
         for f in self.fitted:
             out.append(f"{f.term:28s} {f.before:12.4g} {f.after:12.4g}  {f.ops} ops" + (f"; {f.note}" if f.note else ""))
-        out.append(f"decode step: measured {self.measured_step_us:.0f} us; predicted {self.predicted_before_us:.0f} us "
-                   f"before, {self.predicted_after_us:.0f} us after calibration")
+        for s in self.steps:
+            out.append(f"decode step ({s.plan}): measured {s.measured_step_us:.0f} us; predicted "
+                       f"{s.predicted_before_us:.0f} us before, {s.predicted_after_us:.0f} us after calibration"
+                       + (f" ({100 * (s.predicted_after_us / s.measured_step_us - 1):+.1f}%)" if s.measured_step_us > 0 else ""))
         return out
 
 
@@ -287,16 +295,23 @@ def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile) -> tuple[HwProfile, l
 
     - the CPU rate factor: the tasks' predicted time over their measured time, from the tasks
       that run a layer's picks needed now;
-    - `overheads.cpu_deferred_us`, in a deferred plan: the deferred tasks' median measured time
+    - in an exact plan (no deferred part), from the GPU's chain between tasks:
+      - `overheads.gpu_launch_us`: moved by the median gap's excess over the predicted, spread
+        over the GPU ops in a gap (at decode the GPU's ops are small: their fixed time is what the
+        roofline misses; the efficiency is left as it is). Where that would go below zero, the
+        rest comes off `overheads.cpu_sync_us`: each gap holds one hand-off round trip, and the
+        probe that measured it may have met a busy host (session 33: 245 us once, 11.5 us in the
+        next call on the same machine);
+      - `overheads.graph_step_us`: what the measured step has beyond its tasks and gaps, less what
+        the plan predicts there (its edges' GPU ops with the fitted fixed time). `rep` times one
+        step a launch, so this is the edge of one launch (a plan's predicted step divides it by
+        its greedy steps a launch: `api._predicted_step_us`);
+    - in a deferred plan, `overheads.cpu_deferred_us`: the deferred tasks' median measured time
       beyond their predicted time at the fitted rate (on the GPU host such a task ran 1.5-2x
-      slower per expert than the layer's other task, session 32);
-    - `overheads.gpu_launch_us`: moved by the median gap's excess over the predicted, spread over
-      the GPU ops in a gap (at decode the GPU's ops are small: their fixed time is what the
-      roofline misses; the efficiency is left as it is);
-    - `overheads.graph_step_us`: what the measured step has beyond its tasks and gaps, less what
-      the plan predicts there (its edges' GPU ops with the fitted fixed time). `rep` times one
-      step a launch, so this is the edge of one launch (a plan's predicted step divides it by
-      its greedy steps a launch: `api._predicted_step_us`)."""
+      slower per expert than the layer's other task, session 32). Its gaps and edges fit nothing:
+      the next layer's doorbell rings while the deferred task runs, so a gap is not the GPU's
+      chain. Fit the exact plan first and this one with the profile that gave
+      (`calibrate` does)."""
     tasks, gaps, in_gap, edge_ops = predicted_tasks(plan)
     if len(tasks) != len(rep.tasks_us) or not tasks or sum(rep.tasks_us) <= 0:
         return None
@@ -311,20 +326,28 @@ def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile) -> tuple[HwProfile, l
                       f"CPU rates x{scale:.3g}: the tasks' predicted over measured (replayed)"),
                Fitted("cpu.gemm_tflops", c.gemm_tflops, upd_cpu["gemm_tflops"], len(now))]
     late = [(t, m) for t, m, d in zip(tasks, rep.tasks_us, deferred) if d]
-    if late and len(late) < len(tasks):
-        # a deferred task's time at the fitted rate without the extra it was priced with, and what it took beyond
-        extra = max(0.0, statistics.median(m - (t - o.cpu_deferred_us) / scale for t, m in late))
-        upd_over["cpu_deferred_us"] = extra
-        fitted.append(Fitted("overheads.cpu_deferred_us", o.cpu_deferred_us, extra, len(late),
-                             "the deferred tasks' median time beyond their bytes at the fitted rate"))
+    if late:
+        if len(late) < len(tasks):
+            # a deferred task's time at the fitted rate without the extra it was priced with, and what it took beyond
+            extra = max(0.0, statistics.median(m - (t - o.cpu_deferred_us) / scale for t, m in late))
+            upd_over["cpu_deferred_us"] = extra
+            fitted.append(Fitted("overheads.cpu_deferred_us", o.cpu_deferred_us, extra, len(late),
+                                 "the deferred tasks' median time beyond their bytes at the fitted rate"))
+        return _calibrated(hw, upd_over, upd_cpu), fitted
     launch = o.gpu_launch_us
     if gaps and statistics.median(in_gap) > 0:
-        excess = statistics.median(rep.gaps_us) - statistics.median(gaps)
-        launch = max(0.0, o.gpu_launch_us + excess / statistics.median(in_gap))
+        excess, per = statistics.median(rep.gaps_us) - statistics.median(gaps), statistics.median(in_gap)
+        launch = o.gpu_launch_us + excess / per
+        how = (f"median gap {statistics.median(rep.gaps_us):.1f} us measured, "
+               f"{statistics.median(gaps):.1f} us predicted, {per:.0f} GPU ops in it")
+        if launch < 0:  # the gap is shorter than its ops' roofline alone: the hand-off was priced too long
+            sync = max(0.0, o.cpu_sync_us + launch * per)
+            upd_over["cpu_sync_us"] = sync
+            fitted.append(Fitted("overheads.cpu_sync_us", o.cpu_sync_us, sync, len(gaps),
+                                 how + "; what the GPU ops' fixed time cannot take"))
+            launch = 0.0
         upd_over["gpu_launch_us"] = launch
-        fitted.append(Fitted("overheads.gpu_launch_us", o.gpu_launch_us, launch, len(gaps),
-                             f"median gap {statistics.median(rep.gaps_us):.1f} us measured, "
-                             f"{statistics.median(gaps):.1f} us predicted, {statistics.median(in_gap):.0f} GPU ops in it"))
+        fitted.append(Fitted("overheads.gpu_launch_us", o.gpu_launch_us, launch, len(gaps), how))
     edges_measured = rep.wall_us - sum(rep.tasks_us) - sum(rep.gaps_us)
     # the plan's edges without the step's fixed time it added (its share of graph_step_us)
     scheduled = max((n.timing.end_us for n in plan.ir.nodes if n.timing is not None), default=0.0)
@@ -336,27 +359,52 @@ def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile) -> tuple[HwProfile, l
     return _calibrated(hw, upd_over, upd_cpu), fitted
 
 
-def calibrate(model, hw, steps: int = 3, **options) -> Calibration:
-    """Compile `model` for `hw` with `options`, measure its decode plan here, fit the profile and
-    recompile with it (module doc). A plan the backend replays as a captured graph is fitted from
-    replayed steps (`fit_replayed`: an instrumented step runs eagerly, op by op, and times the
-    host's issue more than the GPU's work); any other from traced steps (`fit`)."""
+def _measure_and_fit(model, hw, steps: int, options: dict) -> tuple[Plan, float, tuple[HwProfile, list[Fitted]]]:
+    """Compile, measure the decode plan here and fit (`fit_replayed` for a plan the backend replays
+    as a captured graph, `fit` from traced steps otherwise): (the plan, its measured step, the fit)."""
+    import gc
+
     import ktflow
 
-    # the steps are measured one a launch (`execute`), so they are compared with that prediction;
-    # the profile serves any greedy_steps (the plan divides graph_step_us by it)
-    options = dict(options, greedy_steps=1)
     compiled = ktflow.compile(model, hw=hw, **options)
     plan = compiled.decode
-    replayed = getattr(compiled.executor(plan).runner, "capture", False) and any(s.kind == "submit" for s in plan.steps)
     got = None
-    if replayed:
+    if getattr(compiled.executor(plan).runner, "capture", False) and any(s.kind == "submit" for s in plan.steps):
         rep = measure_replayed(compiled, max(steps, 8))
         got = fit_replayed(plan, rep, compiled.plans.hw) if rep else None
         wall = rep.wall_us if rep else 0.0
     if got is None:
         traced, wall = measure(compiled, steps)
         got = fit(plan, _median_steps(traced), compiled.plans.hw)
-    profile, fitted = got
-    after = ktflow.compile(model, hw=profile, **options)
-    return Calibration(profile, fitted, wall, plan.predicted_step_us, after.decode.predicted_step_us)
+    del compiled  # its device weights, before the next plan binds its own
+    gc.collect()
+    return plan, wall, got
+
+
+def calibrate(model, hw, steps: int = 3, **options) -> Calibration:
+    """Compile `model` for `hw` with `options`, measure its decode plans here, fit the profile and
+    recompile with it (module doc). Two plans are measured where the model can defer on this
+    machine: the exact plan (no deferral) fits every term but the deferred task's extra time; then
+    the plan deferring `options["defer"]` picks a layer (2 where that is not a number), compiled
+    with that fit, gives `overheads.cpu_deferred_us` (a deferred plan's gaps are not the GPU's
+    chain: `fit_replayed`). The steps are measured one a launch (`execute`), so they are compared
+    with that prediction; the profile serves any greedy_steps (a plan divides graph_step_us by it)."""
+    import ktflow
+
+    options = dict(options, greedy_steps=1)
+    asked = options.get("defer")
+    exact = dict(options, defer=None)
+    plan, wall, (profile, fitted) = _measure_and_fit(model, hw, steps, exact)
+    runs = [("exact", exact, wall, plan.predicted_step_us)]
+    d = asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else 2
+    deferring = dict(options, defer=d)
+    if plan.capture and any(deferred_tasks(ktflow.compile(model, hw=profile, **deferring).decode)):
+        plan_d, wall_d, (got_d, fitted_d) = _measure_and_fit(model, profile, steps, deferring)
+        extra = [f for f in fitted_d if f.term == "overheads.cpu_deferred_us"]
+        if extra:  # only the deferred term: the rest stays as the exact plan fitted it
+            profile = _calibrated(profile, {"cpu_deferred_us": extra[0].after}, {})
+            fitted += extra
+        runs.append((f"defer {d}", deferring, wall_d, ktflow.compile(model, hw=hw, **deferring).decode.predicted_step_us))
+    steps_out = [StepPrediction(label, measured, before, ktflow.compile(model, hw=profile, **opts).decode.predicted_step_us)
+                 for label, opts, measured, before in runs]
+    return Calibration(profile, fitted, steps_out)

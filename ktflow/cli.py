@@ -373,7 +373,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     model = _model_with_weights(a.model, "calibrate")
     opts = _options(a)
     hw = a.hw
-    print(f"calibrating {model.path.name}: {a.steps} traced decode steps", flush=True)
+    print(f"calibrating {model.path.name}: {a.steps} decode steps a plan (at least 8 where replayed)", flush=True)
     cal = calibrate(model, hw, steps=a.steps, **opts)
     print("\n".join(cal.lines()))
     if a.output:
@@ -562,7 +562,9 @@ def parser() -> argparse.ArgumentParser:
                          description="Compile MODEL for --hw, run its decode plan here with the measured trace, "
                          "fit what the roofline misses (the GPU's efficiency and fixed time per op, the CPU's rate "
                          "and fixed time per op, the CPU task hand-off each way: ktflow.calibrate) and write the "
-                         "profile, which later compiles use with --hw PROFILE.json.")
+                         "profile, which later compiles use with --hw PROFILE.json. On a GPU with CPU experts the "
+                         "exact plan is measured first, then the plan deferring --defer picks a layer (2 when "
+                         "--defer is not a number), for the deferred task's extra time.")
     cal.add_argument("model", help="HF checkpoint dir with weights")
     cal.add_argument("-o", "--output", help="write the fitted profile JSON here (atomically)")
     cal.add_argument("--steps", type=int, default=3, help="traced decode steps (the median of each op is fitted)")

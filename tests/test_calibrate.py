@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import ktflow
 from ktflow.calibrate import Replayed, calibrate, deferred_tasks, fit, fit_replayed, predicted_tasks
@@ -87,6 +88,28 @@ def test_a_replayed_step_fits_the_cpu_rate_the_gpu_fixed_time_and_the_step_edges
     assert fit_replayed(plan, Replayed(wall, meas_tasks[:-1], meas_gaps[:-1]), c.plans.hw) is None  # tasks differ
 
 
+def test_a_gap_shorter_than_its_ops_takes_the_rest_off_the_hand_off(demo_dir):
+    """A probe that met a busy host prices the hand-off far too long: the replayed gaps come out
+    shorter than the plan's. The GPU ops' fixed time goes to zero and the rest of the difference
+    comes off `overheads.cpu_sync_us` (one round trip a gap), so the fitted plan's gaps match."""
+    base = PRESETS["paper-a100"]
+    hw = base.model_copy(update={"overheads": base.overheads.model_copy(update={"cpu_sync_us": 300.0})})
+    model = ktflow.load(demo_dir)
+    c = ktflow.compile(model, hw=hw, vram_budget_gb=0.004, max_seq_len=64, greedy_steps=1)
+    tasks, gaps, in_gap, _ = predicted_tasks(c.decode)
+    meas_gaps = [g - 280.0 for g in gaps]  # the round trip was 20 us
+    launch = hw.overheads.gpu_launch_us
+    profile, fitted = fit_replayed(c.decode, Replayed(c.decode.predicted_step_us - 280.0 * len(gaps), tasks, meas_gaps), hw)
+    assert profile.overheads.gpu_launch_us == 0.0
+    k = sorted(in_gap)[len(in_gap) // 2]
+    assert profile.overheads.cpu_sync_us == pytest.approx(300.0 - 280.0 + k * launch, rel=1e-6)
+    assert {"overheads.cpu_sync_us", "overheads.gpu_launch_us"} <= {f.term for f in fitted}
+    _, again, _, _ = predicted_tasks(ktflow.compile(model, hw=profile, vram_budget_gb=0.004, max_seq_len=64,
+                                                    greedy_steps=1).decode)
+    for want, got in zip(meas_gaps, again):
+        assert got == pytest.approx(want, abs=2.0 + k * launch)  # within the zeroed fixed time of the gap's ops
+
+
 def test_a_deferred_plans_replay_fits_the_rate_and_the_deferred_tasks_extra_time(demo_dir):
     """In a deferred plan each MoE layer but the last runs two CPU tasks (the picks needed now, the
     deferred ones): the rate comes from the first kind, and what the deferred ones take beyond
@@ -104,6 +127,8 @@ def test_a_deferred_plans_replay_fits_the_rate_and_the_deferred_tasks_extra_time
     assert profile.cpu.gemv_gbps == pytest.approx(c.plans.hw.cpu.gemv_gbps / 1.25, rel=1e-6)
     assert profile.overheads.cpu_deferred_us == pytest.approx(40.0, rel=1e-6)
     assert any(f.term == "overheads.cpu_deferred_us" for f in fitted)
+    # its gaps are not the GPU's chain (the next doorbell rings during the deferred task): nothing fitted from them
+    assert not {"overheads.gpu_launch_us", "overheads.graph_step_us"} & {f.term for f in fitted}
     again = ktflow.compile(model, hw=profile, vram_budget_gb=0.004, max_seq_len=64, defer=1, greedy_steps=1)
     got, _, _, _ = predicted_tasks(again.decode)
     for t, g, d in zip(meas, got, deferred_tasks(again.decode)):
@@ -128,8 +153,10 @@ def test_a_launch_of_k_greedy_steps_shares_the_fixed_step_time(demo_dir):
 @pytest.mark.skipif(not native_available(), reason="needs the native module")
 def test_calibrating_here_brings_the_prediction_to_the_measured_step(demo_dir):
     cal = calibrate(ktflow.load(demo_dir), "cpu", steps=2, max_seq_len=64, backend="native")
-    assert abs(cal.predicted_after_us - cal.measured_step_us) < abs(cal.predicted_before_us - cal.measured_step_us)
-    assert any(f.term == "cpu.gemv_gbps" for f in cal.fitted) and "decode step: measured" in cal.lines()[-1]
+    (s,) = cal.steps  # no GPU: no deferred plan to measure
+    assert s.plan == "exact"
+    assert abs(s.predicted_after_us - s.measured_step_us) < abs(s.predicted_before_us - s.measured_step_us)
+    assert any(f.term == "cpu.gemv_gbps" for f in cal.fitted) and "decode step (exact): measured" in cal.lines()[-1]
 
 
 def cli(*args):
@@ -155,3 +182,19 @@ def test_bad_calibrate_input_is_one_line(demo_dir, tmp_path):
     shutil.copy(demo_dir / "config.json", config_only / "config.json")
     r = cli("calibrate", config_only, "--hw", "cpu")
     assert r.returncode == 2 and "needs the checkpoint's *.safetensors" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and native_available()), reason="needs CUDA and the native module")
+def test_calibrating_a_replayed_hybrid_plan_measures_the_exact_plan_then_a_deferred_one(demo_dir):
+    """On a GPU with CPU experts: the exact plan fits the rate, the GPU's fixed time and the step's
+    edge; the plan deferring 1 pick a layer then adds the deferred task's extra time; both plans'
+    predictions are reported beside their measured steps."""
+    model = ktflow.load(demo_dir)
+    cal = calibrate(model, "this", steps=8, vram_budget_gb=0.004, max_seq_len=64, device="cuda",
+                    backend="cuda_graph", defer=1)
+    assert [s.plan for s in cal.steps] == ["exact", "defer 1"]
+    assert all(s.measured_step_us > 0 for s in cal.steps)
+    terms = [f.term for f in cal.fitted]
+    assert "overheads.graph_step_us" in terms and terms[-1] == "overheads.cpu_deferred_us"
+    assert cal.profile.overheads.cpu_deferred_us == cal.fitted[-1].after
+    assert "decode step (defer 1)" in cal.lines()[-1]
