@@ -277,7 +277,7 @@ def fit_from_variant(plan, replayed, hw, calibrated, row: dict):
     extra time; then the first deferred one only that term, on top (its gaps are not the GPU's
     chain), as `ktflow.calibrate.calibrate` does. Returns the profile (`calibrated` where the
     variant adds nothing)."""
-    from ktflow.calibrate import _calibrated, deferred_tasks, fit_replayed
+    from ktflow.calibrate import calibrated_profile, deferred_tasks, fit_replayed
 
     deferred = any(deferred_tasks(plan))
     if calibrated is not None and (not deferred or calibrated.overheads.cpu_deferred_us > 0):
@@ -289,7 +289,7 @@ def fit_from_variant(plan, replayed, hw, calibrated, row: dict):
     profile, fitted = got
     if calibrated is not None:  # the deferred term only
         fitted = [f for f in fitted if f.term == "overheads.cpu_deferred_us"]
-        profile = _calibrated(calibrated, {f.term.split(".")[1]: f.after for f in fitted}, {})
+        profile = calibrated_profile(calibrated, {f.term.split(".")[1]: f.after for f in fitted}, {})
     elif deferred:
         print("  calibrate: the first variant defers, so its gaps fit nothing; put graph+run1 (exact) first", flush=True)
     row["calibrated_from"] = row["variant"]

@@ -373,7 +373,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     model = _model_with_weights(a.model, "calibrate")
     opts = _options(a)
     hw = a.hw
-    print(f"calibrating {model.path.name}: {a.steps} decode steps a plan (at least 8 where replayed)", flush=True)
+    print(f"calibrating {model.path.name}: {a.steps} decode steps a plan (at least 16 where replayed)", flush=True)
     cal = calibrate(model, hw, steps=a.steps, **opts)
     print("\n".join(cal.lines()))
     if a.output:
