@@ -978,8 +978,9 @@ def main() -> int:
         x = prepare_variant(v, model, opts, vocab)
         ready.append(x)
         if a.calibrate and x.c.plans.options.greedy_steps == 1:  # fit now, so that a later auto variant uses it
-            replayed = decode_run(x.c, vocab, a.decode, seed=98, records=True)[2]
-            replayed = (replayed or {}).get("replayed")
+            from ktflow.calibrate import measure_replayed
+
+            replayed = measure_replayed(x.c, 32)  # as `ktflow calibrate` measures: with greedy runs of 8
             if replayed is not None:
                 calibrated = fit_from_variant(x.c.decode, replayed, hw, calibrated, x.row)
                 x.row["fit_replayed_step_us"] = round(replayed.wall_us, 1)

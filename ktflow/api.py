@@ -229,10 +229,12 @@ def _captured(g: Graph, ctx: CompileContext) -> bool:
 
 
 def _predicted_step_us(g: Graph, ctx: CompileContext) -> float:
-    """The scheduled graph's last end, plus a captured step's launch and start
-    (`overheads.graph_step_us`, the host's work around one launch) shared by the greedy steps one
-    launch runs (`greedy_steps`: the steps after the first take their token on the GPU)."""
-    fixed = ctx.hw.overheads.graph_step_us / ctx.options.greedy_steps if _captured(g, ctx) else 0.0
+    """The scheduled graph's last end, plus, for a captured plan, every step's fixed time
+    (`overheads.decode_step_us`) and one launch's (`overheads.graph_step_us`, the host's work around
+    it) shared by the greedy steps one launch runs (`greedy_steps`: the steps after the first take
+    their token on the GPU)."""
+    o = ctx.hw.overheads
+    fixed = o.decode_step_us + o.graph_step_us / ctx.options.greedy_steps if _captured(g, ctx) else 0.0
     return max((n.timing.end_us for n in g.nodes), default=0.0) + fixed
 
 

@@ -23,7 +23,8 @@ each step's measured time:
 A plan the backend replays as one captured graph is fitted from replayed steps instead
 (`fit_replayed`): the CPU rate from the tasks (and, in a deferred plan,
 `overheads.cpu_deferred_us`: what a deferred task takes beyond its bytes), `overheads.gpu_launch_us`
-from the gaps between them, `overheads.graph_step_us` (one launch's) from the step's edges (an instrumented step runs eagerly and
+from the gaps between them, `overheads.graph_step_us` (one launch's) and `overheads.decode_step_us`
+(every step's) from the step's edges, one a launch against eight a launch (an instrumented step runs eagerly and
 times the host's issue more than the GPU's work; measured on the GPU machine, a fit from it made
 the Qwen3-shaped prediction worse, 11.8 to 30.4 ms against 11.3 measured).
 
@@ -126,7 +127,7 @@ def measure(compiled, steps: int = 3, prompt: int = 16, seed: int = 0) -> tuple[
     return traced, walls
 
 
-def _median_steps(traced: list[list[Step]]) -> list[Step]:
+def median_steps(traced: list[list[Step]]) -> list[Step]:
     """Per step of the plan, the median measured duration (its start kept from the first run)."""
     out = []
     for i, s in enumerate(traced[0]):
@@ -227,6 +228,10 @@ class Replayed:
     tasks_us: list[float]
     gaps_us: list[float]
     walls_us: list[float] = field(default_factory=list)  # each step's, as measured
+    #: the same plan's step in greedy runs of `greedy_k` steps a launch (the median run's wall
+    #: over its steps; None where not measured)
+    greedy_us: float | None = None
+    greedy_k: int = 8
 
     @staticmethod
     def from_records(recs: list, steps: int, walls_us: list[float]) -> "Replayed | None":
@@ -242,11 +247,14 @@ class Replayed:
                         gaps_us=[med((r[k + 1][1] - r[k][3]) / 1e3 for r in runs) for k in range(per - 1)])
 
 
-def measure_replayed(compiled, steps: int = 16, prompt: int = 16, seed: int = 0) -> Replayed | None:
-    """`steps` untraced decode steps of `compiled` with the queue's records on (None if the
+def measure_replayed(compiled, steps: int = 16, prompt: int = 16, seed: int = 0, greedy_k: int = 8,
+                     greedy_runs: int = 4) -> Replayed | None:
+    """`steps` untraced decode steps of `compiled` with the queue's records on, then `greedy_runs`
+    greedy runs of `greedy_k` steps a launch where the KV cache has room for them (None if the
     records do not split into equal steps)."""
     import ktflow
     from . import native
+    from .runtime.execute import decode_greedy
 
     nxt, state = _warm(compiled, prompt, seed)
     native.sync()
@@ -261,7 +269,16 @@ def measure_replayed(compiled, steps: int = 16, prompt: int = 16, seed: int = 0)
         recs = q.take_records()
     finally:
         q.set_recording(False)
-    return Replayed.from_records(recs, steps, walls)
+    rep = Replayed.from_records(recs, steps, walls)
+    if rep is not None and state.position + (greedy_runs + 1) * greedy_k <= state.max_seq_len:
+        runs = []
+        for i in range(greedy_runs + 1):  # the first captures the K-step graph
+            t0 = time.perf_counter()
+            nxt = decode_greedy(compiled, nxt, state, greedy_k)[:, -1:]
+            if i:
+                runs.append((time.perf_counter() - t0) * 1e6 / greedy_k)
+        rep.greedy_us, rep.greedy_k = statistics.median(runs), greedy_k
+    return rep
 
 
 def _task_spans(plan: Plan) -> list[tuple[float, float, bool]]:
@@ -316,10 +333,14 @@ def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile) -> tuple[HwProfile, l
         rest comes off `overheads.cpu_sync_us`: each gap holds one hand-off round trip, and the
         probe that measured it may have met a busy host (session 33: 245 us once, 11.5 us in the
         next call on the same machine);
-      - `overheads.graph_step_us`: what the measured step has beyond its tasks and gaps, less what
-        the plan predicts there (its edges' GPU ops with the fitted fixed time). `rep` times one
-        step a launch, so this is the edge of one launch (a plan's predicted step divides it by
-        its greedy steps a launch: `api._predicted_step_us`);
+      - the step's edge: what the measured step has beyond its tasks and gaps, less what the
+        plan predicts there (its edges' GPU ops with the fitted fixed time). Where `rep` has the
+        plan's greedy runs of K steps a launch, the edge splits in two: one launch's
+        (`overheads.graph_step_us`), (one a launch - K a launch) x K / (K - 1), and every step's
+        (`overheads.decode_step_us`), the rest (a plan's predicted step adds the second and the
+        first divided by its greedy steps a launch: `api._predicted_step_us`). Without them the
+        whole edge is the launch's. Session 33, H100 host: 580-890 us of edge, of which a launch
+        of 8 steps saved only about a fifth, so most of it is the step's;
     - in a deferred plan, `overheads.cpu_deferred_us`: the deferred tasks' median measured time
       beyond their predicted time at the fitted rate (on the GPU host such a task ran 1.5-2x
       slower per expert than the layer's other task, session 32). Its gaps and edges fit nothing:
@@ -363,13 +384,23 @@ def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile) -> tuple[HwProfile, l
         upd_over["gpu_launch_us"] = launch
         fitted.append(Fitted("overheads.gpu_launch_us", o.gpu_launch_us, launch, len(gaps), how))
     edges_measured = rep.wall_us - sum(rep.tasks_us) - sum(rep.gaps_us)
-    # the plan's edges without the step's fixed time it added (its share of graph_step_us)
+    # the plan's edges without the fixed times it added (its share of graph_step_us, decode_step_us)
     scheduled = max((n.timing.end_us for n in plan.ir.nodes if n.timing is not None), default=0.0)
     edges_predicted = scheduled - sum(tasks) - sum(gaps) + edge_ops * (launch - o.gpu_launch_us)
-    step_us = max(0.0, edges_measured - edges_predicted)
-    upd_over["graph_step_us"] = step_us
-    fitted.append(Fitted("overheads.graph_step_us", o.graph_step_us, step_us, 1,
-                         f"step edges {edges_measured:.0f} us measured, {edges_predicted:.0f} us predicted"))
+    edge = max(0.0, edges_measured - edges_predicted)
+    how = f"step edges {edges_measured:.0f} us measured, {edges_predicted:.0f} us predicted"
+    if rep.greedy_us is not None and rep.greedy_k > 1:
+        k = rep.greedy_k
+        per_launch = min(edge, max(0.0, (rep.wall_us - rep.greedy_us) * k / (k - 1)))
+        upd_over["decode_step_us"] = edge - per_launch
+        fitted.append(Fitted("overheads.decode_step_us", o.decode_step_us, edge - per_launch, 1,
+                             f"{how}; the part {k} steps a launch do not share ({rep.wall_us:.0f} us a step one a "
+                             f"launch, {rep.greedy_us:.0f} us {k} a launch)"))
+        how = f"the part {k} steps a launch share"
+    else:
+        per_launch = edge
+    upd_over["graph_step_us"] = per_launch
+    fitted.append(Fitted("overheads.graph_step_us", o.graph_step_us, per_launch, 1, how))
     return calibrated_profile(hw, upd_over, upd_cpu), fitted
 
 
@@ -390,7 +421,7 @@ def _measure_and_fit(model, hw, steps: int, options: dict) -> tuple[Plan, list[f
         walls = rep.walls_us if rep else []
     if got is None:
         traced, walls = measure(compiled, steps)
-        got = fit(plan, _median_steps(traced), compiled.plans.hw)
+        got = fit(plan, median_steps(traced), compiled.plans.hw)
     del compiled  # its device weights, before the next plan binds its own
     gc.collect()
     return plan, walls, got

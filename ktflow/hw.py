@@ -108,10 +108,15 @@ class Overheads(_Frozen):
     #: the fixed time of one op on the CPU besides its FLOPs and bytes (the host's dispatch of a
     #: torch op or a native call); `ktflow calibrate` fits it
     cpu_op_us: float = Field(2.0, ge=0)
-    #: the fixed time of one captured decode step besides its ops (the graph's launch and start
-    #: on the GPU, the host's wait for its end); added to a captured plan's predicted step;
-    #: `ktflow calibrate` fits it
+    #: the fixed time of one launch of a captured decode plan besides its ops (the graph's launch
+    #: and start on the GPU, the host's wait for its end and its token read back): the greedy steps
+    #: one launch runs share it; `ktflow calibrate` fits it
     graph_step_us: float = Field(0.0, ge=0)
+    #: the fixed time of every captured decode step besides its scheduled ops, which K greedy
+    #: steps a launch do not share (what the step's first and last ops take beyond their roofline:
+    #: the token's embedding, the head and the argmax between layers' chains); `ktflow calibrate`
+    #: fits it from the exact plan run one step a launch against K steps a launch
+    decode_step_us: float = Field(0.0, ge=0)
     cpu_sync_us: float = Field(5.0, ge=0)  # wait for CPU work and see its result
     #: the extra time of a deferred expert task (a layer's lowest-ranked picks, run as a second CPU
     #: task beside the GPU's next layer) over its bytes at the CPU's rate; `ktflow calibrate` fits
@@ -152,7 +157,8 @@ class HwProfile(_Frozen):
             lines.append("  gpu   none")
         o = self.overheads
         lines.append(f"  fixed launch {o.gpu_launch_us:.1f} us, CPU op {o.cpu_op_us:.1f} us, CPU submit "
-                     f"{o.cpu_submit_us:.1f} us, sync {o.cpu_sync_us:.1f} us, captured step {o.graph_step_us:.0f} us, "
+                     f"{o.cpu_submit_us:.1f} us, sync {o.cpu_sync_us:.1f} us, captured launch {o.graph_step_us:.0f} us "
+                     f"and step {o.decode_step_us:.0f} us, "
                      f"deferred task +{o.cpu_deferred_us:.0f} us")
         if self.measured:
             lines.append("  measured: " + ", ".join(self.measured))
