@@ -217,7 +217,10 @@ def test_calibrating_a_replayed_hybrid_plan_measures_the_exact_plan_then_a_defer
     edge; the plan deferring 1 pick a layer then adds the deferred task's extra time; both plans'
     predictions are reported beside their measured steps."""
     model = ktflow.load(demo_dir)
-    cal = calibrate(model, "this", steps=16, vram_budget_gb=0.004, max_seq_len=128, device="cuda",
+    base = PRESETS["paper-a100"]  # the dense work on this GPU (its memory), the experts on the CPU
+    hw = base.model_copy(update={"gpus": [base.gpus[0].model_copy(
+        update={"memory_bytes": float(torch.cuda.get_device_properties(0).total_memory)})]})
+    cal = calibrate(model, hw, steps=16, vram_budget_gb=0.01, max_seq_len=128, device="cuda",
                     backend="cuda_graph", defer=1)
     assert [s.plan for s in cal.steps] == ["exact", "defer 1"]
     assert all(s.measured_step_us > 0 for s in cal.steps)
