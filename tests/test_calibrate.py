@@ -14,6 +14,7 @@ import ktflow
 from ktflow.calibrate import (Replayed, median_steps, calibrate, deferred_tasks, fit, fit_replayed, measure,
                               predicted_tasks)
 from ktflow.hw import PRESETS, Overheads, resolve_hw
+from ktflow.ir.ops import Op
 from ktflow.ir.types import Device
 from ktflow.native import available as native_available
 
@@ -220,8 +221,10 @@ def test_calibrating_a_replayed_hybrid_plan_measures_the_exact_plan_then_a_defer
     base = PRESETS["paper-a100"]  # the dense work on this GPU (its memory), the experts on the CPU
     hw = base.model_copy(update={"gpus": [base.gpus[0].model_copy(
         update={"memory_bytes": float(torch.cuda.get_device_properties(0).total_memory)})]})
-    cal = calibrate(model, hw, steps=16, vram_budget_gb=0.01, max_seq_len=128, device="cuda",
-                    backend="cuda_graph", defer=1)
+    opts = dict(max_seq_len=128, device="cuda", backend="cuda_graph", numa_nodes=1)  # one task a layer: one record
+    probe = ktflow.compile(model, hw=hw, vram_budget_gb=1.0, **opts).decode
+    dense = sum(n.weight_elems() * 2 for n in probe.ir.nodes if n.op != Op.ROUTED_EXPERTS)
+    cal = calibrate(model, hw, steps=16, vram_budget_gb=(dense + probe.memory.kv_cache_bytes) / 1e9, defer=1, **opts)
     assert [s.plan for s in cal.steps] == ["exact", "defer 1"]
     assert all(s.measured_step_us > 0 for s in cal.steps)
     terms = [f.term for f in cal.fitted]
