@@ -406,9 +406,6 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
     tok = Tokenizer.from_file(str(tok_file))
     opts = _options(a)
-    if opts.get("backend", "auto") not in ("auto", "native", "torch_ref"):
-        raise ConfigError(f"--backend {opts['backend']}: routing is recorded op by op; use native or torch_ref")
-    opts["backend"] = "native" if opts.get("backend", "auto") == "auto" else opts["backend"]
     compiled = ktflow.compile(model, hw=a.hw, **opts)
     prompts = []
     for i, text in enumerate(lines):
@@ -575,7 +572,8 @@ def parser() -> argparse.ArgumentParser:
                         "tokenizer.json) through MODEL, then --decode greedy tokens after it, counting per MoE layer "
                         "how often each expert is picked (and with --pairs each pair of experts together), and "
                         "write the routing profile JSON that `ktflow compile --routing-profile` places hot experts "
-                        "by. It runs the plan op by op (backend native) to see every router.")
+                        "by. The counters live on the device each router runs on; on the cuda_graph backend the captured decode "
+                        "step adds to them as it replays.")
     pr.add_argument("model", help="HF checkpoint dir with weights and tokenizer.json")
     pr.add_argument("--prompts", required=True, help="text file, one prompt per line")
     pr.add_argument("-o", "--output", required=True, help="routing profile JSON to write (atomically)")

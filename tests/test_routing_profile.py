@@ -51,6 +51,46 @@ def test_recorded_routing_is_the_routers_picks(backend, tiny_dirs, tmp_path):
     assert abs(sum(plain.layers[layer]) - k) < 1e-4
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_captured_decode_step_counts_its_routing_on_the_gpu(tiny_dirs, tmp_path):
+    """On the cuda_graph backend the decode step is one captured graph: its routers' picks are
+    counted inside it, on every replay (single steps and greedy runs of K steps a launch), and
+    the counts equal those of the same plan issued eagerly."""
+    from ktflow import native
+    from ktflow.runtime.execute import decode_greedy
+
+    if not native.available():
+        pytest.skip("needs the native module")
+    d, _ = tiny_dirs("deepseek_v3")
+    cfg = json.loads((d / "config.json").read_text())
+    layer, experts, k = cfg["first_k_dense_replace"], cfg["n_routed_experts"], cfg["num_experts_per_tok"]
+    biased = _biased_copy(d, tmp_path / "biased", layer, list(range(k)), experts)
+    opts = dict(hw="paper-a100", device="cuda", max_seq_len=64, backend="cuda_graph")
+    c = ktflow.compile(ktflow.load(biased), **opts)
+    assert c.decode.capture
+    prof = record_routing(c, [[1, 2, 3, 4, 5], [6, 7, 8]], decode=5, pairs=True, progress=False)
+    assert prof.tokens == 5 + 3 + 2 * 5  # the decode steps after the first replay the captured graph
+    assert prof.layers[layer][:k] == [1.0] * k and sum(prof.layers[layer][k:]) == 0.0
+    assert prof.pairs[layer][0][1] == 1.0
+
+    def counted(capture: bool) -> dict:
+        c = ktflow.compile(ktflow.load(d), **opts)
+        ex = c.executor(c.decode)
+        ex.runner.capture = capture
+        nxt, state = ktflow.execute(c, torch.tensor([[3, 1, 4, 1, 5]]), logits="argmax")
+        ex.recorder = RoutingRecorder()
+        for _ in range(3):  # one step a launch, then greedy runs of 4 a launch (eager first, then replayed)
+            nxt, state = ktflow.execute(c, nxt, state, logits="argmax")
+        for _ in range(3):
+            nxt = decode_greedy(c, nxt, state, 4)[:, -1:]
+        rec, ex.recorder = ex.recorder, None
+        return {j: counts.cpu() for j, counts in rec.counts.items()}, {j: int(r) for j, r in rec.rows.items()}
+
+    (replayed, rows), (eager, rows_eager) = counted(True), counted(False)
+    assert set(rows.values()) == {3 + 12} and rows == rows_eager
+    assert all(torch.equal(replayed[j], eager[j]) for j in eager) and all(int(v.sum()) == 15 * k for v in eager.values())
+
+
 def test_recorder_counts_each_pick():
     rec = RoutingRecorder(pairs=True)
     rec.add(3, torch.tensor([[0, 2], [2, 1]]), 4)

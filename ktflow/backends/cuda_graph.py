@@ -331,6 +331,27 @@ class DecodeGraph:
         self.prologue = host_prologue(self.g, be, "inside a CUDA graph")
         self.inputs = [n.name for n in self.g.nodes if n.op == Op.INPUT]
         self.home = {n.name: n.inputs[1] for n in self.g.nodes if n.op == Op.SYNC}  # sync -> its task's root
+        #: a RoutingRecorder whose counters the step adds each router's picks to (inside the graph)
+        self.recorder = None
+        self.gate_layer: dict[str, int] = {}  # router node -> the MoE layer it routes
+
+    def set_recorder(self, recorder, gate_layer: dict[str, int]) -> None:
+        """Count routing into `recorder` (None: stop), each router in `gate_layer` as its layer.
+        The step's graphs add to the counters they were captured with, so a change drops them: the
+        next step of each batch issues eagerly and captures again, with the new recorder's
+        counters made before the capture."""
+        if recorder is self.recorder:
+            return
+        self.recorder, self.gate_layer = recorder, gate_layer
+        for bound in (*self.bound.values(), *self.ragged.values()):
+            bound.graph, bound.keep, bound.logits = None, [], None
+            for run in bound.greedy.values():
+                run.graph, run.keep = None, []
+
+    def _prepare_recorder(self) -> None:
+        if self.recorder is not None:
+            for name, layer in self.gate_layer.items():
+                self.recorder.prepare(layer, self.g.by_name(name).attrs.experts, "cuda")
 
     def _run_prologue(self, bound: "Bound", state) -> None:
         if not self.prologue:
@@ -563,6 +584,7 @@ class DecodeGraph:
 
     def _capture(self, bound: Bound, state) -> None:
         graph = torch.cuda.CUDAGraph()
+        self._prepare_recorder()
         torch.cuda.synchronize()
         try:
             with torch.cuda.graph(graph, stream=self.gpu):
@@ -642,6 +664,8 @@ class DecodeGraph:
                 values[node.name] = pinned_copy.copy(torch.empty_like(bound.tokens, device="cuda"), bound.tokens)
             elif step.kind == "launch":
                 values[node.name] = be.run(node, [values[v] for v in node.inputs], ctx)
+                if self.recorder is not None and node.name in self.gate_layer:
+                    self.recorder.add(self.gate_layer[node.name], values[node.name][0], node.attrs.experts)
             elif step.kind == "copy":
                 values[node.name] = self._copy(node, values[node.inputs[0]], bound, stream)
             elif step.kind == "submit":

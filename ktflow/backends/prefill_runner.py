@@ -98,6 +98,11 @@ class PrefillRunner:
         self.frees = plan.frees
         self.lane = {s.node: s.lane for s in plan.steps if s.kind not in ("record", "wait")}
         self.streams_experts = any(s.kind == "fetch" for s in plan.steps)
+        self.recorder, self.gate_layer = None, {}  # routing counted as the GPU's routers run (`set_recorder`)
+
+    def set_recorder(self, recorder, gate_layer: dict[str, int]) -> None:
+        """Count each router's picks into `recorder` (None: stop), router node -> its layer."""
+        self.recorder, self.gate_layer = recorder, gate_layer
 
     # ------------------------------------------------------------------------------ binding
     def _bind(self) -> PrefillBound:
@@ -219,6 +224,8 @@ class PrefillRunner:
             if step.kind == "launch":
                 values[node.name] = (lm_head_rows(be, node, ins[0], ctx) if node.op == Op.LM_HEAD
                                      else be.run(node, ins, ctx))
+                if self.recorder is not None and node.name in self.gate_layer:
+                    self.recorder.add(self.gate_layer[node.name], values[node.name][0], node.attrs.experts)
             elif step.kind == "fetch":
                 values[node.name] = be.stagers[node_key(node)].stage(node.attrs.subset, out=staged[node.name],
                                                                      landing=landing)

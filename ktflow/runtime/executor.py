@@ -73,13 +73,25 @@ class Executor:
         if self.recorder is not None and node.op == Op.GATE and node.name in self.gate_layer:
             self.recorder.add(self.gate_layer[node.name], values[step.writes[0]][0], node.attrs.experts)
 
+    def _hand_recorder(self) -> None:
+        """A runner that runs the plan as a whole counts the routing itself (inside its graph);
+        one that cannot is an error naming the backend."""
+        if hasattr(self.runner, "set_recorder"):
+            self.runner.set_recorder(self.recorder, self.gate_layer)
+        elif self.recorder is not None:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"routing is recorded op by op, but the {self.backend.name} backend runs this "
+                              f"{self.plan.phase} plan as a whole: compile with backend='native' to record it")
+
     def greedy(self, input_ids: torch.Tensor, state: State, steps: int) -> torch.Tensor:
         """`steps` greedy decode steps from input_ids [batch, 1] at state.position, each step's
         argmax the next one's input; returns the ids [batch, steps] (int64) and advances
         state.position by `steps`. A runner that can (cuda_graph) runs them as one launch; any
         other backend runs them one step at a time."""
         runner_greedy = getattr(self.runner, "run_greedy", None)
-        if runner_greedy is not None and self.recorder is None and self.trace == 0:  # (ids: nothing to check for NaN)
+        if runner_greedy is not None and self.trace == 0:  # (ids: nothing to check for NaN)
+            self._hand_recorder()
             ids = runner_greedy(input_ids, state, steps)
             if ids is not None:
                 return ids
@@ -119,11 +131,7 @@ class Executor:
         tracing = self.trace > 0
         self.trace = max(self.trace - 1, 0)
         if self.runner is not None and position_t is None:
-            if self.recorder is not None:
-                from ..errors import ConfigError
-
-                raise ConfigError(f"routing is recorded op by op, but the {self.backend.name} backend runs this "
-                                  f"{self.plan.phase} plan as a whole: compile with backend='native' to record it")
+            self._hand_recorder()
             if tracing:
                 out, self.measured = self.runner.run(input_ids, state, trace=True, logits=logits, **extra)
             else:

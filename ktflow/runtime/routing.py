@@ -3,10 +3,13 @@ experts together), counted as a plan runs, written as the `RoutingProfile` the p
 reads (`ktflow compile --routing-profile`).
 
 `RoutingRecorder` is attached to executors (`Executor.recorder`): after each router node runs it
-adds the step's picks to per-layer counters kept on the device that routed (a bincount, and with
-`pairs` a one-hot product), so recording costs a few small kernels per layer and no host sync
-until `profile()` reads the counts. A plan a backend runs as a whole (a captured CUDA graph) does
-not show its routers' values to the executor: record with backend='native' or 'torch_ref'.
+adds the step's picks to per-layer counters kept on the device that routed (a scatter-add of
+ones, and with `pairs` a one-hot product, and a row count), so recording costs a few small
+kernels per layer and no host sync until `profile()` reads the counts. The counters are made once
+per layer (`prepare`) and only ever added to in place, so a captured CUDA graph can hold the
+additions: the cuda_graph backend prepares them before it captures a decode step with a recorder
+attached (and captures again when the recorder changes), and each replay then counts its picks on
+the GPU. A ragged batch's padding rows (`SlotPool`) are counted too.
 """
 
 from __future__ import annotations
@@ -40,34 +43,48 @@ class RoutingRecorder:
         self.pairs = pairs
         self.counts: dict[int, torch.Tensor] = {}  # layer -> int64 [experts]
         self.together: dict[int, torch.Tensor] = {}  # layer -> float32 [experts, experts]
-        self.tokens: dict[int, int] = {}
+        self.rows: dict[int, torch.Tensor] = {}  # layer -> int64 [1]: tokens routed
+
+    def prepare(self, layer: int, experts: int, device) -> None:
+        """Make `layer`'s counters on `device` (zero) if they are missing: before a graph that
+        adds to them is captured (a counter made during capture would be zeroed by every replay)."""
+        if layer not in self.counts:
+            self.counts[layer] = torch.zeros(experts, dtype=torch.int64, device=device)
+            self.rows[layer] = torch.zeros(1, dtype=torch.int64, device=device)
+            if self.pairs:
+                self.together[layer] = torch.zeros(experts, experts, dtype=torch.float32, device=device)
 
     def add(self, layer: int, ids: torch.Tensor, experts: int) -> None:
-        """One step's picks of `layer`'s router: ids [tokens, top_k]."""
+        """One step's picks of `layer`'s router: ids [tokens, top_k]. In place on the prepared
+        counters, with shapes fixed by `ids` alone: a captured graph may hold it."""
         ids = ids.reshape(-1, ids.shape[-1])
         if layer not in self.counts:
-            self.counts[layer] = torch.zeros(experts, dtype=torch.int64, device=ids.device)
-            self.tokens[layer] = 0
-        self.counts[layer] += torch.bincount(ids.reshape(-1), minlength=experts)
-        self.tokens[layer] += ids.shape[0]
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"routing counters of layer {layer} were not prepared before capture")
+            self.prepare(layer, experts, ids.device)
+        flat = ids.reshape(-1).long()
+        self.counts[layer].scatter_add_(0, flat, torch.ones_like(flat))
+        self.rows[layer].add_(ids.shape[0])
         if self.pairs:
             hot = torch.zeros(ids.shape[0], experts, dtype=torch.float32, device=ids.device)
             hot.scatter_(1, ids.long(), 1.0)
-            add = hot.T @ hot
-            self.together[layer] = self.together[layer] + add if layer in self.together else add
+            self.together[layer].add_(hot.T @ hot)
 
     def profile(self, model_type: str | None = None) -> RoutingProfile:
         """What was counted, as fractions of each layer's tokens."""
         if not self.counts:
             raise ValueError("no routing was recorded: did the plans run a router (an MoE model, backend native "
                              "or torch_ref)?")
-        layers = {layer: [round(float(c) / self.tokens[layer], 6) for c in counts.cpu()]
+        tokens = {layer: int(r.item()) for layer, r in self.rows.items()}
+        if not any(tokens.values()):
+            raise ValueError("no routing was recorded: the routers ran no tokens")
+        layers = {layer: [round(float(c) / max(tokens[layer], 1), 6) for c in counts.cpu()]
                   for layer, counts in sorted(self.counts.items())}
         pairs = None
         if self.pairs:
-            pairs = {layer: [[round(float(v) / self.tokens[layer], 6) for v in row] for row in m.cpu()]
+            pairs = {layer: [[round(float(v) / max(tokens[layer], 1), 6) for v in row] for row in m.cpu()]
                      for layer, m in sorted(self.together.items())}
-        return RoutingProfile(layers=layers, model_type=model_type, tokens=min(self.tokens.values()), pairs=pairs)
+        return RoutingProfile(layers=layers, model_type=model_type, tokens=min(tokens.values()), pairs=pairs)
 
 
 def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: bool = False, progress: bool = True):
