@@ -75,6 +75,9 @@ class CompileOptions(BaseModel):
     staging_slots: int = Field(2, ge=1, le=8, description="GPU staging slots for streamed experts: with 2 or more "
                                "the copy of layer j+1's experts overlaps layer j's compute")
     routing_profile: str | None = Field(None, description="routing profile JSON (per-layer expert frequencies)")
+    expert_cache: bool = Field(False, description="a split layer's GPU experts are a cache: the runtime refills "
+                               "them from recent routing (ktflow.runtime.expert_cache), so the layer's CPU part "
+                               "holds every expert, computing those the cache does not")
     allow_oversize: bool = Field(False, description="compile even where a plan's predicted GPU or host memory "
                                  "exceeds the hardware profile's (a plan for another machine); default: an error "
                                  "with the numbers")

@@ -85,11 +85,15 @@ class NativeBackend(TorchRefBackend):
 
     @staticmethod
     def _cpu_side(graph: Graph) -> dict[int, tuple[int, ...]]:
-        """Per MoE layer, the experts held in host memory: those of CPU nodes and of streamed ones."""
+        """Per MoE layer, the experts held in host memory: those of CPU nodes and of streamed ones,
+        and every expert of a layer whose GPU part is a cache (an expert it gives up runs here)."""
         held: dict[int, set[int]] = {}
         for n in graph.nodes:
             if n.op == Op.ROUTED_EXPERTS and (n.place.device == Device.CPU or len(n.inputs) == 3):
                 held.setdefault(n.attrs.layer, set()).update(n.attrs.ids)
+        for n in graph.nodes:
+            if n.op == Op.ROUTED_EXPERTS and n.attrs.cached and n.attrs.layer in held:
+                held[n.attrs.layer].update(range(n.attrs.experts))
         return {layer: tuple(sorted(ids)) for layer, ids in held.items()}
 
     def prepare(self, graph: Graph, weights: WeightSource | None) -> None:

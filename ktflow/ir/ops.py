@@ -153,7 +153,10 @@ class RoutedExpertsAttrs:
     splits the immediate top picks from the deferred rest); empty = all top_k.
     `skip`: the layer drops each token's `skip` lowest-weight picks (expert skipping: an
     approximation a pass must ask for; no built-in pass does), so its nodes' ranks cover
-    0..top_k - skip."""
+    0..top_k - skip.
+    `cached`: on a split layer's GPU part, its subset is only the first filling of a cache of
+    that many expert slots, which the runtime refills (`runtime.expert_cache`); the layer's CPU
+    parts then hold every expert and compute those not in the cache."""
 
     layer: int
     hidden: int
@@ -164,6 +167,7 @@ class RoutedExpertsAttrs:
     inter_slice: tuple[int, ...] = ()
     ranks: tuple[int, ...] = ()
     skip: int = 0
+    cached: bool = False
 
     @property
     def rank_range(self) -> tuple[int, int]:

@@ -220,9 +220,10 @@ def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, 
         placed[n.name] = Device.CPU
     if gpu_ids:
         name = n.name if not cpu_ids else n.name + ".gpu"
-        attrs = replace(n.attrs, subset=gpu_ids if cpu_ids else n.attrs.subset)
+        cached = bool(cpu_ids) and ctx.options.expert_cache
+        attrs = replace(n.attrs, subset=gpu_ids if cpu_ids else n.attrs.subset, cached=cached)
         why = (f"{len(gpu_ids)} of {n.attrs.experts} experts fit the VRAM budget: expected {share:.0%} of the "
-               f"layer's picks ({source})")
+               f"layer's picks ({source})" + ("; a cache the runtime refills from recent routing" if cached else ""))
         out.append(replace(n, name=name, attrs=attrs, place=Placement(Device.GPU, cause=why)))
         placed[name] = Device.GPU
         if cpu_ids:

@@ -1,0 +1,141 @@
+"""The decode-time GPU expert cache (runtime/expert_cache.py): a split layer's GPU experts refilled
+in place give the no-cache plan's logits (within bf16 rounding: an expert moved between the
+devices is computed by the other device's kernel), the refill follows recorded routing, and bad
+requests are one clear error."""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import ktflow
+from ktflow.errors import ConfigError, InputError
+from ktflow.ir.ops import Op
+from ktflow.ir.printer import print_graph
+from ktflow.native import available as native_available
+from ktflow.runtime.expert_cache import ExpertCache
+from ktflow.runtime.routing import RoutingRecorder
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="needs the native module")
+
+PROMPT = torch.tensor([[5, 17, 3, 9, 44, 2]])
+
+
+def split_options(model, device="cpu", backend="native"):
+    """Compile options whose decode plan splits some layer's experts between the GPU and the CPU."""
+    for budget in (0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2):
+        kw = dict(hw="rtx4090-desktop", device=device, vram_budget_gb=budget, allow_oversize=True, backend=backend,
+                  prefill_experts="cpu", max_seq_len=64)
+        c = ktflow.compile(model, expert_cache=True, **kw)
+        if any(n.op == Op.ROUTED_EXPERTS and n.attrs.cached for n in c.decode.ir.nodes):
+            return kw
+    raise AssertionError("no budget split a layer's experts")
+
+
+def cached_node(c):
+    return next(n for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.cached)
+
+
+def decode_logits(c, refill=None, steps=4):
+    """The prompt's last logits and `steps` greedy decode steps' logits; refill() runs before the
+    second decode step."""
+    logits, state = ktflow.execute(c, PROMPT)
+    out = [logits[:, -1]]
+    nxt = logits[:, -1:].argmax(-1)
+    for i in range(steps):
+        if refill is not None and i == 1:
+            refill()
+        logits, state = ktflow.execute(c, nxt, state)
+        out.append(logits[:, -1])
+        nxt = logits[:, -1:].argmax(-1)
+    return torch.stack(out).float()
+
+
+def amplified(src, dst, factor=30.0):
+    """The checkpoint with every routed expert's down projection `factor` times larger: the experts
+    then dominate the logits, so an expert computed twice or not at all shows far above rounding."""
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        t = load_file(f)
+        for k in t:
+            if ".mlp.experts." in k and k.endswith("down_proj.weight"):
+                t[k] = (t[k].float() * factor).to(t[k].dtype)
+        save_file(t, f, metadata={"format": "pt"})
+    return dst
+
+
+def test_refilled_cache_gives_the_no_cache_plans_logits(demo_dir, tmp_path):
+    model = ktflow.load(amplified(demo_dir, tmp_path / "amplified"))
+    kw = split_options(model)
+    ref = decode_logits(ktflow.compile(model, **kw))
+    c = ktflow.compile(model, expert_cache=True, **kw)
+    n = cached_node(c)
+    assert "a cache the runtime refills" in n.place.cause and "cached=True" in print_graph(c.decode.ir)
+    layer, first = n.attrs.layer, n.attrs.ids
+    outside = [e for e in range(n.attrs.experts) if e not in first][:len(first)]
+    cache = ExpertCache(c)
+    copied = []
+    got = decode_logits(c, lambda: copied.append(cache.refill(layer, outside)))
+    assert copied == [len(outside)] and cache.resident(layer) == tuple(sorted(outside))
+    assert torch.equal(got[:2], ref[:2])  # before the refill: the same arithmetic
+    scale = ref.abs().max()
+    assert (got - ref).abs().max() <= 0.01 * scale  # after it: the moved experts' other kernel (bf16 rounding)
+    # the check can fail: a slot's expert also computed on the CPU (its mask bit left on) is counted twice
+    cache.layers[layer].masks[0][outside[0]] = 1
+    wrong = decode_logits(c)
+    assert (wrong - ref).abs().max() > 0.05 * scale
+
+
+def test_the_cache_refills_with_the_most_recorded_experts(demo_dir):
+    model = ktflow.load(demo_dir)
+    c = ktflow.compile(model, expert_cache=True, **split_options(model))
+    n = cached_node(c)
+    rec = RoutingRecorder()
+    picks = torch.tensor([[e, (e + 1) % n.attrs.experts] for e in range(n.attrs.experts - 1, 0, -1)] * 3)
+    rec.add(n.attrs.layer, picks, n.attrs.experts)
+    counts = rec.counts[n.attrs.layer].tolist()
+    cache = ExpertCache(c)
+    cache.refill_from(rec)
+    slots = len(n.attrs.ids)
+    want = sorted(range(n.attrs.experts), key=lambda e: (-counts[e], e))[:slots]
+    assert cache.resident(n.attrs.layer) == tuple(sorted(want))
+    assert cache.refill_from(rec) == {n.attrs.layer: 0}  # already resident: nothing copied
+
+
+def test_bad_cache_requests_are_one_error(demo_dir):
+    model = ktflow.load(demo_dir)
+    kw = split_options(model)
+    with pytest.raises(ConfigError, match="expert_cache=True"):
+        ExpertCache(ktflow.compile(model, **kw))
+    c = ktflow.compile(model, expert_cache=True, **kw)
+    cache = ExpertCache(c)
+    n = cached_node(c)
+    with pytest.raises(InputError, match="slots"):
+        cache.refill(n.attrs.layer, [0])
+    with pytest.raises(InputError, match="slots"):
+        cache.refill(n.attrs.layer, [0] * len(n.attrs.ids))
+    with pytest.raises(InputError, match="no expert cache"):
+        cache.refill(-1, [0])
+    with pytest.raises(ConfigError, match="mask"):
+        ExpertCache(ktflow.compile(model, expert_cache=True, **dict(kw, backend="torch_ref")))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_captured_decode_graph_computes_the_refilled_split(demo_dir):
+    """The refill rewrites the stacked weights, the expert map and the CPU masks in place, so a
+    decode step captured before it, replayed after it, gives what the same plan issued eagerly
+    gives after the same refill."""
+    model = ktflow.load(demo_dir)
+    kw = split_options(model, device="cuda", backend="cuda_graph")
+
+    def run(capture: bool):
+        c = ktflow.compile(model, expert_cache=True, **kw)
+        c.executor(c.decode).runner.capture = capture
+        n = cached_node(c)
+        outside = [e for e in range(n.attrs.experts) if e not in n.attrs.ids][:len(n.attrs.ids)]
+        cache = ExpertCache(c)
+        return decode_logits(c, lambda: cache.refill(n.attrs.layer, outside), steps=5)
+
+    replayed, eager = run(True), run(False)
+    assert torch.equal(replayed, eager)
