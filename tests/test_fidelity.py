@@ -75,6 +75,37 @@ def test_placement_hits_runs_on_the_trained_model(trained, tmp_path):
     assert all(0.0 <= r[k] <= 1.0 for r in rows for k in ("profiled", "uniform", "best"))
 
 
+def test_cache_hits_runs_on_the_trained_model(trained, tmp_path):
+    """benchmarks/cache_hits.py: per held-out sequence the decoded tokens' picks served by each
+    policy; the oracle (each sequence's own busiest experts) is the static bound."""
+    out = tmp_path / "c.jsonl"
+    p = subprocess.run([sys.executable, str(BENCH / "cache_hits.py"), str(trained), "--shares", "0.25", "--seqs", "2",
+                        "--len", "24", "--prompt", "8", "--every", "4", "--profile-seqs", "2", "--corpus-mb", "0.3",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    cfg = json.loads((trained / "config.json").read_text())
+    assert len(rows) == cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    for r in rows:
+        assert all(0.0 <= r[k] <= 1.0 for k in ("uniform", "profiled", "cache", "oracle"))
+        assert r["oracle"] >= max(r["uniform"], r["profiled"]) - 1e-9 and r["copied_per_token"] >= 0
+
+
+def test_the_cache_policy_serves_a_conversations_own_experts():
+    """cache_hits.cache_run: filled from the prompt's picks, then refilled from each block's; a
+    conversation that keeps to two experts is served entirely after the prompt, and only the
+    first refill copies."""
+    sys.path.insert(0, str(BENCH))
+    from cache_hits import cache_run
+
+    picks = torch.tensor([[5, 6]] * 12)
+    hits, copied = cache_run(picks, first={0, 1}, prompt=4, every=4, s=2, experts=8)
+    assert hits == 2 * 8 and copied == 2
+    moving = torch.tensor([[5, 6]] * 4 + [[1, 2]] * 4 + [[1, 2]] * 4)
+    hits, copied = cache_run(moving, first={0, 1}, prompt=4, every=4, s=2, experts=8)
+    assert hits == 8 and copied == 2 + 2  # the first block after the prompt misses; the refill catches up
+
+
 def test_verifier_takes_declared_skipping_only(tiny_dirs):
     """Picks past top_k - skip may go uncomputed where the layer declares skip; a node that drops
     them without it, or nodes disagreeing on it, break rule V10."""

@@ -1,0 +1,168 @@
+"""How many of a held-out token's routed picks a GPU expert cache would serve, against static
+placement, on a model with learned routing (train_small_moe.py): the hit rates that decide whether
+the decode-time expert cache (`ktflow.runtime.expert_cache`) can pay, before any GPU time.
+
+Each held-out sequence stands for one conversation: its first `--prompt` tokens are the prompt,
+the rest are decoded tokens. The routers' picks of every token are recorded (exact plans on the
+CPU, `ktflow.runtime.routing`). Per MoE layer, S = share x experts GPU slots, and the share of the
+decoded tokens' picks that land in them, for:
+
+- `uniform`: the first S experts of each layer (what placement does without a profile);
+- `profiled`: the S experts a routing profile of training-split text picks most (placement with
+  `--routing-profile`; placement_hits.py checks the plans do exactly this);
+- `cache`: the profiled experts until the prompt has run, then the S the prompt picked most
+  (refilled after prefill), refilled again every `--every` decoded tokens with the S the tokens
+  since the last refill picked most (`ExpertCache.refill_from` over a recorder reset at each
+  refill). Causal: a token is served by a cache filled from tokens before it;
+- `oracle`: per sequence, the S its own decoded tokens picked most (the best a static choice made
+  for that conversation could do: a bound, not a policy).
+
+`CPU picks` is the fraction of a decoded token's picks left to the CPU; the ratio against
+`uniform` is what a CPU-bound decode step would gain if its time followed them: a proxy, not a
+measured speed. `copied/token` is the experts a refill copies in per decoded token (times an
+expert's bytes: the PCIe traffic). Prints a table and appends rows to benchmarks/cache_hits.jsonl.
+
+    python benchmarks/cache_hits.py /tmp/moe-tiny --shares 0.1,0.25 --every 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import HERE, append_jsonl, commit, machine  # noqa: E402
+
+
+def picks_of(model, seqs: list[list[int]], max_seq_len: int) -> list[dict[int, torch.Tensor]]:
+    """Per sequence, per MoE layer, each token's picks [tokens, top_k] (one prefill each, exact
+    CPU plans)."""
+    import ktflow
+    from ktflow.runtime.routing import RoutingRecorder
+
+    class Trace(RoutingRecorder):
+        def __init__(self):
+            super().__init__()
+            self.ids: dict[int, list[torch.Tensor]] = {}
+
+        def add(self, layer, ids, experts):
+            super().add(layer, ids, experts)
+            self.ids.setdefault(layer, []).append(ids.reshape(-1, ids.shape[-1]).cpu().clone())
+
+    c = ktflow.compile(model, hw="cpu", device="cpu", backend="native", placement="cpu", max_seq_len=max_seq_len)
+    out = []
+    for seq in seqs:
+        rec = Trace()
+        for plan in (c.decode, *c.prefill):
+            c.executor(plan).recorder = rec
+        ktflow.execute(c, torch.tensor([seq]), logits="last")
+        out.append({layer: torch.cat(parts) for layer, parts in rec.ids.items()})
+    for plan in (c.decode, *c.prefill):
+        c.executor(plan).recorder = None
+    return out
+
+
+def top(counts: torch.Tensor, s: int) -> set[int]:
+    """The s most counted experts (ties: the lower id)."""
+    return set(sorted(range(len(counts)), key=lambda e: (-float(counts[e]), e))[:s])
+
+
+def served(picks: torch.Tensor, slots: set[int]) -> int:
+    return sum(int(e) in slots for e in picks.reshape(-1).tolist())
+
+
+def cache_run(picks: torch.Tensor, first: set[int], prompt: int, every: int, s: int, experts: int) -> tuple[int, int]:
+    """(decoded picks the cache served, experts copied in) over one sequence's layer (module doc)."""
+    def counts(rows):
+        return torch.bincount(rows.reshape(-1), minlength=experts)
+
+    slots = top(counts(picks[:prompt]), s)
+    copied, hits = len(slots - first), 0
+    for lo in range(prompt, picks.shape[0], every):
+        block = picks[lo:lo + every]
+        hits += served(block, slots)
+        new = top(counts(block), s)
+        if lo + every < picks.shape[0]:
+            copied += len(new - slots)
+            slots = new
+    return hits, copied
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="a checkpoint dir from train_small_moe.py (with heldout.safetensors)")
+    ap.add_argument("--shares", default="0.1,0.25", help="GPU shares of the routed experts (comma list)")
+    ap.add_argument("--every", type=int, default=16, help="decoded tokens between refills")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens of each held-out sequence")
+    ap.add_argument("--len", type=int, default=192, help="tokens per held-out sequence (prompt and decoded)")
+    ap.add_argument("--seqs", type=int, default=48, help="held-out sequences")
+    ap.add_argument("--profile-seqs", type=int, default=64, help="training-split sequences to profile")
+    ap.add_argument("--corpus-mb", type=float, default=3.0, help="as train_small_moe.py --corpus-mb")
+    ap.add_argument("--out", default=str(HERE / "cache_hits.jsonl"))
+    a = ap.parse_args()
+    if not 0 < a.prompt < a.len or a.every < 1:
+        raise SystemExit(f"need 0 < --prompt < --len and --every >= 1 (got {a.prompt}, {a.len}, {a.every})")
+    import ktflow
+    from placement_hits import profile_of
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+    from train_small_moe import corpus, token_stream
+
+    d = Path(a.model)
+    model = ktflow.load(d)
+    cfg = json.loads((d / "config.json").read_text())
+    k, experts = cfg["num_experts_per_tok"], cfg["n_routed_experts"]
+    held = load_file(str(d / "heldout.safetensors"))["ids"]
+    if len(held) < a.seqs * a.len:
+        raise SystemExit(f"not enough held-out tokens: {len(held)}, need {a.seqs * a.len}")
+    train_ids = token_stream(Tokenizer.from_file(str(d / "tokenizer.json")), corpus(a.corpus_mb)[0])
+    step = len(train_ids) // a.profile_seqs
+    prof = profile_of(model, [train_ids[i * step:i * step + 128].tolist() for i in range(a.profile_seqs)], 136)
+    seqs = picks_of(model, held[:a.seqs * a.len].view(a.seqs, a.len).tolist(), a.len + 8)
+    decoded = a.seqs * (a.len - a.prompt) * k  # picks served per layer
+    info = dict(bench="cache_hits", commit=commit(), **machine(), model=str(d), every=a.every, prompt=a.prompt,
+                len=a.len, seqs=a.seqs)
+    rows = []
+    print(f"{'share':>5s} {'layer':>5s} {'slots':>5s} {'uniform':>8s} {'profiled':>8s} {'cache':>8s} {'oracle':>8s} "
+          f"{'copied/token':>12s}   (share of the decoded tokens' picks on the GPU)")
+    for share in [float(x) for x in a.shares.split(",") if x]:
+        s = max(1, round(share * experts))
+        got = {"uniform": [], "profiled": [], "cache": [], "oracle": []}
+        for layer in sorted(seqs[0]):
+            uniform, profiled = set(range(s)), top(torch.tensor(prof.layers[layer]), s)
+            hits = dict.fromkeys(got, 0)
+            copied = 0
+            for seq in seqs:
+                p = seq[layer]
+                dec = p[a.prompt:]
+                hits["uniform"] += served(dec, uniform)
+                hits["profiled"] += served(dec, profiled)
+                hits["oracle"] += served(dec, top(torch.bincount(dec.reshape(-1), minlength=experts), s))
+                h, c = cache_run(p, profiled, a.prompt, a.every, s, experts)
+                hits["cache"] += h
+                copied += c
+            on = {name: v / decoded for name, v in hits.items()}
+            per_token = copied / (a.seqs * (a.len - a.prompt))
+            for name in got:
+                got[name].append(on[name])
+            print(f"{share:5.2f} {layer:5d} {s:5d} {on['uniform']:8.1%} {on['profiled']:8.1%} {on['cache']:8.1%} "
+                  f"{on['oracle']:8.1%} {per_token:12.3f}")
+            rows.append(dict(**info, share=share, layer=layer, slots=s, copied_per_token=round(per_token, 4),
+                             **{name: round(v, 4) for name, v in on.items()}))
+        mean = {name: statistics.mean(v) for name, v in got.items()}
+        cpu = {name: 1 - v for name, v in mean.items()}
+        print(f"{share:5.2f}  mean on the GPU: uniform {mean['uniform']:.1%}, profiled {mean['profiled']:.1%}, cache "
+              f"{mean['cache']:.1%}, oracle {mean['oracle']:.1%}; CPU picks against uniform: profiled "
+              f"{cpu['uniform'] / cpu['profiled']:.3f}x, cache {cpu['uniform'] / cpu['cache']:.3f}x, oracle "
+              f"{cpu['uniform'] / cpu['oracle']:.3f}x fewer")
+    append_jsonl(a.out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
