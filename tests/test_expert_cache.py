@@ -87,6 +87,27 @@ def test_refilled_cache_gives_the_no_cache_plans_logits(demo_dir, tmp_path):
     assert (wrong - ref).abs().max() > 0.05 * scale
 
 
+def test_following_the_routing_refills_between_steps_and_keeps_the_logits(demo_dir, tmp_path):
+    """follow(every=2): a refill after the prompt's prefill step and after every 2 decoded
+    tokens, each from the picks since the last (the counters zeroed in place); the logits stay
+    the no-cache plan's within bf16 rounding; stop() takes the recorder and the hook off."""
+    model = ktflow.load(amplified(demo_dir, tmp_path / "amplified"))
+    kw = split_options(model)
+    ref = decode_logits(ktflow.compile(model, **kw))
+    c = ktflow.compile(model, expert_cache=True, **kw)
+    cache = ExpertCache(c)
+    n = cached_node(c)
+    rec = cache.follow(every=2)
+    got = decode_logits(c)  # a prefill step, then 4 decode steps
+    assert cache.refills == 1 + 2
+    assert int(rec.rows[n.attrs.layer]) == 0  # zeroed at the last refill
+    assert (got - ref).abs().max() <= 0.01 * ref.abs().max()
+    cache.stop()
+    assert all(c.executor(p).recorder is None and not c.executor(p).after_run for p in (c.decode, *c.prefill))
+    with pytest.raises(InputError, match="every"):
+        cache.follow(every=0)
+
+
 def test_the_cache_refills_with_the_most_recorded_experts(demo_dir):
     model = ktflow.load(demo_dir)
     c = ktflow.compile(model, expert_cache=True, **split_options(model))

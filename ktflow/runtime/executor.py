@@ -46,6 +46,9 @@ class Executor:
         #: a RoutingRecorder (runtime/routing.py) that sees every router's picks, or None
         self.recorder = None
         self.gate_layer = gate_layers(self.graph)
+        #: called after each finished run as hook(executor, tokens it ran): a runtime policy's
+        #: point between steps (the expert cache refills there: runtime/expert_cache.py)
+        self.after_run: list[Callable[["Executor", int], None]] = []
         # torch_ref runs every kind the same way (a copy moves the value, submit is a no-op, sync
         # passes the task's value); asynchronous backends give submit and sync their own handlers
         # record/wait order lanes; a backend that runs steps in plan order on one thread needs neither
@@ -94,6 +97,7 @@ class Executor:
             self._hand_recorder()
             ids = runner_greedy(input_ids, state, steps)
             if ids is not None:
+                self._finished(ids.numel())
                 return ids
         out = []
         for _ in range(steps):
@@ -101,9 +105,21 @@ class Executor:
             out.append(input_ids)
         return torch.cat(out, dim=1)
 
+    def _finished(self, tokens: int) -> None:
+        for hook in self.after_run:
+            hook(self, tokens)
+
     def run(self, input_ids: torch.Tensor, state: State, position_t: torch.Tensor | None = None,
             logits: str = "all", positions: torch.Tensor | None = None,
             segments: tuple[tuple[int, int, int], ...] | None = None) -> torch.Tensor | None:
+        """One step (`_run`), then the `after_run` hooks."""
+        out = self._run(input_ids, state, position_t, logits, positions, segments)
+        self._finished(input_ids.numel())
+        return out
+
+    def _run(self, input_ids: torch.Tensor, state: State, position_t: torch.Tensor | None = None,
+             logits: str = "all", positions: torch.Tensor | None = None,
+             segments: tuple[tuple[int, int, int], ...] | None = None) -> torch.Tensor | None:
         """Run one step over input_ids [batch, seq] from state.position; returns logits [batch, seq,
         vocab], with logits='last' [batch, 1, vocab] (the last position's), with 'argmax' the last
         position's greedy next ids [batch, 1] (int64; on the device where the runner can), with
@@ -126,7 +142,7 @@ class Executor:
         extra = {k: v for k, v in (("positions", positions), ("segments", segments)) if v is not None}
         if logits == "argmax" and not (self.runner is not None and position_t is None
                                        and getattr(self.runner, "argmax_on_device", False)):
-            out = self.run(input_ids, state, position_t, "last", **extra)  # the last position's logits, then their argmax
+            out = self._run(input_ids, state, position_t, "last", **extra)  # the last position's logits, then their argmax
             return None if out is None else out.argmax(-1)
         tracing = self.trace > 0
         self.trace = max(self.trace - 1, 0)

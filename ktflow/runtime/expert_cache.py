@@ -15,7 +15,9 @@ In place is what keeps captured CUDA graphs valid: a replayed decode step reads 
 weights, the map and (through the native task) the mask at the addresses it was captured with, so
 the next replay computes the new split without capturing again. `refill_from(recorder)` refills
 every cached layer with its S most counted experts of a `RoutingRecorder` (which counts inside
-captured graphs too: `runtime.routing`).
+captured graphs too: `runtime.routing`), and `follow(every)` does that as the model runs: after
+each prefill step and every `every` decoded tokens, from the picks since the last refill (the
+policy benchmarks/cache_hits.py measures on held-out text).
 
 Preconditions: the plan's backend is native or cuda_graph (their CPU parts take a mask), and no
 plan streams a cached layer's experts to the GPU in prefill (compile with prefill_experts='cpu'):
@@ -148,6 +150,39 @@ class ExpertCache:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return len(incoming)
+
+    def follow(self, every: int = 16):
+        """Refill from the routing as the model runs: a `RoutingRecorder` on every plan, and after
+        each prefill step and every `every` decoded tokens, each cached layer refilled with the
+        experts counted most since the last refill (the counters then zeroed in place, so captured
+        graphs stay valid). Returns the recorder; `stop()` undoes it."""
+        from .routing import RoutingRecorder
+
+        if not isinstance(every, int) or every < 1:
+            raise InputError(f"every must be a whole number of decoded tokens >= 1, got {every!r}")
+        self.stop()
+        self.recorder, self.every, self.pending, self.refills = RoutingRecorder(), every, 0, 0
+        for plan in (self.compiled.decode, *self.compiled.prefill):
+            ex = self.compiled.executor(plan)
+            ex.recorder = self.recorder
+            ex.after_run.append(self._after_run)
+        return self.recorder
+
+    def stop(self) -> None:
+        """No more refills from routing (the experts resident stay)."""
+        for plan in (self.compiled.decode, *self.compiled.prefill):
+            ex = self.compiled.executor(plan)
+            if self._after_run in ex.after_run:
+                ex.after_run.remove(self._after_run)
+                ex.recorder = None
+
+    def _after_run(self, executor, tokens: int) -> None:
+        self.pending += tokens
+        if executor.plan.phase == "prefill" or self.pending >= self.every:
+            self.refill_from(self.recorder)
+            self.recorder.reset()
+            self.pending = 0
+            self.refills += 1
 
     def refill_from(self, recorder) -> dict[int, int]:
         """Refill every cached layer with its most counted experts in `recorder` (a

@@ -54,6 +54,11 @@ class RoutingRecorder:
             if self.pairs:
                 self.together[layer] = torch.zeros(experts, experts, dtype=torch.float32, device=device)
 
+    def reset(self) -> None:
+        """Zero every counter in place (a graph captured with them keeps adding to them)."""
+        for t in (*self.counts.values(), *self.rows.values(), *self.together.values()):
+            t.zero_()
+
     def add(self, layer: int, ids: torch.Tensor, experts: int) -> None:
         """One step's picks of `layer`'s router: ids [tokens, top_k]. In place on the prepared
         counters, with shapes fixed by `ids` alone: a captured graph may hold it."""
