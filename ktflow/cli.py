@@ -61,6 +61,11 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                    help="prefill: where the routed experts the decode placement left on the CPU compute: cpu, stream "
                    "(copied to GPU staging slots), split (both, sized to finish together) or auto (the fastest per "
                    "layer and prompt-length bucket by the cost model; default)")
+    g.add_argument("--expert-cache", type=int, default=0, metavar="N",
+                   help="the GPU experts of each layer the placement splits are a cache that follows the routing: "
+                   "refilled after each prompt and every N decoded tokens (run, serve) with the experts picked most "
+                   "since the last refill; the CPU holds every expert. Prefill then computes CPU experts on the CPU "
+                   "(--prefill-experts auto means cpu). 0: off (default)")
     g.add_argument("--prefill-buckets", default=None, metavar="N,N,...",
                    help="prefill plans for steps of up to these many tokens (default: chosen where the decisions "
                    "change, over powers of two up to max_seq_len)")
@@ -99,6 +104,15 @@ def _options(a: argparse.Namespace) -> dict:
             raise ConfigError(f"--prefill-buckets must be a comma list of token counts, got {a.prefill_buckets!r}") from None
     if getattr(a, "routing_profile", None):
         opts["routing_profile"] = a.routing_profile
+    if a.expert_cache:
+        from ktflow.errors import ConfigError
+
+        if a.expert_cache < 0:
+            raise ConfigError(f"--expert-cache takes the decoded tokens between refills (>= 1; 0: off), got {a.expert_cache}")
+        if a.prefill_experts not in ("auto", "cpu"):
+            raise ConfigError(f"--expert-cache with --prefill-experts {a.prefill_experts}: a streamed subset is fixed at "
+                              "compile time; use --prefill-experts cpu")
+        opts.update(expert_cache=True, prefill_experts="cpu")
     if a.defer is not None:
         from ktflow.errors import ConfigError
 
@@ -218,6 +232,18 @@ def _compiled(a: argparse.Namespace, model, allowed: tuple[str, ...] = ()):
     return ktflow.Compiled.load(a.plan, model)
 
 
+def _follow_routing(a: argparse.Namespace, compiled) -> None:
+    """--expert-cache N: the cache refilled from the routing every N decoded tokens."""
+    if a.expert_cache:
+        from ktflow.runtime.expert_cache import ExpertCache
+
+        cache = ExpertCache(compiled)
+        cache.follow(a.expert_cache)
+        print(f"expert cache: layers {', '.join(map(str, sorted(cache.layers)))}, "
+              f"{', '.join(str(len(c.resident)) for _, c in sorted(cache.layers.items()))} GPU slots; refilled after "
+              f"each prompt and every {a.expert_cache} decoded tokens", flush=True)
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     import ktflow
     from ktflow.runtime.generate import generate_with_stats
@@ -228,6 +254,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     compiled.check_finite = a.check_finite
     eos = None if a.ignore_eos else list(model.config.eos_ids) or None
     _print_ready(compiled)
+    _follow_routing(a, compiled)
     if a.trace:  # the prompt's (first) step and the first decode step run instrumented
         prompt_plan = compiled.prefill_plan(min(ids.numel(), compiled.chunk_tokens))
         compiled.executor(prompt_plan).trace = compiled.executor(compiled.decode).trace = 1
@@ -458,6 +485,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ConfigError(f"{model_dir}/tokenizer.json has {tok.vocab_size} tokens but the model's vocabulary has "
                           f"{compiled.vocab_size}: the tokenizer belongs to another model")
     _print_ready(compiled)
+    _follow_routing(a, compiled)
     served = build(compiled, tok, a.model_name or model_dir.resolve().name, max_batch=a.max_batch,
                    max_queue=a.max_queue, api_key=a.api_key or None, prefill_tokens=a.prefill_step)
     if tok.chat_template is None:

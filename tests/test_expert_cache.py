@@ -160,3 +160,19 @@ def test_a_captured_decode_graph_computes_the_refilled_split(demo_dir):
 
     replayed, eager = run(True), run(False)
     assert torch.equal(replayed, eager)
+
+
+def test_ktflow_run_follows_the_routing_with_expert_cache(demo_dir, capsys):
+    from ktflow.cli import main
+
+    kw = split_options(ktflow.load(demo_dir))
+    args = ["run", str(demo_dir), "--input-ids", "5 17 3 9 44 2", "--max-new-tokens", "6", "--hw", kw["hw"],
+            "--device", "cpu", "--backend", "native", "--vram-budget-gb", str(kw["vram_budget_gb"]), "--allow-oversize",
+            "--max-seq-len", "64"]
+    assert main([*args, "--expert-cache", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "expert cache: layers" in out and "every 2 decoded tokens" in out
+    assert main([*args, "--expert-cache", "2", "--prefill-experts", "stream"]) == 2
+    assert "--prefill-experts cpu" in capsys.readouterr().err
+    assert main([*args[:-5], "--max-seq-len", "64", "--expert-cache", "2"]) == 2  # no VRAM budget: nothing split
+    assert "expert_cache=True" in capsys.readouterr().err
