@@ -282,7 +282,7 @@ def fit_from_variant(plan, replayed, hw, calibrated, row: dict):
     deferred = any(deferred_tasks(plan))
     if calibrated is not None and (not deferred or calibrated.overheads.cpu_deferred_us > 0):
         return calibrated
-    got = fit_replayed(plan, replayed, calibrated or hw)
+    got = fit_replayed(plan, replayed, calibrated or hw, keep_rate=calibrated is not None)
     if got is None:
         print("  calibrate: this variant's tasks do not match its plan one to one; nothing fitted", flush=True)
         return calibrated

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import ConfigError
 from .hw import HwProfile
 from .ir.ops import Op
 from .ir.types import Device
@@ -320,12 +321,23 @@ def predicted_tasks(plan: Plan) -> tuple[list[float], list[float], list[int], in
     return [e - s for s, e in spans], [hi - lo for lo, hi in gaps], in_gap, edges
 
 
-def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile) -> tuple[HwProfile, list[Fitted]] | None:
+def _edge_syncs(plan: Plan) -> int:
+    """The plan's sync steps (a wait for a CPU task's result) outside every gap between its
+    native tasks: before the first task ends or after the last (an embedding's, the last layer's)."""
+    spans = [(a, b) for a, b, _ in _task_spans(plan)]
+    if not spans:
+        return 0
+    return sum(1 for s in plan.steps if s.kind == "sync" and (s.start_us < spans[0][1] or s.start_us >= spans[-1][1]))
+
+
+def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile,
+                 keep_rate: bool = False) -> tuple[HwProfile, list[Fitted]] | None:
     """The profile `plan` was compiled for with the terms a replayed step fits (None where its
     tasks do not match the plan's one to one, e.g. NUMA shards: one record per batch):
 
     - the CPU rate factor: the tasks' predicted time over their measured time, from the tasks
-      that run a layer's picks needed now;
+      that run a layer's picks needed now (with `keep_rate`, the profile's rate is kept: a
+      deferred plan measured after the exact plan fitted it);
     - in an exact plan (no deferred part), from the GPU's chain between tasks:
       - `overheads.gpu_launch_us`: moved by the median gap's excess over the predicted, spread
         over the GPU ops in a gap (at decode the GPU's ops are small: their fixed time is what the
@@ -355,11 +367,14 @@ def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile) -> tuple[HwProfile, l
     upd_over = {}
     deferred = deferred_tasks(plan)
     now = [(t, m) for t, m, d in zip(tasks, rep.tasks_us, deferred) if not d] or list(zip(tasks, rep.tasks_us))
-    scale = sum(t for t, _ in now) / sum(m for _, m in now)
-    upd_cpu = _scaled_cpu(c, scale)
-    fitted += [Fitted("cpu.gemv_gbps", c.gemv_gbps, upd_cpu["gemv_gbps"], len(now),
-                      f"CPU rates x{scale:.3g}: the tasks' predicted over measured (replayed)"),
-               Fitted("cpu.gemm_tflops", c.gemm_tflops, upd_cpu["gemm_tflops"], len(now))]
+    if keep_rate:  # the profile's rate stands (fitted from the exact plan): the deferred extra is priced at it
+        scale, upd_cpu = 1.0, {}
+    else:
+        scale = sum(t for t, _ in now) / sum(m for _, m in now)
+        upd_cpu = _scaled_cpu(c, scale)
+        fitted += [Fitted("cpu.gemv_gbps", c.gemv_gbps, upd_cpu["gemv_gbps"], len(now),
+                          f"CPU rates x{scale:.3g}: the tasks' predicted over measured (replayed)"),
+                   Fitted("cpu.gemm_tflops", c.gemm_tflops, upd_cpu["gemm_tflops"], len(now))]
     late = [(t, m) for t, m, d in zip(tasks, rep.tasks_us, deferred) if d]
     if late:
         if len(late) < len(tasks):
@@ -386,7 +401,9 @@ def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile) -> tuple[HwProfile, l
     edges_measured = rep.wall_us - sum(rep.tasks_us) - sum(rep.gaps_us)
     # the plan's edges without the fixed times it added (its share of graph_step_us, decode_step_us)
     scheduled = max((n.timing.end_us for n in plan.ir.nodes if n.timing is not None), default=0.0)
-    edges_predicted = scheduled - sum(tasks) - sum(gaps) + edge_ops * (launch - o.gpu_launch_us)
+    sync = upd_over.get("cpu_sync_us", o.cpu_sync_us)  # the edges' own hand-off waits move with a fitted sync
+    edges_predicted = (scheduled - sum(tasks) - sum(gaps) + edge_ops * (launch - o.gpu_launch_us)
+                       + _edge_syncs(plan) * (sync - o.cpu_sync_us))
     edge = max(0.0, edges_measured - edges_predicted)
     how = f"step edges {edges_measured:.0f} us measured, {edges_predicted:.0f} us predicted"
     if rep.greedy_us is not None and rep.greedy_k > 1:
@@ -397,14 +414,16 @@ def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile) -> tuple[HwProfile, l
                              f"{how}; the part {k} steps a launch do not share ({rep.wall_us:.0f} us a step one a "
                              f"launch, {rep.greedy_us:.0f} us {k} a launch)"))
         how = f"the part {k} steps a launch share"
-    else:
+    else:  # no greedy runs to split it by: all of it the launch's (none left from the profile's split)
         per_launch = edge
+        upd_over["decode_step_us"] = 0.0
     upd_over["graph_step_us"] = per_launch
     fitted.append(Fitted("overheads.graph_step_us", o.graph_step_us, per_launch, 1, how))
     return calibrated_profile(hw, upd_over, upd_cpu), fitted
 
 
-def _measure_and_fit(model, hw, steps: int, options: dict) -> tuple[Plan, list[float], tuple[HwProfile, list[Fitted]]]:
+def _measure_and_fit(model, hw, steps: int, options: dict,
+                     keep_rate: bool = False) -> tuple[Plan, list[float], tuple[HwProfile, list[Fitted]]]:
     """Compile, measure the decode plan here and fit (`fit_replayed` for a plan the backend replays
     as a captured graph, `fit` from traced steps otherwise): (the plan, its measured untraced
     steps, the fit)."""
@@ -417,7 +436,7 @@ def _measure_and_fit(model, hw, steps: int, options: dict) -> tuple[Plan, list[f
     got = None
     if getattr(compiled.executor(plan).runner, "capture", False) and any(s.kind == "submit" for s in plan.steps):
         rep = measure_replayed(compiled, max(steps, 16))
-        got = fit_replayed(plan, rep, compiled.plans.hw) if rep else None
+        got = fit_replayed(plan, rep, compiled.plans.hw, keep_rate=keep_rate) if rep else None
         walls = rep.walls_us if rep else []
     if got is None:
         traced, walls = measure(compiled, steps)
@@ -444,8 +463,12 @@ def calibrate(model, hw, steps: int = 3, **options) -> Calibration:
     runs = [("exact", exact, walls, plan.predicted_step_us)]
     d = asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else 2
     deferring = dict(options, defer=d)
-    if plan.capture and any(deferred_tasks(ktflow.compile(model, hw=profile, **deferring).decode)):
-        _, walls_d, (_, fitted_d) = _measure_and_fit(model, profile, steps, deferring)
+    try:  # a model whose top_k leaves no room for d deferred picks has no deferred plan to measure
+        can_defer = any(deferred_tasks(ktflow.compile(model, hw=profile, **deferring).decode)) and bool(plan.capture)
+    except ConfigError:
+        can_defer = False
+    if can_defer:
+        _, walls_d, (_, fitted_d) = _measure_and_fit(model, profile, steps, deferring, keep_rate=True)
         extra = [f for f in fitted_d if f.term == "overheads.cpu_deferred_us"]
         if extra:  # only the deferred term: the rest stays as the exact plan fitted it
             profile = calibrated_profile(profile, {"cpu_deferred_us": extra[0].after}, {})

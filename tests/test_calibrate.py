@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ktflow
-from ktflow.calibrate import (Replayed, median_steps, calibrate, deferred_tasks, fit, fit_replayed, measure,
+from ktflow.calibrate import (Replayed, _edge_syncs, median_steps, calibrate, deferred_tasks, fit, fit_replayed, measure,
                               predicted_tasks)
 from ktflow.hw import PRESETS, Overheads, resolve_hw
 from ktflow.ir.ops import Op
@@ -108,9 +108,10 @@ def test_a_gap_shorter_than_its_ops_takes_the_rest_off_the_hand_off(demo_dir):
     model = ktflow.load(demo_dir)
     c = ktflow.compile(model, hw=hw, vram_budget_gb=0.004, max_seq_len=64, greedy_steps=1)
     tasks, gaps, in_gap, _ = predicted_tasks(c.decode)
-    meas_gaps = [g - 280.0 for g in gaps]  # the round trip was 20 us
+    meas_gaps = [g - 280.0 for g in gaps]  # the round trip was 20 us: in every gap and at the edges' syncs
     launch = hw.overheads.gpu_launch_us
-    profile, fitted = fit_replayed(c.decode, Replayed(c.decode.predicted_step_us - 280.0 * len(gaps), tasks, meas_gaps), hw)
+    wall = c.decode.predicted_step_us - 280.0 * (len(gaps) + _edge_syncs(c.decode))
+    profile, fitted = fit_replayed(c.decode, Replayed(wall, tasks, meas_gaps), hw)
     assert profile.overheads.gpu_launch_us == 0.0
     k = sorted(in_gap)[len(in_gap) // 2]
     assert profile.overheads.cpu_sync_us == pytest.approx(300.0 - 280.0 + k * launch, rel=1e-6)
@@ -119,6 +120,8 @@ def test_a_gap_shorter_than_its_ops_takes_the_rest_off_the_hand_off(demo_dir):
                                                     greedy_steps=1).decode)
     for want, got in zip(meas_gaps, again):
         assert got == pytest.approx(want, abs=2.0 + k * launch)  # within the zeroed fixed time of the gap's ops
+    # the edges' syncs moved with it: no edge left over for the launch or the step, none kept from the profile
+    assert profile.overheads.graph_step_us < 2 * k * launch and profile.overheads.decode_step_us == 0.0
 
 
 def test_a_deferred_plans_replay_fits_the_rate_and_the_deferred_tasks_extra_time(demo_dir):
@@ -185,6 +188,13 @@ def test_calibrating_here_fits_the_measured_ops_and_reports_the_step(demo_dir):
     (s,) = cal.steps  # no GPU: no deferred plan to measure
     assert s.plan == "exact" and s.measured_step_us > 0 and len(s.walls_us) >= 3
     assert any(f.term == "cpu.gemv_gbps" for f in cal.fitted) and "decode step (exact): measured" in cal.lines()[-1]
+
+
+@pytest.mark.skipif(not native_available(), reason="needs the native module")
+def test_a_model_that_cannot_defer_is_calibrated_on_its_exact_plan(tiny_dirs):
+    d, _ = tiny_dirs("mixtral")  # top-2: no room for two deferred picks
+    cal = calibrate(ktflow.load(d), "cpu", steps=2, max_seq_len=64, backend="native", dtype="float32")
+    assert [s.plan for s in cal.steps] == ["exact"]
 
 
 def cli(*args):

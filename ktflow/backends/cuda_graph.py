@@ -500,6 +500,7 @@ class DecodeGraph:
 
     def _capture_greedy(self, bound: Bound, state, run: GreedyRun) -> None:
         graph = torch.cuda.CUDAGraph()
+        self._prepare_recorder()
         torch.cuda.synchronize()
         try:
             with torch.cuda.graph(graph, stream=self.gpu):
