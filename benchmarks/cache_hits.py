@@ -67,9 +67,9 @@ def picks_of(model, seqs: list[list[int]], max_seq_len: int) -> list[dict[int, t
     return out
 
 
-def top(counts: torch.Tensor, s: int) -> set[int]:
-    """The s most counted experts (ties: the lower id)."""
-    return set(sorted(range(len(counts)), key=lambda e: (-float(counts[e]), e))[:s])
+def top(counts: torch.Tensor, s: int, keep: set[int] = frozenset()) -> set[int]:
+    """The s most counted experts (ties: one in `keep`, then the lower id), as `refill_from` picks."""
+    return set(sorted(range(len(counts)), key=lambda e: (-float(counts[e]), e not in keep, e))[:s])
 
 
 def served(picks: torch.Tensor, slots: set[int]) -> int:
@@ -81,12 +81,12 @@ def cache_run(picks: torch.Tensor, first: set[int], prompt: int, every: int, s: 
     def counts(rows):
         return torch.bincount(rows.reshape(-1), minlength=experts)
 
-    slots = top(counts(picks[:prompt]), s)
+    slots = top(counts(picks[:prompt]), s, first)
     copied, hits = len(slots - first), 0
     for lo in range(prompt, picks.shape[0], every):
         block = picks[lo:lo + every]
         hits += served(block, slots)
-        new = top(counts(block), s)
+        new = top(counts(block), s, slots)
         if lo + every < picks.shape[0]:
             copied += len(new - slots)
             slots = new

@@ -82,9 +82,33 @@ def test_refilled_cache_gives_the_no_cache_plans_logits(demo_dir, tmp_path):
     scale = ref.abs().max()
     assert (got - ref).abs().max() <= 0.01 * scale  # after it: the moved experts' other kernel (bf16 rounding)
     # the check can fail: a slot's expert also computed on the CPU (its mask bit left on) is counted twice
-    cache.layers[layer].masks[0][outside[0]] = 1
+    cache.layers[layer].masks[0][0][outside[0]] = 1
     wrong = decode_logits(c)
     assert (wrong - ref).abs().max() > 0.05 * scale
+
+
+@pytest.mark.parametrize("numa", ["tp", "ep"])
+def test_a_refill_over_numa_shards_computes_each_expert_once(numa, demo_dir, tmp_path):
+    """Two NUMA shards: by rows (tp) each computes every CPU expert's half, by experts (ep) each
+    its own experts; an expert the cache gives up goes to every row shard, or to exactly one
+    expert shard (reduced over the shards, it would otherwise count twice)."""
+    model = ktflow.load(amplified(demo_dir, tmp_path / "amplified"))
+    kw = dict(split_options(model), numa=numa, numa_nodes=2)
+    ref = decode_logits(ktflow.compile(model, **kw))
+    c = ktflow.compile(model, expert_cache=True, **kw)
+    n = cached_node(c)
+    cpu_parts = [m for m in c.decode.ir.nodes if m.op == Op.ROUTED_EXPERTS and m.attrs.layer == n.attrs.layer
+                 and m.place.device.value == "cpu"]
+    assert len(cpu_parts) == 2
+    outside = [e for e in range(n.attrs.experts) if e not in n.attrs.ids][:len(n.attrs.ids)]
+    cache = ExpertCache(c)
+    got = decode_logits(c, lambda: cache.refill(n.attrs.layer, outside))
+    assert (got - ref).abs().max() <= 0.01 * ref.abs().max()
+    masks = [m for m, _ in cache.layers[n.attrs.layer].masks]
+    computed = sum(m.long() for m in masks)  # per expert: how many shards compute it
+    assert all(int(computed[e]) == 0 for e in outside)
+    want = len(masks) if numa == "tp" else 1
+    assert all(int(computed[e]) == want for e in range(n.attrs.experts) if e not in outside)
 
 
 def test_following_the_routing_refills_between_steps_and_keeps_the_logits(demo_dir, tmp_path):

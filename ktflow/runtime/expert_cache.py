@@ -43,12 +43,13 @@ from ..ir.types import Device
 @dataclass
 class CachedLayer:
     """One cached layer: its GPU parts' stacked weights (one per distinct copy, with the node it
-    was loaded for), its CPU parts' masks, and the expert in each slot."""
+    was loaded for), its CPU parts' masks with the experts each one computes when they are not in
+    the cache, and the expert in each slot."""
 
     layer: int
     experts: int
     stacks: list[tuple[Node, dict]] = field(default_factory=list)
-    masks: list[torch.Tensor] = field(default_factory=list)
+    masks: list[tuple[torch.Tensor, set[int]]] = field(default_factory=list)
     resident: list[int] = field(default_factory=list)  # slot -> expert
 
 
@@ -71,6 +72,7 @@ class ExpertCache:
         self.backend = be
         self.layers: dict[int, CachedLayer] = {}
         seen: set[int] = set()
+        groups: dict[tuple, list[tuple[torch.Tensor, set[int]]]] = {}
         for plan in plans:
             for n in plan.ir.nodes:
                 layer = getattr(n.attrs, "layer", None)
@@ -100,7 +102,16 @@ class ExpertCache:
                                           "(compile with expert_cache=True)")
                     if id(mask) not in seen:
                         seen.add(id(mask))
-                        c.masks.append(mask)
+                        groups.setdefault((plan.phase, layer, n.attrs.rank_range, n.attrs.rows), []).append(
+                            (mask, set(n.attrs.ids)))
+        # the CPU parts computing the same picks and rows split the layer's experts between them (NUMA
+        # shards by expert): each expert the cache gives up goes to exactly one of them, dealt in turn;
+        # parts over different rows (NUMA shards by rows) each compute all of them
+        for (_, layer, _, _), parts in groups.items():
+            c = self.layers[layer]
+            for i, e in enumerate(sorted(set(range(c.experts)) - set().union(*(own for _, own in parts)))):
+                parts[i % len(parts)][1].add(e)
+            c.masks += parts
 
     def resident(self, layer: int) -> tuple[int, ...]:
         """The experts layer `layer`'s GPU slots hold, sorted."""
@@ -144,9 +155,9 @@ class ExpertCache:
             if held is not None:  # the per-expert view the stack was made from, kept in step with it
                 for role in ("gate", "up", "down"):
                     held[role] = {e: stacked[role][s] for s, e in enumerate(c.resident)}
-        for mask in c.masks:
-            mask.fill_(1)
-            mask[c.resident] = 0
+        for mask, own in c.masks:
+            mask.zero_()
+            mask[sorted(own - set(c.resident))] = 1
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return len(incoming)
@@ -155,7 +166,9 @@ class ExpertCache:
         """Refill from the routing as the model runs: a `RoutingRecorder` on every plan, and after
         each prefill step and every `every` decoded tokens, each cached layer refilled with the
         experts counted most since the last refill (the counters then zeroed in place, so captured
-        graphs stay valid). Returns the recorder; `stop()` undoes it."""
+        graphs stay valid). Refills happen between calls of a plan, so with greedy runs of K steps
+        a launch `every` rounds up to a multiple of K; a ragged batch's padding rows (`SlotPool`)
+        are counted as tokens too. Returns the recorder; `stop()` undoes it."""
         from .routing import RoutingRecorder
 
         if not isinstance(every, int) or every < 1:
@@ -186,13 +199,14 @@ class ExpertCache:
 
     def refill_from(self, recorder) -> dict[int, int]:
         """Refill every cached layer with its most counted experts in `recorder` (a
-        `RoutingRecorder`; a layer it did not count keeps its experts, ties keep the lower id);
-        returns the experts copied in per layer."""
+        `RoutingRecorder`; a layer it counted no tokens of keeps its experts; ties keep a resident
+        expert, then the lower id); returns the experts copied in per layer."""
         out = {}
         for layer, c in sorted(self.layers.items()):
-            if layer not in recorder.counts:
-                continue
+            if layer not in recorder.counts or int(recorder.rows[layer]) == 0:
+                continue  # nothing routed since the last refill: the experts resident stay
             counts = recorder.counts[layer].cpu()
-            order = sorted(range(c.experts), key=lambda e: (-int(counts[e]), e))
+            here = set(c.resident)  # ties keep an expert already resident (no copy for nothing)
+            order = sorted(range(c.experts), key=lambda e: (-int(counts[e]), e not in here, e))
             out[layer] = self.refill(layer, order[:len(c.resident)])
         return out
