@@ -181,21 +181,27 @@ def _device(opts: CompileOptions, hw: HwProfile) -> str:
 
 def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
     """Predicted memory per device: weights and KV caches where their nodes are placed (a GPU
-    expert has no host copy; streamed experts live in host memory, their fetch stages them; CPU
-    experts once per packed slice, which a deferred part shares with its immediate one), a
+    expert has no host copy, unless its layer's GPU part is a cache, whose CPU packs hold every
+    expert; streamed experts live in host memory, their fetch stages them; CPU experts once per
+    packed slice, which a deferred part shares with its immediate one), a
     step's activations on each device that runs nodes (GPU: live values and the running node's
     scratch, for the longest context a step may follow), the staging of streamed experts, the
     BLAS workspaces and the GPU reserve."""
     weights = {Device.CPU: 0.0, Device.GPU: 0.0}
     packed = set()  # CPU expert slices already counted: a deferred twin shares its immediate part's pack
+    # a layer whose GPU experts are a cache: each of its CPU packs holds every expert of the layer
+    cached = {n.attrs.layer for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.cached}
     for n in g.nodes:
         device = Device.CPU if n.op == Op.FETCH else n.place.device
+        scale = 1.0
         if n.op == Op.ROUTED_EXPERTS and device == Device.CPU:
             key = (tuple(w.key for w in n.weights), n.attrs.ids, n.attrs.rows, n.place.numa)
             if key in packed:
                 continue
             packed.add(key)
-        weights[device] += held_weight_bytes(n, device, ctx.weight_itemsize, ctx.expert_format)
+            if n.attrs.layer in cached:
+                scale = n.attrs.experts / len(n.attrs.ids)
+        weights[device] += scale * held_weight_bytes(n, device, ctx.weight_itemsize, ctx.expert_format)
     kv_tokens = ctx.max_seq_len * ctx.options.max_batch
     kv_gpu, kv_all = kv_cache_bytes(g, kv_tokens, Device.GPU), kv_cache_bytes(g, kv_tokens)
     on_gpu = any(n.place.device == Device.GPU for n in g.nodes)

@@ -132,6 +132,19 @@ def test_following_the_routing_refills_between_steps_and_keeps_the_logits(demo_d
         cache.follow(every=0)
 
 
+def test_the_plan_counts_the_cpu_copy_of_cached_experts(demo_dir):
+    """A cached layer's CPU part packs every expert of the layer: the plan's host memory says so."""
+    model = ktflow.load(demo_dir)
+    kw = split_options(model)
+    plain, cached = ktflow.compile(model, **kw).decode, ktflow.compile(model, expert_cache=True, **kw).decode
+    n = cached_node(ktflow.compile(model, expert_cache=True, **kw))
+    cpu = next(m for m in cached.ir.nodes if m.op == Op.ROUTED_EXPERTS and m.attrs.layer == n.attrs.layer
+               and m.place.device.value == "cpu")
+    per_expert = cpu.weight_elems() / len(cpu.attrs.ids) * 2  # bf16 experts
+    extra = cached.memory.host_bytes - plain.memory.host_bytes
+    assert extra == pytest.approx(len(n.attrs.ids) * per_expert, rel=0.02)
+
+
 def test_the_cache_refills_with_the_most_recorded_experts(demo_dir):
     model = ktflow.load(demo_dir)
     c = ktflow.compile(model, expert_cache=True, **split_options(model))
