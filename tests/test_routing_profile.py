@@ -145,3 +145,24 @@ def test_recording_refuses_a_plan_run_as_a_whole(tiny_dirs):
     ex.recorder = RoutingRecorder()
     with pytest.raises(ConfigError, match="backend='native'"):
         ex.run(torch.tensor([[1]]), ktflow.runtime.state.State(c.plans.model.fingerprint, 1, 16, position=1))
+
+
+def test_a_ragged_steps_padding_rows_are_not_counted(tiny_dirs):
+    """SlotPool decodes rows 0..b-1 of a bucket; rows not listed are padding (token 0): the
+    recorder counts the listed rows' picks only, weighing each row by what set_rows says."""
+    from ktflow.runtime.slots import SlotPool
+
+    d, _ = tiny_dirs("deepseek_v3")
+    c = ktflow.compile(ktflow.load(d), hw="paper-a100", device="cpu", dtype="float32", max_seq_len=32, max_batch=4,
+                       backend="native")
+    pool = SlotPool(c, 4)
+    pool.start(2)
+    pool.prefill(2, torch.tensor([[5, 6, 7]]))
+    rec = RoutingRecorder()
+    c.executor(c.decode).recorder = rec
+    pool.decode([2], [9])  # bucket 4: rows 0, 1 and 3 are padding
+    pool.decode([2], [11])
+    c.executor(c.decode).recorder = None
+    assert rec.tokens_counted() == 2
+    k = json.loads((d / "config.json").read_text())["num_experts_per_tok"]
+    assert all(int(counts.sum()) == 2 * k for counts in rec.counts.values())

@@ -168,7 +168,7 @@ class ExpertCache:
         experts counted most since the last refill (the counters then zeroed in place, so captured
         graphs stay valid). Refills happen between calls of a plan, so with greedy runs of K steps
         a launch `every` rounds up to a multiple of K; a ragged batch's padding rows (`SlotPool`)
-        are counted as tokens too. Returns the recorder; `stop()` undoes it."""
+        count toward `every` (their picks are not counted). Returns the recorder; `stop()` undoes it."""
         from .routing import RoutingRecorder
 
         if not isinstance(every, int) or every < 1:

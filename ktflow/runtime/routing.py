@@ -9,7 +9,8 @@ kernels per layer and no host sync until `profile()` reads the counts. The count
 per layer (`prepare`) and only ever added to in place, so a captured CUDA graph can hold the
 additions: the cuda_graph backend prepares them before it captures a decode step with a recorder
 attached (and captures again when the recorder changes), and each replay then counts its picks on
-the GPU. A ragged batch's padding rows (`SlotPool`) are counted too.
+the GPU. A ragged batch's padding rows (`SlotPool`) are left out through `set_rows`, a 0/1 weight
+per row the step reads from the device.
 """
 
 from __future__ import annotations
@@ -39,11 +40,16 @@ def gate_layers(g: Graph) -> dict[str, int]:
 class RoutingRecorder:
     """Per-layer expert pick counts (and, with `pairs`, pair counts) over the steps it sees."""
 
+    #: rows a step may weigh one by one (`set_rows`); a longer step (a prefill chunk) counts every row
+    ROWS = 4096
+
     def __init__(self, pairs: bool = False):
         self.pairs = pairs
         self.counts: dict[int, torch.Tensor] = {}  # layer -> int64 [experts]
         self.together: dict[int, torch.Tensor] = {}  # layer -> float32 [experts, experts]
         self.rows: dict[int, torch.Tensor] = {}  # layer -> int64 [1]: tokens routed
+        self.valid: dict[str, torch.Tensor] = {}  # device -> int64 [ROWS]: 1 for a row to count, 0 to skip
+        self._count_rows: torch.Tensor | None = None  # what set_rows last said (for a device seen later)
 
     def prepare(self, layer: int, experts: int, device) -> None:
         """Make `layer`'s counters on `device` (zero) if they are missing: before a graph that
@@ -53,6 +59,28 @@ class RoutingRecorder:
             self.rows[layer] = torch.zeros(1, dtype=torch.int64, device=device)
             if self.pairs:
                 self.together[layer] = torch.zeros(experts, experts, dtype=torch.float32, device=device)
+        self._valid(self.counts[layer].device)
+
+    def _valid(self, device: torch.device) -> torch.Tensor:
+        key = str(device)
+        if key not in self.valid:
+            self.valid[key] = torch.ones(self.ROWS, dtype=torch.int64, device=device)
+            if self._count_rows is not None:
+                self.valid[key][:self._count_rows.numel()].copy_(self._count_rows)
+        return self.valid[key]
+
+    def set_rows(self, count: torch.Tensor | None) -> None:
+        """Which rows of the next steps to count (bool or 0/1 [rows]: a ragged batch's listed
+        rows, not its padding), None for all; written in place, so a captured graph reads it."""
+        self._count_rows = None if count is None else count.reshape(-1).to(torch.int64)
+        for v in self.valid.values():
+            v.fill_(1)
+            if count is not None:
+                v[:count.numel()].copy_(self._count_rows)
+
+    def tokens_counted(self) -> int:
+        """The fewest tokens any layer counted (a host read)."""
+        return min((int(r.item()) for r in self.rows.values()), default=0)
 
     def reset(self) -> None:
         """Zero every counter in place (a graph captured with them keeps adding to them)."""
@@ -67,12 +95,21 @@ class RoutingRecorder:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"routing counters of layer {layer} were not prepared before capture")
             self.prepare(layer, experts, ids.device)
+        n, k = ids.shape
         flat = ids.reshape(-1).long()
-        self.counts[layer].scatter_add_(0, flat, torch.ones_like(flat))
-        self.rows[layer].add_(ids.shape[0])
+        if n <= self.ROWS:
+            weight = self._valid(ids.device)[:n]
+            self.counts[layer].scatter_add_(0, flat, weight[:, None].expand(n, k).reshape(-1))
+            self.rows[layer].add_(weight.sum())
+        else:
+            weight = None
+            self.counts[layer].scatter_add_(0, flat, torch.ones_like(flat))
+            self.rows[layer].add_(n)
         if self.pairs:
-            hot = torch.zeros(ids.shape[0], experts, dtype=torch.float32, device=ids.device)
+            hot = torch.zeros(n, experts, dtype=torch.float32, device=ids.device)
             hot.scatter_(1, ids.long(), 1.0)
+            if weight is not None:
+                hot.mul_(weight[:, None])
             self.together[layer].add_(hot.T @ hot)
 
     def profile(self, model_type: str | None = None) -> RoutingProfile:

@@ -150,8 +150,16 @@ class SlotPool:
         tokens[rows, 0] = torch.tensor(ids, dtype=torch.int64)
         # padding rows write at their own next position (full rows at their last: never read again)
         positions = self.positions[:b].clamp(max=self.max_seq_len - 1)
-        out = self.compiled.executor(self.compiled.decode).run(tokens, self._views[b], positions=positions,
-                                                               logits=logits)
+        ex = self.compiled.executor(self.compiled.decode)
+        if ex.recorder is not None:  # routing counted for the listed rows only, not the padding
+            listed = torch.zeros(b, dtype=torch.int64)
+            listed[rows] = 1
+            ex.recorder.set_rows(listed)
+        try:
+            out = ex.run(tokens, self._views[b], positions=positions, logits=logits)
+        finally:
+            if ex.recorder is not None:
+                ex.recorder.set_rows(None)
         self.positions[rows] += 1
         out = out.reshape(b, -1)[rows]
         return out[:, 0] if logits == "argmax" else out.float()
