@@ -91,6 +91,50 @@ def test_cache_hits_runs_on_the_trained_model(trained, tmp_path):
         assert r["oracle"] >= max(r["uniform"], r["profiled"]) - 1e-9 and r["copied_per_token"] >= 0
 
 
+def test_the_scaled_model_computes_what_the_trained_one_does(trained, tmp_path):
+    """benchmarks/scale_moe.py pads every expert's intermediate size with zeros: the experts hold
+    4x the bytes, and the logits (bf16 and int8 experts) and the routing are the trained model's."""
+    from ktflow.runtime.routing import record_routing
+
+    cfg = json.loads((trained / "config.json").read_text())
+    inter = 4 * cfg["moe_intermediate_size"]
+    out = tmp_path / "scaled"
+    p = subprocess.run([sys.executable, str(BENCH / "scale_moe.py"), str(trained), "--inter", str(inter), "-o", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads((out / "config.json").read_text())["moe_intermediate_size"] == inter
+    assert (out / "heldout.safetensors").exists() and (out / "tokenizer.json").exists()
+    ids = torch.tensor([[3, 50, 700, 12, 9, 77]])
+    for fmt in ("bf16", "int8"):
+        got = []
+        for d in (trained, out):
+            c = ktflow.compile(ktflow.load(d), hw="cpu", max_seq_len=32, backend="native", expert_format=fmt)
+            got.append((ktflow.execute(c, ids)[0], record_routing(c, [ids[0].tolist()], progress=False)))
+            node = next(n for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS)
+            assert node.attrs.inter == (cfg["moe_intermediate_size"] if d == trained else inter)
+        torch.testing.assert_close(got[0][0], got[1][0], rtol=1e-3, atol=1e-3)  # the sums' order: float rounding
+        assert got[0][1].layers == got[1][1].layers
+    bad = subprocess.run([sys.executable, str(BENCH / "scale_moe.py"), str(trained), "--inter", "8", "-o",
+                          str(tmp_path / "x")], capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "below the model's moe_intermediate_size" in bad.stderr
+
+
+def test_cache_speed_runs_its_three_plans(trained, tmp_path):
+    """benchmarks/cache_speed.py (here on the CPU, where the GPU lane runs on the CPU too: the code
+    path, not a speed): uniform, profiled and cached plans over held-out conversations, the cache
+    refilled after each prompt and every N decoded tokens."""
+    out = tmp_path / "s.jsonl"
+    p = subprocess.run([sys.executable, str(BENCH / "cache_speed.py"), str(trained), "--device", "cpu", "--backend",
+                        "native", "--shares", "0.25", "--seqs", "2", "--prompt", "8", "--decode", "8", "--every", "4",
+                        "--rounds", "1", "--profile-seqs", "2", "--corpus-mb", "0.3", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(row[f"{v}_tok_s"] > 0 for v in ("uniform", "profiled", "cache"))
+    # warm-up (a prompt and 8 tokens) and 2 conversations: a refill after each prompt and every 4 decoded tokens
+    assert row["refills"] == 3 * (1 + 8 // 4)
+
+
 def test_the_cache_policy_serves_a_conversations_own_experts():
     """cache_hits.cache_run: filled from the prompt's picks, then refilled from each block's; a
     conversation that keeps to two experts is served entirely after the prompt, and only the

@@ -1,0 +1,131 @@
+"""Decode speed with the GPU expert cache against static placement, on held-out conversations of
+a model with learned routing (train_small_moe.py, scaled with scale_moe.py so experts cost real
+bandwidth: the same routing, token for token).
+
+For each GPU share of the routed experts, one VRAM budget (the smallest at which the plan without
+a profile puts that share on the GPU, as placement_hits.py finds it) and three plans:
+
+- `uniform`: placed without a routing profile;
+- `profiled`: placed with a profile of training-split text (`--routing-profile`);
+- `cache`: the profiled plan compiled with `expert_cache=True`, following the routing
+  (`ExpertCache.follow(every)`: refilled after each prompt and every N decoded tokens).
+
+Each plan runs the same held-out conversations: a `--prompt`-token prompt, then `--decode` greedy
+tokens (K steps a launch as `generate` runs them). Decode tok/s is the decoded tokens over the
+decode time of all conversations; the cache's refills are inside that time. The plans and the
+conversations alternate in rounds, so a machine's drift falls on all alike. Prints a table and
+appends rows to benchmarks/cache_speed.jsonl. On the GPU machine:
+
+    python benchmarks/scale_moe.py /tmp/moe-small --inter 8192 -o /tmp/moe-scaled
+    python benchmarks/cache_speed.py /tmp/moe-scaled --device cuda --shares 0.1,0.25 --every 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import HERE, append_jsonl, commit, machine  # noqa: E402
+
+
+def decode_seconds(compiled, prompt: list[int], decode: int) -> float:
+    """The prompt's prefill, then `decode` greedy tokens: the decode part's wall seconds."""
+    import ktflow
+    from ktflow.runtime.execute import decode_greedy
+
+    nxt, state = ktflow.execute(compiled, torch.tensor([prompt]), logits="argmax")
+    run = compiled.plans.options.greedy_steps
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    left = decode
+    while left > 0:
+        k = min(run, left)
+        nxt = decode_greedy(compiled, nxt.view(1, 1), state, k)[:, -1:] if k > 1 else \
+            ktflow.execute(compiled, nxt.view(1, 1), state, logits="argmax")[0]
+        left -= k
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="a checkpoint dir from train_small_moe.py (scaled: scale_moe.py)")
+    ap.add_argument("--shares", default="0.25", help="GPU shares of the routed experts (comma list)")
+    ap.add_argument("--every", type=int, default=32, help="decoded tokens between the cache's refills")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens of each conversation")
+    ap.add_argument("--decode", type=int, default=128, help="decoded tokens of each conversation")
+    ap.add_argument("--seqs", type=int, default=8, help="held-out conversations")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profile-seqs", type=int, default=64, help="training-split sequences to profile")
+    ap.add_argument("--corpus-mb", type=float, default=3.0, help="as train_small_moe.py --corpus-mb")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--out", default=str(HERE / "cache_speed.jsonl"))
+    a = ap.parse_args()
+    import ktflow
+    from ktflow.runtime.expert_cache import ExpertCache
+    from placement_hits import budget_for, profile_of, roofline_only
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+    from train_small_moe import corpus, token_stream
+
+    d = Path(a.model)
+    model = ktflow.load(d)
+    length = a.prompt + a.decode
+    held = load_file(str(d / "heldout.safetensors"))["ids"]
+    if len(held) < a.seqs * length:
+        raise SystemExit(f"not enough held-out tokens: {len(held)}, need {a.seqs * length}")
+    prompts = [held[i * length:i * length + a.prompt].tolist() for i in range(a.seqs)]
+    train_ids = token_stream(Tokenizer.from_file(str(d / "tokenizer.json")), corpus(a.corpus_mb)[0])
+    step = len(train_ids) // a.profile_seqs
+    prof = profile_of(model, [train_ids[i * step:i * step + 128].tolist() for i in range(a.profile_seqs)], 136)
+    tmp = tempfile.TemporaryDirectory()
+    path = Path(tmp.name) / "routing.json"
+    path.write_text(prof.model_dump_json() + "\n")
+    max_seq = length + 8
+    info = dict(bench="cache_speed", commit=commit(), **machine(), model=str(d), device=a.device, every=a.every,
+                prompt=a.prompt, decode=a.decode, seqs=a.seqs,
+                gpu=torch.cuda.get_device_name(0) if a.device == "cuda" else None)
+    rows = []
+    for share in [float(x) for x in a.shares.split(",") if x]:
+        budget = budget_for(model, share, max_seq)
+        opts = dict(hw=roofline_only(), device=a.device, backend=a.backend, vram_budget_gb=budget, max_seq_len=max_seq,
+                    numa_nodes=1, prefill_experts="cpu")
+        plans = {"uniform": ktflow.compile(model, **opts),
+                 "profiled": ktflow.compile(model, routing_profile=str(path), **opts),
+                 "cache": ktflow.compile(model, routing_profile=str(path), expert_cache=True, **opts)}
+        cache = ExpertCache(plans["cache"])
+        cache.follow(a.every)
+        for c in plans.values():  # warm: weights ready, graphs captured
+            decode_seconds(c, prompts[0], min(a.decode, 16))
+        took = {name: [] for name in plans}
+        for _ in range(a.rounds):
+            for name, c in plans.items():
+                took[name].append(sum(decode_seconds(c, p, a.decode) for p in prompts))
+        tok_s = {name: [a.seqs * a.decode / t for t in ts] for name, ts in took.items()}
+        mean = {name: statistics.mean(v) for name, v in tok_s.items()}
+        print(f"share {share:.2f} (budget {budget:.3f} GB, cache slots per layer "
+              f"{', '.join(str(len(x.resident)) for _, x in sorted(cache.layers.items()))}; {cache.refills} refills): "
+              + ", ".join(f"{name} {mean[name]:.1f} +- {statistics.pstdev(v):.1f}" for name, v in tok_s.items())
+              + f" tok/s; cache {mean['cache'] / mean['uniform']:.3f}x uniform, {mean['cache'] / mean['profiled']:.3f}x "
+              "profiled", flush=True)
+        rows.append(dict(**info, share=share, budget_gb=round(budget, 4), refills=cache.refills,
+                         **{f"{name}_tok_s": round(mean[name], 2) for name in plans},
+                         **{f"{name}_sd": round(statistics.pstdev(tok_s[name]), 2) for name in plans}))
+        cache.stop()
+    append_jsonl(a.out, rows)
+    tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
