@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import HERE, append_jsonl, commit, machine  # noqa: E402
+from placement_hits import add_text_args, held_out, training_profile  # noqa: E402
 
 
 def picks_of(model, seqs: list[list[int]], max_seq_len: int) -> list[dict[int, torch.Tensor]]:
@@ -101,29 +102,20 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens of each held-out sequence")
     ap.add_argument("--len", type=int, default=192, help="tokens per held-out sequence (prompt and decoded)")
     ap.add_argument("--seqs", type=int, default=48, help="held-out sequences")
-    ap.add_argument("--profile-seqs", type=int, default=64, help="training-split sequences to profile")
-    ap.add_argument("--corpus-mb", type=float, default=3.0, help="as train_small_moe.py --corpus-mb")
+    add_text_args(ap)
     ap.add_argument("--out", default=str(HERE / "cache_hits.jsonl"))
     a = ap.parse_args()
     if not 0 < a.prompt < a.len or a.every < 1:
         raise SystemExit(f"need 0 < --prompt < --len and --every >= 1 (got {a.prompt}, {a.len}, {a.every})")
     import ktflow
-    from placement_hits import profile_of
-    from safetensors.torch import load_file
-    from tokenizers import Tokenizer
-    from train_small_moe import corpus, token_stream
 
     d = Path(a.model)
     model = ktflow.load(d)
     cfg = json.loads((d / "config.json").read_text())
     k, experts = cfg["num_experts_per_tok"], cfg["n_routed_experts"]
-    held = load_file(str(d / "heldout.safetensors"))["ids"]
-    if len(held) < a.seqs * a.len:
-        raise SystemExit(f"not enough held-out tokens: {len(held)}, need {a.seqs * a.len}")
-    train_ids = token_stream(Tokenizer.from_file(str(d / "tokenizer.json")), corpus(a.corpus_mb)[0])
-    step = len(train_ids) // a.profile_seqs
-    prof = profile_of(model, [train_ids[i * step:i * step + 128].tolist() for i in range(a.profile_seqs)], 136)
-    seqs = picks_of(model, held[:a.seqs * a.len].view(a.seqs, a.len).tolist(), a.len + 8)
+    held = held_out(d, a.seqs * a.len)
+    prof = training_profile(model, d, a, 128)
+    seqs = picks_of(model, held.view(a.seqs, a.len).tolist(), a.len + 8)
     decoded = a.seqs * (a.len - a.prompt) * k  # picks served per layer
     info = dict(bench="cache_hits", commit=commit(), **machine(), model=str(d), every=a.every, prompt=a.prompt,
                 len=a.len, seqs=a.seqs)

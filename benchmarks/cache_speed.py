@@ -26,34 +26,21 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import HERE, append_jsonl, commit, machine  # noqa: E402
+from placement_hits import add_text_args, budget_for, held_out, roofline_only, training_profile  # noqa: E402
 
 
 def decode_seconds(compiled, prompt: list[int], decode: int) -> float:
-    """The prompt's prefill, then `decode` greedy tokens: the decode part's wall seconds."""
-    import ktflow
-    from ktflow.runtime.execute import decode_greedy
+    """The prompt, then `decode` greedy decode steps as `generate` runs them: the decode part's
+    wall seconds."""
+    from ktflow.runtime.generate import generate_with_stats
 
-    nxt, state = ktflow.execute(compiled, torch.tensor([prompt]), logits="argmax")
-    run = compiled.plans.options.greedy_steps
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    left = decode
-    while left > 0:
-        k = min(run, left)
-        nxt = decode_greedy(compiled, nxt.view(1, 1), state, k)[:, -1:] if k > 1 else \
-            ktflow.execute(compiled, nxt.view(1, 1), state, logits="argmax")[0]
-        left -= k
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return generate_with_stats(compiled, torch.tensor([prompt]), decode + 1)[1].decode_seconds
 
 
 def main() -> int:
@@ -65,29 +52,20 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=128, help="decoded tokens of each conversation")
     ap.add_argument("--seqs", type=int, default=8, help="held-out conversations")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--profile-seqs", type=int, default=64, help="training-split sequences to profile")
-    ap.add_argument("--corpus-mb", type=float, default=3.0, help="as train_small_moe.py --corpus-mb")
+    add_text_args(ap)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--out", default=str(HERE / "cache_speed.jsonl"))
     a = ap.parse_args()
     import ktflow
     from ktflow.runtime.expert_cache import ExpertCache
-    from placement_hits import budget_for, profile_of, roofline_only
-    from safetensors.torch import load_file
-    from tokenizers import Tokenizer
-    from train_small_moe import corpus, token_stream
 
     d = Path(a.model)
     model = ktflow.load(d)
     length = a.prompt + a.decode
-    held = load_file(str(d / "heldout.safetensors"))["ids"]
-    if len(held) < a.seqs * length:
-        raise SystemExit(f"not enough held-out tokens: {len(held)}, need {a.seqs * length}")
+    held = held_out(d, a.seqs * length)
     prompts = [held[i * length:i * length + a.prompt].tolist() for i in range(a.seqs)]
-    train_ids = token_stream(Tokenizer.from_file(str(d / "tokenizer.json")), corpus(a.corpus_mb)[0])
-    step = len(train_ids) // a.profile_seqs
-    prof = profile_of(model, [train_ids[i * step:i * step + 128].tolist() for i in range(a.profile_seqs)], 136)
+    prof = training_profile(model, d, a, 128)
     tmp = tempfile.TemporaryDirectory()
     path = Path(tmp.name) / "routing.json"
     path.write_text(prof.model_dump_json() + "\n")

@@ -46,6 +46,36 @@ def profile_of(model, seqs: list[list[int]], max_seq_len: int):
     return record_routing(c, seqs, 0, progress=False)
 
 
+def add_text_args(ap: argparse.ArgumentParser) -> None:
+    """The options naming the trained model's text: how much training text to profile."""
+    ap.add_argument("--profile-seqs", type=int, default=64, help="training-split sequences to profile")
+    ap.add_argument("--corpus-mb", type=float, default=3.0, help="as train_small_moe.py --corpus-mb")
+
+
+def held_out(d: Path, tokens: int):
+    """The first `tokens` of the checkpoint's held-out split (heldout.safetensors), int64."""
+    from safetensors.torch import load_file
+
+    held = load_file(str(d / "heldout.safetensors"))["ids"]
+    if len(held) < tokens:
+        raise SystemExit(f"not enough held-out tokens: {len(held)}, need {tokens}")
+    return held[:tokens]
+
+
+def training_profile(model, d: Path, a: argparse.Namespace, length: int):
+    """The routing of `a.profile_seqs` sequences of `length` tokens spread over the training
+    split (the standard library text train_small_moe.py trained on, `a.corpus_mb` of it)."""
+    from tokenizers import Tokenizer
+    from train_small_moe import corpus, token_stream
+
+    train_ids = token_stream(Tokenizer.from_file(str(d / "tokenizer.json")), corpus(a.corpus_mb)[0])
+    if len(train_ids) < a.profile_seqs * length:
+        raise SystemExit(f"not enough training tokens: {len(train_ids)}, need {a.profile_seqs * length}")
+    step = len(train_ids) // a.profile_seqs
+    return profile_of(model, [train_ids[i * step:i * step + length].tolist() for i in range(a.profile_seqs)],
+                      length + 8)
+
+
 def gpu_experts(plan) -> dict[int, tuple[int, ...]]:
     """Per MoE layer: the experts the plan puts on the GPU."""
     from ktflow.ir.ops import Op
@@ -88,29 +118,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="a checkpoint dir from train_small_moe.py (with heldout.safetensors)")
     ap.add_argument("--shares", default="0.1,0.25", help="GPU shares of the routed experts (comma list)")
-    ap.add_argument("--profile-seqs", type=int, default=64, help="training-split sequences to profile")
     ap.add_argument("--seqs", type=int, default=64, help="held-out sequences to check on")
     ap.add_argument("--len", type=int, default=128, help="tokens per sequence")
-    ap.add_argument("--corpus-mb", type=float, default=3.0, help="as train_small_moe.py --corpus-mb")
+    add_text_args(ap)
     ap.add_argument("--out", default=str(HERE / "placement_hits.jsonl"))
     a = ap.parse_args()
     import ktflow
-    from safetensors.torch import load_file
-    from tokenizers import Tokenizer
-    from train_small_moe import corpus, token_stream
 
     d = Path(a.model)
     model = ktflow.load(d)
     cfg = json.loads((d / "config.json").read_text())
     k, experts = cfg["num_experts_per_tok"], cfg["n_routed_experts"]
-    held = load_file(str(d / "heldout.safetensors"))["ids"]
-    train_ids = token_stream(Tokenizer.from_file(str(d / "tokenizer.json")), corpus(a.corpus_mb)[0])
-    need = max(a.seqs, a.profile_seqs) * a.len
-    if len(held) < a.seqs * a.len or len(train_ids) < need:
-        raise SystemExit(f"not enough tokens: held-out {len(held)}, training {len(train_ids)}, need {need}")
-    step = len(train_ids) // a.profile_seqs  # sequences spread over the training text
-    prof = profile_of(model, [train_ids[i * step:i * step + a.len].tolist() for i in range(a.profile_seqs)], a.len + 8)
-    check = profile_of(model, held[:a.seqs * a.len].view(a.seqs, a.len).tolist(), a.len + 8)
+    held = held_out(d, a.seqs * a.len)
+    prof = training_profile(model, d, a, a.len)
+    check = profile_of(model, held.view(a.seqs, a.len).tolist(), a.len + 8)
     tmp = tempfile.TemporaryDirectory()
     path = Path(tmp.name) / "routing.json"  # what `ktflow profile` would write
     path.write_text(prof.model_dump_json() + "\n")
