@@ -277,7 +277,7 @@ def fit_from_variant(plan, replayed, hw, calibrated, row: dict):
     extra time; then the first deferred one only that term, on top (its gaps are not the GPU's
     chain), as `ktflow.calibrate.calibrate` does. Returns the profile (`calibrated` where the
     variant adds nothing)."""
-    from ktflow.calibrate import calibrated_profile, deferred_tasks, fit_replayed
+    from ktflow.calibrate import deferred_tasks, fit_replayed
 
     deferred = any(deferred_tasks(plan))
     if calibrated is not None and (not deferred or calibrated.overheads.cpu_deferred_us > 0):
@@ -286,11 +286,8 @@ def fit_from_variant(plan, replayed, hw, calibrated, row: dict):
     if got is None:
         print("  calibrate: this variant's tasks do not match its plan one to one; nothing fitted", flush=True)
         return calibrated
-    profile, fitted = got
-    if calibrated is not None:  # the deferred term only
-        fitted = [f for f in fitted if f.term == "overheads.cpu_deferred_us"]
-        profile = calibrated_profile(calibrated, {f.term.split(".")[1]: f.after for f in fitted}, {})
-    elif deferred:
+    profile, fitted = got  # after the exact variant's fit: its profile with the deferred term added (keep_rate)
+    if calibrated is None and deferred:
         print("  calibrate: the first variant defers, so its gaps fit nothing; put graph+run1 (exact) first", flush=True)
     row["calibrated_from"] = row["variant"]
     for f in fitted:

@@ -156,7 +156,7 @@ def _scaled_cpu(c, scale: float) -> dict:
     return out
 
 
-def calibrated_profile(hw: HwProfile, overheads: dict, cpu: dict, gpu: dict | None = None) -> HwProfile:
+def _calibrated(hw: HwProfile, overheads: dict, cpu: dict, gpu: dict | None = None) -> HwProfile:
     """`hw` with the fitted fields, named `<name>+calibrated` (once), validated."""
     out = hw.model_copy(update=dict(
         name=hw.name if hw.name.endswith("+calibrated") else f"{hw.name}+calibrated",
@@ -215,7 +215,7 @@ def fit(plan: Plan, measured: list[Step], hw: HwProfile) -> tuple[HwProfile, lis
             old = getattr(o, name)
             upd_over[name] = max(0.0, old + delta)
             fitted.append(Fitted(term, old, upd_over[name], len(got), "the measured hand-off less the predicted"))
-    return calibrated_profile(hw, upd_over, upd_cpu, upd_gpu), fitted
+    return _calibrated(hw, upd_over, upd_cpu, upd_gpu), fitted
 
 
 @dataclass
@@ -383,7 +383,7 @@ def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile,
             upd_over["cpu_deferred_us"] = extra
             fitted.append(Fitted("overheads.cpu_deferred_us", o.cpu_deferred_us, extra, len(late),
                                  "the deferred tasks' median time beyond their bytes at the fitted rate"))
-        return calibrated_profile(hw, upd_over, upd_cpu), fitted
+        return _calibrated(hw, upd_over, upd_cpu), fitted
     launch = o.gpu_launch_us
     if gaps and statistics.median(in_gap) > 0:
         excess, per = statistics.median(rep.gaps_us) - statistics.median(gaps), statistics.median(in_gap)
@@ -419,19 +419,12 @@ def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile,
         upd_over["decode_step_us"] = 0.0
     upd_over["graph_step_us"] = per_launch
     fitted.append(Fitted("overheads.graph_step_us", o.graph_step_us, per_launch, 1, how))
-    return calibrated_profile(hw, upd_over, upd_cpu), fitted
+    return _calibrated(hw, upd_over, upd_cpu), fitted
 
 
-def _measure_and_fit(model, hw, steps: int, options: dict,
-                     keep_rate: bool = False) -> tuple[Plan, list[float], tuple[HwProfile, list[Fitted]]]:
-    """Compile, measure the decode plan here and fit (`fit_replayed` for a plan the backend replays
-    as a captured graph, `fit` from traced steps otherwise): (the plan, its measured untraced
-    steps, the fit)."""
-    import gc
-
-    import ktflow
-
-    compiled = ktflow.compile(model, hw=hw, **options)
+def _measure_and_fit(compiled, steps: int, keep_rate: bool = False) -> tuple[list[float], tuple[HwProfile, list[Fitted]]]:
+    """Measure `compiled`'s decode plan here and fit (`fit_replayed` for a plan the backend replays
+    as a captured graph, `fit` from traced steps otherwise): (its measured untraced steps, the fit)."""
     plan = compiled.decode
     got = None
     if getattr(compiled.executor(plan).runner, "capture", False) and any(s.kind == "submit" for s in plan.steps):
@@ -441,9 +434,7 @@ def _measure_and_fit(model, hw, steps: int, options: dict,
     if got is None:
         traced, walls = measure(compiled, steps)
         got = fit(plan, median_steps(traced), compiled.plans.hw)
-    del compiled  # its device weights, before the next plan binds its own
-    gc.collect()
-    return plan, walls, got
+    return walls, got
 
 
 def calibrate(model, hw, steps: int = 3, **options) -> Calibration:
@@ -451,27 +442,34 @@ def calibrate(model, hw, steps: int = 3, **options) -> Calibration:
     recompile with it (module doc). Two plans are measured where the model can defer on this
     machine: the exact plan (no deferral) fits every term but the deferred task's extra time; then
     the plan deferring `options["defer"]` picks a layer (2 where that is not a number), compiled
-    with that fit, gives `overheads.cpu_deferred_us` (a deferred plan's gaps are not the GPU's
-    chain: `fit_replayed`). The steps are measured one a launch (`execute`), so they are compared
-    with that prediction; the profile serves any greedy_steps (a plan divides graph_step_us by it)."""
+    with that fit, gives `overheads.cpu_deferred_us` at the exact plan's rate (a deferred plan's
+    gaps are not the GPU's chain: `fit_replayed`). The steps are measured one a launch (`execute`),
+    so they are compared with that prediction; the profile serves any greedy_steps (a plan divides
+    graph_step_us by it)."""
+    import gc
+
     import ktflow
 
     options = dict(options, greedy_steps=1)
     asked = options.get("defer")
     exact = dict(options, defer=None)
-    plan, walls, (profile, fitted) = _measure_and_fit(model, hw, steps, exact)
+    compiled = ktflow.compile(model, hw=hw, **exact)
+    plan = compiled.decode
+    walls, (profile, fitted) = _measure_and_fit(compiled, steps)
+    del compiled  # its device weights, before the deferred plan binds its own
+    gc.collect()
     runs = [("exact", exact, walls, plan.predicted_step_us)]
     d = asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else 2
     deferring = dict(options, defer=d)
     try:  # a model whose top_k leaves no room for d deferred picks has no deferred plan to measure
-        can_defer = any(deferred_tasks(ktflow.compile(model, hw=profile, **deferring).decode)) and bool(plan.capture)
+        deferred = ktflow.compile(model, hw=profile, **deferring)
     except ConfigError:
-        can_defer = False
-    if can_defer:
-        _, walls_d, (_, fitted_d) = _measure_and_fit(model, profile, steps, deferring, keep_rate=True)
+        deferred = None
+    if deferred is not None and plan.capture and any(deferred_tasks(deferred.decode)):
+        walls_d, (got_d, fitted_d) = _measure_and_fit(deferred, steps, keep_rate=True)
         extra = [f for f in fitted_d if f.term == "overheads.cpu_deferred_us"]
-        if extra:  # only the deferred term: the rest stays as the exact plan fitted it
-            profile = calibrated_profile(profile, {"cpu_deferred_us": extra[0].after}, {})
+        if extra:  # fitted from its replay at the kept rate: the exact plan's profile with this term added
+            profile = got_d
             fitted += extra
         runs.append((f"defer {d}", deferring, walls_d, ktflow.compile(model, hw=hw, **deferring).decode.predicted_step_us))
     steps_out = [StepPrediction(label, measured, before, ktflow.compile(model, hw=profile, **opts).decode.predicted_step_us)

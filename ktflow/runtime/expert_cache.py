@@ -140,12 +140,15 @@ class ExpertCache:
         free = [s for s, e in enumerate(c.resident) if e not in want]
         weights = self.compiled.model.weights
         for slot, e in zip(free, incoming, strict=True):
+            read = {}  # each tensor read from the checkpoint once, copied into every stack of the layer
             for node, stacked in c.stacks:
                 rows = slice(*node.attrs.rows)
                 for ref in node.weights:
                     if ref.experts:
+                        if ref.key not in read:
+                            read[ref.key] = weights.load_expert(ref, e)
                         index = (slice(None), rows) if ref.role == "down" else (rows,)
-                        stacked[ref.role][slot].copy_(weights.load_expert(ref, e)[index])
+                        stacked[ref.role][slot].copy_(read[ref.key][index])
             c.resident[slot] = e
         for node, stacked in c.stacks:
             local = stacked["local"]

@@ -78,10 +78,6 @@ class RoutingRecorder:
             if count is not None:
                 v[:count.numel()].copy_(self._count_rows)
 
-    def tokens_counted(self) -> int:
-        """The fewest tokens any layer counted (a host read)."""
-        return min((int(r.item()) for r in self.rows.values()), default=0)
-
     def reset(self) -> None:
         """Zero every counter in place (a graph captured with them keeps adding to them)."""
         for t in (*self.counts.values(), *self.rows.values(), *self.together.values()):
