@@ -77,7 +77,7 @@ def main() -> int:
     for share in [float(x) for x in a.shares.split(",") if x]:
         budget = budget_for(model, share, max_seq)
         opts = dict(hw=roofline_only(), device=a.device, backend=a.backend, vram_budget_gb=budget, max_seq_len=max_seq,
-                    numa_nodes=1, prefill_experts="cpu")
+                    numa_nodes=1)
         plans = {"uniform": ktflow.compile(model, **opts),
                  "profiled": ktflow.compile(model, routing_profile=str(path), **opts),
                  "cache": ktflow.compile(model, routing_profile=str(path), expert_cache=True, **opts)}

@@ -64,8 +64,8 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-cache", type=int, default=0, metavar="N",
                    help="the GPU experts of each layer the placement splits are a cache that follows the routing: "
                    "refilled after each prompt and every N decoded tokens (run, serve) with the experts picked most "
-                   "since the last refill; the CPU holds every expert. Prefill then computes CPU experts on the CPU "
-                   "(--prefill-experts auto means cpu). 0: off (default)")
+                   "since the last refill; the CPU holds every expert, and a cached layer's prefill computes its CPU "
+                   "experts on the CPU. 0: off (default)")
     g.add_argument("--prefill-buckets", default=None, metavar="N,N,...",
                    help="prefill plans for steps of up to these many tokens (default: chosen where the decisions "
                    "change, over powers of two up to max_seq_len)")
@@ -109,10 +109,7 @@ def _options(a: argparse.Namespace) -> dict:
 
         if a.expert_cache < 0:
             raise ConfigError(f"--expert-cache takes the decoded tokens between refills (>= 1; 0: off), got {a.expert_cache}")
-        if a.prefill_experts not in ("auto", "cpu"):
-            raise ConfigError(f"--expert-cache with --prefill-experts {a.prefill_experts}: a streamed subset is fixed at "
-                              "compile time; use --prefill-experts cpu")
-        opts.update(expert_cache=True, prefill_experts="cpu")
+        opts["expert_cache"] = True
     if a.defer is not None:
         from ktflow.errors import ConfigError
 

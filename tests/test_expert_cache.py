@@ -26,7 +26,7 @@ def split_options(model, device="cpu", backend="native"):
     """Compile options whose decode plan splits some layer's experts between the GPU and the CPU."""
     for budget in (0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2):
         kw = dict(hw="rtx4090-desktop", device=device, vram_budget_gb=budget, allow_oversize=True, backend=backend,
-                  prefill_experts="cpu", max_seq_len=64)
+                  max_seq_len=64)
         c = ktflow.compile(model, expert_cache=True, **kw)
         if any(n.op == Op.ROUTED_EXPERTS and n.attrs.cached for n in c.decode.ir.nodes):
             return kw
@@ -68,7 +68,7 @@ def amplified(src, dst, factor=30.0):
 def test_refilled_cache_gives_the_no_cache_plans_logits(demo_dir, tmp_path):
     model = ktflow.load(amplified(demo_dir, tmp_path / "amplified"))
     kw = split_options(model)
-    ref = decode_logits(ktflow.compile(model, **kw))
+    ref = decode_logits(ktflow.compile(model, prefill_experts="cpu", **kw))  # prefill as the cached plan runs it
     c = ktflow.compile(model, expert_cache=True, **kw)
     n = cached_node(c)
     assert "a cache the runtime refills" in n.place.cause and "cached=True" in print_graph(c.decode.ir)
@@ -94,7 +94,7 @@ def test_a_refill_over_numa_shards_computes_each_expert_once(numa, demo_dir, tmp
     expert shard (reduced over the shards, it would otherwise count twice)."""
     model = ktflow.load(amplified(demo_dir, tmp_path / "amplified"))
     kw = dict(split_options(model), numa=numa, numa_nodes=2)
-    ref = decode_logits(ktflow.compile(model, **kw))
+    ref = decode_logits(ktflow.compile(model, prefill_experts="cpu", **kw))  # prefill as the cached plan runs it
     c = ktflow.compile(model, expert_cache=True, **kw)
     n = cached_node(c)
     cpu_parts = [m for m in c.decode.ir.nodes if m.op == Op.ROUTED_EXPERTS and m.attrs.layer == n.attrs.layer
@@ -117,7 +117,7 @@ def test_following_the_routing_refills_between_steps_and_keeps_the_logits(demo_d
     the no-cache plan's within bf16 rounding; stop() takes the recorder and the hook off."""
     model = ktflow.load(amplified(demo_dir, tmp_path / "amplified"))
     kw = split_options(model)
-    ref = decode_logits(ktflow.compile(model, **kw))
+    ref = decode_logits(ktflow.compile(model, prefill_experts="cpu", **kw))  # prefill as the cached plan runs it
     c = ktflow.compile(model, expert_cache=True, **kw)
     cache = ExpertCache(c)
     n = cached_node(c)
@@ -130,6 +130,22 @@ def test_following_the_routing_refills_between_steps_and_keeps_the_logits(demo_d
     assert all(c.executor(p).recorder is None and not c.executor(p).after_run for p in (c.decode, *c.prefill))
     with pytest.raises(InputError, match="every"):
         cache.follow(every=0)
+
+
+def test_a_cached_layers_prefill_keeps_its_cpu_experts_on_the_cpu(demo_dir):
+    """place_prefill_experts streams the layer's CPU experts without the cache (here it does) and
+    not with it: the runtime moves experts between the parts, a streamed subset is fixed."""
+    model = ktflow.load(demo_dir)
+    kw = split_options(model)
+    layer = cached_node(ktflow.compile(model, expert_cache=True, **kw)).attrs.layer
+
+    def streamed(c):
+        return [n for p in c.prefill for n in p.ir.nodes if n.op == Op.FETCH and n.attrs.layer == layer]
+
+    assert streamed(ktflow.compile(model, **kw))
+    assert not streamed(ktflow.compile(model, expert_cache=True, **kw))
+    with pytest.raises(ConfigError, match="expert_cache"):
+        ktflow.compile(model, expert_cache=True, prefill_experts="split", **kw)
 
 
 def test_the_plan_counts_the_cpu_copy_of_cached_experts(demo_dir):
@@ -210,6 +226,6 @@ def test_ktflow_run_follows_the_routing_with_expert_cache(demo_dir, capsys):
     out = capsys.readouterr().out
     assert "expert cache: layers" in out and "every 2 decoded tokens" in out
     assert main([*args, "--expert-cache", "2", "--prefill-experts", "stream"]) == 2
-    assert "--prefill-experts cpu" in capsys.readouterr().err
+    assert "prefill_experts='stream' with expert_cache" in capsys.readouterr().err
     assert main([*args[:-5], "--max-seq-len", "64", "--expert-cache", "2"]) == 2  # no VRAM budget: nothing split
     assert "expert_cache=True" in capsys.readouterr().err

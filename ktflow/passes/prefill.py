@@ -56,16 +56,24 @@ def place_prefill_experts(g: Graph, ctx: CompileContext) -> Graph:
     CPU part under the node's name and adds `<name>.stream` on the GPU; their reader (the
     residual add) reads both.
     Requires: a costed, placed prefill graph. Decode graphs, graphs without a GPU (or with
-    placement='cpu') and layers whose hidden states or routing are on the CPU pass through.
+    placement='cpu'), layers whose hidden states or routing are on the CPU and layers whose GPU
+    experts are a cache (`expert_cache`: the runtime moves experts between the parts) pass through.
     Guarantees: rules S1-S2; each layer's experts still partitioned (V10); every decision
     recorded in the CPU or GPU node's cause with the times compared.
     """
     mode = ctx.options.prefill_experts
     if ctx.phase != "prefill" or not ctx.hw.has_gpu or ctx.options.placement == "cpu":
         return g
+    # a layer whose GPU experts are a cache keeps its CPU experts on the CPU: the runtime moves experts
+    # between the two parts, and a streamed subset would be fixed here
+    cached = sorted({n.attrs.layer for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.cached})
+    if cached and mode in ("stream", "split"):
+        raise ConfigError(f"prefill_experts={mode!r} with expert_cache: the GPU experts of layers {cached} are a cache "
+                          "the runtime refills, and a streamed subset is fixed at compile time; use "
+                          "prefill_experts='auto' (those layers then compute on the CPU) or 'cpu'")
     # a layer streams only where its hidden states and routing are on the GPU
     cpu_nodes = [n for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device == Device.CPU
-                 and all(g.by_name(i).place.device == Device.GPU for i in n.inputs)]
+                 and n.attrs.layer not in cached and all(g.by_name(i).place.device == Device.GPU for i in n.inputs)]
     if not cpu_nodes:
         return g
     fmt = ctx.expert_format

@@ -20,8 +20,9 @@ each prefill step and every `every` decoded tokens, from the picks since the las
 policy benchmarks/cache_hits.py measures on held-out text).
 
 Preconditions: the plan's backend is native or cuda_graph (their CPU parts take a mask), and no
-plan streams a cached layer's experts to the GPU in prefill (compile with prefill_experts='cpu'):
-a streamed subset is fixed at compile time. Not yet built: the refill runs on the calling thread
+plan streams a cached layer's experts to the GPU in prefill (a streamed subset is fixed at compile
+time; `place_prefill_experts` keeps a cached layer's experts on the CPU, so only a custom pass
+could). Not yet built: the refill runs on the calling thread
 between steps (the copies are not on the copy stream behind decode steps), no pass prices the
 cache's hits and copies or sizes its slots (they are the placement's GPU share of the layer), and
 no token-wise prefetch.
@@ -80,8 +81,8 @@ class ExpertCache:
                     continue
                 if n.op == Op.FETCH:
                     raise ConfigError(f"plan {plan.phase} streams layer {layer}'s experts to the GPU ({n.name}), a "
-                                      "subset fixed at compile time: with expert_cache, compile with "
-                                      "prefill_experts='cpu'")
+                                      "subset fixed at compile time, but its GPU experts are a cache: a pass of "
+                                      "this pipeline streamed them (place_prefill_experts keeps them on the CPU)")
                 if n.op != Op.ROUTED_EXPERTS:
                     continue
                 c = self.layers.setdefault(layer, CachedLayer(layer, n.attrs.experts))
