@@ -85,10 +85,10 @@ def gpu_experts(plan) -> dict[int, tuple[int, ...]]:
 
 
 def roofline_only():
-    """paper-a100 without fixed per-op costs (module doc)."""
-    from ktflow.hw import PRESETS, Overheads
+    """paper-a100 without fixed per-op costs (module doc), with this GPU's memory where there is one."""
+    from ktflow.hw import PRESETS, Overheads, with_this_gpus_memory
 
-    return PRESETS["paper-a100"].model_copy(update={"overheads": Overheads(
+    return with_this_gpus_memory(PRESETS["paper-a100"]).model_copy(update={"overheads": Overheads(
         gpu_launch_us=0, cpu_submit_us=0, cpu_op_us=0, cpu_sync_us=0)})
 
 

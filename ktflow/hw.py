@@ -283,6 +283,19 @@ def this_machine() -> HwProfile:
                      cpu=cpu, gpus=gpus)
 
 
+def with_this_gpus_memory(profile: HwProfile) -> HwProfile:
+    """`profile` with its first GPU's memory set to this machine's CUDA device's (unchanged where
+    torch sees none): a preset's speeds for a plan this GPU will accept (`check_gpu` refuses a plan
+    placed for another memory size). Tests and benchmarks that place by a preset's rates use it."""
+    import torch
+
+    if not profile.gpus or not torch.cuda.is_available():
+        return profile
+    here = float(torch.cuda.get_device_properties(0).total_memory)
+    return profile.model_copy(update={"gpus": [profile.gpus[0].model_copy(update={"memory_bytes": here}),
+                                               *profile.gpus[1:]]})
+
+
 # ------------------------------------------------------------------------------------- probe
 
 

@@ -25,11 +25,10 @@ FLIPS, FLIP_TOL = 0.1, 5e-2
 def hw_here():
     """The paper's machine with this GPU's memory and no fixed overheads (so the cost model
     places by intensity alone)."""
-    from ktflow.hw import PRESETS, Overheads
+    from ktflow.hw import PRESETS, Overheads, with_this_gpus_memory
 
-    base = PRESETS["paper-a100"]
-    gpus = [base.gpus[0].model_copy(update={"memory_bytes": float(torch.cuda.get_device_properties(0).total_memory)})]
-    return base.model_copy(update={"gpus": gpus, "overheads": Overheads(gpu_launch_us=0, cpu_submit_us=0, cpu_op_us=0, cpu_sync_us=0)})
+    return with_this_gpus_memory(PRESETS["paper-a100"]).model_copy(update={"overheads": Overheads(
+        gpu_launch_us=0, cpu_submit_us=0, cpu_op_us=0, cpu_sync_us=0)})
 
 
 def hybrid(model, **options):

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import ktflow
 from ktflow.errors import ConfigError, InputError
+from ktflow.hw import PRESETS, with_this_gpus_memory
 from ktflow.ir.ops import Op
 from ktflow.ir.printer import print_graph
 from ktflow.native import available as native_available
@@ -25,7 +26,8 @@ PROMPT = torch.tensor([[5, 17, 3, 9, 44, 2]])
 def split_options(model, device="cpu", backend="native"):
     """Compile options whose decode plan splits some layer's experts between the GPU and the CPU."""
     for budget in (0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2):
-        kw = dict(hw="rtx4090-desktop", device=device, vram_budget_gb=budget, allow_oversize=True, backend=backend,
+        kw = dict(hw="rtx4090-desktop" if device == "cpu" else with_this_gpus_memory(PRESETS["rtx4090-desktop"]),
+                  device=device, vram_budget_gb=budget, allow_oversize=True, backend=backend,
                   max_seq_len=64)
         c = ktflow.compile(model, expert_cache=True, **kw)
         if any(n.op == Op.ROUTED_EXPERTS and n.attrs.cached for n in c.decode.ir.nodes):
