@@ -6,18 +6,23 @@ For each GPU share of the routed experts, one VRAM budget (the smallest at which
 a profile puts that share on the GPU, as placement_hits.py finds it) and three plans:
 
 - `uniform`: placed without a routing profile;
-- `profiled`: placed with a profile of training-split text (`--routing-profile`);
-- `cache`: the profiled plan compiled with `expert_cache=True`, following the routing
-  (`ExpertCache.follow(every)`: refilled after each prompt and every N decoded tokens).
+- `profiled`: placed with a profile of training-split conversations (`--routing-profile`): each a
+  `--prompt`-token prompt and `--decode` greedy tokens, so the profile holds the cache's curves;
+- `cache`: compiled with `expert_cache=True` and the same profile: the placement pass prices a
+  cache per layer from the curves (how many slots each layer gets, cache or static, the refill
+  interval), and the run follows the routing (`ExpertCache.follow`: refills after each prompt
+  and at the plan's intervals, or every `--every` tokens; the copies behind the decode steps).
 
 Each plan runs the same held-out conversations: a `--prompt`-token prompt, then `--decode` greedy
 tokens (K steps a launch as `generate` runs them). Decode tok/s is the decoded tokens over the
 decode time of all conversations; the cache's refills are inside that time. The plans and the
-conversations alternate in rounds, so a machine's drift falls on all alike. Prints a table and
-appends rows to benchmarks/cache_speed.jsonl. On the GPU machine:
+conversations alternate in rounds, so a machine's drift falls on all alike. For the cache it
+also reports the share of decoded picks its slots held at the refills (hit rate) and the bytes it
+copied to the GPU per decoded token. Prints a table and appends rows to
+benchmarks/cache_speed.jsonl. On the GPU machine:
 
-    python benchmarks/scale_moe.py /tmp/moe-small --inter 8192 -o /tmp/moe-scaled
-    python benchmarks/cache_speed.py /tmp/moe-scaled --device cuda --shares 0.1,0.25 --every 32
+    python benchmarks/scale_moe.py /tmp/moe-small --inter 2048 -o /tmp/moe-scaled
+    python benchmarks/cache_speed.py /tmp/moe-scaled --device cuda --shares 0.1,0.25
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import HERE, append_jsonl, commit, machine  # noqa: E402
-from placement_hits import add_text_args, budget_for, held_out, roofline_only, training_profile  # noqa: E402
+from placement_hits import add_text_args, budget_for, gpu_experts, held_out, roofline_only, training_profile  # noqa: E402
 
 
 def decode_seconds(compiled, prompt: list[int], decode: int) -> float:
@@ -47,7 +52,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="a checkpoint dir from train_small_moe.py (scaled: scale_moe.py)")
     ap.add_argument("--shares", default="0.25", help="GPU shares of the routed experts (comma list)")
-    ap.add_argument("--every", type=int, default=32, help="decoded tokens between the cache's refills")
+    ap.add_argument("--every", type=int, default=None,
+                    help="decoded tokens between the cache's refills (default: each layer's, as the plan prices it)")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens of each conversation")
     ap.add_argument("--decode", type=int, default=128, help="decoded tokens of each conversation")
     ap.add_argument("--seqs", type=int, default=8, help="held-out conversations")
@@ -58,6 +64,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(HERE / "cache_speed.jsonl"))
     a = ap.parse_args()
     import ktflow
+    from ktflow.ir.ops import Op
     from ktflow.runtime.expert_cache import ExpertCache
 
     d = Path(a.model)
@@ -65,7 +72,7 @@ def main() -> int:
     length = a.prompt + a.decode
     held = held_out(d, a.seqs * length)
     prompts = [held[i * length:i * length + a.prompt].tolist() for i in range(a.seqs)]
-    prof = training_profile(model, d, a, 128)
+    prof = training_profile(model, d, a, a.prompt, a.decode)
     tmp = tempfile.TemporaryDirectory()
     path = Path(tmp.name) / "routing.json"
     path.write_text(prof.model_dump_json() + "\n")
@@ -81,25 +88,43 @@ def main() -> int:
         plans = {"uniform": ktflow.compile(model, **opts),
                  "profiled": ktflow.compile(model, routing_profile=str(path), **opts),
                  "cache": ktflow.compile(model, routing_profile=str(path), expert_cache=True, **opts)}
-        cache = ExpertCache(plans["cache"])
-        cache.follow(a.every)
+        cached = [n for n in plans["cache"].decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.cached]
+        cache = ExpertCache(plans["cache"]) if cached else None
+        if cache is not None:
+            cache.follow(a.every)
         for c in plans.values():  # warm: weights ready, graphs captured
             decode_seconds(c, prompts[0], min(a.decode, 16))
         took = {name: [] for name in plans}
+        served0 = picked0 = bytes0 = 0
         for _ in range(a.rounds):
             for name, c in plans.items():
+                if name == "cache" and cache is not None:
+                    served0, picked0, bytes0 = cache.served, cache.picked, cache.copied_bytes
                 took[name].append(sum(decode_seconds(c, p, a.decode) for p in prompts))
         tok_s = {name: [a.seqs * a.decode / t for t in ts] for name, ts in took.items()}
         mean = {name: statistics.mean(v) for name, v in tok_s.items()}
-        print(f"share {share:.2f} (budget {budget:.3f} GB, cache slots per layer "
-              f"{', '.join(str(len(x.resident)) for _, x in sorted(cache.layers.items()))}; {cache.refills} refills): "
+        gpu = {name: gpu_experts(c.decode) for name, c in plans.items()}
+        hit = (cache.served - served0) / max(1, cache.picked - picked0) if cache else None
+        per_token = (cache.copied_bytes - bytes0) / (a.seqs * a.decode) if cache else 0.0
+        layout = ", ".join(f"L{layer} {len(ids)}" + (f"/{n.attrs.refill_every}" if n.attrs.cached else "")
+                           for layer, ids in sorted(gpu["cache"].items())
+                           for n in plans["cache"].decode.ir.nodes
+                           if n.op == Op.ROUTED_EXPERTS and n.attrs.layer == layer and n.place.device.value == "gpu")
+        print(f"share {share:.2f} (budget {budget:.3f} GB): "
               + ", ".join(f"{name} {mean[name]:.1f} +- {statistics.pstdev(v):.1f}" for name, v in tok_s.items())
               + f" tok/s; cache {mean['cache'] / mean['uniform']:.3f}x uniform, {mean['cache'] / mean['profiled']:.3f}x "
               "profiled", flush=True)
-        rows.append(dict(**info, share=share, budget_gb=round(budget, 4), refills=cache.refills,
+        print(f"  cache plan: GPU slots per layer (/refill interval where a cache): {layout or 'none'}; "
+              + (f"last round: {100 * hit:.1f}% of decoded picks in the slots, {per_token / 1e6:.2f} MB copied a "
+                 f"decoded token; {cache.refills} refills in all" if cache else "the pass priced no cache"), flush=True)
+        rows.append(dict(**info, share=share, budget_gb=round(budget, 4), refills=cache.refills if cache else 0,
+                         cache_hit=round(hit, 4) if hit is not None else None,
+                         copied_mb_per_token=round(per_token / 1e6, 4),
+                         cache_layout={layer: len(ids) for layer, ids in gpu["cache"].items()},
                          **{f"{name}_tok_s": round(mean[name], 2) for name in plans},
                          **{f"{name}_sd": round(statistics.pstdev(tok_s[name]), 2) for name in plans}))
-        cache.stop()
+        if cache is not None:
+            cache.stop()
     append_jsonl(a.out, rows)
     tmp.cleanup()
     return 0

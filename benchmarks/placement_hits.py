@@ -37,13 +37,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import HERE, append_jsonl, commit, machine  # noqa: E402
 
 
-def profile_of(model, seqs: list[list[int]], max_seq_len: int):
-    """The routing of `seqs` (prefilled, no decode) through exact CPU plans."""
+def profile_of(model, seqs: list[list[int]], max_seq_len: int, decode: int = 0):
+    """The routing of `seqs` through exact CPU plans: each prefilled, then `decode` greedy tokens
+    (with decoded tokens the profile holds the expert cache's curves)."""
     import ktflow
     from ktflow.runtime.routing import record_routing
 
-    c = ktflow.compile(model, hw="cpu", device="cpu", backend="native", placement="cpu", max_seq_len=max_seq_len)
-    return record_routing(c, seqs, 0, progress=False)
+    c = ktflow.compile(model, hw="cpu", device="cpu", backend="native", placement="cpu",
+                       max_seq_len=max_seq_len + decode)
+    return record_routing(c, seqs, decode, progress=False)
 
 
 def add_text_args(ap: argparse.ArgumentParser) -> None:
@@ -62,9 +64,10 @@ def held_out(d: Path, tokens: int):
     return held[:tokens]
 
 
-def training_profile(model, d: Path, a: argparse.Namespace, length: int):
+def training_profile(model, d: Path, a: argparse.Namespace, length: int, decode: int = 0):
     """The routing of `a.profile_seqs` sequences of `length` tokens spread over the training
-    split (the standard library text train_small_moe.py trained on, `a.corpus_mb` of it)."""
+    split (the standard library text train_small_moe.py trained on, `a.corpus_mb` of it), each
+    followed by `decode` greedy tokens."""
     from tokenizers import Tokenizer
     from train_small_moe import corpus, token_stream
 
@@ -73,7 +76,7 @@ def training_profile(model, d: Path, a: argparse.Namespace, length: int):
         raise SystemExit(f"not enough training tokens: {len(train_ids)}, need {a.profile_seqs * length}")
     step = len(train_ids) // a.profile_seqs
     return profile_of(model, [train_ids[i * step:i * step + length].tolist() for i in range(a.profile_seqs)],
-                      length + 8)
+                      length + 8, decode)
 
 
 def gpu_experts(plan) -> dict[int, tuple[int, ...]]:

@@ -61,11 +61,14 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                    help="prefill: where the routed experts the decode placement left on the CPU compute: cpu, stream "
                    "(copied to GPU staging slots), split (both, sized to finish together) or auto (the fastest per "
                    "layer and prompt-length bucket by the cost model; default)")
-    g.add_argument("--expert-cache", type=int, default=0, metavar="N",
-                   help="the GPU experts of each layer the placement splits are a cache that follows the routing: "
-                   "refilled after each prompt and every N decoded tokens (run, serve) with the experts picked most "
-                   "since the last refill; the CPU holds every expert, and a cached layer's prefill computes its CPU "
-                   "experts on the CPU. 0: off (default)")
+    g.add_argument("--expert-cache", type=int, nargs="?", const=0, default=None, metavar="N",
+                   help="the GPU experts of each layer the placement splits may be a cache that follows the routing "
+                   "(run, serve): refilled after each prompt and every few decoded tokens with the experts picked "
+                   "most since the last refill, the copies behind the decode steps. The placement pass prices it "
+                   "per layer from the routing profile's cache curves (`ktflow profile`): how many slots each layer "
+                   "gets, whether a cache beats static experts there, and the refill interval. With N: refill every "
+                   "N decoded tokens instead. The CPU holds every expert of a cached layer, and its prefill computes "
+                   "them on the CPU. Default: off")
     g.add_argument("--prefill-buckets", default=None, metavar="N,N,...",
                    help="prefill plans for steps of up to these many tokens (default: chosen where the decisions "
                    "change, over powers of two up to max_seq_len)")
@@ -104,11 +107,11 @@ def _options(a: argparse.Namespace) -> dict:
             raise ConfigError(f"--prefill-buckets must be a comma list of token counts, got {a.prefill_buckets!r}") from None
     if getattr(a, "routing_profile", None):
         opts["routing_profile"] = a.routing_profile
-    if a.expert_cache:
+    if a.expert_cache is not None:
         from ktflow.errors import ConfigError
 
         if a.expert_cache < 0:
-            raise ConfigError(f"--expert-cache takes the decoded tokens between refills (>= 1; 0: off), got {a.expert_cache}")
+            raise ConfigError(f"--expert-cache N takes the decoded tokens between refills (>= 1), got {a.expert_cache}")
         opts["expert_cache"] = True
     if a.defer is not None:
         from ktflow.errors import ConfigError
@@ -230,15 +233,27 @@ def _compiled(a: argparse.Namespace, model, allowed: tuple[str, ...] = ()):
 
 
 def _follow_routing(a: argparse.Namespace, compiled) -> None:
-    """--expert-cache N: the cache refilled from the routing every N decoded tokens."""
-    if a.expert_cache:
-        from ktflow.runtime.expert_cache import ExpertCache
+    """--expert-cache [N]: the cache refilled from the routing (every N decoded tokens, or at the
+    plan's intervals); where the placement pass priced every split layer static, a line says so."""
+    if a.expert_cache is None:
+        return
+    from ktflow.ir.ops import Op
+    from ktflow.runtime.expert_cache import ExpertCache
 
-        cache = ExpertCache(compiled)
-        cache.follow(a.expert_cache)
-        print(f"expert cache: layers {', '.join(map(str, sorted(cache.layers)))}, "
-              f"{', '.join(str(len(c.resident)) for _, c in sorted(cache.layers.items()))} GPU slots; refilled after "
-              f"each prompt and every {a.expert_cache} decoded tokens", flush=True)
+    parts = [n for n in compiled.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS]
+    split = {n.attrs.layer for n in parts if n.place.device.value == "gpu"} & \
+        {n.attrs.layer for n in parts if n.place.device.value == "cpu"}
+    if split and not any(n.attrs.cached for n in parts):
+        print(f"expert cache: off; the placement pass priced static experts above a cache in every split layer "
+              f"({', '.join(map(str, sorted(split)))}): the routing profile's cache curves gain less than the copies "
+              "cost (`ktflow compile --explain` shows each layer's cause)", flush=True)
+        return
+    cache = ExpertCache(compiled)
+    cache.follow(a.expert_cache or None)
+    print(f"expert cache: layers {', '.join(map(str, sorted(cache.layers)))}, "
+          f"{', '.join(str(len(c.resident)) for _, c in sorted(cache.layers.items()))} GPU slots; refilled after "
+          f"each prompt and every {', '.join(str(cache.every[layer]) for layer in sorted(cache.layers))} decoded "
+          "tokens", flush=True)
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -446,6 +461,14 @@ def cmd_profile(a: argparse.Namespace) -> int:
         top.append(f"layer {layer}: the busiest 10% of experts take {100 * sum(hot) / k:.0f}% of the picks")
     print(f"recorded {prof.tokens} tokens over {len(prof.layers)} MoE layers ({len(prompts)} prompts, {a.decode} "
           f"decoded tokens each); " + "; ".join(top))
+    if prof.cache:
+        every = 32 if 32 in prof.cache else min(prof.cache)
+        quarter = {layer: c.hits[max(1, round(0.25 * (len(c.hits) + 1))) - 1] for layer, c in prof.cache[every].items()}
+        static = {layer: sum(sorted(prof.layers[layer], reverse=True)[:max(1, round(0.25 * len(prof.layers[layer])))])
+                  / sum(prof.layers[layer]) for layer in quarter}
+        print(f"an expert cache of a quarter of each layer's experts, refilled every {every} decoded tokens, served "
+              f"{100 * sum(quarter.values()) / len(quarter):.0f}% of the decoded picks (the quarter picked most overall: "
+              f"{100 * sum(static.values()) / len(static):.0f}%)")
     print(f"wrote {a.output} (compile with --routing-profile {a.output})")
     return 0
 
@@ -602,7 +625,9 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("model", help="HF checkpoint dir with weights and tokenizer.json")
     pr.add_argument("--prompts", required=True, help="text file, one prompt per line")
     pr.add_argument("-o", "--output", required=True, help="routing profile JSON to write (atomically)")
-    pr.add_argument("--decode", type=int, default=16, help="greedy tokens decoded after each prompt (default 16)")
+    pr.add_argument("--decode", type=int, default=64,
+                    help="greedy tokens decoded after each prompt (default 64): the expert cache's curves replay its "
+                    "refills on them (every 8..64 tokens), so the placement pass can price a cache")
     pr.add_argument("--pairs", action="store_true",
                     help="also count pairs of experts picked by one token (experts^2 numbers per layer)")
     _add_compile_options(pr)

@@ -29,6 +29,23 @@ from .ir.ops import FACTS, FetchAttrs, Op, Work, expert_weight_bytes, experts_hi
 from .ir.types import Cost, Device, DType
 
 
+class CacheCurve(BaseModel):
+    """One layer at one refill interval of the decode-time expert cache, for S = 1 .. experts - 1
+    slots: `hits[S - 1]`, the share of decoded tokens' picks the slots served; `copies[S - 1]`,
+    experts copied in per decoded token (ktflow.cache_curves measures them)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    hits: list[float]
+    copies: list[float]
+
+    @field_validator("hits")
+    @classmethod
+    def _shares(cls, v: list[float]) -> list[float]:
+        if any(not 0.0 <= h <= 1.0 for h in v):
+            raise ValueError("every cache hit share must be in [0, 1]")
+        return v
+
+
 class RoutingProfile(BaseModel):
     """Measured routing: `layers[layer][e]` is the fraction of tokens that pick expert e in that
     MoE layer (each token picks top_k experts, so a layer's fractions sum to top_k)."""
@@ -40,6 +57,9 @@ class RoutingProfile(BaseModel):
     #: optional, `pairs[layer][i][j]`: the fraction of tokens that pick both experts i and j (the
     #: diagonal is `layers`); measured by `ktflow profile --pairs`, not read by placement yet
     pairs: dict[int, list[list[float]]] | None = None
+    #: optional, `cache[N][layer]`: what an expert cache refilled every N decoded tokens served
+    #: on the profiled conversations (`ktflow profile --decode`); placement prices cached layers by it
+    cache: dict[int, dict[int, CacheCurve]] | None = None
 
     @field_validator("layers")
     @classmethod
@@ -63,6 +83,12 @@ class RoutingProfile(BaseModel):
                 if abs(sum(fr) - n.attrs.top_k) > 0.05 * n.attrs.top_k:
                     raise ConfigError(f"routing profile: layer {n.attrs.layer} frequencies sum to {sum(fr):.3f}, "
                                       f"expected top_k = {n.attrs.top_k}")
+                for every, curves in (self.cache or {}).items():
+                    curve = curves.get(n.attrs.layer)
+                    if curve is not None and not len(curve.hits) == len(curve.copies) == n.attrs.experts - 1:
+                        raise ConfigError(f"routing profile: the cache curve of layer {n.attrs.layer} (every {every} "
+                                          f"tokens) has {len(curve.hits)} sizes, the layer has {n.attrs.experts} "
+                                          f"experts (expected {n.attrs.experts - 1} sizes)")
 
     @staticmethod
     def load(path: str | os.PathLike) -> "RoutingProfile":

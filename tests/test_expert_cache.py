@@ -39,15 +39,17 @@ def cached_node(c):
     return next(n for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.cached)
 
 
-def decode_logits(c, refill=None, steps=4):
+def decode_logits(c, refill=None, steps=4, later=None):
     """The prompt's last logits and `steps` greedy decode steps' logits; refill() runs before the
-    second decode step."""
+    second decode step, later() before the fourth."""
     logits, state = ktflow.execute(c, PROMPT)
     out = [logits[:, -1]]
     nxt = logits[:, -1:].argmax(-1)
     for i in range(steps):
         if refill is not None and i == 1:
             refill()
+        if later is not None and i == 3:
+            later()
         logits, state = ktflow.execute(c, nxt, state)
         out.append(logits[:, -1])
         nxt = logits[:, -1:].argmax(-1)
@@ -73,7 +75,7 @@ def test_refilled_cache_gives_the_no_cache_plans_logits(demo_dir, tmp_path):
     ref = decode_logits(ktflow.compile(model, prefill_experts="cpu", **kw))  # prefill as the cached plan runs it
     c = ktflow.compile(model, expert_cache=True, **kw)
     n = cached_node(c)
-    assert "a cache the runtime refills" in n.place.cause and "cached=True" in print_graph(c.decode.ir)
+    assert "a cache the runtime refills" in n.place.cause and "refill_every=32" in print_graph(c.decode.ir)
     layer, first = n.attrs.layer, n.attrs.ids
     outside = [e for e in range(n.attrs.experts) if e not in first][:len(first)]
     cache = ExpertCache(c)
@@ -87,6 +89,33 @@ def test_refilled_cache_gives_the_no_cache_plans_logits(demo_dir, tmp_path):
     cache.layers[layer].masks[0][0][outside[0]] = 1
     wrong = decode_logits(c)
     assert (wrong - ref).abs().max() > 0.05 * scale
+
+
+def test_a_refill_that_does_not_wait_moves_experts_to_the_cpu_first(demo_dir, tmp_path):
+    """refill(wait=False) empties the outgoing slots at once (their experts computed on the CPU
+    from the next step), copies behind the steps, and poll() puts the incoming experts on the GPU:
+    every step in between computes each expert exactly once."""
+    model = ktflow.load(amplified(demo_dir, tmp_path / "amplified"))
+    kw = split_options(model)
+    ref = decode_logits(ktflow.compile(model, prefill_experts="cpu", **kw), steps=5)
+    c = ktflow.compile(model, expert_cache=True, **kw)
+    n = cached_node(c)
+    layer, first = n.attrs.layer, n.attrs.ids
+    outside = [e for e in range(n.attrs.experts) if e not in first][:len(first)]
+    cache = ExpertCache(c)
+    seen = {}
+
+    def begin():
+        cache.refill(layer, outside, wait=False)
+        seen["during"] = cache.layers[layer].resident.copy()
+        mask = cache.layers[layer].masks[0][0]
+        seen["cpu"] = {e for e in range(n.attrs.experts) if mask[e]}
+
+    got = decode_logits(c, begin, steps=5, later=lambda: seen.setdefault("finished", cache.poll()))
+    assert seen["during"] == [-1] * len(first)  # every slot emptied, its copy under way
+    assert seen["cpu"] == set(range(n.attrs.experts))  # meanwhile the CPU computes the whole layer
+    assert seen["finished"] == len(outside) and cache.resident(layer) == tuple(sorted(outside))
+    assert (got - ref).abs().max() <= 0.01 * ref.abs().max()
 
 
 @pytest.mark.parametrize("numa", ["tp", "ep"])
@@ -205,16 +234,18 @@ def test_a_captured_decode_graph_computes_the_refilled_split(demo_dir):
     model = ktflow.load(demo_dir)
     kw = split_options(model, device="cuda", backend="cuda_graph")
 
-    def run(capture: bool):
+    def run(capture: bool, wait: bool):
         c = ktflow.compile(model, expert_cache=True, **kw)
         c.executor(c.decode).runner.capture = capture
         n = cached_node(c)
         outside = [e for e in range(n.attrs.experts) if e not in n.attrs.ids][:len(n.attrs.ids)]
         cache = ExpertCache(c)
-        return decode_logits(c, lambda: cache.refill(n.attrs.layer, outside), steps=5)
+        return decode_logits(c, lambda: cache.refill(n.attrs.layer, outside, wait=wait), steps=5,
+                             later=lambda: cache.poll(wait=True))
 
-    replayed, eager = run(True), run(False)
-    assert torch.equal(replayed, eager)
+    for wait in (True, False):  # copies on the cache's own stream, taken in two steps later
+        replayed, eager = run(True, wait), run(False, wait)
+        assert torch.equal(replayed, eager)
 
 
 def test_ktflow_run_follows_the_routing_with_expert_cache(demo_dir, capsys):
@@ -231,3 +262,53 @@ def test_ktflow_run_follows_the_routing_with_expert_cache(demo_dir, capsys):
     assert "prefill_experts='stream' with expert_cache" in capsys.readouterr().err
     assert main([*args[:-5], "--max-seq-len", "64", "--expert-cache", "2"]) == 2  # no VRAM budget: nothing split
     assert "expert_cache=True" in capsys.readouterr().err
+
+
+def curves_profile(path, experts=32, top_k=4, sticky=(3,), flat=(1, 2), intervals=(16, 32)):
+    """A routing profile with uniform frequencies and cache curves: in `sticky` layers a cache of
+    S slots serves 4 S / experts of the picks (more at the first interval, for fewer copies); in
+    `flat` layers only S / experts (what static slots serve) and copies cost extra."""
+    from ktflow.cost import CacheCurve, RoutingProfile
+
+    sizes = range(1, experts)
+    cache = {}
+    for i, every in enumerate(intervals):
+        cache[every] = {}
+        for layer in sticky:
+            cache[every][layer] = CacheCurve(hits=[min(1.0, 4 * s / experts) - 0.05 * i for s in sizes],
+                                             copies=[0.1 * (1 + i) * s / experts for s in sizes])
+        for layer in flat:
+            cache[every][layer] = CacheCurve(hits=[s / experts for s in sizes], copies=[0.2 * s / experts for s in sizes])
+    prof = RoutingProfile(layers={layer: [top_k / experts] * experts for layer in (*sticky, *flat)}, cache=cache)
+    path.write_text(prof.model_dump_json())
+    return str(path)
+
+
+def test_the_placement_pass_prices_the_cache_and_sizes_it_per_layer(demo_dir, tmp_path):
+    """With cache curves in the routing profile, slots go where a cache serves most: the sticky
+    layer 3 takes, as a cache refilled at the interval worth most, the slots its curve gains by
+    (8: there it serves every pick), the rest of the budget stays with layer 1's static experts;
+    a layer whose curve serves no more than static slots stays static."""
+    model = ktflow.load(demo_dir)
+    kw = dict(hw="rtx4090-desktop", device="cpu", allow_oversize=True, backend="native", max_seq_len=64,
+              vram_budget_gb=0.008, routing_profile=curves_profile(tmp_path / "r.json"))
+
+    def gpu_experts(c):
+        return {n.attrs.layer: n for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "gpu"}
+
+    static, cached = gpu_experts(ktflow.compile(model, **kw)), gpu_experts(ktflow.compile(model, expert_cache=True, **kw))
+    assert set(static) == {1} and 3 not in static  # without a cache: graph order among equal experts
+    n = cached[3]
+    assert n.attrs.refill_every == 16  # the first interval serves more for fewer copies
+    assert "refills every 16 decoded tokens" in n.place.cause and "cache curves" in n.place.cause
+    assert len(n.attrs.ids) == 8  # the pool's size: a ninth slot would serve nothing more
+    assert len(n.attrs.ids) + len(cached[1].attrs.ids) == len(static[1].attrs.ids)  # the same budget
+    assert cached[1].attrs.refill_every == 0 and "no cache" in cached[1].place.cause
+    # curves that serve no more than static slots: the cache is off
+    flat = dict(kw, routing_profile=curves_profile(tmp_path / "f.json", sticky=(), flat=(1, 2, 3)))
+    c = ktflow.compile(model, expert_cache=True, **flat)
+    parts = [n for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "gpu"]
+    assert parts and all(n.attrs.refill_every == 0 for n in parts)
+    assert any("no cache" in n.place.cause for n in parts)
+    with pytest.raises(ConfigError, match="expert_cache=True"):
+        ExpertCache(c)

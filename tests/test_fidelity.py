@@ -133,6 +133,7 @@ def test_cache_speed_runs_its_three_plans(trained, tmp_path):
     assert all(row[f"{v}_tok_s"] > 0 for v in ("uniform", "profiled", "cache"))
     # warm-up (a prompt and 8 tokens) and 2 conversations: a refill after each prompt and every 4 decoded tokens
     assert row["refills"] == 3 * (1 + 8 // 4)
+    assert 0.0 <= row["cache_hit"] <= 1.0 and row["copied_mb_per_token"] >= 0.0
 
 
 def test_the_cache_policy_serves_a_conversations_own_experts():

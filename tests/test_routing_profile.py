@@ -46,6 +46,11 @@ def test_recorded_routing_is_the_routers_picks(backend, tiny_dirs, tmp_path):
     assert prof.layers[layer][:k] == [1.0] * k and sum(prof.layers[layer][k:]) == 0.0
     assert prof.pairs[layer][0][1] == 1.0 and prof.pairs[layer][0][0] == 1.0 and prof.pairs[layer][k][k + 1] == 0.0
     assert prof.model_type == "deepseek_v3"
+    # the cache curves: k slots refilled from the prompt serve every decoded pick, copying nothing
+    assert set(prof.cache) == {8, 16, 32, 64}
+    curve = prof.cache[32][layer]
+    assert len(curve.hits) == experts - 1 and curve.hits[k - 1] == 1.0 and curve.copies[k - 1] == 0.0
+    assert curve.hits[k - 2] == pytest.approx((k - 1) / k)
     # unbiased: fractions of real picks, each token k of them
     plain = record_routing(ktflow.compile(ktflow.load(d), hw="paper-a100", device="cpu", dtype="float32",
                                           max_seq_len=32, backend=backend), [[1, 2, 3, 4, 5, 6]], progress=False)
@@ -118,6 +123,9 @@ def test_ktflow_profile_writes_what_compile_reads(demo_dir, tmp_path, capsys):
     assert main(args) == 0
     prof = RoutingProfile.load(out)
     assert prof.tokens > 8 and prof.layers
+    assert prof.cache and all(len(c.hits) == len(prof.layers[layer]) - 1 for c2 in prof.cache.values()
+                              for layer, c in c2.items())
+    assert "an expert cache of a quarter of each layer's experts" in capsys.readouterr().out
     model = ktflow.load(d)
     split = None
     for budget in (0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2):  # until some layer's experts are split

@@ -154,9 +154,10 @@ class RoutedExpertsAttrs:
     `skip`: the layer drops each token's `skip` lowest-weight picks (expert skipping: an
     approximation a pass must ask for; no built-in pass does), so its nodes' ranks cover
     0..top_k - skip.
-    `cached`: on a split layer's GPU part, its subset is only the first filling of a cache of
-    that many expert slots, which the runtime refills (`runtime.expert_cache`); the layer's CPU
-    parts then hold every expert and compute those not in the cache."""
+    `refill_every` > 0: on a split layer's GPU part, its subset is only the first filling of a
+    cache of that many expert slots, which the runtime refills after each prompt and every
+    `refill_every` decoded tokens (`runtime.expert_cache`); the layer's CPU parts then hold every
+    expert and compute those not in the cache. 0: the subset is fixed."""
 
     layer: int
     hidden: int
@@ -167,7 +168,12 @@ class RoutedExpertsAttrs:
     inter_slice: tuple[int, ...] = ()
     ranks: tuple[int, ...] = ()
     skip: int = 0
-    cached: bool = False
+    refill_every: int = 0
+
+    @property
+    def cached(self) -> bool:
+        """A cache's GPU part (`refill_every`)."""
+        return self.refill_every > 0
 
     @property
     def rank_range(self) -> tuple[int, int]:

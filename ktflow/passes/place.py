@@ -25,6 +25,7 @@ class Unit:
     vram: float  # bytes it takes on the GPU: weights (+ KV cache for attention)
     saving: float  # seconds per decode step it saves on the GPU instead of the CPU
     order: int  # graph position, for deterministic ties
+    rank: int = 0  # an expert's place in its layer's order (most picked first): ties keep a layer's prefix
 
 
 def gpu_budget(g: Graph, ctx: CompileContext) -> float:
@@ -76,13 +77,81 @@ def _units(g: Graph, ctx: CompileContext) -> tuple[list[Unit], dict[str, tuple[C
         if n.op != Op.ROUTED_EXPERTS:
             units.append(Unit(n.name, None, vram, saving, i))
             continue
-        # one unit per expert: its share of the node's saving is its chance of being hit in a step
-        probs = w.expert_probs or [n.attrs.top_k / n.attrs.experts] * n.attrs.experts
-        hit = [1.0 - (1.0 - min(p, 1.0)) ** w.tokens for p in probs]
-        total = sum(hit[e] for e in n.attrs.ids) or 1.0
-        per = vram / len(n.attrs.ids)
-        units += [Unit(n.name, e, per, saving * hit[e] / total, i) for e in n.attrs.ids]
+        units += _expert_units(n, ctx, w, saving, vram, i)
     return units, gains
+
+
+#: refill interval (decoded tokens) of a cache the routing profile cannot price (no curves)
+DEFAULT_REFILL = 32
+
+
+@dataclass(frozen=True)
+class SlotChoice:
+    """What a layer's first S GPU slots are worth, and whether as a cache: `every` > 0 refills
+    them every that many decoded tokens (a cache), 0 holds the S most picked experts (static)."""
+
+    every: int
+    value: float  # seconds per decode step the S slots save
+    static: float  # what static S slots would save
+    hits: float  # share of the layer's picks the slots serve (expected)
+    copies: float  # experts copied in per decoded token (0 for static)
+    priced: bool  # from the profile's cache curves (else a cache by default, unpriced)
+    gain: float  # what the S-th slot adds to S - 1 slots' value
+
+
+def slot_choices(n: Node, ctx: CompileContext, w: Work, saving: float, vram: float) -> list[SlotChoice]:
+    """For S = 1 .. len(ids) GPU slots of routed-experts node `n` (whose decode step `saving`
+    seconds on the GPU), the best use of S slots. Static: the S experts most likely hit, each
+    worth its share of the node's saving (its chance of being hit in a step of w.tokens tokens
+    over the node's total). With `expert_cache` and the routing profile's cache curves for the
+    layer: a cache refilled every N tokens is worth `saving * hits_N[S]` less its copies, each
+    copied expert priced at reading its bytes from host DRAM (the copy stream's DMA reads the
+    memory the CPU experts stream from) for every token of the step; S slots go to whichever is
+    worth more (ties: static). Without curves a split layer is a cache refilled every
+    DEFAULT_REFILL tokens, unpriced (valued as static)."""
+    ids = n.attrs.ids
+    probs = w.expert_probs or [n.attrs.top_k / n.attrs.experts] * n.attrs.experts
+    hit = [1.0 - (1.0 - min(p, 1.0)) ** w.tokens for p in probs]
+    total = sum(hit[e] for e in ids) or 1.0
+    ranked = sorted(ids, key=lambda e: (-hit[e], e))
+    curves = {}
+    if ctx.options.expert_cache and ctx.routing is not None and ctx.routing.cache and len(ids) == n.attrs.experts:
+        curves = {every: c[n.attrs.layer] for every, c in ctx.routing.cache.items() if n.attrs.layer in c}
+    per_copy = vram / len(ids) / (ctx.hw.cpu.dram_gbps * 1e9) * w.tokens
+    out, static, share = [], 0.0, 0.0
+    for s, e in enumerate(ranked, start=1):
+        slot = saving * hit[e] / total
+        static += slot
+        share += hit[e] / total
+        best = SlotChoice(0, static, static, share, 0.0, True, slot)
+        if s < n.attrs.experts and ctx.options.expert_cache:
+            if not curves:
+                best = SlotChoice(DEFAULT_REFILL, static, static, share, 0.0, False, slot)
+            for every, c in sorted(curves.items()):
+                v = saving * c.hits[s - 1] - per_copy * c.copies[s - 1]
+                if v > best.value:
+                    best = SlotChoice(every, v, static, c.hits[s - 1], c.copies[s - 1], True,
+                                      v - (out[-1].value if out else 0.0))
+        if out and out[-1].priced and out[-1].every and not best.every:  # static after a cache: the difference
+            best = replace(best, gain=best.value - out[-1].value)
+        out.append(best)
+    return out
+
+
+def _expert_units(n: Node, ctx: CompileContext, w: Work, saving: float, vram: float, order: int) -> list[Unit]:
+    """One unit per GPU slot of a routed-experts node, labelled with the expert a static choice
+    would put there (most likely hit first): slot S is worth what S slots save over S - 1
+    (`slot_choices`), clamped so no slot is worth more than the one before (greedy placement then
+    takes a prefix of each layer's slots)."""
+    choices = slot_choices(n, ctx, w, saving, vram)
+    probs = w.expert_probs or [n.attrs.top_k / n.attrs.experts] * n.attrs.experts
+    ranked = sorted(n.attrs.ids, key=lambda e: (-probs[e], e))
+    per = vram / len(n.attrs.ids)
+    units, last = [], float("inf")
+    for r, (e, c) in enumerate(zip(ranked, choices)):
+        last = min(last, c.gain)
+        units.append(Unit(n.name, e, per, last, order, r))
+    return units
 
 
 @compiler_pass(requires="costed", produces="placed")
@@ -133,7 +202,7 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
                           "or max_batch, or raise vram_budget_gb")
     left = budget
     taken: set[tuple[str, int | None]] = set()
-    for u in sorted(units, key=lambda u: (-(u.saving / max(u.vram, 1.0)), u.order, u.expert or 0)):
+    for u in sorted(units, key=lambda u: (-(u.saving / max(u.vram, 1.0)), u.order, u.rank)):
         if u.saving > 0 and u.vram <= left:
             taken.add((u.node, u.expert))
             left -= u.vram
@@ -220,15 +289,32 @@ def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, 
         placed[n.name] = Device.CPU
     if gpu_ids:
         name = n.name if not cpu_ids else n.name + ".gpu"
-        cached = bool(cpu_ids) and ctx.options.expert_cache
-        attrs = replace(n.attrs, subset=gpu_ids if cpu_ids else n.attrs.subset, cached=cached)
+        every, cache_why = _cache_choice(n, g, ctx, len(gpu_ids)) if cpu_ids else (0, "")
+        attrs = replace(n.attrs, subset=gpu_ids if cpu_ids else n.attrs.subset, refill_every=every)
         why = (f"{len(gpu_ids)} of {n.attrs.experts} experts fit the VRAM budget: expected {share:.0%} of the "
-               f"layer's picks ({source})" + ("; a cache the runtime refills from recent routing" if cached else ""))
+               f"layer's picks ({source})" + cache_why)
         out.append(replace(n, name=name, attrs=attrs, place=Placement(Device.GPU, cause=why)))
         placed[name] = Device.GPU
         if cpu_ids:
             split[n.name] = name
     return out
+
+
+def _cache_choice(n: Node, g: Graph, ctx: CompileContext, slots: int) -> tuple[int, str]:
+    """(refill interval, cause) for a split layer's `slots` GPU slots (`slot_choices`)."""
+    if not ctx.options.expert_cache:
+        return 0, ""
+    w = _decode_work(ctx, n)
+    c = cost_in(n, g, ctx, work=w, numa_nodes=1)
+    ch = slot_choices(n, ctx, w, c.cpu_s - c.gpu_s, n.weight_bytes(ctx.weight_itemsize))[slots - 1]
+    if not ch.priced:
+        return ch.every, (f"; a cache the runtime refills every {ch.every} decoded tokens from recent routing (not "
+                          "priced: the routing profile has no cache curves; record one with `ktflow profile`)")
+    if ch.every:
+        return ch.every, (f"; a cache the runtime refills every {ch.every} decoded tokens from recent routing: "
+                          f"{ch.hits:.0%} of the decoded picks for {ch.copies:.2f} experts copied in a token "
+                          f"(the profile's cache curves), saving {_si(ch.value)}s a step against {_si(ch.static)}s static")
+    return 0, "; no cache: the profile's cache curves price a refilled cache below these static experts"
 
 
 def _place_weightless(g: Graph, placed: dict[str, Device]) -> Graph:

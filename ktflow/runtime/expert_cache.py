@@ -1,35 +1,39 @@
-"""The decode-time GPU expert cache: a split layer's GPU experts refilled, between steps, with the
-experts recent tokens picked most.
+"""The decode-time GPU expert cache: a split layer's GPU experts refilled, as the model runs, with
+the experts recent tokens picked most.
 
-A plan compiled with `expert_cache=True` marks each split layer's GPU part `cached`: its subset
+A plan compiled with `expert_cache=True` marks each split layer's GPU part a cache (its
+`refill_every`, chosen by the placement pass from the routing profile's cache curves): its subset
 is the first filling of S expert slots, and the layer's CPU parts hold every expert (packed once),
 each computing the experts its mask marks. `ExpertCache(compiled).refill(layer, ids)` then makes
-`ids` (S experts) the GPU's:
+`ids` (S experts) the GPU's, in two halves:
 
-- each incoming expert's weights are read from the checkpoint and copied into the slot of an
-  outgoing one, in every stacked copy of the layer's GPU parts (every plan's; plans over the same
-  node share one);
-- the GPU parts' expert -> slot maps (`local`) and the CPU parts' masks are rewritten in place.
+- begin (between steps): each outgoing expert's slot is emptied: the GPU parts' expert -> slot
+  map (`local`) no longer names it and the CPU masks take it back, so the very next step computes
+  it on the CPU; the incoming experts' copies are queued;
+- copy (a worker thread and, on CUDA, the backend's copy stream): each incoming expert's weights
+  read from the checkpoint into page-locked staging and copied into an emptied slot in every
+  stacked copy of the layer's GPU parts (every plan's; plans over the same node share one), after
+  the steps that read the slot before;
+- finish (between steps, once the copy is done): the map names the expert's slot and the CPU
+  masks give it up.
 
-In place is what keeps captured CUDA graphs valid: a replayed decode step reads the stacked
-weights, the map and (through the native task) the mask at the addresses it was captured with, so
-the next replay computes the new split without capturing again. `refill_from(recorder)` refills
-every cached layer with its S most counted experts of a `RoutingRecorder` (which counts inside
-captured graphs too: `runtime.routing`), and `follow(every)` does that as the model runs: after
-each prefill step and every `every` decoded tokens, from the picks since the last refill (the
-policy benchmarks/cache_hits.py measures on held-out text).
+Decode steps never wait for a copy: an expert is on the CPU until its slot is filled, then on the
+GPU. In place is what keeps captured CUDA graphs valid: a replayed decode step reads the stacked
+weights, the map and (through the native task) the mask at the addresses it was captured with.
+`refill` waits for its copies (`wait=False`: it returns after begin); `follow()` refills each
+cached layer after each prefill step and every `refill_every` decoded tokens (or every `every`)
+from the picks since its last refill, without waiting, finishing copies at each step's end
+(`poll`); `refill_from(recorder)` is one such refill from a `RoutingRecorder`.
 
 Preconditions: the plan's backend is native or cuda_graph (their CPU parts take a mask), and no
 plan streams a cached layer's experts to the GPU in prefill (a streamed subset is fixed at compile
 time; `place_prefill_experts` keeps a cached layer's experts on the CPU, so only a custom pass
-could). Not yet built: the refill runs on the calling thread
-between steps (the copies are not on the copy stream behind decode steps), no pass prices the
-cache's hits and copies or sizes its slots (they are the placement's GPU share of the layer), and
-no token-wise prefetch.
+could). Not built: token-wise prefetch of the next layer's likely experts.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +55,8 @@ class CachedLayer:
     experts: int
     stacks: list[tuple[Node, dict]] = field(default_factory=list)
     masks: list[tuple[torch.Tensor, set[int]]] = field(default_factory=list)
-    resident: list[int] = field(default_factory=list)  # slot -> expert
+    resident: list[int] = field(default_factory=list)  # slot -> expert (-1: emptied, its copy under way)
+    every: int = 0  # the plan's refill interval (decoded tokens)
 
 
 class ExpertCache:
@@ -89,7 +94,7 @@ class ExpertCache:
                 if n.place.device == Device.GPU:
                     stacked = be.stacked(n)
                     if not c.resident:
-                        c.resident = list(n.attrs.ids)
+                        c.resident, c.every = list(n.attrs.ids), n.attrs.refill_every
                     elif sorted(c.resident) != sorted(n.attrs.ids):
                         raise ConfigError(f"layer {layer}'s GPU parts hold different experts ({n.name}): a cache "
                                           "needs one set per layer")
@@ -105,6 +110,16 @@ class ExpertCache:
                         seen.add(id(mask))
                         groups.setdefault((plan.phase, layer, n.attrs.rank_range, n.attrs.rows), []).append(
                             (mask, set(n.attrs.ids)))
+        self._cuda = any(stacked["local"].is_cuda for c in self.layers.values() for _, stacked in c.stacks)
+        # copies on a stream of their own: the plan's copy lane must not queue behind them
+        self.copy_stream = torch.cuda.Stream() if self._cuda else None
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktflow-expert-cache")
+        self.pending: list[tuple[CachedLayer, int, int, Future]] = []
+        self.copied = 0  # experts copied in since this cache was made
+        self.copied_bytes = 0  # their bytes over PCIe, every stack of the layer
+        # decoded picks counted at follow()'s refills, and those the GPU slots held at the time
+        self.served = self.picked = 0
+        self.recorder, self.refills = None, 0
         # the CPU parts computing the same picks and rows split the layer's experts between them (NUMA
         # shards by expert): each expert the cache gives up goes to exactly one of them, dealt in turn;
         # parts over different rows (NUMA shards by rows) each compute all of them
@@ -123,62 +138,160 @@ class ExpertCache:
             raise InputError(f"layer {layer} has no expert cache (cached layers: {sorted(self.layers)})")
         return self.layers[layer]
 
-    def refill(self, layer: int, ids) -> int:
+    def refill(self, layer: int, ids, wait: bool = True) -> int:
         """Make `ids` (as many experts as the layer has slots) the ones layer `layer`'s GPU parts
-        compute; returns how many experts were copied in. Call it between steps: it waits for the
-        work in flight first."""
-        from .. import native
-
+        compute (module doc); returns how many experts are copied in. Call it between steps. With
+        `wait`, returns once they are on the GPU; else after emptying the outgoing slots (the copies
+        go on behind the next steps; `poll` finishes them)."""
         c = self._layer(layer)
         want = [int(e) for e in ids]
         if len(set(want)) != len(want) or len(want) != len(c.resident) or not all(0 <= e < c.experts for e in want):
             raise InputError(f"layer {layer}'s cache has {len(c.resident)} slots for distinct experts of "
                              f"0..{c.experts - 1}; got {want}")
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        native.sync()
+        self.poll(wait=True, layer=layer)  # this layer's previous copies done first
         incoming = [e for e in want if e not in c.resident]
         free = [s for s, e in enumerate(c.resident) if e not in want]
-        weights = self.compiled.model.weights
-        for slot, e in zip(free, incoming, strict=True):
-            read = {}  # each tensor read from the checkpoint once, copied into every stack of the layer
-            for node, stacked in c.stacks:
-                rows = slice(*node.attrs.rows)
-                for ref in node.weights:
-                    if ref.experts:
-                        if ref.key not in read:
-                            read[ref.key] = weights.load_expert(ref, e)
-                        index = (slice(None), rows) if ref.role == "down" else (rows,)
-                        stacked[ref.role][slot].copy_(read[ref.key][index])
-            c.resident[slot] = e
-        for node, stacked in c.stacks:
-            local = stacked["local"]
-            local.fill_(-1)
-            local[torch.tensor(c.resident, device=local.device)] = torch.arange(len(c.resident), device=local.device)
-            held = self.backend.weights.get(node_key(node))
-            if held is not None:  # the per-expert view the stack was made from, kept in step with it
-                for role in ("gate", "up", "down"):
-                    held[role] = {e: stacked[role][s] for s, e in enumerate(c.resident)}
-        for mask, own in c.masks:
-            mask.zero_()
-            mask[sorted(own - set(c.resident))] = 1
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        if incoming:
+            self._begin(c, free)
+            after = self._after_steps()
+            for slot, e in zip(free, incoming, strict=True):
+                self.pending.append((c, slot, e, self.worker.submit(self._copy, c, slot, e, after)))
+            if wait:
+                self.poll(wait=True)
         return len(incoming)
 
-    def follow(self, every: int = 16):
-        """Refill from the routing as the model runs: a `RoutingRecorder` on every plan, and after
-        each prefill step and every `every` decoded tokens, each cached layer refilled with the
-        experts counted most since the last refill (the counters then zeroed in place, so captured
-        graphs stay valid). Refills happen between calls of a plan, so with greedy runs of K steps
-        a launch `every` rounds up to a multiple of K; a ragged batch's padding rows (`SlotPool`)
-        count toward `every` (their picks are not counted). Returns the recorder; `stop()` undoes it."""
+    def _after_steps(self):
+        """On CUDA, an event after the work issued so far (the steps that read a slot before it is
+        overwritten): on the current stream and the backend's decode stream."""
+        if not self._cuda:
+            return None
+        events = []
+        be = self.backend
+        for stream in {torch.cuda.current_stream(), getattr(be, "gpu_stream", None), getattr(be, "copy_stream", None)}:
+            if stream is None:
+                continue
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            events.append(ev)
+        return events
+
+    def _begin(self, c: CachedLayer, slots: list[int]) -> None:
+        """Empty `slots`: their experts computed on the CPU from the next step on."""
+        from .. import native
+
+        native.sync()  # no CPU task (a deferred one included) reads the masks while they change
+        out = [c.resident[s] for s in slots]
+        for s in slots:
+            c.resident[s] = -1
+        for node, stacked in c.stacks:
+            stacked["local"][torch.tensor(out, device=stacked["local"].device)] = -1
+            held = self.backend.weights.get(node_key(node))
+            if held is not None:
+                for role in ("gate", "up", "down"):
+                    for e in out:
+                        held[role].pop(e, None)
+        for mask, own in c.masks:
+            back = [e for e in out if e in own]
+            if back:
+                mask[back] = 1
+        self._stream_sync()
+
+    def _copy(self, c: CachedLayer, slot: int, e: int, after):
+        """(worker thread) Expert `e`'s weights into `slot` of every stack of the layer; returns
+        what `_finish` waits on (an event on CUDA) and the staging it must keep alive until then."""
+        weights = self.compiled.model.weights
+        read, staging = {}, []  # each tensor read from the checkpoint once, copied into every stack
+        stream = self.copy_stream
+        if stream is not None and after:
+            for ev in after:
+                stream.wait_event(ev)
+        for node, stacked in c.stacks:
+            rows = slice(*node.attrs.rows)
+            for ref in node.weights:
+                if not ref.experts:
+                    continue
+                if ref.key not in read:
+                    read[ref.key] = weights.load_expert(ref, e)
+                index = (slice(None), rows) if ref.role == "down" else (rows,)
+                dst = stacked[ref.role][slot]
+                if stream is None:
+                    dst.copy_(read[ref.key][index])
+                    continue
+                host = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True)
+                host.copy_(read[ref.key][index])
+                with torch.cuda.stream(stream):
+                    dst.copy_(host, non_blocking=True)
+                staging.append(host)
+        done = None
+        if stream is not None:
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done, staging
+
+    def poll(self, wait: bool = False, layer: int | None = None) -> int:
+        """Finish the refills whose copies are done (with `wait`, all of them, or all of `layer`'s,
+        waiting): each expert's slot named in the map and the expert taken off the CPU masks. Call
+        it between steps (`follow` does, at every step's end); returns how many experts it finished."""
+        ready, rest = [], []
+        for job in self.pending:
+            fut = job[3]
+            if wait and layer is not None and job[0].layer != layer:
+                rest.append(job)
+            elif wait or (fut.done() and (fut.result()[0] is None or fut.result()[0].query())):
+                ready.append(job)
+            else:
+                rest.append(job)
+        if not ready:
+            return 0
+        from .. import native
+
+        for *_, fut in ready:
+            done, _ = fut.result()  # a copy's error surfaces here
+            if done is not None:
+                done.synchronize()
+        native.sync()
+        for c, slot, e, _ in ready:
+            c.resident[slot] = e
+            for node, stacked in c.stacks:
+                stacked["local"][e] = slot
+                held = self.backend.weights.get(node_key(node))
+                if held is not None:  # the per-expert view the stack was made from, kept in step with it
+                    for role in ("gate", "up", "down"):
+                        held[role][e] = stacked[role][slot]
+            for mask, own in c.masks:
+                if e in own:
+                    mask[e] = 0
+        self._stream_sync()
+        self.pending = rest
+        self.copied += len(ready)
+        for c, slot, _, _ in ready:
+            self.copied_bytes += sum(stacked[role][slot].numel() * stacked[role].element_size()
+                                     for _, stacked in c.stacks for role in ("gate", "up", "down"))
+        return len(ready)
+
+    def _stream_sync(self) -> None:
+        """The map's small writes done before a step on another stream reads it."""
+        if self._cuda:
+            torch.cuda.current_stream().synchronize()
+
+    def follow(self, every: int | None = None):
+        """Refill from the routing as the model runs: a `RoutingRecorder` on every plan; after
+        each prefill step every cached layer, and after decode steps each layer whose
+        `refill_every` (or `every`, for all) decoded tokens have run since its last refill, is
+        refilled with the experts counted most since then, without waiting for the copies (the
+        layer's counters then zeroed in place, so captured graphs stay valid); finished copies are
+        taken in at every step's end. Refills happen between calls of a plan, so with greedy runs
+        of K steps a launch an interval rounds up to a multiple of K; a ragged batch's padding rows
+        (`SlotPool`) count toward it (their picks are not counted). Returns the recorder; `stop()`
+        undoes it."""
         from .routing import RoutingRecorder
 
-        if not isinstance(every, int) or every < 1:
+        if every is not None and (not isinstance(every, int) or every < 1):
             raise InputError(f"every must be a whole number of decoded tokens >= 1, got {every!r}")
         self.stop()
-        self.recorder, self.every, self.pending, self.refills = RoutingRecorder(), every, 0, 0
+        self.recorder, self.refills = RoutingRecorder(), 0
+        self.every = {layer: every or c.every for layer, c in self.layers.items()}
+        self.since = dict.fromkeys(self.layers, 0)
         for plan in (self.compiled.decode, *self.compiled.prefill):
             ex = self.compiled.executor(plan)
             ex.recorder = self.recorder
@@ -186,7 +299,8 @@ class ExpertCache:
         return self.recorder
 
     def stop(self) -> None:
-        """No more refills from routing (the experts resident stay)."""
+        """No more refills from routing (copies under way are finished; the experts resident stay)."""
+        self.poll(wait=True)
         for plan in (self.compiled.decode, *self.compiled.prefill):
             ex = self.compiled.executor(plan)
             if self._after_run in ex.after_run:
@@ -194,23 +308,39 @@ class ExpertCache:
                 ex.recorder = None
 
     def _after_run(self, executor, tokens: int) -> None:
-        self.pending += tokens
-        if executor.plan.phase == "prefill" or self.pending >= self.every:
-            self.refill_from(self.recorder)
-            self.recorder.reset()
-            self.pending = 0
+        self.poll()
+        prefill = executor.plan.phase == "prefill"
+        due = []
+        for layer in self.layers:
+            self.since[layer] += tokens
+            if prefill or self.since[layer] >= self.every[layer]:
+                due.append(layer)
+        if due:
+            if not prefill:  # what the slots served since the last refill (a prompt's picks not counted)
+                for layer in due:
+                    if layer in self.recorder.counts:
+                        counts = self.recorder.counts[layer].cpu()
+                        held = [e for e in self.layers[layer].resident if e >= 0]
+                        self.served += int(counts[held].sum())
+                        self.picked += int(counts.sum())
+            self.refill_from(self.recorder, due, wait=False)
+            self.recorder.reset(due)
+            for layer in due:
+                self.since[layer] = 0
             self.refills += 1
 
-    def refill_from(self, recorder) -> dict[int, int]:
-        """Refill every cached layer with its most counted experts in `recorder` (a
-        `RoutingRecorder`; a layer it counted no tokens of keeps its experts; ties keep a resident
-        expert, then the lower id); returns the experts copied in per layer."""
+    def refill_from(self, recorder, layers=None, wait: bool = True) -> dict[int, int]:
+        """Refill every cached layer (or those in `layers`) with its most counted experts in
+        `recorder` (a `RoutingRecorder`; a layer it counted no tokens of keeps its experts; ties
+        keep a resident expert, then the lower id); returns the experts copied in per layer."""
         out = {}
         for layer, c in sorted(self.layers.items()):
+            if layers is not None and layer not in layers:
+                continue
             if layer not in recorder.counts or int(recorder.rows[layer]) == 0:
                 continue  # nothing routed since the last refill: the experts resident stay
             counts = recorder.counts[layer].cpu()
             here = set(c.resident)  # ties keep an expert already resident (no copy for nothing)
             order = sorted(range(c.experts), key=lambda e: (-int(counts[e]), e not in here, e))
-            out[layer] = self.refill(layer, order[:len(c.resident)])
+            out[layer] = self.refill(layer, order[:len(c.resident)], wait=wait)
         return out

@@ -78,10 +78,13 @@ class RoutingRecorder:
             if count is not None:
                 v[:count.numel()].copy_(self._count_rows)
 
-    def reset(self) -> None:
-        """Zero every counter in place (a graph captured with them keeps adding to them)."""
-        for t in (*self.counts.values(), *self.rows.values(), *self.together.values()):
-            t.zero_()
+    def reset(self, layers=None) -> None:
+        """Zero every counter (or those of `layers`) in place (a graph captured with them keeps
+        adding to them)."""
+        for d in (self.counts, self.rows, self.together):
+            for layer, t in d.items():
+                if layers is None or layer in layers:
+                    t.zero_()
 
     def add(self, layer: int, ids: torch.Tensor, experts: int) -> None:
         """One step's picks of `layer`'s router: ids [tokens, top_k]. In place on the prepared
@@ -127,7 +130,11 @@ class RoutingRecorder:
 
 def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: bool = False, progress: bool = True):
     """Run each prompt (token ids) through `compiled`, then `decode` greedy tokens after it, with
-    a RoutingRecorder on every plan; returns the RoutingProfile of all the tokens it routed."""
+    a RoutingRecorder on every plan; returns the RoutingProfile of all the tokens it routed. With
+    decode tokens, the profile also holds the expert cache's curves (`ktflow.cache_curves`): each
+    conversation's picks are read in windows (the prompt, then every BLOCK decoded tokens) and
+    the refill policy replayed on them."""
+    from ..cache_curves import BLOCK, cache_curves
     from ..progress import bar
     from .execute import execute
 
@@ -135,13 +142,26 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
     plans = [compiled.decode, *compiled.prefill]
     for plan in plans:
         compiled.executor(plan).recorder = rec
+    conversations = []
     try:
         for ids in bar(prompts, "profile", "prompt", show=progress and len(prompts) > 1):
+            snaps = [{layer: c.clone() for layer, c in rec.counts.items()}]
             nxt, state = execute(compiled, torch.tensor([ids]), logits="argmax")
-            for _ in range(min(decode, compiled.max_seq_len - len(ids))):
+            snaps.append({layer: c.clone() for layer, c in rec.counts.items()})
+            steps = min(decode, compiled.max_seq_len - len(ids))
+            for i in range(steps):
                 nxt, state = execute(compiled, nxt.view(1, 1), state, logits="argmax")
+                if (i + 1) % BLOCK == 0 or i + 1 == steps:
+                    snaps.append({layer: c.clone() for layer, c in rec.counts.items()})
+            conversations.append({layer: [(snaps[j + 1][layer] - snaps[j].get(layer, 0)).cpu()
+                                          for j in range(len(snaps) - 1)] for layer in snaps[-1]})
     finally:
         for plan in plans:
             compiled.executor(plan).recorder = None
     model = compiled.model
-    return rec.profile(model.config.model_type if model is not None else None)
+    prof = rec.profile(model.config.model_type if model is not None else None)
+    if decode > 0:
+        top_k = next(n.attrs.top_k for n in compiled.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS)
+        first = {layer: torch.tensor(fr) for layer, fr in prof.layers.items()}
+        prof = prof.model_copy(update={"cache": cache_curves(conversations, top_k, first=first)})
+    return prof

@@ -1,0 +1,90 @@
+"""What a GPU expert cache would serve, per MoE layer and cache size, measured from recorded routing.
+
+The decode-time expert cache (`runtime.expert_cache`) keeps S expert slots per layer on the GPU and
+refills them after each prompt and every N decoded tokens with the S experts the tokens since the
+last refill picked most. Whether that beats a static choice of S experts depends on how sticky the
+routing is over N tokens, which frequencies alone do not say. `ktflow profile` therefore counts
+each conversation's picks in windows (the prompt, then blocks of `BLOCK` decoded tokens), and
+`cache_curves` replays the refill policy on those counts for every S and for N in `INTERVALS`:
+
+- `hits[S - 1]`: the share of decoded tokens' picks the S slots served (a window's picks are
+  served by the slots chosen from the window before it: causal, as at run time);
+- `copies[S - 1]`: experts copied in per decoded token (a refill copies the experts entering the
+  top S; the refill after the prompt counts too).
+
+Ties in a window's counts go to the expert counted more in the window before (which the cache
+most likely holds), then to the lower id: `ExpertCache.refill_from` keeps a resident expert on a
+tie, so the curves can differ from a run by the experts of tied counts, typically ones picked once
+or never. The placement pass prices a cached layer by these curves (`passes/place.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cost import CacheCurve
+
+#: decoded tokens per recorded window (the finest refill interval the curves can price)
+BLOCK = 8
+#: the refill intervals (decoded tokens) the curves are computed for: multiples of BLOCK
+INTERVALS = (8, 16, 32, 64)
+
+
+def _order(counts: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """Experts by count, ties by the count before, then by id (a row per window): stable sorts,
+    the last key first."""
+    by_before = torch.sort(before, dim=-1, descending=True, stable=True).indices
+    by_count = torch.sort(counts.gather(-1, by_before), dim=-1, descending=True, stable=True).indices
+    return by_before.gather(-1, by_count)
+
+
+def _one(windows: list[torch.Tensor], per: int, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(served picks, experts copied in) for S = 1 .. experts - 1, and the decoded picks, over one
+    conversation's windows of one layer at a refill interval of `per` blocks."""
+    experts = windows[0].numel()
+    groups = [torch.stack(windows[1 + i:1 + i + per]).sum(0).long() for i in range(0, len(windows) - 1, per)]
+    counts = torch.stack([first.double(), windows[0].double(), *[g.double() for g in groups]])  # first, prompt, groups
+    before = torch.cat([torch.zeros(1, experts, dtype=torch.float64), counts[:-1]])
+    sel = _order(counts, before)[:-1]  # sel[i]: the slots' order after window i (0: the first filling)
+    rank = sel.argsort(dim=-1)  # each expert's position in each selection
+    s = torch.arange(1, experts)[:, None]
+    inside = torch.arange(experts)[None, :] < s  # [S, position]: position < S
+    served = torch.zeros(experts - 1, dtype=torch.float64)
+    copied = torch.zeros(experts - 1, dtype=torch.float64)
+    for i in range(1, len(sel)):  # decode group i is served by sel[i], which replaced sel[i - 1]
+        served += counts[i + 1][sel[i]].cumsum(0)[:experts - 1]
+        entering = rank[i - 1][sel[i]]  # where each of sel[i]'s experts stood in sel[i - 1]
+        copied += ((entering[None, :] >= s) & inside).sum(1).double()
+    return served, copied, float(sum(g.sum() for g in groups))
+
+
+def cache_curves(conversations: list[dict[int, list[torch.Tensor]]], top_k: int, intervals=INTERVALS,
+                 first: dict[int, torch.Tensor] | None = None) -> dict[int, dict[int, CacheCurve]]:
+    """{interval: {layer: CacheCurve}} from each conversation's windows: per layer, the prompt's
+    pick counts, then each block of BLOCK decoded tokens' counts (int [experts] each). `first`:
+    per layer, the counts the cache's first filling follows (the profile's totals; default: the
+    lowest ids). Only decoded tokens' picks are served and counted."""
+    out: dict[int, dict[int, CacheCurve]] = {}
+    layers = sorted({layer for conv in conversations for layer in conv})
+    for every in intervals:
+        if every < BLOCK or every % BLOCK:
+            raise ValueError(f"refill interval {every} is not a multiple of the recorded window ({BLOCK} tokens)")
+        out[every] = {}
+        for layer in layers:
+            served = copied = None
+            picks = 0.0
+            for conv in conversations:
+                wins = conv.get(layer)
+                if not wins or len(wins) < 2:
+                    continue
+                f = first[layer] if first and layer in first else torch.zeros(wins[0].numel())
+                h, c, n = _one(wins, every // BLOCK, f)
+                served = h if served is None else served + h
+                copied = c if copied is None else copied + c
+                picks += n
+            if served is None or picks == 0:
+                continue
+            tokens = picks / top_k
+            out[every][layer] = CacheCurve(hits=[round(min(1.0, float(x) / picks), 6) for x in served],
+                                           copies=[round(float(x) / tokens, 6) for x in copied])
+    return out
