@@ -12,10 +12,8 @@ each conversation's picks in windows (the prompt, then blocks of `BLOCK` decoded
 - `copies[S - 1]`: experts copied in per decoded token (a refill copies the experts entering the
   top S; the refill after the prompt counts too).
 
-Ties in a window's counts go to the expert counted more in the window before (which the cache
-most likely holds), then to the lower id: `ExpertCache.refill_from` keeps a resident expert on a
-tie, so the curves can differ from a run by the experts of tied counts, typically ones picked once
-or never. The placement pass prices a cached layer by these curves (`passes/place.py`).
+Ties in a window's counts keep the order of the refill before (`next_order`), as
+`ExpertCache.refill_from` does, so a resident expert stays resident on a tie. The placement pass prices a cached layer by these curves (`passes/place.py`).
 """
 
 from __future__ import annotations
@@ -30,31 +28,37 @@ BLOCK = 8
 INTERVALS = (8, 16, 32, 64)
 
 
-def _order(counts: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
-    """Experts by count, ties by the count before, then by id (a row per window): stable sorts,
-    the last key first."""
-    by_before = torch.sort(before, dim=-1, descending=True, stable=True).indices
-    by_count = torch.sort(counts.gather(-1, by_before), dim=-1, descending=True, stable=True).indices
-    return by_before.gather(-1, by_count)
+def next_order(order: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The refill policy's order after a window: the previous order stably sorted by the window's
+    counts, most first. Its first S experts are an S-slot cache's (ties keep the earlier place, so
+    a resident expert stays resident), for every S at once; `ExpertCache.refill_from` orders the
+    same way."""
+    return order[torch.sort(counts[order], descending=True, stable=True).indices]
 
 
 def _one(windows: list[torch.Tensor], per: int, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(served picks, experts copied in) for S = 1 .. experts - 1, and the decoded picks, over one
     conversation's windows of one layer at a refill interval of `per` blocks."""
     experts = windows[0].numel()
-    groups = [torch.stack(windows[1 + i:1 + i + per]).sum(0).long() for i in range(0, len(windows) - 1, per)]
-    counts = torch.stack([first.double(), windows[0].double(), *[g.double() for g in groups]])  # first, prompt, groups
-    before = torch.cat([torch.zeros(1, experts, dtype=torch.float64), counts[:-1]])
-    sel = _order(counts, before)[:-1]  # sel[i]: the slots' order after window i (0: the first filling)
-    rank = sel.argsort(dim=-1)  # each expert's position in each selection
+    groups = [torch.stack(windows[1 + i:1 + i + per]).sum(0).double() for i in range(0, len(windows) - 1, per)]
     s = torch.arange(1, experts)[:, None]
     inside = torch.arange(experts)[None, :] < s  # [S, position]: position < S
-    served = torch.zeros(experts - 1, dtype=torch.float64)
     copied = torch.zeros(experts - 1, dtype=torch.float64)
-    for i in range(1, len(sel)):  # decode group i is served by sel[i], which replaced sel[i - 1]
-        served += counts[i + 1][sel[i]].cumsum(0)[:experts - 1]
-        entering = rank[i - 1][sel[i]]  # where each of sel[i]'s experts stood in sel[i - 1]
-        copied += ((entering[None, :] >= s) & inside).sum(1).double()
+
+    def refill(order: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        nonlocal copied
+        new = next_order(order, counts)
+        entering = order.argsort()[new]  # where each of the new order's experts stood before
+        copied += ((entering[None, :] >= s) & inside).sum(1).double()  # new in the top S, not in the old
+        return new
+
+    order = next_order(torch.arange(experts), first.double())  # the first filling (the profile's totals)
+    order = refill(order, windows[0].double())  # the refill after the prompt
+    served = torch.zeros(experts - 1, dtype=torch.float64)
+    for i, g in enumerate(groups):  # each group served by the order chosen after the window before it
+        served += g[order].cumsum(0)[:experts - 1]
+        if i + 1 < len(groups):
+            order = refill(order, g)
     return served, copied, float(sum(g.sum() for g in groups))
 
 

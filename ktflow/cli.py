@@ -61,14 +61,16 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                    help="prefill: where the routed experts the decode placement left on the CPU compute: cpu, stream "
                    "(copied to GPU staging slots), split (both, sized to finish together) or auto (the fastest per "
                    "layer and prompt-length bucket by the cost model; default)")
-    g.add_argument("--expert-cache", type=int, nargs="?", const=0, default=None, metavar="N",
+    g.add_argument("--expert-cache", action="store_true",
                    help="the GPU experts of each layer the placement splits may be a cache that follows the routing "
                    "(run, serve): refilled after each prompt and every few decoded tokens with the experts picked "
                    "most since the last refill, the copies behind the decode steps. The placement pass prices it "
                    "per layer from the routing profile's cache curves (`ktflow profile`): how many slots each layer "
-                   "gets, whether a cache beats static experts there, and the refill interval. With N: refill every "
-                   "N decoded tokens instead. The CPU holds every expert of a cached layer, and its prefill computes "
-                   "them on the CPU. Default: off")
+                   "gets, whether a cache beats static experts there, and the refill interval. The CPU holds every "
+                   "expert of a cached layer, and its prefill computes them on the CPU")
+    g.add_argument("--refill-every", type=int, default=None, metavar="N",
+                   help="with --expert-cache: the layers the plan caches are refilled every N decoded tokens instead "
+                   "of at the plan's intervals (layers it priced static stay static)")
     g.add_argument("--prefill-buckets", default=None, metavar="N,N,...",
                    help="prefill plans for steps of up to these many tokens (default: chosen where the decisions "
                    "change, over powers of two up to max_seq_len)")
@@ -107,11 +109,14 @@ def _options(a: argparse.Namespace) -> dict:
             raise ConfigError(f"--prefill-buckets must be a comma list of token counts, got {a.prefill_buckets!r}") from None
     if getattr(a, "routing_profile", None):
         opts["routing_profile"] = a.routing_profile
-    if a.expert_cache is not None:
+    if a.refill_every is not None:
         from ktflow.errors import ConfigError
 
-        if a.expert_cache < 0:
-            raise ConfigError(f"--expert-cache N takes the decoded tokens between refills (>= 1), got {a.expert_cache}")
+        if not a.expert_cache:
+            raise ConfigError("--refill-every sets the expert cache's refill interval: add --expert-cache")
+        if a.refill_every < 1:
+            raise ConfigError(f"--refill-every takes the decoded tokens between refills (>= 1), got {a.refill_every}")
+    if a.expert_cache:
         opts["expert_cache"] = True
     if a.defer is not None:
         from ktflow.errors import ConfigError
@@ -233,9 +238,9 @@ def _compiled(a: argparse.Namespace, model, allowed: tuple[str, ...] = ()):
 
 
 def _follow_routing(a: argparse.Namespace, compiled) -> None:
-    """--expert-cache [N]: the cache refilled from the routing (every N decoded tokens, or at the
-    plan's intervals); where the placement pass priced every split layer static, a line says so."""
-    if a.expert_cache is None:
+    """--expert-cache: the cache refilled from the routing (at the plan's intervals, or every
+    --refill-every tokens); where the placement pass priced every split layer static, a line says so."""
+    if not a.expert_cache:
         return
     from ktflow.ir.ops import Op
     from ktflow.runtime.expert_cache import ExpertCache
@@ -249,7 +254,7 @@ def _follow_routing(a: argparse.Namespace, compiled) -> None:
               "cost (`ktflow compile --explain` shows each layer's cause)", flush=True)
         return
     cache = ExpertCache(compiled)
-    cache.follow(a.expert_cache or None)
+    cache.follow(a.refill_every)
     print(f"expert cache: layers {', '.join(map(str, sorted(cache.layers)))}, "
           f"{', '.join(str(len(c.resident)) for _, c in sorted(cache.layers.items()))} GPU slots; refilled after "
           f"each prompt and every {', '.join(str(cache.every[layer]) for layer in sorted(cache.layers))} decoded "

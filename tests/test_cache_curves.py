@@ -9,26 +9,26 @@ from ktflow.cache_curves import BLOCK, cache_curves
 
 
 def brute(windows, per, first, s):
-    """The policy step by step for one S: slots = the S most counted (ties: the count before, then
-    the lower id), after the prompt and after every `per` blocks."""
+    """The policy step by step for one S, as ExpertCache.refill_from runs it: the slots are the S
+    most counted, ties kept in the order of the refill before (a resident expert stays); after the
+    prompt and after every `per` blocks."""
     experts = windows[0].numel()
+    order = sorted(range(experts), key=lambda e: -float(first[e]))  # stable: ties by id
 
-    def top(counts, before):
-        return set(sorted(range(experts), key=lambda e: (-float(counts[e]), -float(before[e]), e))[:s])
+    def refill(order, counts):
+        return sorted(order, key=lambda e: -float(counts[e]))  # Python's sort is stable
 
-    zero = torch.zeros(experts)
-    slots = top(first, zero)
-    new = top(windows[0], first)
-    copied, served, picks = len(new - slots), 0.0, 0.0
-    slots, last = new, windows[0]
+    new = refill(order, windows[0])
+    copied, served, picks = len(set(new[:s]) - set(order[:s])), 0.0, 0.0
+    order = new
     groups = [torch.stack(windows[1 + i:1 + i + per]).sum(0) for i in range(0, len(windows) - 1, per)]
     for i, g in enumerate(groups):
-        served += float(sum(g[e] for e in slots))
+        served += float(sum(g[e] for e in order[:s]))
         picks += float(g.sum())
         if i + 1 < len(groups):
-            new = top(g, last)
-            copied += len(new - slots)
-            slots, last = new, g
+            new = refill(order, g)
+            copied += len(set(new[:s]) - set(order[:s]))
+            order = new
     return served, copied, picks
 
 

@@ -255,12 +255,12 @@ def test_ktflow_run_follows_the_routing_with_expert_cache(demo_dir, capsys):
     args = ["run", str(demo_dir), "--input-ids", "5 17 3 9 44 2", "--max-new-tokens", "6", "--hw", kw["hw"],
             "--device", "cpu", "--backend", "native", "--vram-budget-gb", str(kw["vram_budget_gb"]), "--allow-oversize",
             "--max-seq-len", "64"]
-    assert main([*args, "--expert-cache", "2"]) == 0
+    assert main([*args, "--expert-cache", "--refill-every", "2"]) == 0
     out = capsys.readouterr().out
     assert "expert cache: layers" in out and "every 2 decoded tokens" in out
-    assert main([*args, "--expert-cache", "2", "--prefill-experts", "stream"]) == 2
+    assert main([*args, "--expert-cache", "--refill-every", "2", "--prefill-experts", "stream"]) == 2
     assert "prefill_experts='stream' with expert_cache" in capsys.readouterr().err
-    assert main([*args[:-5], "--max-seq-len", "64", "--expert-cache", "2"]) == 2  # no VRAM budget: nothing split
+    assert main([*args[:-5], "--max-seq-len", "64", "--expert-cache", "--refill-every", "2"]) == 2  # no VRAM budget: nothing split
     assert "expert_cache=True" in capsys.readouterr().err
 
 
@@ -312,3 +312,31 @@ def test_the_placement_pass_prices_the_cache_and_sizes_it_per_layer(demo_dir, tm
     assert any("no cache" in n.place.cause for n in parts)
     with pytest.raises(ConfigError, match="expert_cache=True"):
         ExpertCache(c)
+
+
+def test_a_failed_copy_leaves_the_expert_on_the_cpu_and_decoding_goes_on(demo_dir, tmp_path, capsys):
+    """A copy that fails (a checkpoint read error) warns once; its slot stays empty and the expert
+    is computed on the CPU, so the logits stay the no-cache plan's; the next refill copies it."""
+    model = ktflow.load(amplified(demo_dir, tmp_path / "amplified"))
+    kw = split_options(model)
+    ref = decode_logits(ktflow.compile(model, prefill_experts="cpu", **kw))
+    c = ktflow.compile(model, expert_cache=True, **kw)
+    cache = ExpertCache(c)
+    cache.follow(every=2)
+    weights = c.model.weights
+    read = weights.load_expert
+
+    def broken(ref_, e):
+        raise OSError("disk read failed")
+
+    weights.load_expert = broken
+    got = decode_logits(c)
+    assert cache.failures > 0 and "disk read failed" in capsys.readouterr().err
+    assert (got - ref).abs().max() <= 0.01 * ref.abs().max()
+    layer = cached_node(c).attrs.layer
+    assert -1 in cache.layers[layer].resident  # emptied, never filled
+    weights.load_expert = read
+    got = decode_logits(c)  # the refills copy again
+    cache.stop()
+    assert -1 not in cache.layers[layer].resident
+    assert (got - ref).abs().max() <= 0.01 * ref.abs().max()

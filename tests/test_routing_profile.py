@@ -71,7 +71,8 @@ def test_a_captured_decode_step_counts_its_routing_on_the_gpu(tiny_dirs, tmp_pat
     cfg = json.loads((d / "config.json").read_text())
     layer, experts, k = cfg["first_k_dense_replace"], cfg["n_routed_experts"], cfg["num_experts_per_tok"]
     biased = _biased_copy(d, tmp_path / "biased", layer, list(range(k)), experts)
-    opts = dict(hw=with_this_gpus_memory(PRESETS["paper-a100"]), device="cuda", max_seq_len=64, backend="cuda_graph")
+    opts = dict(hw=with_this_gpus_memory(PRESETS["paper-a100"]), device="cuda", dtype="bfloat16", max_seq_len=64,
+                backend="cuda_graph")
     c = ktflow.compile(ktflow.load(biased), **opts)
     assert c.decode.capture
     prof = record_routing(c, [[1, 2, 3, 4, 5], [6, 7, 8]], decode=5, pairs=True, progress=False)

@@ -96,7 +96,6 @@ class SlotChoice:
     hits: float  # share of the layer's picks the slots serve (expected)
     copies: float  # experts copied in per decoded token (0 for static)
     priced: bool  # from the profile's cache curves (else a cache by default, unpriced)
-    gain: float  # what the S-th slot adds to S - 1 slots' value
 
 
 def slot_choices(n: Node, ctx: CompileContext, w: Work, saving: float, vram: float) -> list[SlotChoice]:
@@ -118,40 +117,64 @@ def slot_choices(n: Node, ctx: CompileContext, w: Work, saving: float, vram: flo
     if ctx.options.expert_cache and ctx.routing is not None and ctx.routing.cache and len(ids) == n.attrs.experts:
         curves = {every: c[n.attrs.layer] for every, c in ctx.routing.cache.items() if n.attrs.layer in c}
     per_copy = vram / len(ids) / (ctx.hw.cpu.dram_gbps * 1e9) * w.tokens
-    out, static, share = [], 0.0, 0.0
+    picks = sum(probs[e] for e in ids) or 1.0
+    out, static, share, picked = [], 0.0, 0.0, 0.0
     for s, e in enumerate(ranked, start=1):
-        slot = saving * hit[e] / total
-        static += slot
+        static += saving * hit[e] / total
         share += hit[e] / total
-        best = SlotChoice(0, static, static, share, 0.0, True, slot)
+        picked += probs[e] / picks
+        best = SlotChoice(0, static, static, share, 0.0, True)
         if s < n.attrs.experts and ctx.options.expert_cache:
             if not curves:
-                best = SlotChoice(DEFAULT_REFILL, static, static, share, 0.0, False, slot)
+                best = SlotChoice(DEFAULT_REFILL, static, static, share, 0.0, False)
+            # a share of the picks is worth what the static slots' share is worth: at one token a
+            # step the node's saving times the share, at B tokens the static value's own unit
+            worth = static / picked if picked > 0 else saving
             for every, c in sorted(curves.items()):
-                v = saving * c.hits[s - 1] - per_copy * c.copies[s - 1]
+                v = worth * c.hits[s - 1] - per_copy * c.copies[s - 1]
                 if v > best.value:
-                    best = SlotChoice(every, v, static, c.hits[s - 1], c.copies[s - 1], True,
-                                      v - (out[-1].value if out else 0.0))
-        if out and out[-1].priced and out[-1].every and not best.every:  # static after a cache: the difference
-            best = replace(best, gain=best.value - out[-1].value)
+                    best = SlotChoice(every, v, static, c.hits[s - 1], c.copies[s - 1], True)
         out.append(best)
     return out
 
 
 def _expert_units(n: Node, ctx: CompileContext, w: Work, saving: float, vram: float, order: int) -> list[Unit]:
     """One unit per GPU slot of a routed-experts node, labelled with the expert a static choice
-    would put there (most likely hit first): slot S is worth what S slots save over S - 1
-    (`slot_choices`), clamped so no slot is worth more than the one before (greedy placement then
-    takes a prefix of each layer's slots)."""
+    would put there (most likely hit first). Static slots are each worth their expert's share of
+    the saving. Where a priced cache is worth more for some S (`slot_choices`), slot S is worth
+    the slope of the upper concave envelope of S -> best value (S = all experts: the whole layer,
+    static): no slot is worth more than the one before, so greedy placement takes a prefix of each
+    layer's slots, and a layer whose cache value levels off can still go whole to the GPU."""
     choices = slot_choices(n, ctx, w, saving, vram)
     probs = w.expert_probs or [n.attrs.top_k / n.attrs.experts] * n.attrs.experts
     ranked = sorted(n.attrs.ids, key=lambda e: (-probs[e], e))
     per = vram / len(n.attrs.ids)
-    units, last = [], float("inf")
-    for r, (e, c) in enumerate(zip(ranked, choices)):
-        last = min(last, c.gain)
-        units.append(Unit(n.name, e, per, last, order, r))
-    return units
+    if not any(c.every and c.priced for c in choices):
+        hit = [1.0 - (1.0 - min(p, 1.0)) ** w.tokens for p in probs]
+        total = sum(hit[e] for e in n.attrs.ids) or 1.0
+        gains = [saving * hit[e] / total for e in ranked]  # each expert's own share (no rounding of sums)
+    else:
+        gains = concave_slopes([c.value for c in choices])
+    return [Unit(n.name, e, per, g, order, r) for r, (e, g) in enumerate(zip(ranked, gains))]
+
+
+def concave_slopes(values: list[float]) -> list[float]:
+    """Per step S = 1 .. len(values): the slope of the upper concave envelope of the points
+    (0, 0), (S, values[S - 1]) over the step from S - 1 to S."""
+    pts = [(0, 0.0)] + [(i + 1, v) for i, v in enumerate(values)]
+    hull: list[tuple[int, float]] = []
+    for p in pts:
+        while len(hull) >= 2:
+            (x1, y1), (x2, y2) = hull[-2], hull[-1]
+            if (y2 - y1) * (p[0] - x1) <= (p[1] - y1) * (x2 - x1):  # hull[-1] on or below the chord
+                hull.pop()
+            else:
+                break
+        hull.append(p)
+    out = []
+    for (x1, y1), (x2, y2) in zip(hull, hull[1:]):
+        out += [(y2 - y1) / (x2 - x1)] * (x2 - x1)
+    return out
 
 
 @compiler_pass(requires="costed", produces="placed")

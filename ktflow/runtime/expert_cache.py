@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..backends.base import node_key
+from ..cache_curves import next_order
 from ..errors import ConfigError, InputError
 from ..ir.graph import Node
 from ..ir.ops import Op
@@ -57,6 +58,7 @@ class CachedLayer:
     masks: list[tuple[torch.Tensor, set[int]]] = field(default_factory=list)
     resident: list[int] = field(default_factory=list)  # slot -> expert (-1: emptied, its copy under way)
     every: int = 0  # the plan's refill interval (decoded tokens)
+    order: list[int] = field(default_factory=list)  # every expert, the slots' first (ties at a refill keep it)
 
 
 class ExpertCache:
@@ -95,6 +97,7 @@ class ExpertCache:
                     stacked = be.stacked(n)
                     if not c.resident:
                         c.resident, c.every = list(n.attrs.ids), n.attrs.refill_every
+                        c.order = c.resident + [e for e in range(c.experts) if e not in c.resident]
                     elif sorted(c.resident) != sorted(n.attrs.ids):
                         raise ConfigError(f"layer {layer}'s GPU parts hold different experts ({n.name}): a cache "
                                           "needs one set per layer")
@@ -119,6 +122,7 @@ class ExpertCache:
         self.copied_bytes = 0  # their bytes over PCIe, every stack of the layer
         # decoded picks counted at follow()'s refills, and those the GPU slots held at the time
         self.served = self.picked = 0
+        self.failures = 0  # copies that failed (each warned once per layer; the expert stayed on the CPU)
         self.recorder, self.refills = None, 0
         # the CPU parts computing the same picks and rows split the layer's experts between them (NUMA
         # shards by expert): each expert the cache gives up goes to exactly one of them, dealt in turn;
@@ -149,6 +153,7 @@ class ExpertCache:
             raise InputError(f"layer {layer}'s cache has {len(c.resident)} slots for distinct experts of "
                              f"0..{c.experts - 1}; got {want}")
         self.poll(wait=True, layer=layer)  # this layer's previous copies done first
+        c.order = want + [e for e in c.order if e not in want]
         incoming = [e for e in want if e not in c.resident]
         free = [s for s, e in enumerate(c.resident) if e not in want]
         if incoming:
@@ -232,23 +237,41 @@ class ExpertCache:
         """Finish the refills whose copies are done (with `wait`, all of them, or all of `layer`'s,
         waiting): each expert's slot named in the map and the expert taken off the CPU masks. Call
         it between steps (`follow` does, at every step's end); returns how many experts it finished."""
-        ready, rest = [], []
+        from .. import notices
+
+        ready, failed, rest = [], [], []
         for job in self.pending:
             fut = job[3]
             if wait and layer is not None and job[0].layer != layer:
                 rest.append(job)
+            elif fut.done() and fut.exception() is not None:
+                failed.append(job)
             elif wait or (fut.done() and (fut.result()[0] is None or fut.result()[0].query())):
                 ready.append(job)
             else:
                 rest.append(job)
+        for c, slot, e, fut in failed:  # the slot stays empty, the expert on the CPU; the next refill retries
+            self.failures += 1
+            notices.warn(f"expert cache: copying expert {e} of layer {c.layer} to the GPU failed ({fut.exception()}); "
+                         "it stays on the CPU until a later refill copies it", key=f"expert-cache-copy-{c.layer}")
+        ready_ok = []
+        for job in ready:
+            try:
+                done, _ = job[3].result()
+                if done is not None:
+                    done.synchronize()
+                ready_ok.append(job)
+            except Exception as err:  # noqa: BLE001 (a copy's failure must not stop decoding)
+                self.failures += 1
+                notices.warn(f"expert cache: copying expert {job[2]} of layer {job[0].layer} to the GPU failed "
+                             f"({err}); it stays on the CPU until a later refill copies it",
+                             key=f"expert-cache-copy-{job[0].layer}")
+        ready = ready_ok
+        self.pending = rest
         if not ready:
             return 0
         from .. import native
 
-        for *_, fut in ready:
-            done, _ = fut.result()  # a copy's error surfaces here
-            if done is not None:
-                done.synchronize()
         native.sync()
         for c, slot, e, _ in ready:
             c.resident[slot] = e
@@ -262,7 +285,6 @@ class ExpertCache:
                 if e in own:
                     mask[e] = 0
         self._stream_sync()
-        self.pending = rest
         self.copied += len(ready)
         for c, slot, _, _ in ready:
             self.copied_bytes += sum(stacked[role][slot].numel() * stacked[role].element_size()
@@ -300,12 +322,14 @@ class ExpertCache:
 
     def stop(self) -> None:
         """No more refills from routing (copies under way are finished; the experts resident stay)."""
-        self.poll(wait=True)
-        for plan in (self.compiled.decode, *self.compiled.prefill):
-            ex = self.compiled.executor(plan)
-            if self._after_run in ex.after_run:
-                ex.after_run.remove(self._after_run)
-                ex.recorder = None
+        try:
+            self.poll(wait=True)
+        finally:
+            for plan in (self.compiled.decode, *self.compiled.prefill):
+                ex = self.compiled.executor(plan)
+                if self._after_run in ex.after_run:
+                    ex.after_run.remove(self._after_run)
+                    ex.recorder = None
 
     def _after_run(self, executor, tokens: int) -> None:
         self.poll()
@@ -325,6 +349,7 @@ class ExpertCache:
                         self.picked += int(counts.sum())
             self.refill_from(self.recorder, due, wait=False)
             self.recorder.reset(due)
+            self._stream_sync()  # the zeroed counters before the next replay adds to them
             for layer in due:
                 self.since[layer] = 0
             self.refills += 1
@@ -332,15 +357,15 @@ class ExpertCache:
     def refill_from(self, recorder, layers=None, wait: bool = True) -> dict[int, int]:
         """Refill every cached layer (or those in `layers`) with its most counted experts in
         `recorder` (a `RoutingRecorder`; a layer it counted no tokens of keeps its experts; ties
-        keep a resident expert, then the lower id); returns the experts copied in per layer."""
+        keep the order of the refill before, so a resident expert stays: `cache_curves.next_order`,
+        the rule the placement pass's curves replay); returns the experts copied in per layer."""
         out = {}
         for layer, c in sorted(self.layers.items()):
             if layers is not None and layer not in layers:
                 continue
             if layer not in recorder.counts or int(recorder.rows[layer]) == 0:
                 continue  # nothing routed since the last refill: the experts resident stay
-            counts = recorder.counts[layer].cpu()
-            here = set(c.resident)  # ties keep an expert already resident (no copy for nothing)
-            order = sorted(range(c.experts), key=lambda e: (-int(counts[e]), e not in here, e))
+            order = next_order(torch.tensor(c.order), recorder.counts[layer].cpu()).tolist()
             out[layer] = self.refill(layer, order[:len(c.resident)], wait=wait)
+            c.order = order
         return out

@@ -163,5 +163,6 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
     if decode > 0:
         top_k = next(n.attrs.top_k for n in compiled.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS)
         first = {layer: torch.tensor(fr) for layer, fr in prof.layers.items()}
-        prof = prof.model_copy(update={"cache": cache_curves(conversations, top_k, first=first)})
+        curves = {every: c for every, c in cache_curves(conversations, top_k, first=first).items() if c}
+        prof = prof.model_copy(update={"cache": curves or None})  # none where no prompt left room to decode
     return prof
