@@ -13,7 +13,8 @@ decoded tokens' picks that land in them, for:
 - `cache`: the profiled experts until the prompt has run, then the S the prompt picked most
   (refilled after prefill), refilled again every `--every` decoded tokens with the S the tokens
   since the last refill picked most (`ExpertCache.refill_from` over a recorder reset at each
-  refill). Causal: a token is served by a cache filled from tokens before it;
+  refill; ties keep the refill before's order). Causal: a token is served by a cache filled from
+  tokens before it;
 - `oracle`: per sequence, the S its own decoded tokens picked most (the best a static choice made
   for that conversation could do: a bound, not a policy).
 
@@ -69,7 +70,7 @@ def picks_of(model, seqs: list[list[int]], max_seq_len: int) -> list[dict[int, t
 
 
 def top(counts: torch.Tensor, s: int, keep: set[int] = frozenset()) -> set[int]:
-    """The s most counted experts (ties: one in `keep`, then the lower id), as `refill_from` picks."""
+    """The s most counted experts (ties: one in `keep`, then the lower id)."""
     return set(sorted(range(len(counts)), key=lambda e: (-float(counts[e]), e not in keep, e))[:s])
 
 
@@ -78,17 +79,24 @@ def served(picks: torch.Tensor, slots: set[int]) -> int:
 
 
 def cache_run(picks: torch.Tensor, first: set[int], prompt: int, every: int, s: int, experts: int) -> tuple[int, int]:
-    """(decoded picks the cache served, experts copied in) over one sequence's layer (module doc)."""
+    """(decoded picks the cache served, experts copied in) over one sequence's layer (module doc),
+    ordered as `ExpertCache.refill_from` orders (`cache_curves.next_order`: ties keep the order
+    of the refill before)."""
+    from ktflow.cache_curves import next_order
+
     def counts(rows):
         return torch.bincount(rows.reshape(-1), minlength=experts)
 
-    slots = top(counts(picks[:prompt]), s, first)
+    order = torch.tensor(sorted(first) + sorted(set(range(experts)) - first))
+    order = next_order(order, counts(picks[:prompt]))
+    slots = set(order[:s].tolist())
     copied, hits = len(slots - first), 0
     for lo in range(prompt, picks.shape[0], every):
         block = picks[lo:lo + every]
         hits += served(block, slots)
-        new = top(counts(block), s, slots)
         if lo + every < picks.shape[0]:
+            order = next_order(order, counts(block))
+            new = set(order[:s].tolist())
             copied += len(new - slots)
             slots = new
     return hits, copied

@@ -7,14 +7,16 @@ a profile puts that share on the GPU, as placement_hits.py finds it) and three p
 
 - `uniform`: placed without a routing profile;
 - `profiled`: placed with a profile of training-split conversations (`--routing-profile`): each a
-  `--prompt`-token prompt and `--decode` greedy tokens, so the profile holds the cache's curves;
+  `--prompt`-token prompt and `--decode` decode steps (read as `--text` says), so the profile
+  holds the cache's curves;
 - `cache`: compiled with `expert_cache=True` and the same profile: the placement pass prices a
   cache per layer from the curves (how many slots each layer gets, cache or static, the refill
   interval), and the run follows the routing (`ExpertCache.follow`: refills after each prompt
   and at the plan's intervals, or every `--every` tokens; the copies behind the decode steps).
 
-Each plan runs the same held-out conversations: a `--prompt`-token prompt, then `--decode` greedy
-tokens (K steps a launch as `generate` runs them). Decode tok/s is the decoded tokens over the
+Each plan runs the same held-out conversations: a `--prompt`-token prompt, then `--decode` decode
+steps, fed the held-out text that follows (`--text heldout`, one step a token) or the model's own
+greedy tokens (`--text greedy`, K steps a launch as `generate` runs them). Decode tok/s is the decoded tokens over the
 decode time of all conversations; the cache's refills are inside that time. The plans and the
 conversations alternate in rounds, so a machine's drift falls on all alike. For the cache it
 also reports the share of decoded picks its slots held at the refills (hit rate) and the bytes it
@@ -40,12 +42,23 @@ from common import HERE, append_jsonl, commit, machine  # noqa: E402
 from placement_hits import add_text_args, budget_for, gpu_experts, held_out, roofline_only, training_profile  # noqa: E402
 
 
-def decode_seconds(compiled, prompt: list[int], decode: int) -> float:
-    """The prompt, then `decode` greedy decode steps as `generate` runs them: the decode part's
-    wall seconds."""
+def decode_seconds(compiled, prompt: list[int], decode: int, text: list[int] | None = None) -> float:
+    """The prompt, then `decode` greedy decode steps as `generate` runs them (or, with `text`, its
+    first `decode` tokens fed one decode step a token: teacher forcing): the decode part's wall
+    seconds."""
+    import time
+
+    import ktflow
     from ktflow.runtime.generate import generate_with_stats
 
-    return generate_with_stats(compiled, torch.tensor([prompt]), decode + 1)[1].decode_seconds
+    if text is None:
+        return generate_with_stats(compiled, torch.tensor([prompt]), decode + 1)[1].decode_seconds
+    nxt, state = ktflow.execute(compiled, torch.tensor([prompt]), logits="argmax")
+    t0 = time.perf_counter()
+    for t in text[:decode]:
+        nxt, state = ktflow.execute(compiled, torch.tensor([[t]]), state, logits="argmax")
+    int(nxt[0, -1])  # the last step's result on the host
+    return time.perf_counter() - t0
 
 
 def main() -> int:
@@ -58,6 +71,11 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=128, help="decoded tokens of each conversation")
     ap.add_argument("--seqs", type=int, default=8, help="held-out conversations")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--text", choices=["heldout", "greedy"], default="heldout",
+                    help="what the decode steps read: heldout (each conversation's held-out text after the "
+                    "prompt, one step a token, and the profile's training text likewise; default) or greedy (the "
+                    "model's own greedy tokens, K steps a launch; a small model's greedy text repeats itself, "
+                    "which makes routing stickier than real text)")
     add_text_args(ap)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--backend", default="auto")
@@ -72,12 +90,14 @@ def main() -> int:
     length = a.prompt + a.decode
     held = held_out(d, a.seqs * length)
     prompts = [held[i * length:i * length + a.prompt].tolist() for i in range(a.seqs)]
-    prof = training_profile(model, d, a, a.prompt, a.decode)
+    texts = [held[i * length + a.prompt:(i + 1) * length].tolist() if a.text == "heldout" else None
+             for i in range(a.seqs)]
+    prof = training_profile(model, d, a, a.prompt, a.decode, forced=a.text == "heldout")
     tmp = tempfile.TemporaryDirectory()
     path = Path(tmp.name) / "routing.json"
     path.write_text(prof.model_dump_json() + "\n")
     max_seq = length + 8
-    info = dict(bench="cache_speed", commit=commit(), **machine(), model=str(d), device=a.device, every=a.every,
+    info = dict(bench="cache_speed", commit=commit(), **machine(), model=str(d), device=a.device, every=a.every, text=a.text,
                 prompt=a.prompt, decode=a.decode, seqs=a.seqs,
                 gpu=torch.cuda.get_device_name(0) if a.device == "cuda" else None)
     rows = []
@@ -93,18 +113,21 @@ def main() -> int:
         if cache is not None:
             cache.follow(a.every)
         for c in plans.values():  # warm: weights ready, graphs captured
-            decode_seconds(c, prompts[0], min(a.decode, 16))
+            decode_seconds(c, prompts[0], min(a.decode, 16), texts[0])
         took = {name: [] for name in plans}
         served0 = picked0 = bytes0 = 0
         for _ in range(a.rounds):
             for name, c in plans.items():
                 if name == "cache" and cache is not None:
                     served0, picked0, bytes0 = cache.served, cache.picked, cache.copied_bytes
-                took[name].append(sum(decode_seconds(c, p, a.decode) for p in prompts))
+                took[name].append(sum(decode_seconds(c, p, a.decode, t) for p, t in zip(prompts, texts)))
         tok_s = {name: [a.seqs * a.decode / t for t in ts] for name, ts in took.items()}
         mean = {name: statistics.mean(v) for name, v in tok_s.items()}
         gpu = {name: gpu_experts(c.decode) for name, c in plans.items()}
         hit = (cache.served - served0) / max(1, cache.picked - picked0) if cache else None
+        # what the profile's curves predicted for the cached layers (training-split conversations)
+        predicted = statistics.mean(prof.cache[n.attrs.refill_every][n.attrs.layer].hits[len(n.attrs.ids) - 1]
+                                    for n in cached) if cached and prof.cache else None
         per_token = (cache.copied_bytes - bytes0) / (a.seqs * a.decode) if cache else 0.0
         layout = ", ".join(f"L{layer} {len(ids)}" + (f"/{n.attrs.refill_every}" if n.attrs.cached else "")
                            for layer, ids in sorted(gpu["cache"].items())
@@ -115,10 +138,13 @@ def main() -> int:
               + f" tok/s; cache {mean['cache'] / mean['uniform']:.3f}x uniform, {mean['cache'] / mean['profiled']:.3f}x "
               "profiled", flush=True)
         print(f"  cache plan: GPU slots per layer (/refill interval where a cache): {layout or 'none'}; "
-              + (f"last round: {100 * hit:.1f}% of decoded picks in the slots, {per_token / 1e6:.2f} MB copied a "
-                 f"decoded token; {cache.refills} refills in all" if cache else "the pass priced no cache"), flush=True)
+              + (f"last round: {100 * hit:.1f}% of decoded picks in the slots (the profile's curves predicted "
+                 + (f"{100 * predicted:.1f}%" if predicted is not None else "nothing: unpriced")
+                 + f"), {per_token / 1e6:.2f} MB copied a decoded token; {cache.refills} refills in all"
+                 if cache else "the pass priced no cache"), flush=True)
         rows.append(dict(**info, share=share, budget_gb=round(budget, 4), refills=cache.refills if cache else 0,
                          cache_hit=round(hit, 4) if hit is not None else None,
+                         cache_hit_predicted=round(predicted, 4) if predicted is not None else None,
                          copied_mb_per_token=round(per_token / 1e6, 4),
                          cache_layout={layer: len(ids) for layer, ids in gpu["cache"].items()},
                          **{f"{name}_tok_s": round(mean[name], 2) for name in plans},

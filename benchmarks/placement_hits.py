@@ -37,15 +37,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import HERE, append_jsonl, commit, machine  # noqa: E402
 
 
-def profile_of(model, seqs: list[list[int]], max_seq_len: int, decode: int = 0):
+def profile_of(model, seqs: list[list[int]], max_seq_len: int, decode: int = 0,
+               continuations: list[list[int]] | None = None):
     """The routing of `seqs` through exact CPU plans: each prefilled, then `decode` greedy tokens
-    (with decoded tokens the profile holds the expert cache's curves)."""
+    or its continuation fed a decode step a token (with decode steps the profile holds the expert
+    cache's curves)."""
     import ktflow
     from ktflow.runtime.routing import record_routing
 
     c = ktflow.compile(model, hw="cpu", device="cpu", backend="native", placement="cpu",
                        max_seq_len=max_seq_len + decode)
-    return record_routing(c, seqs, decode, progress=False)
+    return record_routing(c, seqs, decode, progress=False, continuations=continuations)
 
 
 def add_text_args(ap: argparse.ArgumentParser) -> None:
@@ -64,19 +66,22 @@ def held_out(d: Path, tokens: int):
     return held[:tokens]
 
 
-def training_profile(model, d: Path, a: argparse.Namespace, length: int, decode: int = 0):
+def training_profile(model, d: Path, a: argparse.Namespace, length: int, decode: int = 0, forced: bool = False):
     """The routing of `a.profile_seqs` sequences of `length` tokens spread over the training
     split (the standard library text train_small_moe.py trained on, `a.corpus_mb` of it), each
-    followed by `decode` greedy tokens."""
+    followed by `decode` greedy tokens, or (`forced`) the text's next `decode` tokens fed one
+    decode step a token."""
     from tokenizers import Tokenizer
     from train_small_moe import corpus, token_stream
 
     train_ids = token_stream(Tokenizer.from_file(str(d / "tokenizer.json")), corpus(a.corpus_mb)[0])
-    if len(train_ids) < a.profile_seqs * length:
-        raise SystemExit(f"not enough training tokens: {len(train_ids)}, need {a.profile_seqs * length}")
+    if len(train_ids) < a.profile_seqs * (length + decode):
+        raise SystemExit(f"not enough training tokens: {len(train_ids)}, need {a.profile_seqs * (length + decode)}")
     step = len(train_ids) // a.profile_seqs
-    return profile_of(model, [train_ids[i * step:i * step + length].tolist() for i in range(a.profile_seqs)],
-                      length + 8, decode)
+    seqs = [train_ids[i * step:i * step + length + decode].tolist() for i in range(a.profile_seqs)]
+    if forced:
+        return profile_of(model, [s[:length] for s in seqs], length + 8, decode, [s[length:] for s in seqs])
+    return profile_of(model, [s[:length] for s in seqs], length + 8, decode)
 
 
 def gpu_experts(plan) -> dict[int, tuple[int, ...]]:

@@ -51,6 +51,13 @@ def test_recorded_routing_is_the_routers_picks(backend, tiny_dirs, tmp_path):
     curve = prof.cache[32][layer]
     assert len(curve.hits) == experts - 1 and curve.hits[k - 1] == 1.0 and curve.copies[k - 1] == 0.0
     assert curve.hits[k - 2] == pytest.approx((k - 1) / k)
+    # teacher forcing: a continuation fed a decode step a token routes as the whole text prefilled
+    plain_c = ktflow.compile(ktflow.load(d), hw="paper-a100", device="cpu", dtype="float32", max_seq_len=32,
+                             backend=backend)
+    text = [3, 14, 15, 9, 2, 6, 5, 35, 8, 9, 7, 9, 3, 2]
+    forced = record_routing(plain_c, [text[:4]], progress=False, continuations=[text[4:]])
+    whole = record_routing(plain_c, [text], progress=False)
+    assert forced.tokens == whole.tokens == len(text) and forced.layers == whole.layers and forced.cache
     # unbiased: fractions of real picks, each token k of them
     plain = record_routing(ktflow.compile(ktflow.load(d), hw="paper-a100", device="cpu", dtype="float32",
                                           max_seq_len=32, backend=backend), [[1, 2, 3, 4, 5, 6]], progress=False)

@@ -128,12 +128,14 @@ class RoutingRecorder:
         return RoutingProfile(layers=layers, model_type=model_type, tokens=min(tokens.values()), pairs=pairs)
 
 
-def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: bool = False, progress: bool = True):
-    """Run each prompt (token ids) through `compiled`, then `decode` greedy tokens after it, with
-    a RoutingRecorder on every plan; returns the RoutingProfile of all the tokens it routed. With
-    decode tokens, the profile also holds the expert cache's curves (`ktflow.cache_curves`): each
-    conversation's picks are read in windows (the prompt, then every BLOCK decoded tokens) and
-    the refill policy replayed on them."""
+def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: bool = False, progress: bool = True,
+                   continuations: list[list[int]] | None = None):
+    """Run each prompt (token ids) through `compiled`, then `decode` greedy tokens after it (or,
+    with `continuations`, each prompt's continuation fed one decode step a token: teacher
+    forcing), with a RoutingRecorder on every plan; returns the RoutingProfile of all the tokens
+    it routed. With decode steps, the profile also holds the expert cache's curves
+    (`ktflow.cache_curves`): each conversation's picks are read in windows (the prompt, then every
+    BLOCK decoded tokens) and the refill policy replayed on them."""
     from ..cache_curves import BLOCK, cache_curves
     from ..progress import bar
     from .execute import execute
@@ -144,12 +146,18 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
         compiled.executor(plan).recorder = rec
     conversations = []
     try:
-        for ids in bar(prompts, "profile", "prompt", show=progress and len(prompts) > 1):
+        if continuations is not None:
+            if len(continuations) != len(prompts):
+                raise ValueError(f"{len(continuations)} continuations for {len(prompts)} prompts")
+            decode = max((len(c) for c in continuations), default=0)
+        for j, ids in enumerate(bar(prompts, "profile", "prompt", show=progress and len(prompts) > 1)):
             snaps = [{layer: c.clone() for layer, c in rec.counts.items()}]
             nxt, state = execute(compiled, torch.tensor([ids]), logits="argmax")
             snaps.append({layer: c.clone() for layer, c in rec.counts.items()})
-            steps = min(decode, compiled.max_seq_len - len(ids))
+            steps = min(decode if continuations is None else len(continuations[j]), compiled.max_seq_len - len(ids))
             for i in range(steps):
+                if continuations is not None:
+                    nxt = torch.tensor([continuations[j][i]])
                 nxt, state = execute(compiled, nxt.view(1, 1), state, logits="argmax")
                 if (i + 1) % BLOCK == 0 or i + 1 == steps:
                     snaps.append({layer: c.clone() for layer, c in rec.counts.items()})
