@@ -179,3 +179,27 @@ def test_a_plan_with_declared_skipping_saves_and_loads(tiny_dirs, tmp_path):
     back = ktflow.Compiled.load(tmp_path / "p.json", model)  # the plan check takes `skip` as placed
     assert [n.attrs for n in back.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS] == \
         [n.attrs for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS]
+
+
+def test_prefetch_hits_guesses_the_next_layers_picks(trained, tmp_path):
+    """benchmarks/prefetch_hits.py: its router replay gives the router's own picks, and each guess's
+    share of the next layer's picks is a share (m = k and 2k; the last token's only at m = k)."""
+    sys.path.insert(0, str(BENCH))
+    from prefetch_hits import route
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32).eval()
+    layer = next(i for i, lay in enumerate(m.model.layers) if hasattr(lay.mlp, "gate"))
+    g = m.model.layers[layer].mlp.gate
+    g.n_group, g.topk_group, g.n_routed_experts = m.config.n_group, m.config.topk_group, m.config.n_routed_experts
+    x = torch.randn(64, m.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    k = m.config.num_experts_per_tok
+    assert torch.equal(route(g, x, k).sort(-1)[0], g(x)[2].sort(-1)[0])
+    out = tmp_path / "p.jsonl"
+    p = subprocess.run([sys.executable, str(BENCH / "prefetch_hits.py"), str(trained), "--seqs", "2", "--len", "40",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["m"] for r in rows} == {k, 2 * k}
+    assert all(0.0 <= r["pre_gate"] <= 1.0 and r["chance"] == round(r["m"] / r["experts"], 4) for r in rows)
+    assert all((r["last_token"] is None) == (r["m"] == 2 * k) for r in rows)
