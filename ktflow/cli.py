@@ -630,8 +630,8 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("model", help="HF checkpoint dir with weights and tokenizer.json")
     pr.add_argument("--prompts", required=True, help="text file, one prompt per line")
     pr.add_argument("-o", "--output", required=True, help="routing profile JSON to write (atomically)")
-    pr.add_argument("--decode", type=int, default=64,
-                    help="greedy tokens decoded after each prompt (default 64): the expert cache's curves replay its "
+    pr.add_argument("--decode", type=int, default=128,
+                    help="greedy tokens decoded after each prompt (default 128): the expert cache's curves replay its "
                     "refills on them (every 8..64 tokens), so the placement pass can price a cache")
     pr.add_argument("--pairs", action="store_true",
                     help="also count pairs of experts picked by one token (experts^2 numbers per layer)")

@@ -45,6 +45,13 @@ class CacheCurve(BaseModel):
             raise ValueError("every cache hit share must be in [0, 1]")
         return v
 
+    @field_validator("copies")
+    @classmethod
+    def _copies(cls, v: list[float]) -> list[float]:
+        if any(not c >= 0.0 for c in v):
+            raise ValueError("every cache copies-per-token figure must be >= 0")
+        return v
+
 
 class RoutingProfile(BaseModel):
     """Measured routing: `layers[layer][e]` is the fraction of tokens that pick expert e in that

@@ -156,6 +156,10 @@ def test_following_the_routing_refills_between_steps_and_keeps_the_logits(demo_d
     got = decode_logits(c)  # a prefill step, then 4 decode steps
     assert cache.refills == 1 + 2
     assert int(rec.rows[n.attrs.layer]) == 0  # zeroed at the last refill
+    # the hit statistics: decoded picks only (at most 4 tokens, k picks each, per cached layer: a layer
+    # whose copies were still under way at a step's end counts its window at a later refill)
+    k = n.attrs.top_k
+    assert 0 < cache.served <= cache.picked <= 4 * k * len(cache.layers) and cache.picked % k == 0
     assert (got - ref).abs().max() <= 0.01 * ref.abs().max()
     cache.stop()
     assert all(c.executor(p).recorder is None and not c.executor(p).after_run for p in (c.decode, *c.prefill))

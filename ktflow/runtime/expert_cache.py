@@ -123,6 +123,7 @@ class ExpertCache:
         # decoded picks counted at follow()'s refills, and those the GPU slots held at the time
         self.served = self.picked = 0
         self.failures = 0  # copies that failed (each warned once per layer; the expert stayed on the CPU)
+        self._filled: dict[int, dict[int, int]] = {}  # layer -> expert filled since its refill -> its count then
         self.recorder, self.refills = None, 0
         # the CPU parts computing the same picks and rows split the layer's experts between them (NUMA
         # shards by expert): each expert the cache gives up goes to exactly one of them, dealt in turn;
@@ -273,6 +274,12 @@ class ExpertCache:
         from .. import native
 
         native.sync()
+        rec = self.recorder
+        for layer in {c.layer for c, *_ in ready} if rec is not None else ():
+            if layer in rec.counts:  # the picks counted before the slot was filled were the CPU's
+                counts = rec.counts[layer].cpu()
+                self._filled.setdefault(layer, {}).update(
+                    {e: int(counts[e]) for c, _, e, _ in ready if c.layer == layer})
         for c, slot, e, _ in ready:
             c.resident[slot] = e
             for node, stacked in c.stacks:
@@ -302,7 +309,10 @@ class ExpertCache:
         `refill_every` (or `every`, for all) decoded tokens have run since its last refill, is
         refilled with the experts counted most since then, without waiting for the copies (the
         layer's counters then zeroed in place, so captured graphs stay valid); finished copies are
-        taken in at every step's end. Refills happen between calls of a plan, so with greedy runs
+        taken in at every step's end; a layer whose last copies are still under way waits for a
+        later step's end instead of blocking this one. `served / picked` is the share of decoded
+        picks (prompts' left out) that GPU slots held, each slot from when its copy landed.
+        Refills happen between calls of a plan, so with greedy runs
         of K steps a launch an interval rounds up to a multiple of K; a ragged batch's padding rows
         (`SlotPool`) count toward it (their picks are not counted). Returns the recorder; `stop()`
         undoes it."""
@@ -311,7 +321,7 @@ class ExpertCache:
         if every is not None and (not isinstance(every, int) or every < 1):
             raise InputError(f"every must be a whole number of decoded tokens >= 1, got {every!r}")
         self.stop()
-        self.recorder, self.refills = RoutingRecorder(), 0
+        self.recorder, self.refills, self._filled = RoutingRecorder(), 0, {}
         self.every = {layer: every or c.every for layer, c in self.layers.items()}
         self.since = dict.fromkeys(self.layers, 0)
         for plan in (self.compiled.decode, *self.compiled.prefill):
@@ -334,10 +344,11 @@ class ExpertCache:
     def _after_run(self, executor, tokens: int) -> None:
         self.poll()
         prefill = executor.plan.phase == "prefill"
+        busy = {c.layer for c, *_ in self.pending}  # copies still under way: refilled at a later step's end
         due = []
         for layer in self.layers:
             self.since[layer] += tokens
-            if prefill or self.since[layer] >= self.every[layer]:
+            if (prefill or self.since[layer] >= self.every[layer]) and layer not in busy:
                 due.append(layer)
         if due:
             if not prefill:  # what the slots served since the last refill (a prompt's picks not counted)
@@ -345,8 +356,11 @@ class ExpertCache:
                     if layer in self.recorder.counts:
                         counts = self.recorder.counts[layer].cpu()
                         held = [e for e in self.layers[layer].resident if e >= 0]
-                        self.served += int(counts[held].sum())
+                        since = self._filled.pop(layer, {})  # an expert filled in the window: its picks from then
+                        self.served += int(counts[held].sum()) - sum(since.get(e, 0) for e in held)
                         self.picked += int(counts.sum())
+            for layer in due:
+                self._filled.pop(layer, None)
             self.refill_from(self.recorder, due, wait=False)
             self.recorder.reset(due)
             self._stream_sync()  # the zeroed counters before the next replay adds to them
