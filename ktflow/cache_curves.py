@@ -13,7 +13,10 @@ each conversation's picks in windows (the prompt, then blocks of `BLOCK` decoded
   top S; the refill after the prompt counts too).
 
 Ties in a window's counts keep the order of the refill before (`next_order`), as
-`ExpertCache.refill_from` does, so a resident expert stays resident on a tie. The placement pass prices a cached layer by these curves (`passes/place.py`).
+`ExpertCache.refill_from` does, so a resident expert stays resident on a tie. Two differences
+from a run remain: the curves start each conversation from the profile's order (a run starts from
+the plan's slots, then the rest by id, and carries its order from one conversation to the next),
+which moves the served share by 0.05-0.5% of the picks on tied counts. The placement pass prices a cached layer by these curves (`passes/place.py`).
 """
 
 from __future__ import annotations

@@ -171,9 +171,10 @@ def concave_slopes(values: list[float]) -> list[float]:
             else:
                 break
         hull.append(p)
-    out = []
+    out, last = [], float("inf")
     for (x1, y1), (x2, y2) in zip(hull, hull[1:]):
-        out += [(y2 - y1) / (x2 - x1)] * (x2 - x1)
+        last = min(last, (y2 - y1) / (x2 - x1))  # never rising, rounding included
+        out += [last] * (x2 - x1)
     return out
 
 

@@ -309,8 +309,9 @@ class ExpertCache:
         `refill_every` (or `every`, for all) decoded tokens have run since its last refill, is
         refilled with the experts counted most since then, without waiting for the copies (the
         layer's counters then zeroed in place, so captured graphs stay valid); finished copies are
-        taken in at every step's end; a layer whose last copies are still under way waits for a
-        later step's end instead of blocking this one. `served / picked` is the share of decoded
+        taken in at every step's end; after a decode step, a layer whose last copies are still under
+        way waits for a later step's end instead of blocking this one (after a prefill step the
+        refill waits for them: the prompt's picks must not stay counted). `served / picked` is the share of decoded
         picks (prompts' left out) that GPU slots held, each slot from when its copy landed.
         Refills happen between calls of a plan, so with greedy runs
         of K steps a launch an interval rounds up to a multiple of K; a ragged batch's padding rows
@@ -348,7 +349,7 @@ class ExpertCache:
         due = []
         for layer in self.layers:
             self.since[layer] += tokens
-            if (prefill or self.since[layer] >= self.every[layer]) and layer not in busy:
+            if prefill or (self.since[layer] >= self.every[layer] and layer not in busy):
                 due.append(layer)
         if due:
             if not prefill:  # what the slots served since the last refill (a prompt's picks not counted)
