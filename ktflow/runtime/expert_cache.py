@@ -251,10 +251,13 @@ class ExpertCache:
                 ready.append(job)
             else:
                 rest.append(job)
-        for c, slot, e, fut in failed:  # the slot stays empty, the expert on the CPU; the next refill retries
+        def give_up(job, err) -> None:  # the slot stays empty, the expert on the CPU; the next refill retries
             self.failures += 1
-            notices.warn(f"expert cache: copying expert {e} of layer {c.layer} to the GPU failed ({fut.exception()}); "
-                         "it stays on the CPU until a later refill copies it", key=f"expert-cache-copy-{c.layer}")
+            notices.warn(f"expert cache: copying expert {job[2]} of layer {job[0].layer} to the GPU failed ({err}); "
+                         "it stays on the CPU until a later refill copies it", key=f"expert-cache-copy-{job[0].layer}")
+
+        for job in failed:
+            give_up(job, job[3].exception())
         ready_ok = []
         for job in ready:
             try:
@@ -263,10 +266,7 @@ class ExpertCache:
                     done.synchronize()
                 ready_ok.append(job)
             except Exception as err:  # noqa: BLE001 (a copy's failure must not stop decoding)
-                self.failures += 1
-                notices.warn(f"expert cache: copying expert {job[2]} of layer {job[0].layer} to the GPU failed "
-                             f"({err}); it stays on the CPU until a later refill copies it",
-                             key=f"expert-cache-copy-{job[0].layer}")
+                give_up(job, err)
         ready = ready_ok
         self.pending = rest
         if not ready:

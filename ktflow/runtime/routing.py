@@ -145,22 +145,26 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
     for plan in plans:
         compiled.executor(plan).recorder = rec
     conversations = []
+
+    def snapshot() -> dict[int, torch.Tensor]:
+        return {layer: c.clone() for layer, c in rec.counts.items()}
+
     try:
         if continuations is not None:
             if len(continuations) != len(prompts):
                 raise ValueError(f"{len(continuations)} continuations for {len(prompts)} prompts")
             decode = max((len(c) for c in continuations), default=0)
         for j, ids in enumerate(bar(prompts, "profile", "prompt", show=progress and len(prompts) > 1)):
-            snaps = [{layer: c.clone() for layer, c in rec.counts.items()}]
+            snaps = [snapshot()]
             nxt, state = execute(compiled, torch.tensor([ids]), logits="argmax")
-            snaps.append({layer: c.clone() for layer, c in rec.counts.items()})
+            snaps.append(snapshot())
             steps = min(decode if continuations is None else len(continuations[j]), compiled.max_seq_len - len(ids))
             for i in range(steps):
                 if continuations is not None:
                     nxt = torch.tensor([continuations[j][i]])
                 nxt, state = execute(compiled, nxt.view(1, 1), state, logits="argmax")
                 if (i + 1) % BLOCK == 0 or i + 1 == steps:
-                    snaps.append({layer: c.clone() for layer, c in rec.counts.items()})
+                    snaps.append(snapshot())
             conversations.append({layer: [(snaps[j + 1][layer] - snaps[j].get(layer, 0)).cpu()
                                           for j in range(len(snaps) - 1)] for layer in snaps[-1]})
     finally:
