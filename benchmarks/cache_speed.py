@@ -77,6 +77,10 @@ def main() -> int:
                     "model's own greedy tokens, K steps a launch; a small model's greedy text repeats itself, "
                     "which makes routing stickier than real text)")
     add_text_args(ap)
+    ap.add_argument("--profile-model", default=None,
+                    help="the checkpoint the routing profile is recorded with (default: the model). Give the "
+                    "unscaled one scale_moe.py started from: it routes as the scaled one does, and its experts "
+                    "cost a fraction of the bytes, so the profile's thousands of decode steps take minutes less")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--out", default=str(HERE / "cache_speed.jsonl"))
@@ -92,7 +96,8 @@ def main() -> int:
     prompts = [held[i * length:i * length + a.prompt].tolist() for i in range(a.seqs)]
     texts = [held[i * length + a.prompt:(i + 1) * length].tolist() if a.text == "heldout" else None
              for i in range(a.seqs)]
-    prof = training_profile(model, d, a, a.prompt, a.decode, forced=a.text == "heldout")
+    profiler = model if a.profile_model is None else ktflow.load(a.profile_model)
+    prof = training_profile(profiler, d, a, a.prompt, a.decode, forced=a.text == "heldout")
     tmp = tempfile.TemporaryDirectory()
     path = Path(tmp.name) / "routing.json"
     path.write_text(prof.model_dump_json() + "\n")
@@ -103,8 +108,8 @@ def main() -> int:
     rows = []
     for share in [float(x) for x in a.shares.split(",") if x]:
         budget = budget_for(model, share, max_seq)
-        opts = dict(hw=roofline_only(), device=a.device, backend=a.backend, vram_budget_gb=budget, max_seq_len=max_seq,
-                    numa_nodes=1)
+        opts = dict(hw=roofline_only(), device=a.device, backend=a.backend, dtype="bfloat16", vram_budget_gb=budget,
+                    max_seq_len=max_seq, numa_nodes=1)
         plans = {"uniform": ktflow.compile(model, **opts),
                  "profiled": ktflow.compile(model, routing_profile=str(path), **opts),
                  "cache": ktflow.compile(model, routing_profile=str(path), expert_cache=True, **opts)}

@@ -15,7 +15,9 @@ Variants: Expert Deferral with d = 1 .. top_k - 1 (`--defer`), expert skipping w
 after placement sets the routed experts' `skip` to d and their rank range to the top k - d, in
 every MoE layer but the last, as deferral does), and the CPU experts' formats (`--formats`: int8, int4, fp8 e4m3 in groups of 128) without
 deferral.
-Every plan keeps every routed expert on the CPU (native backend). Prints a table and appends rows
+Every plan keeps every routed expert on the CPU (native backend) and runs all sequences as one
+batch (on the tiny model, the batch moves the exact plan's next-token distributions from
+one-at-a-time runs by a KL of 3e-6, bf16 rounding, and runs 6x faster). Prints a table and appends rows
 to benchmarks/fidelity.jsonl.
 
     python benchmarks/fidelity.py /tmp/moe-tiny --seqs 8 --len 96
@@ -58,19 +60,19 @@ def skip_lowest(d: int):
 
 
 def run_variant(model, opts: dict, seqs: torch.Tensor, prompt: int) -> torch.Tensor:
-    """log-softmax of every next-token distribution after the prompt: [seqs, len - prompt, vocab]."""
+    """log-softmax of every next-token distribution after the prompt: [seqs, len - prompt, vocab].
+    All sequences run as one batch (each row's routing, deferral and skipping are its own: a
+    decode step's rows do not mix), so a decode plan runs len - prompt - 1 times, not that many
+    times per sequence."""
     import ktflow
 
-    c = ktflow.compile(model, **opts)
-    out = []
-    for row in seqs:
-        logits, state = ktflow.execute(c, row[None, :prompt], logits="last")
-        steps = [logits[0, -1]]
-        for t in range(prompt, len(row) - 1):
-            logits, state = ktflow.execute(c, row[None, t:t + 1], state, logits="last")
-            steps.append(logits[0, -1])
-        out.append(torch.log_softmax(torch.stack(steps).float(), dim=-1))
-    return torch.stack(out)
+    c = ktflow.compile(model, max_batch=len(seqs), **opts)
+    logits, state = ktflow.execute(c, seqs[:, :prompt], logits="last")
+    steps = [logits[:, -1]]
+    for t in range(prompt, seqs.shape[1] - 1):
+        logits, state = ktflow.execute(c, seqs[:, t:t + 1], state, logits="last")
+        steps.append(logits[:, -1])
+    return torch.log_softmax(torch.stack(steps, dim=1).float(), dim=-1)
 
 
 def main() -> int:

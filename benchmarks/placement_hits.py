@@ -39,14 +39,18 @@ from common import HERE, append_jsonl, commit, machine  # noqa: E402
 
 def profile_of(model, seqs: list[list[int]], max_seq_len: int, decode: int = 0,
                continuations: list[list[int]] | None = None):
-    """The routing of `seqs` through exact CPU plans: each prefilled, then `decode` greedy tokens
-    or its continuation fed a decode step a token (with decode steps the profile holds the expert
-    cache's curves)."""
+    """The routing of `seqs` through exact plans computing in bf16 (as the measured runs do), on
+    the GPU where there is one (every expert there: a CUDA-graph decode step takes milliseconds),
+    else on the CPU: each prefilled, then `decode` greedy tokens or its continuation fed a decode
+    step a token (with decode steps the profile holds the expert cache's curves)."""
+    import torch
+
     import ktflow
     from ktflow.runtime.routing import record_routing
 
-    c = ktflow.compile(model, hw="cpu", device="cpu", backend="native", placement="cpu",
-                       max_seq_len=max_seq_len + decode)
+    where = dict(hw=roofline_only(), device="cuda", placement="gpu") if torch.cuda.is_available() else \
+        dict(hw="cpu", device="cpu", backend="native", placement="cpu")
+    c = ktflow.compile(model, dtype="bfloat16", max_seq_len=max_seq_len + decode, **where)
     return record_routing(c, seqs, decode, progress=False, continuations=continuations)
 
 

@@ -11,16 +11,20 @@ Expert Deferral's accuracy can be measured on them. This trains one whose routin
 - model: `transformers`' DeepseekV3ForCausalLM (MLA attention, a dense first layer, routed
   experts with a shared one, the sigmoid router with group-limited top-k), sizes by `--size`:
   `tiny` trains on 2 CPU cores in a few minutes (150 steps, 307k tokens), `small` is sized for the
-  GPU machine (not run yet);
+  GPU machine (about 4 minutes on an H100);
 - router balancing: DeepSeek-V3's auxiliary-loss-free rule: after every step each MoE layer's
   score-correction bias moves by `--bias-rate` towards its under-loaded experts (bias_e +=
   rate * sign(mean load - load_e)); no auxiliary loss;
-- deterministic by `--seed` (data order, initialisation; on the CPU bit for bit).
+- deterministic by `--seed` (data order, initialisation), bit for bit, with PyTorch's
+  deterministic algorithms and a fixed cuBLAS workspace. Without them some sums in the
+  backward pass run in a different order every run: the weights differed in the last bits on the
+  CPU, and two runs of the same commit on the same H100 ended at held-out perplexity 41.81 and
+  43.31. An op with no deterministic kernel warns (`use_deterministic_algorithms(warn_only=True)`).
 
 Writes `save_pretrained` files (ktflow.load and transformers both read them), tokenizer.json and
 tokenizer_config.json, `heldout.safetensors` (the held-out split's token ids, for
 benchmarks/fidelity.py) and `train_report.json` (steps, tokens, seconds, training loss, held-out
-perplexity, each MoE layer's expert load on the held-out split), and appends one row to
+perplexity, each MoE layer's expert load on the held-out split, a SHA-256 of the weights), and appends one row to
 benchmarks/train_small_moe.jsonl.
 
     python benchmarks/train_small_moe.py --size tiny -o /tmp/moe-tiny        # CPU, a few minutes
@@ -33,6 +37,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import sys
 import sysconfig
 import time
@@ -148,6 +153,8 @@ def main() -> int:
     steps = a.steps or size["steps"]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # run for run the same sums: before cuBLAS starts
+    torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(a.seed)
     t0 = time.perf_counter()
     train_texts, held_texts = corpus(a.corpus_mb or size["corpus_mb"])
@@ -208,10 +215,15 @@ def main() -> int:
     save_file({"ids": held_ids}, str(out / "heldout.safetensors"))
     k = size["model"]["num_experts_per_tok"]
     busiest = {i: round(sum(sorted(fr, reverse=True)[:max(1, len(fr) // 10)]), 4) for i, fr in load.items()}
+    digest = hashlib.sha256()  # of the trained weights, so two runs can be compared bit for bit
+    for name, t in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
     report = dict(size=a.size, seed=a.seed, steps=steps, tokens=steps * batch * seq, train_seconds=round(train_s, 1),
                   final_loss=round(sum(losses[-10:]) / len(losses[-10:]), 4), heldout_tokens=len(held_ids),
                   heldout_perplexity=round(ppl, 3), top_k=k, experts=size["model"]["n_routed_experts"],
-                  busiest_tenth_share=busiest, load=load, corpus=str(Path(sysconfig.get_paths()["stdlib"])))
+                  busiest_tenth_share=busiest, load=load, weights_sha256=digest.hexdigest(),
+                  corpus=str(Path(sysconfig.get_paths()["stdlib"])))
     (out / "train_report.json").write_text(json.dumps(report, indent=1))
     print(f"trained {steps} steps ({report['tokens']} tokens) in {train_s:.0f} s on {a.device}; final loss "
           f"{report['final_loss']:.3f}; held-out perplexity {ppl:.2f}; the busiest 10% of experts take "

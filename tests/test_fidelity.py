@@ -20,15 +20,35 @@ from ktflow.ir.verify import violations
 BENCH = Path(__file__).parent.parent / "benchmarks"
 
 
+def train_tiny(out: Path, device: str = "cpu", steps: int = 3) -> dict:
+    """train_small_moe.py --size tiny for a few steps into `out`; its train_report.json."""
+    p = subprocess.run([sys.executable, str(BENCH / "train_small_moe.py"), "--size", "tiny", "--steps", str(steps),
+                        "--corpus-mb", "0.3", "-o", str(out), "--jsonl", str(out.parent / "t.jsonl"), "--device", device],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads((out / "train_report.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("moe") / "tiny"
-    p = subprocess.run([sys.executable, str(BENCH / "train_small_moe.py"), "--size", "tiny", "--steps", "3",
-                        "--corpus-mb", "0.3", "-o", str(out), "--jsonl", str(out.parent / "t.jsonl"), "--device", "cpu"],
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-2000:]
+    train_tiny(out)
     return out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_training_is_deterministic_by_seed(trained, tmp_path, device):
+    """The same seed trains the same weights, bit for bit (on the GPU too: deterministic kernels)."""
+    if device == "cpu":
+        first = json.loads((trained / "train_report.json").read_text())
+    else:
+        first = train_tiny(tmp_path / "a", device, steps=20)
+    again = train_tiny(tmp_path / "b", device, steps=first["steps"])
+    assert len(again["weights_sha256"]) == 64
+    assert again["weights_sha256"] == first["weights_sha256"]
+    assert again["heldout_perplexity"] == first["heldout_perplexity"]
 
 
 def test_trained_checkpoint_reads_alike_in_ktflow_and_transformers(trained):
