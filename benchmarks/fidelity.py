@@ -75,6 +75,30 @@ def run_variant(model, opts: dict, seqs: torch.Tensor, prompt: int) -> torch.Ten
     return torch.log_softmax(torch.stack(steps, dim=1).float(), dim=-1)
 
 
+def compare(ref: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor) -> dict:
+    """A variant's log-probabilities `lp` against the reference's (both [seqs, positions, vocab]):
+    held-out perplexity of `targets`, mean KL(reference || variant), share of changed top-1s."""
+    return dict(perplexity=math.exp(-float(lp.gather(-1, targets[..., None]).mean())),
+                kl=float((ref.exp() * (ref - lp)).sum(-1).mean()),
+                top1_changed=float((lp.argmax(-1) != ref.argmax(-1)).float().mean()))
+
+
+def heldout_seqs(d: Path, seqs: int, length: int) -> torch.Tensor:
+    """The first seqs x length tokens of the checkpoint's held-out split, [seqs, length]."""
+    from safetensors.torch import load_file
+
+    held = load_file(str(d / "heldout.safetensors"))["ids"]
+    if len(held) < seqs * length:
+        raise SystemExit(f"the held-out split has {len(held)} tokens, fewer than {seqs} x {length} = {seqs * length}")
+    return held[:seqs * length].view(seqs, length)
+
+
+def cpu_options(length: int) -> dict:
+    """The exact reference's compile options: every routed expert on the CPU, bf16, native."""
+    return dict(hw="cpu", device="cpu", dtype="bfloat16", backend="native", placement="cpu", max_seq_len=length + 8,
+                expert_format="bf16")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="a checkpoint dir from train_small_moe.py (with heldout.safetensors)")
@@ -86,21 +110,15 @@ def main() -> int:
     ap.add_argument("--out", default=str(HERE / "fidelity.jsonl"))
     a = ap.parse_args()
     import ktflow
-    from safetensors.torch import load_file
 
     d = Path(a.model)
     model = ktflow.load(d)
-    held = load_file(str(d / "heldout.safetensors"))["ids"]
-    n = a.seqs * a.len
-    if len(held) < n:
-        raise SystemExit(f"the held-out split has {len(held)} tokens, fewer than --seqs x --len = {n}")
-    seqs = held[:n].view(a.seqs, a.len)
+    seqs = heldout_seqs(d, a.seqs, a.len)
     targets = seqs[:, a.prompt:]
     cfg = json.loads((d / "config.json").read_text())
     k = cfg["num_experts_per_tok"]
     ds = [int(x) for x in a.defer.split(",") if x] or list(range(1, k))
-    base = dict(hw="cpu", device="cpu", dtype="bfloat16", backend="native", placement="cpu", max_seq_len=a.len + 8,
-                expert_format="bf16")
+    base = cpu_options(a.len)
     variants = [("exact", {})] + [(f"defer {x}", dict(defer=x)) for x in ds] \
         + [(f"skip {x}", dict(passes=[("after:place_by_intensity", skip_lowest(x))])) for x in ds] \
         + [(f"{f} experts", dict(expert_format=f)) for f in a.formats.split(",") if f]
@@ -110,11 +128,10 @@ def main() -> int:
     for name, extra in variants:
         t0 = time.perf_counter()
         lp = run_variant(model, {**base, **extra}, seqs, a.prompt)
-        ppl = math.exp(-float(lp.gather(-1, targets[..., None]).mean()))
         if ref is None:
             ref = lp
-        kl = float((ref.exp() * (ref - lp)).sum(-1).mean())
-        changed = float((lp.argmax(-1) != ref.argmax(-1)).float().mean())
+        m = compare(ref, lp, targets)
+        ppl, kl, changed = m["perplexity"], m["kl"], m["top1_changed"]
         secs = time.perf_counter() - t0
         print(f"{name:14s} {ppl:10.3f} {kl:12.5f} {100 * changed:13.2f}% {secs:8.1f}", flush=True)
         rows.append(dict(bench="fidelity", commit=commit(), **machine(), model=str(d), variant=name, top_k=k,

@@ -76,6 +76,21 @@ def test_fidelity_table_runs_on_the_trained_model(trained, tmp_path):
     assert all(r["kl"] >= -1e-6 and r["positions"] == 24 - 8 for r in rows.values())
 
 
+def test_deferral_speed_and_cost_table_runs_on_the_trained_model(trained, tmp_path):
+    """benchmarks/defer_speed.py (its CPU dry run): each plan's deferral per MoE layer, and the
+    accuracy of exactly that deferral against the exact plan."""
+    out = tmp_path / "d.jsonl"
+    p = subprocess.run([sys.executable, str(BENCH / "defer_speed.py"), str(trained), "--device", "cpu", "--seqs", "1",
+                        "--prompt", "8", "--decode", "8", "--rounds", "1", "--kl-seqs", "2", "--kl-len", "24",
+                        "--defer", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = {r["variant"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(rows) == {"exact", "auto", "d=1"}
+    assert rows["exact"]["deferred"] == [0, 0, 0] and rows["exact"]["kl"] == 0.0 and rows["exact"]["vs_exact"] == 1.0
+    assert rows["d=1"]["deferred"] == [1, 1, 0] and rows["d=1"]["kl"] > 0
+    assert all(r["decode_tok_s"] > 0 and r["positions"] == 2 * (24 - 16) for r in rows.values())
+
+
 def test_placement_hits_runs_on_the_trained_model(trained, tmp_path):
     """benchmarks/placement_hits.py: a profile from training text, plans with and without it at the
     same budget, the held-out picks that land on each plan's GPU experts, per layer."""
