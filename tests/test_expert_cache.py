@@ -167,6 +167,30 @@ def test_following_the_routing_refills_between_steps_and_keeps_the_logits(demo_d
         cache.follow(every=0)
 
 
+def test_a_ragged_batchs_padding_rows_do_not_count_toward_the_refill_interval(demo_dir):
+    """In a SlotPool step only the listed rows are decoded tokens: one sequence in a bucket of 4
+    rows refills every 3 of its own tokens, not after every step's 4 rows."""
+    from ktflow.runtime.slots import SlotPool
+
+    model = ktflow.load(demo_dir)
+    c = ktflow.compile(model, expert_cache=True, **dict(split_options(model), max_batch=4))
+    assert any(n.op == Op.ROUTED_EXPERTS and n.attrs.cached for n in c.decode.ir.nodes)
+    cache = ExpertCache(c)
+    cache.follow(every=3)
+    pool = SlotPool(c, 4)
+    pool.start(2)
+    pool.prefill(2, PROMPT)
+    assert cache.refills == 1  # after the prompt
+    nxt = 9
+    for _ in range(2):
+        assert pool.bucket(3) == 4  # rows 0, 1 and 3 are padding
+        nxt = int(pool.decode([2], [nxt], logits="argmax")[0])
+    assert cache.refills == 1 and set(cache.since.values()) == {2}
+    pool.decode([2], [nxt])
+    assert cache.refills == 2
+    cache.stop()
+
+
 def test_a_cached_layers_prefill_keeps_its_cpu_experts_on_the_cpu(demo_dir):
     """place_prefill_experts streams the layer's CPU experts without the cache (here it does) and
     not with it: the runtime moves experts between the parts, a streamed subset is fixed."""

@@ -314,8 +314,8 @@ class ExpertCache:
         refill waits for them: the prompt's picks must not stay counted). `served / picked` is the share of decoded
         picks (prompts' left out) that GPU slots held, each slot from when its copy landed.
         Refills happen between calls of a plan, so with greedy runs
-        of K steps a launch an interval rounds up to a multiple of K; a ragged batch's padding rows
-        (`SlotPool`) count toward it (their picks are not counted). Returns the recorder; `stop()`
+        of K steps a launch an interval rounds up to a multiple of K; in a ragged batch (`SlotPool`)
+        each listed row's token counts toward it, the padding rows' do not (nor their picks). Returns the recorder; `stop()`
         undoes it."""
         from .routing import RoutingRecorder
 
@@ -344,6 +344,7 @@ class ExpertCache:
 
     def _after_run(self, executor, tokens: int) -> None:
         self.poll()
+        tokens = self.recorder.counted(tokens)  # a ragged batch's padding rows are no decoded tokens
         prefill = executor.plan.phase == "prefill"
         busy = {c.layer for c, *_ in self.pending}  # copies still under way: refilled at a later step's end
         due = []

@@ -78,6 +78,11 @@ class RoutingRecorder:
             if count is not None:
                 v[:count.numel()].copy_(self._count_rows)
 
+    def counted(self, rows: int) -> int:
+        """Of a step's `rows` token rows, how many it counts: the listed rows under `set_rows`
+        (a ragged batch's padding left out), else all."""
+        return rows if self._count_rows is None else int(self._count_rows[:rows].sum())
+
     def reset(self, layers=None) -> None:
         """Zero every counter (or those of `layers`) in place (a graph captured with them keeps
         adding to them)."""
