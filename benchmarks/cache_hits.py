@@ -21,15 +21,23 @@ decoded tokens' picks that land in them, for:
 `CPU picks` is the fraction of a decoded token's picks left to the CPU; the ratio against
 `uniform` is what a CPU-bound decode step would gain if its time followed them: a proxy, not a
 measured speed. `copied/token` is the experts a refill copies in per decoded token (times an
-expert's bytes: the PCIe traffic). Prints a table and appends rows to benchmarks/cache_hits.jsonl.
+expert's bytes: the PCIe traffic).
+
+With `--batch B`, B conversations decode in lockstep with one cache, as a serving step runs them:
+a step reads each expert any of its rows picked once, so the shares are of the steps' expert
+reads (at B = 1, the picks); the refills count every row's picks, every `--every` decoded tokens
+of the batch (every ceil(every / B) steps, as the runtime counts a step's rows); the oracle is the
+batch's S most read experts. Prints a table and appends rows to benchmarks/cache_hits.jsonl.
 
     python benchmarks/cache_hits.py /tmp/moe-tiny --shares 0.1,0.25 --every 16
+    python benchmarks/cache_hits.py /tmp/moe-tiny --shares 0.1,0.25 --every 32 --batch 4
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -74,15 +82,29 @@ def top(counts: torch.Tensor, s: int, keep: set[int] = frozenset()) -> set[int]:
     return set(sorted(range(len(counts)), key=lambda e: (-float(counts[e]), e not in keep, e))[:s])
 
 
-def served(picks: torch.Tensor, slots: set[int]) -> int:
-    return sum(int(e) in slots for e in picks.reshape(-1).tolist())
+def reads_of(decoded: torch.Tensor, experts: int) -> torch.Tensor:
+    """[steps, experts] bool: the experts each decode step reads (picked by any row of the batch;
+    decoded [steps, rows, top_k])."""
+    m = torch.zeros(decoded.shape[0], experts, dtype=torch.bool)
+    return m.scatter_(1, decoded.reshape(decoded.shape[0], -1), True)
+
+
+def served(reads: torch.Tensor, slots: set[int]) -> int:
+    """Of the steps' expert reads, how many the GPU slots hold."""
+    return int(reads[:, sorted(slots)].sum())
 
 
 def cache_run(picks: torch.Tensor, first: set[int], prompt: int, every: int, s: int, experts: int) -> tuple[int, int]:
-    """(decoded picks the cache served, experts copied in) over one sequence's layer (module doc),
-    ordered as `ExpertCache.refill_from` orders (`cache_curves.next_order`: ties keep the order
-    of the refill before)."""
+    """(decode steps' expert reads the cache served, experts copied in) over one layer of a batch
+    of conversations run in lockstep (picks [tokens, rows, top_k], or [tokens, top_k] for one):
+    filled with `first`, refilled after the prompts with the S their picks counted most, then
+    every `every` decode steps with the S the steps since picked most, ordered as
+    `ExpertCache.refill_from` orders (`cache_curves.next_order`: ties keep the order of the refill
+    before)."""
     from ktflow.cache_curves import next_order
+
+    if picks.dim() == 2:
+        picks = picks[:, None]
 
     def counts(rows):
         return torch.bincount(rows.reshape(-1), minlength=experts)
@@ -91,11 +113,11 @@ def cache_run(picks: torch.Tensor, first: set[int], prompt: int, every: int, s: 
     order = next_order(order, counts(picks[:prompt]))
     slots = set(order[:s].tolist())
     copied, hits = len(slots - first), 0
-    for lo in range(prompt, picks.shape[0], every):
-        block = picks[lo:lo + every]
-        hits += served(block, slots)
-        if lo + every < picks.shape[0]:
-            order = next_order(order, counts(block))
+    reads = reads_of(picks[prompt:], experts)
+    for lo in range(0, reads.shape[0], every):
+        hits += served(reads[lo:lo + every], slots)
+        if lo + every < reads.shape[0]:
+            order = next_order(order, counts(picks[prompt + lo:prompt + lo + every]))
             new = set(order[:s].tolist())
             copied += len(new - slots)
             slots = new
@@ -110,11 +132,15 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens of each held-out sequence")
     ap.add_argument("--len", type=int, default=192, help="tokens per held-out sequence (prompt and decoded)")
     ap.add_argument("--seqs", type=int, default=48, help="held-out sequences")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="conversations decoded together in lockstep, one cache for the batch (a serving step): "
+                    "a step reads each expert any row picked once, so the shares are of the steps' expert reads")
     add_text_args(ap)
     ap.add_argument("--out", default=str(HERE / "cache_hits.jsonl"))
     a = ap.parse_args()
-    if not 0 < a.prompt < a.len or a.every < 1:
-        raise SystemExit(f"need 0 < --prompt < --len and --every >= 1 (got {a.prompt}, {a.len}, {a.every})")
+    if not 0 < a.prompt < a.len or a.every < 1 or not 1 <= a.batch <= a.seqs:
+        raise SystemExit(f"need 0 < --prompt < --len, --every >= 1 and 1 <= --batch <= --seqs (got {a.prompt}, "
+                         f"{a.len}, {a.every}, {a.batch})")
     import ktflow
 
     d = Path(a.model)
@@ -124,40 +150,45 @@ def main() -> int:
     held = held_out(d, a.seqs * a.len)
     prof = training_profile(model, d, a, 128)
     seqs = picks_of(model, held.view(a.seqs, a.len).tolist(), a.len + 8)
-    decoded = a.seqs * (a.len - a.prompt) * k  # picks served per layer
+    groups = [seqs[i:i + a.batch] for i in range(0, len(seqs) - a.batch + 1, a.batch)]
+    steps = math.ceil(a.every / a.batch)  # the runtime counts a step's rows toward the interval
+    tokens = len(groups) * a.batch * (a.len - a.prompt)
     info = dict(bench="cache_hits", commit=commit(), **machine(), model=str(d), every=a.every, prompt=a.prompt,
-                len=a.len, seqs=a.seqs)
+                len=a.len, seqs=a.seqs, batch=a.batch)
     rows = []
+    what = "picks" if a.batch == 1 else f"expert reads (batches of {a.batch})"
     print(f"{'share':>5s} {'layer':>5s} {'slots':>5s} {'uniform':>8s} {'profiled':>8s} {'cache':>8s} {'oracle':>8s} "
-          f"{'copied/token':>12s}   (share of the decoded tokens' picks on the GPU)")
+          f"{'copied/token':>12s}   (share of the decode steps' {what} on the GPU)")
     for share in [float(x) for x in a.shares.split(",") if x]:
         s = max(1, round(share * experts))
         got = {"uniform": [], "profiled": [], "cache": [], "oracle": []}
         for layer in sorted(seqs[0]):
             uniform, profiled = set(range(s)), top(torch.tensor(prof.layers[layer]), s)
             hits = dict.fromkeys(got, 0)
-            copied = 0
-            for seq in seqs:
-                p = seq[layer]
-                dec = p[a.prompt:]
-                hits["uniform"] += served(dec, uniform)
-                hits["profiled"] += served(dec, profiled)
-                hits["oracle"] += served(dec, top(torch.bincount(dec.reshape(-1), minlength=experts), s))
-                h, c = cache_run(p, profiled, a.prompt, a.every, s, experts)
+            copied = total = 0
+            for group in groups:
+                p = torch.stack([seq[layer] for seq in group], dim=1)  # [tokens, rows, top_k]
+                reads = reads_of(p[a.prompt:], experts)
+                total += int(reads.sum())
+                hits["uniform"] += served(reads, uniform)
+                hits["profiled"] += served(reads, profiled)
+                hits["oracle"] += served(reads, top(reads.sum(0), s))
+                h, c = cache_run(p, profiled, a.prompt, steps, s, experts)
                 hits["cache"] += h
                 copied += c
-            on = {name: v / decoded for name, v in hits.items()}
-            per_token = copied / (a.seqs * (a.len - a.prompt))
+            on = {name: v / total for name, v in hits.items()}
+            per_token = copied / tokens
             for name in got:
                 got[name].append(on[name])
             print(f"{share:5.2f} {layer:5d} {s:5d} {on['uniform']:8.1%} {on['profiled']:8.1%} {on['cache']:8.1%} "
                   f"{on['oracle']:8.1%} {per_token:12.3f}")
             rows.append(dict(**info, share=share, layer=layer, slots=s, copied_per_token=round(per_token, 4),
+                             reads_per_step=round(total / (len(groups) * (a.len - a.prompt)), 3),
                              **{name: round(v, 4) for name, v in on.items()}))
         mean = {name: statistics.mean(v) for name, v in got.items()}
         cpu = {name: 1 - v for name, v in mean.items()}
         print(f"{share:5.2f}  mean on the GPU: uniform {mean['uniform']:.1%}, profiled {mean['profiled']:.1%}, cache "
-              f"{mean['cache']:.1%}, oracle {mean['oracle']:.1%}; CPU picks against uniform: profiled "
+              f"{mean['cache']:.1%}, oracle {mean['oracle']:.1%}; CPU {what} against uniform: profiled "
               f"{cpu['uniform'] / cpu['profiled']:.3f}x, cache {cpu['uniform'] / cpu['cache']:.3f}x, oracle "
               f"{cpu['uniform'] / cpu['oracle']:.3f}x fewer")
     append_jsonl(a.out, rows)

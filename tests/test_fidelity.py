@@ -124,6 +124,14 @@ def test_cache_hits_runs_on_the_trained_model(trained, tmp_path):
     for r in rows:
         assert all(0.0 <= r[k] <= 1.0 for k in ("uniform", "profiled", "cache", "oracle"))
         assert r["oracle"] >= max(r["uniform"], r["profiled"]) - 1e-9 and r["copied_per_token"] >= 0
+    p = subprocess.run([sys.executable, str(BENCH / "cache_hits.py"), str(trained), "--shares", "0.25", "--seqs", "4",
+                        "--len", "24", "--prompt", "8", "--every", "4", "--batch", "2", "--profile-seqs", "2",
+                        "--corpus-mb", "0.3", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    batched = [json.loads(line) for line in out.read_text().splitlines()][len(rows):]
+    assert len(batched) == len(rows) and all(r["batch"] == 2 for r in batched)
+    k = cfg["num_experts_per_tok"]
+    assert all(k <= r["reads_per_step"] <= 2 * k for r in batched)  # two rows' picks, each expert read once
 
 
 def test_the_scaled_model_computes_what_the_trained_one_does(trained, tmp_path):
@@ -184,6 +192,18 @@ def test_the_cache_policy_serves_a_conversations_own_experts():
     moving = torch.tensor([[5, 6]] * 4 + [[1, 2]] * 4 + [[1, 2]] * 4)
     hits, copied = cache_run(moving, first={0, 1}, prompt=4, every=4, s=2, experts=8)
     assert hits == 8 and copied == 2 + 2  # the first block after the prompt misses; the refill catches up
+
+
+def test_a_batchs_cache_serves_each_steps_expert_reads_once():
+    """cache_run over a batch in lockstep (picks [tokens, rows, top_k]): a step reads an expert
+    once however many rows picked it, the refills count every row's picks."""
+    sys.path.insert(0, str(BENCH))
+    from cache_hits import cache_run, reads_of
+
+    both = torch.tensor([[[5, 6], [5, 7]]] * 8)  # rows share expert 5: a step reads 5, 6 and 7
+    assert int(reads_of(both[4:], 8).sum()) == 3 * 4
+    hits, copied = cache_run(both, first={0, 1}, prompt=4, every=2, s=2, experts=8)
+    assert hits == 2 * 4 and copied == 2  # the prompts put 5 (counted twice) and 6 (tie, lower id) in the slots
 
 
 def test_verifier_takes_declared_skipping_only(tiny_dirs):
