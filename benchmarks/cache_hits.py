@@ -146,7 +146,7 @@ def main() -> int:
     d = Path(a.model)
     model = ktflow.load(d)
     cfg = json.loads((d / "config.json").read_text())
-    k, experts = cfg["num_experts_per_tok"], cfg["n_routed_experts"]
+    experts = cfg["n_routed_experts"]
     held = held_out(d, a.seqs * a.len)
     prof = training_profile(model, d, a, 128)
     seqs = picks_of(model, held.view(a.seqs, a.len).tolist(), a.len + 8)
