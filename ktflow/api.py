@@ -385,7 +385,7 @@ def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, pr
         batch = tokens if phase == "decode" else 1
         attended = max_seq // 2 if phase == "decode" else (tokens + 1) // 2
         return CompileContext(hw=hwp, options=opts, phase=phase, tokens=tokens, batch=batch, context=attended,
-                              weight_itemsize=cfg.weight_dtype.itemsize, max_seq_len=max_seq, device=device,
+                              weight_itemsize=act.itemsize, max_seq_len=max_seq, device=device,
                               routing=routing, fp8_block=model.quant.block if model.quant is not None else None)
 
     pipeline = edit_pipeline(passes)

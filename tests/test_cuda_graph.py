@@ -36,8 +36,8 @@ def hybrid(model, **options):
     opts = dict(hw=hw_here(), device="cuda", dtype="bfloat16", max_seq_len=64, max_batch=options.pop("max_batch", 2))
     probe = ktflow.compile(model, vram_budget_gb=1.0, **opts)
     nodes = probe.decode.ir.nodes
-    dense = sum(n.weight_elems() * 4 for n in nodes if n.op != Op.ROUTED_EXPERTS)
-    per_expert = max(n.weight_elems() / n.attrs.experts for n in nodes if n.op == Op.ROUTED_EXPERTS) * 4
+    dense = sum(n.weight_elems() * 2 for n in nodes if n.op != Op.ROUTED_EXPERTS)  # held in the plan's bf16
+    per_expert = max(n.weight_elems() / n.attrs.experts for n in nodes if n.op == Op.ROUTED_EXPERTS) * 2
     moe_layers = sum(1 for n in nodes if n.op == Op.ROUTED_EXPERTS)
     budget = dense + probe.decode.memory.kv_cache_bytes + 2.5 * moe_layers * per_expert
     return ktflow.compile(model, vram_budget_gb=budget / 1e9, **opts, **options)

@@ -110,8 +110,9 @@ def test_hybrid_plan_with_split_experts_computes_the_same_logits(demo_dir):
     model = ktflow.load(demo_dir)
     opts = dict(hw=A100_NO_OVERHEAD, dtype="float32", device="cpu", max_seq_len=64)
     dense = ktflow.compile(model, vram_budget_gb=1.0, **opts)
-    dense_bytes = sum(n.weight_elems() * 2 for n in dense.decode.ir.nodes if n.op != Op.ROUTED_EXPERTS)
-    budget = (dense_bytes + dense.decode.memory.kv_cache_bytes + 40.5 * 3 * 256 * 128 * 2) / 1e9
+    # a float32 plan holds the bf16 checkpoint's weights in float32: 4 bytes each
+    dense_bytes = sum(n.weight_elems() * 4 for n in dense.decode.ir.nodes if n.op != Op.ROUTED_EXPERTS)
+    budget = (dense_bytes + dense.decode.memory.kv_cache_bytes + 40.5 * 3 * 256 * 128 * 4) / 1e9
     hybrid = ktflow.compile(model, vram_budget_gb=budget, **opts)  # all of layer 1's experts, some of layer 2's
     g = hybrid.decode.ir
     assert g.by_name("L1.experts").place.device == Device.GPU and "L1.experts.gpu" not in g

@@ -12,6 +12,7 @@ import torch
 
 import ktflow
 from ktflow import native
+from ktflow.config import DTYPE_BY_NAME
 from ktflow.errors import ConfigError
 from ktflow.hw import PRESETS, GpuSpec, Overheads
 from ktflow.ir import verify
@@ -43,10 +44,11 @@ def streamed(plan):
 def hybrid(model, budget_experts: float = 0.0, **options):
     """Dense work on the GPU and about `budget_experts` experts per MoE layer resident there."""
     opts = dict(hw=machine(), device="cpu", max_seq_len=64)
-    opts.update({k: v for k, v in options.items() if k in ("hw", "device", "max_seq_len")})
+    opts.update({k: v for k, v in options.items() if k in ("hw", "device", "max_seq_len", "dtype")})
     probe = ktflow.compile(model, vram_budget_gb=1.0, **dict(opts, hw=machine()))
     nodes = probe.decode.ir.nodes
-    size = model.config.weight_dtype.itemsize
+    # weights are held in the plan's dtype
+    size = (DTYPE_BY_NAME[opts["dtype"]] if "dtype" in opts else model.config.weight_dtype).itemsize
     dense = sum(n.weight_elems() * size for n in nodes if n.op != Op.ROUTED_EXPERTS)
     per_expert = max(n.weight_elems() / n.attrs.experts for n in nodes if n.op == Op.ROUTED_EXPERTS) * size
     layers = sum(1 for n in nodes if n.op == Op.ROUTED_EXPERTS)
