@@ -105,14 +105,15 @@ def roofline_only():
 
 
 def budget_for(model, share: float, max_seq_len: int) -> float:
-    """GB: the smallest VRAM budget (bisected) at which the plan without a profile puts at least
-    `share` of the routed experts on the GPU: the same budget then goes to both plans."""
+    """GB: the smallest VRAM budget (bisected) at which the bf16 plan without a profile puts at
+    least `share` of the routed experts on the GPU: the same budget then goes to the other (bf16)
+    plans."""
     import ktflow
     from ktflow.ir.ops import Op
 
     def on_gpu(gb: float) -> float:
-        nodes = ktflow.compile(model, hw=roofline_only(), vram_budget_gb=gb, max_seq_len=max_seq_len,
-                               numa_nodes=1).decode.ir.nodes
+        nodes = ktflow.compile(model, hw=roofline_only(), dtype="bfloat16", vram_budget_gb=gb,
+                               max_seq_len=max_seq_len, numa_nodes=1).decode.ir.nodes
         routed = [n for n in nodes if n.op == Op.ROUTED_EXPERTS]
         total = sum({n.attrs.layer: n.attrs.experts for n in routed}.values())  # a split layer's parts once
         return sum(len(n.attrs.ids) for n in routed if n.place.device.value == "gpu") / total
@@ -152,7 +153,7 @@ def main() -> int:
           f"{'best':>6s}   (share of the held-out picks on the GPU)")
     for share in [float(x) for x in a.shares.split(",") if x]:
         budget = budget_for(model, share, a.len + 8)
-        opts = dict(hw=roofline_only(), vram_budget_gb=budget, max_seq_len=a.len + 8, numa_nodes=1)
+        opts = dict(hw=roofline_only(), dtype="bfloat16", vram_budget_gb=budget, max_seq_len=a.len + 8, numa_nodes=1)
         aware = gpu_experts(ktflow.compile(model, routing_profile=str(path), **opts).decode)
         uniform = gpu_experts(ktflow.compile(model, **opts).decode)
         got = {"profiled": [], "uniform": [], "best": []}
