@@ -51,6 +51,18 @@ def deferral(plan) -> dict[int, int]:
     return out
 
 
+def dense_on_the_gpu(name: str, plan) -> None:
+    """Exit naming the nodes if the decode plan left any dense work on the CPU: only the routed
+    experts (with their reduce), the token ids and their embedding may be there (what a CUDA-graph
+    step can run), so that the variants differ only in their deferral."""
+    from ktflow.ir.ops import Op
+
+    host = {Op.ROUTED_EXPERTS, Op.REDUCE, Op.SUBMIT, Op.SYNC, Op.COPY, Op.INPUT, Op.EMBED}
+    stray = [n.name for n in plan.ir.nodes if n.place.device.value == "cpu" and n.op not in host]
+    if stray:
+        raise SystemExit(f"{name}: the budget left dense nodes on the CPU: {', '.join(stray)}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="a checkpoint dir from train_small_moe.py (scaled: scale_moe.py)")
@@ -86,6 +98,8 @@ def main() -> int:
     budget = budget_without_experts(wide.decode)
     variants = {"exact": None, "auto": "auto", **{f"d={x}": int(x) for x in a.defer.split(",") if x}}
     plans = {name: compile_cpu_experts(model, dict(base, vram_budget_gb=budget, defer=v)) for name, v in variants.items()}
+    for name, c in plans.items():
+        dense_on_the_gpu(name, c.decode)
     chosen = {name: deferral(c.decode) for name, c in plans.items()}
     for c in plans.values():  # warm: weights ready, graphs captured
         decode_seconds(c, prompts[0], min(a.decode, 16), texts[0])

@@ -15,11 +15,12 @@ Expert Deferral's accuracy can be measured on them. This trains one whose routin
 - router balancing: DeepSeek-V3's auxiliary-loss-free rule: after every step each MoE layer's
   score-correction bias moves by `--bias-rate` towards its under-loaded experts (bias_e +=
   rate * sign(mean load - load_e)); no auxiliary loss;
-- deterministic by `--seed` (data order, initialisation), bit for bit, with PyTorch's
-  deterministic algorithms and a fixed cuBLAS workspace. Without them some sums in the
-  backward pass run in a different order every run: the weights differed in the last bits on the
-  CPU, and two runs of the same commit on the same H100 ended at held-out perplexity 41.81 and
-  43.31. An op with no deterministic kernel warns (`use_deterministic_algorithms(warn_only=True)`).
+- deterministic by `--seed` (data order, initialisation), bit for bit: PyTorch's deterministic
+  algorithms, a fixed cuBLAS workspace and attention by the math kernel. Without them some sums in
+  the backward pass run in a different order every run: the weights differed in the last bits on
+  the CPU, and two runs of the same commit on the same H100 ended at held-out perplexity 41.81 and
+  43.31. An op with no deterministic kernel warns (`use_deterministic_algorithms(warn_only=True)`),
+  and the report lists it (`nondeterministic`).
 
 Writes `save_pretrained` files (ktflow.load and transformers both read them), tokenizer.json and
 tokenizer_config.json, `heldout.safetensors` (the held-out split's token ids, for
@@ -41,6 +42,7 @@ import os
 import sys
 import sysconfig
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -147,14 +149,26 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--jsonl", default=str(HERE / "train_small_moe.jsonl"))
     a = ap.parse_args()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # run for run the same sums: before cuBLAS starts
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    # attention by the math kernel: the memory-efficient one (what sdpa picks for these float32 heads
+    # of unequal q/v sizes) keeps its split, non-deterministic backward under warn_only
+    with sdpa_kernel(SDPBackend.MATH), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        return train(a, caught)
+
+
+def train(a: argparse.Namespace, caught: list) -> int:
+    """The run main() sets up; `caught` collects the warnings (the report lists those that say an
+    op ran without a deterministic kernel)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast
 
     size = SIZES[a.size]
     steps = a.steps or size["steps"]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # run for run the same sums: before cuBLAS starts
-    torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(a.seed)
     t0 = time.perf_counter()
     train_texts, held_texts = corpus(a.corpus_mb or size["corpus_mb"])
@@ -223,11 +237,15 @@ def main() -> int:
                   final_loss=round(sum(losses[-10:]) / len(losses[-10:]), 4), heldout_tokens=len(held_ids),
                   heldout_perplexity=round(ppl, 3), top_k=k, experts=size["model"]["n_routed_experts"],
                   busiest_tenth_share=busiest, load=load, weights_sha256=digest.hexdigest(),
+                  nondeterministic=sorted({str(w.message).splitlines()[0][:300] for w in caught
+                                           if "determinis" in str(w.message)}),
                   corpus=str(Path(sysconfig.get_paths()["stdlib"])))
     (out / "train_report.json").write_text(json.dumps(report, indent=1))
     print(f"trained {steps} steps ({report['tokens']} tokens) in {train_s:.0f} s on {a.device}; final loss "
           f"{report['final_loss']:.3f}; held-out perplexity {ppl:.2f}; the busiest 10% of experts take "
           + ", ".join(f"L{i} {100 * s:.0f}%" for i, s in busiest.items()) + " of the picks (uniform: 10%)")
+    for msg in report["nondeterministic"]:
+        print(f"not deterministic: {msg}", file=sys.stderr)
     append_jsonl(a.jsonl, [dict(bench="train_small_moe", commit=commit(), **machine(), device=a.device,
                                 **{k2: v for k2, v in report.items() if k2 != "load"})])
     print(f"wrote {out}")
