@@ -332,6 +332,12 @@ def test_the_placement_pass_prices_the_cache_and_sizes_it_per_layer(demo_dir, tm
     assert len(n.attrs.ids) == 8  # the pool's size: a ninth slot would serve nothing more
     assert len(n.attrs.ids) + len(cached[1].attrs.ids) == len(static[1].attrs.ids)  # the same budget
     assert cached[1].attrs.refill_every == 0 and "no cache" in cached[1].place.cause
+    assert "one conversation" not in n.place.cause
+    # the curves come from single conversations: a plan for batches says what it does not model
+    batched = gpu_experts(ktflow.compile(model, expert_cache=True, **dict(kw, max_batch=4)))
+    cached_layers = [m for m in batched.values() if m.attrs.refill_every]
+    assert cached_layers and all("priced for one conversation: a batch of up to 4" in m.place.cause
+                                 for m in cached_layers)
     # curves that serve no more than static slots: the cache is off
     flat = dict(kw, routing_profile=curves_profile(tmp_path / "f.json", sticky=(), flat=(1, 2, 3)))
     c = ktflow.compile(model, expert_cache=True, **flat)

@@ -335,9 +335,13 @@ def _cache_choice(n: Node, g: Graph, ctx: CompileContext, slots: int) -> tuple[i
         return ch.every, (f"; a cache the runtime refills every {ch.every} decoded tokens from recent routing (not "
                           "priced: the routing profile has no cache curves; record one with `ktflow profile`)")
     if ch.every:
+        batch = ctx.options.max_batch
+        shared = (f"; priced for one conversation: a batch of up to {batch} shares the slots, and is served "
+                  "less (not modelled)") if batch > 1 else ""
         return ch.every, (f"; a cache the runtime refills every {ch.every} decoded tokens from recent routing: "
                           f"{ch.hits:.0%} of the decoded picks for {ch.copies:.2f} experts copied in a token "
-                          f"(the profile's cache curves), saving {_si(ch.value)}s a step against {_si(ch.static)}s static")
+                          f"(the profile's cache curves), saving {_si(ch.value)}s a step against {_si(ch.static)}s "
+                          f"static{shared}")
     return 0, "; no cache: the profile's cache curves price a refilled cache below these static experts"
 
 
