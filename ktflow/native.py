@@ -108,6 +108,8 @@ def kernel_paths() -> list[str]:
 
 _POOL = None
 _QUEUE = None
+_SPIN_US = 1000  # the pool's spin while spinning: what it read from KTFLOW_SPIN_US when made
+_SPINNING: bool | None = None  # what set_spinning last told the pool (None: the pool's own start)
 _INFLIGHT: list = []  # batches submitted since the last sync: kept alive until it
 
 
@@ -130,6 +132,22 @@ def default_threads(spare: int = 1) -> int:
     return max(1, n - spare) if n >= 8 else n
 
 
+def set_spinning(on: bool) -> None:
+    """Whether the pool's idle workers (and a caller awaiting a run) spin between runs, for the
+    pool's spin time (KTFLOW_SPIN_US, default 1000 us), or sleep at once. Spinning suits steps whose
+    CPU work all goes through the pool (a CUDA-graph step rings it every layer, and keeps torch
+    off the workers' CPUs); a step that runs its own torch ops on the CPU between the pool's runs
+    wants those cores for them: spinning workers took half of a CPU-only decode step's time on the
+    2-core dev box (benchmarks/RESULTS.md). Backends call it before their runs; cheap when nothing
+    changes."""
+    global _SPINNING
+    if on is _SPINNING:
+        return
+    p = pool()
+    p.spin_us = _SPIN_US if on else 0
+    _SPINNING = on
+
+
 def pool(spare: int = 1):
     """The process-wide worker pool: KTFLOW_THREADS threads (default: `default_threads(spare)`;
     the first call creates the pool, so the first caller's `spare` holds) in KTFLOW_NUMA_GROUPS
@@ -139,6 +157,8 @@ def pool(spare: int = 1):
         threads = int(os.environ.get("KTFLOW_THREADS", "0") or 0) or default_threads(spare)
         groups = int(os.environ.get("KTFLOW_NUMA_GROUPS", "0") or 0)
         _POOL = module().Pool(threads=threads, groups=groups, pin=os.environ.get("KTFLOW_PIN", "1") != "0")
+        global _SPIN_US
+        _SPIN_US = _POOL.spin_us
     return _POOL
 
 

@@ -101,3 +101,28 @@ def test_auto_backend_is_native_for_bf16_plans(demo_dir):
     assert c.executor("decode").backend.name == "native"
     f32 = ktflow.compile(ktflow.load(demo_dir), hw="cpu", max_seq_len=16, dtype="float32")
     assert f32.executor("decode").backend.name == "torch_ref"
+
+
+
+def test_a_cpu_only_step_keeps_the_pool_from_spinning(demo_dir):
+    """A plan whose torch ops run on the CPU tells the pool to sleep between its runs (spinning
+    workers would take those ops' cores); a CUDA-graph step lets it spin again, for the pool's own
+    spin time (KTFLOW_SPIN_US)."""
+    pool = native.pool()
+    native.set_spinning(True)
+    spin = pool.spin_us
+    assert spin > 0
+    model = ktflow.load(demo_dir)
+    cpu = ktflow.compile(model, hw="cpu", max_seq_len=16)
+    logits, state = ktflow.execute(cpu, torch.tensor([[1, 2, 3]]))
+    assert cpu.executor("decode").backend.torch_on_cpu and pool.spin_us == 0
+    if torch.cuda.is_available():
+        from ktflow.hw import PRESETS, with_this_gpus_memory
+
+        gpu = ktflow.compile(model, hw=with_this_gpus_memory(PRESETS["rtx4090-desktop"]), device="cuda",
+                             backend="cuda_graph", max_seq_len=16)
+        _, st = ktflow.execute(gpu, torch.tensor([[1, 2, 3]]))
+        ktflow.execute(gpu, torch.tensor([[4]]), st)
+        assert pool.spin_us == spin
+    native.set_spinning(True)
+    assert pool.spin_us == spin

@@ -79,6 +79,9 @@ class NativeBackend(TorchRefBackend):
         self._local_maps: dict[tuple, torch.Tensor] = {}  # streamed experts node -> its ids' rows
         self.rules[Op.ROUTED_EXPERTS] = _routed_experts
         self.rules[Op.FETCH] = _fetch
+        # the step's other ops run in torch on the CPU between the pool's runs: the pool sleeps
+        # between them rather than spin on those cores (native.set_spinning)
+        self.torch_on_cpu = self.devices[Device.GPU].type == "cpu"
 
     def runs_natively(self, node: Node) -> bool:
         return node.op == Op.ROUTED_EXPERTS and node.place is not None and node.place.device == Device.CPU
@@ -169,6 +172,7 @@ class NativeBackend(TorchRefBackend):
         op = self.ops.get(node_key(node))
         if op is None:
             return super().run(node, inputs, ctx)
+        native.set_spinning(not self.torch_on_cpu)
         x, (ids, wts) = inputs
         xb = x.to(torch.bfloat16).contiguous()
         out = torch.empty(xb.shape, dtype=torch.bfloat16)

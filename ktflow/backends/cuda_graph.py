@@ -403,6 +403,7 @@ class DecodeGraph:
         plan's steps with measured times. With `positions` (a ragged step, `Executor.run`), each
         row at its own position over `state`'s own caches: bound and captured once per batch size
         and caches, and state.position is left as it is."""
+        native.set_spinning(True)  # the GPU rings the pool every layer
         b = input_ids.shape[0]
         bound = self._bound_for(state, b, positions is not None)
         bound.tokens.copy_(input_ids.reshape(-1))
@@ -442,6 +443,7 @@ class DecodeGraph:
         (the caller runs them one by one): one step, no capture, or a host prologue other than
         embedding lookups the GPU can make from the page-locked table (`pinned_copy.gather_rows`;
         a first step binds the batch's lookups)."""
+        native.set_spinning(True)  # the GPU rings the pool every layer
         b = input_ids.shape[0]
         if steps == 1 or not self.capture or self._lookups(b) is None:
             return None

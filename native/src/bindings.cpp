@@ -234,6 +234,10 @@ PYBIND11_MODULE(_native, m) {
       .def("group_cpus", &ThreadPool::group_cpus)
       .def("group_threads", &ThreadPool::group_threads)
       .def_property_readonly("cpus", &ThreadPool::cpus)
+      .def_property(
+          "spin_us", [](const ThreadPool& p) { return p.spin_ns() / 1000; },
+          [](ThreadPool& p, long us) { p.set_spin_ns(us * 1000); },
+          "microseconds an idle worker (and the caller awaiting a run) spins before it sleeps")
       .def("numa_node", &ThreadPool::numa_node);
 
   py::class_<PackedWeight>(m, "PackedWeight")

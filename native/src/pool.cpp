@@ -72,7 +72,7 @@ inline void cpu_relax() { _mm_pause(); }
 
 ThreadPool::ThreadPool(int threads, int groups, bool pin) : pin_(pin) {
   const char* spin = std::getenv("KTFLOW_SPIN_US");
-  spin_ns_ = (spin ? std::atol(spin) : 1000) * 1000;
+  set_spin_ns((spin ? std::atol(spin) : 1000) * 1000);
   std::vector<int> cpus = allowed_cpus();
   if (threads <= 0) threads = int(cpus.size());
   // the allowed CPUs of each NUMA node, in node order
@@ -155,7 +155,7 @@ void ThreadPool::worker_main(int group, int) {
     while ((g = generation_.load(std::memory_order_acquire)) == seen) {
       cpu_relax();
       if (++spins % 64 == 0 &&
-          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count() > spin_ns_) {
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count() > spin_ns()) {
         std::unique_lock<std::mutex> lock(mutex_);
         const uint64_t alarm = alarm_.load();
         wake_.wait(lock, [&] { return generation_.load() != seen || alarm_.load() != alarm; });
@@ -209,7 +209,7 @@ void ThreadPool::run(const std::vector<int>& counts, TaskFn fn, void* ctx) {
   for (int spins = 0; checked_in_.load(std::memory_order_acquire) < n;) {
     cpu_relax();
     if (++spins % 64 == 0 &&
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count() > spin_ns_) {
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count() > spin_ns()) {
       std::unique_lock<std::mutex> lock(mutex_);
       done_.wait(lock, [&] { return checked_in_.load() >= n; });
     }

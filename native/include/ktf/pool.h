@@ -31,7 +31,10 @@ class ThreadPool {
   int numa_node(int group) const { return group_node_[group]; }  // -1: allocate anywhere
   const std::vector<int>& group_cpus(int group) const { return group_cpus_[group]; }
   int group_threads(int group) const;
-  long spin_ns() const { return spin_ns_; }  // how long an idle thread spins before it sleeps
+  // how long an idle thread (and the caller waiting for a run) spins before it sleeps; changeable
+  // at any time (a CPU-only step wants the cores for its own ops between runs: 0)
+  long spin_ns() const { return spin_ns_.load(std::memory_order_relaxed); }
+  void set_spin_ns(long ns) { spin_ns_.store(ns < 0 ? 0 : ns, std::memory_order_relaxed); }
 
   // Runs task i of group g for every g < groups(), i < counts[g]; returns when all ran; rethrows
   // the first exception a task raised (the rest of that run is skipped). One run at a time.
@@ -69,7 +72,7 @@ class ThreadPool {
   std::mutex mutex_, run_mutex_;
   std::condition_variable wake_, done_;
   std::atomic<bool> stop_{false};
-  long spin_ns_;
+  std::atomic<long> spin_ns_{0};
 };
 
 }  // namespace ktf
