@@ -80,7 +80,7 @@ def main() -> int:
     ap.add_argument("--profile-model", default=None,
                     help="the checkpoint the routing profile is recorded with (default: the model). Give the "
                     "unscaled one scale_moe.py started from: it routes as the scaled one does, and its experts "
-                    "cost a fraction of the bytes, so the profile's thousands of decode steps take minutes less")
+                    "cost a fraction of the bytes, so the profile's thousands of decode steps cost less")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--out", default=str(HERE / "cache_speed.jsonl"))

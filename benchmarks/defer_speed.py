@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cache_speed import decode_seconds  # noqa: E402
 from common import HERE, append_jsonl, commit, machine  # noqa: E402
 from e2e import budget_without_experts, compile_cpu_experts  # noqa: E402
-from fidelity import compare, cpu_options, heldout_seqs, run_variant  # noqa: E402
+from fidelity import compare, cpu_options, run_variant  # noqa: E402
+from placement_hits import held_out  # noqa: E402
 
 
 def deferral(plan) -> dict[int, int]:
@@ -87,7 +88,7 @@ def main() -> int:
     d = Path(a.model)
     model = ktflow.load(d)
     length = a.prompt + a.decode
-    held = heldout_seqs(d, a.seqs, length)
+    held = held_out(d, a.seqs * length).view(a.seqs, length)
     prompts = [row[:a.prompt].tolist() for row in held]
     texts = [row[a.prompt:].tolist() for row in held]
     gpu = a.device == "cuda"
@@ -112,7 +113,7 @@ def main() -> int:
 
     fd = Path(a.fidelity_model or a.model)
     fmodel = ktflow.load(fd)
-    seqs = heldout_seqs(fd, a.kl_seqs, a.kl_len)
+    seqs = held_out(fd, a.kl_seqs * a.kl_len).view(a.kl_seqs, a.kl_len)
     prompt = 16
     opts = cpu_options(a.kl_len)
     ref = run_variant(fmodel, opts, seqs, prompt)

@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import HERE, append_jsonl, commit, machine  # noqa: E402
+from placement_hits import held_out  # noqa: E402
 
 
 def skip_lowest(d: int):
@@ -93,16 +94,6 @@ def compare(ref: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor) -> dict:
                 top1_changed=float((lp.argmax(-1) != ref.argmax(-1)).float().mean()))
 
 
-def heldout_seqs(d: Path, seqs: int, length: int) -> torch.Tensor:
-    """The first seqs x length tokens of the checkpoint's held-out split, [seqs, length]."""
-    from safetensors.torch import load_file
-
-    held = load_file(str(d / "heldout.safetensors"))["ids"]
-    if len(held) < seqs * length:
-        raise SystemExit(f"the held-out split has {len(held)} tokens, fewer than {seqs} x {length} = {seqs * length}")
-    return held[:seqs * length].view(seqs, length)
-
-
 def cpu_options(length: int) -> dict:
     """The exact reference's compile options: every routed expert on the CPU, bf16, native."""
     return dict(hw="cpu", device="cpu", dtype="bfloat16", backend="native", placement="cpu", max_seq_len=length + 8,
@@ -123,7 +114,7 @@ def main() -> int:
 
     d = Path(a.model)
     model = ktflow.load(d)
-    seqs = heldout_seqs(d, a.seqs, a.len)
+    seqs = held_out(d, a.seqs * a.len).view(a.seqs, a.len)
     targets = seqs[:, a.prompt:]
     cfg = json.loads((d / "config.json").read_text())
     k = cfg["num_experts_per_tok"]

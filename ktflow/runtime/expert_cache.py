@@ -240,34 +240,30 @@ class ExpertCache:
         it between steps (`follow` does, at every step's end); returns how many experts it finished."""
         from .. import notices
 
-        ready, failed, rest = [], [], []
+        ready, rest = [], []
         for job in self.pending:
             fut = job[3]
             if wait and layer is not None and job[0].layer != layer:
                 rest.append(job)
-            elif fut.done() and fut.exception() is not None:
-                failed.append(job)
-            elif wait or (fut.done() and (fut.result()[0] is None or fut.result()[0].query())):
+            elif wait or (fut.done() and (fut.exception() is not None or fut.result()[0] is None
+                                          or fut.result()[0].query())):
                 ready.append(job)
             else:
                 rest.append(job)
-        def give_up(job, err) -> None:  # the slot stays empty, the expert on the CPU; the next refill retries
-            self.failures += 1
-            notices.warn(f"expert cache: copying expert {job[2]} of layer {job[0].layer} to the GPU failed ({err}); "
-                         "it stays on the CPU until a later refill copies it", key=f"expert-cache-copy-{job[0].layer}")
-
-        for job in failed:
-            give_up(job, job[3].exception())
-        ready_ok = []
+        finished = []
         for job in ready:
             try:
-                done, _ = job[3].result()
+                done, _ = job[3].result()  # a failed copy raises here
                 if done is not None:
                     done.synchronize()
-                ready_ok.append(job)
+                finished.append(job)
             except Exception as err:  # noqa: BLE001 (a copy's failure must not stop decoding)
-                give_up(job, err)
-        ready = ready_ok
+                # the slot stays empty, the expert on the CPU; the next refill retries it
+                self.failures += 1
+                notices.warn(f"expert cache: copying expert {job[2]} of layer {job[0].layer} to the GPU failed "
+                             f"({err}); it stays on the CPU until a later refill copies it",
+                             key=f"expert-cache-copy-{job[0].layer}")
+        ready = finished
         self.pending = rest
         if not ready:
             return 0
