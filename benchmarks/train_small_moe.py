@@ -11,7 +11,13 @@ Expert Deferral's accuracy can be measured on them. This trains one whose routin
 - model: `transformers`' DeepseekV3ForCausalLM (MLA attention, a dense first layer, routed
   experts with a shared one, the sigmoid router with group-limited top-k), sizes by `--size`:
   `tiny` trains on 2 CPU cores in a few minutes (150 steps, 307k tokens), `small` is sized for the
-  GPU machine (about 4 minutes on an H100);
+  GPU machine;
+- the routed experts' training forward: the tokens sorted by expert, one matmul per expert on its
+  contiguous rows, and back to token order by the inverse permutation (`sorted_experts_forward`):
+  every step of it is a gather or a plain sum, so its backward has no scatter-adds (the atomics
+  that make a backward non-deterministic, and that PyTorch's deterministic mode replaces by slow
+  sorted kernels); the same function as transformers' experts, to rounding (a test compares them);
+  float32 matmuls in TF32 on the GPU (deterministic as well);
 - router balancing: DeepSeek-V3's auxiliary-loss-free rule: after every step each MoE layer's
   score-correction bias moves by `--bias-rate` towards its under-loaded experts (bias_e +=
   rate * sign(mean load - load_e)); no auxiliary loss;
@@ -46,6 +52,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import HERE, append_jsonl, commit, machine  # noqa: E402
@@ -105,6 +112,58 @@ def token_stream(tok, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
+class _Permute(torch.autograd.Function):
+    """rows[perm], whose gradient is grad[inverse]: a gather both ways (no scatter-add)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x[perm]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad[inverse], None, None
+
+
+def sorted_experts_forward(experts, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' DeepseekV3Experts forward (fused gate_up_proj [E, 2I, H], down_proj [E, H, I]),
+    computed on the rows sorted by expert: each token's row repeated k times, permuted so each
+    expert's rows are contiguous (a stable sort of the expert ids), one SwiGLU per expert on its
+    slice, permuted back, and each token's k outputs summed by their routing weights. Deterministic
+    by construction: the permutations' gradients are gathers, the repeat's a sum."""
+    tokens, width = hidden.shape
+    k = top_k_index.shape[-1]
+    ids = top_k_index.reshape(-1)
+    perm = torch.argsort(ids, stable=True)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    counts = torch.bincount(ids, minlength=experts.num_experts).tolist()
+    rows = _Permute.apply(hidden.unsqueeze(1).expand(tokens, k, width).reshape(tokens * k, width), perm, inverse)
+    outs = []
+    for x, gate_up, down in zip(rows.split(counts), experts.gate_up_proj.unbind(0), experts.down_proj.unbind(0)):
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        outs.append(F.linear(experts.act_fn(gate) * up, down))
+    y = _Permute.apply(torch.cat(outs), inverse, perm).view(tokens, k, width)
+    return (y * top_k_weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
+
+
+def use_sorted_experts(model) -> int:
+    """Route each MoE layer's experts through sorted_experts_forward; the number of layers."""
+    n = 0
+    for layer in model.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:
+            continue
+        if not all(hasattr(experts, a) for a in ("gate_up_proj", "down_proj", "act_fn", "num_experts")):
+            raise SystemExit(f"this transformers' DeepseekV3 experts ({type(experts).__name__}) do not hold fused "
+                             "gate_up_proj/down_proj weights; train_small_moe.py needs transformers >= 5")
+        experts.forward = lambda h, i, w, e=experts: sorted_experts_forward(e, h, i, w)
+        n += 1
+    return n
+
+
 def load_per_layer(model, ids: torch.Tensor, seq: int, device) -> dict[int, list[float]]:
     """Each MoE layer's fraction of picks per expert over `ids` (in sequences of `seq`)."""
     counts: dict[int, torch.Tensor] = {}
@@ -153,6 +212,7 @@ def main() -> int:
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # run for run the same sums: before cuBLAS starts
     torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls in TF32 on the GPU: fast, still deterministic
     # attention by the math kernel: the memory-efficient one (what sdpa picks for these float32 heads
     # of unequal q/v sizes) keeps its split, non-deterministic backward under warn_only
     with sdpa_kernel(SDPBackend.MATH), warnings.catch_warnings(record=True) as caught:
@@ -183,6 +243,7 @@ def train(a: argparse.Namespace, caught: list) -> int:
                            bos_token_id=tok.token_to_id("<|bos|>"), eos_token_id=tok.token_to_id("<|eos|>"),
                            **size["model"])
     model = DeepseekV3ForCausalLM(cfg).to(a.device)
+    use_sorted_experts(model)
     opt = torch.optim.AdamW(model.parameters(), lr=size["lr"], betas=(0.9, 0.95), weight_decay=0.1)
     warm = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(

@@ -51,6 +51,37 @@ def test_training_is_deterministic_by_seed(trained, tmp_path, device):
     assert again["heldout_perplexity"] == first["heldout_perplexity"]
 
 
+def test_sorted_experts_train_like_transformers_experts():
+    """The training forward of the routed experts (tokens sorted by expert, gathers both ways) gives
+    transformers' loss and gradients, to float32 rounding."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(BENCH))
+    from train_small_moe import SIZES, use_sorted_experts
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(vocab_size=300, **SIZES["tiny"]["model"]))
+    with torch.no_grad():  # a router that prefers some experts, so the per-expert row counts differ
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.normal_(0, 0.3)
+    ids = torch.randint(0, 300, (4, 48))
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want_loss, want = loss_and_grads()
+    assert use_sorted_experts(model) == 3
+    got_loss, got = loss_and_grads()
+    assert got_loss == pytest.approx(want_loss, rel=1e-6)
+    assert set(got) == set(want) and any("experts.gate_up_proj" in n for n in got)
+    for n in want:
+        assert float((got[n] - want[n]).abs().max()) <= 1e-5 * float(want[n].abs().max()) + 1e-9, n
+
+
 def test_trained_checkpoint_reads_alike_in_ktflow_and_transformers(trained):
     from transformers import AutoModelForCausalLM
 
