@@ -203,6 +203,9 @@ def main() -> int:
     ap.add_argument("-o", "--out", required=True, help="checkpoint dir to write")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the size's)")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="stop training after this many seconds and save what was trained (the report says how many "
+                    "steps ran; the learning rate will not have decayed; a run cut short is deterministic no more)")
     ap.add_argument("--bias-rate", type=float, default=1e-2, help="the balancing bias's step per optimizer step")
     ap.add_argument("--corpus-mb", type=float, default=None, help="MB of sources read (default: the size's)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -276,6 +279,10 @@ def train(a: argparse.Namespace, caught: list) -> int:
         losses.append(loss.item())
         if step % max(1, steps // 10) == 0 or step == steps - 1:
             print(f"step {step:5d}  loss {losses[-1]:.3f}  {time.perf_counter() - t1:.0f} s", flush=True)
+        if a.time_limit is not None and time.perf_counter() - t1 > a.time_limit and step < steps - 1:
+            print(f"stopped by --time-limit {a.time_limit:g} s after {step + 1} of {steps} steps", flush=True)
+            break
+    planned, steps = steps, len(losses)
     train_s = time.perf_counter() - t1
     model.eval()
     ppl = perplexity(model, held_ids, seq, a.device)
@@ -294,7 +301,7 @@ def train(a: argparse.Namespace, caught: list) -> int:
     for name, t in sorted(model.state_dict().items()):
         digest.update(name.encode())
         digest.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    report = dict(size=a.size, seed=a.seed, steps=steps, tokens=steps * batch * seq, train_seconds=round(train_s, 1),
+    report = dict(size=a.size, seed=a.seed, steps=steps, planned_steps=planned, tokens=steps * batch * seq, train_seconds=round(train_s, 1),
                   final_loss=round(sum(losses[-10:]) / len(losses[-10:]), 4), heldout_tokens=len(held_ids),
                   heldout_perplexity=round(ppl, 3), top_k=k, experts=size["model"]["n_routed_experts"],
                   busiest_tenth_share=busiest, load=load, weights_sha256=digest.hexdigest(),

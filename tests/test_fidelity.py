@@ -20,11 +20,11 @@ from ktflow.ir.verify import violations
 BENCH = Path(__file__).parent.parent / "benchmarks"
 
 
-def train_tiny(out: Path, device: str = "cpu", steps: int = 3) -> dict:
+def train_tiny(out: Path, device: str = "cpu", steps: int = 3, *extra: str) -> dict:
     """train_small_moe.py --size tiny for a few steps into `out`; its train_report.json."""
     p = subprocess.run([sys.executable, str(BENCH / "train_small_moe.py"), "--size", "tiny", "--steps", str(steps),
-                        "--corpus-mb", "0.3", "-o", str(out), "--jsonl", str(out.parent / "t.jsonl"), "--device", device],
-                       capture_output=True, text=True, timeout=600)
+                        "--corpus-mb", "0.3", "-o", str(out), "--jsonl", str(out.parent / "t.jsonl"), "--device", device,
+                        *extra], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     return json.loads((out / "train_report.json").read_text())
 
@@ -49,6 +49,13 @@ def test_training_is_deterministic_by_seed(trained, tmp_path, device):
     assert len(again["weights_sha256"]) == 64
     assert again["weights_sha256"] == first["weights_sha256"]
     assert again["heldout_perplexity"] == first["heldout_perplexity"]
+
+
+def test_a_time_limit_stops_training_and_saves_what_ran(tmp_path):
+    pytest.importorskip("transformers")
+    report = train_tiny(tmp_path / "t", "cpu", 1000, "--time-limit", "0")
+    assert (report["steps"], report["planned_steps"]) == (1, 1000)
+    assert report["tokens"] == 16 * 128 and (tmp_path / "t" / "config.json").exists()
 
 
 def test_sorted_experts_train_like_transformers_experts():
