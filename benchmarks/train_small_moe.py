@@ -112,6 +112,13 @@ def token_stream(tok, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
+def pick_counts(ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """How many of `ids` name each expert (int64 [experts]), by a sort and a binary search: the same
+    as bincount, without the kernel PyTorch's deterministic mode warns about on the GPU."""
+    edges = torch.searchsorted(ids.reshape(-1).sort().values, torch.arange(experts + 1, device=ids.device))
+    return edges.diff()
+
+
 class _Permute(torch.autograd.Function):
     """rows[perm], whose gradient is grad[inverse]: a gather both ways (no scatter-add)."""
 
@@ -137,9 +144,8 @@ def sorted_experts_forward(experts, hidden: torch.Tensor, top_k_index: torch.Ten
     k = top_k_index.shape[-1]
     ids = top_k_index.reshape(-1)
     perm = torch.argsort(ids, stable=True)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-    counts = torch.bincount(ids, minlength=experts.num_experts).tolist()
+    inverse = perm.argsort()
+    counts = pick_counts(ids, experts.num_experts).tolist()
     rows = _Permute.apply(hidden.unsqueeze(1).expand(tokens, k, width).reshape(tokens * k, width), perm, inverse)
     outs = []
     for x, gate_up, down in zip(rows.split(counts), experts.gate_up_proj.unbind(0), experts.down_proj.unbind(0)):
@@ -174,7 +180,7 @@ def load_per_layer(model, ids: torch.Tensor, seq: int, device) -> dict[int, list
             continue
 
         def hook(mod, args, out, i=i):
-            counts[i] = counts.get(i, 0) + torch.bincount(out[2].reshape(-1), minlength=mod.num_experts).cpu()
+            counts[i] = counts.get(i, 0) + pick_counts(out[2], mod.num_experts).cpu()
         hooks.append(gate.register_forward_hook(hook))
     n = len(ids) // seq * seq
     with torch.no_grad():
@@ -256,7 +262,7 @@ def train(a: argparse.Namespace, caught: list) -> int:
     picks: dict[int, torch.Tensor] = {}
     for i, g in enumerate(gates):
         g.register_forward_hook(lambda mod, args, o, i=i: picks.__setitem__(
-            i, torch.bincount(o[2].reshape(-1), minlength=mod.num_experts)))
+            i, pick_counts(o[2], mod.num_experts)))
     seq, batch = size["seq"], size["batch"]
     windows = (len(train_ids) - 1) // seq
     order = torch.randperm(windows, generator=torch.Generator().manual_seed(a.seed))
