@@ -474,6 +474,11 @@ def cmd_profile(a: argparse.Namespace) -> int:
         print(f"an expert cache of a quarter of each layer's experts, refilled every {every} decoded tokens, served "
               f"{100 * sum(quarter.values()) / len(quarter):.0f}% of the decoded picks (the quarter picked most overall: "
               f"{100 * sum(static.values()) / len(static):.0f}%)")
+        for b, table in sorted((prof.cache_batched or {}).items()):
+            if every in table:
+                q = [c.hits[max(1, round(0.25 * (len(c.hits) + 1))) - 1] for c in table[every].values()]
+                print(f"  {b} conversations decoded together: it served {100 * sum(q) / len(q):.0f}% of the steps' "
+                      "expert reads")
     print(f"wrote {a.output} (compile with --routing-profile {a.output})")
     return 0
 

@@ -67,6 +67,9 @@ class RoutingProfile(BaseModel):
     #: optional, `cache[N][layer]`: what an expert cache refilled every N decoded tokens served
     #: on the profiled conversations (`ktflow profile --decode`); placement prices cached layers by it
     cache: dict[int, dict[int, CacheCurve]] | None = None
+    #: optional, `cache_batched[B][N][layer]`: the same for B conversations decoded together in
+    #: lockstep with one cache, `hits` being the share of the steps' expert reads it served
+    cache_batched: dict[int, dict[int, dict[int, CacheCurve]]] | None = None
 
     @field_validator("layers")
     @classmethod
@@ -80,6 +83,16 @@ class RoutingProfile(BaseModel):
         fr = self.layers.get(layer)
         return tuple(fr) if fr is not None else None
 
+    def cache_for(self, batch: int) -> tuple[dict[int, dict[int, CacheCurve]], int]:
+        """(the cache curves by refill interval, the batch they price) for decode steps of up to
+        `batch` conversations: one conversation's at 1 (or with no batched curves), else those of
+        the largest profiled batch not above `batch` (the smallest where all are above it)."""
+        if batch <= 1 or not self.cache_batched:
+            return self.cache or {}, 1
+        sizes = sorted(self.cache_batched)
+        b = max([s for s in sizes if s <= batch], default=sizes[0])
+        return self.cache_batched[b], b
+
     def check_against(self, g: Graph) -> None:
         for n in g.nodes:
             if n.op == Op.ROUTED_EXPERTS and n.attrs.layer in self.layers:
@@ -90,12 +103,15 @@ class RoutingProfile(BaseModel):
                 if abs(sum(fr) - n.attrs.top_k) > 0.05 * n.attrs.top_k:
                     raise ConfigError(f"routing profile: layer {n.attrs.layer} frequencies sum to {sum(fr):.3f}, "
                                       f"expected top_k = {n.attrs.top_k}")
-                for every, curves in (self.cache or {}).items():
-                    curve = curves.get(n.attrs.layer)
-                    if curve is not None and not len(curve.hits) == len(curve.copies) == n.attrs.experts - 1:
-                        raise ConfigError(f"routing profile: the cache curve of layer {n.attrs.layer} (every {every} "
-                                          f"tokens) has {len(curve.hits)} sizes, the layer has {n.attrs.experts} "
-                                          f"experts (expected {n.attrs.experts - 1} sizes)")
+                tables = [(1, self.cache or {})] + sorted((self.cache_batched or {}).items())
+                for batch, table in tables:
+                    for every, curves in table.items():
+                        curve = curves.get(n.attrs.layer)
+                        if curve is not None and not len(curve.hits) == len(curve.copies) == n.attrs.experts - 1:
+                            of = f", batch {batch}" if batch > 1 else ""
+                            raise ConfigError(f"routing profile: the cache curve of layer {n.attrs.layer} (every "
+                                              f"{every} tokens{of}) has {len(curve.hits)} sizes, the layer has "
+                                              f"{n.attrs.experts} experts (expected {n.attrs.experts - 1} sizes)")
 
     @staticmethod
     def load(path: str | os.PathLike) -> "RoutingProfile":

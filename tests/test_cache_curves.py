@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ktflow.cache_curves import BLOCK, cache_curves
+from ktflow.cache_curves import BLOCK, cache_curves, lockstep, windows_of
 
 
 def brute(windows, per, first, s):
@@ -72,3 +72,84 @@ def test_sticky_routing_is_served_and_shifting_routing_is_not():
 def test_an_interval_off_the_recorded_windows_is_refused():
     with pytest.raises(ValueError, match="multiple"):
         cache_curves([{1: [torch.ones(4)] * 3}], top_k=1, intervals=(12,))
+
+
+def brute_batch(convs, every, first, s):
+    """One layer of conversations decoded in lockstep, step by step, for one S: (reads served,
+    experts copied in, reads, picks). Each conversation is (prompt counts, per-step picked sets);
+    a step reads each expert any member picked, once; the refills count every member's picks."""
+    experts = first.numel()
+    order = sorted(range(experts), key=lambda e: -float(first[e]))
+
+    def refill(order, counts):
+        return sorted(order, key=lambda e: -float(counts[e]))
+
+    new = refill(order, sum(p for p, _ in convs))
+    copied, served, reads, picks = len(set(new[:s]) - set(order[:s])), 0, 0, 0
+    order = new
+    steps = max(len(st) for _, st in convs)
+    for lo in range(0, steps, every):
+        counts = torch.zeros(experts)
+        for t in range(lo, min(lo + every, steps)):
+            step = [st[t] for _, st in convs if t < len(st)]
+            union = set().union(*step)
+            served += len(union & set(order[:s]))
+            reads += len(union)
+            for picked in step:
+                counts[list(picked)] += 1
+                picks += len(picked)
+        if lo + every < steps:
+            new = refill(order, counts)
+            copied += len(set(new[:s]) - set(order[:s]))
+            order = new
+    return served, copied, reads, picks
+
+
+@pytest.mark.parametrize("every", [8, 16])
+def test_batched_curves_equal_the_policy_run_on_the_batch_in_lockstep(every):
+    g = torch.Generator().manual_seed(every)
+    experts, k = 10, 2
+    first = torch.rand(experts, generator=g)
+
+    def conversation(steps):
+        prompt = torch.randint(0, 5, (experts,), generator=g)
+        picked = [set(torch.randperm(experts, generator=g)[:k].tolist()) for _ in range(steps)]
+        per_step = torch.zeros(steps, experts, dtype=torch.int64)
+        for t, p in enumerate(picked):
+            per_step[t, list(p)] = 1
+        return (prompt, picked), {7: (prompt, per_step)}
+
+    made = [conversation(steps) for steps in (40, 33, 40, 25)]  # ragged: a member may end first
+    batches = [made[:2], made[2:]]
+    windows, reads = zip(*(lockstep([m[1] for m in b]) for b in batches))
+    curves = cache_curves(list(windows), top_k=k, intervals=(every,), first={7: first}, reads=list(reads))[every][7]
+    for s in range(1, experts):
+        got = [brute_batch([m[0] for m in b], every, first, s) for b in batches]
+        served, copied, nreads, picks = (sum(x) for x in zip(*got))
+        assert curves.hits[s - 1] == pytest.approx(served / nreads, abs=1e-6)
+        assert curves.copies[s - 1] == pytest.approx(copied / (picks / k), abs=1e-6)
+
+
+def test_a_batch_of_one_reads_what_it_picks():
+    g = torch.Generator().manual_seed(1)
+    prompt, steps = torch.randint(0, 3, (8,), generator=g), (torch.rand(21, 8, generator=g) < 0.25).long()
+    w, r = lockstep([{2: (prompt, steps)}])
+    alone = cache_curves([{2: windows_of(prompt, steps)}], top_k=2, intervals=(8,))
+    assert cache_curves([w], top_k=2, intervals=(8,), reads=[r]) == alone
+
+
+def test_a_batch_that_keeps_to_different_experts_is_served_less():
+    """Two conversations, each always on its own two experts: two slots serve each alone fully,
+    the pair together half of its reads (four experts read a step)."""
+    def conv(hot):
+        steps = torch.zeros(24, 8, dtype=torch.int64)
+        steps[:, list(hot)] = 1
+        prompt = torch.zeros(8, dtype=torch.int64)
+        prompt[list(hot)] = 4
+        return {1: (prompt, steps)}
+
+    a, b = conv((0, 1)), conv((4, 5))
+    alone = cache_curves([{1: windows_of(*a[1])}], top_k=2, intervals=(8,))[8][1]
+    w, r = lockstep([a, b])
+    both = cache_curves([w], top_k=2, intervals=(8,), reads=[r])[8][1]
+    assert alone.hits[1] == 1.0 and both.hits[1] == 0.5 and both.hits[3] == 1.0

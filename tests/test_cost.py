@@ -101,6 +101,19 @@ def test_bad_routing_profiles(demo_dir, tmp_path, layers, message):
         ktflow.compile(ktflow.load(demo_dir), hw="cpu", routing_profile=str(p))
 
 
+@pytest.mark.parametrize("field", ["cache", "cache_batched"])
+def test_a_cache_curve_of_the_wrong_size_is_refused(demo_dir, tmp_path, field):
+    from ktflow.cost import CacheCurve
+
+    curves = {16: {1: CacheCurve(hits=[0.5] * 15, copies=[0.1] * 15)}}  # 16 sizes; the model's layers have 32 experts
+    prof = RoutingProfile(layers={1: [0.125] * 32}, **{field: curves if field == "cache" else {4: curves}})
+    p = tmp_path / "r.json"
+    p.write_text(prof.model_dump_json())
+    where = "every 16 tokens" + (", batch 4" if field == "cache_batched" else "")
+    with pytest.raises(ConfigError, match=f"cache curve of layer 1 \\({where}\\) has 15 sizes"):
+        ktflow.compile(ktflow.load(demo_dir), hw="cpu", routing_profile=str(p))
+
+
 def test_routing_profile_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         RoutingProfile.load(tmp_path / "none.json")

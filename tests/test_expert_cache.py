@@ -292,22 +292,30 @@ def test_ktflow_run_follows_the_routing_with_expert_cache(demo_dir, capsys):
     assert "expert_cache=True" in capsys.readouterr().err
 
 
-def curves_profile(path, experts=32, top_k=4, sticky=(3,), flat=(1, 2), intervals=(16, 32)):
+def curves_profile(path, experts=32, top_k=4, sticky=(3,), flat=(1, 2), intervals=(16, 32), batched=None):
     """A routing profile with uniform frequencies and cache curves: in `sticky` layers a cache of
     S slots serves 4 S / experts of the picks (more at the first interval, for fewer copies); in
-    `flat` layers only S / experts (what static slots serve) and copies cost extra."""
+    `flat` layers only S / experts (what static slots serve) and copies cost extra. `batched`:
+    {B: (sticky, flat)} the same for batches of B conversations."""
     from ktflow.cost import CacheCurve, RoutingProfile
 
     sizes = range(1, experts)
-    cache = {}
-    for i, every in enumerate(intervals):
-        cache[every] = {}
-        for layer in sticky:
-            cache[every][layer] = CacheCurve(hits=[min(1.0, 4 * s / experts) - 0.05 * i for s in sizes],
-                                             copies=[0.1 * (1 + i) * s / experts for s in sizes])
-        for layer in flat:
-            cache[every][layer] = CacheCurve(hits=[s / experts for s in sizes], copies=[0.2 * s / experts for s in sizes])
-    prof = RoutingProfile(layers={layer: [top_k / experts] * experts for layer in (*sticky, *flat)}, cache=cache)
+
+    def table(sticky, flat):
+        cache = {}
+        for i, every in enumerate(intervals):
+            cache[every] = {}
+            for layer in sticky:
+                cache[every][layer] = CacheCurve(hits=[min(1.0, 4 * s / experts) - 0.05 * i for s in sizes],
+                                                 copies=[0.1 * (1 + i) * s / experts for s in sizes])
+            for layer in flat:
+                cache[every][layer] = CacheCurve(hits=[s / experts for s in sizes],
+                                                 copies=[0.2 * s / experts for s in sizes])
+        return cache
+
+    prof = RoutingProfile(layers={layer: [top_k / experts] * experts for layer in (*sticky, *flat)},
+                          cache=table(sticky, flat),
+                          cache_batched={b: table(*v) for b, v in batched.items()} if batched else None)
     path.write_text(prof.model_dump_json())
     return str(path)
 
@@ -338,6 +346,15 @@ def test_the_placement_pass_prices_the_cache_and_sizes_it_per_layer(demo_dir, tm
     cached_layers = [m for m in batched.values() if m.attrs.refill_every]
     assert cached_layers and all("priced for one conversation: a batch of up to 4" in m.place.cause
                                  for m in cached_layers)
+    # a plan for batches reads the profile's batched curves: in batches of 2, layer 3's reads
+    # spread (a flat curve) and its cache is off; layer 3 in batches of 4 stays sticky, and the
+    # plan for 8 is priced by them, the largest batch profiled
+    spread = curves_profile(tmp_path / "b.json", batched={2: ((), (1, 2, 3)), 4: ((3,), (1, 2))})
+    pair = gpu_experts(ktflow.compile(model, expert_cache=True, **dict(kw, max_batch=2, routing_profile=spread)))
+    assert pair and all(m.attrs.refill_every == 0 for m in pair.values())
+    eight = gpu_experts(ktflow.compile(model, expert_cache=True, **dict(kw, max_batch=8, routing_profile=spread)))
+    assert eight[3].attrs.refill_every and "priced for 4 conversations decoded together (the largest batch the " \
+        "profile holds; the plan's is up to 8)" in eight[3].place.cause and "expert reads" in eight[3].place.cause
     # curves that serve no more than static slots: the cache is off
     flat = dict(kw, routing_profile=curves_profile(tmp_path / "f.json", sticky=(), flat=(1, 2, 3)))
     c = ktflow.compile(model, expert_cache=True, **flat)

@@ -51,6 +51,10 @@ def test_recorded_routing_is_the_routers_picks(backend, tiny_dirs, tmp_path):
     curve = prof.cache[32][layer]
     assert len(curve.hits) == experts - 1 and curve.hits[k - 1] == 1.0 and curve.copies[k - 1] == 0.0
     assert curve.hits[k - 2] == pytest.approx((k - 1) / k)
+    # the two conversations decoded together read the same k experts a step: the same curve
+    assert set(prof.cache_batched) == {2} and set(prof.cache_batched[2]) == {8, 16, 32, 64}
+    both = prof.cache_batched[2][32][layer]
+    assert both.hits[k - 1] == 1.0 and both.hits[k - 2] == pytest.approx((k - 1) / k) and both.copies[k - 1] == 0.0
     # teacher forcing: a continuation fed a decode step a token routes as the whole text prefilled
     plain_c = ktflow.compile(ktflow.load(d), hw="paper-a100", device="cpu", dtype="float32", max_seq_len=32,
                              backend=backend)
@@ -58,6 +62,7 @@ def test_recorded_routing_is_the_routers_picks(backend, tiny_dirs, tmp_path):
     forced = record_routing(plain_c, [text[:4]], progress=False, continuations=[text[4:]])
     whole = record_routing(plain_c, [text], progress=False)
     assert forced.tokens == whole.tokens == len(text) and forced.layers == whole.layers and forced.cache
+    assert forced.cache_batched is None  # one conversation makes no batch
     # unbiased: fractions of real picks, each token k of them
     plain = record_routing(ktflow.compile(ktflow.load(d), hw="paper-a100", device="cpu", dtype="float32",
                                           max_seq_len=32, backend=backend), [[1, 2, 3, 4, 5, 6]], progress=False)
@@ -133,7 +138,9 @@ def test_ktflow_profile_writes_what_compile_reads(demo_dir, tmp_path, capsys):
     assert prof.tokens > 8 and prof.layers
     assert prof.cache and all(len(c.hits) == len(prof.layers[layer]) - 1 for c2 in prof.cache.values()
                               for layer, c in c2.items())
-    assert "an expert cache of a quarter of each layer's experts" in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert "an expert cache of a quarter of each layer's experts" in out_text
+    assert set(prof.cache_batched) == {2} and "2 conversations decoded together: it served" in out_text
     model = ktflow.load(d)
     split = None
     for budget in (0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2):  # until some layer's experts are split

@@ -96,6 +96,7 @@ class SlotChoice:
     hits: float  # share of the layer's picks the slots serve (expected)
     copies: float  # experts copied in per decoded token (0 for static)
     priced: bool  # from the profile's cache curves (else a cache by default, unpriced)
+    batch: int = 1  # conversations decoded together that the curves priced
 
 
 def slot_choices(n: Node, ctx: CompileContext, w: Work, saving: float, vram: float) -> list[SlotChoice]:
@@ -107,15 +108,20 @@ def slot_choices(n: Node, ctx: CompileContext, w: Work, saving: float, vram: flo
     copied expert priced at reading its bytes from host DRAM (the copy stream's DMA reads the
     memory the CPU experts stream from) for every token of the step; S slots go to whichever is
     worth more (ties: static). Without curves a split layer is a cache refilled every
-    DEFAULT_REFILL tokens, unpriced (valued as static)."""
+    DEFAULT_REFILL tokens, unpriced (valued as static). At max_batch > 1 the curves of a profiled
+    batch (`RoutingProfile.cache_for`) give the share of the step's expert reads the slots serve,
+    the unit the static value is in (each expert's chance of being read in the step), so a cache
+    is worth `saving * hits_N[S]`; with one conversation's curves only, the picks' share is
+    converted as at one token (an overstatement the cause states)."""
     ids = n.attrs.ids
     probs = w.expert_probs or [n.attrs.top_k / n.attrs.experts] * n.attrs.experts
     hit = [1.0 - (1.0 - min(p, 1.0)) ** w.tokens for p in probs]
     total = sum(hit[e] for e in ids) or 1.0
     ranked = sorted(ids, key=lambda e: (-hit[e], e))
-    curves = {}
-    if ctx.options.expert_cache and ctx.routing is not None and ctx.routing.cache and len(ids) == n.attrs.experts:
-        curves = {every: c[n.attrs.layer] for every, c in ctx.routing.cache.items() if n.attrs.layer in c}
+    curves, batch = {}, 1
+    if ctx.options.expert_cache and ctx.routing is not None and len(ids) == n.attrs.experts:
+        table, batch = ctx.routing.cache_for(ctx.options.max_batch)
+        curves = {every: c[n.attrs.layer] for every, c in table.items() if n.attrs.layer in c}
     per_copy = vram / len(ids) / (ctx.hw.cpu.dram_gbps * 1e9) * w.tokens
     picks = sum(probs[e] for e in ids) or 1.0
     out, static, share, picked = [], 0.0, 0.0, 0.0
@@ -127,13 +133,13 @@ def slot_choices(n: Node, ctx: CompileContext, w: Work, saving: float, vram: flo
         if s < n.attrs.experts and ctx.options.expert_cache:
             if not curves:
                 best = SlotChoice(DEFAULT_REFILL, static, static, share, 0.0, False)
-            # a share of the picks is worth what the static slots' share is worth: at one token a
-            # step the node's saving times the share, at B tokens the static value's own unit
-            worth = static / picked if picked > 0 else saving
+            # batched curves: a share of the reads, worth the saving times it; one conversation's:
+            # a share of the picks, worth what the static slots' share of the picks is worth
+            worth = saving if batch > 1 else (static / picked if picked > 0 else saving)
             for every, c in sorted(curves.items()):
                 v = worth * c.hits[s - 1] - per_copy * c.copies[s - 1]
                 if v > best.value:
-                    best = SlotChoice(every, v, static, c.hits[s - 1], c.copies[s - 1], True)
+                    best = SlotChoice(every, v, static, c.hits[s - 1], c.copies[s - 1], True, batch)
         out.append(best)
     return out
 
@@ -336,10 +342,18 @@ def _cache_choice(n: Node, g: Graph, ctx: CompileContext, slots: int) -> tuple[i
                           "priced: the routing profile has no cache curves; record one with `ktflow profile`)")
     if ch.every:
         batch = ctx.options.max_batch
-        shared = (f"; priced for one conversation: a batch of up to {batch} shares the slots, and is served "
-                  "less (not modelled)") if batch > 1 else ""
+        if ch.batch > 1:
+            shared = f"; priced for {ch.batch} conversations decoded together" + (
+                f" (the largest batch the profile holds; the plan's is up to {batch})" if ch.batch < batch else "")
+        elif batch > 1:
+            shared = (f"; priced for one conversation: a batch of up to {batch} shares the slots, and is served "
+                      "less (not modelled: the routing profile has no batched curves; record one with `ktflow "
+                      "profile` and two or more prompts)")
+        else:
+            shared = ""
+        unit = "expert reads" if ch.batch > 1 else "picks"
         return ch.every, (f"; a cache the runtime refills every {ch.every} decoded tokens from recent routing: "
-                          f"{ch.hits:.0%} of the decoded picks for {ch.copies:.2f} experts copied in a token "
+                          f"{ch.hits:.0%} of the decoded {unit} for {ch.copies:.2f} experts copied in a token "
                           f"(the profile's cache curves), saving {_si(ch.value)}s a step against {_si(ch.static)}s "
                           f"static{shared}")
     return 0, "; no cache: the profile's cache curves price a refilled cache below these static experts"

@@ -139,9 +139,10 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
     with `continuations`, each prompt's continuation fed one decode step a token: teacher
     forcing), with a RoutingRecorder on every plan; returns the RoutingProfile of all the tokens
     it routed. With decode steps, the profile also holds the expert cache's curves
-    (`ktflow.cache_curves`): each conversation's picks are read in windows (the prompt, then every
-    BLOCK decoded tokens) and the refill policy replayed on them."""
-    from ..cache_curves import BLOCK, cache_curves
+    (`ktflow.cache_curves`): each conversation's picks are read step by step, summed into windows
+    (the prompt, then every BLOCK decoded tokens), and the refill policy replayed on them; and for
+    each B of BATCHES, the conversations taken B at a time in lockstep (`cache_batched`)."""
+    from ..cache_curves import BATCHES, cache_curves, lockstep, windows_of
     from ..progress import bar
     from .execute import execute
 
@@ -149,10 +150,23 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
     plans = [compiled.decode, *compiled.prefill]
     for plan in plans:
         compiled.executor(plan).recorder = rec
-    conversations = []
+    conversations = []  # per conversation, per layer: its windows
+    group: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []  # the last conversations' steps, for batches
+    batched: dict[int, tuple[list, list]] = {b: ([], []) for b in BATCHES}  # B -> (windows, reads) per batch
 
     def snapshot() -> dict[int, torch.Tensor]:
         return {layer: c.clone() for layer, c in rec.counts.items()}
+
+    def close_group(final: bool = False) -> None:
+        """Batches of every B from the conversations held (all of them make batches of the
+        largest B; at the end, the rest make what batches they can), then drop them."""
+        for b in BATCHES:
+            for lo in range(0, len(group) - b + 1, b):
+                w, r = lockstep(group[lo:lo + b])
+                batched[b][0].append(w)
+                batched[b][1].append(r)
+        if final or len(group) == max(BATCHES):
+            group.clear()
 
     try:
         if continuations is not None:
@@ -168,18 +182,33 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
                 if continuations is not None:
                     nxt = torch.tensor([continuations[j][i]])
                 nxt, state = execute(compiled, nxt.view(1, 1), state, logits="argmax")
-                if (i + 1) % BLOCK == 0 or i + 1 == steps:
-                    snaps.append(snapshot())
-            conversations.append({layer: [(snaps[j + 1][layer] - snaps[j].get(layer, 0)).cpu()
-                                          for j in range(len(snaps) - 1)] for layer in snaps[-1]})
+                snaps.append(snapshot())
+            conv = {}
+            for layer in snaps[-1]:
+                seen = [s_[layer] if layer in s_ else torch.zeros_like(snaps[-1][layer]) for s_ in snaps]
+                diffs = torch.stack(seen).diff(dim=0).cpu()  # [1 + steps, experts]: the prompt's picks, then each step's
+                conv[layer] = (diffs[0], diffs[1:])
+            conversations.append({layer: windows_of(*pair) for layer, pair in conv.items()})
+            if steps:
+                group.append(conv)
+                if len(group) == max(BATCHES):
+                    close_group()
     finally:
         for plan in plans:
             compiled.executor(plan).recorder = None
+    if group:
+        close_group(final=True)
     model = compiled.model
     prof = rec.profile(model.config.model_type if model is not None else None)
     if decode > 0:
         top_k = next(n.attrs.top_k for n in compiled.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS)
         first = {layer: torch.tensor(fr) for layer, fr in prof.layers.items()}
         curves = {every: c for every, c in cache_curves(conversations, top_k, first=first).items() if c}
-        prof = prof.model_copy(update={"cache": curves or None})  # none where no prompt left room to decode
+        together = {}
+        for b, (wins, reads) in batched.items():
+            per = {every: c for every, c in cache_curves(wins, top_k, first=first, reads=reads).items() if c}
+            if per:
+                together[b] = per
+        # none where no prompt left room to decode
+        prof = prof.model_copy(update={"cache": curves or None, "cache_batched": together or None})
     return prof
