@@ -14,10 +14,11 @@ each conversation's picks in windows (the prompt, then blocks of `BLOCK` decoded
 
 A serving step decodes a batch of conversations together with one cache, and reads each expert
 any of its rows picked once. For B = 2, 4, 8 (`BATCHES`) the profile's conversations are also
-taken B at a time in lockstep (`lockstep`: step t of the group is every member's step t): the
-refills follow all rows' picks, and `hits` is the share of the steps' expert reads the slots
-served (B = 1: a read is a pick). These are `RoutingProfile.cache_batched`, which the placement
-pass reads for a plan of `max_batch` > 1.
+taken B at a time in lockstep (`lockstep`: step t of the batch is every member's step t that has
+one): the refills follow all rows' picks, after the prompts and then, as the runtime counts, once
+N decoded tokens (rows) have run since the last (every ceil(N / B) steps while all B run), and
+`hits` is the share of the steps' expert reads the slots served (B = 1: a read is a pick). These
+are `RoutingProfile.cache_batched`, which the placement pass reads for a plan of `max_batch` > 1.
 
 Ties in a window's counts keep the order of the refill before (`next_order`), as
 `ExpertCache.refill_from` does, so a resident expert stays resident on a tie. Two differences
@@ -54,87 +55,124 @@ def windows_of(prompt: torch.Tensor, steps: torch.Tensor) -> list[torch.Tensor]:
     return [prompt] + [steps[i:i + BLOCK].sum(0) for i in range(0, steps.shape[0], BLOCK)]
 
 
-def lockstep(group: list[dict[int, tuple[torch.Tensor, torch.Tensor]]]) -> tuple[dict, dict]:
-    """A batch of conversations decoded together, from each one's (prompt counts, per-step counts
-    [steps, experts]) per layer: (windows, reads): per layer the windows of the batch's pick
-    counts (all prompts, then each BLOCK steps, step t being every member's step t that has one)
-    and of its expert reads (per step, each expert any member picked, once)."""
-    windows, reads = {}, {}
+#: one layer of a run to replay: (the prompt's pick counts, then per refill interval's stretch of
+#: decode steps: its pick counts and its expert reads, each [experts])
+Run = tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]
+
+
+def lockstep(group: list[dict[int, tuple[torch.Tensor, torch.Tensor]]],
+             intervals=INTERVALS) -> dict[int, dict[int, Run]]:
+    """A batch of conversations decoded together with one cache, from each one's (prompt counts,
+    per-step counts [steps, experts]) per layer: per refill interval N, per layer, the Run to
+    replay: all prompts' counts, then the stretches between refills, cut where N decoded tokens
+    (the rows of the steps, a member counting while it has steps) have run since the last, as
+    `ExpertCache.follow` counts them; a stretch's reads are, per step, each expert any member
+    picked, once."""
+    out: dict[int, dict[int, Run]] = {every: {} for every in intervals}
     for layer in sorted({layer for conv in group for layer in conv}):
         parts = [conv[layer] for conv in group if layer in conv]
         steps = max(st.shape[0] for _, st in parts)
         counts = torch.zeros(steps, parts[0][0].numel(), dtype=torch.int64)
         picked = torch.zeros_like(counts, dtype=torch.bool)
+        rows = torch.zeros(steps, dtype=torch.int64)
         for _, st in parts:
             counts[:st.shape[0]] += st
             picked[:st.shape[0]] |= st > 0
-        windows[layer] = windows_of(sum(pr for pr, _ in parts), counts)
-        reads[layer] = windows_of(torch.zeros_like(parts[0][0]), picked.long())
-    return windows, reads
+            rows[:st.shape[0]] += 1
+        prompt = sum(pr for pr, _ in parts)
+        for every in intervals:
+            cuts, since = [0], 0
+            for t, r in enumerate(rows.tolist()):
+                since += r
+                if since >= every:
+                    cuts.append(t + 1)
+                    since = 0
+            if cuts[-1] < steps:
+                cuts.append(steps)
+            spans = list(zip(cuts, cuts[1:]))
+            out[every][layer] = (prompt, [counts[a:b].sum(0) for a, b in spans],
+                                 [picked[a:b].sum(0) for a, b in spans])
+    return out
 
 
-def _one(windows: list[torch.Tensor], per: int, first: torch.Tensor,
-         reads: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-    """(served reads, experts copied in) for S = 1 .. experts - 1, the decode steps' expert reads
-    and their picks, over one conversation's (or lockstep batch's) windows of one layer at a
-    refill interval of `per` blocks. `reads`: the windows' expert reads (default: the picks, as in
-    a conversation of its own)."""
-    experts = windows[0].numel()
-    groups = [torch.stack(windows[1 + i:1 + i + per]).sum(0).double() for i in range(0, len(windows) - 1, per)]
-    reads = reads or windows
-    served_by = [torch.stack(reads[1 + i:1 + i + per]).sum(0).double() for i in range(0, len(reads) - 1, per)]
+def _replay(run: Run, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """(reads served, experts copied in) for S = 1 .. experts - 1, and the run's decode reads and
+    picks: the cache first filled by `first`'s order, refilled after the prompt and after each
+    stretch but the last, each stretch served by the order chosen before it (causal)."""
+    prompt, stretches, reads = run
+    experts = prompt.numel()
     s = torch.arange(1, experts)[:, None]
     inside = torch.arange(experts)[None, :] < s  # [S, position]: position < S
     copied = torch.zeros(experts - 1, dtype=torch.float64)
 
     def refill(order: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         nonlocal copied
-        new = next_order(order, counts)
+        new = next_order(order, counts.double())
         entering = order.argsort()[new]  # where each of the new order's experts stood before
         copied += ((entering[None, :] >= s) & inside).sum(1).double()  # new in the top S, not in the old
         return new
 
     order = next_order(torch.arange(experts), first.double())  # the first filling (the profile's totals)
-    order = refill(order, windows[0].double())  # the refill after the prompt
+    order = refill(order, prompt)  # the refill after the prompt
     served = torch.zeros(experts - 1, dtype=torch.float64)
-    for i, (g, r) in enumerate(zip(groups, served_by)):  # each group served by the order chosen after the one before
-        served += r[order].cumsum(0)[:experts - 1]
-        if i + 1 < len(groups):
+    for i, (g, r) in enumerate(zip(stretches, reads)):
+        served += r.double()[order].cumsum(0)[:experts - 1]
+        if i + 1 < len(stretches):
             order = refill(order, g)
-    return served, copied, float(sum(r.sum() for r in served_by)), float(sum(g.sum() for g in groups))
+    return served, copied, float(sum(float(r.sum()) for r in reads)), float(sum(float(g.sum()) for g in stretches))
+
+
+def _curves(runs: list[dict[int, Run]], top_k: int, first: dict[int, torch.Tensor] | None) -> dict[int, CacheCurve]:
+    """{layer: CacheCurve} over `runs` (each a conversation or a batch: its Run per layer)."""
+    out = {}
+    for layer in sorted({layer for run in runs for layer in run}):
+        served = copied = None
+        wanted = picks = 0.0
+        for run in runs:
+            r = run.get(layer)
+            if r is None or not r[1]:
+                continue
+            f = first[layer] if first and layer in first else torch.zeros(r[0].numel())
+            h, c, n_reads, n_picks = _replay(r, f)
+            served = h if served is None else served + h
+            copied = c if copied is None else copied + c
+            wanted += n_reads
+            picks += n_picks
+        if served is None or wanted == 0:
+            continue
+        tokens = picks / top_k
+        out[layer] = CacheCurve(hits=[round(min(1.0, float(x) / wanted), 6) for x in served],
+                                copies=[round(float(x) / tokens, 6) for x in copied])
+    return out
 
 
 def cache_curves(conversations: list[dict[int, list[torch.Tensor]]], top_k: int, intervals=INTERVALS,
-                 first: dict[int, torch.Tensor] | None = None,
-                 reads: list[dict[int, list[torch.Tensor]]] | None = None) -> dict[int, dict[int, CacheCurve]]:
+                 first: dict[int, torch.Tensor] | None = None) -> dict[int, dict[int, CacheCurve]]:
     """{interval: {layer: CacheCurve}} from each conversation's windows: per layer, the prompt's
     pick counts, then each block of BLOCK decoded tokens' counts (int [experts] each). `first`:
     per layer, the counts the cache's first filling follows (the profile's totals; default: the
-    lowest ids). Only decoded tokens' picks are served and counted. `reads`: for batches decoded
-    in lockstep (`lockstep`), each one's windows of expert reads: `hits` is then the share of the
-    reads served, `copies` still per decoded token (a row of a step)."""
+    lowest ids). Only decoded tokens' picks are served and counted."""
     out: dict[int, dict[int, CacheCurve]] = {}
-    layers = sorted({layer for conv in conversations for layer in conv})
     for every in intervals:
         if every < BLOCK or every % BLOCK:
             raise ValueError(f"refill interval {every} is not a multiple of the recorded window ({BLOCK} tokens)")
-        out[every] = {}
-        for layer in layers:
-            served = copied = None
-            wanted = picks = 0.0
-            for j, conv in enumerate(conversations):
-                wins = conv.get(layer)
-                if not wins or len(wins) < 2:
+        per = every // BLOCK
+        runs = []
+        for conv in conversations:
+            run = {}
+            for layer, wins in conv.items():
+                if len(wins) < 2:
                     continue
-                f = first[layer] if first and layer in first else torch.zeros(wins[0].numel())
-                h, c, r, n = _one(wins, every // BLOCK, f, reads[j][layer] if reads else None)
-                served = h if served is None else served + h
-                copied = c if copied is None else copied + c
-                wanted += r
-                picks += n
-            if served is None or wanted == 0:
-                continue
-            tokens = picks / top_k
-            out[every][layer] = CacheCurve(hits=[round(min(1.0, float(x) / wanted), 6) for x in served],
-                                           copies=[round(float(x) / tokens, 6) for x in copied])
+                stretches = [torch.stack(wins[1 + i:1 + i + per]).sum(0) for i in range(0, len(wins) - 1, per)]
+                run[layer] = (wins[0], stretches, stretches)  # alone, a step reads what it picks
+            runs.append(run)
+        out[every] = _curves(runs, top_k, first)
     return out
+
+
+def batched_curves(batches: list[dict[int, dict[int, Run]]], top_k: int,
+                   first: dict[int, torch.Tensor] | None = None) -> dict[int, dict[int, CacheCurve]]:
+    """{interval: {layer: CacheCurve}} of batches decoded in lockstep (each `lockstep`'s output):
+    `hits` the share of the steps' expert reads served, `copies` per decoded token (a row)."""
+    intervals = sorted({every for b in batches for every in b})
+    return {every: _curves([b[every] for b in batches if every in b], top_k, first) for every in intervals}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ktflow.cache_curves import BLOCK, cache_curves, lockstep, windows_of
+from ktflow.cache_curves import BLOCK, batched_curves, cache_curves, lockstep, windows_of
 
 
 def brute(windows, per, first, s):
@@ -77,7 +77,8 @@ def test_an_interval_off_the_recorded_windows_is_refused():
 def brute_batch(convs, every, first, s):
     """One layer of conversations decoded in lockstep, step by step, for one S: (reads served,
     experts copied in, reads, picks). Each conversation is (prompt counts, per-step picked sets);
-    a step reads each expert any member picked, once; the refills count every member's picks."""
+    a step reads each expert any member picked, once; a refill follows every member's picks since
+    the last, once `every` decoded tokens (a row each) have run since it, as ExpertCache counts."""
     experts = first.numel()
     order = sorted(range(experts), key=lambda e: -float(first[e]))
 
@@ -88,20 +89,20 @@ def brute_batch(convs, every, first, s):
     copied, served, reads, picks = len(set(new[:s]) - set(order[:s])), 0, 0, 0
     order = new
     steps = max(len(st) for _, st in convs)
-    for lo in range(0, steps, every):
-        counts = torch.zeros(experts)
-        for t in range(lo, min(lo + every, steps)):
-            step = [st[t] for _, st in convs if t < len(st)]
-            union = set().union(*step)
-            served += len(union & set(order[:s]))
-            reads += len(union)
-            for picked in step:
-                counts[list(picked)] += 1
-                picks += len(picked)
-        if lo + every < steps:
+    counts, since = torch.zeros(experts), 0
+    for t in range(steps):
+        step = [st[t] for _, st in convs if t < len(st)]
+        union = set().union(*step)
+        served += len(union & set(order[:s]))
+        reads += len(union)
+        for picked in step:
+            counts[list(picked)] += 1
+            picks += len(picked)
+        since += len(step)
+        if since >= every and t + 1 < steps:
             new = refill(order, counts)
             copied += len(set(new[:s]) - set(order[:s]))
-            order = new
+            order, counts, since = new, torch.zeros(experts), 0
     return served, copied, reads, picks
 
 
@@ -119,10 +120,10 @@ def test_batched_curves_equal_the_policy_run_on_the_batch_in_lockstep(every):
             per_step[t, list(p)] = 1
         return (prompt, picked), {7: (prompt, per_step)}
 
-    made = [conversation(steps) for steps in (40, 33, 40, 25)]  # ragged: a member may end first
-    batches = [made[:2], made[2:]]
-    windows, reads = zip(*(lockstep([m[1] for m in b]) for b in batches))
-    curves = cache_curves(list(windows), top_k=k, intervals=(every,), first={7: first}, reads=list(reads))[every][7]
+    made = [conversation(steps) for steps in (40, 33, 40, 25, 31, 19)]  # ragged: a member may end first
+    batches = [made[:2], made[2:]]  # a pair, and four (refills every 2-4 steps, then slower as members end)
+    curves = batched_curves([lockstep([m[1] for m in b], (every,)) for b in batches], top_k=k,
+                            first={7: first})[every][7]
     for s in range(1, experts):
         got = [brute_batch([m[0] for m in b], every, first, s) for b in batches]
         served, copied, nreads, picks = (sum(x) for x in zip(*got))
@@ -130,12 +131,11 @@ def test_batched_curves_equal_the_policy_run_on_the_batch_in_lockstep(every):
         assert curves.copies[s - 1] == pytest.approx(copied / (picks / k), abs=1e-6)
 
 
-def test_a_batch_of_one_reads_what_it_picks():
+def test_a_batch_of_one_is_a_conversation():
     g = torch.Generator().manual_seed(1)
     prompt, steps = torch.randint(0, 3, (8,), generator=g), (torch.rand(21, 8, generator=g) < 0.25).long()
-    w, r = lockstep([{2: (prompt, steps)}])
-    alone = cache_curves([{2: windows_of(prompt, steps)}], top_k=2, intervals=(8,))
-    assert cache_curves([w], top_k=2, intervals=(8,), reads=[r]) == alone
+    alone = cache_curves([{2: windows_of(prompt, steps)}], top_k=2)
+    assert batched_curves([lockstep([{2: (prompt, steps)}])], top_k=2) == alone
 
 
 def test_a_batch_that_keeps_to_different_experts_is_served_less():
@@ -150,6 +150,5 @@ def test_a_batch_that_keeps_to_different_experts_is_served_less():
 
     a, b = conv((0, 1)), conv((4, 5))
     alone = cache_curves([{1: windows_of(*a[1])}], top_k=2, intervals=(8,))[8][1]
-    w, r = lockstep([a, b])
-    both = cache_curves([w], top_k=2, intervals=(8,), reads=[r])[8][1]
+    both = batched_curves([lockstep([a, b], (8,))], top_k=2)[8][1]
     assert alone.hits[1] == 1.0 and both.hits[1] == 0.5 and both.hits[3] == 1.0

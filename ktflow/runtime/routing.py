@@ -142,7 +142,7 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
     (`ktflow.cache_curves`): each conversation's picks are read step by step, summed into windows
     (the prompt, then every BLOCK decoded tokens), and the refill policy replayed on them; and for
     each B of BATCHES, the conversations taken B at a time in lockstep (`cache_batched`)."""
-    from ..cache_curves import BATCHES, cache_curves, lockstep, windows_of
+    from ..cache_curves import BATCHES, batched_curves, cache_curves, lockstep, windows_of
     from ..progress import bar
     from .execute import execute
 
@@ -152,7 +152,7 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
         compiled.executor(plan).recorder = rec
     conversations = []  # per conversation, per layer: its windows
     group: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []  # the last conversations' steps, for batches
-    batched: dict[int, tuple[list, list]] = {b: ([], []) for b in BATCHES}  # B -> (windows, reads) per batch
+    batched: dict[int, list] = {b: [] for b in BATCHES}  # B -> each batch's runs (cache_curves.lockstep)
 
     def snapshot() -> dict[int, torch.Tensor]:
         return {layer: c.clone() for layer, c in rec.counts.items()}
@@ -162,9 +162,7 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
         largest B; at the end, the rest make what batches they can), then drop them."""
         for b in BATCHES:
             for lo in range(0, len(group) - b + 1, b):
-                w, r = lockstep(group[lo:lo + b])
-                batched[b][0].append(w)
-                batched[b][1].append(r)
+                batched[b].append(lockstep(group[lo:lo + b]))
         if final or len(group) == max(BATCHES):
             group.clear()
 
@@ -205,8 +203,8 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
         first = {layer: torch.tensor(fr) for layer, fr in prof.layers.items()}
         curves = {every: c for every, c in cache_curves(conversations, top_k, first=first).items() if c}
         together = {}
-        for b, (wins, reads) in batched.items():
-            per = {every: c for every, c in cache_curves(wins, top_k, first=first, reads=reads).items() if c}
+        for b, runs in batched.items():
+            per = {every: c for every, c in batched_curves(runs, top_k, first=first).items() if c}
             if per:
                 together[b] = per
         # none where no prompt left room to decode
