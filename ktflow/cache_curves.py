@@ -21,10 +21,12 @@ N decoded tokens (rows) have run since the last (every ceil(N / B) steps while a
 are `RoutingProfile.cache_batched`, which the placement pass reads for a plan of `max_batch` > 1.
 
 Ties in a window's counts keep the order of the refill before (`next_order`), as
-`ExpertCache.refill_from` does, so a resident expert stays resident on a tie. Two differences
-from a run remain: the curves start each conversation from the profile's order (a run starts from
-the plan's slots, then the rest by id, and carries its order from one conversation to the next),
-which moves the served share by 0.05-0.5% of the picks on tied counts. The placement pass prices a cached layer by these curves (`passes/place.py`).
+`ExpertCache.refill_from` does, so a resident expert stays resident on a tie. What differs from a
+run: the curves start each conversation (or batch) from the profile's order, where a run starts
+from the plan's slots, then the rest by id, and carries its order from one conversation to the
+next; on tied counts that moves the served share by 0.05-0.5% of the picks. And a server's rows
+start and end at different times, not in lockstep. The placement pass prices a cached layer by
+these curves (`passes/place.py`).
 """
 
 from __future__ import annotations
