@@ -12,8 +12,8 @@ Expert Deferral's accuracy can be measured on them. This trains one whose routin
   experts with a shared one, the sigmoid router with group-limited top-k), sizes by `--size`:
   `tiny` trains on 2 CPU cores in a few minutes (150 steps, 307k tokens), `small` is sized for the
   GPU machine;
-- the routed experts' training forward: the tokens sorted by expert, one matmul per expert on its
-  contiguous rows, and back to token order by the inverse permutation (`sorted_experts_forward`):
+- the routed experts' training forward: the tokens gathered by expert into one padded
+  [experts, rows, H] batch, two batched matmuls, and gathered back (`sorted_experts_forward`):
   every step of it is a gather or a plain sum, so its backward has no scatter-adds (the atomics
   that make a backward non-deterministic, and that PyTorch's deterministic mode replaces by slow
   sorted kernels); the same function as transformers' experts, to rounding (a test compares them);
@@ -119,39 +119,54 @@ def pick_counts(ids: torch.Tensor, experts: int) -> torch.Tensor:
     return edges.diff()
 
 
-class _Permute(torch.autograd.Function):
-    """rows[perm], whose gradient is grad[inverse]: a gather both ways (no scatter-add)."""
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index], where index x.shape[0] names a row of zeros."""
+    return torch.cat([x, x.new_zeros(1, x.shape[1])])[index]
+
+
+class _Gather(torch.autograd.Function):
+    """_rows(x, index), given `back`, the inverse map (each of x's rows -> where it went, or past
+    the end for a row gathered nowhere): its gradient is _rows(grad, back). Both ways a gather, no
+    scatter-add: deterministic, with nothing for PyTorch's deterministic mode to slow down."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        return x[perm]
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(back)
+        return _rows(x, index)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (inverse,) = ctx.saved_tensors
-        return grad[inverse], None, None
+        (back,) = ctx.saved_tensors
+        return _rows(grad, back), None, None
 
 
 def sorted_experts_forward(experts, hidden: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' DeepseekV3Experts forward (fused gate_up_proj [E, 2I, H], down_proj [E, H, I]),
-    computed on the rows sorted by expert: each token's row repeated k times, permuted so each
-    expert's rows are contiguous (a stable sort of the expert ids), one SwiGLU per expert on its
-    slice, permuted back, and each token's k outputs summed by their routing weights. Deterministic
-    by construction: the permutations' gradients are gathers, the repeat's a sum."""
+    computed as one batched matmul over the experts: each token's row repeated k times, gathered
+    into [E, C, H] (expert e's rows in a stable sort of the expert ids, then zero rows up to C, the
+    busiest expert's count), a SwiGLU per expert by two bmm, gathered back to the (token, pick)
+    rows, and each token's k outputs summed by their routing weights. Every index move is a
+    `_Gather` both ways (the repeat's gradient a sum): deterministic by construction, and a few
+    kernels a layer instead of a few per expert."""
     tokens, width = hidden.shape
     k = top_k_index.shape[-1]
+    n, e = tokens * k, experts.num_experts
     ids = top_k_index.reshape(-1)
-    perm = torch.argsort(ids, stable=True)
-    inverse = perm.argsort()
-    counts = pick_counts(ids, experts.num_experts).tolist()
-    rows = _Permute.apply(hidden.unsqueeze(1).expand(tokens, k, width).reshape(tokens * k, width), perm, inverse)
-    outs = []
-    for x, gate_up, down in zip(rows.split(counts), experts.gate_up_proj.unbind(0), experts.down_proj.unbind(0)):
-        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-        outs.append(F.linear(experts.act_fn(gate) * up, down))
-    y = _Permute.apply(torch.cat(outs), inverse, perm).view(tokens, k, width)
+    perm = torch.argsort(ids, stable=True)  # the (token, pick) rows by expert
+    counts = pick_counts(ids, e)
+    cap = int(counts.max())
+    starts = counts.cumsum(0) - counts
+    j = torch.arange(cap, device=ids.device)
+    at = (starts[:, None] + j).clamp(max=n - 1)
+    src = torch.where(j < counts[:, None], perm[at], n).reshape(-1)  # [E * C] -> its row, or n: zeros
+    by_expert = ids[perm]
+    slot = (by_expert * cap + torch.arange(n, device=ids.device) - starts[by_expert])[perm.argsort()]  # row -> [E * C]
+    rows = hidden.unsqueeze(1).expand(tokens, k, width).reshape(n, width)
+    x = _Gather.apply(rows, src, slot).view(e, cap, width)
+    gate, up = torch.bmm(x, experts.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+    y = torch.bmm(experts.act_fn(gate) * up, experts.down_proj.transpose(1, 2)).reshape(e * cap, width)
+    y = _Gather.apply(y, slot, src).view(tokens, k, width)
     return (y * top_k_weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
 
 
