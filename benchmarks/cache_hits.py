@@ -23,7 +23,8 @@ decoded tokens' picks that land in them, for:
 measured speed. `copied/token` is the experts a refill copies in per decoded token (times an
 expert's bytes: the PCIe traffic).
 
-With `--batch B`, B conversations decode in lockstep with one cache, as a serving step runs them:
+With `--batch B`, B conversations decode in lockstep with one cache, as a serving step runs them
+(members spread over the held-out sequences, `cache_curves.spread`, since neighbours share a file):
 a step reads each expert any of its rows picked once, so the shares are of the steps' expert
 reads (at B = 1, the picks); the refills count every row's picks, every `--every` decoded tokens
 of the batch (every ceil(every / B) steps, as the runtime counts a step's rows); the oracle is the
@@ -142,6 +143,7 @@ def main() -> int:
         raise SystemExit(f"need 0 < --prompt < --len, --every >= 1 and 1 <= --batch <= --seqs (got {a.prompt}, "
                          f"{a.len}, {a.every}, {a.batch})")
     import ktflow
+    from ktflow.cache_curves import spread
 
     d = Path(a.model)
     model = ktflow.load(d)
@@ -150,7 +152,7 @@ def main() -> int:
     held = held_out(d, a.seqs * a.len)
     prof = training_profile(model, d, a, 128)
     seqs = picks_of(model, held.view(a.seqs, a.len).tolist(), a.len + 8)
-    groups = [seqs[i:i + a.batch] for i in range(0, len(seqs) - a.batch + 1, a.batch)]
+    groups = [[seqs[i] for i in members] for members in spread(len(seqs), a.batch)]  # not neighbours: one file's text
     steps = math.ceil(a.every / a.batch)  # the runtime counts a step's rows toward the interval
     tokens = len(groups) * a.batch * (a.len - a.prompt)
     info = dict(bench="cache_hits", commit=commit(), **machine(), model=str(d), every=a.every, prompt=a.prompt,

@@ -302,7 +302,7 @@ def train(a: argparse.Namespace, caught: list) -> int:
         if a.time_limit is not None and time.perf_counter() - t1 > a.time_limit and step < steps - 1:
             print(f"stopped by --time-limit {a.time_limit:g} s after {step + 1} of {steps} steps", flush=True)
             break
-    planned, steps = steps, len(losses)
+    trained = len(losses)  # (`steps` stays the planned count: the schedule reads it)
     train_s = time.perf_counter() - t1
     model.eval()
     ppl = perplexity(model, held_ids, seq, a.device)
@@ -321,7 +321,7 @@ def train(a: argparse.Namespace, caught: list) -> int:
     for name, t in sorted(model.state_dict().items()):
         digest.update(name.encode())
         digest.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    report = dict(size=a.size, seed=a.seed, steps=steps, planned_steps=planned, tokens=steps * batch * seq, train_seconds=round(train_s, 1),
+    report = dict(size=a.size, seed=a.seed, steps=trained, planned_steps=steps, tokens=trained * batch * seq, train_seconds=round(train_s, 1),
                   final_loss=round(sum(losses[-10:]) / len(losses[-10:]), 4), heldout_tokens=len(held_ids),
                   heldout_perplexity=round(ppl, 3), top_k=k, experts=size["model"]["n_routed_experts"],
                   busiest_tenth_share=busiest, load=load, weights_sha256=digest.hexdigest(),
@@ -329,7 +329,7 @@ def train(a: argparse.Namespace, caught: list) -> int:
                                            if "determinis" in str(w.message)}),
                   corpus=str(Path(sysconfig.get_paths()["stdlib"])))
     (out / "train_report.json").write_text(json.dumps(report, indent=1))
-    print(f"trained {steps} steps ({report['tokens']} tokens) in {train_s:.0f} s on {a.device}; final loss "
+    print(f"trained {trained} steps ({report['tokens']} tokens) in {train_s:.0f} s on {a.device}; final loss "
           f"{report['final_loss']:.3f}; held-out perplexity {ppl:.2f}; the busiest 10% of experts take "
           + ", ".join(f"L{i} {100 * s:.0f}%" for i, s in busiest.items()) + " of the picks (uniform: 10%)")
     for msg in report["nondeterministic"]:

@@ -14,11 +14,13 @@ each conversation's picks in windows (the prompt, then blocks of `BLOCK` decoded
 
 A serving step decodes a batch of conversations together with one cache, and reads each expert
 any of its rows picked once. For B = 2, 4, 8 (`BATCHES`) the profile's conversations are also
-taken B at a time in lockstep (`lockstep`: step t of the batch is every member's step t that has
-one): the refills follow all rows' picks, after the prompts and then, as the runtime counts, once
+taken B at a time in lockstep (`batched_curves`; a batch's members spread over the prompt list,
+not neighbours; step t of the batch is every member's step t that has one): the refills follow all rows' picks, after the prompts and then, as the runtime counts, once
 N decoded tokens (rows) have run since the last (every ceil(N / B) steps while all B run), and
 `hits` is the share of the steps' expert reads the slots served (B = 1: a read is a pick). These
 are `RoutingProfile.cache_batched`, which the placement pass reads for a plan of `max_batch` > 1.
+They assume one decode step a launch (as `serve` runs a batch) and a refill's copies landing
+before the next is due (the runtime skips a refill of a layer whose copies are under way).
 
 Ties in a window's counts keep the order of the refill before (`next_order`), as
 `ExpertCache.refill_from` does, so a resident expert stays resident on a tie. What differs from a
@@ -62,15 +64,14 @@ def windows_of(prompt: torch.Tensor, steps: torch.Tensor) -> list[torch.Tensor]:
 Run = tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]
 
 
-def lockstep(group: list[dict[int, tuple[torch.Tensor, torch.Tensor]]],
-             intervals=INTERVALS) -> dict[int, dict[int, Run]]:
+def lockstep(group: list[dict[int, tuple[torch.Tensor, torch.Tensor]]], every: int) -> dict[int, Run]:
     """A batch of conversations decoded together with one cache, from each one's (prompt counts,
-    per-step counts [steps, experts]) per layer: per refill interval N, per layer, the Run to
-    replay: all prompts' counts, then the stretches between refills, cut where N decoded tokens
-    (the rows of the steps, a member counting while it has steps) have run since the last, as
-    `ExpertCache.follow` counts them; a stretch's reads are, per step, each expert any member
+    per-step counts [steps, experts]) per layer: per layer, the Run to replay at refill interval
+    `every`: all prompts' counts, then the stretches between refills, cut where `every` decoded
+    tokens (the rows of the steps, a member counting while it has steps) have run since the last,
+    as `ExpertCache.follow` counts them; a stretch's reads are, per step, each expert any member
     picked, once."""
-    out: dict[int, dict[int, Run]] = {every: {} for every in intervals}
+    out: dict[int, Run] = {}
     for layer in sorted({layer for conv in group for layer in conv}):
         parts = [conv[layer] for conv in group if layer in conv]
         steps = max(st.shape[0] for _, st in parts)
@@ -81,19 +82,17 @@ def lockstep(group: list[dict[int, tuple[torch.Tensor, torch.Tensor]]],
             counts[:st.shape[0]] += st
             picked[:st.shape[0]] |= st > 0
             rows[:st.shape[0]] += 1
-        prompt = sum(pr for pr, _ in parts)
-        for every in intervals:
-            cuts, since = [0], 0
-            for t, r in enumerate(rows.tolist()):
-                since += r
-                if since >= every:
-                    cuts.append(t + 1)
-                    since = 0
-            if cuts[-1] < steps:
-                cuts.append(steps)
-            spans = list(zip(cuts, cuts[1:]))
-            out[every][layer] = (prompt, [counts[a:b].sum(0) for a, b in spans],
-                                 [picked[a:b].sum(0) for a, b in spans])
+        cuts, since = [0], 0
+        for t, r in enumerate(rows.tolist()):
+            since += r
+            if since >= every:
+                cuts.append(t + 1)
+                since = 0
+        if cuts[-1] < steps:
+            cuts.append(steps)
+        spans = list(zip(cuts, cuts[1:]))
+        out[layer] = (sum(pr.long() for pr, _ in parts), [counts[a:b].sum(0) for a, b in spans],
+                      [picked[a:b].sum(0) for a, b in spans])
     return out
 
 
@@ -124,28 +123,36 @@ def _replay(run: Run, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     return served, copied, float(sum(float(r.sum()) for r in reads)), float(sum(float(g.sum()) for g in stretches))
 
 
-def _curves(runs: list[dict[int, Run]], top_k: int, first: dict[int, torch.Tensor] | None) -> dict[int, CacheCurve]:
-    """{layer: CacheCurve} over `runs` (each a conversation or a batch: its Run per layer)."""
-    out = {}
-    for layer in sorted({layer for run in runs for layer in run}):
-        served = copied = None
-        wanted = picks = 0.0
-        for run in runs:
-            r = run.get(layer)
-            if r is None or not r[1]:
+class _Tally:
+    """Replays summed per layer, one run at a time (nothing of a run is kept after it)."""
+
+    def __init__(self, first: dict[int, torch.Tensor] | None):
+        self.first = first
+        self.sums: dict[int, list] = {}  # layer -> [served, copied, reads, picks]
+
+    def add(self, run: dict[int, Run]) -> None:
+        for layer, r in run.items():
+            if not r[1]:
                 continue
-            f = first[layer] if first and layer in first else torch.zeros(r[0].numel())
-            h, c, n_reads, n_picks = _replay(r, f)
-            served = h if served is None else served + h
-            copied = c if copied is None else copied + c
-            wanted += n_reads
-            picks += n_picks
-        if served is None or wanted == 0:
-            continue
-        tokens = picks / top_k
-        out[layer] = CacheCurve(hits=[round(min(1.0, float(x) / wanted), 6) for x in served],
-                                copies=[round(float(x) / tokens, 6) for x in copied])
-    return out
+            f = self.first[layer] if self.first and layer in self.first else torch.zeros(r[0].numel())
+            got = _replay(r, f)
+            old = self.sums.get(layer)
+            self.sums[layer] = list(got) if old is None else [a + b for a, b in zip(old, got)]
+
+    def curves(self, top_k: int) -> dict[int, CacheCurve]:
+        out = {}
+        for layer, (served, copied, reads, picks) in sorted(self.sums.items()):
+            if reads == 0:
+                continue
+            tokens = picks / top_k
+            out[layer] = CacheCurve(hits=[round(min(1.0, float(x) / reads), 6) for x in served],
+                                    copies=[round(float(x) / tokens, 6) for x in copied])
+        return out
+
+
+def _check(every: int) -> None:
+    if every < BLOCK or every % BLOCK:
+        raise ValueError(f"refill interval {every} is not a multiple of the recorded window ({BLOCK} tokens)")
 
 
 def cache_curves(conversations: list[dict[int, list[torch.Tensor]]], top_k: int, intervals=INTERVALS,
@@ -156,25 +163,36 @@ def cache_curves(conversations: list[dict[int, list[torch.Tensor]]], top_k: int,
     lowest ids). Only decoded tokens' picks are served and counted."""
     out: dict[int, dict[int, CacheCurve]] = {}
     for every in intervals:
-        if every < BLOCK or every % BLOCK:
-            raise ValueError(f"refill interval {every} is not a multiple of the recorded window ({BLOCK} tokens)")
-        per = every // BLOCK
-        runs = []
+        _check(every)
+        per, tally = every // BLOCK, _Tally(first)
         for conv in conversations:
             run = {}
             for layer, wins in conv.items():
-                if len(wins) < 2:
-                    continue
                 stretches = [torch.stack(wins[1 + i:1 + i + per]).sum(0) for i in range(0, len(wins) - 1, per)]
                 run[layer] = (wins[0], stretches, stretches)  # alone, a step reads what it picks
-            runs.append(run)
-        out[every] = _curves(runs, top_k, first)
+            tally.add(run)
+        out[every] = tally.curves(top_k)
     return out
 
 
-def batched_curves(batches: list[dict[int, dict[int, Run]]], top_k: int,
-                   first: dict[int, torch.Tensor] | None = None) -> dict[int, dict[int, CacheCurve]]:
-    """{interval: {layer: CacheCurve}} of batches decoded in lockstep (each `lockstep`'s output):
-    `hits` the share of the steps' expert reads served, `copies` per decoded token (a row)."""
-    intervals = sorted({every for b in batches for every in b})
-    return {every: _curves([b[every] for b in batches if every in b], top_k, first) for every in intervals}
+def spread(n: int, b: int) -> list[list[int]]:
+    """n conversations (by index) in batches of b, each batch's members n // b apart, so a batch
+    does not take neighbours of an ordered prompt list; the n % b last ones are left out."""
+    m = n // b
+    return [[i + j * m for j in range(b)] for i in range(m)]
+
+
+def batched_curves(conversations: list[dict[int, tuple[torch.Tensor, torch.Tensor]]], batch: int, top_k: int,
+                   intervals=INTERVALS, first: dict[int, torch.Tensor] | None = None) -> dict[int, dict[int, CacheCurve]]:
+    """{interval: {layer: CacheCurve}} of the conversations (per layer: prompt counts, per-step
+    counts [steps, experts]) decoded `batch` at a time in lockstep (`spread`, `lockstep`): `hits`
+    the share of the steps' expert reads served, `copies` per decoded token (a row). At batch 1,
+    what `cache_curves` gives for the same conversations' windows."""
+    out: dict[int, dict[int, CacheCurve]] = {}
+    for every in intervals:
+        _check(every)
+        tally = _Tally(first)
+        for members in spread(len(conversations), batch):
+            tally.add(lockstep([conversations[i] for i in members], every))
+        out[every] = tally.curves(top_k)
+    return out

@@ -79,6 +79,13 @@ class RoutingProfile(BaseModel):
                 raise ValueError(f"layer {layer}: every expert frequency must be in [0, 1]")
         return v
 
+    @field_validator("cache_batched")
+    @classmethod
+    def _batches(cls, v):
+        if v and any(b < 2 for b in v):
+            raise ValueError("cache_batched is keyed by batches of 2 or more conversations (one is `cache`)")
+        return v
+
     def probs(self, layer: int) -> tuple[float, ...] | None:
         fr = self.layers.get(layer)
         return tuple(fr) if fr is not None else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ktflow.cache_curves import BLOCK, batched_curves, cache_curves, lockstep, windows_of
+from ktflow.cache_curves import BLOCK, batched_curves, cache_curves, spread, windows_of
 
 
 def brute(windows, per, first, s):
@@ -106,49 +106,52 @@ def brute_batch(convs, every, first, s):
     return served, copied, reads, picks
 
 
-@pytest.mark.parametrize("every", [8, 16])
-def test_batched_curves_equal_the_policy_run_on_the_batch_in_lockstep(every):
-    g = torch.Generator().manual_seed(every)
+@pytest.mark.parametrize("every,batch", [(8, 2), (16, 3), (8, 4)])
+def test_batched_curves_equal_the_policy_run_on_the_batch_in_lockstep(every, batch):
+    g = torch.Generator().manual_seed(every + batch)
     experts, k = 10, 2
     first = torch.rand(experts, generator=g)
 
     def conversation(steps):
         prompt = torch.randint(0, 5, (experts,), generator=g)
         picked = [set(torch.randperm(experts, generator=g)[:k].tolist()) for _ in range(steps)]
-        per_step = torch.zeros(steps, experts, dtype=torch.int64)
+        per_step = torch.zeros(steps, experts, dtype=torch.uint8)
         for t, p in enumerate(picked):
             per_step[t, list(p)] = 1
         return (prompt, picked), {7: (prompt, per_step)}
 
-    made = [conversation(steps) for steps in (40, 33, 40, 25, 31, 19)]  # ragged: a member may end first
-    batches = [made[:2], made[2:]]  # a pair, and four (refills every 2-4 steps, then slower as members end)
-    curves = batched_curves([lockstep([m[1] for m in b], (every,)) for b in batches], top_k=k,
-                            first={7: first})[every][7]
+    made = [conversation(steps) for steps in (40, 33, 40, 25, 31, 19, 28)]  # ragged: a member may end first
+    curves = batched_curves([m[1] for m in made], batch, top_k=k, intervals=(every,), first={7: first})[every][7]
     for s in range(1, experts):
-        got = [brute_batch([m[0] for m in b], every, first, s) for b in batches]
+        got = [brute_batch([made[i][0] for i in members], every, first, s) for members in spread(len(made), batch)]
         served, copied, nreads, picks = (sum(x) for x in zip(*got))
         assert curves.hits[s - 1] == pytest.approx(served / nreads, abs=1e-6)
         assert curves.copies[s - 1] == pytest.approx(copied / (picks / k), abs=1e-6)
+
+
+def test_a_batch_spreads_over_the_prompt_list():
+    assert spread(7, 2) == [[0, 3], [1, 4], [2, 5]] and spread(8, 4) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert spread(3, 1) == [[0], [1], [2]] and spread(3, 4) == []
 
 
 def test_a_batch_of_one_is_a_conversation():
     g = torch.Generator().manual_seed(1)
     prompt, steps = torch.randint(0, 3, (8,), generator=g), (torch.rand(21, 8, generator=g) < 0.25).long()
     alone = cache_curves([{2: windows_of(prompt, steps)}], top_k=2)
-    assert batched_curves([lockstep([{2: (prompt, steps)}])], top_k=2) == alone
+    assert batched_curves([{2: (prompt, steps.to(torch.uint8))}], 1, top_k=2) == alone
 
 
 def test_a_batch_that_keeps_to_different_experts_is_served_less():
     """Two conversations, each always on its own two experts: two slots serve each alone fully,
     the pair together half of its reads (four experts read a step)."""
     def conv(hot):
-        steps = torch.zeros(24, 8, dtype=torch.int64)
+        steps = torch.zeros(24, 8, dtype=torch.uint8)
         steps[:, list(hot)] = 1
         prompt = torch.zeros(8, dtype=torch.int64)
         prompt[list(hot)] = 4
         return {1: (prompt, steps)}
 
     a, b = conv((0, 1)), conv((4, 5))
-    alone = cache_curves([{1: windows_of(*a[1])}], top_k=2, intervals=(8,))[8][1]
-    both = batched_curves([lockstep([a, b], (8,))], top_k=2)[8][1]
+    alone = batched_curves([a], 1, top_k=2, intervals=(8,))[8][1]
+    both = batched_curves([a, b], 2, top_k=2, intervals=(8,))[8][1]
     assert alone.hits[1] == 1.0 and both.hits[1] == 0.5 and both.hits[3] == 1.0

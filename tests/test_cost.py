@@ -114,6 +114,14 @@ def test_a_cache_curve_of_the_wrong_size_is_refused(demo_dir, tmp_path, field):
         ktflow.compile(ktflow.load(demo_dir), hw="cpu", routing_profile=str(p))
 
 
+def test_batched_cache_curves_are_for_two_or_more_conversations():
+    from ktflow.cost import CacheCurve
+
+    curves = {16: {1: CacheCurve(hits=[0.5] * 31, copies=[0.1] * 31)}}
+    with pytest.raises(ValueError, match="batches of 2 or more"):
+        RoutingProfile(layers={1: [0.125] * 32}, cache_batched={1: curves})
+
+
 def test_routing_profile_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         RoutingProfile.load(tmp_path / "none.json")

@@ -355,6 +355,10 @@ def test_the_placement_pass_prices_the_cache_and_sizes_it_per_layer(demo_dir, tm
     eight = gpu_experts(ktflow.compile(model, expert_cache=True, **dict(kw, max_batch=8, routing_profile=spread)))
     assert eight[3].attrs.refill_every and "priced for 4 conversations decoded together (the largest batch the " \
         "profile holds; the plan's is up to 8)" in eight[3].place.cause and "expert reads" in eight[3].place.cause
+    # a layer the batched curves leave out is priced by one conversation's, and says so
+    partial = curves_profile(tmp_path / "p.json", batched={4: ((), (1,))})
+    some = gpu_experts(ktflow.compile(model, expert_cache=True, **dict(kw, max_batch=4, routing_profile=partial)))
+    assert some[3].attrs.refill_every and "priced for one conversation" in some[3].place.cause
     # curves that serve no more than static slots: the cache is off
     flat = dict(kw, routing_profile=curves_profile(tmp_path / "f.json", sticky=(), flat=(1, 2, 3)))
     c = ktflow.compile(model, expert_cache=True, **flat)

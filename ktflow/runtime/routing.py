@@ -142,7 +142,7 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
     (`ktflow.cache_curves`): each conversation's picks are read step by step, summed into windows
     (the prompt, then every BLOCK decoded tokens), and the refill policy replayed on them; and for
     each B of BATCHES, the conversations taken B at a time in lockstep (`cache_batched`)."""
-    from ..cache_curves import BATCHES, batched_curves, cache_curves, lockstep, windows_of
+    from ..cache_curves import BATCHES, batched_curves
     from ..progress import bar
     from .execute import execute
 
@@ -150,21 +150,15 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
     plans = [compiled.decode, *compiled.prefill]
     for plan in plans:
         compiled.executor(plan).recorder = rec
-    conversations = []  # per conversation, per layer: its windows
-    group: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []  # the last conversations' steps, for batches
-    batched: dict[int, list] = {b: [] for b in BATCHES}  # B -> each batch's runs (cache_curves.lockstep)
+    # per conversation that decoded, per layer: (the prompt's pick counts, each step's [steps, experts]
+    # as uint8: one row a step picks an expert at most once)
+    recorded: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
 
     def snapshot() -> dict[int, torch.Tensor]:
         return {layer: c.clone() for layer, c in rec.counts.items()}
 
-    def close_group(final: bool = False) -> None:
-        """Batches of every B from the conversations held (all of them make batches of the
-        largest B; at the end, the rest make what batches they can), then drop them."""
-        for b in BATCHES:
-            for lo in range(0, len(group) - b + 1, b):
-                batched[b].append(lockstep(group[lo:lo + b]))
-        if final or len(group) == max(BATCHES):
-            group.clear()
+    def since(now: dict[int, torch.Tensor], before: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        return {layer: c - before[layer] if layer in before else c for layer, c in now.items()}
 
     try:
         if continuations is not None:
@@ -172,41 +166,37 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
                 raise ValueError(f"{len(continuations)} continuations for {len(prompts)} prompts")
             decode = max((len(c) for c in continuations), default=0)
         for j, ids in enumerate(bar(prompts, "profile", "prompt", show=progress and len(prompts) > 1)):
-            snaps = [snapshot()]
+            start = snapshot()
             nxt, state = execute(compiled, torch.tensor([ids]), logits="argmax")
-            snaps.append(snapshot())
+            last = snapshot()
+            prompt = since(last, start)
             steps = min(decode if continuations is None else len(continuations[j]), compiled.max_seq_len - len(ids))
+            per_step: list[dict[int, torch.Tensor]] = []
             for i in range(steps):
                 if continuations is not None:
                     nxt = torch.tensor([continuations[j][i]])
                 nxt, state = execute(compiled, nxt.view(1, 1), state, logits="argmax")
-                snaps.append(snapshot())
-            conv = {}
-            for layer in snaps[-1]:
-                seen = [s_[layer] if layer in s_ else torch.zeros_like(snaps[-1][layer]) for s_ in snaps]
-                diffs = torch.stack(seen).diff(dim=0).cpu()  # [1 + steps, experts]: the prompt's picks, then each step's
-                conv[layer] = (diffs[0], diffs[1:])
-            conversations.append({layer: windows_of(*pair) for layer, pair in conv.items()})
+                now = snapshot()
+                per_step.append({layer: c.to(torch.uint8) for layer, c in since(now, last).items()})
+                last = now
             if steps:
-                group.append(conv)
-                if len(group) == max(BATCHES):
-                    close_group()
+                recorded.append({layer: (prompt[layer].cpu() if layer in prompt else torch.zeros_like(c).cpu(),
+                                         torch.stack([s_.get(layer, torch.zeros_like(c, dtype=torch.uint8))
+                                                      for s_ in per_step]).cpu())
+                                 for layer, c in last.items()})
     finally:
         for plan in plans:
             compiled.executor(plan).recorder = None
-    if group:
-        close_group(final=True)
     model = compiled.model
     prof = rec.profile(model.config.model_type if model is not None else None)
-    if decode > 0:
+    if decode > 0 and recorded:
         top_k = next(n.attrs.top_k for n in compiled.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS)
         first = {layer: torch.tensor(fr) for layer, fr in prof.layers.items()}
-        curves = {every: c for every, c in cache_curves(conversations, top_k, first=first).items() if c}
-        together = {}
-        for b, runs in batched.items():
-            per = {every: c for every, c in batched_curves(runs, top_k, first=first).items() if c}
-            if per:
-                together[b] = per
-        # none where no prompt left room to decode
-        prof = prof.model_copy(update={"cache": curves or None, "cache_batched": together or None})
+        curves = {}
+        for b in (1, *BATCHES):
+            if len(recorded) >= b:
+                per = {every: c for every, c in batched_curves(recorded, b, top_k, first=first).items() if c}
+                if per:
+                    curves[b] = per
+        prof = prof.model_copy(update={"cache": curves.pop(1, None), "cache_batched": curves or None})
     return prof
