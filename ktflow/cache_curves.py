@@ -3,26 +3,26 @@
 The decode-time expert cache (`runtime.expert_cache`) keeps S expert slots per layer on the GPU and
 refills them after each prompt and every N decoded tokens with the S experts the tokens since the
 last refill picked most. Whether that beats a static choice of S experts depends on how sticky the
-routing is over N tokens, which frequencies alone do not say. `ktflow profile` therefore counts
-each conversation's picks in windows (the prompt, then blocks of `BLOCK` decoded tokens), and
-`cache_curves` replays the refill policy on those counts for every S and for N in `INTERVALS`:
+routing is over N tokens, which frequencies alone do not say. `ktflow profile` therefore records
+each conversation's picks (the prompt's counts, then each decode step's), and `cache_curves`
+replays the refill policy on them for every S and for N in `INTERVALS`:
 
-- `hits[S - 1]`: the share of decoded tokens' picks the S slots served (a window's picks are
-  served by the slots chosen from the window before it: causal, as at run time);
+- `hits[S - 1]`: the share of the decode steps' expert reads the S slots served (a stretch's
+  reads are served by the slots chosen from the stretch before it: causal, as at run time);
 - `copies[S - 1]`: experts copied in per decoded token (a refill copies the experts entering the
   top S; the refill after the prompt counts too).
 
-A serving step decodes a batch of conversations together with one cache, and reads each expert
-any of its rows picked once. For B = 2, 4, 8 (`BATCHES`) the profile's conversations are also
-taken B at a time in lockstep (`batched_curves`; a batch's members spread over the prompt list,
-not neighbours; step t of the batch is every member's step t that has one): the refills follow all rows' picks, after the prompts and then, as the runtime counts, once
-N decoded tokens (rows) have run since the last (every ceil(N / B) steps while all B run), and
-`hits` is the share of the steps' expert reads the slots served (B = 1: a read is a pick). These
+One conversation reads what it picks. A serving step decodes a batch of conversations together
+with one cache and reads each expert any of its rows picked once, so for B = 2, 4, 8 (`BATCHES`)
+the profile's conversations are also taken B at a time in lockstep (members spread over the
+prompt list, not neighbours: `spread`; step t of the batch is every member's step t that has
+one): the refills follow all rows' picks, after the prompts and then, as the runtime counts, once
+N decoded tokens (rows) have run since the last (every ceil(N / B) steps while all B run). These
 are `RoutingProfile.cache_batched`, which the placement pass reads for a plan of `max_batch` > 1.
 They assume one decode step a launch (as `serve` runs a batch) and a refill's copies landing
 before the next is due (the runtime skips a refill of a layer whose copies are under way).
 
-Ties in a window's counts keep the order of the refill before (`next_order`), as
+Ties in a stretch's counts keep the order of the refill before (`next_order`), as
 `ExpertCache.refill_from` does, so a resident expert stays resident on a tie. What differs from a
 run: the curves start each conversation (or batch) from the profile's order, where a run starts
 from the plan's slots, then the rest by id, and carries its order from one conversation to the
@@ -37,9 +37,7 @@ import torch
 
 from .cost import CacheCurve
 
-#: decoded tokens per recorded window (the finest refill interval the curves can price)
-BLOCK = 8
-#: the refill intervals (decoded tokens) the curves are computed for: multiples of BLOCK
+#: the refill intervals (decoded tokens) the curves are computed for
 INTERVALS = (8, 16, 32, 64)
 #: conversations decoded together (one cache) that the batched curves price
 BATCHES = (2, 4, 8)
@@ -51,12 +49,6 @@ def next_order(order: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     a resident expert stays resident), for every S at once; `ExpertCache.refill_from` orders the
     same way."""
     return order[torch.sort(counts[order], descending=True, stable=True).indices]
-
-
-def windows_of(prompt: torch.Tensor, steps: torch.Tensor) -> list[torch.Tensor]:
-    """One layer of one conversation in windows: the prompt's pick counts, then each BLOCK decode
-    steps' (`steps` [decode steps, experts]: each step's counts; the last window may be short)."""
-    return [prompt] + [steps[i:i + BLOCK].sum(0) for i in range(0, steps.shape[0], BLOCK)]
 
 
 #: one layer of a run to replay: (the prompt's pick counts, then per refill interval's stretch of
@@ -150,31 +142,6 @@ class _Tally:
         return out
 
 
-def _check(every: int) -> None:
-    if every < BLOCK or every % BLOCK:
-        raise ValueError(f"refill interval {every} is not a multiple of the recorded window ({BLOCK} tokens)")
-
-
-def cache_curves(conversations: list[dict[int, list[torch.Tensor]]], top_k: int, intervals=INTERVALS,
-                 first: dict[int, torch.Tensor] | None = None) -> dict[int, dict[int, CacheCurve]]:
-    """{interval: {layer: CacheCurve}} from each conversation's windows: per layer, the prompt's
-    pick counts, then each block of BLOCK decoded tokens' counts (int [experts] each). `first`:
-    per layer, the counts the cache's first filling follows (the profile's totals; default: the
-    lowest ids). Only decoded tokens' picks are served and counted."""
-    out: dict[int, dict[int, CacheCurve]] = {}
-    for every in intervals:
-        _check(every)
-        per, tally = every // BLOCK, _Tally(first)
-        for conv in conversations:
-            run = {}
-            for layer, wins in conv.items():
-                stretches = [torch.stack(wins[1 + i:1 + i + per]).sum(0) for i in range(0, len(wins) - 1, per)]
-                run[layer] = (wins[0], stretches, stretches)  # alone, a step reads what it picks
-            tally.add(run)
-        out[every] = tally.curves(top_k)
-    return out
-
-
 def spread(n: int, b: int) -> list[list[int]]:
     """n conversations (by index) in batches of b, each batch's members n // b apart, so a batch
     does not take neighbours of an ordered prompt list; the n % b last ones are left out."""
@@ -182,15 +149,17 @@ def spread(n: int, b: int) -> list[list[int]]:
     return [[i + j * m for j in range(b)] for i in range(m)]
 
 
-def batched_curves(conversations: list[dict[int, tuple[torch.Tensor, torch.Tensor]]], batch: int, top_k: int,
-                   intervals=INTERVALS, first: dict[int, torch.Tensor] | None = None) -> dict[int, dict[int, CacheCurve]]:
-    """{interval: {layer: CacheCurve}} of the conversations (per layer: prompt counts, per-step
-    counts [steps, experts]) decoded `batch` at a time in lockstep (`spread`, `lockstep`): `hits`
-    the share of the steps' expert reads served, `copies` per decoded token (a row). At batch 1,
-    what `cache_curves` gives for the same conversations' windows."""
+def cache_curves(conversations: list[dict[int, tuple[torch.Tensor, torch.Tensor]]], top_k: int, batch: int = 1,
+                 intervals=INTERVALS, first: dict[int, torch.Tensor] | None = None) -> dict[int, dict[int, CacheCurve]]:
+    """{interval: {layer: CacheCurve}} of the conversations (per layer: the prompt's pick counts,
+    each decode step's [steps, experts]) decoded `batch` at a time in lockstep (`spread`,
+    `lockstep`; one at a time by default): `hits` the share of the steps' expert reads served,
+    `copies` per decoded token (a row). `first`: per layer, the counts the cache's first filling
+    follows (the profile's totals; default: the lowest ids)."""
     out: dict[int, dict[int, CacheCurve]] = {}
     for every in intervals:
-        _check(every)
+        if every < 1:
+            raise ValueError(f"refill interval {every}: it must be a whole number of decoded tokens >= 1")
         tally = _Tally(first)
         for members in spread(len(conversations), batch):
             tally.add(lockstep([conversations[i] for i in members], every))

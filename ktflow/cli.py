@@ -468,7 +468,11 @@ def cmd_profile(a: argparse.Namespace) -> int:
           f"decoded tokens each); " + "; ".join(top))
     if prof.cache:
         every = 32 if 32 in prof.cache else min(prof.cache)
-        quarter = {layer: c.hits[max(1, round(0.25 * (len(c.hits) + 1))) - 1] for layer, c in prof.cache[every].items()}
+
+        def quarter_hit(c) -> float:  # what a quarter of the layer's experts as slots served
+            return c.hits[max(1, round(0.25 * (len(c.hits) + 1))) - 1]
+
+        quarter = {layer: quarter_hit(c) for layer, c in prof.cache[every].items()}
         static = {layer: sum(sorted(prof.layers[layer], reverse=True)[:max(1, round(0.25 * len(prof.layers[layer])))])
                   / sum(prof.layers[layer]) for layer in quarter}
         print(f"an expert cache of a quarter of each layer's experts, refilled every {every} decoded tokens, served "
@@ -476,7 +480,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
               f"{100 * sum(static.values()) / len(static):.0f}%)")
         for b, table in sorted((prof.cache_batched or {}).items()):
             if every in table:
-                q = [c.hits[max(1, round(0.25 * (len(c.hits) + 1))) - 1] for c in table[every].values()]
+                q = [quarter_hit(c) for c in table[every].values()]
                 print(f"  {b} conversations decoded together: it served {100 * sum(q) / len(q):.0f}% of the steps' "
                       "expert reads")
     print(f"wrote {a.output} (compile with --routing-profile {a.output})")

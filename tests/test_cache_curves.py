@@ -1,77 +1,11 @@
-"""The cache curves (ktflow.cache_curves): the refill policy replayed on recorded windows."""
+"""The cache curves (ktflow.cache_curves): the refill policy replayed on recorded routing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ktflow.cache_curves import BLOCK, batched_curves, cache_curves, spread, windows_of
-
-
-def brute(windows, per, first, s):
-    """The policy step by step for one S, as ExpertCache.refill_from runs it: the slots are the S
-    most counted, ties kept in the order of the refill before (a resident expert stays); after the
-    prompt and after every `per` blocks."""
-    experts = windows[0].numel()
-    order = sorted(range(experts), key=lambda e: -float(first[e]))  # stable: ties by id
-
-    def refill(order, counts):
-        return sorted(order, key=lambda e: -float(counts[e]))  # Python's sort is stable
-
-    new = refill(order, windows[0])
-    copied, served, picks = len(set(new[:s]) - set(order[:s])), 0.0, 0.0
-    order = new
-    groups = [torch.stack(windows[1 + i:1 + i + per]).sum(0) for i in range(0, len(windows) - 1, per)]
-    for i, g in enumerate(groups):
-        served += float(sum(g[e] for e in order[:s]))
-        picks += float(g.sum())
-        if i + 1 < len(groups):
-            new = refill(order, g)
-            copied += len(set(new[:s]) - set(order[:s]))
-            order = new
-    return served, copied, picks
-
-
-@pytest.mark.parametrize("every", [8, 16, 32])
-def test_the_curves_equal_the_policy_replayed_one_size_at_a_time(every):
-    g = torch.Generator().manual_seed(every)
-    experts, k = 12, 3
-    convs, first = [], torch.rand(experts, generator=g)
-    for _ in range(3):
-        wins = [torch.randint(0, 4, (experts,), generator=g) for _ in range(1 + 9)]
-        convs.append({5: wins})
-    curves = cache_curves(convs, top_k=k, intervals=(every,), first={5: first})[every][5]
-    for s in range(1, experts):
-        served = copied = picks = 0.0
-        for conv in convs:
-            a, b, c = brute(conv[5], every // BLOCK, first, s)
-            served, copied, picks = served + a, copied + b, picks + c
-        assert curves.hits[s - 1] == pytest.approx(served / picks, abs=1e-6)
-        assert curves.copies[s - 1] == pytest.approx(copied / (picks / k), abs=1e-6)
-
-
-def test_sticky_routing_is_served_and_shifting_routing_is_not():
-    experts = 16
-
-    def conv(hot_per_window):
-        wins = []
-        for hot in hot_per_window:
-            w = torch.zeros(experts, dtype=torch.long)
-            w[list(hot)] = BLOCK
-            wins.append(w)
-        return {1: wins}
-
-    sticky = conv([(0, 1)] * 9)  # the same two experts every window
-    moving = conv([(2 * i % experts, (2 * i + 1) % experts) for i in range(9)])  # two new experts every window
-    c = cache_curves([sticky], top_k=2, intervals=(8,))[8][1]
-    assert c.hits[1] == 1.0 and c.copies[1] == 0.0  # two slots serve every pick; nothing copied after the prompt
-    m = cache_curves([moving], top_k=2, intervals=(8,))[8][1]
-    assert m.hits[1] == 0.0 and m.copies[1] > 0  # last window's experts never come back
-
-
-def test_an_interval_off_the_recorded_windows_is_refused():
-    with pytest.raises(ValueError, match="multiple"):
-        cache_curves([{1: [torch.ones(4)] * 3}], top_k=1, intervals=(12,))
+from ktflow.cache_curves import cache_curves, spread
 
 
 def brute_batch(convs, every, first, s):
@@ -106,8 +40,9 @@ def brute_batch(convs, every, first, s):
     return served, copied, reads, picks
 
 
-@pytest.mark.parametrize("every,batch", [(8, 2), (16, 3), (8, 4)])
-def test_batched_curves_equal_the_policy_run_on_the_batch_in_lockstep(every, batch):
+@pytest.mark.parametrize("every,batch", [(8, 1), (16, 1), (32, 1), (8, 2), (16, 3), (8, 4)])
+def test_the_curves_equal_the_policy_run_step_by_step(every, batch):
+    """Batch 1: each conversation alone; more: the batch in lockstep."""
     g = torch.Generator().manual_seed(every + batch)
     experts, k = 10, 2
     first = torch.rand(experts, generator=g)
@@ -121,7 +56,7 @@ def test_batched_curves_equal_the_policy_run_on_the_batch_in_lockstep(every, bat
         return (prompt, picked), {7: (prompt, per_step)}
 
     made = [conversation(steps) for steps in (40, 33, 40, 25, 31, 19, 28)]  # ragged: a member may end first
-    curves = batched_curves([m[1] for m in made], batch, top_k=k, intervals=(every,), first={7: first})[every][7]
+    curves = cache_curves([m[1] for m in made], k, batch, intervals=(every,), first={7: first})[every][7]
     for s in range(1, experts):
         got = [brute_batch([made[i][0] for i in members], every, first, s) for members in spread(len(made), batch)]
         served, copied, nreads, picks = (sum(x) for x in zip(*got))
@@ -132,13 +67,6 @@ def test_batched_curves_equal_the_policy_run_on_the_batch_in_lockstep(every, bat
 def test_a_batch_spreads_over_the_prompt_list():
     assert spread(7, 2) == [[0, 3], [1, 4], [2, 5]] and spread(8, 4) == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert spread(3, 1) == [[0], [1], [2]] and spread(3, 4) == []
-
-
-def test_a_batch_of_one_is_a_conversation():
-    g = torch.Generator().manual_seed(1)
-    prompt, steps = torch.randint(0, 3, (8,), generator=g), (torch.rand(21, 8, generator=g) < 0.25).long()
-    alone = cache_curves([{2: windows_of(prompt, steps)}], top_k=2)
-    assert batched_curves([{2: (prompt, steps.to(torch.uint8))}], 1, top_k=2) == alone
 
 
 def test_a_batch_that_keeps_to_different_experts_is_served_less():
@@ -152,6 +80,31 @@ def test_a_batch_that_keeps_to_different_experts_is_served_less():
         return {1: (prompt, steps)}
 
     a, b = conv((0, 1)), conv((4, 5))
-    alone = batched_curves([a], 1, top_k=2, intervals=(8,))[8][1]
-    both = batched_curves([a, b], 2, top_k=2, intervals=(8,))[8][1]
+    alone = cache_curves([a], 2, intervals=(8,))[8][1]
+    both = cache_curves([a, b], 2, 2, intervals=(8,))[8][1]
     assert alone.hits[1] == 1.0 and both.hits[1] == 0.5 and both.hits[3] == 1.0
+
+
+def test_sticky_routing_is_served_and_shifting_routing_is_not():
+    experts = 16
+
+    def conv(hot_per_block):
+        """The prompt picks the first pair, then each 8 decode steps the next pair."""
+        prompt = torch.zeros(experts, dtype=torch.int64)
+        prompt[list(hot_per_block[0])] = 8
+        steps = torch.zeros(8 * (len(hot_per_block) - 1), experts, dtype=torch.uint8)
+        for i, hot in enumerate(hot_per_block[1:]):
+            steps[8 * i:8 * (i + 1), list(hot)] = 1
+        return {1: (prompt, steps)}
+
+    sticky = conv([(0, 1)] * 9)  # the same two experts every 8 steps
+    moving = conv([(2 * i % experts, (2 * i + 1) % experts) for i in range(9)])  # two new experts every 8 steps
+    c = cache_curves([sticky], 2, intervals=(8,))[8][1]
+    assert c.hits[1] == 1.0 and c.copies[1] == 0.0  # two slots serve every pick; nothing copied after the prompt
+    m = cache_curves([moving], 2, intervals=(8,))[8][1]
+    assert m.hits[1] == 0.0 and m.copies[1] > 0  # last stretch's experts never come back
+
+
+def test_an_interval_below_one_token_is_refused():
+    with pytest.raises(ValueError, match="whole number of decoded tokens"):
+        cache_curves([{1: (torch.ones(4, dtype=torch.int64), torch.ones(3, 4, dtype=torch.uint8))}], 1, intervals=(0,))

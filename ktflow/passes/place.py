@@ -93,7 +93,7 @@ class SlotChoice:
     every: int
     value: float  # seconds per decode step the S slots save
     static: float  # what static S slots would save
-    hits: float  # share of the layer's picks the slots serve (expected)
+    hits: float  # share of the layer's picks (batched curves: of its expert reads) the slots serve, expected
     copies: float  # experts copied in per decoded token (0 for static)
     priced: bool  # from the profile's cache curves (else a cache by default, unpriced)
     batch: int = 1  # conversations decoded together that the curves priced

@@ -139,10 +139,10 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
     with `continuations`, each prompt's continuation fed one decode step a token: teacher
     forcing), with a RoutingRecorder on every plan; returns the RoutingProfile of all the tokens
     it routed. With decode steps, the profile also holds the expert cache's curves
-    (`ktflow.cache_curves`): each conversation's picks are read step by step, summed into windows
-    (the prompt, then every BLOCK decoded tokens), and the refill policy replayed on them; and for
-    each B of BATCHES, the conversations taken B at a time in lockstep (`cache_batched`)."""
-    from ..cache_curves import BATCHES, batched_curves
+    (`ktflow.cache_curves`): each conversation's picks are read step by step and the refill policy
+    replayed on them, one conversation at a time (`cache`) and, for each B of BATCHES, B at a time
+    in lockstep (`cache_batched`)."""
+    from ..cache_curves import BATCHES, cache_curves
     from ..progress import bar
     from .execute import execute
 
@@ -179,11 +179,9 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
                 now = snapshot()
                 per_step.append({layer: c.to(torch.uint8) for layer, c in since(now, last).items()})
                 last = now
-            if steps:
-                recorded.append({layer: (prompt[layer].cpu() if layer in prompt else torch.zeros_like(c).cpu(),
-                                         torch.stack([s_.get(layer, torch.zeros_like(c, dtype=torch.uint8))
-                                                      for s_ in per_step]).cpu())
-                                 for layer, c in last.items()})
+            if steps:  # (the prompt routed every MoE layer: each step counts them all)
+                recorded.append({layer: (c.cpu(), torch.stack([s_[layer] for s_ in per_step]).cpu())
+                                 for layer, c in prompt.items()})
     finally:
         for plan in plans:
             compiled.executor(plan).recorder = None
@@ -195,7 +193,7 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
         curves = {}
         for b in (1, *BATCHES):
             if len(recorded) >= b:
-                per = {every: c for every, c in batched_curves(recorded, b, top_k, first=first).items() if c}
+                per = {every: c for every, c in cache_curves(recorded, top_k, b, first=first).items() if c}
                 if per:
                     curves[b] = per
         prof = prof.model_copy(update={"cache": curves.pop(1, None), "cache_batched": curves or None})
