@@ -61,6 +61,20 @@ def decode_seconds(compiled, prompt: list[int], decode: int, text: list[int] | N
     return time.perf_counter() - t0
 
 
+def timed_rounds(plans: dict, prompts: list[list[int]], texts: list, decode: int, rounds: int,
+                 before=None) -> dict[str, list[float]]:
+    """Decode tok/s per plan and round: the plans alternate within each round (a machine's drift
+    falls on all alike), each running every conversation (`decode_seconds`). `before(name)` is
+    called before a plan's turn in each round."""
+    took: dict[str, list[float]] = {name: [] for name in plans}
+    for _ in range(rounds):
+        for name, c in plans.items():
+            if before is not None:
+                before(name)
+            took[name].append(sum(decode_seconds(c, p, decode, t) for p, t in zip(prompts, texts)))
+    return {name: [len(prompts) * decode / t for t in ts] for name, ts in took.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="a checkpoint dir from train_small_moe.py (scaled: scale_moe.py)")
@@ -119,14 +133,13 @@ def main() -> int:
             cache.follow(a.every)
         for c in plans.values():  # warm: weights ready, graphs captured
             decode_seconds(c, prompts[0], min(a.decode, 16), texts[0])
-        took = {name: [] for name in plans}
-        served0 = picked0 = bytes0 = 0
-        for _ in range(a.rounds):
-            for name, c in plans.items():
-                if name == "cache" and cache is not None:
-                    served0, picked0, bytes0 = cache.served, cache.picked, cache.copied_bytes
-                took[name].append(sum(decode_seconds(c, p, a.decode, t) for p, t in zip(prompts, texts)))
-        tok_s = {name: [a.seqs * a.decode / t for t in ts] for name, ts in took.items()}
+        last = [0, 0, 0]  # the cache's served, picked, copied bytes before its last round
+
+        def mark(name: str) -> None:
+            if name == "cache" and cache is not None:
+                last[:] = cache.served, cache.picked, cache.copied_bytes
+        tok_s = timed_rounds(plans, prompts, texts, a.decode, a.rounds, mark)
+        served0, picked0, bytes0 = last
         mean = {name: statistics.mean(v) for name, v in tok_s.items()}
         gpu = {name: gpu_experts(c.decode) for name, c in plans.items()}
         hit = (cache.served - served0) / max(1, cache.picked - picked0) if cache else None

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cache_speed import decode_seconds  # noqa: E402
+from cache_speed import decode_seconds, timed_rounds  # noqa: E402
 from common import HERE, append_jsonl, commit, machine  # noqa: E402
 from e2e import budget_without_experts, compile_cpu_experts  # noqa: E402
 from fidelity import compare, cpu_options, run_variant  # noqa: E402
@@ -104,11 +104,7 @@ def main() -> int:
     chosen = {name: deferral(c.decode) for name, c in plans.items()}
     for c in plans.values():  # warm: weights ready, graphs captured
         decode_seconds(c, prompts[0], min(a.decode, 16), texts[0])
-    took = {name: [] for name in plans}
-    for _ in range(a.rounds):
-        for name, c in plans.items():
-            took[name].append(sum(decode_seconds(c, p, a.decode, t) for p, t in zip(prompts, texts)))
-    tok_s = {name: [a.seqs * a.decode / t for t in ts] for name, ts in took.items()}
+    tok_s = timed_rounds(plans, prompts, texts, a.decode, a.rounds)
     mean = {name: statistics.mean(v) for name, v in tok_s.items()}
 
     fd = Path(a.fidelity_model or a.model)
@@ -124,10 +120,13 @@ def main() -> int:
     rows = []
     print(f"\n{'variant':8s} {'deferred picks per MoE layer':30s} {'decode tok/s':>14s} {'vs exact':>9s} "
           f"{'perplexity':>10s} {'KL vs exact':>12s} {'top-1 changed':>14s}")
+    measured: dict[tuple, dict] = {}  # per-layer deferral -> its accuracy (plans choosing alike run once)
     for name in plans:
         per_layer = list(chosen[name].values())
-        m = compare(ref, ref if not any(per_layer) else run_variant(fmodel, dict(opts, defer=per_layer), seqs, prompt),
-                    seqs[:, prompt:])
+        if tuple(per_layer) not in measured:
+            lp = ref if not any(per_layer) else run_variant(fmodel, dict(opts, defer=per_layer), seqs, prompt)
+            measured[tuple(per_layer)] = compare(ref, lp, seqs[:, prompt:])
+        m = measured[tuple(per_layer)]
         speedup = mean[name] / mean["exact"]
         print(f"{name:8s} {str(per_layer):30s} {mean[name]:8.1f} +- {statistics.pstdev(tok_s[name]):3.1f} "
               f"{speedup:8.3f}x {m['perplexity']:10.3f} {m['kl']:12.5f} {100 * m['top1_changed']:13.2f}%", flush=True)

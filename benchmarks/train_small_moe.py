@@ -10,7 +10,7 @@ Expert Deferral's accuracy can be measured on them. This trains one whose routin
   checkpoint's tokenizer.json;
 - model: `transformers`' DeepseekV3ForCausalLM (MLA attention, a dense first layer, routed
   experts with a shared one, the sigmoid router with group-limited top-k), sizes by `--size`:
-  `tiny` trains on 2 CPU cores in a few minutes (150 steps, 307k tokens), `small` is sized for the
+  `tiny` trains on 2 CPU cores in under a minute (150 steps, 307k tokens), `small` is sized for the
   GPU machine;
 - the routed experts' training forward: the tokens gathered by expert into one padded
   [experts, rows, H] batch, two batched matmuls, and gathered back (`sorted_experts_forward`):
@@ -34,7 +34,7 @@ benchmarks/fidelity.py) and `train_report.json` (steps, tokens, seconds, trainin
 perplexity, each MoE layer's expert load on the held-out split, a SHA-256 of the weights), and appends one row to
 benchmarks/train_small_moe.jsonl.
 
-    python benchmarks/train_small_moe.py --size tiny -o /tmp/moe-tiny        # CPU, a few minutes
+    python benchmarks/train_small_moe.py --size tiny -o /tmp/moe-tiny        # CPU, under a minute
     python benchmarks/train_small_moe.py --size small -o /tmp/moe-small      # GPU machine
 """
 

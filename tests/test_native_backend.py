@@ -103,7 +103,6 @@ def test_auto_backend_is_native_for_bf16_plans(demo_dir):
     assert f32.executor("decode").backend.name == "torch_ref"
 
 
-
 def test_a_cpu_only_step_keeps_the_pool_from_spinning(demo_dir):
     """A plan whose torch ops run on the CPU tells the pool to sleep between its runs (spinning
     workers would take those ops' cores); a CUDA-graph step lets it spin again, for the pool's own
