@@ -4,6 +4,7 @@ devices is computed by the other device's kernel), the refill follows recorded r
 requests are one clear error."""
 
 import shutil
+import time
 
 import pytest
 import torch
@@ -274,6 +275,38 @@ def test_a_captured_decode_graph_computes_the_refilled_split(demo_dir):
     for wait in (True, False):  # copies on the cache's own stream, taken in two steps later
         replayed, eager = run(True, wait), run(False, wait)
         assert torch.equal(replayed, eager)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_decode_step_captured_while_refill_copies_run_is_valid(demo_dir, tmp_path, monkeypatch):
+    """follow() refills after the prefill step without waiting, so the first decode step is
+    captured while the copy worker still stages and copies experts (page-locked allocations and
+    events on its own stream, on its own thread): the capture stays valid and the decoded logits
+    are the no-cache plan's within bf16 rounding. The worker is slowed and the capture held open
+    so that they overlap."""
+    model = ktflow.load(amplified(demo_dir, tmp_path / "amplified"))
+    kw = split_options(model, device="cuda", backend="cuda_graph")
+    ref = decode_logits(ktflow.compile(model, prefill_experts="cpu", **kw))
+    c = ktflow.compile(model, expert_cache=True, **kw)
+    cache = ExpertCache(c)
+    weights, runner = c.model.weights, c.executor(c.decode).runner
+    load, capture = weights.load_expert, runner._capture
+    monkeypatch.setattr(weights, "load_expert", lambda ref, e: (time.sleep(0.05), load(ref, e))[1])
+
+    def held_open(*args):
+        real = runner._issue
+        runner._issue = lambda *a, **k: (time.sleep(0.3), real(*a, **k))[1]
+        try:
+            capture(*args)
+        finally:
+            runner._issue = real
+
+    monkeypatch.setattr(runner, "_capture", held_open)
+    cache.follow(every=2)
+    got = decode_logits(c)
+    cache.stop()
+    assert cache.copied > 0
+    assert (got - ref).abs().max() <= 0.01 * ref.abs().max()
 
 
 def test_ktflow_run_follows_the_routing_with_expert_cache(demo_dir, capsys):

@@ -75,6 +75,10 @@ from .staging import pin, pin_tensor
 from .static_rules import StaticRules
 
 _TORCH_DTYPE = {**TORCH_DTYPE, DType.I64: torch.int64}  # and the integer values an arena may hold
+# A capture checks only its own thread's CUDA calls. Other threads go on while a step is captured:
+# the expert cache's copy worker allocates page-locked staging and records and queries events on a
+# stream of its own, which in the default ("global") mode invalidates the capture under way.
+CAPTURE_MODE = "thread_local"
 
 
 class Driver:
@@ -505,7 +509,7 @@ class DecodeGraph:
         self._prepare_recorder()
         torch.cuda.synchronize()
         try:
-            with torch.cuda.graph(graph, stream=self.gpu):
+            with torch.cuda.graph(graph, stream=self.gpu, capture_error_mode=CAPTURE_MODE):
                 run.keep, _ = self._issue(bound, state, None, run.ids.shape[0])
         except torch.cuda.OutOfMemoryError:
             raise self._oom(bound) from None
@@ -590,7 +594,7 @@ class DecodeGraph:
         self._prepare_recorder()
         torch.cuda.synchronize()
         try:
-            with torch.cuda.graph(graph, stream=self.gpu):
+            with torch.cuda.graph(graph, stream=self.gpu, capture_error_mode=CAPTURE_MODE):
                 bound.keep, bound.logits = self._issue(bound, state, None)
         except torch.cuda.OutOfMemoryError:
             raise self._oom(bound) from None
