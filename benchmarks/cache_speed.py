@@ -64,11 +64,14 @@ def decode_seconds(compiled, prompt: list[int], decode: int, text: list[int] | N
 def timed_rounds(plans: dict, prompts: list[list[int]], texts: list, decode: int, rounds: int,
                  before=None) -> dict[str, list[float]]:
     """Decode tok/s per plan and round: the plans alternate within each round (a machine's drift
-    falls on all alike), each running every conversation (`decode_seconds`). `before(name)` is
-    called before a plan's turn in each round."""
+    falls on all alike), each running every conversation (`decode_seconds`); round r starts at
+    the r-th plan, so over as many rounds as plans each plan takes each place in the order once.
+    `before(name)` is called before a plan's turn in each round."""
     took: dict[str, list[float]] = {name: [] for name in plans}
-    for _ in range(rounds):
-        for name, c in plans.items():
+    names = list(plans)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            c = plans[name]
             if before is not None:
                 before(name)
             took[name].append(sum(decode_seconds(c, p, decode, t) for p, t in zip(prompts, texts)))
@@ -119,7 +122,6 @@ def main() -> int:
     info = dict(bench="cache_speed", commit=commit(), **machine(), model=str(d), device=a.device, every=a.every, text=a.text,
                 prompt=a.prompt, decode=a.decode, seqs=a.seqs,
                 gpu=torch.cuda.get_device_name(0) if a.device == "cuda" else None)
-    rows = []
     for share in [float(x) for x in a.shares.split(",") if x]:
         budget = budget_for(model, share, max_seq)
         opts = dict(hw=roofline_only(), device=a.device, backend=a.backend, dtype="bfloat16", vram_budget_gb=budget,
@@ -160,16 +162,16 @@ def main() -> int:
                  + (f"{100 * predicted:.1f}%" if predicted is not None else "nothing: unpriced")
                  + f"), {per_token / 1e6:.2f} MB copied a decoded token; {cache.refills} refills in all"
                  if cache else "the pass priced no cache"), flush=True)
-        rows.append(dict(**info, share=share, budget_gb=round(budget, 4), refills=cache.refills if cache else 0,
-                         cache_hit=round(hit, 4) if hit is not None else None,
-                         cache_hit_predicted=round(predicted, 4) if predicted is not None else None,
-                         copied_mb_per_token=round(per_token / 1e6, 4),
-                         cache_layout={layer: len(ids) for layer, ids in gpu["cache"].items()},
-                         **{f"{name}_tok_s": round(mean[name], 2) for name in plans},
-                         **{f"{name}_sd": round(statistics.pstdev(tok_s[name]), 2) for name in plans}))
+        row = dict(**info, share=share, budget_gb=round(budget, 4), refills=cache.refills if cache else 0,
+                   cache_hit=round(hit, 4) if hit is not None else None,
+                   cache_hit_predicted=round(predicted, 4) if predicted is not None else None,
+                   copied_mb_per_token=round(per_token / 1e6, 4),
+                   cache_layout={layer: len(ids) for layer, ids in gpu["cache"].items()},
+                   **{f"{name}_tok_s": round(mean[name], 2) for name in plans},
+                   **{f"{name}_sd": round(statistics.pstdev(tok_s[name]), 2) for name in plans})
         if cache is not None:
             cache.stop()
-    append_jsonl(a.out, rows)
+        append_jsonl(a.out, [row])  # each share's row as it is measured: a later share's failure keeps it
     tmp.cleanup()
     return 0
 
