@@ -90,15 +90,21 @@ class RoutingProfile(BaseModel):
         fr = self.layers.get(layer)
         return tuple(fr) if fr is not None else None
 
-    def cache_for(self, batch: int) -> tuple[dict[int, dict[int, CacheCurve]], int]:
-        """(the cache curves by refill interval, the batch they price) for decode steps of up to
-        `batch` conversations: one conversation's at 1 (or with no batched curves), else those of
-        the largest profiled batch not above `batch` (the smallest where all are above it)."""
-        if batch <= 1 or not self.cache_batched:
-            return self.cache or {}, 1
-        sizes = sorted(self.cache_batched)
-        b = max([s for s in sizes if s <= batch], default=sizes[0])
-        return self.cache_batched[b], b
+    def cache_for(self, batch: int, layer: int) -> tuple[dict[int, CacheCurve], int]:
+        """(layer `layer`'s cache curves by refill interval, the batch they price) for decode steps
+        of up to `batch` conversations: those of the largest profiled batch not above `batch` (the
+        smallest where all are above it); one conversation's at 1, with no batched curves, or where
+        the batched curves leave the layer out."""
+        def of(table: dict[int, dict[int, CacheCurve]]) -> dict[int, CacheCurve]:
+            return {every: c[layer] for every, c in table.items() if layer in c}
+
+        if batch > 1 and self.cache_batched:
+            sizes = sorted(self.cache_batched)
+            b = max([s for s in sizes if s <= batch], default=sizes[0])
+            curves = of(self.cache_batched[b])
+            if curves:
+                return curves, b
+        return of(self.cache or {}), 1
 
     def check_against(self, g: Graph) -> None:
         for n in g.nodes:

@@ -291,21 +291,30 @@ def test_a_decode_step_captured_while_refill_copies_run_is_valid(demo_dir, tmp_p
     cache = ExpertCache(c)
     weights, runner = c.model.weights, c.executor(c.decode).runner
     load, capture = weights.load_expert, runner._capture
-    monkeypatch.setattr(weights, "load_expert", lambda ref, e: (time.sleep(0.05), load(ref, e))[1])
+    capturing, during = [False], []  # whether a capture is open; the worker's loads made while one was
+
+    def slow_load(ref, e):
+        time.sleep(0.05)
+        during.append(capturing[0])
+        return load(ref, e)
+
+    monkeypatch.setattr(weights, "load_expert", slow_load)
 
     def held_open(*args):
         real = runner._issue
         runner._issue = lambda *a, **k: (time.sleep(0.3), real(*a, **k))[1]
+        capturing[0] = True
         try:
             capture(*args)
         finally:
+            capturing[0] = False
             runner._issue = real
 
     monkeypatch.setattr(runner, "_capture", held_open)
     cache.follow(every=2)
     got = decode_logits(c)
     cache.stop()
-    assert cache.copied > 0
+    assert cache.copied > 0 and any(during)  # copies were staged while a step was being captured
     assert (got - ref).abs().max() <= 0.01 * ref.abs().max()
 
 

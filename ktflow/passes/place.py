@@ -120,11 +120,7 @@ def slot_choices(n: Node, ctx: CompileContext, w: Work, saving: float, vram: flo
     ranked = sorted(ids, key=lambda e: (-hit[e], e))
     curves, batch = {}, 1
     if ctx.options.expert_cache and ctx.routing is not None and len(ids) == n.attrs.experts:
-        table, batch = ctx.routing.cache_for(ctx.options.max_batch)
-        curves = {every: c[n.attrs.layer] for every, c in table.items() if n.attrs.layer in c}
-        if not curves and batch > 1:  # the layer has no batched curves: one conversation's, said so in the cause
-            batch = 1
-            curves = {every: c[n.attrs.layer] for every, c in (ctx.routing.cache or {}).items() if n.attrs.layer in c}
+        curves, batch = ctx.routing.cache_for(ctx.options.max_batch, n.attrs.layer)
     per_copy = vram / len(ids) / (ctx.hw.cpu.dram_gbps * 1e9) * w.tokens
     picks = sum(probs[e] for e in ids) or 1.0
     out, static, share, picked = [], 0.0, 0.0, 0.0
