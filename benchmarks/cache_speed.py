@@ -12,7 +12,15 @@ a profile puts that share on the GPU, as placement_hits.py finds it) and three p
 - `cache`: compiled with `expert_cache=True` and the same profile: the placement pass prices a
   cache per layer from the curves (how many slots each layer gets, cache or static, the refill
   interval), and the run follows the routing (`ExpertCache.follow`: refills after each prompt
-  and at the plan's intervals, or every `--every` tokens; the copies behind the decode steps).
+  and at the plan's intervals, or every `--every` tokens; the copies behind the decode steps);
+- `frozen`: the cache's plan compiled again but never refilled: its slots keep their first
+  filling (the profile's most picked experts), so `frozen` against `profiled` is what the cache's
+  plan costs without refills, and `cache` against `frozen` what the refills cost and bring.
+
+For the static plans it reports the share of the held-out picks on their GPU experts (the
+conversations' routing recorded once, every expert on the GPU); for the cache, the share of the
+decoded picks its slots held, the worker's seconds copying per decoded token and the decode
+tokens between a copy's queueing and its expert taking the slot.
 
 Each plan runs the same held-out conversations: a `--prompt`-token prompt, then `--decode` decode
 steps, fed the held-out text that follows (`--text heldout`, one step a token) or the model's own
@@ -30,6 +38,7 @@ benchmarks/cache_speed.jsonl. On the GPU machine:
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -39,7 +48,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import HERE, append_jsonl, commit, machine  # noqa: E402
-from placement_hits import add_text_args, budget_for, gpu_experts, held_out, roofline_only, training_profile  # noqa: E402
+from placement_hits import (add_text_args, budget_for, gpu_experts, held_out, profile_of, roofline_only,  # noqa: E402
+                            training_profile)
 
 
 def decode_seconds(compiled, prompt: list[int], decode: int, text: list[int] | None = None) -> float:
@@ -100,6 +110,8 @@ def main() -> int:
                     "cost a fraction of the bytes, so the profile's thousands of decode steps cost less")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--save-profile", default=None,
+                    help="also write the routing profile the plans were compiled with to this JSON file")
     ap.add_argument("--out", default=str(HERE / "cache_speed.jsonl"))
     a = ap.parse_args()
     import ktflow
@@ -118,6 +130,11 @@ def main() -> int:
     tmp = tempfile.TemporaryDirectory()
     path = Path(tmp.name) / "routing.json"
     path.write_text(prof.model_dump_json() + "\n")
+    if a.save_profile:
+        Path(a.save_profile).write_text(prof.model_dump_json() + "\n")
+    # the held-out conversations' own routing (the same text the timed runs read): static plans' hits
+    check = profile_of(profiler, prompts, length + 8, a.decode, None if a.text == "greedy" else texts)
+    k = json.loads((d / "config.json").read_text())["num_experts_per_tok"]
     max_seq = length + 8
     info = dict(bench="cache_speed", commit=commit(), **machine(), model=str(d), device=a.device, every=a.every, text=a.text,
                 prompt=a.prompt, decode=a.decode, seqs=a.seqs,
@@ -128,20 +145,22 @@ def main() -> int:
                     max_seq_len=max_seq, numa_nodes=1)
         plans = {"uniform": ktflow.compile(model, **opts),
                  "profiled": ktflow.compile(model, routing_profile=str(path), **opts),
-                 "cache": ktflow.compile(model, routing_profile=str(path), expert_cache=True, **opts)}
+                 "cache": ktflow.compile(model, routing_profile=str(path), expert_cache=True, **opts),
+                 "frozen": ktflow.compile(model, routing_profile=str(path), expert_cache=True, **opts)}
         cached = [n for n in plans["cache"].decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.cached]
         cache = ExpertCache(plans["cache"]) if cached else None
         if cache is not None:
             cache.follow(a.every)
         for c in plans.values():  # warm: weights ready, graphs captured
             decode_seconds(c, prompts[0], min(a.decode, 16), texts[0])
-        last = [0, 0, 0]  # the cache's served, picked, copied bytes before its last round
+        last = [0] * 6  # the cache's counters before its last round
 
         def mark(name: str) -> None:
             if name == "cache" and cache is not None:
-                last[:] = cache.served, cache.picked, cache.copied_bytes
+                last[:] = (cache.served, cache.picked, cache.copied_bytes, cache.copy_seconds, cache.lag_tokens,
+                           cache.copied)
         tok_s = timed_rounds(plans, prompts, texts, a.decode, a.rounds, mark)
-        served0, picked0, bytes0 = last
+        served0, picked0, bytes0, seconds0, lag0, copied0 = last
         mean = {name: statistics.mean(v) for name, v in tok_s.items()}
         gpu = {name: gpu_experts(c.decode) for name, c in plans.items()}
         hit = (cache.served - served0) / max(1, cache.picked - picked0) if cache else None
@@ -149,6 +168,11 @@ def main() -> int:
         predicted = statistics.mean(prof.cache[n.attrs.refill_every][n.attrs.layer].hits[len(n.attrs.ids) - 1]
                                     for n in cached) if cached and prof.cache else None
         per_token = (cache.copied_bytes - bytes0) / (a.seqs * a.decode) if cache else 0.0
+        worker_ms = 1e3 * (cache.copy_seconds - seconds0) / (a.seqs * a.decode) if cache else 0.0
+        lag = (cache.lag_tokens - lag0) / max(1, cache.copied - copied0) if cache else 0.0
+        static_hit = {name: statistics.mean(sum(fr[e] for e in gpu[name].get(layer, ())) / k
+                                            for layer, fr in check.layers.items())
+                      for name in ("uniform", "profiled", "frozen")}
         layout = ", ".join(f"L{layer} {len(ids)}" + (f"/{n.attrs.refill_every}" if n.attrs.cached else "")
                            for layer, ids in sorted(gpu["cache"].items())
                            for n in plans["cache"].decode.ir.nodes
@@ -160,12 +184,16 @@ def main() -> int:
         print(f"  cache plan: GPU slots per layer (/refill interval where a cache): {layout or 'none'}; "
               + (f"last round: {100 * hit:.1f}% of decoded picks in the slots (the profile's curves predicted "
                  + (f"{100 * predicted:.1f}%" if predicted is not None else "nothing: unpriced")
-                 + f"), {per_token / 1e6:.2f} MB copied a decoded token; {cache.refills} refills in all"
-                 if cache else "the pass priced no cache"), flush=True)
+                 + f"), {per_token / 1e6:.2f} MB copied a decoded token (the worker {worker_ms:.2f} ms a decoded "
+                 f"token), a copy's expert in its slot {lag:.1f} decode tokens after its refill; {cache.refills} "
+                 "refills in all" if cache else "the pass priced no cache"), flush=True)
+        print("  held-out picks on the GPU experts of the static plans (every MoE layer): "
+              + ", ".join(f"{name} {100 * v:.1f}%" for name, v in static_hit.items()), flush=True)
         row = dict(**info, share=share, budget_gb=round(budget, 4), refills=cache.refills if cache else 0,
                    cache_hit=round(hit, 4) if hit is not None else None,
                    cache_hit_predicted=round(predicted, 4) if predicted is not None else None,
-                   copied_mb_per_token=round(per_token / 1e6, 4),
+                   copied_mb_per_token=round(per_token / 1e6, 4), worker_ms_per_token=round(worker_ms, 4),
+                   copy_lag_tokens=round(lag, 2), **{f"{name}_hit": round(v, 4) for name, v in static_hit.items()},
                    cache_layout={layer: len(ids) for layer, ids in gpu["cache"].items()},
                    **{f"{name}_tok_s": round(mean[name], 2) for name in plans},
                    **{f"{name}_sd": round(statistics.pstdev(tok_s[name]), 2) for name in plans})

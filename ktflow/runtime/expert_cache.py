@@ -117,11 +117,17 @@ class ExpertCache:
         # copies on a stream of their own: the plan's copy lane must not queue behind them
         self.copy_stream = torch.cuda.Stream() if self._cuda else None
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktflow-expert-cache")
-        self.pending: list[tuple[CachedLayer, int, int, Future]] = []
+        # (layer, slot, expert, its copy, `tokens` when the copy was queued)
+        self.pending: list[tuple[CachedLayer, int, int, Future, int]] = []
         self.copied = 0  # experts copied in since this cache was made
         self.copied_bytes = 0  # their bytes over PCIe, every stack of the layer
         # decoded picks counted at follow()'s refills, and those the GPU slots held at the time
         self.served = self.picked = 0
+        # where the copies' time goes: the worker's seconds in them, and the tokens run between a
+        # copy's queueing and its expert taking the slot (the slot empty all the while)
+        self.copy_seconds = 0.0
+        self.tokens = 0  # tokens of the decode steps `follow` saw (prompts not counted)
+        self.lag_tokens = 0  # summed over the copies finished
         self.failures = 0  # copies that failed (each warned once per layer; the expert stayed on the CPU)
         self._filled: dict[int, dict[int, int]] = {}  # layer -> expert filled since its refill -> its count then
         self.recorder, self.refills = None, 0
@@ -161,7 +167,7 @@ class ExpertCache:
             self._begin(c, free)
             after = self._after_steps()
             for slot, e in zip(free, incoming, strict=True):
-                self.pending.append((c, slot, e, self.worker.submit(self._copy, c, slot, e, after)))
+                self.pending.append((c, slot, e, self.worker.submit(self._copy, c, slot, e, after), self.tokens))
             if wait:
                 self.poll(wait=True)
         return len(incoming)
@@ -205,6 +211,9 @@ class ExpertCache:
     def _copy(self, c: CachedLayer, slot: int, e: int, after):
         """(worker thread) Expert `e`'s weights into `slot` of every stack of the layer; returns
         what `_finish` waits on (an event on CUDA) and the staging it must keep alive until then."""
+        import time
+
+        t0 = time.perf_counter()
         weights = self.compiled.model.weights
         read, staging = {}, []  # each tensor read from the checkpoint once, copied into every stack
         stream = self.copy_stream
@@ -232,6 +241,7 @@ class ExpertCache:
         if stream is not None:
             done = torch.cuda.Event()
             done.record(stream)
+        self.copy_seconds += time.perf_counter() - t0  # (one worker: no race)
         return done, staging
 
     def poll(self, wait: bool = False, layer: int | None = None) -> int:
@@ -275,8 +285,9 @@ class ExpertCache:
             if layer in rec.counts:  # the picks counted before the slot was filled were the CPU's
                 counts = rec.counts[layer].cpu()
                 self._filled.setdefault(layer, {}).update(
-                    {e: int(counts[e]) for c, _, e, _ in ready if c.layer == layer})
-        for c, slot, e, _ in ready:
+                    {e: int(counts[e]) for c, _, e, *_ in ready if c.layer == layer})
+        for c, slot, e, _, queued in ready:
+            self.lag_tokens += self.tokens - queued
             c.resident[slot] = e
             for node, stacked in c.stacks:
                 stacked["local"][e] = slot
@@ -289,7 +300,7 @@ class ExpertCache:
                     mask[e] = 0
         self._stream_sync()
         self.copied += len(ready)
-        for c, slot, _, _ in ready:
+        for c, slot, *_ in ready:
             self.copied_bytes += sum(stacked[role][slot].numel() * stacked[role].element_size()
                                      for _, stacked in c.stacks for role in ("gate", "up", "down"))
         return len(ready)
@@ -339,6 +350,8 @@ class ExpertCache:
                     ex.recorder = None
 
     def _after_run(self, executor, tokens: int) -> None:
+        if executor.plan.phase != "prefill":
+            self.tokens += tokens
         self.poll()
         tokens = self.recorder.counted(tokens)  # a ragged batch's padding rows are no decoded tokens
         prefill = executor.plan.phase == "prefill"
