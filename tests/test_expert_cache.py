@@ -4,7 +4,6 @@ devices is computed by the other device's kernel), the refill follows recorded r
 requests are one clear error."""
 
 import shutil
-import time
 
 import pytest
 import torch
@@ -278,43 +277,32 @@ def test_a_captured_decode_graph_computes_the_refilled_split(demo_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_decode_step_captured_while_refill_copies_run_is_valid(demo_dir, tmp_path, monkeypatch):
-    """follow() refills after the prefill step without waiting, so the first decode step is
-    captured while the copy worker still stages and copies experts (page-locked allocations and
-    events on its own stream, on its own thread): the capture stays valid and the decoded logits
-    are the no-cache plan's within bf16 rounding. The worker is slowed and the capture held open
-    so that they overlap."""
+def test_decode_steps_run_while_refill_copies_are_under_way(demo_dir, tmp_path, monkeypatch):
+    """follow()'s refills issue their copies on the cache's own stream and return: decode steps
+    (the first one captured, later ones replayed) run while the copies are still under way, and
+    the decoded logits are the no-cache plan's within bf16 rounding. The copy stream is held busy
+    before each refill's copies so that they overlap the steps."""
     model = ktflow.load(amplified(demo_dir, tmp_path / "amplified"))
     kw = split_options(model, device="cuda", backend="cuda_graph")
     ref = decode_logits(ktflow.compile(model, prefill_experts="cpu", **kw))
     c = ktflow.compile(model, expert_cache=True, **kw)
     cache = ExpertCache(c)
-    weights, runner = c.model.weights, c.executor(c.decode).runner
-    load, capture = weights.load_expert, runner._capture
-    capturing, during = [False], []  # whether a capture is open; the worker's loads made while one was
+    copy = cache._copy
 
-    def slow_load(ref, e):
-        time.sleep(0.05)
-        during.append(capturing[0])
-        return load(ref, e)
+    def slow_copy(*args):
+        with torch.cuda.stream(cache.copy_stream):
+            torch.cuda._sleep(50_000_000)  # some tens of milliseconds of GPU clocks
+        copy(*args)
 
-    monkeypatch.setattr(weights, "load_expert", slow_load)
-
-    def held_open(*args):
-        real = runner._issue
-        runner._issue = lambda *a, **k: (time.sleep(0.3), real(*a, **k))[1]
-        capturing[0] = True
-        try:
-            capture(*args)
-        finally:
-            capturing[0] = False
-            runner._issue = real
-
-    monkeypatch.setattr(runner, "_capture", held_open)
+    monkeypatch.setattr(cache, "_copy", slow_copy)
+    under_way = []  # at each step's end: whether some copy had not landed yet
+    ex = c.executor(c.decode)
+    ex.after_run.insert(0, lambda *_: under_way.append(any(j[3] is not None and not j[3].query()
+                                                           for j in cache.pending)))
     cache.follow(every=2)
     got = decode_logits(c)
     cache.stop()
-    assert cache.copied > 0 and any(during)  # copies were staged while a step was being captured
+    assert cache.copied > 0 and any(under_way)
     assert (got - ref).abs().max() <= 0.01 * ref.abs().max()
 
 
@@ -412,27 +400,26 @@ def test_the_placement_pass_prices_the_cache_and_sizes_it_per_layer(demo_dir, tm
 
 
 def test_a_failed_copy_leaves_the_expert_on_the_cpu_and_decoding_goes_on(demo_dir, tmp_path, capsys):
-    """A copy that fails (a checkpoint read error) warns once; its slot stays empty and the expert
-    is computed on the CPU, so the logits stay the no-cache plan's; the next refill copies it."""
+    """A copy that fails warns once; its slots stay empty and the experts are computed on the CPU,
+    so the logits stay the no-cache plan's; the next refill copies them."""
     model = ktflow.load(amplified(demo_dir, tmp_path / "amplified"))
     kw = split_options(model)
     ref = decode_logits(ktflow.compile(model, prefill_experts="cpu", **kw))
     c = ktflow.compile(model, expert_cache=True, **kw)
     cache = ExpertCache(c)
     cache.follow(every=2)
-    weights = c.model.weights
-    read = weights.load_expert
-
-    def broken(ref_, e):
-        raise OSError("disk read failed")
-
-    weights.load_expert = broken
-    got = decode_logits(c)
-    assert cache.failures > 0 and "disk read failed" in capsys.readouterr().err
-    assert (got - ref).abs().max() <= 0.01 * ref.abs().max()
     layer = cached_node(c).attrs.layer
+    stager = cache.stagers[layer]
+
+    def broken(*args, **kwargs):
+        raise OSError("device copy failed")
+
+    stager.stage = broken
+    got = decode_logits(c)
+    assert cache.failures > 0 and "device copy failed" in capsys.readouterr().err
+    assert (got - ref).abs().max() <= 0.01 * ref.abs().max()
     assert -1 in cache.layers[layer].resident  # emptied, never filled
-    weights.load_expert = read
+    del stager.stage  # the class's method again
     got = decode_logits(c)  # the refills copy again
     cache.stop()
     assert -1 not in cache.layers[layer].resident

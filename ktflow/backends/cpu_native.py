@@ -129,9 +129,18 @@ class NativeBackend(TorchRefBackend):
             self._packed[key] = self._pack(n, ids, rows, numa, weights, checkpoint)
         return self._packed[key]
 
-    def _stager(self, n: Node, ids: tuple[int, ...], weights: WeightSource, checkpoint: str) -> ExpertStager:
+    def cpu_expert_stager(self, n: Node, weights: WeightSource, device) -> ExpertStager:
+        """A stager over the packed CPU copy of every expert of routed-experts node `n`'s layer (a
+        cached layer's CPU side holds them all), landing on `device`: the expert cache refills its
+        GPU slots from it, a copy over PCIe and an unpack on the GPU, no CPU work."""
+        ids = tuple(range(n.attrs.experts))
+        return self._stager(n, ids, weights, _checkpoint_digest(weights), device)
+
+    def _stager(self, n: Node, ids: tuple[int, ...], weights: WeightSource, checkpoint: str,
+                device=None) -> ExpertStager:
         """Where a fetch's experts are packed: the operators over the layer's CPU-side experts
-        (NUMA shards whose rows tile the layer, or one over all rows, packed here if missing)."""
+        (NUMA shards whose rows tile the layer, or one over all rows, packed here if missing),
+        landing on `device` (default: the node's)."""
         a = n.attrs
         keys = tuple(r.key for r in n.weights)
         shards = sorted(((k[2], op) for k, op in self._packed.items() if k[0] == keys and k[1] == ids),
@@ -144,7 +153,7 @@ class NativeBackend(TorchRefBackend):
         if edge != a.inter:
             chosen = [(0, self._operator(n, ids, (0, a.inter), None, weights, checkpoint))]
         pieces = pieces_of([op for _, op in chosen], [lo for lo, _ in chosen])
-        return ExpertStager(pieces, self.expert_format, a.hidden, a.inter, self.device_of(n), self.dtype)
+        return ExpertStager(pieces, self.expert_format, a.hidden, a.inter, device or self.device_of(n), self.dtype)
 
     def _pack(self, n: Node, ids: tuple[int, ...], rows: tuple[int, int], numa: int | None, weights: WeightSource,
               checkpoint: str) -> native.ExpertOp:

@@ -75,9 +75,9 @@ from .staging import pin, pin_tensor
 from .static_rules import StaticRules
 
 _TORCH_DTYPE = {**TORCH_DTYPE, DType.I64: torch.int64}  # and the integer values an arena may hold
-# A capture checks only its own thread's CUDA calls. Other threads go on while a step is captured:
-# the expert cache's copy worker allocates page-locked staging and records and queries events on a
-# stream of its own, which in the default ("global") mode invalidates the capture under way.
+# A capture checks only its own thread's CUDA calls: another thread's (a server's, a caller's)
+# event queries or page-locked allocations while a step is captured would, in the default
+# ("global") mode, invalidate the capture under way.
 CAPTURE_MODE = "thread_local"
 
 

@@ -72,21 +72,25 @@ class ExpertStager:
         return experts * sum(p.stride for p in self.pieces)
 
     def stage(self, subset: tuple[int, ...], out: torch.Tensor | None = None,
-              landing: torch.Tensor | None = None) -> torch.Tensor:
+              landing: torch.Tensor | None = None, remember: bool = True) -> torch.Tensor:
         """Copy experts `subset` to `landing` (uint8 on the device, at least landing_bytes; new
         when None) and unpack them into `out` [len(subset), 3 * hidden * inter] (new when
         None); returns `out`. Copies are asynchronous on the current stream where the arenas
-        are pinned."""
+        are pinned. `remember`: keep the subset's copy runs for the next call (a fetch stages the
+        same subset every step; a cache's refills stage ever new ones, so it passes False)."""
         n = len(subset)
         if out is None:
             out = torch.empty(n, 3 * self.hidden * self.inter, dtype=self.dtype, device=self.device)
         if landing is None:
             landing = torch.empty(self.landing_bytes(n), dtype=torch.uint8, device=self.device)
         gate, up, down = staged(out, self.hidden, self.inter)
-        if subset not in self._runs:
-            self._runs[subset] = [_runs([p.op.arena_slot(e) for e in subset]) for p in self.pieces]
+        runs_per_piece = self._runs.get(subset)
+        if runs_per_piece is None:
+            runs_per_piece = [_runs([p.op.arena_slot(e) for e in subset]) for p in self.pieces]
+            if remember:
+                self._runs[subset] = runs_per_piece
         at = 0
-        for p, arena, layouts, runs in zip(self.pieces, self._arenas, self._layouts, self._runs[subset], strict=True):
+        for p, arena, layouts, runs in zip(self.pieces, self._arenas, self._layouts, runs_per_piece, strict=True):
             stride = p.stride
             dst = landing[at:at + n * stride].view(n, stride)
             at += n * stride

@@ -10,10 +10,13 @@ each computing the experts its mask marks. `ExpertCache(compiled).refill(layer, 
 - begin (between steps): each outgoing expert's slot is emptied: the GPU parts' expert -> slot
   map (`local`) no longer names it and the CPU masks take it back, so the very next step computes
   it on the CPU; the incoming experts' copies are queued;
-- copy (a worker thread and, on CUDA, the backend's copy stream): each incoming expert's weights
-  read from the checkpoint into page-locked staging and copied into an emptied slot in every
-  stacked copy of the layer's GPU parts (every plan's; plans over the same node share one), after
-  the steps that read the slot before;
+- copy (issued at once; on CUDA on the cache's copy stream, after the steps issued before, which
+  may still read the slots): the incoming experts copied from the layer's CPU side, which holds
+  every expert packed (page-locked on CUDA, so the copy is a DMA at PCIe speed with no CPU work),
+  to the GPU, unpacked there and written into the emptied slots of every stacked copy of the
+  layer's GPU parts (every plan's; plans over the same node share one). An expert refilled into
+  the cache so computes with the CPU side's weights: the checkpoint's for bf16 and FP8 experts,
+  the quantized ones for int8 and int4 (the first filling is the checkpoint's);
 - finish (between steps, once the copy is done): the map names the expert's slot and the CPU
   masks give it up.
 
@@ -33,12 +36,15 @@ could). Not built: token-wise prefetch of the next layer's likely experts.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import contextlib
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from ..backends.base import node_key
+from ..backends.staging import pin
+from ..backends.torch_ref import staged
 from ..cache_curves import next_order
 from ..errors import ConfigError, InputError
 from ..ir.graph import Node
@@ -116,15 +122,22 @@ class ExpertCache:
         self._cuda = any(stacked["local"].is_cuda for c in self.layers.values() for _, stacked in c.stacks)
         # copies on a stream of their own: the plan's copy lane must not queue behind them
         self.copy_stream = torch.cuda.Stream() if self._cuda else None
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktflow-expert-cache")
-        # (layer, slot, expert, its copy, `tokens` when the copy was queued)
-        self.pending: list[tuple[CachedLayer, int, int, Future, int]] = []
+        # where refills copy from: each cached layer's CPU side (every expert, packed)
+        self.stagers = {}
+        for layer, c in self.layers.items():
+            cpu = next(n for n in compiled.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.layer == layer
+                       and n.place.device != Device.GPU)
+            self.stagers[layer] = be.cpu_expert_stager(cpu, compiled.model.weights, c.stacks[0][1]["gate"].device)
+            for piece in self.stagers[layer].pieces if self._cuda else ():
+                pin(piece.op)  # where the driver refuses, the copies run from pageable memory (slower)
+        # (layer, slot, expert, the event its copy ends at (None: done), `tokens` when it was issued)
+        self.pending: list[tuple[CachedLayer, int, int, torch.cuda.Event | None, int]] = []
         self.copied = 0  # experts copied in since this cache was made
         self.copied_bytes = 0  # their bytes over PCIe, every stack of the layer
         # decoded picks counted at follow()'s refills, and those the GPU slots held at the time
         self.served = self.picked = 0
-        # where the copies' time goes: the worker's seconds in them, and the tokens run between a
-        # copy's queueing and its expert taking the slot (the slot empty all the while)
+        # where the copies' time goes: the host's seconds issuing them, and the tokens run between a
+        # copy's issue and its expert taking the slot (the slot empty all the while)
         self.copy_seconds = 0.0
         self.tokens = 0  # tokens of the decode steps `follow` saw (prompts not counted)
         self.lag_tokens = 0  # summed over the copies finished
@@ -165,9 +178,7 @@ class ExpertCache:
         free = [s for s, e in enumerate(c.resident) if e not in want]
         if incoming:
             self._begin(c, free)
-            after = self._after_steps()
-            for slot, e in zip(free, incoming, strict=True):
-                self.pending.append((c, slot, e, self.worker.submit(self._copy, c, slot, e, after), self.tokens))
+            self._copy(c, free, incoming)
             if wait:
                 self.poll(wait=True)
         return len(incoming)
@@ -208,72 +219,54 @@ class ExpertCache:
                 mask[back] = 1
         self._stream_sync()
 
-    def _copy(self, c: CachedLayer, slot: int, e: int, after):
-        """(worker thread) Expert `e`'s weights into `slot` of every stack of the layer; returns
-        what `_finish` waits on (an event on CUDA) and the staging it must keep alive until then."""
-        import time
+    def _copy(self, c: CachedLayer, slots: list[int], experts: list[int]) -> None:
+        """Issue the copies of `experts` into `slots` of every stack of the layer (module doc);
+        `poll` finishes them. A copy that fails to issue warns: its slots stay empty, the experts
+        on the CPU, and a later refill copies them again."""
+        from .. import notices
 
         t0 = time.perf_counter()
-        weights = self.compiled.model.weights
-        read, staging = {}, []  # each tensor read from the checkpoint once, copied into every stack
         stream = self.copy_stream
-        if stream is not None and after:
-            for ev in after:
-                stream.wait_event(ev)
-        for node, stacked in c.stacks:
-            rows = slice(*node.attrs.rows)
-            for ref in node.weights:
-                if not ref.experts:
-                    continue
-                if ref.key not in read:
-                    read[ref.key] = weights.load_expert(ref, e)
-                index = (slice(None), rows) if ref.role == "down" else (rows,)
-                dst = stacked[ref.role][slot]
-                if stream is None:
-                    dst.copy_(read[ref.key][index])
-                    continue
-                host = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True)
-                host.copy_(read[ref.key][index])
-                with torch.cuda.stream(stream):
-                    dst.copy_(host, non_blocking=True)
-                staging.append(host)
-        done = None
-        if stream is not None:
-            done = torch.cuda.Event()
-            done.record(stream)
-        self.copy_seconds += time.perf_counter() - t0  # (one worker: no race)
-        return done, staging
+        after = self._after_steps()  # (the streams current here, not the copy stream)
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for ev in after or ():
+                    stream.wait_event(ev)
+                stager = self.stagers[c.layer]
+                gate, up, down = staged(stager.stage(tuple(experts), remember=False), stager.hidden, stager.inter)
+                index = torch.tensor(slots, device=gate.device)
+                for node, stacked in c.stacks:
+                    lo, hi = node.attrs.rows
+                    for role, src in (("gate", gate[:, lo:hi]), ("up", up[:, lo:hi]), ("down", down[:, :, lo:hi])):
+                        stacked[role].index_copy_(0, index, src.to(stacked[role].dtype))
+                done = None
+                if stream is not None:
+                    done = torch.cuda.Event()
+                    done.record(stream)
+        except Exception as err:  # noqa: BLE001 (a copy's failure must not stop decoding)
+            self.failures += len(experts)
+            notices.warn(f"expert cache: copying experts {experts} of layer {c.layer} to the GPU failed ({err}); "
+                         "they stay on the CPU until a later refill copies them", key=f"expert-cache-copy-{c.layer}")
+            return
+        finally:
+            self.copy_seconds += time.perf_counter() - t0
+        self.pending += [(c, slot, e, done, self.tokens) for slot, e in zip(slots, experts, strict=True)]
 
     def poll(self, wait: bool = False, layer: int | None = None) -> int:
         """Finish the refills whose copies are done (with `wait`, all of them, or all of `layer`'s,
         waiting): each expert's slot named in the map and the expert taken off the CPU masks. Call
         it between steps (`follow` does, at every step's end); returns how many experts it finished."""
-        from .. import notices
-
         ready, rest = [], []
         for job in self.pending:
-            fut = job[3]
+            done = job[3]
             if wait and layer is not None and job[0].layer != layer:
                 rest.append(job)
-            elif wait or (fut.done() and (fut.exception() is not None or fut.result()[0] is None
-                                          or fut.result()[0].query())):
+            elif wait or done is None or done.query():
+                if done is not None:
+                    done.synchronize()
                 ready.append(job)
             else:
                 rest.append(job)
-        finished = []
-        for job in ready:
-            try:
-                done, _ = job[3].result()  # a failed copy raises here
-                if done is not None:
-                    done.synchronize()
-                finished.append(job)
-            except Exception as err:  # noqa: BLE001 (a copy's failure must not stop decoding)
-                # the slot stays empty, the expert on the CPU; the next refill retries it
-                self.failures += 1
-                notices.warn(f"expert cache: copying expert {job[2]} of layer {job[0].layer} to the GPU failed "
-                             f"({err}); it stays on the CPU until a later refill copies it",
-                             key=f"expert-cache-copy-{job[0].layer}")
-        ready = finished
         self.pending = rest
         if not ready:
             return 0
