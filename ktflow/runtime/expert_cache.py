@@ -227,14 +227,17 @@ class ExpertCache:
 
         t0 = time.perf_counter()
         stream = self.copy_stream
-        after = self._after_steps()  # (the streams current here, not the copy stream)
         try:
+            # the slot indices copied to the device here, on the current stream (idle between steps):
+            # a copy from pageable memory first waits for its stream's earlier work, so made on the
+            # copy stream it would hold the host until the copies issued before it had landed
+            index = torch.tensor(slots, device=c.stacks[0][1]["gate"].device)
+            after = self._after_steps()  # (recorded on the streams current here: index included)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for ev in after or ():
                     stream.wait_event(ev)
                 stager = self.stagers[c.layer]
                 gate, up, down = staged(stager.stage(tuple(experts), remember=False), stager.hidden, stager.inter)
-                index = torch.tensor(slots, device=gate.device)
                 for node, stacked in c.stacks:
                     lo, hi = node.attrs.rows
                     for role, src in (("gate", gate[:, lo:hi]), ("up", up[:, lo:hi]), ("down", down[:, :, lo:hi])):
