@@ -69,6 +69,68 @@ def amplified(src, dst, factor=30.0):
     return dst
 
 
+def assert_each_expert_computed_once(cache):
+    """Every expert of every cached layer, in every plan's CPU part: either in a GPU slot that holds
+    it (the map names the slot) or on that CPU part's mask, never both, never neither."""
+    for c in cache.layers.values():
+        for _, stacked in c.stacks:
+            local = stacked["local"].cpu()
+            for e in range(c.experts):
+                if local[e] >= 0:
+                    assert c.resident[int(local[e])] == e
+                for mask, own in c.masks:
+                    if e in own:
+                        assert bool(mask[e]) != bool(local[e] >= 0), f"layer {c.layer} expert {e}"
+
+
+def slots_hold_their_experts(c, cache):
+    """Every filled slot of every cached layer holds its expert's checkpoint weights (rounded to the
+    stack's dtype)."""
+    weights = c.model.weights
+    for cl in cache.layers.values():
+        for node, stacked in cl.stacks:
+            lo, hi = node.attrs.rows
+            refs = {r.role: r for r in node.weights if r.experts}
+            for slot, e in enumerate(cl.resident):
+                if e < 0:
+                    continue
+                assert int(stacked["local"][e]) == slot
+                for role in ("gate", "up", "down"):
+                    want = weights.load_expert(refs[role], e)
+                    want = want[:, lo:hi] if role == "down" else want[lo:hi]
+                    assert torch.equal(stacked[role][slot].cpu(), want.to(stacked[role].dtype)), (e, role)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_refilled_slots_hold_their_experts_weights(demo_dir, device, monkeypatch):
+    """A refill's copies (from the CPU side's packed experts, unpacked on the device, a bounded
+    number of experts at a time: one here) put each expert's own weights in its slot. On CUDA the
+    copies wait behind a busy copy stream while the host goes on allocating and writing device
+    memory of the slot index's size, which must not reach the copies."""
+    import ktflow.runtime.expert_cache as expert_cache
+
+    monkeypatch.setattr(expert_cache, "STAGE_BYTES", 1)
+    model = ktflow.load(demo_dir)
+    kw = split_options(model, device=device, backend="cuda_graph" if device == "cuda" else "native")
+    c = ktflow.compile(model, expert_cache=True, **kw)
+    cache = ExpertCache(c)
+    n = cached_node(c)
+    outside = [e for e in range(n.attrs.experts) if e not in n.attrs.ids][:len(n.attrs.ids)]
+    if device == "cuda":
+        with torch.cuda.stream(cache.copy_stream):
+            torch.cuda._sleep(50_000_000)
+    assert cache.refill(n.attrs.layer, outside, wait=False) == len(outside)
+    if device == "cuda":
+        for _ in range(64):  # device memory of the index's size, made and freed on the current stream
+            torch.full((len(outside),), 10 ** 6, dtype=torch.int64, device="cuda").add_(1)
+        assert cache.pending and not cache.pending[0][3].query()  # the copies still behind the sleep
+    cache.poll(wait=True)
+    assert sorted(cache.resident(n.attrs.layer)) == sorted(outside)
+    slots_hold_their_experts(c, cache)
+    assert_each_expert_computed_once(cache)
+
+
 def test_refilled_cache_gives_the_no_cache_plans_logits(demo_dir, tmp_path):
     model = ktflow.load(amplified(demo_dir, tmp_path / "amplified"))
     kw = split_options(model)
@@ -419,8 +481,35 @@ def test_a_failed_copy_leaves_the_expert_on_the_cpu_and_decoding_goes_on(demo_di
     assert cache.failures > 0 and "device copy failed" in capsys.readouterr().err
     assert (got - ref).abs().max() <= 0.01 * ref.abs().max()
     assert -1 in cache.layers[layer].resident  # emptied, never filled
+    assert_each_expert_computed_once(cache)
     del stager.stage  # the class's method again
     got = decode_logits(c)  # the refills copy again
     cache.stop()
     assert -1 not in cache.layers[layer].resident
+    assert_each_expert_computed_once(cache)
+    slots_hold_their_experts(c, cache)
     assert (got - ref).abs().max() <= 0.01 * ref.abs().max()
+
+
+def test_a_refill_after_a_failed_copy_keeps_the_other_experts_where_they_are(demo_dir):
+    """A failed copy leaves its slots empty (-1); the next refill reuses them without touching the
+    experts that stay (an empty slot names no expert: taken as an index, -1 would be the last
+    expert's entry in the map)."""
+    model = ktflow.load(demo_dir)
+    c = ktflow.compile(model, expert_cache=True, **split_options(model))
+    cache = ExpertCache(c)
+    n = cached_node(c)
+    layer, experts, slots = n.attrs.layer, n.attrs.experts, len(n.attrs.ids)
+    last = experts - 1
+    others = [e for e in range(experts) if e != last]
+    cache.refill(layer, [last, *others[:slots - 1]])  # the last expert resident
+    stager = cache.stagers[layer]
+    stager.stage = lambda *a, **k: (_ for _ in ()).throw(OSError("device copy failed"))
+    cache.refill(layer, [last, *others[slots - 1:2 * slots - 2]])  # its copies fail: empty slots
+    assert -1 in cache.layers[layer].resident
+    del stager.stage
+    cache.refill(layer, [last, *others[:slots - 1]])  # the first ones again, into the empty slots
+    assert sorted(cache.resident(layer)) == sorted([last, *others[:slots - 1]])
+    assert_each_expert_computed_once(cache)
+    slots_hold_their_experts(c, cache)
+

@@ -20,8 +20,11 @@ each computing the experts its mask marks. `ExpertCache(compiled).refill(layer, 
 - finish (between steps, once the copy is done): the map names the expert's slot and the CPU
   masks give it up.
 
-Decode steps never wait for a copy: an expert is on the CPU until its slot is filled, then on the
-GPU. In place is what keeps captured CUDA graphs valid: a replayed decode step reads the stacked
+Decode steps do not wait for a copy: an expert is on the CPU until its slot is filled, then on
+the GPU. Two exceptions: capturing a decode step as a CUDA graph (a batch size's first step, or
+the first after `follow` hands the plan a recorder) synchronizes the device, copies included; and
+where the driver refuses to page-lock the CPU experts (a warning says so) the copies run from
+pageable memory, which holds the host at each refill until they land. In place is what keeps captured CUDA graphs valid: a replayed decode step reads the stacked
 weights, the map and (through the native task) the mask at the addresses it was captured with.
 `refill` waits for its copies (`wait=False`: it returns after begin); `follow()` refills each
 cached layer after each prefill step and every `refill_every` decoded tokens (or every `every`)
@@ -52,6 +55,11 @@ from ..ir.ops import Op
 from ..ir.types import Device
 
 
+#: bytes of device memory a refill's copies stage through at a time (its landing and unpacked
+#: buffers; at least one expert's): transient, within the plan's VRAM reserve
+STAGE_BYTES = 256 << 20
+
+
 @dataclass
 class CachedLayer:
     """One cached layer: its GPU parts' stacked weights (one per distinct copy, with the node it
@@ -62,7 +70,7 @@ class CachedLayer:
     experts: int
     stacks: list[tuple[Node, dict]] = field(default_factory=list)
     masks: list[tuple[torch.Tensor, set[int]]] = field(default_factory=list)
-    resident: list[int] = field(default_factory=list)  # slot -> expert (-1: emptied, its copy under way)
+    resident: list[int] = field(default_factory=list)  # slot -> expert (-1: emptied: its copy under way, or failed)
     every: int = 0  # the plan's refill interval (decoded tokens)
     order: list[int] = field(default_factory=list)  # every expert, the slots' first (ties at a refill keep it)
 
@@ -128,8 +136,12 @@ class ExpertCache:
             cpu = next(n for n in compiled.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.layer == layer
                        and n.place.device != Device.GPU)
             self.stagers[layer] = be.cpu_expert_stager(cpu, compiled.model.weights, c.stacks[0][1]["gate"].device)
-            for piece in self.stagers[layer].pieces if self._cuda else ():
-                pin(piece.op)  # where the driver refuses, the copies run from pageable memory (slower)
+            if self._cuda and not all([pin(piece.op) for piece in self.stagers[layer].pieces]):
+                from .. import notices
+
+                notices.warn(f"expert cache: the driver would not page-lock layer {layer}'s CPU experts; its "
+                             "refills copy from pageable memory, and each refill holds the decode loop until its "
+                             "copies land", key=f"expert-cache-unpinned-{layer}")
         # (layer, slot, expert, the event its copy ends at (None: done), `tokens` when it was issued)
         self.pending: list[tuple[CachedLayer, int, int, torch.cuda.Event | None, int]] = []
         self.copied = 0  # experts copied in since this cache was made
@@ -185,7 +197,7 @@ class ExpertCache:
 
     def _after_steps(self):
         """On CUDA, an event after the work issued so far (the steps that read a slot before it is
-        overwritten): on the current stream and the backend's decode stream."""
+        overwritten): on the current stream and the backend's decode and copy streams."""
         if not self._cuda:
             return None
         events = []
@@ -203,9 +215,11 @@ class ExpertCache:
         from .. import native
 
         native.sync()  # no CPU task (a deferred one included) reads the masks while they change
-        out = [c.resident[s] for s in slots]
+        out = [c.resident[s] for s in slots if c.resident[s] >= 0]  # (a slot whose copy failed is empty)
         for s in slots:
             c.resident[s] = -1
+        if not out:
+            return
         for node, stacked in c.stacks:
             stacked["local"][torch.tensor(out, device=stacked["local"].device)] = -1
             held = self.backend.weights.get(node_key(node))
@@ -234,14 +248,24 @@ class ExpertCache:
             index = torch.tensor(slots, device=c.stacks[0][1]["gate"].device)
             after = self._after_steps()  # (recorded on the streams current here: index included)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                if stream is not None:
+                    index.record_stream(stream)  # read there later: not handed out again before
                 for ev in after or ():
                     stream.wait_event(ev)
                 stager = self.stagers[c.layer]
-                gate, up, down = staged(stager.stage(tuple(experts), remember=False), stager.hidden, stager.inter)
-                for node, stacked in c.stacks:
-                    lo, hi = node.attrs.rows
-                    for role, src in (("gate", gate[:, lo:hi]), ("up", up[:, lo:hi]), ("down", down[:, :, lo:hi])):
-                        stacked[role].index_copy_(0, index, src.to(stacked[role].dtype))
+                # a bounded number of experts at a time: the landing and unpacked buffers (made on
+                # this stream, so handed out again only to its later work) stay near STAGE_BYTES
+                per = max(1, STAGE_BYTES // (stager.landing_bytes(1) + 3 * stager.hidden * stager.inter
+                                             * stager.dtype.itemsize))
+                for at in range(0, len(experts), per):
+                    part = index[at:at + per]
+                    gate, up, down = staged(stager.stage(tuple(experts[at:at + per]), remember=False),
+                                            stager.hidden, stager.inter)
+                    for node, stacked in c.stacks:
+                        lo, hi = node.attrs.rows
+                        for role, src in (("gate", gate[:, lo:hi]), ("up", up[:, lo:hi]),
+                                          ("down", down[:, :, lo:hi])):
+                            stacked[role].index_copy_(0, part, src.to(stacked[role].dtype))
                 done = None
                 if stream is not None:
                     done = torch.cuda.Event()
@@ -346,10 +370,10 @@ class ExpertCache:
                     ex.recorder = None
 
     def _after_run(self, executor, tokens: int) -> None:
+        tokens = self.recorder.counted(tokens)  # a ragged batch's padding rows are no decoded tokens
         if executor.plan.phase != "prefill":
             self.tokens += tokens
         self.poll()
-        tokens = self.recorder.counted(tokens)  # a ragged batch's padding rows are no decoded tokens
         prefill = executor.plan.phase == "prefill"
         busy = {c.layer for c, *_ in self.pending}  # copies still under way: refilled at a later step's end
         due = []
