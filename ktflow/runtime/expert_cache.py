@@ -9,27 +9,29 @@ each computing the experts its mask marks. `ExpertCache(compiled).refill(layer, 
 
 - begin (between steps): each outgoing expert's slot is emptied: the GPU parts' expert -> slot
   map (`local`) no longer names it and the CPU masks take it back, so the very next step computes
-  it on the CPU; the incoming experts' copies are queued;
-- copy (issued at once; on CUDA on the cache's copy stream, after the steps issued before, which
-  may still read the slots): the incoming experts copied from the layer's CPU side, which holds
-  every expert packed (page-locked on CUDA, so the copy is a DMA at PCIe speed with no CPU work),
-  to the GPU, unpacked there and written into the emptied slots of every stacked copy of the
-  layer's GPU parts (every plan's; plans over the same node share one). An expert refilled into
-  the cache so computes with the CPU side's weights: the checkpoint's for bf16 and FP8 experts,
-  the quantized ones for int8 and int4 (the first filling is the checkpoint's);
+  it on the CPU;
+- copy (issued at once, a bounded number of experts at a time (`STAGE_BYTES`); on CUDA on the
+  cache's copy stream, after the steps issued before, which may still read the slots): the incoming
+  experts copied from the layer's CPU side, which holds every expert packed (page-locked on CUDA,
+  so the copy is a DMA at PCIe speed with no CPU work), to the GPU, unpacked there and written into
+  the emptied slots of every stacked copy of the layer's GPU parts (every plan's; plans over the
+  same node share one). An expert refilled into the cache so computes with the CPU side's weights:
+  the checkpoint's for bf16 and FP8 experts, the quantized ones for int8 and int4 (the first
+  filling is the checkpoint's);
 - finish (between steps, once the copy is done): the map names the expert's slot and the CPU
   masks give it up.
 
-Decode steps do not wait for a copy: an expert is on the CPU until its slot is filled, then on
-the GPU. Two exceptions: capturing a decode step as a CUDA graph (a batch size's first step, or
-the first after `follow` hands the plan a recorder) synchronizes the device, copies included; and
-where the driver refuses to page-lock the CPU experts (a warning says so) the copies run from
-pageable memory, which holds the host at each refill until they land. In place is what keeps captured CUDA graphs valid: a replayed decode step reads the stacked
-weights, the map and (through the native task) the mask at the addresses it was captured with.
-`refill` waits for its copies (`wait=False`: it returns after begin); `follow()` refills each
-cached layer after each prefill step and every `refill_every` decoded tokens (or every `every`)
-from the picks since its last refill, without waiting, finishing copies at each step's end
-(`poll`); `refill_from(recorder)` is one such refill from a `RoutingRecorder`.
+Decode steps do not wait for a copy: an expert is on the CPU until its slot is filled, then on the
+GPU. Two exceptions: capturing a decode step as a CUDA graph (a batch size's first step, or the
+first after `follow` hands the plan a recorder) synchronizes the device, copies included; and where
+the driver refuses to page-lock the CPU experts (a warning says so) the copies run from pageable
+memory, which holds the host at each refill until they land. In place is what keeps captured CUDA
+graphs valid: a replayed decode step reads the stacked weights, the map and (through the native
+task) the mask at the addresses it was captured with. `refill` waits for its copies (`wait=False`:
+it returns after begin); `follow()` refills each cached layer after each prefill step and every
+`refill_every` decoded tokens (or every `every`) from the picks since its last refill, without
+waiting, finishing copies at each step's end (`poll`); `refill_from(recorder)` is one such refill
+from a `RoutingRecorder`.
 
 Preconditions: the plan's backend is native or cuda_graph (their CPU parts take a mask), and no
 plan streams a cached layer's experts to the GPU in prefill (a streamed subset is fixed at compile
