@@ -23,12 +23,13 @@ pytestmark = pytest.mark.skipif(not native_available(), reason="needs the native
 PROMPT = torch.tensor([[5, 17, 3, 9, 44, 2]])
 
 
-def split_options(model, device="cpu", backend="native"):
-    """Compile options whose decode plan splits some layer's experts between the GPU and the CPU."""
+def split_options(model, device="cpu", backend="native", **extra):
+    """Compile options whose decode plan splits some layer's experts between the GPU and the CPU
+    (with `extra` options, which the returned ones include)."""
     for budget in (0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2):
         kw = dict(hw="rtx4090-desktop" if device == "cpu" else with_this_gpus_memory(PRESETS["rtx4090-desktop"]),
                   device=device, vram_budget_gb=budget, allow_oversize=True, backend=backend,
-                  max_seq_len=64)
+                  max_seq_len=64, **extra)
         c = ktflow.compile(model, expert_cache=True, **kw)
         if any(n.op == Op.ROUTED_EXPERTS and n.attrs.cached for n in c.decode.ir.nodes):
             return kw
@@ -513,3 +514,26 @@ def test_a_refill_after_a_failed_copy_keeps_the_other_experts_where_they_are(dem
     assert_each_expert_computed_once(cache)
     slots_hold_their_experts(c, cache)
 
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])  # (int4 experts: this model's plan puts none on the GPU)
+def test_a_refilled_quantized_expert_computes_with_the_cpus_weights(demo_dir, fmt):
+    """With int8 or FP8 CPU experts (quantized here from the bf16 checkpoint), an expert refilled into a slot is copied from the CPU's packed
+    (quantized) copy: its slot holds the dequantized weights the CPU computes it with, not the
+    checkpoint's, and each expert is still computed once."""
+    model = ktflow.load(demo_dir)
+    c = ktflow.compile(model, expert_cache=True, **split_options(model, expert_format=fmt))
+    cache = ExpertCache(c)
+    n = cached_node(c)
+    outside = [e for e in range(n.attrs.experts) if e not in n.attrs.ids][:len(n.attrs.ids)]
+    cache.refill(n.attrs.layer, outside)
+    assert_each_expert_computed_once(cache)
+    cl = cache.layers[n.attrs.layer]
+    node, stacked = cl.stacks[0]
+    gate_ref = next(r for r in node.weights if r.experts and r.role == "gate")
+    e = cl.resident[0]
+    exact = c.model.weights.load_expert(gate_ref, e).float()
+    got = stacked["gate"][0].float()
+    # the quantized copy: close to the checkpoint's (a few percent of its range), but not it
+    assert not torch.equal(got, exact.to(got.dtype))
+    assert (got - exact).abs().max() <= (0.02 if fmt == "int8" else 0.1) * exact.abs().max()

@@ -16,8 +16,9 @@ each computing the experts its mask marks. `ExpertCache(compiled).refill(layer, 
   so the copy is a DMA at PCIe speed with no CPU work), to the GPU, unpacked there and written into
   the emptied slots of every stacked copy of the layer's GPU parts (every plan's; plans over the
   same node share one). An expert refilled into the cache so computes with the CPU side's weights:
-  the checkpoint's for bf16 and FP8 experts, the quantized ones for int8 and int4 (the first
-  filling is the checkpoint's);
+  the checkpoint's where the CPU holds them as stored (bf16, or an FP8 checkpoint's FP8), the
+  quantized ones where it quantized them (int8, int4, FP8 from a bf16 checkpoint); the first
+  filling is the checkpoint's;
 - finish (between steps, once the copy is done): the map names the expert's slot and the CPU
   masks give it up.
 
