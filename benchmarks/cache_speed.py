@@ -25,8 +25,8 @@ tokens between a copy's issue and its expert taking the slot.
 Each plan runs the same held-out conversations: a `--prompt`-token prompt, then `--decode` decode
 steps, fed the held-out text that follows (`--text heldout`, one step a token) or the model's own
 greedy tokens (`--text greedy`, K steps a launch as `generate` runs them). Decode tok/s is the decoded tokens over the
-decode time of all conversations; the cache's refills are inside that time. The plans and the
-conversations alternate in rounds, so a machine's drift falls on all alike. For the cache it
+decode time of all conversations; the cache's refills are inside that time. The plans take turns
+conversation by conversation, in rounds, so a machine's drift falls on all alike. For the cache it
 also reports the share of decoded picks its slots held at the refills (hit rate) and the bytes it
 copied to the GPU per decoded token. Prints a table and appends rows to
 benchmarks/cache_speed.jsonl. On the GPU machine:
@@ -73,18 +73,20 @@ def decode_seconds(compiled, prompt: list[int], decode: int, text: list[int] | N
 
 def timed_rounds(plans: dict, prompts: list[list[int]], texts: list, decode: int, rounds: int,
                  before=None) -> dict[str, list[float]]:
-    """Decode tok/s per plan and round: the plans alternate within each round (a machine's drift
-    falls on all alike), each running every conversation (`decode_seconds`); round r starts at
-    the r-th plan, so over as many rounds as plans each plan takes each place in the order once.
-    `before(name)` is called before a plan's turn in each round."""
-    took: dict[str, list[float]] = {name: [] for name in plans}
+    """Decode tok/s per plan and round. Within a round the plans take turns conversation by
+    conversation (each runs conversation i before any runs conversation i + 1), so a machine's
+    drift over seconds falls on all alike; the plan that goes first moves on by one each
+    conversation and each round, so no plan keeps a place in the order. `before(name)` is called
+    for each plan at the start of each round."""
+    took: dict[str, list[float]] = {name: [0.0] * rounds for name in plans}
     names = list(plans)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            c = plans[name]
-            if before is not None:
-                before(name)
-            took[name].append(sum(decode_seconds(c, p, decode, t) for p, t in zip(prompts, texts)))
+        for name in names if before is not None else ():
+            before(name)
+        for i, (p, t) in enumerate(zip(prompts, texts)):
+            k = (r + i) % len(names)
+            for name in names[k:] + names[:k]:
+                took[name][r] += decode_seconds(plans[name], p, decode, t)
     return {name: [len(prompts) * decode / t for t in ts] for name, ts in took.items()}
 
 

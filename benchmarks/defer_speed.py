@@ -10,8 +10,9 @@ cost real bandwidth: the same routing, token for token):
   hardware probed (`ktflow.hw.probe`: `defer="auto"` decides from it), for the exact plan,
   `defer="auto"` and each `--defer` d. Each runs the same held-out conversations: a
   `--prompt`-token prompt, then `--decode` decode steps fed the held-out text that follows (one
-  step a token); decode tok/s is those tokens over their wall time, the plans alternating in
-  `--rounds` rounds so the machine's drift falls on all alike;
+  step a token); decode tok/s is those tokens over their wall time, the plans taking turns
+  conversation by conversation in `--rounds` rounds (`cache_speed.timed_rounds`) so the machine's
+  drift falls on all alike;
 - accuracy: the deferral each plan chose (per MoE layer), run on the unscaled model
   (`--fidelity-model`, default the model) as benchmarks/fidelity.py runs it: every routed expert
   on the CPU, `--kl-seqs` held-out sequences of `--kl-len` tokens, teacher forced; held-out

@@ -200,10 +200,10 @@ def test_the_scaled_model_computes_what_the_trained_one_does(trained, tmp_path):
     assert bad.returncode != 0 and "below the model's moe_intermediate_size" in bad.stderr
 
 
-def test_cache_speed_runs_its_three_plans(trained, tmp_path):
+def test_cache_speed_runs_its_four_plans(trained, tmp_path):
     """benchmarks/cache_speed.py (here on the CPU, where the GPU lane runs on the CPU too: the code
-    path, not a speed): uniform, profiled and cached plans over held-out conversations, the cache
-    refilled after each prompt and every N decoded tokens."""
+    path, not a speed): uniform, profiled, cached and frozen plans over held-out conversations, the
+    cache refilled after each prompt and every N decoded tokens."""
     out = tmp_path / "s.jsonl"
     p = subprocess.run([sys.executable, str(BENCH / "cache_speed.py"), str(trained), "--device", "cpu", "--backend",
                         "native", "--shares", "0.25", "--seqs", "2", "--prompt", "8", "--decode", "8", "--every", "4",
@@ -211,7 +211,10 @@ def test_cache_speed_runs_its_three_plans(trained, tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
-    assert all(row[f"{v}_tok_s"] > 0 for v in ("uniform", "profiled", "cache"))
+    assert all(row[f"{v}_tok_s"] > 0 for v in ("uniform", "profiled", "cache", "frozen"))
+    # the static plans' held-out hit shares, and the copies' cost and lag
+    assert all(0.0 <= row[f"{v}_hit"] <= 1.0 for v in ("uniform", "profiled", "frozen"))
+    assert row["host_copy_ms_per_token"] > 0.0 and row["copy_lag_tokens"] >= 0.0
     # warm-up (a prompt and 8 tokens) and 2 conversations: a refill after each prompt and every 4 decoded tokens
     assert row["refills"] == 3 * (1 + 8 // 4)
     assert 0.0 <= row["cache_hit"] <= 1.0 and row["copied_mb_per_token"] >= 0.0
