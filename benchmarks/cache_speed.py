@@ -3,7 +3,7 @@ a model with learned routing (train_small_moe.py, scaled with scale_moe.py so ex
 bandwidth: the same routing, token for token).
 
 For each GPU share of the routed experts, one VRAM budget (the smallest at which the plan without
-a profile puts that share on the GPU, as placement_hits.py finds it) and three plans:
+a profile puts that share on the GPU, as placement_hits.py finds it) and four plans:
 
 - `uniform`: placed without a routing profile;
 - `profiled`: placed with a profile of training-split conversations (`--routing-profile`): each a
@@ -17,19 +17,16 @@ a profile puts that share on the GPU, as placement_hits.py finds it) and three p
   filling (the profile's most picked experts), so `frozen` against `profiled` is what the cache's
   plan costs without refills, and `cache` against `frozen` what the refills cost and bring.
 
-For the static plans it reports the share of the held-out picks on their GPU experts (the
-conversations' routing recorded once, every expert on the GPU); for the cache, the share of the
-decoded picks its slots held, the host's seconds issuing copies per decoded token and the decode
-tokens between a copy's issue and its expert taking the slot.
-
 Each plan runs the same held-out conversations: a `--prompt`-token prompt, then `--decode` decode
 steps, fed the held-out text that follows (`--text heldout`, one step a token) or the model's own
 greedy tokens (`--text greedy`, K steps a launch as `generate` runs them). Decode tok/s is the decoded tokens over the
 decode time of all conversations; the cache's refills are inside that time. The plans take turns
-conversation by conversation, in rounds, so a machine's drift falls on all alike. For the cache it
-also reports the share of decoded picks its slots held at the refills (hit rate) and the bytes it
-copied to the GPU per decoded token. Prints a table and appends rows to
-benchmarks/cache_speed.jsonl. On the GPU machine:
+conversation by conversation, in rounds, so a machine's drift falls on all alike. For the static
+plans it reports the share of the held-out picks on their GPU experts (the conversations' routing
+recorded once, every expert on the GPU); for the cache, the share of the decoded picks its slots
+held at the refills (hit rate), the bytes it copied to the GPU and the host's seconds issuing the
+copies per decoded token, and the decode tokens between a copy's issue and its expert taking the
+slot. Prints a table and appends rows to benchmarks/cache_speed.jsonl. On the GPU machine:
 
     python benchmarks/scale_moe.py /tmp/moe-small --inter 2048 -o /tmp/moe-scaled
     python benchmarks/cache_speed.py /tmp/moe-scaled --device cuda --shares 0.1,0.25

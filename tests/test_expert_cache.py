@@ -70,6 +70,11 @@ def amplified(src, dst, factor=30.0):
     return dst
 
 
+def broken_stage(*args, **kwargs):
+    """A stager's stage that fails, as a device copy would."""
+    raise OSError("device copy failed")
+
+
 def assert_each_expert_computed_once(cache):
     """Every expert of every cached layer, in every plan's CPU part: either in a GPU slot that holds
     it (the map names the slot) or on that CPU part's mask, never both, never neither."""
@@ -473,11 +478,7 @@ def test_a_failed_copy_leaves_the_expert_on_the_cpu_and_decoding_goes_on(demo_di
     cache.follow(every=2)
     layer = cached_node(c).attrs.layer
     stager = cache.stagers[layer]
-
-    def broken(*args, **kwargs):
-        raise OSError("device copy failed")
-
-    stager.stage = broken
+    stager.stage = broken_stage
     got = decode_logits(c)
     assert cache.failures > 0 and "device copy failed" in capsys.readouterr().err
     assert (got - ref).abs().max() <= 0.01 * ref.abs().max()
@@ -505,7 +506,7 @@ def test_a_refill_after_a_failed_copy_keeps_the_other_experts_where_they_are(dem
     others = [e for e in range(experts) if e != last]
     cache.refill(layer, [last, *others[:slots - 1]])  # the last expert resident
     stager = cache.stagers[layer]
-    stager.stage = lambda *a, **k: (_ for _ in ()).throw(OSError("device copy failed"))
+    stager.stage = broken_stage
     cache.refill(layer, [last, *others[slots - 1:2 * slots - 2]])  # its copies fail: empty slots
     assert -1 in cache.layers[layer].resident
     del stager.stage
@@ -515,12 +516,11 @@ def test_a_refill_after_a_failed_copy_keeps_the_other_experts_where_they_are(dem
     slots_hold_their_experts(c, cache)
 
 
-
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])  # (int4 experts: this model's plan puts none on the GPU)
 def test_a_refilled_quantized_expert_computes_with_the_cpus_weights(demo_dir, fmt):
-    """With int8 or FP8 CPU experts (quantized here from the bf16 checkpoint), an expert refilled into a slot is copied from the CPU's packed
-    (quantized) copy: its slot holds the dequantized weights the CPU computes it with, not the
-    checkpoint's, and each expert is still computed once."""
+    """With int8 or FP8 CPU experts (quantized here from the bf16 checkpoint), an expert refilled
+    into a slot is copied from the CPU's packed (quantized) copy: its slot holds the dequantized
+    weights the CPU computes it with, not the checkpoint's, and each expert is still computed once."""
     model = ktflow.load(demo_dir)
     c = ktflow.compile(model, expert_cache=True, **split_options(model, expert_format=fmt))
     cache = ExpertCache(c)

@@ -374,10 +374,10 @@ class ExpertCache:
 
     def _after_run(self, executor, tokens: int) -> None:
         tokens = self.recorder.counted(tokens)  # a ragged batch's padding rows are no decoded tokens
-        if executor.plan.phase != "prefill":
+        prefill = executor.plan.phase == "prefill"
+        if not prefill:
             self.tokens += tokens
         self.poll()
-        prefill = executor.plan.phase == "prefill"
         busy = {c.layer for c, *_ in self.pending}  # copies still under way: refilled at a later step's end
         due = []
         for layer in self.layers:
