@@ -24,8 +24,8 @@ decode time of all conversations; the cache's refills are inside that time. The 
 conversation by conversation, in rounds, so a machine's drift falls on all alike. For the static
 plans it reports the share of the held-out picks on their GPU experts (the conversations' routing
 recorded once, every expert on the GPU); for the cache, the share of the decoded picks its slots
-held at the refills (hit rate), the bytes it copied to the GPU and the host's seconds issuing the
-copies per decoded token, and the decode tokens between a copy's issue and its expert taking the
+held at the refills (hit rate), the bytes it copied to the GPU and the host's seconds at step ends
+(refills begun, copies issued and taken in: the decode loop waits for them) per decoded token, and the decode tokens between a copy's issue and its expert taking the
 slot. Prints a table and appends rows to benchmarks/cache_speed.jsonl. On the GPU machine:
 
     python benchmarks/scale_moe.py /tmp/moe-small --inter 2048 -o /tmp/moe-scaled
@@ -156,7 +156,7 @@ def main() -> int:
 
         def mark(name: str) -> None:
             if name == "cache" and cache is not None:
-                last[:] = (cache.served, cache.picked, cache.copied_bytes, cache.copy_seconds, cache.lag_tokens,
+                last[:] = (cache.served, cache.picked, cache.copied_bytes, cache.host_seconds, cache.lag_tokens,
                            cache.copied)
         tok_s = timed_rounds(plans, prompts, texts, a.decode, a.rounds, mark)
         served0, picked0, bytes0, seconds0, lag0, copied0 = last
@@ -167,7 +167,7 @@ def main() -> int:
         predicted = statistics.mean(prof.cache[n.attrs.refill_every][n.attrs.layer].hits[len(n.attrs.ids) - 1]
                                     for n in cached) if cached and prof.cache else None
         per_token = (cache.copied_bytes - bytes0) / (a.seqs * a.decode) if cache else 0.0
-        issue_ms = 1e3 * (cache.copy_seconds - seconds0) / (a.seqs * a.decode) if cache else 0.0
+        host_ms = 1e3 * (cache.host_seconds - seconds0) / (a.seqs * a.decode) if cache else 0.0
         lag = (cache.lag_tokens - lag0) / max(1, cache.copied - copied0) if cache else 0.0
         static_hit = {name: statistics.mean(sum(fr[e] for e in gpu[name].get(layer, ())) / k
                                             for layer, fr in check.layers.items())
@@ -183,15 +183,15 @@ def main() -> int:
         print(f"  cache plan: GPU slots per layer (/refill interval where a cache): {layout or 'none'}; "
               + (f"last round: {100 * hit:.1f}% of decoded picks in the slots (the profile's curves predicted "
                  + (f"{100 * predicted:.1f}%" if predicted is not None else "nothing: unpriced")
-                 + f"), {per_token / 1e6:.2f} MB copied a decoded token (the host {issue_ms:.2f} ms a decoded "
-                 f"token issuing them), a copy's expert in its slot {lag:.1f} decode tokens after its refill; {cache.refills} "
+                 + f"), {per_token / 1e6:.2f} MB copied a decoded token (the host {host_ms:.2f} ms a decoded "
+                 f"token at step ends: refills, copies issued and taken in), a copy's expert in its slot {lag:.1f} decode tokens after its refill; {cache.refills} "
                  "refills in all" if cache else "the pass priced no cache"), flush=True)
         print("  held-out picks on the GPU experts of the static plans (every MoE layer): "
               + ", ".join(f"{name} {100 * v:.1f}%" for name, v in static_hit.items()), flush=True)
         row = dict(**info, share=share, budget_gb=round(budget, 4), refills=cache.refills if cache else 0,
                    cache_hit=round(hit, 4) if hit is not None else None,
                    cache_hit_predicted=round(predicted, 4) if predicted is not None else None,
-                   copied_mb_per_token=round(per_token / 1e6, 4), host_copy_ms_per_token=round(issue_ms, 4),
+                   copied_mb_per_token=round(per_token / 1e6, 4), host_ms_per_token=round(host_ms, 4),
                    copy_lag_tokens=round(lag, 2), **{f"{name}_hit": round(v, 4) for name, v in static_hit.items()},
                    cache_layout={layer: len(ids) for layer, ids in gpu["cache"].items()},
                    **{f"{name}_tok_s": round(mean[name], 2) for name in plans},

@@ -38,7 +38,7 @@ import torch
 from .cost import CacheCurve
 
 #: the refill intervals (decoded tokens) the curves are computed for
-INTERVALS = (8, 16, 32, 64)
+INTERVALS = (8, 16, 32, 64, 128, 256)
 #: conversations decoded together (one cache) that the batched curves price
 BATCHES = (2, 4, 8)
 

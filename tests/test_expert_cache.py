@@ -123,9 +123,11 @@ def test_refilled_slots_hold_their_experts_weights(demo_dir, device, monkeypatch
     cache = ExpertCache(c)
     n = cached_node(c)
     outside = [e for e in range(n.attrs.experts) if e not in n.attrs.ids][:len(n.attrs.ids)]
-    if device == "cuda":
+    if device == "cuda":  # (kernels loaded by a refill there and back first: the sleep outlasts the host's work)
+        cache.refill(n.attrs.layer, outside)
+        cache.refill(n.attrs.layer, n.attrs.ids)
         with torch.cuda.stream(cache.copy_stream):
-            torch.cuda._sleep(50_000_000)
+            torch.cuda._sleep(1_000_000_000)  # about half a second of GPU clocks
     assert cache.refill(n.attrs.layer, outside, wait=False) == len(outside)
     if device == "cuda":
         for _ in range(64):  # device memory of the index's size, made and freed on the current stream
@@ -465,6 +467,27 @@ def test_the_placement_pass_prices_the_cache_and_sizes_it_per_layer(demo_dir, tm
     assert any("no cache" in n.place.cause for n in parts)
     with pytest.raises(ConfigError, match="expert_cache=True"):
         ExpertCache(c)
+
+
+def test_the_pass_prices_each_copy_at_its_time_over_pcie(demo_dir, tmp_path):
+    """A refill's copy costs the decode steps its bytes' time over PCIe: the same curves that make
+    the sticky layer a cache over the preset's link price it below static experts over a link a
+    thousand times slower, and the pass turns the cache off."""
+    from ktflow.hw import PRESETS
+
+    model = ktflow.load(demo_dir)
+    fast = PRESETS["rtx4090-desktop"]
+    slow = fast.model_copy(update={"gpus": [fast.gpus[0].model_copy(update={"pcie_h2d_gbps": 0.025})]})
+    kw = dict(device="cpu", allow_oversize=True, backend="native", max_seq_len=64, vram_budget_gb=0.008,
+              routing_profile=curves_profile(tmp_path / "r.json"), expert_cache=True)
+
+    def gpu_parts(hw):
+        return [n for n in ktflow.compile(model, hw=hw, **kw).decode.ir.nodes
+                if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "gpu"]
+
+    assert any(n.attrs.layer == 3 and n.attrs.refill_every for n in gpu_parts(fast))
+    parts = gpu_parts(slow)
+    assert parts and all(n.attrs.refill_every == 0 and "no cache" in n.place.cause for n in parts)
 
 
 def test_a_failed_copy_leaves_the_expert_on_the_cpu_and_decoding_goes_on(demo_dir, tmp_path, capsys):

@@ -47,12 +47,12 @@ def test_recorded_routing_is_the_routers_picks(backend, tiny_dirs, tmp_path):
     assert prof.pairs[layer][0][1] == 1.0 and prof.pairs[layer][0][0] == 1.0 and prof.pairs[layer][k][k + 1] == 0.0
     assert prof.model_type == "deepseek_v3"
     # the cache curves: k slots refilled from the prompt serve every decoded pick, copying nothing
-    assert set(prof.cache) == {8, 16, 32, 64}
+    assert set(prof.cache) == {8, 16, 32, 64, 128, 256}
     curve = prof.cache[32][layer]
     assert len(curve.hits) == experts - 1 and curve.hits[k - 1] == 1.0 and curve.copies[k - 1] == 0.0
     assert curve.hits[k - 2] == pytest.approx((k - 1) / k)
     # the two conversations decoded together read the same k experts a step: the same curve
-    assert set(prof.cache_batched) == {2} and set(prof.cache_batched[2]) == {8, 16, 32, 64}
+    assert set(prof.cache_batched) == {2} and set(prof.cache_batched[2]) == {8, 16, 32, 64, 128, 256}
     both = prof.cache_batched[2][32][layer]
     assert both.hits[k - 1] == 1.0 and both.hits[k - 2] == pytest.approx((k - 1) / k) and both.copies[k - 1] == 0.0
     # teacher forcing: a continuation fed a decode step a token routes as the whole text prefilled

@@ -83,6 +83,11 @@ def _units(g: Graph, ctx: CompileContext) -> tuple[list[Unit], dict[str, tuple[C
 
 #: refill interval (decoded tokens) of a cache the routing profile cannot price (no curves)
 DEFAULT_REFILL = 32
+#: decode time a refill's copy costs, in units of its bytes' time over PCIe to the GPU. The DMA
+#: shares the link with the decode step's own host reads (the CPU experts' results, their done
+#: flags), which wait behind it: on the H100 machine (session 39, `cache_speed.py`) the steps lost
+#: 0.031 ms a MB copied, 1.7 times the link's 54.5 GB/s, counted with the refills' host work
+COPY_STALL = 1.0
 
 
 @dataclass(frozen=True)
@@ -105,9 +110,9 @@ def slot_choices(n: Node, ctx: CompileContext, w: Work, saving: float, vram: flo
     worth its share of the node's saving (its chance of being hit in a step of w.tokens tokens
     over the node's total). With `expert_cache` and the routing profile's cache curves for the
     layer: a cache refilled every N tokens is worth `saving * hits_N[S]` less its copies, each
-    copied expert priced at reading its bytes from host DRAM (the copy stream's DMA reads the
-    memory the CPU experts stream from) for every token of the step; S slots go to whichever is
-    worth more (ties: static). Without curves a split layer is a cache refilled every
+    copied expert priced at its bytes' time over PCIe to the GPU (`COPY_STALL`: a refill's DMA
+    delays the decode steps it runs beside by about its own length) for every token of the step;
+    S slots go to whichever is worth more (ties: static). Without curves a split layer is a cache refilled every
     DEFAULT_REFILL tokens, unpriced (valued as static). At max_batch > 1 the curves of a profiled
     batch (`RoutingProfile.cache_for`) give the share of the step's expert reads the slots serve,
     the unit the static value is in (each expert's chance of being read in the step), so a cache
@@ -121,7 +126,7 @@ def slot_choices(n: Node, ctx: CompileContext, w: Work, saving: float, vram: flo
     curves, batch = {}, 1
     if ctx.options.expert_cache and ctx.routing is not None and len(ids) == n.attrs.experts:
         curves, batch = ctx.routing.cache_for(ctx.options.max_batch, n.attrs.layer)
-    per_copy = vram / len(ids) / (ctx.hw.cpu.dram_gbps * 1e9) * w.tokens
+    per_copy = COPY_STALL * vram / len(ids) / (ctx.hw.gpus[0].pcie_h2d_gbps * 1e9) * w.tokens
     picks = sum(probs[e] for e in ids) or 1.0
     out, static, share, picked = [], 0.0, 0.0, 0.0
     for s, e in enumerate(ranked, start=1):

@@ -151,9 +151,10 @@ class ExpertCache:
         self.copied_bytes = 0  # their bytes over PCIe, every stack of the layer
         # decoded picks counted at follow()'s refills, and those the GPU slots held at the time
         self.served = self.picked = 0
-        # where the copies' time goes: the host's seconds issuing them, and the tokens run between a
-        # copy's issue and its expert taking the slot (the slot empty all the while)
-        self.copy_seconds = 0.0
+        # where the cache's time goes: the host's seconds at follow()'s step ends (copies taken in,
+        # counters read, refills begun and their copies issued: the decode loop waits for them), and
+        # the tokens run between a copy's issue and its expert taking the slot (the slot empty all the while)
+        self.host_seconds = 0.0
         self.tokens = 0  # tokens of the decode steps `follow` saw (prompts not counted)
         self.lag_tokens = 0  # summed over the copies finished
         self.failures = 0  # copies that failed (each warned once per layer; the expert stayed on the CPU)
@@ -242,7 +243,6 @@ class ExpertCache:
         on the CPU, and a later refill copies them again."""
         from .. import notices
 
-        t0 = time.perf_counter()
         stream = self.copy_stream
         try:
             # the slot indices copied to the device here, on the current stream (idle between steps):
@@ -278,8 +278,6 @@ class ExpertCache:
             notices.warn(f"expert cache: copying experts {experts} of layer {c.layer} to the GPU failed ({err}); "
                          "they stay on the CPU until a later refill copies them", key=f"expert-cache-copy-{c.layer}")
             return
-        finally:
-            self.copy_seconds += time.perf_counter() - t0
         self.pending += [(c, slot, e, done, self.tokens) for slot, e in zip(slots, experts, strict=True)]
 
     def poll(self, wait: bool = False, layer: int | None = None) -> int:
@@ -373,6 +371,13 @@ class ExpertCache:
                     ex.recorder = None
 
     def _after_run(self, executor, tokens: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._step_end(executor, tokens)
+        finally:
+            self.host_seconds += time.perf_counter() - t0
+
+    def _step_end(self, executor, tokens: int) -> None:
         tokens = self.recorder.counted(tokens)  # a ragged batch's padding rows are no decoded tokens
         prefill = executor.plan.phase == "prefill"
         if not prefill:
