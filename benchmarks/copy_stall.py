@@ -8,8 +8,9 @@ profile at the VRAM budget that puts `--share` of its routed experts on the GPU 
 stream of its own copies B MB (`--mb`) from a page-locked host buffer to the GPU, in pieces of
 `--piece-mb` (0: one copy); B = 0 is the baseline. The variants take turns conversation by
 conversation, the first moving on by one each conversation and round, so a machine's drift falls
-on all alike. Reported per variant: ms a decoded token, the ms a token it adds over the baseline
-per MB copied (the stall), the same copy's ms per MB with the GPU idle (the link's own time), and
+on all alike. Reported per variant: ms a decoded token, the host's ms a token issuing the copies
+(the decode loop waits for that part whatever the link does), the ms a token it adds over the
+baseline per MB copied (the stall), the same copy's ms per MB with the GPU idle (the link's own time), and
 their ratio: 1 means a step waits out the whole copy, 0 that the copy hides beside it entirely.
 A copy issued after a step while the one before is still under way queues behind it, so once B
 MB take longer than a step, every step runs beside a copy. Needs a CUDA device. On the GPU
@@ -46,15 +47,18 @@ class SideCopies:
         self.src.random_(0, 255)
         self.dst = torch.empty(n, dtype=torch.uint8, device="cuda")
         self.mb, self.piece_mb = 0.0, 0.0
+        self.host_seconds = 0.0  # the host's time issuing the copies (the decode loop waits for it)
 
     def issue(self) -> None:
         n = int(self.mb * MB)
         if n == 0:
             return
+        t0 = time.perf_counter()
         piece = int(self.piece_mb * MB) or n
         with torch.cuda.stream(self.stream):
             for at in range(0, n, piece):
                 self.dst[at:at + piece].copy_(self.src[at:min(at + piece, n)], non_blocking=True)
+        self.host_seconds += time.perf_counter() - t0
 
     def after_run(self, executor, tokens: int) -> None:
         if executor.plan.phase == "decode":
@@ -121,13 +125,15 @@ def main() -> int:
     c.executor(c.decode).after_run.append(side.after_run)
     decode_seconds(c, convs[0][0], min(a.decode, 16), convs[0][1])  # warm: weights ready, graph captured
     took = {mb: [0.0] * a.rounds for mb in sizes}
+    issuing = dict.fromkeys(sizes, 0.0)
     for r in range(a.rounds):
         for i, (prompt, text) in enumerate(convs):
             k = (r + i) % len(sizes)
             for mb in sizes[k:] + sizes[:k]:
-                side.mb, side.piece_mb = mb, a.piece_mb
+                side.mb, side.piece_mb, side.host_seconds = mb, a.piece_mb, 0.0
                 took[mb][r] += decode_seconds(c, prompt, a.decode, text)
                 side.stream.synchronize()  # the next variant starts without this one's copies
+                issuing[mb] += side.host_seconds
     tokens = a.seqs * a.decode
     ms = {mb: [1e3 * t / tokens for t in ts] for mb, ts in took.items()}
     base = statistics.mean(ms[0.0])
@@ -135,16 +141,19 @@ def main() -> int:
                 share=a.share, budget_gb=round(budget, 4), piece_mb=a.piece_mb, seqs=a.seqs, decode=a.decode,
                 rounds=a.rounds)
     rows = []
-    print(f"{'MB a step':>9} {'ms a token':>14} {'added ms/MB':>12} {'link ms/MB':>11} {'stall':>6}")
+    print(f"{'MB a step':>9} {'ms a token':>14} {'issuing':>8} {'added ms/MB':>12} {'link ms/MB':>11} {'stall':>6}")
     for mb in sizes:
         mean = statistics.mean(ms[mb])
         added = (mean - base) / mb if mb else 0.0
         link = side.link_ms_per_mb(mb, a.piece_mb) if mb else 0.0
         ratio = added / link if mb else 0.0
-        print(f"{mb:>9g} {mean:>8.3f} +- {statistics.pstdev(ms[mb]):.3f} {added:>12.4f} {link:>11.4f} {ratio:>6.2f}")
+        host = 1e3 * issuing[mb] / (a.rounds * tokens)
+        print(f"{mb:>9g} {mean:>8.3f} +- {statistics.pstdev(ms[mb]):.3f} {host:>8.3f} {added:>12.4f} {link:>11.4f} "
+              f"{ratio:>6.2f}")
         rows.append(dict(**info, mb=mb, ms_per_token=round(mean, 4), sd=round(statistics.pstdev(ms[mb]), 4),
-                         added_ms_per_mb=round(added, 5), link_ms_per_mb=round(link, 5),
-                         link_gbps=round(MB / 1e6 / link, 1) if mb else None, stall=round(ratio, 3)))
+                         host_issue_ms_per_token=round(host, 4), added_ms_per_mb=round(added, 5),
+                         link_ms_per_mb=round(link, 5), link_gbps=round(MB / 1e6 / link, 1) if mb else None,
+                         stall=round(ratio, 3)))
     append_jsonl(a.out, rows)
     return 0
 

@@ -35,4 +35,5 @@ def test_each_size_gets_a_row_against_the_baseline(demo_dir, tmp_path):
     base, copied = rows
     assert base["added_ms_per_mb"] == 0.0 and base["ms_per_token"] > 0.0
     assert copied["link_ms_per_mb"] > 0.0 and copied["link_gbps"] > 0.0 and copied["piece_mb"] == 0.5
+    assert copied["host_issue_ms_per_token"] > 0.0 and base["host_issue_ms_per_token"] == 0.0
     assert copied["stall"] == pytest.approx(copied["added_ms_per_mb"] / copied["link_ms_per_mb"], rel=0.01, abs=0.01)

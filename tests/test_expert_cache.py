@@ -4,6 +4,7 @@ devices is computed by the other device's kernel), the refill follows recorded r
 requests are one clear error."""
 
 import shutil
+import time
 
 import pytest
 import torch
@@ -109,7 +110,7 @@ def slots_hold_their_experts(c, cache):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
-def test_refilled_slots_hold_their_experts_weights(demo_dir, device, monkeypatch):
+def test_refilled_slots_hold_their_experts_weights(demo_dir, device, monkeypatch, capsys):
     """A refill's copies (from the CPU side's packed experts, unpacked on the device, a bounded
     number of experts at a time: one here) put each expert's own weights in its slot. On CUDA the
     copies wait behind a busy copy stream while the host goes on allocating and writing device
@@ -128,11 +129,16 @@ def test_refilled_slots_hold_their_experts_weights(demo_dir, device, monkeypatch
         cache.refill(n.attrs.layer, n.attrs.ids)
         with torch.cuda.stream(cache.copy_stream):
             torch.cuda._sleep(1_000_000_000)  # about half a second of GPU clocks
+    t0 = time.perf_counter()
     assert cache.refill(n.attrs.layer, outside, wait=False) == len(outside)
+    took = time.perf_counter() - t0
     if device == "cuda":
         for _ in range(64):  # device memory of the index's size, made and freed on the current stream
             torch.full((len(outside),), 10 ** 6, dtype=torch.int64, device="cuda").add_(1)
-        assert cache.pending and not cache.pending[0][3].query()  # the copies still behind the sleep
+        # the copies still behind the sleep (else the host waited for them: how long, and why, said)
+        assert cache.pending and not cache.pending[0][3].query(), \
+            (f"refill took {took:.3f} s on the host, {time.perf_counter() - t0:.3f} s with the allocations; "
+             f"its messages: {capsys.readouterr().err[-500:]!r}")
     cache.poll(wait=True)
     assert sorted(cache.resident(n.attrs.layer)) == sorted(outside)
     slots_hold_their_experts(c, cache)

@@ -83,10 +83,13 @@ def _units(g: Graph, ctx: CompileContext) -> tuple[list[Unit], dict[str, tuple[C
 
 #: refill interval (decoded tokens) of a cache the routing profile cannot price (no curves)
 DEFAULT_REFILL = 32
-#: decode time a refill's copy costs, in units of its bytes' time over PCIe to the GPU. The DMA
-#: shares the link with the decode step's own host reads (the CPU experts' results, their done
-#: flags), which wait behind it: on the H100 machine (session 39, `cache_speed.py`) the steps lost
-#: 0.031 ms a MB copied, 1.7 times the link's 54.5 GB/s, counted with the refills' host work
+#: decode time a refill's copy costs, in units of its bytes' time over PCIe to the GPU. Measured on
+#: the H100 machine: the cache's decode steps lost about 0.031 ms a MB copied (`cache_speed.py` at
+#: 608f326, 6.3 MB experts), 1.7 times the link's time (54.5 GB/s); a lone copy of 8-32 MB beside
+#: the steps costs them 0.14-0.28 of its link time (`copy_stall.py`), so most of that loss was the
+#: host's work at the step ends (refills begun, copies issued and taken in: tens of small device
+#: operations, each 10-20 us of the decode loop's time), which scales with the experts copied
+#: rather than with their bytes. One link time a copy is the middle of the two
 COPY_STALL = 1.0
 
 
@@ -110,8 +113,9 @@ def slot_choices(n: Node, ctx: CompileContext, w: Work, saving: float, vram: flo
     worth its share of the node's saving (its chance of being hit in a step of w.tokens tokens
     over the node's total). With `expert_cache` and the routing profile's cache curves for the
     layer: a cache refilled every N tokens is worth `saving * hits_N[S]` less its copies, each
-    copied expert priced at its bytes' time over PCIe to the GPU (`COPY_STALL`: a refill's DMA
-    delays the decode steps it runs beside by about its own length) for every token of the step;
+    copied expert priced at its bytes' time over PCIe to the GPU (`COPY_STALL`: what a refill's
+    copies measured to cost the decode steps, its DMA and the host's work together) for every
+    token of the step;
     S slots go to whichever is worth more (ties: static). Without curves a split layer is a cache refilled every
     DEFAULT_REFILL tokens, unpriced (valued as static). At max_batch > 1 the curves of a profiled
     batch (`RoutingProfile.cache_for`) give the share of the step's expert reads the slots serve,

@@ -224,8 +224,9 @@ class ExpertCache:
             c.resident[s] = -1
         if not out:
             return
+        gone = torch.tensor(out)
         for node, stacked in c.stacks:
-            stacked["local"][torch.tensor(out, device=stacked["local"].device)] = -1
+            stacked["local"][gone.to(stacked["local"].device)] = -1
             held = self.backend.weights.get(node_key(node))
             if held is not None:
                 for role in ("gate", "up", "down"):
@@ -301,24 +302,32 @@ class ExpertCache:
         from .. import native
 
         native.sync()
-        rec = self.recorder
-        for layer in {c.layer for c, *_ in ready} if rec is not None else ():
-            if layer in rec.counts:  # the picks counted before the slot was filled were the CPU's
-                counts = rec.counts[layer].cpu()
-                self._filled.setdefault(layer, {}).update(
-                    {e: int(counts[e]) for c, _, e, *_ in ready if c.layer == layer})
-        for c, slot, e, _, queued in ready:
-            self.lag_tokens += self.tokens - queued
-            c.resident[slot] = e
+        if self.recorder is not None:  # the picks counted before the slot was filled were the CPU's
+            counts = host_counts(self.recorder, {c.layer for c, *_ in ready})
+            for c, _, e, *_ in ready:
+                if c.layer in counts:
+                    self._filled.setdefault(c.layer, {})[e] = int(counts[c.layer][0][e])
+        by_layer: dict[int, list] = {}
+        for job in ready:
+            by_layer.setdefault(job[0].layer, []).append(job)
+        for jobs in by_layer.values():
+            c = jobs[0][0]
+            for _, slot, e, _, queued in jobs:
+                self.lag_tokens += self.tokens - queued
+                c.resident[slot] = e
+                for mask, own in c.masks:
+                    if e in own:
+                        mask[e] = 0
+            # the map's entries of the layer's finished experts in one write a stack
+            pairs = torch.tensor([[e for _, _, e, *_ in jobs], [slot for _, slot, *_ in jobs]])
             for node, stacked in c.stacks:
-                stacked["local"][e] = slot
+                at = pairs.to(stacked["local"].device)
+                stacked["local"][at[0]] = at[1]
                 held = self.backend.weights.get(node_key(node))
                 if held is not None:  # the per-expert view the stack was made from, kept in step with it
-                    for role in ("gate", "up", "down"):
-                        held[role][e] = stacked[role][slot]
-            for mask, own in c.masks:
-                if e in own:
-                    mask[e] = 0
+                    for _, slot, e, *_ in jobs:
+                        for role in ("gate", "up", "down"):
+                            held[role][e] = stacked[role][slot]
         self._stream_sync()
         self.copied += len(ready)
         for c, slot, *_ in ready:
@@ -390,17 +399,16 @@ class ExpertCache:
             if prefill or (self.since[layer] >= self.every[layer] and layer not in busy):
                 due.append(layer)
         if due:
+            counts = host_counts(self.recorder, due)
             if not prefill:  # what the slots served since the last refill (a prompt's picks not counted)
-                for layer in due:
-                    if layer in self.recorder.counts:
-                        counts = self.recorder.counts[layer].cpu()
-                        held = [e for e in self.layers[layer].resident if e >= 0]
-                        since = self._filled.pop(layer, {})  # an expert filled in the window: its picks from then
-                        self.served += int(counts[held].sum()) - sum(since.get(e, 0) for e in held)
-                        self.picked += int(counts.sum())
+                for layer, (picks, _) in counts.items():
+                    held = [e for e in self.layers[layer].resident if e >= 0]
+                    since = self._filled.get(layer, {})  # an expert filled in the window: its picks from then
+                    self.served += int(picks[held].sum()) - sum(since.get(e, 0) for e in held)
+                    self.picked += int(picks.sum())
             for layer in due:
                 self._filled.pop(layer, None)
-            self.refill_from(self.recorder, due, wait=False)
+            self._refill_by(counts, wait=False)
             self.recorder.reset(due)
             self._stream_sync()  # the zeroed counters before the next replay adds to them
             for layer in due:
@@ -412,13 +420,31 @@ class ExpertCache:
         `recorder` (a `RoutingRecorder`; a layer it counted no tokens of keeps its experts; ties
         keep the order of the refill before, so a resident expert stays: `cache_curves.next_order`,
         the rule the placement pass's curves replay); returns the experts copied in per layer."""
+        return self._refill_by(host_counts(recorder, self.layers if layers is None else layers), wait)
+
+    def _refill_by(self, counts: dict[int, tuple[torch.Tensor, int]], wait: bool) -> dict[int, int]:
+        """`refill_from` given the counters (`host_counts`) of the layers to refill."""
         out = {}
-        for layer, c in sorted(self.layers.items()):
-            if layers is not None and layer not in layers:
-                continue
-            if layer not in recorder.counts or int(recorder.rows[layer]) == 0:
+        for layer, (picks, rows) in sorted(counts.items()):
+            c = self.layers.get(layer)
+            if c is None or rows == 0:
                 continue  # nothing routed since the last refill: the experts resident stay
-            order = next_order(torch.tensor(c.order), recorder.counts[layer].cpu()).tolist()
+            order = next_order(torch.tensor(c.order), picks).tolist()
             out[layer] = self.refill(layer, order[:len(c.resident)], wait=wait)
             c.order = order
         return out
+
+
+def host_counts(recorder, layers) -> dict[int, tuple[torch.Tensor, int]]:
+    """Layer -> (its pick counts, its routed rows) in `recorder`, for those of `layers` it counted,
+    read to the host in one copy (each read of device counters waits for the device)."""
+    layers = sorted(layer for layer in layers if layer in recorder.counts)
+    if not layers:
+        return {}
+    both = torch.cat([t for layer in layers for t in (recorder.counts[layer], recorder.rows[layer])]).cpu()
+    out, at = {}, 0
+    for layer in layers:
+        n = recorder.counts[layer].numel()
+        out[layer] = (both[at:at + n], int(both[at + n]))
+        at += n + 1
+    return out
