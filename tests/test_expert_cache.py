@@ -108,16 +108,21 @@ def slots_hold_their_experts(c, cache):
                     assert torch.equal(stacked[role][slot].cpu(), want.to(stacked[role].dtype)), (e, role)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))])
-def test_refilled_slots_hold_their_experts_weights(demo_dir, device, monkeypatch, capsys):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device,stage", [("cpu", 1), pytest.param("cuda", 1, marks=CUDA),
+                                          pytest.param("cuda", None, marks=CUDA)])
+def test_refilled_slots_hold_their_experts_weights(demo_dir, device, stage, monkeypatch, capsys):
     """A refill's copies (from the CPU side's packed experts, unpacked on the device, a bounded
-    number of experts at a time: one here) put each expert's own weights in its slot. On CUDA the
-    copies wait behind a busy copy stream while the host goes on allocating and writing device
-    memory of the slot index's size, which must not reach the copies."""
+    number of experts at a time: one, or as many as STAGE_BYTES holds) put each expert's own
+    weights in its slot. On CUDA the copies wait behind a busy copy stream while the host goes on
+    allocating and writing device memory of the slot index's size, which must not reach the
+    copies."""
     import ktflow.runtime.expert_cache as expert_cache
 
-    monkeypatch.setattr(expert_cache, "STAGE_BYTES", 1)
+    if stage is not None:
+        monkeypatch.setattr(expert_cache, "STAGE_BYTES", stage)
     model = ktflow.load(demo_dir)
     kw = split_options(model, device=device, backend="cuda_graph" if device == "cuda" else "native")
     c = ktflow.compile(model, expert_cache=True, **kw)
