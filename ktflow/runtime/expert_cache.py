@@ -190,7 +190,8 @@ class ExpertCache:
                              f"0..{c.experts - 1}; got {want}")
         self.poll(wait=True, layer=layer)  # this layer's previous copies done first
         c.order = want + [e for e in c.order if e not in want]
-        incoming = [e for e in want if e not in c.resident]
+        # in id order, the CPU side's arena order: neighbours copy as one run
+        incoming = sorted(e for e in want if e not in c.resident)
         free = [s for s, e in enumerate(c.resident) if e not in want]
         if incoming:
             self._begin(c, free)
