@@ -438,14 +438,16 @@ class ExpertCache:
 
 def host_counts(recorder, layers) -> dict[int, tuple[torch.Tensor, int]]:
     """Layer -> (its pick counts, its routed rows) in `recorder`, for those of `layers` it counted,
-    read to the host in one copy (each read of device counters waits for the device)."""
-    layers = sorted(layer for layer in layers if layer in recorder.counts)
-    if not layers:
-        return {}
-    both = torch.cat([t for layer in layers for t in (recorder.counts[layer], recorder.rows[layer])]).cpu()
-    out, at = {}, 0
-    for layer in layers:
-        n = recorder.counts[layer].numel()
-        out[layer] = (both[at:at + n], int(both[at + n]))
-        at += n + 1
+    read to the host in one copy per device (each read of device counters waits for the device)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for layer in sorted(layer for layer in layers if layer in recorder.counts):
+        by_device.setdefault(recorder.counts[layer].device, []).append(layer)
+    out = {}
+    for on in by_device.values():  # (one copy a device the routers run on)
+        both = torch.cat([t for layer in on for t in (recorder.counts[layer], recorder.rows[layer])]).cpu()
+        at = 0
+        for layer in on:
+            n = recorder.counts[layer].numel()
+            out[layer] = (both[at:at + n], int(both[at + n]))
+            at += n + 1
     return out
