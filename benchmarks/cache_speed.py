@@ -24,9 +24,12 @@ decode time of all conversations; the cache's refills are inside that time. The 
 conversation by conversation, in rounds, so a machine's drift falls on all alike. For the static
 plans it reports the share of the held-out picks on their GPU experts (the conversations' routing
 recorded once, every expert on the GPU); for the cache, the share of the decoded picks its slots
-held at the refills (hit rate), the bytes it copied to the GPU and the host's seconds at step ends
-(refills begun, copies issued and taken in: the decode loop waits for them) per decoded token, and the decode tokens between a copy's issue and its expert taking the
-slot. Prints a table and appends rows to benchmarks/cache_speed.jsonl. On the GPU machine:
+held at the refills (hit rate), the bytes it copied to the GPU and the host's seconds at step
+ends (refills begun, copies issued and taken in: the decode loop waits for them) per decoded
+token, and the decode tokens between a copy's issue and its expert taking the slot. The plans
+are compiled with paper-a100's rates, or with `--hw`'s (this machine's, from `ktflow hw probe`,
+prices the cache's hits and copies as a user's plan would be), fixed per-op costs left out.
+Prints a table and appends rows to benchmarks/cache_speed.jsonl. On the GPU machine:
 
     python benchmarks/scale_moe.py /tmp/moe-small --inter 2048 -o /tmp/moe-scaled
     python benchmarks/cache_speed.py /tmp/moe-scaled --device cuda --shares 0.1,0.25
@@ -109,6 +112,11 @@ def main() -> int:
                     "cost a fraction of the bytes, so the profile's thousands of decode steps cost less")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--hw", default=None,
+                    help="the hardware profile the four plans are compiled with, its fixed per-op costs left out "
+                    "(default: paper-a100's rates). Give this machine's (`ktflow hw probe -o hw.json`) to price "
+                    "the cache's hits and copies at its own CPU and PCIe rates; the VRAM budget of a share is "
+                    "found with paper-a100's either way")
     ap.add_argument("--save-profile", default=None,
                     help="also write the routing profile the plans were compiled with to this JSON file")
     ap.add_argument("--out", default=str(HERE / "cache_speed.jsonl"))
@@ -135,12 +143,13 @@ def main() -> int:
     check = profile_of(profiler, prompts, length + 8, a.decode, None if a.text == "greedy" else texts)
     k = json.loads((d / "config.json").read_text())["num_experts_per_tok"]
     max_seq = length + 8
-    info = dict(bench="cache_speed", commit=commit(), **machine(), model=str(d), device=a.device, every=a.every, text=a.text,
+    info = dict(bench="cache_speed", commit=commit(), **machine(), model=str(d), device=a.device, every=a.every,
+                hw=a.hw or "paper-a100", text=a.text,
                 prompt=a.prompt, decode=a.decode, seqs=a.seqs,
                 gpu=torch.cuda.get_device_name(0) if a.device == "cuda" else None)
     for share in [float(x) for x in a.shares.split(",") if x]:
         budget = budget_for(model, share, max_seq)
-        opts = dict(hw=roofline_only(), device=a.device, backend=a.backend, dtype="bfloat16", vram_budget_gb=budget,
+        opts = dict(hw=roofline_only(a.hw), device=a.device, backend=a.backend, dtype="bfloat16", vram_budget_gb=budget,
                     max_seq_len=max_seq, numa_nodes=1)
         plans = {"uniform": ktflow.compile(model, **opts),
                  "profiled": ktflow.compile(model, routing_profile=str(path), **opts),

@@ -96,11 +96,14 @@ def gpu_experts(plan) -> dict[int, tuple[int, ...]]:
             if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "gpu"}
 
 
-def roofline_only():
-    """paper-a100 without fixed per-op costs (module doc), with this GPU's memory where there is one."""
-    from ktflow.hw import PRESETS, Overheads, with_this_gpus_memory
+def roofline_only(hw=None):
+    """A hardware profile's rates without its fixed per-op costs (module doc), with this GPU's
+    memory where there is one: paper-a100's, or those of `hw` (a profile or its JSON path, e.g.
+    `ktflow hw probe`'s)."""
+    from ktflow.hw import PRESETS, Overheads, resolve_hw, with_this_gpus_memory
 
-    return with_this_gpus_memory(PRESETS["paper-a100"]).model_copy(update={"overheads": Overheads(
+    base = PRESETS["paper-a100"] if hw is None else resolve_hw(hw)
+    return with_this_gpus_memory(base).model_copy(update={"overheads": Overheads(
         gpu_launch_us=0, cpu_submit_us=0, cpu_op_us=0, cpu_sync_us=0)})
 
 

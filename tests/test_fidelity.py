@@ -207,11 +207,13 @@ def test_cache_speed_runs_its_four_plans(trained, tmp_path):
     out = tmp_path / "s.jsonl"
     p = subprocess.run([sys.executable, str(BENCH / "cache_speed.py"), str(trained), "--device", "cpu", "--backend",
                         "native", "--shares", "0.25", "--seqs", "2", "--prompt", "8", "--decode", "8", "--every", "4",
-                        "--rounds", "1", "--profile-seqs", "2", "--corpus-mb", "0.3", "--out", str(out)],
+                        "--rounds", "1", "--profile-seqs", "2", "--corpus-mb", "0.3", "--hw", "rtx4090-desktop",
+                        "--out", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert all(row[f"{v}_tok_s"] > 0 for v in ("uniform", "profiled", "cache", "frozen"))
+    assert row["hw"] == "rtx4090-desktop"  # the plans compiled with that profile's rates
     # the static plans' held-out hit shares, and the copies' cost and lag
     assert all(0.0 <= row[f"{v}_hit"] <= 1.0 for v in ("uniform", "profiled", "frozen"))
     assert row["host_ms_per_token"] > 0.0 and row["copy_lag_tokens"] >= 0.0
