@@ -1,6 +1,7 @@
 """How much longer a decode step takes while a DMA copies bytes from page-locked host memory to the
-GPU beside it: what an expert-cache refill's copy costs the decode steps, the price the placement
-pass puts on each copy (`passes/place.py`, `COPY_STALL`).
+GPU beside it: the DMA part of what an expert-cache refill costs the decode steps (a refill also
+unpacks on the GPU and does host work this does not; `passes/place.py`'s `COPY_STALL` prices the
+whole).
 
 One plan decodes held-out conversations one step a token: the model placed without a routing
 profile at the VRAM budget that puts `--share` of its routed experts on the GPU (cache_speed's
@@ -34,7 +35,7 @@ from cache_speed import decode_seconds  # noqa: E402
 from common import HERE, append_jsonl, commit, machine  # noqa: E402
 from placement_hits import budget_for, roofline_only  # noqa: E402
 
-MB = 1 << 20
+MB = 1 << 20  # (a MiB: "MB" in this benchmark's options and rows)
 
 
 class SideCopies:
@@ -57,7 +58,7 @@ class SideCopies:
         piece = int(self.piece_mb * MB) or n
         with torch.cuda.stream(self.stream):
             for at in range(0, n, piece):
-                self.dst[at:at + piece].copy_(self.src[at:min(at + piece, n)], non_blocking=True)
+                self.dst[at:min(at + piece, n)].copy_(self.src[at:min(at + piece, n)], non_blocking=True)
         self.host_seconds += time.perf_counter() - t0
 
     def after_run(self, executor, tokens: int) -> None:

@@ -586,3 +586,27 @@ def test_host_counts_reads_each_counted_layers_picks_and_rows():
     assert got[1][0].tolist() == [1, 0, 2, 1] and got[1][1] == 2
     assert got[3][0].tolist() == [1, 1, 0, 0, 0, 1] and got[3][1] == 1
     assert host_counts(rec, [2]) == {}
+
+
+def test_a_refill_copies_its_experts_in_arena_order(demo_dir):
+    """The incoming experts are staged in id order (the CPU arena's), whatever order the refill
+    ranks them in, so neighbours go as one copy; each still lands in a slot of its own."""
+    model = ktflow.load(demo_dir)
+    c = ktflow.compile(model, expert_cache=True, **split_options(model))
+    cache = ExpertCache(c)
+    n = cached_node(c)
+    stager = cache.stagers[n.attrs.layer]
+    staged_subsets = []
+    stage = stager.stage
+
+    def recording(subset, *args, **kwargs):
+        staged_subsets.append(tuple(subset))
+        return stage(subset, *args, **kwargs)
+
+    stager.stage = recording
+    outside = [e for e in range(n.attrs.experts) if e not in n.attrs.ids][:len(n.attrs.ids)]
+    ranked = outside[::-1]  # most counted last id first
+    assert cache.refill(n.attrs.layer, ranked) == len(ranked)
+    assert staged_subsets and [e for s in staged_subsets for e in s] == sorted(ranked)
+    assert sorted(cache.resident(n.attrs.layer)) == sorted(ranked)
+    slots_hold_their_experts(c, cache)

@@ -84,12 +84,12 @@ def _units(g: Graph, ctx: CompileContext) -> tuple[list[Unit], dict[str, tuple[C
 #: refill interval (decoded tokens) of a cache the routing profile cannot price (no curves)
 DEFAULT_REFILL = 32
 #: decode time a refill's copy costs, in units of its bytes' time over PCIe to the GPU. Measured on
-#: the H100 machine: the cache's decode steps lost about 0.031 ms a MB copied (`cache_speed.py` at
-#: 608f326, 6.3 MB experts), 1.7 times the link's time (54.5 GB/s); a lone copy of 8-32 MB beside
-#: the steps costs them 0.14-0.28 of its link time (`copy_stall.py`), so most of that loss was the
-#: host's work at the step ends (refills begun, copies issued and taken in: tens of small device
-#: operations, each 10-20 us of the decode loop's time), which scales with the experts copied
-#: rather than with their bytes. One link time a copy is the middle of the two
+#: the H100 machine: the cache's decode steps lost 0.026-0.039 ms a MB copied (`cache_speed.py` at
+#: 608f326, 6.3 MB experts), 1.4-2.1 times the link's time (54.5 GB/s), while a lone DMA of 2-32 MB
+#: beside the steps costs them 0.58-0.14 of its link time (`copy_stall.py`). The rest is most likely
+#: the host's work at the step ends (refills begun, copies issued and taken in: many small device
+#: operations on the decode loop's path), which would scale with the experts copied rather than
+#: with their bytes; not yet separated. One link time a copy lies between the two
 COPY_STALL = 1.0
 
 

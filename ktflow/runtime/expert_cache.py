@@ -407,9 +407,9 @@ class ExpertCache:
                     since = self._filled.get(layer, {})  # an expert filled in the window: its picks from then
                     self.served += int(picks[held].sum()) - sum(since.get(e, 0) for e in held)
                     self.picked += int(picks.sum())
-            for layer in due:
-                self._filled.pop(layer, None)
             self._refill_by(counts, wait=False)
+            for layer in due:  # (after the refills: a copy they wait for is counted from the reset on)
+                self._filled.pop(layer, None)
             self.recorder.reset(due)
             self._stream_sync()  # the zeroed counters before the next replay adds to them
             for layer in due:
