@@ -610,3 +610,45 @@ def test_a_refill_copies_its_experts_in_arena_order(demo_dir):
     assert staged_subsets and [e for s in staged_subsets for e in s] == sorted(ranked)
     assert sorted(cache.resident(n.attrs.layer)) == sorted(ranked)
     slots_hold_their_experts(c, cache)
+
+
+def test_the_hit_share_counts_each_decoded_pick_on_a_filled_slot(demo_dir):
+    """`served / picked` replayed step by step: a decoded pick is served when its expert's slot
+    was filled during that step (a copy lands at the step end after its refill, so for one step
+    the expert is the CPU's), counted when a later decode step's refill closes its window (a
+    prefill's refill drops the window's picks)."""
+    model = ktflow.load(demo_dir)
+    c = ktflow.compile(model, expert_cache=True, **split_options(model))
+    cache = ExpertCache(c)
+    rec = cache.follow(every=3)
+    layers = sorted(cache.layers)
+    state = dict(after={}, open={layer: [0, 0] for layer in layers}, served=0, picked=0)
+
+    def before(executor, tokens):  # the step just run: its picks, and the slots filled during it
+        counts = {layer: rec.counts[layer].cpu().clone() for layer in layers if layer in rec.counts}
+        for layer, now in counts.items():
+            picks = now - state["after"].get(layer, torch.zeros_like(now))
+            held = [e for e in cache.layers[layer].resident if e >= 0]
+            state["open"][layer][0] += int(picks[held].sum())
+            state["open"][layer][1] += int(picks.sum())
+        state["before"] = counts
+
+    def after(executor, tokens):  # windows the cache's refills closed at this step end
+        for layer in layers:
+            if cache.since[layer] == 0:
+                if executor.plan.phase == "decode":
+                    state["served"] += state["open"][layer][0]
+                    state["picked"] += state["open"][layer][1]
+                state["open"][layer] = [0, 0]
+        state["after"] = {layer: rec.counts[layer].cpu().clone() for layer in layers if layer in rec.counts}
+
+    for plan in (c.decode, *c.prefill):
+        hooks = c.executor(plan).after_run
+        hooks.insert(0, before)
+        hooks.append(after)
+    for _ in range(2):  # two conversations: the second's prompt refill drops the first's open window
+        decode_logits(c, steps=8)
+    cache.stop()
+    assert cache.copied > 0 and state["picked"] > 0
+    assert (cache.served, cache.picked) == (state["served"], state["picked"])
+    assert cache.served < cache.picked
