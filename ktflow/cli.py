@@ -67,7 +67,8 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                    "most since the last refill, the copies behind the decode steps. The placement pass prices it "
                    "per layer from the routing profile's cache curves (`ktflow profile`): how many slots each layer "
                    "gets, whether a cache beats static experts there, and the refill interval. The CPU holds every "
-                   "expert of a cached layer, and its prefill computes them on the CPU")
+                   "expert of a cached layer, and its prefill computes them on the CPU. `run` ends with what the "
+                   "cache did: its hit share, the bytes it copied and the host's time a decoded token")
     g.add_argument("--refill-every", type=int, default=None, metavar="N",
                    help="with --expert-cache: the layers the plan caches are refilled every N decoded tokens instead "
                    "of at the plan's intervals (layers it priced static stay static)")
@@ -237,11 +238,12 @@ def _compiled(a: argparse.Namespace, model, allowed: tuple[str, ...] = ()):
     return ktflow.Compiled.load(a.plan, model)
 
 
-def _follow_routing(a: argparse.Namespace, compiled) -> None:
+def _follow_routing(a: argparse.Namespace, compiled):
     """--expert-cache: the cache refilled from the routing (at the plan's intervals, or every
-    --refill-every tokens); where the placement pass priced every split layer static, a line says so."""
+    --refill-every tokens), returned; where the placement pass priced every split layer static, a
+    line says so (None)."""
     if not a.expert_cache:
-        return
+        return None
     from ktflow.ir.ops import Op
     from ktflow.runtime.expert_cache import ExpertCache
 
@@ -252,13 +254,24 @@ def _follow_routing(a: argparse.Namespace, compiled) -> None:
         print(f"expert cache: off; the placement pass priced static experts above a cache in every split layer "
               f"({', '.join(map(str, sorted(split)))}): the routing profile's cache curves gain less than the copies "
               "cost (`ktflow compile --explain` shows each layer's cause)", flush=True)
-        return
+        return None
     cache = ExpertCache(compiled)
     cache.follow(a.refill_every)
     print(f"expert cache: layers {', '.join(map(str, sorted(cache.layers)))}, "
           f"{', '.join(str(len(c.resident)) for _, c in sorted(cache.layers.items()))} GPU slots; refilled after "
           f"each prompt and every {', '.join(str(cache.every[layer]) for layer in sorted(cache.layers))} decoded "
           "tokens", flush=True)
+    return cache
+
+
+def _cache_summary(cache) -> None:
+    """What the expert cache did in a run: its hit share, bytes copied and host time a token."""
+    cache.stop()
+    tokens = max(cache.tokens, 1)
+    hits = f"{100 * cache.served / cache.picked:.0f}% of the decoded picks on GPU slots" if cache.picked else \
+        "no refill after a decode step yet (no hit share)"
+    print(f"expert cache: {hits}, {cache.copied} experts copied in ({cache.copied_bytes / tokens / 1e6:.2f} MB a "
+          f"decoded token), the host {1e3 * cache.host_seconds / tokens:.2f} ms a decoded token at step ends", flush=True)
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -271,13 +284,15 @@ def cmd_run(a: argparse.Namespace) -> int:
     compiled.check_finite = a.check_finite
     eos = None if a.ignore_eos else list(model.config.eos_ids) or None
     _print_ready(compiled)
-    _follow_routing(a, compiled)
+    cache = _follow_routing(a, compiled)
     if a.trace:  # the prompt's (first) step and the first decode step run instrumented
         prompt_plan = compiled.prefill_plan(min(ids.numel(), compiled.chunk_tokens))
         compiled.executor(prompt_plan).trace = compiled.executor(compiled.decode).trace = 1
     out, st = generate_with_stats(compiled, ids, a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                                   seed=a.seed, eos_token_id=eos)
     _print_generation(ids, out, st, tok)
+    if cache is not None:
+        _cache_summary(cache)
     if a.trace:
         _write_measured_trace(compiled, a.trace)
     return 0

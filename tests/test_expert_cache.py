@@ -3,6 +3,7 @@ in place give the no-cache plan's logits (within bf16 rounding: an expert moved 
 devices is computed by the other device's kernel), the refill follows recorded routing, and bad
 requests are one clear error."""
 
+import re
 import shutil
 import time
 
@@ -397,6 +398,10 @@ def test_ktflow_run_follows_the_routing_with_expert_cache(demo_dir, capsys):
     assert main([*args, "--expert-cache", "--refill-every", "2"]) == 0
     out = capsys.readouterr().out
     assert "expert cache: layers" in out and "every 2 decoded tokens" in out
+    # after the text, what the cache did: its hit share, copies and host time
+    summary = re.search(r"expert cache: (\d+)% of the decoded picks on GPU slots, (\d+) experts copied in "
+                        r"\(([\d.]+) MB a decoded token\), the host ([\d.]+) ms a decoded token", out)
+    assert summary and 0 <= int(summary[1]) <= 100 and int(summary[2]) > 0 and float(summary[3]) > 0
     assert main([*args, "--expert-cache", "--refill-every", "2", "--prefill-experts", "stream"]) == 2
     assert "prefill_experts='stream' with expert_cache" in capsys.readouterr().err
     assert main([*args[:-5], "--max-seq-len", "64", "--expert-cache", "--refill-every", "2"]) == 2  # no VRAM budget: nothing split
