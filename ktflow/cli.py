@@ -238,6 +238,44 @@ def _compiled(a: argparse.Namespace, model, allowed: tuple[str, ...] = ()):
     return ktflow.Compiled.load(a.plan, model)
 
 
+def _add_record_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--record-routing", metavar="JSON", default=None,
+                   help="count every router's picks as the model runs (on the GPU inside the captured decode step: "
+                   "a few small kernels a layer) and write them as a routing profile at the end (serve: at shutdown), "
+                   "which `compile --routing-profile` reads: per-layer expert frequencies for placement. The expert "
+                   "cache's curves need `ktflow profile`, which decodes each prompt on its own")
+
+
+def _record_routing(a: argparse.Namespace, compiled):
+    """--record-routing: a recorder counting every plan's routing from now on (None without it)."""
+    if not getattr(a, "record_routing", None):
+        return None
+    from ktflow.runtime.routing import RoutingRecorder, attach
+
+    rec = RoutingRecorder()
+    attach(compiled, rec)
+    return rec
+
+
+def _write_recorded(a: argparse.Namespace, compiled, rec) -> None:
+    """The recorded routing written (atomically) as a routing profile, with a line saying so."""
+    if rec is None:
+        return
+    from ktflow.fsutil import write_atomic
+    from ktflow.runtime.routing import detach
+
+    detach(compiled, rec)
+    model = compiled.model
+    try:
+        prof = rec.profile(model.config.model_type if model is not None else None)
+    except ValueError as e:
+        print(f"--record-routing {a.record_routing}: nothing written ({e})", flush=True)
+        return
+    write_atomic(a.record_routing, prof.model_dump_json(indent=None) + "\n")
+    print(f"recorded the routing of {prof.tokens} tokens over {len(prof.layers)} MoE layers: wrote "
+          f"{a.record_routing} (compile with --routing-profile {a.record_routing})", flush=True)
+
+
 def _follow_routing(a: argparse.Namespace, compiled):
     """--expert-cache: the cache refilled from the routing (at the plan's intervals, or every
     --refill-every tokens), returned; where the placement pass priced every split layer static, a
@@ -285,12 +323,14 @@ def cmd_run(a: argparse.Namespace) -> int:
     eos = None if a.ignore_eos else list(model.config.eos_ids) or None
     _print_ready(compiled)
     cache = _follow_routing(a, compiled)
+    rec = _record_routing(a, compiled)
     if a.trace:  # the prompt's (first) step and the first decode step run instrumented
         prompt_plan = compiled.prefill_plan(min(ids.numel(), compiled.chunk_tokens))
         compiled.executor(prompt_plan).trace = compiled.executor(compiled.decode).trace = 1
     out, st = generate_with_stats(compiled, ids, a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                                   seed=a.seed, eos_token_id=eos)
     _print_generation(ids, out, st, tok)
+    _write_recorded(a, compiled, rec)
     if cache is not None:
         _cache_summary(cache)
     if a.trace:
@@ -535,12 +575,16 @@ def cmd_serve(a: argparse.Namespace) -> int:
                           f"{compiled.vocab_size}: the tokenizer belongs to another model")
     _print_ready(compiled)
     _follow_routing(a, compiled)
+    rec = _record_routing(a, compiled)
     served = build(compiled, tok, a.model_name or model_dir.resolve().name, max_batch=a.max_batch,
                    max_queue=a.max_queue, api_key=a.api_key or None, prefill_tokens=a.prefill_step)
     if tok.chat_template is None:
         print("note: tokenizer_config.json has no chat_template: /v1/chat/completions answers 400, "
               "/v1/completions works", flush=True)
-    run(served, a.host, a.port, shutdown_timeout=a.shutdown_timeout)
+    try:
+        run(served, a.host, a.port, shutdown_timeout=a.shutdown_timeout)
+    finally:
+        _write_recorded(a, compiled, rec)
     return 0
 
 
@@ -591,6 +635,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos token")
     r.add_argument("--check-finite", action="store_true", help="check every step's values for NaN and infinity and "
                    "name the first node that made one (slower; KTFLOW_CHECK_FINITE=1 does the same)")
+    _add_record_option(r)
     r.add_argument("--trace", metavar="JSON", help="run the prompt step and the first decode step instrumented "
                    "(CUDA events per GPU step, the CPU queue's timestamps) and write their measured timelines "
                    "as a Chrome trace, in the format of `ktflow compile --trace`")
@@ -693,6 +738,7 @@ MODEL must hold tokenizer.json (and tokenizer_config.json with a chat_template f
                     "per token (default: min(256, the largest prefill bucket))")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                     help="on SIGTERM, seconds requests in flight get to finish before they are cancelled (default 30)")
+    _add_record_option(sv)
     _add_compile_options(sv)
     sv.set_defaults(fn=cmd_serve, max_batch=4)
     for act in sv._actions:

@@ -190,3 +190,52 @@ def test_a_ragged_steps_padding_rows_are_not_counted(tiny_dirs):
     assert rec.rows and all(int(r) == 2 for r in rec.rows.values())
     k = json.loads((d / "config.json").read_text())["num_experts_per_tok"]
     assert all(int(counts.sum()) == 2 * k for counts in rec.counts.values())
+
+
+def test_ktflow_run_records_the_routing_it_runs(demo_dir, tmp_path, capsys):
+    """`ktflow run --record-routing` writes the picks of every token the run routed (the prompt and
+    each fed-back decoded token) as a profile compile reads: the counts `record_routing` makes of
+    the same prompt and greedy tokens. Beside the expert cache (which zeroes its own counters at
+    every refill) it records the same counts."""
+    ids = [5, 17, 3, 9, 44, 2]
+    model = ktflow.load(demo_dir)
+    opts = dict(device="cpu", backend="native", hw="rtx4090-desktop", max_seq_len=64, allow_oversize=True)
+    budget = next(gb for gb in (0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2)  # one that splits a layer: a cache
+                  if any(n.op.value == "routed_experts" and n.attrs.cached for n in ktflow.compile(
+                      model, expert_cache=True, vram_budget_gb=gb, **opts).decode.ir.nodes))
+    base = ["run", str(demo_dir), "--input-ids", " ".join(map(str, ids)), "--max-new-tokens", "6", "--device", "cpu",
+            "--backend", "native", "--hw", "rtx4090-desktop", "--max-seq-len", "64", "--vram-budget-gb", str(budget),
+            "--allow-oversize"]
+    alone, cached = tmp_path / "alone.json", tmp_path / "cached.json"
+    assert main([*base, "--record-routing", str(alone)]) == 0
+    assert f"wrote {alone}" in capsys.readouterr().out
+    want = record_routing(ktflow.compile(model, vram_budget_gb=budget, **opts), [ids], 5, progress=False)
+    got = RoutingProfile.load(alone)
+    assert got.tokens == want.tokens == len(ids) + 5 and got.layers == want.layers
+    assert main([*base, "--record-routing", str(cached), "--expert-cache", "--refill-every", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "expert cache: layers" in out and f"wrote {cached}" in out
+    assert RoutingProfile.load(cached).layers == got.layers
+    # compile reads it
+    assert main(["compile", str(demo_dir), "--routing-profile", str(alone), "--hw", "rtx4090-desktop", "--device",
+                 "cpu", "-o", str(tmp_path / "plan.json")]) == 0
+
+
+def test_attach_and_detach_leave_a_recorder_beside_them_counting():
+    """A recorder attached beside another (the expert cache's) gets every call; detaching it
+    leaves the other attached alone."""
+    from types import SimpleNamespace
+
+    from ktflow.runtime.routing import RecorderTee, attach, detach
+
+    executors = {"decode": SimpleNamespace(recorder=None), "prefill": SimpleNamespace(recorder=None)}
+    compiled = SimpleNamespace(decode="decode", prefill=["prefill"], executor=lambda plan: executors[plan])
+    cache_rec, run_rec = RoutingRecorder(), RoutingRecorder()
+    executors["decode"].recorder = cache_rec
+    attach(compiled, run_rec)
+    tee = executors["decode"].recorder
+    assert isinstance(tee, RecorderTee) and executors["prefill"].recorder is run_rec
+    tee.add(1, torch.tensor([[0, 2]]), 4)
+    assert cache_rec.counts[1].tolist() == run_rec.counts[1].tolist() == [1, 0, 1, 0]
+    detach(compiled, run_rec)
+    assert executors["decode"].recorder is cache_rec and executors["prefill"].recorder is None

@@ -476,9 +476,12 @@ def _ktflow(*args, **kw):
                             stderr=subprocess.PIPE, text=True, **kw)
 
 
-def test_serve_exits_0_on_sigterm_after_finishing_what_runs(serve_dir):
+def test_serve_exits_0_on_sigterm_after_finishing_what_runs(serve_dir, tmp_path):
+    """SIGTERM: the request in flight finishes, the server stops with exit 0, and the routing it
+    recorded (--record-routing) is written at shutdown."""
+    recorded = tmp_path / "routing.json"
     p = _ktflow("serve", str(serve_dir), "--hw", "paper-a100", "--device", "cpu", "--max-seq-len", str(MAX_SEQ),
-                "--port", "0", "--model-name", "demo", "--max-batch", "2")
+                "--port", "0", "--model-name", "demo", "--max-batch", "2", "--record-routing", str(recorded))
     try:
         line = ""
         while "serving demo on " not in line:  # --port 0: the line says which port it got
@@ -498,6 +501,9 @@ def test_serve_exits_0_on_sigterm_after_finishing_what_runs(serve_dir):
         out, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
         assert "stopped" in out
+        assert f"wrote {recorded}" in out
+        prof = json.loads(recorded.read_text())  # every token routed: the prompt and the decoded ones fed back
+        assert prof["tokens"] >= len([first, *rest]) and prof["layers"]
         with pytest.raises(httpx.TransportError):
             httpx.get(base + "/health", timeout=2)
     finally:

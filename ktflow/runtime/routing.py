@@ -10,7 +10,9 @@ per layer (`prepare`) and only ever added to in place, so a captured CUDA graph 
 additions: the cuda_graph backend prepares them before it captures a decode step with a recorder
 attached (and captures again when the recorder changes), and each replay then counts its picks on
 the GPU. A ragged batch's padding rows (`SlotPool`) are left out through `set_rows`, a 0/1 weight
-per row the step reads from the device.
+per row the step reads from the device. `attach` records as an application runs (`ktflow run` and
+`ktflow serve --record-routing`), beside the expert cache's own recorder where there is one
+(`RecorderTee`); `record_routing` runs prompts to record a profile with the cache's curves.
 """
 
 from __future__ import annotations
@@ -131,6 +133,47 @@ class RoutingRecorder:
             pairs = {layer: [[round(float(v) / max(tokens[layer], 1), 6) for v in row] for row in m.cpu()]
                      for layer, m in sorted(self.together.items())}
         return RoutingProfile(layers=layers, model_type=model_type, tokens=min(tokens.values()), pairs=pairs)
+
+
+class RecorderTee:
+    """Recorders fed by the same routers, each call going to all of them: the expert cache's
+    (which it zeroes at each refill) and a whole run's (`attach`)."""
+
+    def __init__(self, *recorders):
+        self.recorders = recorders
+
+    def prepare(self, layer: int, experts: int, device) -> None:
+        for r in self.recorders:
+            r.prepare(layer, experts, device)
+
+    def add(self, layer: int, ids: torch.Tensor, experts: int) -> None:
+        for r in self.recorders:
+            r.add(layer, ids, experts)
+
+    def set_rows(self, count: torch.Tensor | None) -> None:
+        for r in self.recorders:
+            r.set_rows(count)
+
+
+def attach(compiled, recorder: "RoutingRecorder") -> None:
+    """From now on `recorder` counts the routing of every plan of `compiled` as it runs, beside a
+    recorder already counting there (the expert cache's: attach after `ExpertCache.follow`). On
+    the GPU it counts inside the captured decode graph (a change of recorder captures again), a
+    few scatter-adds a layer: cheap enough to leave on. `detach` undoes it."""
+    for plan in (compiled.decode, *compiled.prefill):
+        ex = compiled.executor(plan)
+        ex.recorder = recorder if ex.recorder is None else RecorderTee(ex.recorder, recorder)
+
+
+def detach(compiled, recorder: "RoutingRecorder") -> None:
+    """`recorder` counts no more (a recorder beside it goes on)."""
+    for plan in (compiled.decode, *compiled.prefill):
+        ex = compiled.executor(plan)
+        if ex.recorder is recorder:
+            ex.recorder = None
+        elif isinstance(ex.recorder, RecorderTee) and recorder in ex.recorder.recorders:
+            rest = [r for r in ex.recorder.recorders if r is not recorder]
+            ex.recorder = rest[0] if len(rest) == 1 else RecorderTee(*rest)
 
 
 def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: bool = False, progress: bool = True,
