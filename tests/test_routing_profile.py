@@ -92,22 +92,33 @@ def test_a_captured_decode_step_counts_its_routing_on_the_gpu(tiny_dirs, tmp_pat
     assert prof.layers[layer][:k] == [1.0] * k and sum(prof.layers[layer][k:]) == 0.0
     assert prof.pairs[layer][0][1] == 1.0
 
-    def counted(capture: bool) -> dict:
+    def counted(capture: bool, beside: bool = False) -> dict:
+        """The decode steps' counts; with `beside`, those of a recorder attached next to the
+        executor's (`attach`: a RecorderTee captured into the graph), which must count the same."""
+        from ktflow.runtime.routing import attach
+
         c = ktflow.compile(ktflow.load(d), **opts)
         ex = c.executor(c.decode)
         ex.runner.capture = capture
         nxt, state = ktflow.execute(c, torch.tensor([[3, 1, 4, 1, 5]]), logits="argmax")
-        ex.recorder = RoutingRecorder()
+        ex.recorder = first = RoutingRecorder()
+        second = RoutingRecorder()
+        if beside:
+            attach(c, second)
         for _ in range(3):  # one step a launch, then greedy runs of 4 a launch (eager first, then replayed)
             nxt, state = ktflow.execute(c, nxt, state, logits="argmax")
         for _ in range(3):
             nxt = decode_greedy(c, nxt, state, 4)[:, -1:]
-        rec, ex.recorder = ex.recorder, None
-        return {j: counts.cpu() for j, counts in rec.counts.items()}, {j: int(r) for j, r in rec.rows.items()}
+        ex.recorder = None
+        if beside:
+            assert all(torch.equal(first.counts[j], second.counts[j]) for j in first.counts)
+        return {j: counts.cpu() for j, counts in first.counts.items()}, {j: int(r) for j, r in first.rows.items()}
 
     (replayed, rows), (eager, rows_eager) = counted(True), counted(False)
     assert set(rows.values()) == {3 + 12} and rows == rows_eager
     assert all(torch.equal(replayed[j], eager[j]) for j in eager) and all(int(v.sum()) == 15 * k for v in eager.values())
+    teed, teed_rows = counted(True, beside=True)
+    assert teed_rows == rows and all(torch.equal(teed[j], eager[j]) for j in eager)
 
 
 def test_recorder_counts_each_pick():
