@@ -141,10 +141,14 @@ def test_refilled_slots_hold_their_experts_weights(demo_dir, device, stage, monk
     if device == "cuda":
         for _ in range(64):  # device memory of the index's size, made and freed on the current stream
             torch.full((len(outside),), 10 ** 6, dtype=torch.int64, device="cuda").add_(1)
-        # the copies still behind the sleep (else the host waited for them: how long, and why, said)
+        # the copies still behind the sleep (else the host waited for them: how long, and why, said:
+        # copies from memory the driver did not page-lock hold the host)
+        from ktflow.backends.staging import pin
+
+        pinned = [pin(piece.op) for piece in cache.stagers[n.attrs.layer].pieces]
         assert cache.pending and not cache.pending[0][3].query(), \
-            (f"refill took {took:.3f} s on the host, {time.perf_counter() - t0:.3f} s with the allocations; "
-             f"its messages: {capsys.readouterr().err[-500:]!r}")
+            (f"refill took {took:.3f} s on the host, {time.perf_counter() - t0:.3f} s with the allocations; the "
+             f"CPU experts page-locked: {pinned}; messages: {capsys.readouterr().err[-500:]!r}")
     cache.poll(wait=True)
     assert sorted(cache.resident(n.attrs.layer)) == sorted(outside)
     slots_hold_their_experts(c, cache)
