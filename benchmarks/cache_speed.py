@@ -138,7 +138,9 @@ def main() -> int:
     path = Path(tmp.name) / "routing.json"
     path.write_text(prof.model_dump_json() + "\n")
     if a.save_profile:
-        Path(a.save_profile).write_text(prof.model_dump_json() + "\n")
+        from ktflow.fsutil import write_atomic
+
+        write_atomic(a.save_profile, prof.model_dump_json() + "\n")
     # the held-out conversations' own routing (the same text the timed runs read): static plans' hits
     check = profile_of(profiler, prompts, length + 8, a.decode, None if a.text == "greedy" else texts)
     k = json.loads((d / "config.json").read_text())["num_experts_per_tok"]

@@ -1,7 +1,7 @@
 """How much longer a decode step takes beside copies to the GPU: a bare DMA of B MB from page-locked
 host memory, and the expert cache's own refills of N experts (their DMA, the unpacking on the GPU
 and the host's work at the step end together). What a refill costs the decode steps is what the
-placement pass prices each copy at (`passes/place.py`, `COPY_STALL`); the bare DMA of the same
+placement pass prices each copy at (`passes/place.py`, `slot_choices`); the bare DMA of the same
 bytes says how much of that the link itself is.
 
 One plan decodes held-out conversations one step a token: the model compiled with

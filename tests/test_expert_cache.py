@@ -582,21 +582,6 @@ def test_a_refilled_quantized_expert_computes_with_the_cpus_weights(demo_dir, fm
     assert (got - exact).abs().max() <= (0.02 if fmt == "int8" else 0.1) * exact.abs().max()
 
 
-def test_host_counts_reads_each_counted_layers_picks_and_rows():
-    """The step end's one read of the counters: every asked layer the recorder counted, with its
-    own picks and rows (layers it did not count left out)."""
-    from ktflow.runtime.expert_cache import host_counts
-
-    rec = RoutingRecorder()
-    rec.add(1, torch.tensor([[0, 2], [2, 3]]), 4)
-    rec.add(3, torch.tensor([[1, 0, 5]]), 6)
-    got = host_counts(rec, [1, 2, 3])
-    assert set(got) == {1, 3}
-    assert got[1][0].tolist() == [1, 0, 2, 1] and got[1][1] == 2
-    assert got[3][0].tolist() == [1, 1, 0, 0, 0, 1] and got[3][1] == 1
-    assert host_counts(rec, [2]) == {}
-
-
 def test_a_refill_copies_its_experts_in_arena_order(demo_dir):
     """The incoming experts are staged in id order (the CPU arena's), whatever order the refill
     ranks them in, so neighbours go as one copy; each still lands in a slot of its own."""

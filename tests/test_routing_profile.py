@@ -132,6 +132,19 @@ def test_recorder_counts_each_pick():
         RoutingRecorder().profile()
 
 
+def test_read_gives_each_counted_layers_picks_and_rows():
+    """The host's one read of the counters (the expert cache's step end, `profile`): every asked
+    layer the recorder counted, with its own picks and rows (layers it did not count left out)."""
+    rec = RoutingRecorder()
+    rec.add(1, torch.tensor([[0, 2], [2, 3]]), 4)
+    rec.add(3, torch.tensor([[1, 0, 5]]), 6)
+    got = rec.read([1, 2, 3])
+    assert set(got) == {1, 3}
+    assert got[1][0].tolist() == [1, 0, 2, 1] and got[1][1] == 2
+    assert got[3][0].tolist() == [1, 1, 0, 0, 0, 1] and got[3][1] == 1
+    assert rec.read([2]) == {}
+
+
 def test_ktflow_profile_writes_what_compile_reads(demo_dir, tmp_path, capsys):
     from ktflow.serve.demo_tokenizer import write_demo_tokenizer
 

@@ -83,14 +83,6 @@ def _units(g: Graph, ctx: CompileContext) -> tuple[list[Unit], dict[str, tuple[C
 
 #: refill interval (decoded tokens) of a cache the routing profile cannot price (no curves)
 DEFAULT_REFILL = 32
-#: decode time a refill's copy costs, in units of its bytes' time over PCIe to the GPU. Measured on
-#: the H100 machine: the cache's decode steps lost 0.026-0.039 ms a MB copied (`cache_speed.py` at
-#: 608f326, 6.3 MB experts), 1.4-2.1 times the link's time (54.5 GB/s), while a lone DMA of 2-32 MB
-#: beside the steps costs them 0.58-0.14 of its link time (`copy_stall.py`). The rest is most likely
-#: the host's work at the step ends (refills begun, copies issued and taken in: many small device
-#: operations on the decode loop's path), which would scale with the experts copied rather than
-#: with their bytes; not yet separated. One link time a copy lies between the two
-COPY_STALL = 1.0
 
 
 @dataclass(frozen=True)
@@ -113,11 +105,14 @@ def slot_choices(n: Node, ctx: CompileContext, w: Work, saving: float, vram: flo
     worth its share of the node's saving (its chance of being hit in a step of w.tokens tokens
     over the node's total). With `expert_cache` and the routing profile's cache curves for the
     layer: a cache refilled every N tokens is worth `saving * hits_N[S]` less its copies, each
-    copied expert priced at its bytes' time over PCIe to the GPU (`COPY_STALL`: what a refill's
-    copies measured to cost the decode steps, its DMA and the host's work together) for every
-    token of the step;
-    S slots go to whichever is worth more (ties: static). Without curves a split layer is a cache refilled every
-    DEFAULT_REFILL tokens, unpriced (valued as static). At max_batch > 1 the curves of a profiled
+    copied expert priced at its bytes' time over PCIe to the GPU for every token of the step.
+    (Measured on the H100 machine: the cache's decode steps lost 0.026-0.039 ms a MB copied,
+    `cache_speed.py` at 608f326 with 6.3 MB experts, 1.4-2.1 times the link's time, while a lone
+    DMA of 2-32 MB beside the steps cost them 0.58-0.14 of its link time, `copy_stall.py`; the
+    rest is most likely the host's work at the step ends, which would scale with the experts
+    copied rather than their bytes, not yet separated. One link time a copy lies between.) S
+    slots go to whichever is worth more (ties: static). Without curves a split layer is a cache
+    refilled every DEFAULT_REFILL tokens, unpriced (valued as static). At max_batch > 1 the curves of a profiled
     batch (`RoutingProfile.cache_for`) give the share of the step's expert reads the slots serve,
     the unit the static value is in (each expert's chance of being read in the step), so a cache
     is worth `saving * hits_N[S]`; with one conversation's curves only, the picks' share is
@@ -130,7 +125,7 @@ def slot_choices(n: Node, ctx: CompileContext, w: Work, saving: float, vram: flo
     curves, batch = {}, 1
     if ctx.options.expert_cache and ctx.routing is not None and len(ids) == n.attrs.experts:
         curves, batch = ctx.routing.cache_for(ctx.options.max_batch, n.attrs.layer)
-    per_copy = COPY_STALL * vram / len(ids) / (ctx.hw.gpus[0].pcie_h2d_gbps * 1e9) * w.tokens
+    per_copy = vram / len(ids) / (ctx.hw.gpus[0].pcie_h2d_gbps * 1e9) * w.tokens
     picks = sum(probs[e] for e in ids) or 1.0
     out, static, share, picked = [], 0.0, 0.0, 0.0
     for s, e in enumerate(ranked, start=1):

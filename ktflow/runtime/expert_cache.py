@@ -304,7 +304,7 @@ class ExpertCache:
 
         native.sync()
         if self.recorder is not None:  # the picks counted before the slot was filled were the CPU's
-            counts = host_counts(self.recorder, {c.layer for c, *_ in ready})
+            counts = self.recorder.read({c.layer for c, *_ in ready})
             for c, _, e, *_ in ready:
                 if c.layer in counts:
                     self._filled.setdefault(c.layer, {})[e] = int(counts[c.layer][0][e])
@@ -355,7 +355,7 @@ class ExpertCache:
         of K steps a launch an interval rounds up to a multiple of K; in a ragged batch (`SlotPool`)
         each listed row's token counts toward it, the padding rows' do not (nor their picks). Returns the recorder; `stop()`
         undoes it."""
-        from .routing import RoutingRecorder
+        from .routing import RoutingRecorder, attach
 
         if every is not None and (not isinstance(every, int) or every < 1):
             raise InputError(f"every must be a whole number of decoded tokens >= 1, got {every!r}")
@@ -363,14 +363,15 @@ class ExpertCache:
         self.recorder, self.refills, self._filled = RoutingRecorder(), 0, {}
         self.every = {layer: every or c.every for layer, c in self.layers.items()}
         self.since = dict.fromkeys(self.layers, 0)
+        attach(self.compiled, self.recorder)  # (beside a recorder already there: a run's --record-routing)
         for plan in (self.compiled.decode, *self.compiled.prefill):
-            ex = self.compiled.executor(plan)
-            ex.recorder = self.recorder
-            ex.after_run.append(self._after_run)
+            self.compiled.executor(plan).after_run.append(self._after_run)
         return self.recorder
 
     def stop(self) -> None:
         """No more refills from routing (copies under way are finished; the experts resident stay)."""
+        from .routing import detach
+
         try:
             self.poll(wait=True)
         finally:
@@ -378,7 +379,8 @@ class ExpertCache:
                 ex = self.compiled.executor(plan)
                 if self._after_run in ex.after_run:
                     ex.after_run.remove(self._after_run)
-                    ex.recorder = None
+            if self.recorder is not None:
+                detach(self.compiled, self.recorder)
 
     def _after_run(self, executor, tokens: int) -> None:
         t0 = time.perf_counter()
@@ -400,7 +402,7 @@ class ExpertCache:
             if prefill or (self.since[layer] >= self.every[layer] and layer not in busy):
                 due.append(layer)
         if due:
-            counts = host_counts(self.recorder, due)
+            counts = self.recorder.read(due)
             if not prefill:  # what the slots served since the last refill (a prompt's picks not counted)
                 for layer, (picks, _) in counts.items():
                     held = [e for e in self.layers[layer].resident if e >= 0]
@@ -421,10 +423,10 @@ class ExpertCache:
         `recorder` (a `RoutingRecorder`; a layer it counted no tokens of keeps its experts; ties
         keep the order of the refill before, so a resident expert stays: `cache_curves.next_order`,
         the rule the placement pass's curves replay); returns the experts copied in per layer."""
-        return self._refill_by(host_counts(recorder, self.layers if layers is None else layers), wait)
+        return self._refill_by(recorder.read(self.layers if layers is None else layers), wait)
 
     def _refill_by(self, counts: dict[int, tuple[torch.Tensor, int]], wait: bool) -> dict[int, int]:
-        """`refill_from` given the counters (`host_counts`) of the layers to refill."""
+        """`refill_from` given the counters (`RoutingRecorder.read`) of the layers to refill."""
         out = {}
         for layer, (picks, rows) in sorted(counts.items()):
             c = self.layers.get(layer)
@@ -435,19 +437,3 @@ class ExpertCache:
             c.order = order
         return out
 
-
-def host_counts(recorder, layers) -> dict[int, tuple[torch.Tensor, int]]:
-    """Layer -> (its pick counts, its routed rows) in `recorder`, for those of `layers` it counted,
-    read to the host in one copy per device (each read of device counters waits for the device)."""
-    by_device: dict[torch.device, list[int]] = {}
-    for layer in sorted(layer for layer in layers if layer in recorder.counts):
-        by_device.setdefault(recorder.counts[layer].device, []).append(layer)
-    out = {}
-    for on in by_device.values():  # (one copy a device the routers run on)
-        both = torch.cat([t for layer in on for t in (recorder.counts[layer], recorder.rows[layer])]).cpu()
-        at = 0
-        for layer in on:
-            n = recorder.counts[layer].numel()
-            out[layer] = (both[at:at + n], int(both[at + n]))
-            at += n + 1
-    return out

@@ -118,16 +118,34 @@ class RoutingRecorder:
                 hot.mul_(weight[:, None])
             self.together[layer].add_(hot.T @ hot)
 
+    def read(self, layers) -> dict[int, tuple[torch.Tensor, int]]:
+        """Layer -> (its pick counts, its routed rows) on the host, for those of `layers` counted
+        here, read in one copy per device the routers ran on (each read of device counters waits
+        for the device)."""
+        by_device: dict[torch.device, list[int]] = {}
+        for layer in sorted(layer for layer in layers if layer in self.counts):
+            by_device.setdefault(self.counts[layer].device, []).append(layer)
+        out = {}
+        for on in by_device.values():
+            both = torch.cat([t for layer in on for t in (self.counts[layer], self.rows[layer])]).cpu()
+            at = 0
+            for layer in on:
+                n = self.counts[layer].numel()
+                out[layer] = (both[at:at + n], int(both[at + n]))
+                at += n + 1
+        return out
+
     def profile(self, model_type: str | None = None) -> RoutingProfile:
         """What was counted, as fractions of each layer's tokens."""
         if not self.counts:
             raise ValueError("no routing was recorded: did the plans run a router (an MoE model, backend native "
                              "or torch_ref)?")
-        tokens = {layer: int(r.item()) for layer, r in self.rows.items()}
+        read = self.read(self.counts)
+        tokens = {layer: rows for layer, (_, rows) in read.items()}
         if not any(tokens.values()):
             raise ValueError("no routing was recorded: the routers ran no tokens")
-        layers = {layer: [round(float(c) / max(tokens[layer], 1), 6) for c in counts.cpu()]
-                  for layer, counts in sorted(self.counts.items())}
+        layers = {layer: [round(float(c) / max(tokens[layer], 1), 6) for c in counts]
+                  for layer, (counts, _) in sorted(read.items())}
         pairs = None
         if self.pairs:
             pairs = {layer: [[round(float(v) / max(tokens[layer], 1), 6) for v in row] for row in m.cpu()]
@@ -157,9 +175,9 @@ class RecorderTee:
 
 def attach(compiled, recorder: "RoutingRecorder") -> None:
     """From now on `recorder` counts the routing of every plan of `compiled` as it runs, beside a
-    recorder already counting there (the expert cache's: attach after `ExpertCache.follow`). On
+    recorder already counting there (the expert cache's, `ExpertCache.follow`, attaches the same way). On
     the GPU it counts inside the captured decode graph (a change of recorder captures again), a
-    few scatter-adds a layer: cheap enough to leave on. `detach` undoes it."""
+    few small kernels a layer (their cost in a decode step not measured). `detach` undoes it."""
     for plan in (compiled.decode, *compiled.prefill):
         ex = compiled.executor(plan)
         ex.recorder = recorder if ex.recorder is None else RecorderTee(ex.recorder, recorder)
@@ -190,9 +208,7 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
     from .execute import execute
 
     rec = RoutingRecorder(pairs)
-    plans = [compiled.decode, *compiled.prefill]
-    for plan in plans:
-        compiled.executor(plan).recorder = rec
+    attach(compiled, rec)
     # per conversation that decoded, per layer: (the prompt's pick counts, each step's [steps, experts]
     # as uint8: one row a step picks an expert at most once)
     recorded: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
@@ -226,8 +242,7 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
                 recorded.append({layer: (c.cpu(), torch.stack([s_[layer] for s_ in per_step]).cpu())
                                  for layer, c in prompt.items()})
     finally:
-        for plan in plans:
-            compiled.executor(plan).recorder = None
+        detach(compiled, rec)
     model = compiled.model
     prof = rec.profile(model.config.model_type if model is not None else None)
     if decode > 0 and recorded:
