@@ -130,17 +130,24 @@ def test_refilled_slots_hold_their_experts_weights(demo_dir, device, stage, monk
     cache = ExpertCache(c)
     n = cached_node(c)
     outside = [e for e in range(n.attrs.experts) if e not in n.attrs.ids][:len(n.attrs.ids)]
-    if device == "cuda":  # (kernels loaded by a refill there and back first: the sleep outlasts the host's work)
+    def allocations():  # device memory of the index's size, made and freed on the current stream
+        for _ in range(64):
+            torch.full((len(outside),), 10 ** 6, dtype=torch.int64, device="cuda").add_(1)
+
+    if device == "cuda":
+        # every kernel this test runs loaded first (a refill there and back, the allocations): CUDA
+        # loads a kernel at its first launch, and loading one may wait for the whole device (the sleep)
         cache.refill(n.attrs.layer, outside)
         cache.refill(n.attrs.layer, n.attrs.ids)
+        allocations()
+        torch.cuda.synchronize()
         with torch.cuda.stream(cache.copy_stream):
             torch.cuda._sleep(1_000_000_000)  # about half a second of GPU clocks
     t0 = time.perf_counter()
     assert cache.refill(n.attrs.layer, outside, wait=False) == len(outside)
     took = time.perf_counter() - t0
     if device == "cuda":
-        for _ in range(64):  # device memory of the index's size, made and freed on the current stream
-            torch.full((len(outside),), 10 ** 6, dtype=torch.int64, device="cuda").add_(1)
+        allocations()
         # the copies still behind the sleep (else the host waited for them: how long, and why, said:
         # copies from memory the driver did not page-lock hold the host)
         from ktflow.backends.staging import pin
