@@ -77,7 +77,8 @@ def timed_rounds(plans: dict, prompts: list[list[int]], texts: list, decode: int
     conversation (each runs conversation i before any runs conversation i + 1), so a machine's
     drift over seconds falls on all alike; the plan that goes first moves on by one each
     conversation and each round, so no plan keeps a place in the order. `before(name)` is called
-    for each plan at the start of each round."""
+    for each plan at the start of each round. Each round's tok/s are printed as it ends, so a run
+    cut short (a time limit) still says what it measured."""
     took: dict[str, list[float]] = {name: [0.0] * rounds for name in plans}
     names = list(plans)
     for r in range(rounds):
@@ -87,6 +88,9 @@ def timed_rounds(plans: dict, prompts: list[list[int]], texts: list, decode: int
             k = (r + i) % len(names)
             for name in names[k:] + names[:k]:
                 took[name][r] += decode_seconds(plans[name], p, decode, t)
+        print(f"  round {r + 1} of {rounds}: "
+              + ", ".join(f"{name} {len(prompts) * decode / took[name][r]:.1f}" for name in names) + " tok/s",
+              flush=True)
     return {name: [len(prompts) * decode / t for t in ts] for name, ts in took.items()}
 
 

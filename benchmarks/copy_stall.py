@@ -24,9 +24,14 @@ otherwise idle (the link's own time), and their ratio, the stall: 1 means a step
 whole copy, 0 that the copy hides beside it entirely. A copy issued while the one before is still
 under way queues behind it, so once B MB take longer than a step, every step runs beside a copy.
 Measures on a CUDA device (`--device cpu` runs the same steps as a check of the benchmark itself).
+
+`--profile K` then says where the host's time at the step ends goes: one more conversation per
+variant (not timed) with its first K decode steps' step ends run under torch's profiler (host ops
+and, on CUDA, the runtime calls: a `cudaStreamSynchronize` that waits, a pageable copy), printed
+per step end, the ops taking the most of the host's time first, and written as `profile` rows.
 On the GPU machine:
 
-    python benchmarks/copy_stall.py /tmp/moe-small-x --share 0.25 --mb 0,8,32 --refill 1,2,4
+    python benchmarks/copy_stall.py /tmp/moe-small-x --share 0.25 --mb 0,8,32 --refill 1,2,4 --profile 16
 """
 
 from __future__ import annotations
@@ -116,6 +121,49 @@ class SideCopies:
         return 1e3 * best / mb
 
 
+def profile_step_ends(c, side: SideCopies, conv, decode: int, steps: int, top: int = 12) -> list[tuple[str, float, float]]:
+    """The current variant's first `steps` decode step ends of conversation `conv`, each under
+    torch's profiler: per op (host ops; on CUDA also the runtime's calls), its calls and host
+    microseconds (self time) a step end, the `top` largest; first the step end's whole time
+    ("step end") and what no op took ("outside the ops": Python, and the profiler's own cost)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if side.stream is not None else [])
+    calls: dict[str, float] = {}
+    micro: dict[str, float] = {}
+    seen = [0]
+    ex = c.executor(c.decode)
+    plain = side.after_run
+
+    def traced(executor, tokens):
+        if executor.plan.phase != "decode" or seen[0] >= steps:
+            return plain(executor, tokens)
+        seen[0] += 1
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            plain(executor, tokens)
+            took = time.perf_counter() - t0
+        micro["step end"] = micro.get("step end", 0.0) + 1e6 * took
+        calls["step end"] = calls.get("step end", 0) + 1
+        for ev in prof.key_averages():
+            micro[ev.key] = micro.get(ev.key, 0.0) + ev.self_cpu_time_total
+            calls[ev.key] = calls.get(ev.key, 0) + ev.count
+
+    ex.after_run[ex.after_run.index(plain)] = traced
+    try:
+        decode_seconds(c, conv[0], min(decode, steps + 1), conv[1])
+        side.synchronize()
+        side.cache.poll(wait=True)
+    finally:
+        ex.after_run[ex.after_run.index(traced)] = plain
+    n = max(1, seen[0])
+    if "step end" in micro:  # the Python between the ops (the profiler's own cost included)
+        micro["outside the ops"] = micro["step end"] - sum(us for k, us in micro.items() if k != "step end")
+        calls["outside the ops"] = n
+    ranked = sorted((k for k in micro if k not in ("step end", "outside the ops")), key=lambda k: -micro[k])[:top]
+    return [(k, calls[k] / n, micro[k] / n) for k in ["step end", "outside the ops", *ranked] if k in micro]
+
+
 def swapped(resident: list[int], experts: int, n: int, rng: random.Random) -> list[int]:
     """`resident` (a cached layer's expert a slot, -1: empty) with `n` of its experts, and every
     empty slot, given random experts it does not hold."""
@@ -164,6 +212,9 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--seqs", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profile", type=int, default=0, metavar="K",
+                    help="then profile the host's work at K step ends of each variant but the baseline (module "
+                    "doc; default 0: none)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cuda (the measurement); cpu runs the same steps with the copies as host memory copies, "
                     "a check of the benchmark itself whose numbers mean nothing")
@@ -236,6 +287,18 @@ def main() -> int:
                          host_ms_per_token=round(host_ms, 4), added_ms_per_mb=round(added, 5),
                          link_ms_per_mb=round(link, 5), link_gbps=round(MB / 1e6 / link, 1) if mb else None,
                          stall=round(ratio, 3)))
+    for v in variants if a.profile > 0 else ():
+        if v == ("dma", 0.0):
+            continue
+        side.kind, side.amount = v
+        side.piece_mb = a.piece_mb if v[0] == "dma" else 0.0
+        ops = profile_step_ends(c, side, convs[0], a.decode, a.profile)
+        print(f"{v[0]} {v[1]:g}: the host's time at a step end, by op (self time; calls a step end)")
+        for name, n, us in ops:
+            print(f"  {name[:48]:<48} {us:>9.1f} us {n:>6.1f}")
+        rows.append(dict(**info, kind="profile", variant=v[0], mb=v[1] if v[0] == "dma" else None,
+                         experts=int(v[1]) if v[0] == "refill" else None, steps=a.profile,
+                         ops=[dict(op=name, calls=round(n, 2), us=round(us, 1)) for name, n, us in ops]))
     append_jsonl(a.out, rows)
     return 0
 

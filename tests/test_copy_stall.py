@@ -59,3 +59,22 @@ def test_each_variant_gets_a_row_against_the_baseline(demo_dir, tmp_path, device
     assert refill["mb"] > 0.0 and refill["host_ms_per_token"] > 0.0  # the cache copied experts in
     for r in (dma, refill):
         assert r["stall"] == pytest.approx(r["added_ms_per_mb"] / r["link_ms_per_mb"], rel=0.01, abs=0.01)
+
+
+def test_profile_says_where_a_step_ends_host_time_goes(demo_dir, tmp_path):
+    """--profile K: each variant but the baseline gets a profile row, the step end's whole time
+    first, then what no op took, then the ops by host time; a refill's ops include the copies
+    into its slots."""
+    out = tmp_path / "s.jsonl"
+    p = run(demo_dir, out, "--mb", "1", "--refill", "1", "--seqs", "1", "--prompt", "4", "--decode", "6",
+            "--rounds", "1", "--profile", "2", "--device", "cpu", "--backend", "native")
+    assert p.returncode == 0, p.stderr[-2000:]
+    profiles = {r["variant"]: r for r in map(json.loads, out.read_text().splitlines()) if r["kind"] == "profile"}
+    assert sorted(profiles) == ["dma", "refill"] and profiles["refill"]["experts"] == 1
+    for r in profiles.values():
+        names = [o["op"] for o in r["ops"]]
+        assert names[:2] == ["step end", "outside the ops"] and r["ops"][0]["us"] > 0
+        ranked = [o["us"] for o in r["ops"][2:]]
+        assert ranked == sorted(ranked, reverse=True) and sum(ranked) <= r["ops"][0]["us"]
+    assert "aten::index_copy_" in [o["op"] for o in profiles["refill"]["ops"]]
+    assert "refill 1: the host's time at a step end" in p.stdout

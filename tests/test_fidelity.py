@@ -219,6 +219,7 @@ def test_cache_speed_runs_its_four_plans(trained, tmp_path):
     assert row["host_ms_per_token"] > 0.0 and row["copy_lag_tokens"] >= 0.0
     # warm-up (a prompt and 8 tokens) and 2 conversations: a refill after each prompt and every 4 decoded tokens
     assert row["refills"] == 3 * (1 + 8 // 4)
+    assert "round 1 of 1: uniform" in p.stdout  # each round said as it ends (a run cut short keeps them)
     assert 0.0 <= row["cache_hit"] <= 1.0 and row["copied_mb_per_token"] >= 0.0
 
 
