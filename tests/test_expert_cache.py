@@ -284,20 +284,66 @@ def test_a_ragged_batchs_padding_rows_do_not_count_toward_the_refill_interval(de
     cache.stop()
 
 
-def test_a_cached_layers_prefill_keeps_its_cpu_experts_on_the_cpu(demo_dir):
-    """place_prefill_experts streams the layer's CPU experts without the cache (here it does) and
-    not with it: the runtime moves experts between the parts, a streamed subset is fixed."""
+def test_a_cached_layers_prefill_streams_the_layer_whole_or_keeps_it(demo_dir):
+    """place_prefill_experts streams a split layer's CPU experts for a long prompt; a cached layer
+    it streams whole (one GPU node over every expert, from a fetch of them all, standing in for the
+    cache part, whose slots the plan still counts in VRAM) or keeps as placed: never a subset,
+    which the runtime's refills would contradict."""
     model = ktflow.load(demo_dir)
     kw = split_options(model)
     layer = cached_node(ktflow.compile(model, expert_cache=True, **kw)).attrs.layer
 
-    def streamed(c):
-        return [n for p in c.prefill for n in p.ir.nodes if n.op == Op.FETCH and n.attrs.layer == layer]
+    def layer_nodes(p):
+        return [n for n in p.ir.nodes if n.op in (Op.FETCH, Op.ROUTED_EXPERTS) and n.attrs.layer == layer]
 
-    assert streamed(ktflow.compile(model, **kw))
-    assert not streamed(ktflow.compile(model, expert_cache=True, **kw))
+    plain = ktflow.compile(model, **kw)
+    assert any(n.op == Op.FETCH for p in plain.prefill for n in layer_nodes(p))  # streamed without the cache
+    c = ktflow.compile(model, expert_cache=True, prefill_experts="stream", **kw)
+    slots = len(cached_node(c).attrs.ids)
+    for p in c.prefill:
+        fetch, experts = ([n for n in layer_nodes(p) if n.op == op] for op in (Op.FETCH, Op.ROUTED_EXPERTS))
+        assert [len(f.attrs.ids) for f in fetch] == [fetch[0].attrs.experts]  # every expert of the layer
+        (whole,) = experts  # the cache part and the CPU part replaced by one streamed node
+        assert whole.place.device.value == "gpu" and whole.attrs.ids == tuple(range(whole.attrs.experts))
+        assert whole.attrs.cache_slots == slots and not whole.attrs.cached
+        assert "a cache of" in whole.place.cause
+    # the slots still resident: the plan's VRAM is the kept plan's and the staging (the weights the same)
+    for p, kept in zip(c.prefill, ktflow.compile(model, expert_cache=True, prefill_experts="cpu", **kw).prefill):
+        assert p.memory.weight_bytes == pytest.approx(kept.memory.weight_bytes, rel=1e-9)
+        assert p.memory.staging_bytes > 0 and p.memory.gpu_bytes - p.memory.staging_bytes == \
+            pytest.approx(kept.memory.gpu_bytes, rel=1e-9)
+    auto = ktflow.compile(model, expert_cache=True, **kw)  # auto: each prefill plan streams whole or keeps
+    for p in auto.prefill:
+        parts = layer_nodes(p)
+        fetch = [n for n in parts if n.op == Op.FETCH]
+        assert not fetch or len(fetch[0].attrs.ids) == fetch[0].attrs.experts
+        assert bool(fetch) != any(n.attrs.cached for n in parts)
     with pytest.raises(ConfigError, match="expert_cache"):
         ktflow.compile(model, expert_cache=True, prefill_experts="split", **kw)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_a_prefill_streaming_a_cached_layer_whole_keeps_the_logits_and_the_cache(demo_dir, tmp_path, device):
+    """With the cached layer streamed whole in prefill (every expert once, on the GPU lane) the
+    prompt's logits are the no-cache plan's streamed prefill's, and the decode steps after the
+    cache's refill from the prompt the no-cache plan's too (bf16 rounding: the amplified experts
+    show an expert computed twice or missed); the cache refilled from the prompt's picks."""
+    model = ktflow.load(amplified(demo_dir, tmp_path / "amplified"))
+    kw = split_options(model, device=device, backend="cuda_graph" if device == "cuda" else "native",
+                       prefill_experts="stream")
+    ref = decode_logits(ktflow.compile(model, **kw))
+    c = ktflow.compile(model, expert_cache=True, **kw)
+    n = cached_node(c)
+    assert all(m.attrs.cache_slots for p in c.prefill for m in p.ir.nodes
+               if m.op == Op.ROUTED_EXPERTS and m.attrs.layer == n.attrs.layer)
+    cache = ExpertCache(c)
+    cache.follow(every=2)
+    got = decode_logits(c)
+    assert cache.refills == 1 + 2 and cache.copied > 0  # after the prompt, then every 2 decoded tokens
+    scale = ref.abs().max()
+    assert (got[0] - ref[0]).abs().max() <= 0.01 * scale  # the prompt: every expert once
+    assert (got - ref).abs().max() <= 0.01 * scale
+    cache.stop()
 
 
 def test_the_plan_counts_the_cpu_copy_of_cached_experts(demo_dir):
@@ -413,8 +459,10 @@ def test_ktflow_run_follows_the_routing_with_expert_cache(demo_dir, capsys):
     summary = re.search(r"expert cache: (\d+)% of the decoded picks on GPU slots, (\d+) experts copied in "
                         r"\(([\d.]+) MB a decoded token\), the host ([\d.]+) ms a decoded token", out)
     assert summary and 0 <= int(summary[1]) <= 100 and int(summary[2]) > 0 and float(summary[3]) > 0
-    assert main([*args, "--expert-cache", "--refill-every", "2", "--prefill-experts", "stream"]) == 2
-    assert "prefill_experts='stream' with expert_cache" in capsys.readouterr().err
+    assert main([*args, "--expert-cache", "--refill-every", "2", "--prefill-experts", "stream"]) == 0  # cached layers whole
+    capsys.readouterr()
+    assert main([*args, "--expert-cache", "--refill-every", "2", "--prefill-experts", "split"]) == 2
+    assert "prefill_experts='split' with expert_cache" in capsys.readouterr().err
     assert main([*args[:-5], "--max-seq-len", "64", "--expert-cache", "--refill-every", "2"]) == 2  # no VRAM budget: nothing split
     assert "expert_cache=True" in capsys.readouterr().err
 

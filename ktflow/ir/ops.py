@@ -157,7 +157,10 @@ class RoutedExpertsAttrs:
     `refill_every` > 0: on a split layer's GPU part, its subset is only the first filling of a
     cache of that many expert slots, which the runtime refills after each prompt and every
     `refill_every` decoded tokens (`runtime.expert_cache`); the layer's CPU parts then hold every
-    expert and compute those not in the cache. 0: the subset is fixed."""
+    expert and compute those not in the cache. 0: the subset is fixed.
+    `cache_slots` > 0: a prefill step's streamed node standing in for a cached layer's parts (it
+    computes every expert from its fetch); the decode plan's cache of that many GPU slots stays
+    resident beside it, unread by this step."""
 
     layer: int
     hidden: int
@@ -169,6 +172,7 @@ class RoutedExpertsAttrs:
     ranks: tuple[int, ...] = ()
     skip: int = 0
     refill_every: int = 0
+    cache_slots: int = 0
 
     @property
     def cached(self) -> bool:

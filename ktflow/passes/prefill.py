@@ -55,25 +55,35 @@ def place_prefill_experts(g: Graph, ctx: CompileContext) -> Graph:
     used its slot before (its input: the copy waits for it), or at the start. A split keeps the
     CPU part under the node's name and adds `<name>.stream` on the GPU; their reader (the
     residual add) reads both.
+    A layer whose GPU experts are a cache (`expert_cache`: the runtime moves experts between its
+    parts, so no subset can be fixed here) has two candidates only: as placed (the cache's slots on
+    the GPU, the rest on the CPU), or streamed whole: one GPU node computing every expert from a
+    fetch of them all, standing in for both parts in this step (`cache_slots` says the cache's
+    slots stay resident, unread; priced without the cache part's GPU work). A layer whose cached
+    CPU side is sharded over NUMA nodes keeps its parts.
     Requires: a costed, placed prefill graph. Decode graphs, graphs without a GPU (or with
-    placement='cpu'), layers whose hidden states or routing are on the CPU and layers whose GPU
-    experts are a cache (`expert_cache`: the runtime moves experts between the parts) pass through.
+    placement='cpu') and layers whose hidden states or routing are on the CPU pass through.
     Guarantees: rules S1-S2; each layer's experts still partitioned (V10); every decision
     recorded in the CPU or GPU node's cause with the times compared.
     """
     mode = ctx.options.prefill_experts
     if ctx.phase != "prefill" or not ctx.hw.has_gpu or ctx.options.placement == "cpu":
         return g
-    # a layer whose GPU experts are a cache keeps its CPU experts on the CPU: the runtime moves experts
-    # between the two parts, and a streamed subset would be fixed here
-    cached = sorted({n.attrs.layer for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.cached})
-    if cached and mode in ("stream", "split"):
-        raise ConfigError(f"prefill_experts={mode!r} with expert_cache: the GPU experts of layers {cached} are a cache "
-                          "the runtime refills, and a streamed subset is fixed at compile time; use "
-                          "prefill_experts='auto' (those layers then compute on the CPU) or 'cpu'")
+    # a layer whose GPU experts are a cache: its CPU part streams whole or not at all (the runtime
+    # moves experts between the parts, and a streamed subset would be fixed here)
+    caches = {n.attrs.layer: n for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.cached}
+    if caches and mode == "split":
+        raise ConfigError(f"prefill_experts='split' with expert_cache: the GPU experts of layers {sorted(caches)} are a "
+                          "cache the runtime refills, and a split's streamed subset is fixed at compile time; use "
+                          "prefill_experts='auto', 'stream' (those layers then stream all their experts) or 'cpu'")
+    parts = {}  # layer -> its CPU parts
+    for n in g.nodes:
+        if n.op == Op.ROUTED_EXPERTS and n.place.device == Device.CPU:
+            parts.setdefault(n.attrs.layer, []).append(n)
     # a layer streams only where its hidden states and routing are on the GPU
     cpu_nodes = [n for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device == Device.CPU
-                 and n.attrs.layer not in cached and all(g.by_name(i).place.device == Device.GPU for i in n.inputs)]
+                 and all(g.by_name(i).place.device == Device.GPU for i in n.inputs)
+                 and (n.attrs.layer not in caches or len(parts[n.attrs.layer]) == 1)]
     if not cpu_nodes:
         return g
     fmt = ctx.expert_format
@@ -90,8 +100,9 @@ def place_prefill_experts(g: Graph, ctx: CompileContext) -> Graph:
             break
         slots -= 1
     slots = max(slots, 1)
-    if mode == "stream" and cap < max(len(n.attrs.ids) for n in cpu_nodes):
-        need = max(len(n.attrs.ids) for n in cpu_nodes) * (ctx.options.staging_slots * slot_bytes + landing)
+    widest = max(n.attrs.experts if n.attrs.layer in caches else len(n.attrs.ids) for n in cpu_nodes)
+    if mode == "stream" and cap < widest:
+        need = widest * (ctx.options.staging_slots * slot_bytes + landing)
         raise ConfigError(f"prefill_experts='stream' at {ctx.tokens} tokens needs {_si(need)}B of GPU staging "
                           f"({ctx.options.staging_slots} slots of a whole layer's experts and a landing buffer); "
                           f"{_si(max(room, 0.0))}B are left after weights, KV caches and activations. Use "
@@ -102,10 +113,11 @@ def place_prefill_experts(g: Graph, ctx: CompileContext) -> Graph:
     sharing = ctx.hw.model_copy(update={"cpu": cpu.model_copy(update={
         "gemv_gbps": max(cpu.gemv_gbps - ctx.hw.gpus[0].pcie_h2d_gbps, cpu.gemv_gbps / 4)})})
     bounds = _layer_bounds(g, cpu_nodes)
-    choices = {n.name: _choose(g, ctx, n, bounds[n.name], fmt, cap, slots, sharing, mode) for n in cpu_nodes}
+    choices = {n.name: _choose(g, ctx, n, bounds[n.name], fmt, cap, slots, sharing, mode, caches.get(n.attrs.layer))
+               for n in cpu_nodes}
     if not any(c.streamed for c in choices.values()):
         return g.map(lambda n: _with_cause(n, choices[n.name]) if n.name in choices else n)
-    return _rewrite(g, ctx, choices, fmt, slots)
+    return _rewrite(g, ctx, choices, fmt, slots, caches)
 
 
 # ------------------------------------------------------------------------------- pricing
@@ -144,10 +156,15 @@ def _fetch(n: Node, ids, fmt: str, slot: int) -> Node:
 
 
 def _choose(g: Graph, ctx: CompileContext, n: Node, bounds: tuple[float, float], fmt: str, cap: int, slots: int,
-            sharing: HwProfile, mode: str) -> LayerChoice:
+            sharing: HwProfile, mode: str, cache: Node | None = None) -> LayerChoice:
     """Price the candidate counts of streamed experts for `n` and pick one (see the pass).
-    `sharing`: the machine with the DRAM bandwidth a fetch leaves the CPU."""
+    `sharing`: the machine with the DRAM bandwidth a fetch leaves the CPU. `cache`: the layer's
+    GPU part where it is a cache: then `n` stays as placed or streams with every expert of the
+    layer, which also takes over the cache part's work."""
     d1, d2 = bounds
+    placed = n
+    if cache is not None:
+        n = replace(n, attrs=replace(n.attrs, subset=()))  # the candidates' experts: all of the layer's
     order = _order(n, ctx)
     total = len(order)
     work = step_work(n, ctx)
@@ -163,17 +180,18 @@ def _choose(g: Graph, ctx: CompileContext, n: Node, bounds: tuple[float, float],
     def price(k: int) -> tuple[float, float, float, float]:
         """(layer seconds, CPU part, GPU part, fetch) with the first k of `order` streamed."""
         hw = sharing if 0 < k < total else ctx.hw
-        cpu = cost_in(part(order[k:]), g, ctx, work=work, hw=hw, numa_nodes=1,
-                      expert_format=fmt).cpu_s + xfer if k < total else 0.0
+        kept = placed if cache is not None else part(order[k:])
+        cpu = cost_in(kept, g, ctx, work=work, hw=hw, numa_nodes=1, expert_format=fmt).cpu_s + xfer if k < total else 0.0
         if k == 0:
             return d1 + max(cpu, d2), cpu, 0.0, 0.0
         gpu_node = replace(part(order[:k]), weights=())
         gpu = cost_in(gpu_node, g, ctx, work=work, numa_nodes=1, expert_format="bf16").gpu_s
         fetch = fetch_seconds(_fetch(n, order[:k], fmt, 0).attrs, ctx.hw, g.act_dtype)
-        return max(d1 + max(cpu, d2 + gpu), fetch), cpu, gpu, fetch
+        beside = d2 - (cache.cost.on(Device.GPU) if cache is not None else 0.0)  # the cache part's work taken over
+        return max(d1 + max(cpu, beside + gpu), fetch), cpu, gpu, fetch
 
     step = max(1, math.ceil(total / GRID))
-    counts = sorted({0, total, *range(step, total, step)})
+    counts = [0, total] if cache is not None else sorted({0, total, *range(step, total, step)})
     priced = {k: price(k) for k in counts if k <= cap}
     cpu_t = priced[0][0]
     if mode == "cpu":
@@ -192,7 +210,8 @@ def _choose(g: Graph, ctx: CompileContext, n: Node, bounds: tuple[float, float],
     alts = [f"cpu {_si(cpu_t)}s", f"stream {_si(full[0])}s" + ("" if total in priced else " (no room)")]
     if best_split is not None:
         alts.append(f"split {best_split}/{total} {_si(priced[best_split][0])}s")
-    head = f"prefill {t} tokens"
+    head = f"prefill {t} tokens" + (f" (the layer's GPU part a cache of {len(cache.attrs.ids)} slots: streamed "
+                                     "whole or kept)" if cache is not None else "")
     if k == 0:
         why = "prefill_experts=cpu" if mode == "cpu" else (
             "no GPU room for staging" if cap == 0 else "fastest")
@@ -215,13 +234,19 @@ def _with_cause(n: Node, c: LayerChoice, **changes) -> Node:
     return replace(n, place=replace(n.place, cause=f"{n.place.cause}; {c.cause}"), **changes)
 
 
-def _rewrite(g: Graph, ctx: CompileContext, choices: dict[str, LayerChoice], fmt: str, slots: int) -> Graph:
+def _rewrite(g: Graph, ctx: CompileContext, choices: dict[str, LayerChoice], fmt: str, slots: int,
+             caches: dict[int, Node]) -> Graph:
+    # a cached layer streamed whole: its streamed node stands in for the cache part too
+    whole = {caches[n.attrs.layer].name: n for n in g.nodes
+             if n.name in choices and choices[n.name].streamed and n.attrs.layer in caches}
     nodes: list[Node] = []
     extra_reads: dict[str, str] = {}  # CPU part -> its streamed twin (readers read both)
     after: dict[str, list[Node]] = {}  # node -> fetches placed right after it
     streamed_order: list[str] = []  # streamed nodes in graph order
     first_fetches: list[Node] = []
     for n in g.nodes:
+        if n.name in whole:
+            continue
         c = choices.get(n.name)
         if c is None or not c.streamed:
             nodes.append(_with_cause(n, c) if c else n)
@@ -237,8 +262,11 @@ def _rewrite(g: Graph, ctx: CompileContext, choices: dict[str, LayerChoice], fmt
             fetch = replace(fetch, inputs=(prev,))
             after.setdefault(prev, []).append(fetch)
         streamed_order.append(name)
-        gpu = replace(n, name=name, inputs=n.inputs + (fetch.name,), weights=(),
-                      attrs=replace(n.attrs, subset=c.streamed if c.kept else n.attrs.subset),
+        cache = caches.get(n.attrs.layer)
+        attrs = replace(n.attrs, subset=c.streamed if c.kept else n.attrs.subset)
+        if cache is not None:  # every expert of the layer, beside the cache's resident slots
+            attrs = replace(n.attrs, subset=(), cache_slots=len(cache.attrs.ids))
+        gpu = replace(n, name=name, inputs=n.inputs + (fetch.name,), weights=(), attrs=attrs,
                       place=Placement(Device.GPU, cause=c.cause))
         if c.kept:
             nodes.append(_with_cause(n, c, attrs=replace(n.attrs, subset=c.kept)))
@@ -248,7 +276,8 @@ def _rewrite(g: Graph, ctx: CompileContext, choices: dict[str, LayerChoice], fmt
     for n in nodes:
         if n.op == Op.ADD:  # the residual add of a split layer reads its streamed part too
             extra = tuple(extra_reads[i] for i in n.inputs if i in extra_reads)
-            n = replace(n, inputs=n.inputs + extra) if extra else n
+            n = replace(n, inputs=tuple(i for i in n.inputs if i not in whole) + extra) if extra or any(
+                i in whole for i in n.inputs) else n
         out.append(n)
         if n.op == Op.INPUT:
             out += first_fetches

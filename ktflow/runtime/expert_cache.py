@@ -34,10 +34,13 @@ it returns after begin); `follow()` refills each cached layer after each prefill
 waiting, finishing copies at each step's end (`poll`); `refill_from(recorder)` is one such refill
 from a `RoutingRecorder`.
 
+A prefill plan may stream a cached layer whole (`place_prefill_experts`, for long prompts): that
+step computes every expert of the layer on the GPU from a fetch of them all and reads neither the
+slots nor the masks, so the cache leaves it alone.
+
 Preconditions: the plan's backend is native or cuda_graph (their CPU parts take a mask), and no
-plan streams a cached layer's experts to the GPU in prefill (a streamed subset is fixed at compile
-time; `place_prefill_experts` keeps a cached layer's experts on the CPU, so only a custom pass
-could). Not built: token-wise prefetch of the next layer's likely experts.
+plan streams a subset of a cached layer's experts (a subset fixed at compile time; only a custom
+pass could). Not built: token-wise prefetch of the next layer's likely experts.
 """
 
 from __future__ import annotations
@@ -103,12 +106,13 @@ class ExpertCache:
                 layer = getattr(n.attrs, "layer", None)
                 if layer not in cached:
                     continue
-                if n.op == Op.FETCH:
-                    raise ConfigError(f"plan {plan.phase} streams layer {layer}'s experts to the GPU ({n.name}), a "
-                                      "subset fixed at compile time, but its GPU experts are a cache: a pass of "
-                                      "this pipeline streamed them (place_prefill_experts keeps them on the CPU)")
-                if n.op != Op.ROUTED_EXPERTS:
-                    continue
+                if n.op == Op.FETCH and len(n.attrs.ids) != n.attrs.experts:
+                    raise ConfigError(f"plan {plan.phase} streams a subset of layer {layer}'s experts to the GPU "
+                                      f"({n.name}), fixed at compile time, but its GPU experts are a cache: a pass of "
+                                      "this pipeline streamed them (place_prefill_experts streams such a layer whole "
+                                      "or not at all)")
+                if n.op != Op.ROUTED_EXPERTS or n.attrs.cache_slots:
+                    continue  # (a prefill step streaming the layer whole: every expert from its fetch, no cache)
                 c = self.layers.setdefault(layer, CachedLayer(layer, n.attrs.experts))
                 if n.place.device == Device.GPU:
                     stacked = be.stacked(n)

@@ -1,0 +1,134 @@
+"""Long-prompt prefill with and without the expert cache: what a cached layer's prefill costs.
+
+A split layer's CPU experts are streamed to the GPU for a long prompt where the prefill pass prices
+that faster (`passes/prefill.py`). A layer whose GPU experts are a cache can be streamed only whole
+(every expert, standing in for the cache part in that step) or kept as placed (the cache's slots on
+the GPU, the rest on the CPU). This benchmark times one prompt of each length in `--tokens` through
+four plans compiled at one VRAM budget (the one putting `--share` of the routed experts on the GPU,
+as cache_speed.py finds it):
+
+- `static`: no cache, `prefill_experts` auto (split layers streamed where priced faster);
+- `static cpu`: no cache, every layer's CPU experts kept on the CPU (`prefill_experts="cpu"`);
+- `cache`: the expert cache, auto (a cached layer streamed whole where priced faster), followed
+  (`ExpertCache.follow`: the refill from the prompt's picks after its prefill is timed with it);
+- `cache cpu`: the expert cache with `prefill_experts="cpu"`: what every cached layer's prefill
+  did before the pass could stream it whole.
+
+Reported per length: prefill tok/s per plan (best of `--rounds`, after one untimed run), and the
+cache's against static's. Prompts are the checkpoint's held-out text where it has some (else seeded
+random ids). Prints a table and appends rows to benchmarks/cache_prefill.jsonl. On the GPU machine:
+
+    python benchmarks/cache_prefill.py /tmp/moe-small-xx --share 0.25 --tokens 512,2048,8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import HERE, append_jsonl, commit, machine  # noqa: E402
+from placement_hits import budget_for, roofline_only  # noqa: E402
+
+PLANS = ("static", "static cpu", "cache", "cache cpu")
+
+
+def prompt_ids(d: Path, n: int, vocab: int) -> torch.Tensor:
+    """[1, n]: held-out text where the checkpoint has enough, else seeded random ids."""
+    if (d / "heldout.safetensors").exists():
+        from placement_hits import held_out
+
+        ids = held_out(d, n)
+        if ids.numel() >= n:
+            return ids[:n].view(1, n)
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))
+
+
+def prefill_seconds(compiled, ids: torch.Tensor, cache, rounds: int) -> float:
+    """Best of `rounds` timed prefills of `ids` (after one untimed), each from a fresh sequence;
+    with a followed cache, its refill after the prompt included."""
+    import ktflow
+
+    best = float("inf")
+    for r in range(rounds + 1):
+        if cache is not None:
+            cache.follow()
+        t0 = time.perf_counter()
+        out, _ = ktflow.execute(compiled, ids, logits="last")
+        float(out[0, -1, 0])  # the logits on the host: the step is done
+        took = time.perf_counter() - t0
+        if cache is not None:
+            cache.stop()
+        if r:
+            best = min(best, took)
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="a checkpoint dir (cache_speed's scaled model, or any ktflow.load reads)")
+    ap.add_argument("--share", type=float, default=0.25, help="GPU share of the routed experts (the VRAM budget)")
+    ap.add_argument("--tokens", default="512,2048,8192", help="prompt lengths (comma list)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--hw", default=None, help="the hardware profile the plans are compiled with, its fixed per-op "
+                    "costs left out (default: paper-a100's rates; e.g. `ktflow hw probe`'s JSON)")
+    ap.add_argument("--out", default=str(HERE / "cache_prefill.jsonl"))
+    a = ap.parse_args()
+    try:
+        lengths = sorted({int(x) for x in a.tokens.split(",") if x.strip()})
+    except ValueError:
+        lengths = [0]
+    if not lengths or lengths[0] < 1 or a.rounds < 1:
+        print(f"cache_prefill: --tokens takes a comma list of prompt lengths >= 1 and --rounds >= 1 (got "
+              f"{a.tokens!r}, {a.rounds})", file=sys.stderr)
+        return 2
+    import ktflow
+    from ktflow.ir.ops import Op
+    from ktflow.runtime.expert_cache import ExpertCache
+
+    d = Path(a.model)
+    model = ktflow.load(d)
+    vocab = json.loads((d / "config.json").read_text())["vocab_size"]
+    max_seq = lengths[-1] + 8
+    budget = budget_for(model, a.share, max_seq)
+    opts = dict(hw=roofline_only(a.hw), device=a.device, backend=a.backend, dtype="bfloat16", vram_budget_gb=budget,
+                max_seq_len=max_seq, numa_nodes=1)
+    plans = {"static": ktflow.compile(model, **opts),
+             "static cpu": ktflow.compile(model, prefill_experts="cpu", **opts),
+             "cache": ktflow.compile(model, expert_cache=True, **opts),
+             "cache cpu": ktflow.compile(model, expert_cache=True, prefill_experts="cpu", **opts)}
+    caches = {name: ExpertCache(c) if name.startswith("cache") else None for name, c in plans.items()}
+    info = dict(bench="cache_prefill", commit=commit(), **machine(), model=str(d), device=a.device,
+                gpu=torch.cuda.get_device_name(0) if a.device == "cuda" else None, hw=a.hw or "paper-a100",
+                share=a.share, budget_gb=round(budget, 4), rounds=a.rounds)
+    cached = {n.attrs.layer: n for n in plans["cache"].decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.cached}
+    print(f"share {a.share:.2f} (budget {budget:.3f} GB); the cache plan's cached layers (slots/refill interval): "
+          + (", ".join(f"L{layer} {len(n.attrs.ids)}/{n.attrs.refill_every}" for layer, n in sorted(cached.items()))
+             or "none (the pass priced static slots)"))
+    rows = []
+    print(f"{'tokens':>7} " + " ".join(f"{name:>11}" for name in PLANS) + "   cache / static   (prefill tok/s)")
+    for n in lengths:
+        ids = prompt_ids(d, n, vocab)
+        secs = {name: prefill_seconds(plans[name], ids, caches[name], a.rounds) for name in PLANS}
+        # the cache plan's prefill plan for this length: its cached layers streamed whole (or kept)
+        whole = sorted({m.attrs.layer for m in plans["cache"].prefill_plan(n).ir.nodes
+                        if m.op == Op.ROUTED_EXPERTS and m.attrs.cache_slots})
+        tok_s = {name: n / s for name, s in secs.items()}
+        print(f"{n:>7} " + " ".join(f"{tok_s[name]:>11.1f}" for name in PLANS)
+              + f"   {tok_s['cache'] / tok_s['static']:.3f}x   (cached layers streamed whole: {whole or 'none'})",
+              flush=True)
+        rows.append(dict(**info, tokens=n, cached_layers=sorted(cached), whole_layers=whole,
+                         **{f"{name.replace(' ', '_')}_tok_s": round(v, 1) for name, v in tok_s.items()}))
+    append_jsonl(a.out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
