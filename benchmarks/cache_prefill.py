@@ -14,9 +14,11 @@ as cache_speed.py finds it):
 - `cache cpu`: the expert cache with `prefill_experts="cpu"`: what every cached layer's prefill
   did before the pass could stream it whole.
 
-Reported per length: prefill tok/s per plan (best of `--rounds`, after one untimed run), and the
-cache's against static's. Prompts are the checkpoint's held-out text where it has some (else seeded
-random ids). Prints a table and appends rows to benchmarks/cache_prefill.jsonl. On the GPU machine:
+Reported per length: prefill tok/s per plan (best of `--rounds`, after one untimed run of other
+ids; a cache put back to its first filling before each, and its refill from the prompt timed
+until its copies land), and the cache's against static's. Prompts are the checkpoint's held-out text where it has some (else seeded
+random ids). Prints a table and appends each length's row to benchmarks/cache_prefill.jsonl as it
+is measured. On the GPU machine:
 
     python benchmarks/cache_prefill.py /tmp/moe-small-xx --share 0.25 --tokens 512,2048,8192
 """
@@ -39,31 +41,39 @@ PLANS = ("static", "static cpu", "cache", "cache cpu")
 
 
 def prompt_ids(d: Path, n: int, vocab: int) -> torch.Tensor:
-    """[1, n]: held-out text where the checkpoint has enough, else seeded random ids."""
-    if (d / "heldout.safetensors").exists():
-        from placement_hits import held_out
+    """[1, n]: held-out text where the checkpoint has that much, else seeded random ids."""
+    path = d / "heldout.safetensors"
+    if path.exists():
+        from safetensors import safe_open
 
-        ids = held_out(d, n)
-        if ids.numel() >= n:
-            return ids[:n].view(1, n)
+        with safe_open(str(path), "pt") as f:
+            held = f.get_tensor("ids")
+        if held.numel() >= n:
+            return held[:n].view(1, n)
     return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))
 
 
-def prefill_seconds(compiled, ids: torch.Tensor, cache, rounds: int) -> float:
-    """Best of `rounds` timed prefills of `ids` (after one untimed), each from a fresh sequence;
-    with a followed cache, its refill after the prompt included."""
+def prefill_seconds(compiled, ids: torch.Tensor, cache, rounds: int, vocab: int) -> float:
+    """Best of `rounds` timed prefills of `ids`, after one untimed of other (random) ids, each
+    from a fresh sequence. With a cache: each round starts from the plan's first filling (put
+    back untimed), follows the routing, and its timed part ends once the refill from the
+    prompt's picks has landed (`stop` waits for its copies)."""
     import ktflow
 
+    first = {layer: list(c.resident) for layer, c in cache.layers.items()} if cache is not None else {}
+    warm = torch.randint(0, vocab, ids.shape, generator=torch.Generator().manual_seed(1))
     best = float("inf")
     for r in range(rounds + 1):
+        for layer, ids_first in first.items():
+            cache.refill(layer, ids_first)
         if cache is not None:
             cache.follow()
         t0 = time.perf_counter()
-        out, _ = ktflow.execute(compiled, ids, logits="last")
+        out, _ = ktflow.execute(compiled, ids if r else warm, logits="last")
         float(out[0, -1, 0])  # the logits on the host: the step is done
-        took = time.perf_counter() - t0
         if cache is not None:
             cache.stop()
+        took = time.perf_counter() - t0
         if r:
             best = min(best, took)
     return best
@@ -112,11 +122,10 @@ def main() -> int:
     print(f"share {a.share:.2f} (budget {budget:.3f} GB); the cache plan's cached layers (slots/refill interval): "
           + (", ".join(f"L{layer} {len(n.attrs.ids)}/{n.attrs.refill_every}" for layer, n in sorted(cached.items()))
              or "none (the pass priced static slots)"))
-    rows = []
     print(f"{'tokens':>7} " + " ".join(f"{name:>11}" for name in PLANS) + "   cache / static   (prefill tok/s)")
     for n in lengths:
         ids = prompt_ids(d, n, vocab)
-        secs = {name: prefill_seconds(plans[name], ids, caches[name], a.rounds) for name in PLANS}
+        secs = {name: prefill_seconds(plans[name], ids, caches[name], a.rounds, vocab) for name in PLANS}
         # the cache plan's prefill plan for this length: its cached layers streamed whole (or kept)
         whole = sorted({m.attrs.layer for m in plans["cache"].prefill_plan(n).ir.nodes
                         if m.op == Op.ROUTED_EXPERTS and m.attrs.cache_slots})
@@ -124,9 +133,8 @@ def main() -> int:
         print(f"{n:>7} " + " ".join(f"{tok_s[name]:>11.1f}" for name in PLANS)
               + f"   {tok_s['cache'] / tok_s['static']:.3f}x   (cached layers streamed whole: {whole or 'none'})",
               flush=True)
-        rows.append(dict(**info, tokens=n, cached_layers=sorted(cached), whole_layers=whole,
-                         **{f"{name.replace(' ', '_')}_tok_s": round(v, 1) for name, v in tok_s.items()}))
-    append_jsonl(a.out, rows)
+        append_jsonl(a.out, [dict(**info, tokens=n, cached_layers=sorted(cached), whole_layers=whole,
+                                  **{f"{name.replace(' ', '_')}_tok_s": round(v, 1) for name, v in tok_s.items()})])
     return 0
 
 

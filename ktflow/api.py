@@ -120,6 +120,10 @@ class Compiled:
         if isinstance(plan, str):
             plan = self.decode if plan == "decode" else self.prefill[0]
         key = id(plan)
+        if key not in self._executors and plan is not self.decode and any(n.op == Op.FETCH for n in plan.ir.nodes):
+            # the decode plan's CPU experts packed first: a prefill fetch then copies from them (NUMA
+            # shards included) instead of packing the layer's experts again
+            self.executor(self.decode)
         if key not in self._executors:
             if self.model is None:
                 raise PlanError("this plan has no model attached; use Compiled.load(path, model)")

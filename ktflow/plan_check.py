@@ -127,9 +127,9 @@ def _buffer_problems(plan: "Plan", g) -> list[str]:
     return out
 
 
-#: attrs fields passes rewrite (which experts and rows a node computes): left out of the
-#: comparison with the model's spec
-_PLACED_FIELDS = ("subset", "inter_slice", "ranks", "skip")
+#: attrs fields passes rewrite (which experts and rows a node computes, and whether its experts
+#: are a cache or stand in for one): left out of the comparison with the model's spec
+_PLACED_FIELDS = ("subset", "inter_slice", "ranks", "skip", "refill_every", "cache_slots")
 
 
 def spec_mismatches(plan: "Plan", spec) -> list[str]:

@@ -322,6 +322,66 @@ def test_a_cached_layers_prefill_streams_the_layer_whole_or_keeps_it(demo_dir):
         ktflow.compile(model, expert_cache=True, prefill_experts="split", **kw)
 
 
+def test_the_pass_streams_a_cached_layer_whole_for_a_long_prompt_only(demo_dir):
+    """auto: a prefill of 64 tokens keeps the cached layer as placed (the resident slots do part
+    of the work, the rest is little CPU work), one of 1024 streams it whole (the CPU part's work
+    grows with the tokens, the fetch does not); each cause says which and why."""
+    model = ktflow.load(demo_dir)
+    kw = split_options(model)
+    layer = cached_node(ktflow.compile(model, expert_cache=True, **kw)).attrs.layer
+
+    def whole(p):
+        return [n for n in p.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.layer == layer and n.attrs.cache_slots]
+
+    short, long = (ktflow.compile(model, expert_cache=True, **dict(kw, max_seq_len=m)).prefill_plan(m) for m in (64, 1024))
+    assert (short.step_tokens, long.step_tokens) == (64, 1024)
+    assert not whole(short) and whole(long)
+    kept = next(n for n in short.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.layer == layer
+                and n.place.device.value == "cpu")
+    assert "streamed whole or kept): cpu (fastest" in kept.place.cause
+    assert "stream 32/32 experts" in whole(long)[0].place.cause
+
+
+@pytest.mark.parametrize("first", ["prefill", "decode"])
+def test_a_prefill_fetch_copies_from_the_decode_plans_packed_experts(demo_dir, first):
+    """A prefill step that streams a cached layer whole, run before any decode step, finds the
+    decode plan's CPU experts packed (here NUMA row shards) and copies from them: the layer's
+    experts are packed once whichever plan runs first."""
+    model = ktflow.load(demo_dir)
+    c = ktflow.compile(model, expert_cache=True, **split_options(model, prefill_experts="stream", numa_nodes=2,
+                                                                  numa="tp"))
+    if first == "prefill":
+        ktflow.execute(c, PROMPT)
+    ExpertCache(c)  # every plan prepared
+    layer = cached_node(c).attrs.layer
+    packs = [key for key in c._backend._packed if key[1] == tuple(range(cached_node(c).attrs.experts))]
+    assert sorted(key[2] for key in packs) == sorted({n.attrs.rows for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS
+                                                      and n.attrs.layer == layer and n.place.device.value == "cpu"})
+
+
+def test_a_plan_streaming_a_cached_layer_whole_saves_loads_and_is_checked(demo_dir, tmp_path):
+    """The plan file round-trips (its cache_slots node is one the placement passes make, not an
+    edit); a cache_slots on a node that does not stream every expert is refused by rule S1."""
+    from dataclasses import replace
+
+    from ktflow.api import Compiled
+    from ktflow.ir.verify import VerifyError, verify
+
+    model = ktflow.load(demo_dir)
+    kw = split_options(model)
+    c = ktflow.compile(model, expert_cache=True, prefill_experts="stream", **kw)
+    c.save(tmp_path / "plan.json")
+    back = Compiled.load(tmp_path / "plan.json", model)
+    g = back.prefill[0].ir
+    n = next(m for m in g.nodes if m.op == Op.ROUTED_EXPERTS and m.attrs.cache_slots)
+    assert n.attrs == next(m for m in c.prefill[0].ir.nodes if m.name == n.name).attrs
+    verify(g, "placed")
+    bad = g.replace_nodes([replace(m, attrs=replace(m.attrs, cache_slots=m.attrs.experts)) if m.name == n.name else m
+                           for m in g.nodes])  # as many slots as experts: no cache
+    with pytest.raises(VerifyError, match="cache_slots"):
+        verify(bad, "placed")
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 def test_a_prefill_streaming_a_cached_layer_whole_keeps_the_logits_and_the_cache(demo_dir, tmp_path, device):
     """With the cached layer streamed whole in prefill (every expert once, on the GPU lane) the

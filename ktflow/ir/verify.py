@@ -274,7 +274,8 @@ def _p1_placed(g: Graph):
 
 def _s1_fetch_feeds_its_experts(g: Graph):
     """A fetch stages the weights of exactly the experts of the one GPU routed-experts node that
-    reads it (as its third input); that node holds no weights of its own."""
+    reads it (as its third input); that node holds no weights of its own. A streamed node with
+    `cache_slots` (a cached layer streamed whole) computes every expert of its layer."""
     for n in g.nodes:
         if n.op == Op.FETCH:
             readers = [u for u in g.users(n.name) if g.by_name(u).op == Op.ROUTED_EXPERTS]
@@ -297,6 +298,12 @@ def _s1_fetch_feeds_its_experts(g: Graph):
                 yield n.name, "streamed experts hold no weights: their fetch does"
             if n.place is not None and n.place.device.value != "gpu":
                 yield n.name, "streamed experts run on the GPU"
+        if n.op == Op.ROUTED_EXPERTS and n.attrs.cache_slots:  # a cached layer streamed whole in a prefill step
+            a = n.attrs
+            if len(n.inputs) != 3 or a.subset or a.refill_every or not 0 < a.cache_slots < a.experts:
+                yield n.name, (f"cache_slots={a.cache_slots} marks a streamed node computing every expert of its layer "
+                               f"(a third input, no subset, not itself a cache, fewer slots than its {a.experts} "
+                               "experts)")
 
 
 def _s2_slots_reused_in_order(g: Graph):

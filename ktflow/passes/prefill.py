@@ -59,8 +59,9 @@ def place_prefill_experts(g: Graph, ctx: CompileContext) -> Graph:
     parts, so no subset can be fixed here) has two candidates only: as placed (the cache's slots on
     the GPU, the rest on the CPU), or streamed whole: one GPU node computing every expert from a
     fetch of them all, standing in for both parts in this step (`cache_slots` says the cache's
-    slots stay resident, unread; priced without the cache part's GPU work). A layer whose cached
-    CPU side is sharded over NUMA nodes keeps its parts.
+    slots stay resident, unread; priced without the cache part's GPU work). A cached layer with
+    several CPU parts (a custom pass split them before this one: the built-in NUMA and deferral
+    passes run after it) keeps its parts, and prefill_experts='stream' refuses it.
     Requires: a costed, placed prefill graph. Decode graphs, graphs without a GPU (or with
     placement='cpu') and layers whose hidden states or routing are on the CPU pass through.
     Guarantees: rules S1-S2; each layer's experts still partitioned (V10); every decision
@@ -80,10 +81,14 @@ def place_prefill_experts(g: Graph, ctx: CompileContext) -> Graph:
     for n in g.nodes:
         if n.op == Op.ROUTED_EXPERTS and n.place.device == Device.CPU:
             parts.setdefault(n.attrs.layer, []).append(n)
+    several = sorted(layer for layer in caches if len(parts.get(layer, ())) > 1)
+    if several and mode == "stream":
+        raise ConfigError(f"prefill_experts='stream' with expert_cache: cached layers {several} have several CPU parts "
+                          "(a pass before place_prefill_experts split them), and such a layer streams only whole; "
+                          "use prefill_experts='auto' or 'cpu'")
     # a layer streams only where its hidden states and routing are on the GPU
     cpu_nodes = [n for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device == Device.CPU
-                 and all(g.by_name(i).place.device == Device.GPU for i in n.inputs)
-                 and (n.attrs.layer not in caches or len(parts[n.attrs.layer]) == 1)]
+                 and all(g.by_name(i).place.device == Device.GPU for i in n.inputs) and n.attrs.layer not in several]
     if not cpu_nodes:
         return g
     fmt = ctx.expert_format
@@ -214,7 +219,8 @@ def _choose(g: Graph, ctx: CompileContext, n: Node, bounds: tuple[float, float],
                                      "whole or kept)" if cache is not None else "")
     if k == 0:
         why = "prefill_experts=cpu" if mode == "cpu" else (
-            "no GPU room for staging" if cap == 0 else "fastest")
+            "no GPU room for staging" if cap == 0 else "no GPU room to stage the whole layer"
+            if cache is not None and cap < total else "fastest")
         cause = f"{head}: cpu ({why}; {', '.join(alts)})"
     else:
         parts = f"fetch {_si(fetch)}s, GPU {_si(gpu)}s" + (f", CPU {_si(cpu)}s" if k < total else "")
