@@ -35,22 +35,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import HERE, append_jsonl, commit, machine  # noqa: E402
-from placement_hits import budget_for, roofline_only  # noqa: E402
+from placement_hits import budget_for, held_out_or_random, roofline_only  # noqa: E402
 
 PLANS = ("static", "static cpu", "cache", "cache cpu")
-
-
-def prompt_ids(d: Path, n: int, vocab: int) -> torch.Tensor:
-    """[1, n]: held-out text where the checkpoint has that much, else seeded random ids."""
-    path = d / "heldout.safetensors"
-    if path.exists():
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            held = f.get_tensor("ids")
-        if held.numel() >= n:
-            return held[:n].view(1, n)
-    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))
 
 
 def prefill_seconds(compiled, ids: torch.Tensor, cache, rounds: int, vocab: int) -> float:
@@ -124,7 +111,7 @@ def main() -> int:
              or "none (the pass priced static slots)"))
     print(f"{'tokens':>7} " + " ".join(f"{name:>11}" for name in PLANS) + "   cache / static   (prefill tok/s)")
     for n in lengths:
-        ids = prompt_ids(d, n, vocab)
+        ids = held_out_or_random(d, n, vocab).view(1, n)
         secs = {name: prefill_seconds(plans[name], ids, caches[name], a.rounds, vocab) for name in PLANS}
         # the cache plan's prefill plan for this length: its cached layers streamed whole (or kept)
         whole = sorted({m.attrs.layer for m in plans["cache"].prefill_plan(n).ir.nodes

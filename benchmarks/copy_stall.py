@@ -49,7 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from cache_speed import decode_seconds  # noqa: E402
 from common import HERE, append_jsonl, commit, machine  # noqa: E402
-from placement_hits import budget_for, roofline_only  # noqa: E402
+from placement_hits import budget_for, held_out_or_random, roofline_only  # noqa: E402
 
 MB = 1 << 20  # (a MiB: "MB" in this benchmark's options and rows)
 
@@ -177,14 +177,9 @@ def swapped(resident: list[int], experts: int, n: int, rng: random.Random) -> li
 
 def conversations(d: Path, seqs: int, prompt: int, decode: int, vocab: int):
     """`seqs` (prompt, text) pairs from the checkpoint's held-out split, or seeded random ids where
-    it has none (the step's time hardly depends on the text)."""
+    it has too few (the step's time hardly depends on the text)."""
     length = prompt + decode
-    if (d / "heldout.safetensors").exists():
-        from placement_hits import held_out
-
-        ids = held_out(d, seqs * length).tolist()
-    else:
-        ids = torch.randint(0, vocab, (seqs * length,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = held_out_or_random(d, seqs * length, vocab).tolist()
     return [(ids[i * length:i * length + prompt], ids[i * length + prompt:(i + 1) * length]) for i in range(seqs)]
 
 

@@ -70,6 +70,21 @@ def held_out(d: Path, tokens: int):
     return held[:tokens]
 
 
+def held_out_or_random(d: Path, tokens: int, vocab: int):
+    """The first `tokens` of the checkpoint's held-out split where it has that many, else seeded
+    random ids (for timings, which hardly depend on the text), int64."""
+    import torch
+    from safetensors import safe_open
+
+    path = d / "heldout.safetensors"
+    if path.exists():
+        with safe_open(str(path), "pt") as f:
+            held = f.get_tensor("ids")
+        if len(held) >= tokens:
+            return held[:tokens]
+    return torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(0))
+
+
 def training_profile(model, d: Path, a: argparse.Namespace, length: int, decode: int = 0, forced: bool = False):
     """The routing of `a.profile_seqs` sequences of `length` tokens spread over the training
     split (the standard library text train_small_moe.py trained on, `a.corpus_mb` of it), each

@@ -67,7 +67,8 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                    "most since the last refill, the copies behind the decode steps. The placement pass prices it "
                    "per layer from the routing profile's cache curves (`ktflow profile`): how many slots each layer "
                    "gets, whether a cache beats static experts there, and the refill interval. The CPU holds every "
-                   "expert of a cached layer, and its prefill computes them on the CPU. `run` ends with what the "
+                   "expert of a cached layer; a long prompt streams such a layer whole to the GPU where the prefill pass "
+                   "prices it faster. `run` ends with what the "
                    "cache did: its hit share, the bytes it copied and the host's time a decoded token")
     g.add_argument("--refill-every", type=int, default=None, metavar="N",
                    help="with --expert-cache: the layers the plan caches are refilled every N decoded tokens instead "

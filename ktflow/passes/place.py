@@ -106,11 +106,12 @@ def slot_choices(n: Node, ctx: CompileContext, w: Work, saving: float, vram: flo
     over the node's total). With `expert_cache` and the routing profile's cache curves for the
     layer: a cache refilled every N tokens is worth `saving * hits_N[S]` less its copies, each
     copied expert priced at its bytes' time over PCIe to the GPU for every token of the step.
-    (Measured on the H100 machine: the cache's decode steps lost 0.026-0.039 ms a MB copied,
-    `cache_speed.py` at 608f326 with 6.3 MB experts, 1.4-2.1 times the link's time, while a lone
-    DMA of 2-32 MB beside the steps cost them 0.58-0.14 of its link time, `copy_stall.py`; the
-    rest is most likely the host's work at the step ends, which would scale with the experts
-    copied rather than their bytes, not yet separated. One link time a copy lies between.) S
+    (Measured on the H100 machine: a lone DMA of 2-32 MB beside the decode steps costs them
+    0.14-0.58 of its link time, `copy_stall.py`, while a refill costs a step about 1.1-1.4 ms of
+    the host's work whatever its 6-24 MB, at 605121b; with 25 MB experts the cache's steps showed
+    no cost for its copies beyond the hits they bring, `cache_speed.py`. So one link time a copy
+    overprices large experts and underprices small ones' refills: a per-refill host term is not
+    priced.) S
     slots go to whichever is worth more (ties: static). Without curves a split layer is a cache
     refilled every DEFAULT_REFILL tokens, unpriced (valued as static). At max_batch > 1 the curves of a profiled
     batch (`RoutingProfile.cache_for`) give the share of the step's expert reads the slots serve,
