@@ -16,11 +16,14 @@ as cache_speed.py finds it):
 
 Reported per length: prefill tok/s per plan (best of `--rounds`, after one untimed run of other
 ids; a cache put back to its first filling before each, and its refill from the prompt timed
-until its copies land), and the cache's against static's. Prompts are the checkpoint's held-out text where it has some (else seeded
-random ids). Prints a table and appends each length's row to benchmarks/cache_prefill.jsonl as it
-is measured. On the GPU machine:
+until its copies land, that part also given alone in ms), and the cache's against static's.
+`--routing-profile` compiles every plan with a profile (cache_speed.py --save-profile writes the
+one its plans use); without one the pass prices a cache from uniform routing. Prompts are the
+checkpoint's held-out text where it has some (else seeded random ids). Prints a table and appends
+each length's row to benchmarks/cache_prefill.jsonl as it is measured. On the GPU machine:
 
-    python benchmarks/cache_prefill.py /tmp/moe-small-xx --share 0.25 --tokens 512,2048,8192
+    python benchmarks/cache_prefill.py /tmp/moe-small-xx --share 0.25 --tokens 512,2048,8192 \
+        --routing-profile routing.json
 """
 
 from __future__ import annotations
@@ -35,21 +38,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import HERE, append_jsonl, commit, machine  # noqa: E402
-from placement_hits import budget_for, held_out_or_random, roofline_only  # noqa: E402
+from placement_hits import budget_for, gpu_experts, held_out_or_random, roofline_only  # noqa: E402
 
 PLANS = ("static", "static cpu", "cache", "cache cpu")
 
 
-def prefill_seconds(compiled, ids: torch.Tensor, cache, rounds: int, vocab: int) -> float:
-    """Best of `rounds` timed prefills of `ids`, after one untimed of other (random) ids, each
-    from a fresh sequence. With a cache: each round starts from the plan's first filling (put
-    back untimed), follows the routing, and its timed part ends once the refill from the
-    prompt's picks has landed (`stop` waits for its copies)."""
+def prefill_seconds(compiled, ids: torch.Tensor, cache, rounds: int, vocab: int) -> tuple[float, float]:
+    """The best of `rounds` timed prefills of `ids` (after one untimed of other, random ids), each
+    from a fresh sequence, as (seconds until the logits are on the host, seconds more until the
+    cache's refill from the prompt's picks has landed; 0 without a cache). With a cache each round
+    starts from the plan's first filling (put back untimed) and follows the routing; `stop` waits
+    for the refill's copies. The best round is the one with the least total."""
     import ktflow
 
     first = {layer: list(c.resident) for layer, c in cache.layers.items()} if cache is not None else {}
     warm = torch.randint(0, vocab, ids.shape, generator=torch.Generator().manual_seed(1))
-    best = float("inf")
+    best = (float("inf"), 0.0)
     for r in range(rounds + 1):
         for layer, ids_first in first.items():
             cache.refill(layer, ids_first)
@@ -58,11 +62,12 @@ def prefill_seconds(compiled, ids: torch.Tensor, cache, rounds: int, vocab: int)
         t0 = time.perf_counter()
         out, _ = ktflow.execute(compiled, ids if r else warm, logits="last")
         float(out[0, -1, 0])  # the logits on the host: the step is done
+        t1 = time.perf_counter()
         if cache is not None:
             cache.stop()
-        took = time.perf_counter() - t0
-        if r:
-            best = min(best, took)
+        t2 = time.perf_counter()
+        if r and t2 - t0 < sum(best):
+            best = (t1 - t0, t2 - t1)
     return best
 
 
@@ -76,6 +81,10 @@ def main() -> int:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--hw", default=None, help="the hardware profile the plans are compiled with, its fixed per-op "
                     "costs left out (default: paper-a100's rates; e.g. `ktflow hw probe`'s JSON)")
+    ap.add_argument("--routing-profile", default=None,
+                    help="a routing profile (JSON: `ktflow profile`, or cache_speed.py --save-profile) every plan is "
+                    "compiled with, so the cache plan is the one cache_speed.py decodes with (default: none; the "
+                    "pass then prices a cache from uniform routing)")
     ap.add_argument("--out", default=str(HERE / "cache_prefill.jsonl"))
     a = ap.parse_args()
     try:
@@ -96,7 +105,7 @@ def main() -> int:
     max_seq = lengths[-1] + 8
     budget = budget_for(model, a.share, max_seq)
     opts = dict(hw=roofline_only(a.hw), device=a.device, backend=a.backend, dtype="bfloat16", vram_budget_gb=budget,
-                max_seq_len=max_seq, numa_nodes=1)
+                max_seq_len=max_seq, numa_nodes=1, routing_profile=a.routing_profile)
     plans = {"static": ktflow.compile(model, **opts),
              "static cpu": ktflow.compile(model, prefill_experts="cpu", **opts),
              "cache": ktflow.compile(model, expert_cache=True, **opts),
@@ -104,23 +113,30 @@ def main() -> int:
     caches = {name: ExpertCache(c) if name.startswith("cache") else None for name, c in plans.items()}
     info = dict(bench="cache_prefill", commit=commit(), **machine(), model=str(d), device=a.device,
                 gpu=torch.cuda.get_device_name(0) if a.device == "cuda" else None, hw=a.hw or "paper-a100",
-                share=a.share, budget_gb=round(budget, 4), rounds=a.rounds)
+                share=a.share, budget_gb=round(budget, 4), rounds=a.rounds, routing_profile=a.routing_profile)
+    static_gpu = gpu_experts(plans["static"].decode)  # per layer: the static plan's GPU experts
     cached = {n.attrs.layer: n for n in plans["cache"].decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.cached}
     print(f"share {a.share:.2f} (budget {budget:.3f} GB); the cache plan's cached layers (slots/refill interval): "
           + (", ".join(f"L{layer} {len(n.attrs.ids)}/{n.attrs.refill_every}" for layer, n in sorted(cached.items()))
              or "none (the pass priced static slots)"))
-    print(f"{'tokens':>7} " + " ".join(f"{name:>11}" for name in PLANS) + "   cache / static   (prefill tok/s)")
+    print(f"{'tokens':>7} " + " ".join(f"{name:>11}" for name in PLANS) + "   cache / static   (prefill tok/s; the cache's refill from the prompt "
+          "landing after it, ms)")
     for n in lengths:
         ids = held_out_or_random(d, n, vocab).view(1, n)
-        secs = {name: prefill_seconds(plans[name], ids, caches[name], a.rounds, vocab) for name in PLANS}
+        timed = {name: prefill_seconds(plans[name], ids, caches[name], a.rounds, vocab) for name in PLANS}
+        secs = {name: sum(t) for name, t in timed.items()}
+        refill_ms = {name: round(1e3 * timed[name][1], 2) for name in PLANS if name.startswith("cache")}
         # the cache plan's prefill plan for this length: its cached layers streamed whole (or kept)
         whole = sorted({m.attrs.layer for m in plans["cache"].prefill_plan(n).ir.nodes
                         if m.op == Op.ROUTED_EXPERTS and m.attrs.cache_slots})
         tok_s = {name: n / s for name, s in secs.items()}
         print(f"{n:>7} " + " ".join(f"{tok_s[name]:>11.1f}" for name in PLANS)
-              + f"   {tok_s['cache'] / tok_s['static']:.3f}x   (cached layers streamed whole: {whole or 'none'})",
+              + f"   {tok_s['cache'] / tok_s['static']:.3f}x   (refill "
+              + ", ".join(f"{name} {v:.1f}" for name, v in refill_ms.items())
+              + f"; cached layers streamed whole: {whole or 'none'})",
               flush=True)
-        append_jsonl(a.out, [dict(**info, tokens=n, cached_layers=sorted(cached), whole_layers=whole,
+        append_jsonl(a.out, [dict(**info, tokens=n, cached_layers=sorted(cached), whole_layers=whole, static_gpu=static_gpu,
+                                  **{f"{name.replace(' ', '_')}_refill_ms": v for name, v in refill_ms.items()},
                                   **{f"{name.replace(' ', '_')}_tok_s": round(v, 1) for name, v in tok_s.items()})])
     return 0
 

@@ -27,6 +27,33 @@ def test_each_length_times_the_four_plans_and_names_the_layers_streamed_whole(de
     assert long["cached_layers"] and short["whole_layers"] == []
     assert long["whole_layers"] and set(long["whole_layers"]) <= set(long["cached_layers"])
     assert "cached layers streamed whole: [" in p.stdout
+    # the cache plans' refill from the prompt is timed apart too, and is part of their total
+    for r in (short, long):
+        assert r["routing_profile"] is None
+        for name in ("cache", "cache_cpu"):
+            assert 0 <= r[f"{name}_refill_ms"] < 1e3 * r["tokens"] / r[f"{name}_tok_s"]
+
+
+def test_a_routing_profile_places_every_plan(demo_dir, tmp_path):
+    """With --routing-profile every plan is placed by it: the static plan keeps each layer's most
+    picked expert on the GPU (a few prompts make a profile far from uniform)."""
+    import ktflow
+    from ktflow.runtime.routing import record_routing
+
+    model = ktflow.load(demo_dir)
+    c = ktflow.compile(model, hw="cpu", device="cpu", backend="native", placement="cpu", max_seq_len=64)
+    prof = record_routing(c, [[5, 9, 2, 7, 1, 1, 3, 8]] * 2, decode=4, progress=False)
+    path = tmp_path / "routing.json"
+    path.write_text(prof.model_dump_json() + "\n")
+    out = tmp_path / "p.jsonl"
+    p = run(demo_dir, out, "--share", "0.1", "--tokens", "8", "--rounds", "1", "--routing-profile", str(path))
+    assert p.returncode == 0, p.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["routing_profile"] == str(path) and row["static_tok_s"] > 0
+    assert row["static_gpu"]
+    for layer, ids in row["static_gpu"].items():
+        fr = prof.layers[int(layer)]
+        assert max(range(len(fr)), key=fr.__getitem__) in ids
 
 
 def test_bad_lengths_are_one_line_and_write_nothing(demo_dir, tmp_path):
