@@ -312,7 +312,12 @@ def _best_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], None]
 
 
 def probe(quick: bool = False, log: Callable[[str], None] = lambda s: None) -> HwProfile:
-    """Measure this machine. `quick` uses small sizes (seconds, for tests; numbers less exact).
+    """Measure this machine. `quick` uses fewer repeats and smaller compute sizes (seconds, for
+    tests; numbers less exact), but still reads past the last-level cache where it measures a
+    bandwidth (a buffer the cache holds reads at the cache's rate: a 64 MiB quick buffer read 231
+    GB/s on a GPU host whose decode streamed experts at about 158), and times the GPU's prefill
+    rules at their full sizes (milliseconds; a small grouped product ran at 10 of the H100's
+    hundreds of TFLOPS and priced every long prompt's streamed experts too slow).
 
     DRAM: read bandwidth of a float32 sum over a buffer far larger than the caches, all cores.
     CPU GEMM: bf16 square matrix product through torch (oneDNN: AMX where present). GEMV: weight
@@ -345,7 +350,7 @@ def probe(quick: bool = False, log: Callable[[str], None] = lambda s: None) -> H
         w, x = torch.randn(rows, 8192).bfloat16(), torch.randn(8192).bfloat16()
         return w.numel() * 2 / _best_seconds(lambda: w @ x, reps) / GB
 
-    n = (64 << 20) if quick else (1 << 30)
+    n = min(1 << 30, max(64 << 20, 4 * last_level_cache_bytes())) if quick else (1 << 30)
     dram = dram_read(n)
     log(f"DRAM read: {dram:.1f} GB/s ({n >> 20} MiB, {nthreads} threads)")
     m = 512 if quick else 2048
@@ -422,7 +427,7 @@ def _native_expert_gbps(quick: bool) -> float | None:
     picking 8 random experts of a set of bf16 experts (2048 x 1408, DeepSeek-V2-Lite's) eight
     times the last-level cache, at least 64 (a smaller set is partly served from the cache and
     overstates DRAM-bound decode: 64 experts read 127 GB/s on the GPU host, where decode streamed
-    at most 114); quick: 64 experts of 1024 x 512 (201 MB)."""
+    at most 114); quick: experts of 1024 x 512, as many (8x the cache, at least 64)."""
     import torch
 
     from . import native
@@ -431,7 +436,7 @@ def _native_expert_gbps(quick: bool) -> float | None:
         return None
     k, calls = 8, 32
     hidden, inter = (1024, 512) if quick else (2048, 1408)
-    op, experts, g = _probe_experts(hidden, inter, 64 if quick else None, 1024, seed=0)
+    op, experts, g = _probe_experts(hidden, inter, None, 1024, seed=0)
     x = torch.randn(1, hidden, generator=g).bfloat16()
     picks = [torch.randperm(experts, generator=g)[:k].view(1, k) for _ in range(calls)]
     weights = torch.full((1, k), 1.0 / k)
@@ -500,7 +505,7 @@ def _probe_gpu(torch, quick: bool, reps: int, overheads: Overheads, log) -> tupl
     sync()
     workspace = torch.cuda.memory_allocated() - before - product.numel() * product.element_size()
     del ga, gb, src, dst, host, dev_buf, product
-    attention, grouped = _prefill_rates(torch, quick, reps, sync)
+    attention, grouped = _prefill_rates(torch, reps, sync)
     log(f"GPU {p.name}: HBM {hbm:.0f} GB/s, bf16 {tflops:.0f} TFLOPS, PCIe {h2d:.1f}/{d2h:.1f} GB/s h2d/d2h, "
         f"launch {launch_us:.1f} us, BLAS workspace {workspace / 2**20:.0f} MiB per stream; prefill: causal attention "
         f"{attention:.0f} TFLOPS, grouped experts {grouped:.0f} TFLOPS")
@@ -510,25 +515,26 @@ def _probe_gpu(torch, quick: bool, reps: int, overheads: Overheads, log) -> tupl
             overheads.model_copy(update=dict(gpu_launch_us=launch_us)))
 
 
-def _prefill_rates(torch, quick: bool, reps: int, sync) -> tuple[float, float]:
+def _prefill_rates(torch, reps: int, sync) -> tuple[float, float]:
     """TFLOPS of the GPU rules a long prefill runs: causal flash attention (32 heads of 128, 8192
-    tokens; quick: 1024) and the grouped routed experts (Qwen3-30B-A3B's 128 experts of 2048 x 768,
-    8 picks per token for 8192 tokens; quick: 32 experts of 512 x 256, 1024 tokens)."""
+    tokens) and the grouped routed experts (Qwen3-30B-A3B's 128 experts of 2048 x 768, 8 picks per
+    token for 8192 tokens). Milliseconds each on a datacenter GPU, so a quick probe takes them at
+    these sizes too: smaller products run far below the rate a long prompt's get."""
     import torch.nn.functional as F
 
     from .backends.moe_gpu import expert_map, grouped_experts
 
     dev, bf = torch.device("cuda"), torch.bfloat16
-    t = 1024 if quick else 8192
+    t = 8192
     q, kk, v = (torch.randn(1, 32, t, 128, device=dev, dtype=bf) for _ in range(3))
     attention = 2 * t * t * 128 * 32 / _best_seconds(lambda: F.scaled_dot_product_attention(q, kk, v, is_causal=True),
                                                      reps, sync) / 1e12
     del q, kk, v
-    experts, hidden, inter, k = (32, 512, 256, 8) if quick else (128, 2048, 768, 8)
+    experts, hidden, inter, k = 128, 2048, 768, 8
     gate, up = (torch.randn(experts, inter, hidden, device=dev, dtype=bf) * 0.02 for _ in range(2))
     down = torch.randn(experts, hidden, inter, device=dev, dtype=bf) * 0.02
     x = torch.randn(t, hidden, device=dev, dtype=bf)
-    ids = torch.stack([torch.randperm(experts, device=dev)[:k] for _ in range(t)])
+    ids = torch.rand(t, experts, device=dev).argsort(dim=1)[:, :k]  # k distinct experts a token
     wts = torch.rand(t, k, device=dev)
     local = expert_map(tuple(range(experts)), experts, dev)
     seconds = _best_seconds(lambda: grouped_experts(x, ids, wts, local, gate, up, down), reps, sync)

@@ -62,15 +62,22 @@ def test_cpulist_parsing():
     assert _count_cpulist("0-3,8,10-11") == 7 and _count_cpulist("0") == 1
 
 
-def test_quick_probe_measures_this_machine():
+def test_quick_probe_measures_this_machine(monkeypatch):
+    """A quick probe still reads past the last-level cache (here said to be 40 MiB) where it
+    measures a bandwidth, and times the GPU's grouped experts at a long prompt's size (a small
+    product ran at 3% of the GPU's GEMM rate)."""
+    import ktflow.hw
+
+    monkeypatch.setattr(ktflow.hw, "last_level_cache_bytes", lambda: 40 << 20)
     lines = []
     hw = probe(quick=True, log=lines.append)
     assert {"dram_gbps", "gemm_tflops", "gemv_gbps"} <= set(hw.measured)
     assert hw.cpu.dram_gbps > 0.1 and hw.cpu.gemm_tflops > 0.001 and hw.cpu.gemv_gbps > 0.1
-    assert any(line.startswith("DRAM read") for line in lines)
+    assert any(line.startswith("DRAM read") and "(160 MiB," in line for line in lines)
     if torch.cuda.is_available():
         g = hw.gpus[0]
         assert g.hbm_gbps > 100 and g.bf16_tflops > 10 and g.pcie_h2d_gbps > 1 and "gpu_launch_us" in hw.measured
+        assert g.grouped_tflops > 0.1 * g.bf16_tflops, (g.grouped_tflops, g.bf16_tflops)
         from ktflow import native
 
         if native.available():  # the hand-off priced from its measured round trip
