@@ -312,12 +312,13 @@ def _best_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], None]
 
 
 def probe(quick: bool = False, log: Callable[[str], None] = lambda s: None) -> HwProfile:
-    """Measure this machine. `quick` uses fewer repeats and smaller compute sizes (seconds, for
-    tests; numbers less exact), but still reads past the last-level cache where it measures a
-    bandwidth (a buffer the cache holds reads at the cache's rate: a 64 MiB quick buffer read 231
-    GB/s on a GPU host whose decode streamed experts at about 158), and times the GPU's prefill
-    rules at their full sizes (milliseconds; a small grouped product ran at 10 of the H100's
-    hundreds of TFLOPS and priced every long prompt's streamed experts too slow).
+    """Measure this machine. `quick` uses fewer repeats and smaller CPU compute sizes (seconds,
+    for tests; the CPU's GEMM and expert FLOP rates come out lower), but still reads past the
+    last-level cache where it measures a bandwidth (a buffer the cache holds reads at the cache's
+    rate: a 64 MiB quick buffer read 231 GB/s on a GPU host whose decode streamed experts at about
+    158), and times every GPU measurement at its full size (milliseconds each; a small grouped
+    product ran at 10 of the H100's 144 TFLOPS and priced every long prompt's streamed experts too
+    slow).
 
     DRAM: read bandwidth of a float32 sum over a buffer far larger than the caches, all cores.
     CPU GEMM: bf16 square matrix product through torch (oneDNN: AMX where present). GEMV: weight
@@ -365,7 +366,7 @@ def probe(quick: bool = False, log: Callable[[str], None] = lambda s: None) -> H
             + ", ".join(f"{rows:.0f} rows {t:.2f} TFLOPS" for rows, t in table))
         measured.append("expert_tflops")
     else:
-        rows = 2048 if quick else 16384
+        rows = max(2048 if quick else 16384, 4 * last_level_cache_bytes() // (8192 * 2))  # past the cache
         gemv = gemv_gbps(rows)
         log(f"CPU bf16 GEMV {rows}x8192 (torch; the native module is not built): {gemv:.1f} GB/s of weights")
     measured += ["dram_gbps", "gemm_tflops", "gemv_gbps"]
@@ -476,15 +477,17 @@ def _native_expert_tflops(quick: bool) -> list[tuple[float, float]]:
 
 
 def _probe_gpu(torch, quick: bool, reps: int, overheads: Overheads, log) -> tuple[list[GpuSpec], Overheads]:
-    """GPU 0: device copy (read + write bytes), bf16 GEMM, pinned copies both ways, launch time."""
+    """GPU 0: device copy (read + write bytes), bf16 GEMM, pinned copies both ways, launch time.
+    Each takes milliseconds at full size, so quick only repeats less (a quick 2048 GEMM ran at 230
+    TFLOPS on an H100 whose 8192 one ran at 780)."""
     dev = torch.device("cuda")
     sync = torch.cuda.synchronize
     p = torch.cuda.get_device_properties(0)
-    size = (64 << 20) if quick else (1 << 30)
+    size = 1 << 30
     src = torch.empty(size, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     hbm = 2 * size / _best_seconds(lambda: dst.copy_(src), reps, sync) / GB
-    g = 2048 if quick else 8192
+    g = 8192
     ga, gb = torch.randn(g, g, device=dev, dtype=torch.bfloat16), torch.randn(g, g, device=dev, dtype=torch.bfloat16)
     tflops = 2 * g ** 3 / _best_seconds(lambda: ga @ gb, reps, sync) / 1e12
     host = torch.empty(size // 4, dtype=torch.uint8, pin_memory=True)
