@@ -119,8 +119,8 @@ def main() -> int:
     print(f"share {a.share:.2f} (budget {budget:.3f} GB); the cache plan's cached layers (slots/refill interval): "
           + (", ".join(f"L{layer} {len(n.attrs.ids)}/{n.attrs.refill_every}" for layer, n in sorted(cached.items()))
              or "none (the pass priced static slots)"))
-    print(f"{'tokens':>7} " + " ".join(f"{name:>11}" for name in PLANS) + "   cache / static   (prefill tok/s; the cache's refill from the prompt "
-          "landing after it, ms)")
+    print(f"{'tokens':>7} " + " ".join(f"{name:>11}" for name in PLANS)
+          + "   cache / static   (prefill tok/s; the cache's refill from the prompt landing after it, ms)")
     for n in lengths:
         ids = held_out_or_random(d, n, vocab).view(1, n)
         timed = {name: prefill_seconds(plans[name], ids, caches[name], a.rounds, vocab) for name in PLANS}
@@ -135,7 +135,8 @@ def main() -> int:
               + ", ".join(f"{name} {v:.1f}" for name, v in refill_ms.items())
               + f"; cached layers streamed whole: {whole or 'none'})",
               flush=True)
-        append_jsonl(a.out, [dict(**info, tokens=n, cached_layers=sorted(cached), whole_layers=whole, static_gpu=static_gpu,
+        append_jsonl(a.out, [dict(**info, tokens=n, cached_layers=sorted(cached), whole_layers=whole,
+                                  static_gpu=static_gpu,
                                   **{f"{name.replace(' ', '_')}_refill_ms": v for name, v in refill_ms.items()},
                                   **{f"{name.replace(' ', '_')}_tok_s": round(v, 1) for name, v in tok_s.items()})])
     return 0

@@ -676,8 +676,9 @@ def parser() -> argparse.ArgumentParser:
                          "bandwidth, bf16 GEMM, PCIe both ways and launch overhead (about a minute).")
     hp.add_argument("-o", "--output", help="write the profile JSON here (atomically)")
     hp.add_argument("--name", help="profile name (default 'probed')")
-    hp.add_argument("--quick", action="store_true", help="fewer repeats and smaller CPU compute sizes: seconds instead of a minute, lower CPU "
-                    "FLOP rates (bandwidths still read past the caches; GPU rates at full size)")
+    hp.add_argument("--quick", action="store_true",
+                    help="fewer repeats and smaller CPU compute sizes: seconds instead of a minute, lower CPU FLOP "
+                    "rates (bandwidths still read past the caches; GPU rates at full size)")
     hp.set_defaults(fn=cmd_hw_probe)
     cal = sub.add_parser("calibrate", help="fit a hardware profile to a model's measured decode step",
                          description="Compile MODEL for --hw, run its decode plan here with the measured trace, "
