@@ -60,11 +60,19 @@ def add_text_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--corpus-mb", type=float, default=3.0, help="as train_small_moe.py --corpus-mb")
 
 
-def held_out(d: Path, tokens: int):
-    """The first `tokens` of the checkpoint's held-out split (heldout.safetensors), int64."""
+def _held_ids(d: Path):
+    """The checkpoint's whole held-out split (heldout.safetensors) as int64 ids, None where it has none."""
     from safetensors.torch import load_file
 
-    held = load_file(str(d / "heldout.safetensors"))["ids"]
+    path = d / "heldout.safetensors"
+    return load_file(str(path))["ids"] if path.exists() else None
+
+
+def held_out(d: Path, tokens: int):
+    """The first `tokens` of the checkpoint's held-out split, int64."""
+    held = _held_ids(d)
+    if held is None:
+        raise SystemExit(f"{d} has no heldout.safetensors (train_small_moe.py writes one)")
     if len(held) < tokens:
         raise SystemExit(f"not enough held-out tokens: {len(held)}, need {tokens}")
     return held[:tokens]
@@ -74,14 +82,10 @@ def held_out_or_random(d: Path, tokens: int, vocab: int):
     """The first `tokens` of the checkpoint's held-out split where it has that many, else seeded
     random ids (for timings, which hardly depend on the text), int64."""
     import torch
-    from safetensors import safe_open
 
-    path = d / "heldout.safetensors"
-    if path.exists():
-        with safe_open(str(path), "pt") as f:
-            held = f.get_tensor("ids")
-        if len(held) >= tokens:
-            return held[:tokens]
+    held = _held_ids(d)
+    if held is not None and len(held) >= tokens:
+        return held[:tokens]
     return torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(0))
 
 
