@@ -7,12 +7,14 @@
     out = ktflow.generate(compiled, input_ids, max_new_tokens=32)
 """
 
-from .api import Compiled, compile, decode_greedy, execute, generate
+from .api import Compiled, compile, decode_greedy, decode_tokens, execute, generate, start_sampling
+from .backends.sampling import SamplingParams
 from .errors import ConfigError, InputError, KtflowError, PassError, PlanError, WeightError
 from .hw import HwProfile
 from .model import Model, load
 from .runtime.state import State
 from .version import __version__
 
-__all__ = ["Compiled", "compile", "execute", "decode_greedy", "generate", "load", "Model", "State", "HwProfile",
+__all__ = ["Compiled", "compile", "execute", "decode_greedy", "decode_tokens", "generate", "start_sampling",
+           "SamplingParams", "load", "Model", "State", "HwProfile",
            "KtflowError", "ConfigError", "InputError", "PassError", "PlanError", "WeightError", "__version__"]

@@ -24,7 +24,7 @@ from .memory import (activation_peak, gpu_activation_peak, gpu_workspace_bytes, 
 from .passes import PIPELINE, PassTimer, default_instruments, edit_pipeline, pass_id, run_pipeline
 from .passes.schedule import steps_of
 from .plan import MemoryEstimate, ModelInfo, Plan, PlanFile
-from .runtime.execute import decode_greedy, execute  # noqa: F401 (the public API's execute and greedy runs)
+from .runtime.execute import decode_greedy, decode_tokens, execute, start_sampling  # noqa: F401 (the public API's)
 from .runtime.executor import Executor
 from .runtime.generate import generate_with_stats
 from .weights import TORCH_DTYPE
@@ -438,10 +438,14 @@ def _check_fits(pf: PlanFile, runnable: bool) -> None:
 
 
 def generate(compiled: Compiled, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int | None = None, eos_token_id: int | list[int] | None = None) -> torch.Tensor:
+             top_p: float = 1.0, seed: int | None = None, eos_token_id: int | list[int] | None = None,
+             **sampling: Any) -> torch.Tensor:
     """Prompt + up to `max_new_tokens` generated tokens per row, [batch, prompt + new] (greedy when
     temperature is 0; rows that reach an eos token are padded with it until all rows have).
-    Greedy decoding runs `greedy_steps` steps per call of the decode plan (`decode_greedy`: one
-    graph launch on the cuda_graph backend); the ids are those of one step at a time."""
+    `sampling`: the other token-selection parameters (top_k, min_p, repetition_penalty,
+    presence_penalty, frequency_penalty, logit_bias; or sampling=SamplingParams, or a list with
+    one per row), selected where the logits are (inside the captured decode step on a GPU).
+    Decoding runs `greedy_steps` steps per call of the decode plan (`decode_tokens`: one graph
+    launch on the cuda_graph backend), greedy or sampled; the ids are those of one step at a time."""
     return generate_with_stats(compiled, input_ids, max_new_tokens, temperature=temperature, top_p=top_p,
-                               seed=seed, eos_token_id=eos_token_id)[0]
+                               seed=seed, eos_token_id=eos_token_id, **sampling)[0]

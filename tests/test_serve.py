@@ -75,11 +75,11 @@ class TestRunner(PoolRunner):
             raise RuntimeError("injected failure in this sequence's prefill")
         return super()._prefill_step(items)
 
-    def decode(self, slots, ids, greedy=False):
+    def decode(self, slots, ids):
         self.widest = max(self.widest, len(slots))
         if self.delay:
             time.sleep(self.delay)
-        return super().decode(slots, ids, greedy)
+        return super().decode(slots, ids)
 
 
 def free_port() -> int:
@@ -286,6 +286,25 @@ def test_seeds_reproduce_and_greedy_is_deterministic(client):
     assert g[0] == g[1]
 
 
+def test_sampling_parameters_are_honoured(client, compiled, tok):
+    """top_k, min_p, the penalties and logit_bias reach the sampler (none is silently ignored):
+    a bias of +100 makes every token the biased one; top_k=1 at a temperature is greedy; a seeded
+    request with penalties gives what ktflow.generate gives with the same parameters."""
+    ids = tok.encode("Parameters that matter")
+    forced = next(t for t in range(100, 2000) if t not in tok.eos_ids)
+    r = client.completions.create(model="demo", prompt=ids, max_tokens=5, temperature=1.0,
+                                  logit_bias={str(forced): 100})
+    assert r.choices[0].text == tok.decode([forced] * 5)
+    greedy = client.completions.create(model="demo", prompt=ids, max_tokens=8, temperature=0).choices[0].text
+    assert client.completions.create(model="demo", prompt=ids, max_tokens=8, temperature=1.5,
+                                     extra_body=dict(top_k=1)).choices[0].text == greedy
+    kw = dict(temperature=0.9, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.3, seed=11)
+    got = client.completions.create(model="demo", prompt=ids, max_tokens=8, **kw,
+                                    extra_body=dict(ignore_eos=True, min_p=0.01, repetition_penalty=1.1))
+    want = ktflow.generate(compiled, torch.tensor([ids]), 8, min_p=0.01, repetition_penalty=1.1, **kw)[0, len(ids):]
+    assert got.choices[0].text == tok.decode(want.tolist())
+
+
 def test_concurrent_requests_give_what_each_gives_alone(srv, client, tok):
     base, served, runner = srv
     prompts = [" ".join(["word"] * n) + f" number {n}" for n in (1, 3, 5, 7, 9)]
@@ -389,6 +408,11 @@ def test_validation_errors_are_400_and_name_the_field(srv, client, tok):
     assert err("/v1/completions", dict(model="demo", prompt=[1, 99999]))["param"] == "prompt"
     assert err("/v1/completions", dict(model="demo", prompt="x", temperature=-1))["param"] == "temperature"
     assert err("/v1/completions", dict(model="demo", prompt="x", stop=[1, "a"]))["param"] == "stop"
+    for bad, param in ((dict(top_k=-1), "top_k"), (dict(min_p=1.5), "min_p"), (dict(presence_penalty=3), "presence_penalty"),
+                       (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+                       (dict(repetition_penalty=0), "repetition_penalty"), (dict(logit_bias={"5": 101}), "logit_bias"),
+                       (dict(logit_bias={"99999": 1}), "logit_bias"), (dict(logit_bias={"x": 1}), "logit_bias")):
+        assert err("/v1/completions", dict(model="demo", prompt="x", **bad))["param"] == param, bad
     assert err("/v1/chat/completions", dict(model="demo", messages=[]))["param"] == "messages"
     e = err("/v1/chat/completions", dict(model="demo", messages=[{"role": "tool", "content": "x"}]))
     assert e["param"] == "messages" and "unknown role tool" in e["message"]

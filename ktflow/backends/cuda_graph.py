@@ -32,10 +32,17 @@ replay it: one graph launch per token. KV caches are static: one set per batch s
 backend and lent to the sequence that prefilled last. Prefill plans run through
 backends.prefill_runner: issued on the same lanes, not captured (prompts vary in length).
 
-Greedy runs (`DecodeGraph.run_greedy`): K decode steps issued one after another and captured as
-one graph per batch size and K; each step's argmax goes into the pinned token ids the next step
-reads (and its row of the run's pinned ids), the position advances on the GPU, and the ring is
-armed K times before the launch. A host prologue of embedding lookups is made on the GPU for the
+Token selection: a step's logits stay on the GPU. Its argmax goes to the pinned `next_ids`
+(logits='argmax'), or a sampled step (logits='sample') selects each row's token by the state's
+sampler (`backends.sampling`: temperature, top-p/k, min-p, penalties, logit_bias, a seed per row)
+inside the same graph, captured once per batch size: only the ids reach the host. The sampler's
+tensors are static like the KV caches: the backend keeps one per batch size and lends it to the
+sequence decoding (a ragged step uses its caller's, whose addresses key the graph).
+
+Runs (`DecodeGraph.run_tokens`): K decode steps issued one after another and captured as one
+graph per batch size, K and selection (greedy or sampled); each step's token goes into the pinned
+token ids the next step reads (and its row of the run's pinned ids), the position advances on the
+GPU, and the ring is armed K times before the launch. A host prologue of embedding lookups is made on the GPU for the
 steps after the first, from the page-locked table; any other prologue runs one step a launch.
 
 CPU threads: the native pool's pinned workers spin between tasks, so they get every CPU but two
@@ -71,6 +78,7 @@ from ..weights import TORCH_DTYPE
 from . import pinned_copy
 from .base import StepContext, node_key
 from .cpu_native import NativeBackend
+from .sampling import Sampler
 from .staging import pin, pin_tensor
 from .static_rules import StaticRules
 
@@ -181,17 +189,20 @@ class Bound:
     ring: native.Ring | None
     doorbells: torch.Tensor | None  # the ring's pinned doorbell words, one per batch
     done_words: torch.Tensor  # every batch's pinned done flag
-    next_ids: torch.Tensor  # pinned int64 [batch]: the step's argmax, taken on the GPU (greedy decoding)
+    next_ids: torch.Tensor  # pinned int64 [batch]: the step's argmax, taken on the GPU (logits='argmax')
     logits: torch.Tensor | None = None  # float32 [batch, vocab] on the GPU: the captured graph's output
     graph: torch.cuda.CUDAGraph | None = None
     keep: list = field(default_factory=list)  # values the graph reads or writes
-    greedy: dict[int, "GreedyRun"] = field(default_factory=dict)  # K -> its greedy run (`DecodeGraph.run_greedy`)
+    #: (K, the sampler's tensors' addresses or None: greedy) -> its run (`DecodeGraph.run_tokens`)
+    runs: dict[tuple, "TokenRun"] = field(default_factory=dict)
+    sampler: Sampler | None = None  # the batch size's static sampler, lent to the sequence decoding
 
 
 @dataclass
-class GreedyRun:
-    """A greedy run of K steps a launch: the pinned ids [K, batch] it writes, its graph once
-    captured, and the values that graph reads or writes."""
+class TokenRun:
+    """A run of K steps a launch, each step's token selected on the GPU (greedy or by a
+    sampler): the pinned ids [K, batch] it writes, its graph once captured, and the values that
+    graph reads or writes."""
 
     ids: torch.Tensor
     graph: torch.cuda.CUDAGraph | None = None
@@ -320,6 +331,7 @@ class DecodeGraph:
     """Runs a decode plan: captured once per batch size, replayed per token (see module doc)."""
 
     argmax_on_device = True  # logits='argmax': the graph takes it, only the ids cross
+    selects_on_device = True  # logits='sample': the graph selects by the state's sampler, only the ids cross
 
     def __init__(self, plan: Plan, be: CudaGraphBackend):
         self.plan, self.be, self.g = plan, be, plan.ir
@@ -329,7 +341,7 @@ class DecodeGraph:
         self.driver = be.driver
         self.bound: dict[int, Bound] = {}  # batch -> its binding over the backend's static caches
         self.ragged: dict[tuple, Bound] = {}  # (batch, the caches' addresses) -> a ragged step's binding
-        self.lookups: dict[int, list | None] = {}  # batch -> a greedy run's lookups (`_lookups`)
+        self.lookups: dict[int, list | None] = {}  # batch -> a run's lookups (`_lookups`)
         self.capture = True  # False: every step eager on the streams (same issue order, no graph)
         self.current = ""  # the node being issued (named in out-of-memory errors)
         self.prologue = host_prologue(self.g, be, "inside a CUDA graph")
@@ -349,7 +361,7 @@ class DecodeGraph:
         self.recorder, self.gate_layer = recorder, gate_layer
         for bound in (*self.bound.values(), *self.ragged.values()):
             bound.graph, bound.keep, bound.logits = None, [], None
-            for run in bound.greedy.values():
+            for run in bound.runs.values():
                 run.graph, run.keep = None, []
 
     def _prepare_recorder(self) -> None:
@@ -403,7 +415,8 @@ class DecodeGraph:
             positions: torch.Tensor | None = None):
         """One decode step over input_ids [batch, 1] at state.position; returns logits [batch, 1, vocab]
         (float32, CPU: one position, so 'all' and 'last' give the same), or with logits='argmax' the
-        greedy next ids [batch, 1] (int64, CPU), taken on the GPU. With trace, also the
+        greedy next ids [batch, 1] (int64, CPU), taken on the GPU, or with logits='sample' the ids
+        state.sampler selects (inside the step's graph: a run of one, `_launch_run`). With trace, also the
         plan's steps with measured times. With `positions` (a ragged step, `Executor.run`), each
         row at its own position over `state`'s own caches: bound and captured once per batch size
         and caches, and state.position is left as it is."""
@@ -416,12 +429,19 @@ class DecodeGraph:
         else:
             bound.position.copy_(positions)
         self._run_prologue(bound, state)
+        if logits == "sample" and not trace:
+            ids = self._launch_run(bound, state, 1, self._sampler(bound, state, positions is not None))
+            if positions is None:
+                state.position += 1
+            return ids.view(b, 1)
         measured = None
         if trace or not self.capture or bound.graph is None:
             with self._abandoned_on_failure(bound):
                 measured, out = self._eager(bound, state, trace)
             native.sync()  # raises here if a CPU task failed
             result = self._result(bound, out, logits)
+            if logits == "sample":  # traced: the eager step's logits, then the sampler
+                result = self._sampler(bound, state, positions is not None).select(out).view(b, 1).cpu()
             if self.capture and bound.graph is None and not trace:
                 self._capture(bound, state)
         else:
@@ -437,14 +457,15 @@ class DecodeGraph:
             state.position += 1
         return (result, measured) if trace else result
 
-    def run_greedy(self, input_ids: torch.Tensor, state, steps: int) -> torch.Tensor | None:
-        """`steps` greedy decode steps from input_ids [batch, 1] at state.position, as one graph
-        launch: each step's argmax is the next step's input, taken and fed back on the GPU, so
-        the host neither waits for nor launches the steps between (its turnaround and the graph
-        launch are paid once per `steps` tokens). Returns the ids [batch, steps] (int64, CPU);
-        equal to `steps` calls of run(logits='argmax'). Captured once per batch size and steps
-        (the first call issues the steps eagerly). None where the steps cannot run as one launch
-        (the caller runs them one by one): one step, no capture, or a host prologue other than
+    def run_tokens(self, input_ids: torch.Tensor, state, steps: int, sampled: bool = False) -> torch.Tensor | None:
+        """`steps` decode steps from input_ids [batch, 1] at state.position, as one graph launch:
+        each step's token (its argmax, or with `sampled` the one state.sampler selects) is the
+        next step's input, taken and fed back on the GPU, so the host neither waits for nor
+        launches the steps between (its turnaround and the graph launch are paid once per
+        `steps` tokens). Returns the ids [batch, steps] (int64, CPU); equal to `steps` calls of
+        run(logits='argmax' or 'sample'). Captured once per batch size, steps and selection (the
+        first call issues the steps eagerly). None where the steps cannot run as one launch (the
+        caller runs them one by one): one step, no capture, or a host prologue other than
         embedding lookups the GPU can make from the page-locked table (`pinned_copy.gather_rows`;
         a first step binds the batch's lookups)."""
         native.set_spinning(True)  # the GPU rings the pool every layer
@@ -455,10 +476,38 @@ class DecodeGraph:
         bound.tokens.copy_(input_ids.reshape(-1))
         bound.position[0] = state.position
         self._run_prologue(bound, state)  # the first step's lookups on the host; the later steps' on the GPU
-        if steps not in bound.greedy:
-            bound.greedy[steps] = GreedyRun(torch.zeros(steps, b, dtype=torch.int64, pin_memory=True))
-        run = bound.greedy[steps]
-        graph = run.graph
+        ids = self._launch_run(bound, state, steps, self._sampler(bound, state, False) if sampled else None)
+        state.position += steps
+        return ids
+
+    def _sampler(self, bound: Bound, state, ragged: bool) -> Sampler:
+        """The sampler a sampled step of `bound` selects with: a ragged step's is the caller's
+        (state.sampler, whose addresses key the run); otherwise the batch size's static one, which
+        takes over state.sampler's rows (and becomes it) when it is another."""
+        sampler = state.sampler
+        if sampler is None:
+            raise InputError("a sampled decode step selects by the state's sampling parameters: start them with "
+                             "ktflow.runtime.execute.start_sampling")
+        if sampler.device.type != "cuda" or sampler.rows != bound.batch:
+            raise InputError(f"the state's sampler ({sampler.rows} rows on {sampler.device}) does not fit this "
+                             f"step ({bound.batch} rows on the GPU)")
+        if ragged:
+            return sampler
+        if bound.sampler is None:
+            bound.sampler = Sampler(bound.batch, sampler.vocab, "cuda")
+        if sampler is not bound.sampler:
+            bound.sampler.load(sampler)
+            state.sampler = bound.sampler
+        return bound.sampler
+
+    def _launch_run(self, bound: Bound, state, steps: int, sampler: Sampler | None) -> torch.Tensor:
+        """The bound's run of `steps` steps (inputs written) launched, captured after its first
+        (eager) launch; returns its ids [batch, steps] (int64, CPU)."""
+        key = (steps, sampler.key() if sampler is not None else None)
+        if key not in bound.runs:
+            bound.runs[key] = TokenRun(torch.zeros(steps, bound.batch, dtype=torch.int64, pin_memory=True))
+        run = bound.runs[key]
+        graph = run.graph if self.capture else None
         with self._abandoned_on_failure(bound):
             if bound.ring is not None:
                 for _ in range(steps):
@@ -466,16 +515,15 @@ class DecodeGraph:
             if graph is None:
                 self.gpu.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self.gpu):
-                    self._issue(bound, state, None, steps)
+                    self._issue(bound, state, None, steps, run, sampler)
             else:
                 with torch.cuda.stream(self.gpu):
                     graph.replay()
             self._wait()
         native.sync()
         ids = run.ids.clone().T.contiguous()
-        if graph is None:
-            self._capture_greedy(bound, state, run)
-        state.position += steps
+        if graph is None and self.capture:
+            self._capture_run(bound, state, run, sampler)
         return ids
 
     def _lookups(self, b: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
@@ -483,7 +531,7 @@ class DecodeGraph:
         pinned slot [b, width], the page-locked table) per prologue node; None where a node is not
         an embedding of the token ids whose table can be page-locked and gathered from."""
         if b not in self.bound:
-            return None if self.prologue else []  # (a first step binds; greedy runs follow it)
+            return None if self.prologue else []  # (a first step binds; runs follow it)
         if b not in self.lookups:
             self.lookups[b] = self._find_lookups(self.bound[b], b)
         return self.lookups[b]
@@ -504,13 +552,13 @@ class DecodeGraph:
             out.append((slot, table))
         return out
 
-    def _capture_greedy(self, bound: Bound, state, run: GreedyRun) -> None:
+    def _capture_run(self, bound: Bound, state, run: TokenRun, sampler: Sampler | None) -> None:
         graph = torch.cuda.CUDAGraph()
         self._prepare_recorder()
         torch.cuda.synchronize()
         try:
             with torch.cuda.graph(graph, stream=self.gpu, capture_error_mode=CAPTURE_MODE):
-                run.keep, _ = self._issue(bound, state, None, run.ids.shape[0])
+                run.keep, _ = self._issue(bound, state, None, run.ids.shape[0], run, sampler)
         except torch.cuda.OutOfMemoryError:
             raise self._oom(bound) from None
         run.graph = graph
@@ -611,16 +659,18 @@ class DecodeGraph:
                            "reserve). Lower max_seq_len or "
                            "max_batch, or the VRAM budget (vram_budget_gb), and recompile")
 
-    def _issue(self, bound: Bound, state, timer, steps: int = 1) -> tuple[list, torch.Tensor]:
+    def _issue(self, bound: Bound, state, timer, steps: int = 1, run: TokenRun | None = None,
+               sampler: Sampler | None = None) -> tuple[list, torch.Tensor]:
         """Issue the plan's steps in order on the streams; returns every value (kept alive with
         the graph that reads them) and the logits [batch, vocab] on the GPU, which stay there
-        unless the caller asks for them; their argmax goes to the pinned `next_ids` (greedy
-        decoding: 8 bytes a row cross instead of the logits).
+        unless the caller asks for them. Each step's token is selected on the GPU: the argmax, or
+        with a `sampler` the token it selects (its every stage issued: a graph replays whatever
+        the rows' parameters become). Without a `run`, one step whose token goes to the pinned
+        `next_ids` (8 bytes a row cross instead of the logits).
 
-        With steps = K > 1 (greedy decoding, `run_greedy`), K decode steps one after another:
-        step k's argmax goes to row k of the run's pinned ids (`greedy[K].ids`) and into the pinned token
-        ids step k + 1 reads, and the position advances on the GPU; the logits returned are the
-        last step's."""
+        With a `run` of K steps (`run_tokens`), K decode steps one after another: step k's
+        token goes to row k of the run's pinned ids and into the pinned token ids step k + 1
+        reads, and the position advances on the GPU; the logits returned are the last step's."""
         pinned_copy.copy(bound.position_dev, bound.position)
         kept: list = []
         for k in range(steps):
@@ -628,11 +678,11 @@ class DecodeGraph:
                 bound.position_dev.add_(1)
             values, out = self._issue_step(bound, self._ctx(bound, state, k), timer)
             kept += values
-            ids = out.argmax(-1)
-            if steps == 1:
+            ids = sampler.select(out, captured=True) if sampler is not None else out.argmax(-1)
+            if run is None:
                 pinned_copy.copy(bound.next_ids, ids)
                 break
-            pinned_copy.copy(bound.greedy[steps].ids[k], ids)
+            pinned_copy.copy(run.ids[k], ids)
             if k + 1 < steps:
                 pinned_copy.copy(bound.tokens, ids)  # the next step's input, read where the first step's was
                 for slot, table in self._lookups(bound.batch):  # the host prologue's lookups, made here

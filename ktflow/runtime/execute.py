@@ -4,10 +4,11 @@ module imports neither, so runtime and api do not import each other)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
+from ..backends.sampling import Sampler, SamplingParams
 from ..errors import InputError
 from .state import State
 
@@ -37,24 +38,51 @@ def check_ids(compiled, input_ids: Any, state: State | None) -> torch.Tensor:
         if state.position + s > state.max_seq_len:
             raise InputError(f"cannot add {s} tokens at position {state.position}: that passes max_seq_len "
                              f"{state.max_seq_len} (the KV cache is full); compile with a larger max_seq_len")
-    return input_ids.to(torch.int64)
+    # token ids are read in host memory (the plans' input node): ids given on a GPU cross once
+    return input_ids.to("cpu", torch.int64)
 
 
-LOGITS = ("all", "last", "argmax")
+LOGITS = ("all", "last", "argmax", "sample")
+
+
+def sampler_device(compiled) -> str:
+    """Where a compiled model's logits are made in decode steps (and its tokens selected)."""
+    return "cuda" if compiled.decode.device == "cuda" else "cpu"
+
+
+def start_sampling(compiled, state: State, params: SamplingParams | Sequence[SamplingParams],
+                   prompt_ids: torch.Tensor | None = None) -> Sampler:
+    """From now on `state`'s rows select their tokens by `params` (one for every row, or one per
+    row) on the device that makes the decode step's logits (`execute(..., logits='sample')`,
+    `decode_tokens`); `prompt_ids` [batch, tokens] are what the repetition penalty counts as
+    seen. Returns the sampler (also `state.sampler`). Bad parameters: an InputError naming one."""
+    rows = [params] * state.batch if isinstance(params, SamplingParams) else list(params)
+    if len(rows) != state.batch:
+        raise InputError(f"{len(rows)} sampling parameter sets for {state.batch} sequences: give one, or one per row")
+    sampler = Sampler(state.batch, compiled.vocab_size, sampler_device(compiled))
+    for r, p in enumerate(rows):
+        sampler.set_row(r, p, None if prompt_ids is None else prompt_ids[r])
+    state.sampler = sampler
+    return sampler
 
 
 @torch.inference_mode()
 def execute(compiled, input_ids: torch.Tensor, state: State | None = None, *,
             logits: str = "all") -> tuple[torch.Tensor, State]:
-    """Run `input_ids` [batch, tokens]. With state=None: prefill from position 0; with a state:
-    continue those sequences (one token = a decode step). Returns (logits float32 on the device of
-    input_ids, state): [batch, tokens, vocab], or with logits='last' the last position's only,
-    [batch, 1, vocab], or with logits='argmax' the greedy next token ids [batch, 1] (int64; a
-    CUDA-graph decode step takes the argmax on the GPU, and only the ids reach the host). A prompt
-    longer than the largest prefill bucket runs as chunks of it."""
+    """Run `input_ids` [batch, tokens] (int64 or int32, on the CPU or a GPU). With state=None:
+    prefill from position 0; with a state: continue those sequences (one token = a decode step).
+    Returns (logits float32 on the device of input_ids, state): [batch, tokens, vocab], or with
+    logits='last' the last position's only, [batch, 1, vocab], or the next token ids [batch, 1]
+    (int64, on the device of input_ids): logits='argmax' the greedy ones, logits='sample' those
+    the state's sampler selects (`start_sampling`). A CUDA-graph decode step selects them on the
+    GPU inside its graph, and only the ids reach the host. A prompt longer than the largest
+    prefill bucket runs as chunks of it."""
     if logits not in LOGITS:
-        raise InputError(f"logits={logits!r}: ask for 'all' (every position), 'last' (the last position's) or "
-                         "'argmax' (the greedy next token ids)")
+        raise InputError(f"logits={logits!r}: ask for 'all' (every position), 'last' (the last position's), "
+                         "'argmax' (the greedy next token ids) or 'sample' (the ids the state's sampler selects)")
+    if logits == "sample" and (state is None or state.sampler is None):
+        raise InputError("logits='sample' selects by the state's sampling parameters: start them with "
+                         "ktflow.runtime.execute.start_sampling(compiled, state, params) (generate does)")
     ids = check_ids(compiled, input_ids, state)
     if state is None:
         state = State(compiled.plans.model.fingerprint, ids.shape[0], compiled.max_seq_len)
@@ -62,27 +90,43 @@ def execute(compiled, input_ids: torch.Tensor, state: State | None = None, *,
     if s == 1 and state.position > 0:
         out = compiled.executor(compiled.decode).run(ids, state, logits=logits)
         return out.to(input_ids.device), state
+    if logits == "sample":
+        out, state = prefill(compiled, ids, state, "last")
+        chosen = state.sampler.select(out[:, -1].to(state.sampler.device))
+        return chosen.view(b, 1).to(input_ids.device), state
     return prefill(compiled, ids, state, logits, input_ids.device)
 
 
 @torch.inference_mode()
-def decode_greedy(compiled, input_ids: torch.Tensor, state: State, steps: int) -> torch.Tensor:
-    """`steps` greedy decode steps continuing `state` from input_ids [batch, 1] (the last token
-    of each sequence): each step's argmax is the next one's input. Returns the new ids [batch,
-    steps] (int64, CPU); the same as `steps` calls of execute(..., logits='argmax'). A CUDA-graph
-    decode plan runs them as one graph launch (the decode plan's `greedy_steps` option is what
-    `generate` asks for)."""
+def decode_tokens(compiled, input_ids: torch.Tensor, state: State, steps: int, *, sampled: bool | None = None
+                  ) -> torch.Tensor:
+    """`steps` decode steps continuing `state` from input_ids [batch, 1] (the last token of each
+    sequence): each step's selected token is the next one's input. Selected by the state's
+    sampler (`start_sampling`) where it has one (`sampled`=None) or `sampled` is True, else
+    greedily. Returns the new ids [batch, steps] (int64, CPU); the same as `steps` calls of
+    execute(..., logits='sample' or 'argmax'). A CUDA-graph decode plan runs them as one graph
+    launch, each step's token chosen on the GPU (the decode plan's `greedy_steps` option is the
+    run length `generate` asks for)."""
     if not isinstance(steps, int) or not 1 <= steps <= 64:  # each K is captured as its own graph: a few, small
         raise InputError(f"steps must be an integer from 1 to 64, got {steps!r}")
     if state is None or state.position == 0:
-        raise InputError("decode_greedy continues a prefilled state: run the prompt with execute first")
+        raise InputError("decoding continues a prefilled state: run the prompt with execute first")
+    if sampled is None:
+        sampled = state.sampler is not None and not state.sampler.plain_greedy
+    if sampled and state.sampler is None:
+        raise InputError("sampled decoding selects by the state's sampling parameters: start them with start_sampling")
     ids = check_ids(compiled, input_ids, state)
     if ids.shape[1] != 1:
-        raise InputError(f"decode_greedy takes one token per sequence, got input_ids of shape {list(ids.shape)}")
+        raise InputError(f"decoding takes one token per sequence, got input_ids of shape {list(ids.shape)}")
     if state.position + steps > state.max_seq_len:
         raise InputError(f"cannot decode {steps} tokens at position {state.position}: that passes max_seq_len "
                          f"{state.max_seq_len} (the KV cache is full); compile with a larger max_seq_len")
-    return compiled.executor(compiled.decode).greedy(ids, state, steps)
+    return compiled.executor(compiled.decode).tokens(ids, state, steps, sampled)
+
+
+def decode_greedy(compiled, input_ids: torch.Tensor, state: State, steps: int) -> torch.Tensor:
+    """`steps` greedy decode steps (`decode_tokens` with sampled=False)."""
+    return decode_tokens(compiled, input_ids, state, steps, sampled=False)
 
 
 def prefill(compiled, ids: torch.Tensor, state: State, logits: str, device=None) -> tuple[torch.Tensor, State]:

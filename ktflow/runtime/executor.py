@@ -87,21 +87,22 @@ class Executor:
             raise ConfigError(f"routing is recorded op by op, but the {self.backend.name} backend runs this "
                               f"{self.plan.phase} plan as a whole: compile with backend='native' to record it")
 
-    def greedy(self, input_ids: torch.Tensor, state: State, steps: int) -> torch.Tensor:
-        """`steps` greedy decode steps from input_ids [batch, 1] at state.position, each step's
-        argmax the next one's input; returns the ids [batch, steps] (int64) and advances
-        state.position by `steps`. A runner that can (cuda_graph) runs them as one launch; any
-        other backend runs them one step at a time."""
-        runner_greedy = getattr(self.runner, "run_greedy", None)
-        if runner_greedy is not None and self.trace == 0:  # (ids: nothing to check for NaN)
+    def tokens(self, input_ids: torch.Tensor, state: State, steps: int, sampled: bool = False) -> torch.Tensor:
+        """`steps` decode steps from input_ids [batch, 1] at state.position, each step's token
+        (the argmax, or with `sampled` the one state.sampler selects) the next one's input;
+        returns the ids [batch, steps] (int64, CPU) and advances state.position by `steps`. A
+        runner that can (cuda_graph) runs them as one launch; any other backend runs them one
+        step at a time."""
+        run_tokens = getattr(self.runner, "run_tokens", None)
+        if run_tokens is not None and self.trace == 0:  # (ids: nothing to check for NaN)
             self._hand_recorder()
-            ids = runner_greedy(input_ids, state, steps)
+            ids = run_tokens(input_ids, state, steps, sampled)
             if ids is not None:
                 self._finished(ids.numel())
                 return ids
         out = []
         for _ in range(steps):
-            input_ids = self.run(input_ids, state, logits="argmax").reshape(-1, 1).cpu()
+            input_ids = self.run(input_ids, state, logits="sample" if sampled else "argmax").reshape(-1, 1).cpu()
             out.append(input_ids)
         return torch.cat(out, dim=1)
 
@@ -126,6 +127,10 @@ class Executor:
         'none' None (a prompt's chunk before the last). With `position_t` (the position as a tensor), backends
         run their static-shape rules.
 
+        With logits='sample', the ids state.sampler selects from the last position's logits
+        ([batch, 1] int64, on the sampler's device; a runner that can selects them inside its
+        step).
+
         With `positions` (int64 [batch] on the host: a ragged decode step, seq 1), each row is a
         sequence at its own position, over its own row of `state`'s caches, which must exist for
         every layer (`SlotPool` makes them); state.position is then neither read nor advanced:
@@ -144,6 +149,11 @@ class Executor:
                                        and getattr(self.runner, "argmax_on_device", False)):
             out = self._run(input_ids, state, position_t, "last", **extra)  # the last position's logits, then their argmax
             return None if out is None else out.argmax(-1)
+        if logits == "sample" and not (self.runner is not None and position_t is None
+                                       and getattr(self.runner, "selects_on_device", False)):
+            out = self._run(input_ids, state, position_t, "last", **extra)  # the last position's logits, then the sampler
+            sampler = state.sampler
+            return sampler.select(out[:, -1].to(sampler.device)).view(-1, 1)
         tracing = self.trace > 0
         self.trace = max(self.trace - 1, 0)
         if self.runner is not None and position_t is None:

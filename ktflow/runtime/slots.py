@@ -4,17 +4,21 @@ decoded together in one batched step (what a server's continuous batching needs)
 The pool owns one `State` of `slots` rows, its caches made once for every attention layer (no
 allocation later). A sequence lives in a slot (a row) and has its own position:
 
-- `start(slot)`: a new sequence at position 0 (the row's old entries are never read again:
-  attention masks every position past a row's own);
+- `start(slot, params, prompt)`: a new sequence at position 0 (the row's old entries are never
+  read again: attention masks every position past a row's own), selecting its tokens by
+  `params` (`backends.sampling`: the pool's sampler has a row per slot, on the device of the
+  decode step's logits);
 - `prefill(slot, ids)`: the next part of that sequence's prompt, through the prefill plans, over
   views of its row (batch 1); `prefill_many(slots, chunks)`: a chunk of each of several
   sequences' prompts in ONE packed prefill step (`Executor.run(segments=...)`);
+- `first_tokens(slots, logits)`: each slot's first token from its prompt's last logits;
 - `decode(slots, ids)`: one token for each listed slot in ONE ragged decode step
   (`Executor.run(positions=...)`): the step runs rows 0..b-1, b the smallest batch bucket (1, 2,
   4, 8, ... capped at `slots`) above the highest listed slot; each row at its own position. Rows in
   the bucket that are not listed are padding: token 0, written at their own next position, which
-  their next real token overwrites before anything reads it, and their outputs dropped. Keep
-  busy slots low (take the lowest free slot) and the buckets stay small.
+  their next real token overwrites before anything reads it, and their outputs dropped (with
+  logits='sample' their sampler rows are inactive: their counts and random streams stay as they
+  are). Keep busy slots low (take the lowest free slot) and the buckets stay small.
 
 On the cuda_graph backend each bucket is bound and captured once, over the pool's rows 0..b-1.
 """
@@ -23,9 +27,10 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.sampling import Sampler, SamplingParams
 from ..errors import ConfigError, InputError
 from ..ir.ops import Op
-from .execute import check_ids, prefill
+from .execute import check_ids, prefill, sampler_device
 from .state import State
 
 
@@ -55,9 +60,12 @@ class SlotPool:
         self.state = State(compiled.plans.model.fingerprint, slots, self.max_seq_len)
         self.positions = torch.zeros(slots, dtype=torch.int64)
         self._make_caches()
+        self.sampler = Sampler(slots, compiled.vocab_size, sampler_device(compiled))
+        self.state.sampler = self.sampler
         # each bucket's rows 0..b-1 as a state of b rows (views: what it writes lands in the pool)
         self._views = {b: State(self.state.fingerprint, b, self.max_seq_len,
-                                kv={layer: tuple(t[:b] for t in ts) for layer, ts in self.state.kv.items()})
+                                kv={layer: tuple(t[:b] for t in ts) for layer, ts in self.state.kv.items()},
+                                sampler=self.sampler.rows_view(b))
                        for b in self.buckets}
 
     def _make_caches(self) -> None:
@@ -81,9 +89,18 @@ class SlotPool:
             raise InputError(f"slot {slot} does not exist: the pool has slots 0..{self.slots - 1}")
 
     @torch.inference_mode()
-    def start(self, slot: int) -> None:
+    def start(self, slot: int, params: SamplingParams = SamplingParams(), prompt: list[int] | None = None) -> None:
+        """A new sequence in `slot`, selecting its tokens by `params` (checked: an InputError names
+        a bad one), `prompt` being what its repetition penalty counts as seen."""
         self._check_slot(slot)
+        self.sampler.set_row(slot, params, prompt)
         self.positions[slot] = 0
+
+    @torch.inference_mode()
+    def first_tokens(self, slots: list[int], logits: torch.Tensor) -> list[int]:
+        """Each slot's next token from its logits (`prefill_many`'s [len(slots), vocab]), by its
+        sampling parameters (its counts and random stream advance)."""
+        return self.sampler.select_rows(logits, slots).tolist()
 
     def position(self, slot: int) -> int:
         return int(self.positions[slot])
@@ -131,7 +148,9 @@ class SlotPool:
     def decode(self, slots: list[int], ids: list[int], logits: str = "last") -> torch.Tensor:
         """One token for each of `slots` (distinct, each started and prefilled), `ids` in the same
         order, as one batched step; returns per listed slot, in order, the next-token logits
-        [len(slots), vocab] (float32, host), or with logits='argmax' the greedy ids [len(slots)]."""
+        [len(slots), vocab] (float32, host), or the next ids [len(slots)]: with logits='argmax'
+        the greedy ones, with 'sample' those each slot's sampling parameters select (on the
+        GPU inside the step where the backend can)."""
         if not slots or len(slots) != len(ids) or len(set(slots)) != len(slots):
             raise InputError(f"decode takes distinct slots and one token id each: got slots {slots}, ids {ids}")
         for s in slots:
@@ -151,6 +170,9 @@ class SlotPool:
         # padding rows write at their own next position (full rows at their last: never read again)
         positions = self.positions[:b].clamp(max=self.max_seq_len - 1)
         ex = self.compiled.executor(self.compiled.decode)
+        if logits == "sample":  # the padding rows' sampler state stays as it is
+            listed = set(slots)
+            self.sampler.set_active([i in listed for i in range(self.slots)])
         if ex.recorder is not None:  # routing counted for the listed rows only, not the padding
             listed = torch.zeros(b, dtype=torch.int64)
             listed[rows] = 1
@@ -162,4 +184,4 @@ class SlotPool:
                 ex.recorder.set_rows(None)
         self.positions[rows] += 1
         out = out.reshape(b, -1)[rows]
-        return out[:, 0] if logits == "argmax" else out.float()
+        return out[:, 0].cpu() if logits in ("argmax", "sample") else out.float()

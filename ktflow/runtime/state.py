@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,6 +22,9 @@ class State:
     max_seq_len: int
     position: int = 0
     kv: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict, repr=False)
+    #: how each row selects its tokens on the device (a backends.sampling.Sampler, made by
+    #: `runtime.execute.start_sampling`), or None: execute(logits='sample') then refuses
+    sampler: Any = field(default=None, repr=False)
 
     @property
     def remaining(self) -> int:

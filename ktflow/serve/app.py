@@ -109,8 +109,8 @@ class ServeApp:
         if bad:
             raise ApiError(400, f"stop: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
                            param="stop")
-        req = GenRequest(prompt_ids=ids, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                         seed=body.seed, stops=body.stop_strings(), stop_ids=frozenset(stop_ids),
+        req = GenRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=body.sampling(self.vocab_size),
+                         stops=body.stop_strings(), stop_ids=frozenset(stop_ids),
                          ignore_eos=body.ignore_eos,
                          emit=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
         try:

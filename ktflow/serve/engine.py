@@ -15,9 +15,10 @@ shutdown began). Each iteration of the scheduler thread:
 4. retires finished sequences (a stop string, a stop token id or eos, max_tokens, cancelled)
    and frees their slots.
 
-The model is reached only through a `Runner` (`runner.py`). Tokens are sampled here: greedy at
-temperature 0, otherwise temperature + top-p with the request's own `torch.Generator`, seeded by
-its `seed`, so a seed gives the same tokens whatever else is running. A request hears about its
+The model is reached only through a `Runner` (`runner.py`), which selects every token where the
+logits are (inside the captured decode step on the GPU) by the request's `SamplingParams`: each
+row its own parameters and its own random stream, seeded by the request's `seed` and advanced only
+by its own steps, so a seed gives the same tokens whatever else is running. A request hears about its
 sequence through `emit(event)`, called on the scheduler thread with a `Delta`, then one
 `Finished` or `Failed`.
 """
@@ -25,17 +26,14 @@ sequence through `emit(event)`, called on the scheduler thread with a `Delta`, t
 from __future__ import annotations
 
 import heapq
-import random
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
+from ..backends.sampling import SamplingParams
 from ..errors import first_line
-from ..runtime.generate import sample
 from .runner import Runner
 from .stops import TextStream
 
@@ -79,9 +77,7 @@ class GenRequest:
     prompt_ids: list[int]
     max_tokens: int
     emit: Callable[[Event], None]
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
+    sampling: SamplingParams = SamplingParams()  # greedy by default
     stops: list[str] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
@@ -105,7 +101,6 @@ class _Seq:
     req: GenRequest
     slot: int
     text: TextStream
-    generator: torch.Generator | None
     prefilled: int = 0
     generated: list[int] = field(default_factory=list)
     pending: int | None = None  # the sampled token the next decode step feeds
@@ -226,17 +221,14 @@ class Engine:
         out = []
         while self._free and self._waiting:
             req = self._waiting.popleft()
-            gen = None
-            if req.temperature > 0:
-                gen = torch.Generator().manual_seed(req.seed if req.seed is not None else random.getrandbits(63))
-            s = _Seq(req, heapq.heappop(self._free), TextStream(self.decode_text, req.stops), gen)
+            s = _Seq(req, heapq.heappop(self._free), TextStream(self.decode_text, req.stops))
             self._running.append(s)
             out.append(s)
         return out
 
     def _start(self, s: _Seq) -> None:
         try:
-            self.runner.start(s.slot)
+            self.runner.start(s.slot, s.req.sampling, s.req.prompt_ids)
         except Exception as e:  # noqa: BLE001
             self._fail(s, e)
 
@@ -268,9 +260,7 @@ class Engine:
                     self._accept(s, out)
         batch = [s for s in self._running if not s.done and s.pending is not None]
         if batch:
-            # every sequence greedy: the runner takes the argmax where the logits are (on the GPU)
-            greedy = all(s.generator is None for s in batch)
-            outs = self.runner.decode([s.slot for s in batch], [s.pending for s in batch], greedy)
+            outs = self.runner.decode([s.slot for s in batch], [s.pending for s in batch])
             for s, out in zip(batch, outs):
                 if isinstance(out, BaseException):
                     self._fail(s, out)
@@ -279,21 +269,10 @@ class Engine:
         for s in [s for s in self._running if s.done]:
             self._release(s)
 
-    def _accept(self, s: _Seq, logits: torch.Tensor | int) -> None:
-        """Sample the next token from `logits` [vocab] (or take the greedy id the runner chose)
-        and see whether the sequence ends."""
+    def _accept(self, s: _Seq, tok: int) -> None:
+        """Take the token the runner selected and see whether the sequence ends."""
         if s.req.cancelled:
             self._finish(s, "cancelled")
-            return
-        try:
-            if isinstance(logits, int):
-                tok = logits
-            elif s.generator is None:
-                tok = int(logits.argmax())
-            else:
-                tok = int(sample(logits[None], s.req.temperature, s.req.top_p, s.generator)[0])
-        except Exception as e:  # noqa: BLE001
-            self._fail(s, e)
             return
         now = time.monotonic()
         if s.generated:

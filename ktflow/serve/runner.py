@@ -3,16 +3,17 @@
 The scheduler (`engine.py`) holds a fixed number of slots and speaks to the model only through a
 Runner, in slot numbers and token ids:
 
-- `start(slot)`: a new sequence begins in `slot` at position 0 (the slot's KV cache is reused,
-  not reallocated: positions past the new sequence's are never read);
+- `start(slot, params, prompt_ids)`: a new sequence begins in `slot` at position 0 (the slot's
+  KV cache is reused, not reallocated: positions past the new sequence's are never read),
+  selecting its tokens by `params` (a backends.sampling.SamplingParams; a bad one raises
+  InputError naming it);
 - `prefill(items)`: for each (slot, ids, last), the next chunk of that sequence's prompt,
-  continuing its cache; returns per item the logits of the chunk's final position ([vocab],
-  float32, CPU) where `last` is set (else None), or the exception that failed that item only;
-- `decode(slots, ids, greedy)`: one token for each listed slot (each at its own position),
-  returning per slot its next-token logits ([vocab], float32, CPU), or with `greedy` (every
-  listed sequence decodes greedily) its argmax id (an int; taken where the logits are, so on
-  the GPU only the ids cross), or the exception that failed it (a batched step that fails fails
-  every slot in it);
+  continuing its cache; returns per item the sequence's first generated token (an int) where
+  `last` is set (else None), or the exception that failed that item only;
+- `decode(slots, ids)`: one token for each listed slot (each at its own position), returning
+  per slot its next token (an int: selected where the logits are, inside the captured step on
+  the GPU, so only the ids cross), or the exception that failed it (a batched step that fails
+  fails every slot in it);
 - `free(slot)`: the sequence in `slot` is finished.
 
 `PoolRunner` runs every decode step as ONE batched step over all listed slots
@@ -27,8 +28,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import torch
-
+from ..backends.sampling import SamplingParams
 from ..runtime.slots import SlotPool
 
 
@@ -39,11 +39,11 @@ class Runner(Protocol):
     max_seq_len: int
     vocab_size: int
 
-    def start(self, slot: int) -> None: ...
+    def start(self, slot: int, params: SamplingParams = SamplingParams(), prompt_ids: list[int] | None = None) -> None: ...
 
-    def prefill(self, items: list[tuple[int, list[int], bool]]) -> list[torch.Tensor | None | BaseException]: ...
+    def prefill(self, items: list[tuple[int, list[int], bool]]) -> list[int | None | BaseException]: ...
 
-    def decode(self, slots: list[int], ids: list[int], greedy: bool = False) -> list[torch.Tensor | int | BaseException]: ...
+    def decode(self, slots: list[int], ids: list[int]) -> list[int | BaseException]: ...
 
     def free(self, slot: int) -> None: ...
 
@@ -58,27 +58,28 @@ class PoolRunner:
         self.vocab_size = compiled.vocab_size
 
     def warm(self) -> None:
-        """Run a prompt chunk and a decode step of every batch bucket, so the caches, the plans'
-        first-use work and (on cuda_graph) each bucket's captured graph are made before the first
-        request rather than during it."""
+        """Run a prompt chunk and a decode step of every batch bucket (greedy and sampled), so the
+        caches, the plans' first-use work and (on cuda_graph) each bucket's captured graphs are
+        made before the first request rather than during it."""
         for slot in range(self.slots):
             self.start(slot)
         self.prefill([(slot, [0], False) for slot in range(self.slots)])
-        for b in self.pool.buckets:
-            self.pool.decode(list(range(b)), [0] * b)
+        for b in self.pool.buckets:  # both selections: greedy (the argmax) and sampled
+            self.pool.decode(list(range(b)), [0] * b, logits="argmax")
+            self.pool.decode(list(range(b)), [0] * b, logits="sample")
         for slot in range(self.slots):
             self.start(slot)
 
-    def start(self, slot: int) -> None:
-        self.pool.start(slot)
+    def start(self, slot: int, params: SamplingParams = SamplingParams(), prompt_ids: list[int] | None = None) -> None:
+        self.pool.start(slot, params, prompt_ids)
 
-    def prefill(self, items: list[tuple[int, list[int], bool]]) -> list[torch.Tensor | None | BaseException]:
+    def prefill(self, items: list[tuple[int, list[int], bool]]) -> list[int | None | BaseException]:
         try:
             return self._prefill_step(items)
         except Exception as e:  # noqa: BLE001 - again one at a time: only the chunks that fail alone fail
             if len(items) == 1:
                 return [e]
-        out: list[torch.Tensor | None | BaseException] = []
+        out: list[int | None | BaseException] = []
         for item in items:  # rewriting a chunk's cache entries at the same positions is harmless
             try:
                 out += self._prefill_step([item])
@@ -86,19 +87,24 @@ class PoolRunner:
                 out.append(e)
         return out
 
-    def _prefill_step(self, items: list[tuple[int, list[int], bool]]) -> list[torch.Tensor | None]:
-        """The chunks of `items` in one packed prefill step (positions advance only if it ran)."""
+    def _prefill_step(self, items: list[tuple[int, list[int], bool]]) -> list[int | None]:
+        """The chunks of `items` in one packed prefill step (positions advance only if it ran),
+        and the first token of each sequence whose prompt it ends."""
         want = any(last for _, _, last in items)
         out = self.pool.prefill_many([s for s, _, _ in items], [ids for _, ids, _ in items],
                                      logits="last" if want else "none")
-        return [out[i] if last else None for i, (_, _, last) in enumerate(items)]
+        ending = [i for i, (_, _, last) in enumerate(items) if last]
+        first = dict(zip(ending, self.pool.first_tokens([items[i][0] for i in ending], out[ending]))) if ending else {}
+        return [first.get(i) for i in range(len(items))]
 
-    def decode(self, slots: list[int], ids: list[int], greedy: bool = False) -> list[torch.Tensor | int | BaseException]:
+    def decode(self, slots: list[int], ids: list[int]) -> list[int | BaseException]:
+        # every listed sequence greedy on the logits as they are: the argmax, else each row's sampler
+        plain = all(self.pool.sampler.params[s].plain_greedy for s in slots)
         try:
-            out = self.pool.decode(slots, ids, logits="argmax" if greedy else "last")
+            out = self.pool.decode(slots, ids, logits="argmax" if plain else "sample")
         except Exception as e:  # noqa: BLE001 - the step's sequences fail, the server goes on
             return [e] * len(slots)
-        return out.tolist() if greedy else list(out)
+        return out.tolist()
 
     def free(self, slot: int) -> None:
         pass  # the slot's cache stays allocated for its next sequence

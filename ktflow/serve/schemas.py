@@ -40,6 +40,13 @@ class _Request(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = None
+    # token selection beyond OpenAI's two (backends.sampling); selected on the GPU in the decode step
+    top_k: int | None = Field(default=None, ge=0)  # an extension (0: no limit)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)  # an extension
+    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)  # an extension
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias in [-100, 100]
     stop: str | list[str] | list[int] | None = None
     stop_token_ids: list[int] | None = None  # an extension: stop at any of these token ids
     ignore_eos: bool = False  # an extension: generate past eos (fixed lengths for load tests)
@@ -53,6 +60,33 @@ class _Request(BaseModel):
         if v != 1:
             raise ValueError(f"only n=1 is supported, got {v}")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        for key, bias in (v or {}).items():
+            try:
+                int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}") from None
+            if not -100.0 <= bias <= 100.0:  # NaN fails this too
+                raise ValueError(f"logit_bias for token {key} must be in [-100, 100], got {bias}")
+        return v
+
+    def sampling(self, vocab: int):
+        """The request's token selection as SamplingParams, checked against the vocabulary (an
+        ApiError naming the field otherwise)."""
+        from ..backends.sampling import SamplingParams, SamplingParamError
+
+        try:
+            return SamplingParams.make(temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                                       top_k=self.top_k, min_p=self.min_p,
+                                       repetition_penalty=self.repetition_penalty,
+                                       presence_penalty=self.presence_penalty,
+                                       frequency_penalty=self.frequency_penalty,
+                                       logit_bias=self.logit_bias).check(vocab)
+        except SamplingParamError as e:
+            raise ApiError(400, str(e), param=e.param) from None
 
     @field_validator("stop", mode="before")
     @classmethod

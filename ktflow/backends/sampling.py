@@ -1,0 +1,387 @@
+"""Token selection on the device, per row: greedy or sampled, in tensor ops a CUDA graph captures.
+
+A `Sampler` holds, for `rows` sequences, each row's `SamplingParams` as device tensors and its
+running state (how often it generated each token, whether the prompt held it, its random
+stream's counter). `select(logits)` turns a step's logits [rows, vocab] into the next ids [rows]
+without a host synchronisation and with fixed shapes, so the cuda_graph backend captures it in
+the decode step (one step or a run of K) and only the ids reach the host. On the CPU the same
+code selects the same ids (up to the rounding of the logits themselves).
+
+Per row, in this order (vLLM's order; the rules are HF transformers' and OpenAI's):
+
+1. `logit_bias` added to the logits;
+2. `repetition_penalty` r on every token of the prompt or generated so far: a logit x > 0
+   becomes x / r, else x * r; `frequency_penalty` f and `presence_penalty` p on generated
+   tokens: x - f * count - p * (count > 0);
+3. temperature 0 (or top_k 1): the argmax (greedy). Else probabilities softmax(x / temperature);
+   in sorted order, most likely first, the kept prefix is the shortest of: the first `top_k` (0:
+   all); the tokens whose mass before them is below `top_p` of the first top_k's mass; those
+   with probability at least `min_p` times the most likely's; and at least one. Every token as
+   likely as the last kept one is kept (ties at the edge all stay, as HF's top-k keeps them);
+4. the token drawn from the kept ones in proportion to their probabilities: the first token, in
+   id order, whose cumulative kept mass passes u times the total, u ~ U[0, 1) from the row's
+   stream: u = hash(seed, counter) (a counter-based generator: the same seed and step give the
+   same u on any device), counter + 1 after each step. So top_k=1 equals greedy, a seed
+   reproduces on any backend, and each row draws from its own stream.
+
+The generated counts and the counter advance only for rows marked active (`set_active`: a
+ragged batch's padding rows leave a sequence's state alone).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..errors import InputError
+
+#: most logit_bias entries a row may carry (OpenAI's limit): the bias tensors have this fixed width
+MAX_LOGIT_BIAS = 300
+
+_M32 = 0xFFFFFFFF
+
+#: a Sampler's device tensors, each with one row per sequence
+_TENSORS = ("temperature", "top_p", "min_p", "top_k", "repetition", "presence", "frequency", "bias_ids", "bias",
+            "seed_lo", "seed_hi", "counter", "counts", "in_prompt", "active")
+
+
+class SamplingParamError(InputError):
+    """A sampling parameter out of range; `param` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one sequence picks its tokens (see the module docstring); the defaults are greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
+
+    @staticmethod
+    def make(*, logit_bias: dict | Sequence | None = None, **kw) -> "SamplingParams":
+        """Params from keyword arguments (None means the default), `logit_bias` as a mapping
+        token id -> bias; checked (`check`) against no vocabulary yet."""
+        kw = {k: v for k, v in kw.items() if v is not None}
+        unknown = set(kw) - set(SamplingParams.__dataclass_fields__)
+        if unknown:
+            raise SamplingParamError(sorted(unknown)[0], f"unknown sampling parameter(s) {sorted(unknown)}; known: "
+                             f"{', '.join(SamplingParams.__dataclass_fields__)}")
+        bias = ()
+        if logit_bias:
+            items = logit_bias.items() if isinstance(logit_bias, dict) else logit_bias
+            try:
+                bias = tuple(sorted((_token_id(k), float(v)) for k, v in items))
+            except (TypeError, ValueError):
+                raise SamplingParamError("logit_bias", "logit_bias must map token ids (integers) to numbers") from None
+        return SamplingParams(logit_bias=bias, **kw)
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the row takes the argmax (temperature 0, or top_k 1)."""
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing changing the logits: the argmax of the logits as they are."""
+        return (self.greedy and not self.logit_bias and self.repetition_penalty == 1.0
+                and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0)
+
+    def check(self, vocab: int | None = None) -> "SamplingParams":
+        """Self, or an InputError naming the parameter out of range."""
+        def bad(name: str, want: str):
+            raise SamplingParamError(name, f"{name} must be {want}, got {getattr(self, name)!r}")
+
+        num = (int, float)
+        if not isinstance(self.temperature, num) or not (math.isfinite(self.temperature) and self.temperature >= 0):
+            bad("temperature", "a finite number >= 0 (0: greedy)")
+        if not isinstance(self.top_p, num) or not 0.0 < self.top_p <= 1.0:  # NaN fails this too
+            bad("top_p", "in (0, 1]")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            bad("top_k", "an integer >= 0 (0: no limit)")
+        if not isinstance(self.min_p, num) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "in [0, 1]")
+        if not isinstance(self.repetition_penalty, num) or not (
+                math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            bad("repetition_penalty", "a finite number > 0 (1: none)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, num) or not math.isfinite(v):
+                bad(name, "a finite number (0: none)")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise SamplingParamError("logit_bias", f"logit_bias has {len(self.logit_bias)} entries; at most "
+                                     f"{MAX_LOGIT_BIAS}")
+        for tok, v in self.logit_bias:
+            if tok < 0 or (vocab is not None and tok >= vocab):
+                raise SamplingParamError("logit_bias", f"logit_bias names token id {tok}, outside the vocabulary"
+                                         + (f" (ids 0..{vocab - 1})" if vocab is not None else " (ids are >= 0)"))
+            if not math.isfinite(v):
+                raise SamplingParamError("logit_bias", f"logit_bias for token {tok} must be a finite number, got {v!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            bad("seed", "an integer")
+        return self
+
+
+def _token_id(k) -> int:
+    if isinstance(k, bool):
+        raise TypeError
+    if isinstance(k, str):  # JSON object keys arrive as strings
+        return int(k.strip())
+    if isinstance(k, int):
+        return k
+    raise TypeError
+
+
+# ------------------------------------------------------------------------------- random stream
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x int64 in [0, 2**32) and a 32-bit constant c, in 16-bit halves (no
+    product leaves int64's range)."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _M32
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply, two rounds) of int64 values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """u in [0, 1) (float64, 53 random bits) per element from a 64-bit seed (two 32-bit halves,
+    int64) and a step counter: the same inputs give the same u on any device."""
+    a = _mix((counter & _M32) ^ _mix(seed_hi ^ 0x9E3779B9))
+    b = _mix(a ^ seed_lo)
+    c = _mix(b ^ 0x85EBCA6B)
+    return ((b >> 5) * 67108864 + (c >> 6)).to(torch.float64) / 9007199254740992.0  # (27 + 26 bits) / 2**53
+
+
+# ------------------------------------------------------------------------------- the sampler
+
+
+class Sampler:
+    """Per-row selection state on `device` (see the module docstring)."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device | str):
+        dev = torch.device(device)
+        self.rows, self.vocab, self.device = rows, vocab, dev
+
+        def zeros(*shape, dtype=torch.float32):
+            return torch.zeros(*shape, dtype=dtype, device=dev)
+
+        self.temperature, self.top_p, self.min_p = zeros(rows), torch.ones(rows, device=dev), zeros(rows)
+        self.top_k = zeros(rows, dtype=torch.int64)
+        self.repetition, self.presence, self.frequency = torch.ones(rows, device=dev), zeros(rows), zeros(rows)
+        self.bias_ids = zeros(rows, MAX_LOGIT_BIAS, dtype=torch.int64)
+        self.bias = zeros(rows, MAX_LOGIT_BIAS)
+        self.seed_lo, self.seed_hi = zeros(rows, dtype=torch.int64), zeros(rows, dtype=torch.int64)
+        self.counter = zeros(rows, dtype=torch.int64)
+        self.counts = zeros(rows, vocab, dtype=torch.int32)  # generated tokens, per token id
+        self.in_prompt = zeros(rows, vocab, dtype=torch.bool)
+        self.active = torch.ones(rows, dtype=torch.int32, device=dev)
+        self.params: list[SamplingParams] = [SamplingParams()] * rows  # the host's copy
+        self._active_host = [True] * rows
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row takes the argmax of the logits as they are (no sampling, bias or penalty)."""
+        return all(p.plain_greedy for p in self.params)
+
+    def set_row(self, row: int, params: SamplingParams, prompt: Sequence[int] | torch.Tensor | None = ()) -> None:
+        """Row `row` starts a sequence with `params` (checked against the vocabulary) after
+        `prompt` (the token ids the repetition penalty counts): counts cleared, the stream at
+        step 0 of `params.seed` (None: a random seed). Synchronous: done when it returns."""
+        params.check(self.vocab)
+        seed = params.seed if params.seed is not None else random.getrandbits(64)
+        seed %= 1 << 64
+        t = params.temperature
+        vals = torch.tensor([t, params.top_p, params.min_p, params.repetition_penalty, params.presence_penalty,
+                             params.frequency_penalty], dtype=torch.float64)
+        for dst, v in zip((self.temperature, self.top_p, self.min_p, self.repetition, self.presence,
+                           self.frequency), vals):
+            dst[row] = v
+        self.top_k[row] = params.top_k
+        ids = torch.zeros(MAX_LOGIT_BIAS, dtype=torch.int64)
+        bias = torch.zeros(MAX_LOGIT_BIAS)
+        for i, (tok, v) in enumerate(params.logit_bias):
+            ids[i], bias[i] = tok, v
+        self.bias_ids[row].copy_(ids)
+        self.bias[row].copy_(bias)
+        self.seed_lo[row], self.seed_hi[row] = seed & _M32, seed >> 32
+        self.counter[row] = 0
+        self.counts[row].zero_()
+        self.in_prompt[row].zero_()
+        if prompt is not None and len(prompt):
+            p = torch.as_tensor(prompt, dtype=torch.int64).reshape(-1).to(self.device)
+            self.in_prompt[row].index_fill_(0, p, True)
+        self.params[row] = params
+        self._sync()
+
+    def set_active(self, active: Sequence[bool]) -> None:
+        """Which rows' counts and stream the next steps advance (the others are padding)."""
+        active = [bool(a) for a in active]
+        if active != self._active_host:
+            self.active.copy_(torch.tensor(active, dtype=torch.int32))
+            self._active_host = active
+            self._sync()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def rows_view(self, rows: int) -> "Sampler":
+        """A sampler over views of the first `rows` rows, for a step of that batch over them (what
+        it selects and counts lands here). Rows are set and marked active on this sampler."""
+        view = object.__new__(Sampler)
+        view.rows, view.vocab, view.device = rows, self.vocab, self.device
+        for name in _TENSORS:
+            setattr(view, name, getattr(self, name)[:rows])
+        view.params, view._active_host = self.params, self._active_host  # shared: read through the base
+        return view
+
+    def load(self, other: "Sampler") -> None:
+        """Take `other`'s rows (same shape): parameters, counts, streams."""
+        if (other.rows, other.vocab) != (self.rows, self.vocab):
+            raise InputError(f"a sampler of {other.rows} rows x {other.vocab} tokens cannot stand in for one of "
+                             f"{self.rows} x {self.vocab}")
+        for name in _TENSORS:
+            getattr(self, name).copy_(getattr(other, name))
+        self.params = list(other.params)
+        self._active_host = list(other._active_host)
+        self._sync()
+
+    def key(self) -> tuple[int, ...]:
+        """The addresses of the tensors a captured step reads and writes (a graph is bound to them)."""
+        return tuple(getattr(self, name).data_ptr() for name in _TENSORS)
+
+    # --------------------------------------------------------------------------- selecting
+    def select(self, logits: torch.Tensor, captured: bool = False) -> torch.Tensor:
+        """The next ids [rows] (int64) from logits [rows, vocab] on the sampler's device; every
+        active row's counts and stream advance. Tensor ops only (capturable). `captured`: the
+        ops run in a graph replayed whatever the rows' parameters become, so every stage runs;
+        else the stages no row needs are left out (the host knows the rows' parameters)."""
+        ids = select_ids(logits, self.temperature, self.top_p, self.top_k, self.min_p, self.repetition,
+                         self.presence, self.frequency, self.bias_ids, self.bias, self.seed_lo, self.seed_hi,
+                         self.counter, self.counts, self.in_prompt, *self._stages(captured))
+        self.counts.scatter_add_(1, ids[:, None], self.active[:, None])
+        self.counter.add_(self.active)
+        return ids
+
+    def _stages(self, captured: bool, params: Sequence[SamplingParams] | None = None) -> tuple[bool, ...]:
+        """(bias, penalties, a draw, truncation): the stages of `select_ids` some row needs (all
+        when captured)."""
+        if captured:
+            return True, True, True, True
+        params = self.params[:self.rows] if params is None else params
+        return (any(p.logit_bias for p in params),
+                any((p.repetition_penalty, p.presence_penalty, p.frequency_penalty) != (1.0, 0.0, 0.0) for p in params),
+                any(not p.greedy for p in params),
+                any(not p.greedy and (p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0) for p in params))
+
+    def select_rows(self, logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """The next ids [len(rows)] from logits [len(rows), vocab] for those rows only (a prompt's
+        first token; not captured); their counts and streams advance."""
+        r = torch.as_tensor(list(rows), dtype=torch.int64, device=self.device)
+        pick = lambda t: t.index_select(0, r)  # noqa: E731
+        counts, counter = pick(self.counts), pick(self.counter)
+        ids = select_ids(logits.to(self.device, torch.float32), pick(self.temperature), pick(self.top_p),
+                         pick(self.top_k), pick(self.min_p), pick(self.repetition), pick(self.presence),
+                         pick(self.frequency), pick(self.bias_ids), pick(self.bias), pick(self.seed_lo),
+                         pick(self.seed_hi), counter, counts, pick(self.in_prompt),
+                         *self._stages(False, [self.params[i] for i in rows]))
+        counts.scatter_add_(1, ids[:, None], torch.ones_like(ids[:, None], dtype=torch.int32))
+        self.counts.index_copy_(0, r, counts)
+        self.counter.index_copy_(0, r, counter + 1)
+        return ids
+
+
+#: tokens a chunk of the vocabulary holds where prefix sums are taken in two levels (sums of
+#: chunks, then within one chunk): a full-width scan of a few rows is slow on a GPU
+CHUNK = 512
+
+
+def _chunks(w: torch.Tensor) -> torch.Tensor:
+    """w [rows, vocab] as [rows, chunks, CHUNK], zero-padded."""
+    rows, vocab = w.shape
+    pad = -vocab % CHUNK
+    if pad:
+        w = torch.nn.functional.pad(w, (0, pad))
+    return w.view(rows, -1, CHUNK)
+
+
+def _first_passing(w: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index i whose prefix sum w[:, :i + 1].sum() exceeds target [rows]
+    (w >= 0; clamped to the last index), found in two levels: the chunk, then inside it."""
+    c = _chunks(w)
+    sums = c.sum(-1)
+    ends = sums.cumsum(-1)
+    j = (ends <= target[:, None]).sum(-1).clamp(max=c.shape[1] - 1)
+    before = (ends - sums).gather(1, j[:, None])
+    inner = c.gather(1, j[:, None, None].expand(-1, 1, CHUNK)).squeeze(1).cumsum(-1) + before
+    i = (inner <= target[:, None]).sum(-1).clamp(max=CHUNK - 1)
+    return (j * CHUNK + i).clamp(max=w.shape[1] - 1)
+
+
+def _prefix(w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """Per row, w[:, :i + 1].sum() for index i [rows], in two levels."""
+    c = _chunks(w)
+    sums = c.sum(-1)
+    j = i // CHUNK
+    before = (sums.cumsum(-1) - sums).gather(1, j[:, None]).squeeze(1)
+    inner = c.gather(1, j[:, None, None].expand(-1, 1, CHUNK)).squeeze(1).cumsum(-1)
+    return before + inner.gather(1, (i % CHUNK)[:, None]).squeeze(1)
+
+
+def select_ids(logits, temperature, top_p, top_k, min_p, repetition, presence, frequency, bias_ids, bias, seed_lo,
+               seed_hi, counter, counts, in_prompt, biased=True, penalized=True, drawn=True, truncated=True) -> torch.Tensor:
+    """The rule of the module docstring, over rows of per-row parameter tensors (see Sampler).
+    A stage whose flag is off is left out: the caller knows no row needs it (bias: no row has a
+    logit_bias; penalties: none has a penalty; a draw: every row is greedy; truncation: no
+    sampled row has top_k > 1, top_p < 1 or min_p > 0, so nothing is sorted; the draw is the
+    same as with the flag on). Every pass over the vocabulary is an elementwise op or a
+    reduction (no softmax or scan of a whole row: on a GPU those run a block a row)."""
+    rows, vocab = logits.shape
+    x = logits.float()
+    if biased:
+        x = x.scatter_add(1, bias_ids, bias)
+    if penalized:
+        seen = in_prompt | (counts > 0)
+        r = repetition[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+        x = x - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+    best = x.argmax(-1)
+    if not drawn:
+        return best
+    sampled = temperature > 0
+    t = torch.where(sampled, temperature, torch.ones_like(temperature))
+    z = x / t[:, None]
+    top = z.gather(1, best[:, None])  # the largest z
+    w = torch.exp(z - top)  # unnormalised probabilities, at most 1
+    if truncated:  # each row's kept tokens: those at least as likely as its last kept one in sorted order
+        ws = w.sort(dim=-1, descending=True).values
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab)) - 1  # last index
+        target = top_p * _prefix(ws, k)  # top_p of the first top_k's mass
+        last = torch.minimum(_first_passing(ws, target * (1 - 2.0 ** -20)), k)  # the mass before it is below
+        cut = torch.maximum(ws.gather(1, last[:, None]), min_p[:, None])  # min_p times the most likely (1)
+        w = w * (w >= cut)
+    total = w.sum(-1)
+    u = uniform(seed_lo, seed_hi, counter).float() * total
+    drawn = _first_passing(w, torch.minimum(u, total * (1 - 2.0 ** -20)))  # where the mass passes u
+    return torch.where(sampled & (top_k != 1), drawn, best)

@@ -1,0 +1,267 @@
+"""Token selection (ktflow.backends.sampling) against a reference written from the definitions:
+same support, the same distribution by a chi-square test at a fixed seed count, top_k=1 equal to
+greedy, a seed that reproduces, penalties and logit_bias as HF and OpenAI define them, and bad
+parameters named. On CUDA (where present) the GPU selects what the CPU selects."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ktflow.backends.sampling import MAX_LOGIT_BIAS, Sampler, SamplingParamError, SamplingParams, uniform
+from ktflow.errors import InputError
+
+CUDA = torch.cuda.is_available()
+
+
+def reference(logits: torch.Tensor, p: SamplingParams, generated=(), prompt=()) -> torch.Tensor:
+    """The distribution a row with params `p` draws from, in float64, written from the
+    definitions one token at a time (not vectorised like the sampler)."""
+    x = logits.double().clone()
+    for tok, b in p.logit_bias:
+        x[tok] += b
+    counts = torch.bincount(torch.tensor(list(generated), dtype=torch.int64), minlength=len(x)).double()
+    for tok in range(len(x)):
+        if counts[tok] > 0 or tok in prompt:
+            x[tok] = x[tok] / p.repetition_penalty if x[tok] > 0 else x[tok] * p.repetition_penalty
+        x[tok] -= p.frequency_penalty * counts[tok] + p.presence_penalty * (counts[tok] > 0)
+    probs = torch.softmax(x / p.temperature, 0)
+    order = probs.argsort(descending=True).tolist()
+    k = p.top_k or len(x)
+    top_mass = sum(probs[t] for t in order[:k])
+    kept, before = [], 0.0
+    for rank, t in enumerate(order):
+        if rank >= k or before >= p.top_p * top_mass or probs[t] < p.min_p * probs[order[0]]:
+            break
+        kept.append(t)
+        before += float(probs[t])
+    out = torch.zeros_like(probs)
+    out[kept] = probs[kept]
+    return out / out.sum()
+
+
+def chi2_limit(dof: int) -> float:
+    """The chi-square quantile at p = 0.999 (Wilson-Hilferty)."""
+    z = 3.09
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def draws(logits: torch.Tensor, p: SamplingParams, n: int, device="cpu", captured=False) -> torch.Tensor:
+    """n draws from one row's logits: n rows with seeds 0..n-1 (every row its own stream)."""
+    s = Sampler(n, logits.shape[-1], device)
+    for r in range(n):
+        s.set_row(r, SamplingParams(**{**p.__dict__, "seed": 1000 + r}))
+    return s.select(logits.to(device).expand(n, -1).contiguous(), captured=captured).cpu()
+
+
+CASES = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_p=0.95),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=0.8, top_k=6),
+    SamplingParams(temperature=1.0, min_p=0.1),
+    SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02),
+    SamplingParams(temperature=1.0, logit_bias=((3, 2.5), (7, -100.0))),
+]
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["host-stages", "every-stage"])
+@pytest.mark.parametrize("params", CASES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.__dict__.items()
+                                                                    if v != SamplingParams.__dataclass_fields__[k].default))
+def test_draws_follow_the_reference_distribution(params, captured):
+    torch.manual_seed(0)
+    logits = torch.randn(40) * 1.5
+    n = 12000
+    got = torch.bincount(draws(logits, params, n, captured=captured), minlength=40).double()
+    ref = reference(logits, params)
+    support = ref > 0
+    assert got[~support].sum() == 0, "a token outside the kept set was drawn"
+    expected = ref * n
+    big = support & (expected >= 5)  # the chi-square cells; the rare ones pooled
+    cells = torch.cat([got[big], got[support & ~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[support & ~big].sum()[None]])
+    keep = exp > 0
+    chi2 = float(((cells[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    dof = int(keep.sum()) - 1
+    if dof == 0:
+        assert got[support].sum() == n
+    else:
+        assert chi2 < chi2_limit(dof), (chi2, dof)
+
+
+def test_the_draws_are_not_one_token_everywhere():
+    """The chi-square test above would pass a sampler stuck on a one-token support only where the
+    reference is one token: here it is not."""
+    logits = torch.zeros(10)
+    got = draws(logits, SamplingParams(temperature=1.0), 2000)
+    assert len(set(got.tolist())) == 10
+
+
+def test_top_k_one_and_temperature_zero_are_greedy():
+    torch.manual_seed(1)
+    logits = torch.randn(64, 100)
+    s = Sampler(64, 100, "cpu")
+    for r in range(64):
+        s.set_row(r, SamplingParams(temperature=1.7, top_k=1, seed=r) if r % 2 else SamplingParams())
+    assert torch.equal(s.select(logits), logits.argmax(-1))
+    assert torch.equal(s.select(logits, captured=True), logits.argmax(-1))
+
+
+def test_a_seed_reproduces_and_the_stream_moves_on():
+    logits = torch.zeros(1, 1000)
+
+    def run(seed):
+        s = Sampler(1, 1000, "cpu")
+        s.set_row(0, SamplingParams(temperature=1.0, seed=seed))
+        return [int(s.select(logits)) for _ in range(8)]
+
+    a, b, c = run(5), run(5), run(6)
+    assert a == b and a != c
+    assert len(set(a)) > 1  # each step draws afresh
+
+
+def test_host_stages_and_every_stage_select_the_same_tokens():
+    """The captured graph runs every stage; the host leaves out the ones no row needs: the same
+    ids either way, so a seed gives the same tokens on every backend."""
+    torch.manual_seed(2)
+    logits = torch.randn(16, 300)
+    for p in CASES:
+        picks = []
+        for captured in (False, True):
+            s = Sampler(16, 300, "cpu")
+            for r in range(16):
+                s.set_row(r, SamplingParams(**{**p.__dict__, "seed": r}))
+            picks.append(torch.stack([s.select(logits, captured=captured) for _ in range(3)]))
+        assert torch.equal(*picks), p
+
+
+def test_penalties_follow_their_definitions():
+    """Repetition (HF: prompt and generated, x / r where x > 0 else x * r), frequency and presence
+    (OpenAI: generated tokens, by count and by presence): the sampled distribution after three
+    generated tokens equals the reference's."""
+    torch.manual_seed(3)
+    logits = torch.randn(30)
+    p = SamplingParams(temperature=1.0, repetition_penalty=1.8, frequency_penalty=0.7, presence_penalty=0.4)
+    prompt, generated = [2, 5, 11], [5, 9, 9]
+    n = 12000
+    s = Sampler(n, 30, "cpu")
+    for r in range(n):
+        s.set_row(r, SamplingParams(**{**p.__dict__, "seed": r}), prompt)
+    for t in generated:  # as if each row had generated these: counts only
+        s.counts[:, t] += 1
+    got = torch.bincount(s.select(logits.expand(n, -1).contiguous()), minlength=30).double()
+    ref = reference(logits, p, generated, prompt)
+    chi2 = float(((got - ref * n) ** 2 / (ref * n)).sum())
+    assert chi2 < chi2_limit(29), chi2
+    # and a penalty moves the distribution: the unpenalised one is far off
+    plain = reference(logits, SamplingParams(temperature=1.0))
+    assert float(((got - plain * n) ** 2 / (plain * n)).sum()) > 5 * chi2_limit(29)
+
+
+def test_counts_advance_only_on_active_rows():
+    s = Sampler(3, 50, "cpu")
+    for r in range(3):
+        s.set_row(r, SamplingParams(temperature=1.0, seed=r))
+    s.set_active([True, False, True])
+    ids = s.select(torch.zeros(3, 50))
+    assert s.counter.tolist() == [1, 0, 1]
+    assert s.counts[1].sum() == 0 and s.counts[0, ids[0]] == 1 and s.counts[2, ids[2]] == 1
+
+
+def test_select_rows_continues_each_rows_stream():
+    """A prompt's first token (select_rows over some rows) and then the batched steps draw what a
+    row drawing alone draws."""
+    logits = torch.zeros(1, 500)
+    alone = Sampler(1, 500, "cpu")
+    alone.set_row(0, SamplingParams(temperature=1.0, seed=42))
+    want = [int(alone.select(logits)) for _ in range(4)]
+    pool = Sampler(3, 500, "cpu")
+    for r in range(3):
+        pool.set_row(r, SamplingParams(temperature=1.0, seed=42 if r == 2 else r))
+    got = [int(pool.select_rows(logits, [2])[0])]
+    got += [int(pool.select(logits.expand(3, -1).contiguous())[2]) for _ in range(3)]
+    assert got == want
+
+
+def test_uniform_is_uniform():
+    n = 200000
+    u = uniform(torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64))
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+    hist = torch.histc(u.float(), bins=20, min=0, max=1)
+    chi2 = float(((hist - n / 20) ** 2 / (n / 20)).sum())
+    assert chi2 < chi2_limit(19)
+    # a step's counter decorrelates: consecutive draws of one seed are not ordered
+    v = uniform(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), torch.arange(n))
+    assert abs(float(torch.corrcoef(torch.stack([v[:-1], v[1:]]))[0, 1])) < 0.01
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("temperature", -0.5, "temperature"), ("temperature", float("nan"), "temperature"),
+    ("top_p", 0.0, "top_p"), ("top_p", 1.5, "top_p"), ("top_k", -1, "top_k"),
+    ("min_p", 1.2, "min_p"), ("min_p", -0.1, "min_p"), ("repetition_penalty", 0.0, "repetition_penalty"),
+    ("presence_penalty", float("inf"), "presence_penalty"), ("frequency_penalty", float("nan"), "frequency_penalty"),
+])
+def test_bad_parameters_name_themselves(field, value, match):
+    with pytest.raises(SamplingParamError, match=match) as e:
+        SamplingParams(**{field: value}).check(100)
+    assert e.value.param == field and isinstance(e.value, InputError)
+
+
+def test_bad_logit_bias_is_named():
+    with pytest.raises(SamplingParamError, match="outside the vocabulary") as e:
+        SamplingParams.make(logit_bias={100: 1.0}).check(100)
+    assert e.value.param == "logit_bias"
+    with pytest.raises(SamplingParamError, match="finite"):
+        SamplingParams.make(logit_bias={"3": float("nan")}).check(100)
+    with pytest.raises(SamplingParamError, match="token ids"):
+        SamplingParams.make(logit_bias={"three": 1.0})
+    with pytest.raises(SamplingParamError, match="at most"):
+        SamplingParams.make(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}).check()
+    assert SamplingParams.make(logit_bias={"3": 2}).logit_bias == ((3, 2.0),)  # JSON keys are strings
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_the_gpu_selects_what_the_cpu_selects():
+    torch.manual_seed(4)
+    logits = torch.randn(32, 4000)
+    for p in CASES:
+        picks = []
+        for device in ("cpu", "cuda"):
+            s = Sampler(32, 4000, device)
+            for r in range(32):
+                s.set_row(r, SamplingParams(**{**p.__dict__, "seed": r}), [1, 2, 3])
+            picks.append(torch.stack([s.select(logits.to(device), captured=True).cpu() for _ in range(3)]))
+        # the same u and the same rule; a token may differ only where float rounding moves a boundary
+        assert (picks[0] != picks[1]).float().mean() < 0.02, p
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_selection_captures_in_a_cuda_graph_and_replays_new_draws():
+    s = Sampler(4, 1000, "cuda")
+    for r in range(4):
+        s.set_row(r, SamplingParams(temperature=1.0, top_p=0.9, seed=r))
+    logits = torch.randn(4, 1000, device="cuda")
+    out = torch.zeros(4, dtype=torch.int64, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out.copy_(s.select(logits, captured=True))  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(s.select(logits, captured=True))
+    seen = []
+    for _ in range(6):
+        graph.replay()
+        torch.cuda.synchronize()
+        seen.append(out.tolist())
+    assert s.counter.tolist() == [7] * 4  # the warm-up and six replays
+    assert len({tuple(x) for x in seen}) > 1
+    # a fresh sampler at the same seeds, stepped eagerly, draws the same tokens
+    t = Sampler(4, 1000, "cuda")
+    for r in range(4):
+        t.set_row(r, SamplingParams(temperature=1.0, top_p=0.9, seed=r))
+    t.select(logits, captured=True)
+    assert [t.select(logits, captured=True).tolist() for _ in range(6)] == seen
