@@ -33,7 +33,9 @@ EXPS_RE = re.compile(r"\.ffn_(up|down|gate|gate_up)_(ch|)exps\.")  # llama.cpp's
 def import_gguf(src: Path | None = None):
     """gguf-py: importable already, or from a llama.cpp tree (`src`, LLAMA_SRC, /tmp/llama-src)."""
     try:
-        import gguf  # noqa: F401
+        import gguf
+
+        return gguf
     except ImportError:
         for d in (src, os.environ.get("LLAMA_SRC"), "/tmp/llama-src", "/tmp/llama"):
             if d and (Path(d) / "gguf-py" / "gguf").is_dir():

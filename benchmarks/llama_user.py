@@ -167,6 +167,8 @@ def sampler_ms(libllama: Path, vocab: int, temperature: float, top_p: float, ite
         cand["id"], cand["logit"], cand["p"] = ids, logits, 0.0  # as common_sampler fills its candidates
         arr = TokenDataArray(cand.ctypes.data_as(ctypes.POINTER(TokenData)), vocab, -1, False)
         lib.llama_sampler_apply(chain, ctypes.byref(arr))
+        if not 0 <= arr.selected < arr.size:
+            raise RuntimeError(f"llama.cpp's sampler chain selected no token ({arr.selected})")
         if i >= 10:
             took.append((time.perf_counter() - t0) * 1e3)
     lib.llama_sampler_free(chain)
@@ -215,8 +217,9 @@ class Llama:
                                  + test_args(kind, n, ub, t), poll=0.2)
         b = buffers(log)
         process = used * MIB if used else sum(b.values()) * MIB + 0.6e9  # (no nvidia-smi: a context guessed)
-        return dict(rc=rc, probe_buffers_gb=round(sum(b.values()) * MIB / 1e9, 3), probe_process_gb=round(process / 1e9, 3),
-                    overhead_gb=round((process - sum(b.values()) * MIB) / 1e9, 3), room_gb=round((self.budget - process) / 1e9, 3))
+        held = sum(b.values()) * MIB
+        return dict(rc=rc, probe_buffers_gb=round(held / 1e9, 3), probe_process_gb=round(process / 1e9, 3),
+                    overhead_gb=round((process - held) / 1e9, 3), room_gb=round((self.budget - process) / 1e9, 3))
 
     def run(self, kind: str, n: int, ub: int, threads: str, placement: str) -> list[dict]:
         """One test at the limit: probe, choose N (or llama.cpp's fitter), run; rows."""
@@ -257,13 +260,15 @@ class Llama:
         out = []
         where = f"-ncmoe {ncmoe}" if ncmoe is not None else f"-fitt {pr['fit_margin_mib']}"
         for d in rows:
-            row = dict(table=f"llama_{kind}", system=f"llama.cpp {where}" + (f", -ub {ub}" if kind == "prefill" else ""),
+            system = f"llama.cpp {where}" + (f", -ub {ub}" if kind == "prefill" else "")
+            row = dict(table=f"llama_{kind}", system=system,
                        tok_s=round(float(d["avg_ts"]), 2), sd=round(float(d["stddev_ts"]), 2),
                        threads=int(d["n_threads"]), llama_commit=d.get("build_commit"), **common)
             row.update(prompt=n, ub=ub) if kind == "prefill" else row.update(decode_tokens=n)
             out.append(row)
             print(f"  {row['system']:34s} {kind} {n:6d} t{row['threads']}: {row['tok_s']:9.2f} +- {row['sd']:7.2f} "
-                  f"tok/s; VRAM {row['process_gb']} GB ({'polled' if used else 'buffers + probe overhead'})", flush=True)
+                  f"tok/s; VRAM {row['process_gb']} GB ({'polled' if used else 'buffers + probe overhead'})",
+                  flush=True)
         self.emit(out)
         return out
 
@@ -285,7 +290,8 @@ def prepare_gguf(a, binary: Path, out: Path) -> None:
     llama_cpp.convert(tdir, tmpl, "q8_0", Path(a.llama_src), Path(a.tools), binary)
     gguf_synth.import_gguf(Path("/tmp/llama-src"))
     gguf_synth.synthesize(tmpl, out, cfg["num_hidden_layers"])
-    for p in (tdir, Path(f"{tmpl}.src"), tmpl, llama_cpp.gguf_for(tdir, "bf16"), Path(f"{llama_cpp.gguf_for(tdir, 'bf16')}.src")):
+    bf16 = llama_cpp.gguf_for(tdir, "bf16")
+    for p in (tdir, Path(f"{tmpl}.src"), tmpl, bf16, Path(f"{bf16}.src")):
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
@@ -295,7 +301,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=0)
     ap.add_argument("--gguf", default=None, help="default /tmp/ktflow-e2e/<model>[-<layers>l].q8_0-random.gguf")
     ap.add_argument("--vram-gb", type=float, required=True)
-    ap.add_argument("--llama", required=True, help="llama-bench: a build dir, or a dir with the prebuilt tarball's parts")
+    ap.add_argument("--llama", required=True,
+                    help="llama-bench: a build dir, or a dir with the prebuilt tarball's parts")
     ap.add_argument("--llama-src", default="", help="llama.cpp source .tgz (converter, gguf-py): to write the GGUF")
     ap.add_argument("--tools", default="", help="dir with gguf-convert.py and tiny-tokenizer.py")
     ap.add_argument("--prefill", default="8192,32768")
@@ -319,7 +326,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         gguf.parent.mkdir(parents=True, exist_ok=True)
         prepare_gguf(a, binary, gguf)
-        print(f"GGUF {gguf} ({gguf.stat().st_size / 1e9:.1f} GB) written in {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"GGUF {gguf} ({gguf.stat().st_size / 1e9:.1f} GB) written in {time.perf_counter() - t0:.0f} s",
+              flush=True)
     if a.prepare_only:
         return 0
     cpus = len(os.sched_getaffinity(0))
@@ -330,7 +338,8 @@ def main(argv=None) -> int:
 
     ll = Llama(a, binary, gguf, tensor_sizes(gguf), info)
     info["layers"] = ll.blocks
-    print(f"llama.cpp at {a.vram_gb} GB: {gguf.name}, {ll.blocks} blocks, experts {sum(ll.per_block.values()) / 1e9:.1f} "
+    print(f"llama.cpp at {a.vram_gb} GB: {gguf.name}, {ll.blocks} blocks, experts "
+          f"{sum(ll.per_block.values()) / 1e9:.1f} "
           f"GB ({max(ll.per_block.values()) / 1e9:.3f} GB a block); DRAM {info['dram_gbps']} GB/s", flush=True)
     ubs = [int(u) for u in a.ub.split(",") if u]
     for n in [int(x) for x in a.prefill.split(",") if x]:

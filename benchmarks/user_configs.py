@@ -50,9 +50,9 @@ from common import HERE, append_jsonl, commit, machine  # noqa: E402
 from e2e import MODELS as FULL, budget_without_experts, compile_cpu_experts, write_checkpoint  # noqa: E402
 
 TINY = {  # dry-run shapes: the families of the real ones, small enough for a CPU test
-    "qwen3-tiny": dict(FULL["qwen3"], vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
-                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
-                       num_experts_per_tok=2, max_position_embeddings=4096),
+    "qwen3-tiny": dict(FULL["qwen3"], vocab_size=1024, hidden_size=256, intermediate_size=512,
+                       moe_intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=64, num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096),
     "dsv2lite-tiny": dict(FULL["dsv2lite"], vocab_size=1024, hidden_size=64, intermediate_size=128,
                           moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
                           n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=32,
@@ -100,6 +100,8 @@ class Vram:
         """The allocator may hold `gb` GB less the context (None: the whole card)."""
         self.cap_gb = gb
         if self.cuda:
+            gc.collect()
+            torch.cuda.empty_cache()  # what the probe or a phase before left cached counts against a cap
             frac = 1.0 if gb is None else (gb * 1e9 - self.ctx_bytes) / self.total
             if not 0 < frac <= 1:
                 raise SystemExit(f"a {gb} GB limit leaves nothing beside the {self.ctx_bytes / 1e9:.2f} GB context")
@@ -242,7 +244,8 @@ def prefill_row(c, vocab: int, tokens: int, reps: int, cuda: bool) -> dict:
                 sd=round(statistics.stdev(rates), 1) if len(rates) > 1 else 0.0, reps=rates,
                 bucket=plan.step_tokens, chunks=-(-tokens // c.chunk_tokens), decisions=prefill_decisions(plan),
                 predicted_tok_s=round(plan.step_tokens / plan.predicted_step_us * 1e6, 1),
-                predicted_gb=round(plan.memory.gpu_bytes / 1e9, 3), staging_gb=round(plan.memory.staging_bytes / 1e9, 3))
+                predicted_gb=round(plan.memory.gpu_bytes / 1e9, 3),
+                staging_gb=round(plan.memory.staging_bytes / 1e9, 3))
 
 
 def decode_rate(c, vocab: int, new: int, seed: int, temperature: float = 0.0, top_p: float = 1.0) -> float:

@@ -60,7 +60,8 @@ def report(rows: list[dict], out=print) -> dict:
             cell = lambda r: f"{r['tok_s']:.0f} +- {r['sd']:.0f}" if r else "—"  # noqa: E731
             how = f" ({u['decisions']})" if u else ""
             mode = f" ({best['system']})" if best else ""
-            out(f"| {n} | {cell(u)}{how} | {cell(f)} | {cell(best)}{mode} | {verdict(vs_l, 3.0)} | {verdict(vs_f, 0.7)} |")
+            out(f"| {n} | {cell(u)}{how} | {cell(f)} | {cell(best)}{mode} | {verdict(vs_l, 3.0)} | "
+                f"{verdict(vs_f, 0.7)} |")
         dec = {r["variant"]: r for r in rs if r.get("table") == "decode"}
         tg = max((r for r in rs if r.get("table") == "llama_decode" and "tok_s" in r), key=lambda r: r["tok_s"],
                  default=None)
@@ -86,7 +87,8 @@ def report(rows: list[dict], out=print) -> dict:
                     t["sampled_vs_one_step"] = r["decode_tok_s"] / one["decode_tok_s"] if one else None
                     other = f"vs greedy one step a launch (>= 0.95x): {verdict(t['sampled_vs_one_step'], 0.95)}"
                     if smp and smp.get("sampled_estimate_tok_s"):
-                        other += f"; vs llama.cpp sampled estimate {r['decode_tok_s'] / smp['sampled_estimate_tok_s']:.2f}x"
+                        est = r["decode_tok_s"] / smp["sampled_estimate_tok_s"]
+                        other += f"; vs llama.cpp sampled estimate {est:.2f}x"
                 out(f"| ktflow {name} | {r['decode_tok_s']:.2f} +- {r['decode_sd']:.2f} | "
                     f"{verdict(vs, 1.3) if name != 'greedy, one step a launch' else (f'{vs:.2f}x' if vs else '—')} "
                     f"| {other} |")
@@ -96,7 +98,8 @@ def report(rows: list[dict], out=print) -> dict:
                 out(f"| prefill reservation, same rounds: at the limit {g['decode_tok_s']:.2f} vs decode-only "
                     f"{d['decode_tok_s']:.2f} ({d['gpu_experts']} GPU experts against {g['gpu_experts']}) | "
                     f"{g['vs_decode_only']:.4f}x (rounds' mean {g['vs_decode_only_paired']:.4f}x) | | cost <= 3%: "
-                    f"{'**met**' if t['reservation_cost'] <= 0.03 else 'not met'} ({100 * t['reservation_cost']:.1f}%) |")
+                    f"{'**met**' if t['reservation_cost'] <= 0.03 else 'not met'} "
+                    f"({100 * t['reservation_cost']:.1f}%) |")
         vr = [r for r in rs if r.get("table") == "vram"]
         lv = [r for r in rs if r.get("table", "").startswith("llama_") and "process_gb" in r]
         if vr or lv:
@@ -110,7 +113,8 @@ def report(rows: list[dict], out=print) -> dict:
                 pct = lambda e: "—" if e is None else f"{100 * e:+.1f}%"  # noqa: E731
                 out(f"| ktflow {r['variant']} (plans {', '.join(r['plans'])}) | {r['predicted_gb']} | "
                     f"{r.get('max_allocated_gb')} ({pct(r.get('err_allocated'))}) | {r.get('process_gb')} "
-                    f"({pct(r.get('err_process'))}) | {'yes' if errs and max(errs) <= 0.10 else 'no' if errs else '—'} |")
+                    f"({pct(r.get('err_process'))}) | "
+                    f"{'yes' if errs and max(errs) <= 0.10 else 'no' if errs else '—'} |")
             t["vram_worst_error"] = worst if vr else None
             for r in lv:
                 out(f"| {r.get('system', r['table'])} {r.get('prompt', r.get('decode_tokens', ''))} | limit "

@@ -62,7 +62,8 @@ def test_every_phase_writes_its_rows_on_the_cpu(tiny_qwen3, tmp_path):
     assert sorted(vram) == ["cpu-experts", "user"]
     assert vram["user"]["predicted_gb"] <= LIMIT * 1.0005  # every plan the user phase ran fits the limit
     assert "decode" in vram["user"]["plans"] and any(p.startswith("prefill") for p in vram["user"]["plans"])
-    assert all(r.get("vram_option") for r in rows if r["table"] in ("prefill", "decode") and r["variant"] != "cpu-experts")
+    limited = [r for r in rows if r["table"] in ("prefill", "decode") and r["variant"] != "cpu-experts"]
+    assert all(r.get("vram_option") for r in limited)
     from user_report import report
 
     lines = []
@@ -190,7 +191,8 @@ def test_gguf_synth_repeats_the_last_block_with_random_q8_0(tmp_path):
     for b in (1, 2):
         assert np.array_equal(t[f"blk.{b}.attn_norm.weight"].data, t["blk.0.attn_norm.weight"].data)
         e = t[f"blk.{b}.ffn_gate_exps.weight"]
-        assert e.tensor_type == gguf.GGMLQuantizationType.Q8_0 and list(e.shape) == list(t["blk.0.ffn_gate_exps.weight"].shape)
+        assert e.tensor_type == gguf.GGMLQuantizationType.Q8_0
+        assert list(e.shape) == list(t["blk.0.ffn_gate_exps.weight"].shape)
         blocks = np.asarray(e.data).reshape(-1, 34)
         assert (blocks[:, :2].copy().view(np.float16) == np.float16(0.02 / 73.3)).all()
         assert not np.array_equal(e.data, t["blk.0.ffn_gate_exps.weight"].data)  # new random bytes
@@ -203,8 +205,10 @@ def test_report_reads_each_target_off_the_rows():
     info = dict(bench="user_configs", run_id="r", model="qwen3", vram_gb=24.0, gpu="H100", layers=48, commit="c")
     rows = [dict(info, table="prefill", variant="user", prompt=8192, tok_s=9000.0, sd=1.0, decisions="L0-47 split"),
             dict(info, table="prefill", variant="cpu-experts", prompt=8192, tok_s=12000.0, sd=1.0, decisions="x"),
-            dict(info, table="llama_prefill", system="llama.cpp -ncmoe 20, -ub 2048", prompt=8192, tok_s=2000.0, sd=1.0),
-            dict(info, table="llama_prefill", system="llama.cpp -ncmoe 21, -ub 4096", prompt=8192, tok_s=3000.0, sd=1.0),
+            dict(info, table="llama_prefill", system="llama.cpp -ncmoe 20, -ub 2048", prompt=8192, tok_s=2000.0,
+                 sd=1.0),
+            dict(info, table="llama_prefill", system="llama.cpp -ncmoe 21, -ub 4096", prompt=8192, tok_s=3000.0,
+                 sd=1.0),
             dict(info, table="llama_decode", system="llama.cpp -ncmoe 14", threads=16, tok_s=100.0, sd=1.0),
             dict(info, table="llama_sampler", sampler_ms=0.5, sampled_estimate_tok_s=95.24),
             dict(info, table="decode", variant="greedy", decode_tok_s=131.0, decode_sd=1.0),
