@@ -67,6 +67,11 @@ rows record the replayed step too).
 A `graph+dauto` variant after the fit compiles with the fitted profile, so its choice is the
 calibrated cost model's.
 
+With `--vram-gb GB` this runs `user_configs.py` instead (its options): ktflow at a VRAM limit the
+size of a consumer GPU (the allocator capped there), greedy and sampled decode, the decode-only
+placement beside it; `llama_user.py` holds llama.cpp to the same limit, `user_configs.sh` runs both
+on the GPU machine and `user_report.py` prints the targets.
+
 Rows go to benchmarks/e2e.jsonl. The checkpoint dir (--dir, default /tmp/ktflow-e2e/<model>) is
 reused when it exists and matches.
 """
@@ -880,6 +885,10 @@ def print_prefill_table(rows: list[dict], llama_rows: list[dict], lengths: list[
 
 
 def main() -> int:
+    if any(x == "--vram-gb" or x.startswith("--vram-gb=") for x in sys.argv[1:]):
+        import user_configs  # a VRAM limit: the user-configuration benchmark, with its own options
+
+        return user_configs.main(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS), required=True)
     ap.add_argument("--layers", type=int, default=0, help="fewer layers than the real model (0: all)")

@@ -102,6 +102,8 @@ class Vram:
         if self.cuda:
             gc.collect()
             torch.cuda.empty_cache()  # what the probe or a phase before left cached counts against a cap
+            free, _ = torch.cuda.mem_get_info()  # the context grows (cuBLAS handles, kernels loaded): measured again
+            self.ctx_bytes = max(self.ctx_bytes, self.total - free - torch.cuda.memory_reserved())
             frac = 1.0 if gb is None else (gb * 1e9 - self.ctx_bytes) / self.total
             if not 0 < frac <= 1:
                 raise SystemExit(f"a {gb} GB limit leaves nothing beside the {self.ctx_bytes / 1e9:.2f} GB context")
@@ -147,10 +149,9 @@ def has_options(*names: str) -> bool:
     return all(n in CompileOptions.model_fields for n in names)
 
 
-def plans_run(c, lengths: list[int], prefill: bool = True) -> list:
+def plans_run(c, lengths: list[int]) -> list:
     """The plans a phase runs: decode, and the prefill plans of its prompt lengths and PROMPT."""
-    out = [c.decode] + ([c.prefill_plan(n) for n in sorted(set(lengths) | {PROMPT})] if prefill else [])
-    return list({id(p): p for p in out}.values())
+    return list({id(p): p for p in [c.decode] + [c.prefill_plan(n) for n in {*lengths, PROMPT}]}.values())
 
 
 def peak_gb(plans) -> float:
@@ -306,6 +307,9 @@ def share(c, donor=None):
 
 
 def phase_user(run: Run) -> None:
+    """At the limit: prefill, then greedy and sampled decode warmed, then the VRAM row (what a
+    user's process holds); then the one-step plan beside it (the cap raised by its decode step's
+    activations: its own captured graph is the benchmark's, not the user's) and the rounds."""
     import ktflow
 
     a, vram = run.a, run.vram
@@ -318,29 +322,32 @@ def phase_user(run: Run) -> None:
     run.info["vram_option"] = how
     t1 = time.perf_counter()
     share(c)
-    share(c1, c)
     res = {k: v for k, v in resident(c.decode).items() if k != "gpu_keys"}
     print(f"user: {how}; compiled in {t1 - t0:.1f} s, ready in {time.perf_counter() - t1:.1f} s; GPU experts "
           f"{res['gpu_experts']}/{res['experts']} ({res['gpu_expert_gb']} GB); one-step plan same placement: {same}",
           flush=True)
-    rows = []
     for n in run.lengths:
         row = dict(prefill_row(c, run.vocab, n, a.prefill_reps, run.cuda), variant="user", **res)
         print(f"  user prefill {n}: {row['tok_s']} +- {row['sd']} tok/s ({row['decisions']}, bucket {row['bucket']}, "
               f"{row['chunks']} chunk(s))", flush=True)
         run.emit([row])
     kw = dict(temperature=a.temperature, top_p=a.top_p)
-    rows = decode_rounds([("greedy", c, {}), ("greedy, one step a launch", c1, {}), ("sampled", c, kw)],
-                         run.vocab, a.decode, a.rounds, run.dram)
-    for r in rows:
-        r["same_placement_as_greedy"] = same if r["greedy_steps"] == 1 else True
-    run.emit(rows)
-    row = vram_row(c, plans_run(c, run.lengths) + [c1.decode], vram, "user")
+    for extra in ({}, kw):  # the user's decode graphs captured: greedy runs, single steps, logits for sampling
+        decode_rate(c, run.vocab, 2 * c.plans.options.greedy_steps + 2, 98, **extra)
+    row = vram_row(c, plans_run(c, run.lengths), vram, "user")
     print(f"  VRAM user: predicted {row['predicted_gb']} GB ({row['predicted_less_reserve_gb']} less the reserve); "
           f"measured {row.get('max_allocated_gb')} allocated / {row.get('max_reserved_gb')} reserved / "
           f"{row.get('process_gb')} process", flush=True)
     run.emit([row])
     run.user = (c, opts, how)
+    beside = 2 * c1.decode.memory.activation_bytes / 1e9
+    vram.cap(a.vram_gb + beside)
+    share(c1, c)
+    rows = decode_rounds([("greedy", c, {}), ("greedy, one step a launch", c1, {}), ("sampled", c, kw)],
+                         run.vocab, a.decode, a.rounds, run.dram)
+    for r in rows:
+        r.update(same_placement_as_greedy=same if r["greedy_steps"] == 1 else True, cap_gb=vram.cap_gb)
+    run.emit(rows)
 
 
 def phase_decode_only(run: Run) -> None:
@@ -367,7 +374,7 @@ def phase_decode_only(run: Run) -> None:
     print(f"  user greedy / decode-only greedy: {ratio:.4f} (mean of the rounds' ratios {paired:.4f})", flush=True)
     row = dict(table="vram_decode_only", variant="decode-only", predicted_gb=round(d.decode.memory.gpu_bytes / 1e9, 3),
                predicted_less_reserve_gb=round(d.decode.memory.gpu_bytes / 1e9 - d.plans.options.vram_reserve_gb, 3))
-    if run.cuda:  # beside the user plan: only what it added (the weights both plans hold are counted once)
+    if run.cuda:  # beside the user plan: what it added (weights both plans hold are counted once), graphs captured
         row["added_allocated_gb"] = round((torch.cuda.memory_allocated() - before) / 1e9, 3)
     run.emit(rows + [row])
 
