@@ -230,6 +230,10 @@ class Llama:
             args, pr, ncmoe = ["-fitt", str(margin)], dict(fit_margin_mib=margin), None
         else:
             pr = self.probe(kind, n, ub, threads)
+            if pr["rc"]:
+                print(f"  probe for {kind} {n} -ub {ub} failed ({pr['rc']}); not run", flush=True)
+                self.emit([dict(table=f"llama_{kind}", error="probe failed", prompt=n, ub=ub, **pr)])
+                return []
             ncmoe = choose_ncmoe(self.per_block, self.blocks, self.budget - pr["probe_process_gb"] * 1e9)
             args = ["-ncmoe", str(ncmoe)]
         for attempt in range(2):
