@@ -14,7 +14,9 @@
 # and poll with: tail -30 /tmp/uc.log; cat /tmp/uc/status; cp /tmp/uc/* $OUT/
 #
 # Knobs: RUN_ID, JSONL (default /tmp/uc/user_configs.jsonl: outside the tree, which a later
-# device call may copy over), MODELS ("qwen3 dsv2lite"), FIT=1 (also llama.cpp's own fitter).
+# device call may copy over), MODELS ("qwen3 dsv2lite"), FIT=1 (also llama.cpp's own fitter),
+# DS_CKPT (DeepSeek-V2-Lite's checkpoint arguments, default --fp8), KTFLOW_COMMIT (the rows' commit
+# where the tree has no .git).
 # Estimates (H100 host; disk and packing rates guessed, see the report): setup 1.5 min; per
 # model: Qwen3 GGUF 2.5 + llama.cpp 4 + checkpoint 2.5 + ktflow 4 + experts-on-CPU 1.5 = ~15 min;
 # DeepSeek-V2-Lite about 9 min.
@@ -47,7 +49,7 @@ step llama-unpack python3 -c "import sys; sys.path.insert(0, 'benchmarks'); impo
 for m in $MODELS; do
   case $m in
     qwen3) V=24; FP8=--fp8 ;;
-    dsv2lite) V=16; FP8=--fp8 ;;
+    dsv2lite) V=16; FP8=${DS_CKPT:---fp8} ;;   # DS_CKPT="--expert-format int8": bf16 checkpoint, int8 experts
     *) status "unknown model $m"; continue ;;
   esac
   fit=(); [ "$FIT" = 1 ] && fit=(--fit)
@@ -63,7 +65,7 @@ for m in $MODELS; do
   # the same prefill with every expert in CPU memory and VRAM free, its own process (~1.5 min)
   step "$m ktflow experts on CPU" python3 benchmarks/user_configs.py --model "$m" $FP8 --vram-gb $V \
       --phases cpu-experts "${UC[@]}"
-  rm -rf "$E2E/$m-fp8"; sync
+  rm -rf "$E2E/$m-fp8" "${E2E:?}/$m"; sync
 done
 python3 benchmarks/user_report.py --run-id "$RUN_ID" --jsonl "$JSONL" | tee /tmp/uc/report.md
 status "done $RUN_ID"
