@@ -67,6 +67,11 @@ rows record the replayed step too).
 A `graph+dauto` variant after the fit compiles with the fitted profile, so its choice is the
 calibrated cost model's.
 
+With `--vram-gb GB` this runs `user_configs.py` instead (its options): ktflow at a VRAM limit the
+size of a consumer GPU (the allocator capped there), greedy and sampled decode, the decode-only
+placement beside it; `llama_user.py` holds llama.cpp to the same limit, `user_configs.sh` runs both
+on the GPU machine and `user_report.py` prints the targets.
+
 Rows go to benchmarks/e2e.jsonl. The checkpoint dir (--dir, default /tmp/ktflow-e2e/<model>) is
 reused when it exists and matches.
 """
@@ -141,22 +146,28 @@ def write_checkpoint(cfg: dict, directory: Path, fp8: bool = False) -> None:
     pool = torch.from_numpy(rng.standard_normal(1 << 25, dtype=np.float32) * 0.02).bfloat16()
     gen = torch.Generator().manual_seed(0)
 
+    pool8 = (pool.float() * (448 / 0.125)).clamp_(-448, 448).to(torch.float8_e4m3fn) if fp8 else None
+
     def make(key: str) -> torch.Tensor:
         shape = shapes[key]
         if fp8 and key.endswith("_scale_inv"):  # e4m3's 448 covers the pool's values (sd 0.02, at most ~0.12)
             return torch.full(shape, 0.125 / 448)
         if fp8 and dtypes[key] == torch.float8_e4m3fn:
+            if int(np.prod(shape)) > 1 << 20:  # cut from the pool made e4m3 once (no conversion per tensor)
+                return cut(pool8, shape)
             return (make_values(key, shape).float() * (448 / 0.125)).clamp_(-448, 448).to(torch.float8_e4m3fn)
         return make_values(key, shape)
 
     def make_values(key: str, shape: tuple[int, ...]) -> torch.Tensor:
-        n = int(np.prod(shape))
-        if n <= 1 << 20:
+        if int(np.prod(shape)) <= 1 << 20:
             return random_tensor(key, shape, gen)
-        parts, pos, left = [], int(rng.integers(0, len(pool))), n
+        return cut(pool, shape)
+
+    def cut(src: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        parts, pos, left = [], int(rng.integers(0, len(src))), int(np.prod(shape))
         while left:  # the pool repeated from a random start
-            take = min(left, len(pool) - pos)
-            parts.append(pool[pos:pos + take])
+            take = min(left, len(src) - pos)
+            parts.append(src[pos:pos + take])
             left, pos = left - take, 0
         return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(shape)
 
@@ -874,6 +885,10 @@ def print_prefill_table(rows: list[dict], llama_rows: list[dict], lengths: list[
 
 
 def main() -> int:
+    if any(x == "--vram-gb" or x.startswith("--vram-gb=") for x in sys.argv[1:]):
+        import user_configs  # a VRAM limit: the user-configuration benchmark, with its own options
+
+        return user_configs.main(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS), required=True)
     ap.add_argument("--layers", type=int, default=0, help="fewer layers than the real model (0: all)")

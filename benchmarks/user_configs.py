@@ -1,0 +1,500 @@
+"""ktflow where users run it (issue 42, deliverable 5): a VRAM limit the size of a consumer GPU,
+sampled decoding beside greedy, the full model depth. GPU machine; a dry run on the CPU.
+
+One process, one model, the phases of `--phases` in order (rows appended to the JSONL as each is
+measured, so a run cut short keeps them):
+
+  user         compiled with the VRAM limit (`vram_gb`: decode residency, KV cache, prefill
+               staging, activations and workspaces in one budget). On CUDA the torch allocator is
+               capped at the limit less the CUDA context (`set_per_process_memory_fraction`): a
+               plan that under-predicts its memory fails with an OOM (an `error` row), it does not
+               quietly use more. Prefill at each `--prefill` length; then decode in rounds, each
+               round every variant once after a DRAM read: greedy (`greedy_steps` default: runs a
+               launch), greedy one step a launch (`greedy_steps=1`, same placement, same backend)
+               and sampled (`--temperature`, `--top-p`, seed = round), all through
+               `generate_with_stats` after a 32-token prompt. Then a `vram` row: the plans'
+               predicted peak (max `plan.memory.gpu_bytes` over the plans run) against torch's
+               peak allocated (against the prediction less `vram_reserve_gb`) and the process's
+               card memory (nvidia-smi's used less what was used before this process; against
+               the whole prediction).
+  decode-only  the same limit with nothing reserved for prefill (DECODE_ONLY_OPTIONS) on the user
+               phase's backend (the cap raised to two limits for the two placements), greedy decode
+               in rounds beside the user plan's: what the prefill reservation costs decode.
+  cpu-experts  every routed expert in CPU memory, VRAM not limited (e2e.py's prefill placement):
+               prefill at each length, the rate the limited prefill is held against.
+
+    python benchmarks/user_configs.py --model qwen3 --fp8 --vram-gb 24 --prefill 8192,32768
+    python benchmarks/user_configs.py --model qwen3-tiny --device cpu --hw rtx4090-desktop ...   # dry run
+
+Until the `vram_gb` compile option exists, the limit is met by the benchmark itself: compiled
+with `vram_budget_gb` lowered until the plans' predicted peak fits (`vram_option` in every row
+says which). llama.cpp at the same VRAM: `llama_user.py`; the joined table: `user_report.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import HERE, append_jsonl, commit, machine  # noqa: E402
+from e2e import MODELS as FULL, budget_without_experts, compile_cpu_experts, write_checkpoint  # noqa: E402
+
+TINY = {  # dry-run shapes: the families of the real ones, small enough for a CPU test
+    "qwen3-tiny": dict(FULL["qwen3"], vocab_size=1024, hidden_size=256, intermediate_size=512,
+                       moe_intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=64, num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096),
+    "dsv2lite-tiny": dict(FULL["dsv2lite"], vocab_size=1024, hidden_size=64, intermediate_size=128,
+                          moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                          n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=32,
+                          qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, max_position_embeddings=4096),
+}
+MODELS = {**FULL, **TINY}
+DEFAULT_VRAM_GB = {"qwen3": 24.0, "dsv2lite": 16.0}
+
+# TODO-to-confirm (issue 42): the compile options of the VRAM plan built beside this benchmark.
+# The whole run's GPU memory bound, and what makes a decode-only placement (nothing reserved for
+# prefill) under the same bound. Each is used only where CompileOptions has it; else the fallback.
+VRAM_OPTION = "vram_gb"
+DECODE_ONLY_OPTIONS = {"workload_prompt_tokens": 0}
+PROMPT = 32  # decode runs start after a prompt of this many tokens
+
+
+# ------------------------------------------------------------------------------------ VRAM
+
+
+def card_used_mib() -> float | None:
+    """Memory used on GPU 0 by every process (nvidia-smi), MiB; None without nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=20).stdout
+        return float(out.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+class Vram:
+    """The process's GPU memory: the allocator's cap, and peaks against it. On the CPU: nothing."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.cap_gb, self.ctx_bytes = cuda, None, 0.0
+        self.card_before = card_used_mib() if cuda else None  # before this process made a context
+        if cuda:
+            torch.ones(64, 64, device="cuda", dtype=torch.bfloat16) @ torch.ones(64, 64, device="cuda",
+                                                                                 dtype=torch.bfloat16)
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info()
+            self.total = total
+            self.ctx_bytes = total - free - torch.cuda.memory_reserved()  # context, cuBLAS, other processes
+
+    def cap(self, gb: float | None) -> None:
+        """The allocator may hold `gb` GB less the context (None: the whole card)."""
+        self.cap_gb = gb
+        if self.cuda:
+            gc.collect()
+            torch.cuda.empty_cache()  # what the probe or a phase before left cached counts against a cap
+            free, _ = torch.cuda.mem_get_info()  # the context grows (cuBLAS handles, kernels loaded): measured again
+            self.ctx_bytes = max(self.ctx_bytes, self.total - free - torch.cuda.memory_reserved())
+            frac = 1.0 if gb is None else (gb * 1e9 - self.ctx_bytes) / self.total
+            if not 0 < frac <= 1:
+                raise SystemExit(f"a {gb} GB limit leaves nothing beside the {self.ctx_bytes / 1e9:.2f} GB context")
+            torch.cuda.set_per_process_memory_fraction(frac)
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def measured(self) -> dict:
+        if not self.cuda:
+            return {}
+        torch.cuda.synchronize()
+        used = card_used_mib()
+        return dict(max_allocated_gb=round(torch.cuda.max_memory_allocated() / 1e9, 3),
+                    max_reserved_gb=round(torch.cuda.max_memory_reserved() / 1e9, 3),
+                    process_gb=round((used - self.card_before) * 2**20 / 1e9, 3)
+                    if used is not None and self.card_before is not None else None,
+                    context_gb=round(self.ctx_bytes / 1e9, 3), cap_gb=self.cap_gb)
+
+
+def vram_row(c, plans, vram: Vram, variant: str) -> dict:
+    """Predicted peak (the plans run) against the measured peaks."""
+    pred = max(p.memory.gpu_bytes for p in plans) / 1e9
+    less = pred - c.plans.options.vram_reserve_gb
+    row = dict(table="vram", variant=variant, predicted_gb=round(pred, 3), predicted_less_reserve_gb=round(less, 3),
+               plans=sorted({f"{p.phase}{p.step_tokens if p.phase == 'prefill' else ''}" for p in plans}),
+               **vram.measured())
+    if row.get("max_allocated_gb"):
+        row["err_allocated"] = round(row["max_allocated_gb"] / less - 1, 4)
+    if row.get("process_gb"):
+        row["err_process"] = round(row["process_gb"] / pred - 1, 4)
+    return row
+
+
+# ------------------------------------------------------------------------------------ compiling
+
+
+def has_options(*names: str) -> bool:
+    from ktflow.options import CompileOptions
+
+    return all(n in CompileOptions.model_fields for n in names)
+
+
+def plans_run(c, lengths: list[int]) -> list:
+    """The plans a phase runs: decode, and the prefill plans of its prompt lengths and PROMPT."""
+    return list({id(p): p for p in [c.decode] + [c.prefill_plan(n) for n in {*lengths, PROMPT}]}.values())
+
+
+def peak_gb(plans) -> float:
+    return max(p.memory.gpu_bytes for p in plans) / 1e9
+
+
+def compile_limited(model, base: dict, vram_gb: float, decode_only: bool):
+    """Compiled under the VRAM limit (decode_only: nothing reserved for prefill), its options and
+    how: the compile options where ktflow has them; else `vram_budget_gb` searched (lowered by the
+    excess, then bisected) for a placement whose plans that must fit (every plan; decode-only: the
+    decode plan) have a predicted peak within the limit and within 1% of it (or of the last one
+    over it). The search compiles one prefill bucket, the largest (where staging and activations
+    peak); the last compile has the buckets asked for, and is checked again."""
+    import ktflow
+
+    extra = DECODE_ONLY_OPTIONS if decode_only else {}
+    if has_options(VRAM_OPTION, *extra):
+        opts = dict(base, **{VRAM_OPTION: vram_gb}, **extra)
+        return ktflow.compile(model, **opts), opts, VRAM_OPTION + "".join(f"+{k}={v}" for k, v in extra.items())
+    limit = vram_gb * 1.0005
+
+    def attempt(budget: float, search: bool):
+        opts = dict(base, vram_budget_gb=max(budget, 1e-6))
+        if search and "prefill_buckets" not in base:
+            opts["prefill_buckets"] = [base["max_seq_len"]]
+        c = ktflow.compile(model, **opts)
+        return c, opts, peak_gb([c.decode] if decode_only else [c.decode, *c.prefill])
+
+    lo, hi, budget, fit = 0.0, vram_gb, vram_gb, None
+    for i in range(12):
+        c, opts, need = attempt(budget, True)
+        if need <= limit:
+            lo, fit = budget, budget
+            if need >= 0.99 * vram_gb or hi - lo <= 0.01 * vram_gb:
+                break
+        else:
+            hi = budget
+            if budget <= 0:
+                break
+        budget = max(lo, budget - (need - vram_gb)) if need > limit and i < 2 else (lo + hi) / 2
+    for _ in range(3):
+        if fit is None:
+            break
+        c, opts, need = attempt(fit, False)
+        if need <= limit:
+            return c, opts, "vram_budget_gb fitted by the benchmark" + (" (decode plan only)" if decode_only else "")
+        fit -= need - vram_gb
+        fit = fit if fit > 0 else None
+    raise SystemExit(f"no vram_budget_gb fits the plans in {vram_gb} GB (last: {need:.3f} GB predicted)")
+
+
+def resident(plan) -> dict:
+    """The decode plan's GPU-resident routed experts (each once: a deferred twin shares them)."""
+    from ktflow.ir.ops import Op
+
+    nodes = [n for n in plan.ir.nodes if n.op == Op.ROUTED_EXPERTS]
+    gpu = [n for n in nodes if n.place.device.value == "gpu" and n.attrs.rank_range[0] == 0]
+    total = sum(n.attrs.experts for n in {n.attrs.layer: n for n in nodes}.values())
+    return dict(gpu_experts=sum(len(n.attrs.ids) for n in gpu), experts=total,
+                gpu_expert_gb=round(sum(n.weight_bytes(2) for n in gpu) / 1e9, 3),
+                gpu_keys=sorted((n.attrs.layer, tuple(n.attrs.ids)) for n in gpu))
+
+
+# ------------------------------------------------------------------------------------ measuring
+
+
+def sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def prefill_row(c, vocab: int, tokens: int, reps: int, cuda: bool) -> dict:
+    """llama-bench style: random ids, a warm-up, then `reps` timed prompts (logits of the last)."""
+    import ktflow
+    from ktflow.plan import prefill_decisions
+
+    g = torch.Generator().manual_seed(tokens)
+    ktflow.execute(c, torch.randint(0, vocab, (1, tokens), generator=g), logits="last")
+    rates = []
+    for _ in range(reps):
+        ids = torch.randint(0, vocab, (1, tokens), generator=g)
+        sync(cuda)
+        t0 = time.perf_counter()
+        logits, _ = ktflow.execute(c, ids, logits="last")
+        logits[:, -1].argmax(-1)
+        sync(cuda)
+        rates.append(tokens / (time.perf_counter() - t0))
+        del logits
+    plan = c.prefill_plan(tokens)
+    return dict(table="prefill", prompt=tokens, tok_s=round(statistics.mean(rates), 1),
+                sd=round(statistics.stdev(rates), 1) if len(rates) > 1 else 0.0, reps=rates,
+                bucket=plan.step_tokens, chunks=-(-tokens // c.chunk_tokens), decisions=prefill_decisions(plan),
+                predicted_tok_s=round(plan.step_tokens / plan.predicted_step_us * 1e6, 1),
+                predicted_gb=round(plan.memory.gpu_bytes / 1e9, 3),
+                staging_gb=round(plan.memory.staging_bytes / 1e9, 3))
+
+
+def decode_rate(c, vocab: int, new: int, seed: int, temperature: float = 0.0, top_p: float = 1.0) -> float:
+    from ktflow.runtime.generate import generate_with_stats
+
+    ids = torch.randint(0, vocab, (1, PROMPT), generator=torch.Generator().manual_seed(seed))
+    _, stats = generate_with_stats(c, ids, new, temperature=temperature, top_p=top_p, seed=seed)
+    return stats.decode_tokens_per_s
+
+
+def decode_rounds(variants: list[tuple[str, object, dict]], vocab: int, new: int, rounds: int, dram) -> list[dict]:
+    """Every variant once a round, after the round's DRAM read; a row per variant."""
+    for _, c, kw in variants:  # warm: graphs captured, first-call costs paid
+        decode_rate(c, vocab, min(new, 16), 99, **kw)
+    got: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+    reads = []
+    for r in range(rounds):
+        reads.append(dram())
+        for name, c, kw in variants:
+            got[name].append(decode_rate(c, vocab, new, r, **kw))
+        print(f"  round {r + 1}/{rounds} (DRAM {reads[-1]:.1f} GB/s): "
+              + ", ".join(f"{n} {v[-1]:.2f}" for n, v in got.items()) + " tok/s", flush=True)
+    rows = []
+    for name, c, kw in variants:
+        xs = got[name]
+        rows.append(dict(table="decode", variant=name, decode_tok_s=round(statistics.mean(xs), 2),
+                         decode_sd=round(statistics.stdev(xs), 2) if len(xs) > 1 else 0.0, per_round=xs,
+                         dram_gbps_rounds=reads, tokens=new, greedy_steps=c.plans.options.greedy_steps, **kw,
+                         **{k: v for k, v in resident(c.decode).items() if k != "gpu_keys"},
+                         predicted_step_us=round(c.decode.predicted_step_us, 1)))
+    return rows
+
+
+# ------------------------------------------------------------------------------------ phases
+
+
+class Run:
+    """What every phase shares: arguments, model, row info, the backend, the DRAM read."""
+
+    def __init__(self, a, model, base: dict, info: dict, vram: Vram, dram):
+        self.a, self.model, self.base, self.info, self.vram, self.dram = a, model, base, info, vram, dram
+        self.cuda = a.device == "cuda"
+        self.lengths = [int(x) for x in a.prefill.split(",") if x]
+        self.vocab = model.config.vocab_size
+        self.user = None  # (compiled, options, how) of the user phase, for decode-only
+
+    def emit(self, rows: list[dict]) -> None:
+        for r in rows:
+            append_jsonl(self.a.out, [dict(self.info, **r)])
+
+
+def share(c, donor=None):
+    """`c` runs on `donor`'s backend (packed experts, GPU weights and KV caches made once)."""
+    if donor is not None:
+        c._backend = donor._backend
+    c.prepare()
+    return c
+
+
+def phase_user(run: Run) -> None:
+    """At the limit: prefill, then greedy and sampled decode warmed, then the VRAM row (what a
+    user's process holds); then the one-step plan beside it (the cap raised by its decode step's
+    activations: its own captured graph is the benchmark's, not the user's) and the rounds."""
+    import ktflow
+
+    a, vram = run.a, run.vram
+    vram.cap(a.vram_gb)
+    vram.reset()
+    t0 = time.perf_counter()
+    c, opts, how = compile_limited(run.model, run.base, a.vram_gb, False)
+    c1 = ktflow.compile(run.model, **dict(opts, greedy_steps=1))
+    same = resident(c1.decode)["gpu_keys"] == resident(c.decode)["gpu_keys"]
+    run.info["vram_option"] = how
+    t1 = time.perf_counter()
+    share(c)
+    res = {k: v for k, v in resident(c.decode).items() if k != "gpu_keys"}
+    print(f"user: {how}; compiled in {t1 - t0:.1f} s, ready in {time.perf_counter() - t1:.1f} s; GPU experts "
+          f"{res['gpu_experts']}/{res['experts']} ({res['gpu_expert_gb']} GB); one-step plan same placement: {same}",
+          flush=True)
+    for n in run.lengths:
+        row = dict(prefill_row(c, run.vocab, n, a.prefill_reps, run.cuda), variant="user", **res)
+        print(f"  user prefill {n}: {row['tok_s']} +- {row['sd']} tok/s ({row['decisions']}, bucket {row['bucket']}, "
+              f"{row['chunks']} chunk(s))", flush=True)
+        run.emit([row])
+    kw = dict(temperature=a.temperature, top_p=a.top_p)
+    for extra in ({}, kw):  # the user's decode graphs captured: greedy runs, single steps, logits for sampling
+        decode_rate(c, run.vocab, 2 * c.plans.options.greedy_steps + 2, 98, **extra)
+    row = vram_row(c, plans_run(c, run.lengths), vram, "user")
+    print(f"  VRAM user: predicted {row['predicted_gb']} GB ({row['predicted_less_reserve_gb']} less the reserve); "
+          f"measured {row.get('max_allocated_gb')} allocated / {row.get('max_reserved_gb')} reserved / "
+          f"{row.get('process_gb')} process", flush=True)
+    run.emit([row])
+    run.user = (c, opts, how)
+    beside = 2 * c1.decode.memory.activation_bytes / 1e9
+    vram.cap(a.vram_gb + beside)
+    share(c1, c)
+    rows = decode_rounds([("greedy", c, {}), ("greedy, one step a launch", c1, {}), ("sampled", c, kw)],
+                         run.vocab, a.decode, a.rounds, run.dram)
+    for r in rows:
+        r.update(same_placement_as_greedy=same if r["greedy_steps"] == 1 else True, cap_gb=vram.cap_gb)
+    run.emit(rows)
+
+
+def phase_decode_only(run: Run) -> None:
+    a, vram = run.a, run.vram
+    if run.user is None:
+        raise SystemExit("the decode-only phase runs beside the user phase's plan: list user before it")
+    c, _, _ = run.user
+    if run.cuda and 2 * a.vram_gb * 1e9 > 0.95 * vram.total:
+        print(f"decode-only skipped: two {a.vram_gb} GB placements do not fit this card", flush=True)
+        return
+    vram.cap(2 * a.vram_gb)  # both placements on one backend
+    sync(run.cuda)
+    before = torch.cuda.memory_allocated() if run.cuda else 0
+    d, _, how = compile_limited(run.model, run.base, a.vram_gb, True)
+    share(d, c)
+    print(f"decode-only: {how}; GPU experts {resident(d.decode)['gpu_experts']} against the user plan's "
+          f"{resident(c.decode)['gpu_experts']}", flush=True)
+    rows = decode_rounds([("greedy", c, {}), ("decode-only greedy", d, {})], run.vocab, a.decode, a.rounds, run.dram)
+    for r in rows:
+        r.update(table="decode_ab", decode_only_option=how)
+    ratio = rows[0]["decode_tok_s"] / rows[1]["decode_tok_s"]
+    paired = statistics.mean(u / o for u, o in zip(rows[0]["per_round"], rows[1]["per_round"]))
+    rows[0].update(vs_decode_only=round(ratio, 4), vs_decode_only_paired=round(paired, 4))
+    print(f"  user greedy / decode-only greedy: {ratio:.4f} (mean of the rounds' ratios {paired:.4f})", flush=True)
+    row = dict(table="vram_decode_only", variant="decode-only", predicted_gb=round(d.decode.memory.gpu_bytes / 1e9, 3),
+               predicted_less_reserve_gb=round(d.decode.memory.gpu_bytes / 1e9 - d.plans.options.vram_reserve_gb, 3))
+    if run.cuda:  # beside the user plan: what it added (weights both plans hold are counted once), graphs captured
+        row["added_allocated_gb"] = round((torch.cuda.memory_allocated() - before) / 1e9, 3)
+    run.emit(rows + [row])
+
+
+def phase_cpu_experts(run: Run) -> None:
+    import ktflow
+
+    a, vram = run.a, run.vram
+    run.user = None  # the limited plans' backend let go first (where this process ran them)
+    gc.collect()
+    if run.cuda:
+        torch.cuda.empty_cache()
+    vram.cap(None)
+    vram.reset()
+    wide = ktflow.compile(run.model, **dict(run.base, vram_budget_gb=1000, allow_oversize=True))
+    budget = budget_without_experts(wide.decode)
+    c = compile_cpu_experts(run.model, dict(run.base, vram_budget_gb=budget))
+    c.prepare()
+    print(f"cpu-experts: every routed expert in CPU memory, VRAM not limited (budget {budget:.2f} GB: dense + KV)",
+          flush=True)
+    for n in run.lengths:
+        row = dict(prefill_row(c, run.vocab, n, a.prefill_reps, run.cuda), variant="cpu-experts")
+        print(f"  cpu-experts prefill {n}: {row['tok_s']} +- {row['sd']} tok/s ({row['decisions']})", flush=True)
+        run.emit([row])
+    run.emit([vram_row(c, [c.prefill_plan(n) for n in run.lengths], vram, "cpu-experts")])
+
+
+PHASES = {"user": phase_user, "decode-only": phase_decode_only, "cpu-experts": phase_cpu_experts}
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), required=True)
+    ap.add_argument("--layers", type=int, default=0, help="fewer layers than the model (0: all)")
+    ap.add_argument("--fp8", action="store_true", help="write the checkpoint as an FP8 release")
+    ap.add_argument("--dir", default=None, help="checkpoint dir (default /tmp/ktflow-e2e/<name>)")
+    ap.add_argument("--vram-gb", type=float, default=None, help="the VRAM limit (default: qwen3 24, dsv2lite 16)")
+    ap.add_argument("--phases", default="user,decode-only,cpu-experts")
+    ap.add_argument("--prefill", default="8192,32768", help="prompt lengths (comma list)")
+    ap.add_argument("--prefill-reps", type=int, default=2)
+    ap.add_argument("--decode", type=int, default=128, help="tokens per decode run")
+    ap.add_argument("--rounds", type=int, default=3, help="decode rounds")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--expert-format", default="auto", choices=["auto", "bf16", "int8", "int4", "fp8"])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--hw", default=None, help="a profile (preset or JSON); default: probed (CUDA) and kept in "
+                    "--hw-cache for the next process on this machine")
+    ap.add_argument("--hw-cache", default="/tmp/ktflow-e2e/hw.json")
+    ap.add_argument("--options", default="{}", help="more compile options, JSON")
+    ap.add_argument("--dram-mib", type=int, default=1024, help="bytes each round's DRAM read streams")
+    ap.add_argument("--run-id", default=os.environ.get("RUN_ID", time.strftime("%Y%m%d-%H%M%S")))
+    ap.add_argument("--out", default=str(HERE / "user_configs.jsonl"))
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    cuda = a.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("user_configs.py --device cuda needs a CUDA GPU (use --device cpu for a dry run)", file=sys.stderr)
+        return 2
+    bad = [p for p in a.phases.split(",") if p not in PHASES]
+    if bad:
+        print(f"unknown phases {bad}; known: {', '.join(PHASES)}", file=sys.stderr)
+        return 2
+    family = a.model.split("-")[0]
+    a.vram_gb = a.vram_gb or DEFAULT_VRAM_GB.get(family, 24.0)
+    vram = Vram(cuda)  # before anything else touches the GPU
+    import ktflow
+    from ktflow import native
+
+    cfg = dict(MODELS[a.model], **({"num_hidden_layers": a.layers} if a.layers else {}))
+    name = a.model + (f"-{a.layers}l" if a.layers else "") + ("-fp8" if a.fp8 else "")
+    d = Path(a.dir or f"/tmp/ktflow-e2e/{name}")
+    t0 = time.perf_counter()
+    write_checkpoint(cfg, d, fp8=a.fp8)
+    os.sync()
+    print(f"checkpoint {d} ready in {time.perf_counter() - t0:.0f} s", flush=True)
+    native.pool(spare=2)
+    hw = a.hw
+    if hw is None and cuda:
+        cache = Path(a.hw_cache)
+        if cache.exists():
+            hw = str(cache)
+        else:
+            from ktflow.hw import probe
+
+            prof = probe(log=lambda s: print(f"  probe: {s}", flush=True))
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(prof.model_dump_json(indent=1))
+            hw = str(cache)
+    dram_pool = native.module().Pool(threads=0, groups=0, pin=True)
+    dram = lambda: native.module().stream_read_gbps(dram_pool, a.dram_mib << 20, 3)  # noqa: E731
+    lengths = [int(x) for x in a.prefill.split(",") if x]
+    base = dict(hw=hw or "this", device=a.device, backend="cuda_graph" if cuda else "native",
+                max_seq_len=max(lengths + [PROMPT]) + a.decode + 64, expert_format=a.expert_format,
+                **json.loads(a.options))
+    model = ktflow.load(d)
+    info = dict(bench="user_configs", run_id=a.run_id, commit=commit(), **machine(),
+                gpu=torch.cuda.get_device_name(0) if cuda else None, device=a.device, model=a.model,
+                layers=cfg["num_hidden_layers"], checkpoint="fp8" if a.fp8 else "bf16", vram_gb=a.vram_gb,
+                threads=native.pool().threads, dram_gbps=round(dram(), 1))
+    run = Run(a, model, base, info, vram, dram)
+    print(f"{a.model}, {info['layers']} layers, {info['checkpoint']} checkpoint, VRAM limit {a.vram_gb} GB "
+          f"(context {vram.ctx_bytes / 1e9:.2f} GB); DRAM {info['dram_gbps']} GB/s", flush=True)
+    for p in a.phases.split(","):
+        try:
+            PHASES[p](run)
+        except torch.cuda.OutOfMemoryError as e:  # the limit held and the plan did not: loudly, with a row
+            row = dict(table="error", phase=p, error="OOM", message=str(e)[:800], **vram.measured())
+            run.emit([row])
+            print(f"OOM in phase {p} at the {vram.cap_gb} GB cap: {row['message'][:300]}", file=sys.stderr, flush=True)
+            return 3
+        gc.collect()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
