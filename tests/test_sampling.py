@@ -265,3 +265,40 @@ def test_selection_captures_in_a_cuda_graph_and_replays_new_draws():
         t.set_row(r, SamplingParams(temperature=1.0, top_p=0.9, seed=r))
     t.select(logits, captured=True)
     assert [t.select(logits, captured=True).tolist() for _ in range(6)] == seen
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_the_fused_kernels_equal_the_torch_ops():
+    """sampling_gpu's two kernels (penalties; the weights at the temperature) against the torch
+    ops they replace, and the ids selected either way."""
+    from ktflow.backends import sampling_gpu
+    from ktflow.backends.sampling import select_ids
+
+    if not sampling_gpu.available(torch.device("cuda")):
+        pytest.skip("Triton is not importable here")
+    torch.manual_seed(5)
+    rows, vocab = 8, 5001  # not a multiple of the kernels' block
+    s = Sampler(rows, vocab, "cuda")
+    for r in range(rows):
+        s.set_row(r, SamplingParams(temperature=0.5 + 0.2 * r if r else 0.0, top_p=0.9, repetition_penalty=1.4,
+                                    presence_penalty=0.3, frequency_penalty=0.2, seed=r), list(range(r, 60, 3)))
+    s.counts[:, :200] = torch.randint(0, 3, (rows, 200), dtype=torch.int32, device="cuda")
+    logits = torch.randn(rows, vocab, device="cuda") * 3
+    before = logits.clone()
+    args = lambda: (logits, s.temperature, s.top_p, s.top_k, s.min_p, s.repetition, s.presence, s.frequency,  # noqa: E731
+                    s.bias_ids, s.bias, s.seed_lo, s.seed_hi, s.counter, s.counts, s.in_prompt)
+    x = logits.clone()
+    sampling_gpu.penalize_(x, s.counts, s.in_prompt, s.repetition, s.presence, s.frequency)
+    seen = s.in_prompt | (s.counts > 0)
+    r = s.repetition[:, None]
+    want = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    want = want - s.frequency[:, None] * s.counts - s.presence[:, None] * (s.counts > 0)
+    torch.testing.assert_close(x, want)
+    best = x.argmax(-1)
+    t = torch.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+    torch.testing.assert_close(sampling_gpu.weights(x, best, s.temperature),
+                               torch.exp(x / t - (x / t).gather(1, best[:, None])))
+    fused = select_ids(*args(), kernels=True)
+    plain = select_ids(*args(), kernels=False)
+    assert torch.equal(fused, plain)
+    assert torch.equal(logits, before)  # the caller's logits are left alone

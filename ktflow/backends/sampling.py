@@ -38,6 +38,7 @@ from typing import Sequence
 import torch
 
 from ..errors import InputError
+from . import sampling_gpu
 
 #: most logit_bias entries a row may carry (OpenAI's limit): the bias tensors have this fixed width
 MAX_LOGIT_BIAS = 300
@@ -350,30 +351,40 @@ def _prefix(w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
 
 
 def select_ids(logits, temperature, top_p, top_k, min_p, repetition, presence, frequency, bias_ids, bias, seed_lo,
-               seed_hi, counter, counts, in_prompt, biased=True, penalized=True, drawn=True, truncated=True) -> torch.Tensor:
+               seed_hi, counter, counts, in_prompt, biased=True, penalized=True, drawn=True, truncated=True,
+               kernels: bool = True) -> torch.Tensor:
     """The rule of the module docstring, over rows of per-row parameter tensors (see Sampler).
     A stage whose flag is off is left out: the caller knows no row needs it (bias: no row has a
     logit_bias; penalties: none has a penalty; a draw: every row is greedy; truncation: no
     sampled row has top_k > 1, top_p < 1 or min_p > 0, so nothing is sorted; the draw is the
     same as with the flag on). Every pass over the vocabulary is an elementwise op or a
-    reduction (no softmax or scan of a whole row: on a GPU those run a block a row)."""
+    reduction (no softmax or scan of a whole row: on a GPU those run a block a row); on a CUDA
+    device the elementwise stages run as the fused kernels of `sampling_gpu` (`kernels`: where
+    Triton is there; False: the torch ops, their reference)."""
     rows, vocab = logits.shape
+    fused = kernels and sampling_gpu.available(logits.device)
     x = logits.float()
     if biased:
         x = x.scatter_add(1, bias_ids, bias)
     if penalized:
-        seen = in_prompt | (counts > 0)
-        r = repetition[:, None]
-        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
-        x = x - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+        if fused:
+            x = sampling_gpu.penalize_(x if biased else x.clone(memory_format=torch.contiguous_format), counts,
+                                       in_prompt, repetition, presence, frequency)
+        else:
+            seen = in_prompt | (counts > 0)
+            r = repetition[:, None]
+            x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+            x = x - frequency[:, None] * counts - presence[:, None] * (counts > 0)
     best = x.argmax(-1)
     if not drawn:
         return best
     sampled = temperature > 0
-    t = torch.where(sampled, temperature, torch.ones_like(temperature))
-    z = x / t[:, None]
-    top = z.gather(1, best[:, None])  # the largest z
-    w = torch.exp(z - top)  # unnormalised probabilities, at most 1
+    if fused:
+        w = sampling_gpu.weights(x.contiguous(), best, temperature)
+    else:
+        t = torch.where(sampled, temperature, torch.ones_like(temperature))
+        z = x / t[:, None]
+        w = torch.exp(z - z.gather(1, best[:, None]))  # unnormalised probabilities, the largest 1
     if truncated:  # each row's kept tokens: those at least as likely as its last kept one in sorted order
         ws = w.sort(dim=-1, descending=True).values
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab)) - 1  # last index
