@@ -298,6 +298,9 @@ def test_the_fused_kernels_equal_the_torch_ops():
     t = torch.where(s.temperature > 0, s.temperature, 1.0)[:, None]
     torch.testing.assert_close(sampling_gpu.weights(x, best, s.temperature),
                                torch.exp(x / t - (x / t).gather(1, best[:, None])))
+    n = 1000
+    seeds = torch.randint(0, 2**32, (3, n), dtype=torch.int64, device="cuda")
+    assert torch.equal(sampling_gpu.uniform(*seeds), uniform(*seeds))  # the same bits
     fused = select_ids(*args(), kernels=True)
     plain = select_ids(*args(), kernels=False)
     assert torch.equal(fused, plain)

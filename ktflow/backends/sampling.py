@@ -393,6 +393,6 @@ def select_ids(logits, temperature, top_p, top_k, min_p, repetition, presence, f
         cut = torch.maximum(ws.gather(1, last[:, None]), min_p[:, None])  # min_p times the most likely (1)
         w = w * (w >= cut)
     total = w.sum(-1)
-    u = uniform(seed_lo, seed_hi, counter).float() * total
+    u = (sampling_gpu.uniform if fused else uniform)(seed_lo, seed_hi, counter).float() * total
     drawn = _first_passing(w, torch.minimum(u, total * (1 - 2.0 ** -20)))  # where the mass passes u
     return torch.where(sampled & (top_k != 1), drawn, best)

@@ -9,7 +9,9 @@ compare against:
   repetition penalty on tokens its prompt holds or it generated (x / r where x > 0, else x * r),
   then x - frequency * count - presence * (count > 0);
 - `weights(x, best, temperature)`: exp((x - x[best]) / t) per row (t = 1 for greedy rows): the
-  unnormalised probabilities at the row's temperature, the most likely token's 1.
+  unnormalised probabilities at the row's temperature, the most likely token's 1;
+- `uniform(seed_lo, seed_hi, counter)`: each row's u of the counter-based stream, the same bits
+  as `sampling.uniform`'s torch ops (forty tiny kernels there, one here).
 """
 
 from __future__ import annotations
@@ -64,13 +66,34 @@ def _kernels():
         v = tl.load(x + base + col, mask=inside, other=float("-inf"))
         tl.store(out + base + col, tl.exp((v - top) / t), mask=inside)
 
-    return triton, penalize, weights
+    @triton.jit
+    def mix(x):  # x: uint64 holding 32 bits; each product (< 2**64) cut back to 32 bits
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x = x ^ (x >> 15)
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def uniform(seed_lo, seed_hi, counter, out, rows, block: tl.constexpr):
+        i = tl.arange(0, block)
+        inside = i < rows
+        lo = tl.load(seed_lo + i, mask=inside, other=0).to(tl.uint64)
+        hi = tl.load(seed_hi + i, mask=inside, other=0).to(tl.uint64)
+        n = tl.load(counter + i, mask=inside, other=0).to(tl.uint64) & 0xFFFFFFFF
+        a = mix(n ^ mix(hi ^ 0x9E3779B9))
+        b = mix(a ^ lo)
+        c = mix(b ^ 0x85EBCA6B)
+        u = ((b >> 5).to(tl.float64) * 67108864.0 + (c >> 6).to(tl.float64)) / 9007199254740992.0
+        tl.store(out + i, u, mask=inside)
+
+    return triton, penalize, weights, uniform
 
 
 def penalize_(x: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, repetition: torch.Tensor,
               presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
     """x [rows, vocab] float32 (contiguous) penalised in place; returns x."""
-    triton, kernel, _ = _kernels()
+    triton, kernel, _, _ = _kernels()
     rows, vocab = x.shape
     kernel[(rows, triton.cdiv(vocab, BLOCK))](x, counts, in_prompt.view(torch.uint8), repetition, presence, frequency,
                                              vocab, block=BLOCK)
@@ -79,8 +102,17 @@ def penalize_(x: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, re
 
 def weights(x: torch.Tensor, best: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """exp((x - x[row, best[row]]) / t[row]) for x [rows, vocab] float32 (contiguous)."""
-    triton, _, kernel = _kernels()
+    triton, _, kernel, _ = _kernels()
     rows, vocab = x.shape
     out = torch.empty_like(x)
     kernel[(rows, triton.cdiv(vocab, BLOCK))](x, best, temperature, out, vocab, block=BLOCK)
+    return out
+
+
+def uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """`sampling.uniform` for int64 [rows] tensors on a CUDA device, in one kernel."""
+    triton, _, _, kernel = _kernels()
+    rows = seed_lo.shape[0]
+    out = torch.empty(rows, dtype=torch.float64, device=seed_lo.device)
+    kernel[(1,)](seed_lo, seed_hi, counter, out, rows, block=max(triton.next_power_of_2(rows), 16))
     return out
