@@ -184,3 +184,35 @@ def test_one_graph_launch_per_sampled_token(demo_dir):
     names = [e.name for e in prof.events()]
     assert names.count("cudaGraphLaunch") == 4
     assert not [n for n in names if n in OTHER_LAUNCHES]
+
+
+@gpu
+def test_a_pools_ragged_sampled_step_selects_in_the_graph_what_the_sampler_selects_from_its_logits(tiny_dirs):
+    """The server's path: a SlotPool's ragged step with logits='sample' (selected inside the
+    captured graph, rows 0 and 2 listed, row 1 padding) gives the ids the same sampler state
+    selects from the logits a logits='last' step returns; the padding row's stream and counts
+    stay where they were."""
+    from ktflow.runtime.slots import SlotPool
+
+    d, _ = tiny_dirs("qwen3_moe")
+    c = hybrid(ktflow.load(d), max_batch=4)
+    params = [ktflow.SamplingParams(temperature=0.8, top_p=0.9, seed=s, presence_penalty=0.2) for s in range(3)]
+    prompts = [prompt(rows=1, n=5 + s, seed=s)[0].remainder(c.vocab_size).tolist() for s in range(3)]
+    pools = [SlotPool(c, 4), SlotPool(c, 4)]
+    firsts = []
+    for pool in pools:
+        for s in range(3):
+            pool.start(s, params[s], prompts[s])
+        logits = pool.prefill_many([0, 1, 2], prompts)
+        firsts.append(pool.first_tokens([0, 1, 2], logits))
+    assert firsts[0] == firsts[1]
+    a, b = pools
+    ids = [firsts[0][0], firsts[0][2]]
+    for _ in range(4):
+        logits = a.decode([0, 2], ids, logits="last")
+        want = a.sampler.select_rows(logits, [0, 2]).cpu()
+        counter1, counts1 = int(b.sampler.counter[1]), b.sampler.counts[1].clone()
+        got = b.decode([0, 2], ids, logits="sample")
+        assert torch.equal(got, want)
+        assert int(b.sampler.counter[1]) == counter1 and torch.equal(b.sampler.counts[1], counts1)
+        ids = got.tolist()
