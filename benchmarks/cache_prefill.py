@@ -104,8 +104,8 @@ def main() -> int:
     vocab = json.loads((d / "config.json").read_text())["vocab_size"]
     max_seq = lengths[-1] + 8
     budget = budget_for(model, a.share, max_seq)
-    opts = dict(hw=roofline_only(a.hw), device=a.device, backend=a.backend, dtype="bfloat16", vram_budget_gb=budget,
-                max_seq_len=max_seq, numa_nodes=1, routing_profile=a.routing_profile)
+    opts = dict(hw=roofline_only(a.hw, a.device), device=a.device, backend=a.backend, dtype="bfloat16",
+                vram_budget_gb=budget, max_seq_len=max_seq, numa_nodes=1, routing_profile=a.routing_profile)
     plans = {"static": ktflow.compile(model, **opts),
              "static cpu": ktflow.compile(model, prefill_experts="cpu", **opts),
              "cache": ktflow.compile(model, expert_cache=True, **opts),

@@ -7,12 +7,15 @@ a profile puts that share on the GPU, as placement_hits.py finds it) and four pl
 
 - `uniform`: placed without a routing profile;
 - `profiled`: placed with a profile of training-split conversations (`--routing-profile`): each a
-  `--prompt`-token prompt and `--decode` decode steps (read as `--text` says), so the profile
-  holds the cache's curves;
+  `--prompt`-token prompt and `--decode` decode steps (`--profile-decode`; read as `--text`
+  says), so the profile holds the cache's curves;
 - `cache`: compiled with `expert_cache=True` and the same profile: the placement pass prices a
   cache per layer from the curves (how many slots each layer gets, cache or static, the refill
-  interval), and the run follows the routing (`ExpertCache.follow`: refills after each prompt
-  and at the plan's intervals, or every `--every` tokens; the copies behind the decode steps);
+  interval; with `--profile-decode 0` the profile has no curves and every split layer is a
+  cache, unpriced), and the run follows the routing (`ExpertCache.follow`: refills after each
+  prompt and at the plan's intervals, or every `--every` tokens; the copies behind the decode
+  steps). Where the pass prices no cache on any layer, the plan is static and the row's cache
+  measures (hit rate, copies, host time, lag) are null: nothing was measured;
 - `frozen`: the cache's plan compiled again but never refilled: its slots keep their first
   filling (the profile's most picked experts), so `frozen` against `profiled` is what the cache's
   plan costs without refills, and `cache` against `frozen` what the refills cost and bring.
@@ -103,6 +106,10 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens of each conversation")
     ap.add_argument("--decode", type=int, default=128, help="decoded tokens of each conversation")
     ap.add_argument("--seqs", type=int, default=8, help="held-out conversations")
+    ap.add_argument("--profile-decode", type=int, default=None,
+                    help="decode steps of each profile conversation (default: --decode). 0: a profile of the "
+                    "prompts alone, without the cache's curves: the cache plan then holds every split layer's GPU "
+                    "experts as a cache, unpriced (as a user's profile without curves places it)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--text", choices=["heldout", "greedy"], default="heldout",
                     help="what the decode steps read: heldout (each conversation's held-out text after the "
@@ -137,7 +144,9 @@ def main() -> int:
     texts = [held[i * length + a.prompt:(i + 1) * length].tolist() if a.text == "heldout" else None
              for i in range(a.seqs)]
     profiler = model if a.profile_model is None else ktflow.load(a.profile_model)
-    prof = training_profile(profiler, d, a, a.prompt, a.decode, forced=a.text == "heldout")
+    profile_decode = a.decode if a.profile_decode is None else a.profile_decode
+    prof = training_profile(profiler, d, a, a.prompt, profile_decode, forced=a.text == "heldout" and profile_decode > 0,
+                            device=a.device)
     tmp = tempfile.TemporaryDirectory()
     path = Path(tmp.name) / "routing.json"
     path.write_text(prof.model_dump_json() + "\n")
@@ -146,17 +155,17 @@ def main() -> int:
 
         write_atomic(a.save_profile, prof.model_dump_json() + "\n")
     # the held-out conversations' own routing (the same text the timed runs read): static plans' hits
-    check = profile_of(profiler, prompts, length + 8, a.decode, None if a.text == "greedy" else texts)
+    check = profile_of(profiler, prompts, length + 8, a.decode, None if a.text == "greedy" else texts, a.device)
     k = json.loads((d / "config.json").read_text())["num_experts_per_tok"]
     max_seq = length + 8
     info = dict(bench="cache_speed", commit=commit(), **machine(), model=str(d), device=a.device, every=a.every,
-                hw=a.hw or "paper-a100", text=a.text,
+                hw=a.hw or "paper-a100", text=a.text, profile_decode=profile_decode,
                 prompt=a.prompt, decode=a.decode, seqs=a.seqs,
                 gpu=torch.cuda.get_device_name(0) if a.device == "cuda" else None)
     for share in [float(x) for x in a.shares.split(",") if x]:
         budget = budget_for(model, share, max_seq)
-        opts = dict(hw=roofline_only(a.hw), device=a.device, backend=a.backend, dtype="bfloat16", vram_budget_gb=budget,
-                    max_seq_len=max_seq, numa_nodes=1)
+        opts = dict(hw=roofline_only(a.hw, a.device), device=a.device, backend=a.backend, dtype="bfloat16",
+                    vram_budget_gb=budget, max_seq_len=max_seq, numa_nodes=1)
         plans = {"uniform": ktflow.compile(model, **opts),
                  "profiled": ktflow.compile(model, routing_profile=str(path), **opts),
                  "cache": ktflow.compile(model, routing_profile=str(path), expert_cache=True, **opts),
@@ -181,9 +190,10 @@ def main() -> int:
         # what the profile's curves predicted for the cached layers (training-split conversations)
         predicted = statistics.mean(prof.cache[n.attrs.refill_every][n.attrs.layer].hits[len(n.attrs.ids) - 1]
                                     for n in cached) if cached and prof.cache else None
-        per_token = (cache.copied_bytes - bytes0) / (a.seqs * a.decode) if cache else 0.0
-        host_ms = 1e3 * (cache.host_seconds - seconds0) / (a.seqs * a.decode) if cache else 0.0
-        lag = (cache.lag_tokens - lag0) / max(1, cache.copied - copied0) if cache else 0.0
+        # (no cache: nothing measured, so None, not 0.0)
+        per_token = (cache.copied_bytes - bytes0) / (a.seqs * a.decode) if cache else None
+        host_ms = 1e3 * (cache.host_seconds - seconds0) / (a.seqs * a.decode) if cache else None
+        lag = (cache.lag_tokens - lag0) / max(1, cache.copied - copied0) if cache else None
         static_hit = {name: statistics.mean(sum(fr[e] for e in gpu[name].get(layer, ())) / k
                                             for layer, fr in check.layers.items())
                       for name in ("uniform", "profiled", "frozen")}
@@ -206,8 +216,10 @@ def main() -> int:
         row = dict(**info, share=share, budget_gb=round(budget, 4), refills=cache.refills if cache else 0,
                    cache_hit=round(hit, 4) if hit is not None else None,
                    cache_hit_predicted=round(predicted, 4) if predicted is not None else None,
-                   copied_mb_per_token=round(per_token / 1e6, 4), host_ms_per_token=round(host_ms, 4),
-                   copy_lag_tokens=round(lag, 2), **{f"{name}_hit": round(v, 4) for name, v in static_hit.items()},
+                   copied_mb_per_token=round(per_token / 1e6, 4) if cache else None,
+                   host_ms_per_token=round(host_ms, 4) if cache else None,
+                   copy_lag_tokens=round(lag, 2) if cache else None,
+                   **{f"{name}_hit": round(v, 4) for name, v in static_hit.items()},
                    cache_layout={layer: len(ids) for layer, ids in gpu["cache"].items()},
                    **{f"{name}_tok_s": round(mean[name], 2) for name in plans},
                    **{f"{name}_sd": round(statistics.pstdev(tok_s[name]), 2) for name in plans})

@@ -236,7 +236,7 @@ def main() -> int:
     convs = conversations(d, a.seqs, a.prompt, a.decode, vocab)
     max_seq = a.prompt + a.decode + 8
     budget = budget_for(model, a.share, max_seq)
-    c = ktflow.compile(model, hw=roofline_only(), device=a.device, backend=a.backend, dtype="bfloat16",
+    c = ktflow.compile(model, hw=roofline_only(device=a.device), device=a.device, backend=a.backend, dtype="bfloat16",
                        vram_budget_gb=budget, max_seq_len=max_seq, numa_nodes=1, expert_cache=True)
     side = SideCopies(max(64.0 if a.device == "cuda" else 1.0, *(mb for kind, mb in variants if kind == "dma")),
                       a.piece_mb, ExpertCache(c), a.device)

@@ -38,17 +38,21 @@ from common import HERE, append_jsonl, commit, machine  # noqa: E402
 
 
 def profile_of(model, seqs: list[list[int]], max_seq_len: int, decode: int = 0,
-               continuations: list[list[int]] | None = None):
+               continuations: list[list[int]] | None = None, device: str | None = None):
     """The routing of `seqs` through exact plans computing in bf16 (as the measured runs do), on
-    the GPU where there is one (every expert there: a CUDA-graph decode step takes milliseconds),
-    else on the CPU: each prefilled, then `decode` greedy tokens or its continuation fed a decode
-    step a token (with decode steps the profile holds the expert cache's curves)."""
+    `device`: "cuda" (every expert on the GPU: a CUDA-graph decode step takes milliseconds) or
+    "cpu" (the native backend); None: the GPU where there is one. Each prefilled, then `decode`
+    greedy tokens or its continuation fed a decode step a token (with decode steps the profile
+    holds the expert cache's curves). A benchmark run with --device cpu records on the CPU too,
+    so its plans do not depend on whether the machine has a GPU."""
     import torch
 
     import ktflow
     from ktflow.runtime.routing import record_routing
 
-    where = dict(hw=roofline_only(), device="cuda", placement="gpu") if torch.cuda.is_available() else \
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    where = dict(hw=roofline_only(), device="cuda", placement="gpu") if device == "cuda" else \
         dict(hw="cpu", device="cpu", backend="native", placement="cpu")
     c = ktflow.compile(model, dtype="bfloat16", max_seq_len=max_seq_len + decode, **where)
     return record_routing(c, seqs, decode, progress=False, continuations=continuations)
@@ -89,11 +93,12 @@ def held_out_or_random(d: Path, tokens: int, vocab: int):
     return torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(0))
 
 
-def training_profile(model, d: Path, a: argparse.Namespace, length: int, decode: int = 0, forced: bool = False):
+def training_profile(model, d: Path, a: argparse.Namespace, length: int, decode: int = 0, forced: bool = False,
+                     device: str | None = None):
     """The routing of `a.profile_seqs` sequences of `length` tokens spread over the training
     split (the standard library text train_small_moe.py trained on, `a.corpus_mb` of it), each
     followed by `decode` greedy tokens, or (`forced`) the text's next `decode` tokens fed one
-    decode step a token."""
+    decode step a token; recorded on `device` (`profile_of`)."""
     from tokenizers import Tokenizer
     from train_small_moe import corpus, token_stream
 
@@ -103,8 +108,8 @@ def training_profile(model, d: Path, a: argparse.Namespace, length: int, decode:
     step = len(train_ids) // a.profile_seqs
     seqs = [train_ids[i * step:i * step + length + decode].tolist() for i in range(a.profile_seqs)]
     if forced:
-        return profile_of(model, [s[:length] for s in seqs], length + 8, decode, [s[length:] for s in seqs])
-    return profile_of(model, [s[:length] for s in seqs], length + 8, decode)
+        return profile_of(model, [s[:length] for s in seqs], length + 8, decode, [s[length:] for s in seqs], device)
+    return profile_of(model, [s[:length] for s in seqs], length + 8, decode, device=device)
 
 
 def gpu_experts(plan) -> dict[int, tuple[int, ...]]:
@@ -115,15 +120,18 @@ def gpu_experts(plan) -> dict[int, tuple[int, ...]]:
             if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "gpu"}
 
 
-def roofline_only(hw=None):
-    """A hardware profile's rates without its fixed per-op costs (module doc), with this GPU's
-    memory where there is one: paper-a100's, or those of `hw` (a profile or its JSON path, e.g.
-    `ktflow hw probe`'s)."""
+def roofline_only(hw=None, device: str | None = None):
+    """A hardware profile's rates without its fixed per-op costs (module doc): paper-a100's, or
+    those of `hw` (a profile or its JSON path, e.g. `ktflow hw probe`'s); with this GPU's memory
+    where there is one, unless the plans run on the CPU (`device="cpu"`: they then keep the
+    profile's memory, so a --device cpu run compiles the same plans on any machine)."""
     from ktflow.hw import PRESETS, Overheads, resolve_hw, with_this_gpus_memory
 
     base = PRESETS["paper-a100"] if hw is None else resolve_hw(hw)
-    return with_this_gpus_memory(base).model_copy(update={"overheads": Overheads(
-        gpu_launch_us=0, cpu_submit_us=0, cpu_op_us=0, cpu_sync_us=0)})
+    if device != "cpu":
+        base = with_this_gpus_memory(base)
+    return base.model_copy(update={"overheads": Overheads(gpu_launch_us=0, cpu_submit_us=0, cpu_op_us=0,
+                                                          cpu_sync_us=0)})
 
 
 def budget_for(model, share: float, max_seq_len: int) -> float:

@@ -18,7 +18,9 @@ TOL = 2e-2  # of a token's logits norm: bf16 on both sides, different kernels
 #: a token whose router sees a near tie may pick another expert in bf16 on one side (on the CPU
 #: too: deepseek_v3's prompt below has one such token of 24, at 19% error, native vs torch_ref);
 #: at most this fraction of the run's tokens (prompt and decode steps together: a 2-token decode
-#: step alone cannot tell one such tie from a broken step) may, and the whole run stays within FLIP_TOL
+#: step alone cannot tell one such tie from a broken step) may, each within compare.FLIP_CEIL.
+#: FLIP_TOL: test_slots' bound on each token of sequences run alone and in a batch, both
+#: on the cuda_graph backend
 FLIPS, FLIP_TOL = 0.1, 5e-2
 
 
@@ -31,9 +33,14 @@ def hw_here():
         gpu_launch_us=0, cpu_submit_us=0, cpu_op_us=0, cpu_sync_us=0)})
 
 
-def hybrid(model, **options):
-    """Dense work on the GPU and about two experts per MoE layer; the other experts on the CPU."""
-    opts = dict(hw=hw_here(), device="cuda", dtype="bfloat16", max_seq_len=64, max_batch=options.pop("max_batch", 2))
+def hybrid(model, device="cuda", **options):
+    """A bf16 hybrid plan at a VRAM budget fixed by the model (never by this card's memory): the
+    dense nodes' bytes, the KV caches and 2.5 experts per MoE layer. Placement ranks units by decode
+    time saved per byte, so attention, routers, shared experts and lm_head go to the GPU, then
+    experts (uniform routing: in graph order, so the first MoE layers' experts) while the budget
+    lasts; the rest of the experts and whatever ranks below them (the tiny models' embedding) stay
+    on the CPU. device="cpu" gives the same plan run on the CPU."""
+    opts = dict(hw=hw_here(), device=device, dtype="bfloat16", max_seq_len=64, max_batch=options.pop("max_batch", 2))
     probe = ktflow.compile(model, vram_budget_gb=1.0, **opts)
     nodes = probe.decode.ir.nodes
     dense = sum(n.weight_elems() * 2 for n in nodes if n.op != Op.ROUTED_EXPERTS)  # held in the plan's bf16
@@ -85,15 +92,41 @@ def test_argmax_mode_takes_the_replayed_steps_argmax_on_the_gpu(tiny_dirs):
         assert torch.equal(x, y[:, -1:].argmax(-1)), i
 
 
-def embed_on_cpu(g, ctx):
-    """A custom pass (after placement): the embedding on the CPU, as the cost model leaves a large
-    vocabulary's table (the decode step's host prologue then looks the ids up)."""
+def embed_on(device: str):
+    """A custom pass (after placement) that puts the embedding on `device` ("cpu" or "gpu"),
+    whatever the cost model chose: on the CPU as it leaves a large vocabulary's table (the decode
+    step's host prologue then looks the ids up), on the GPU as it takes a small one when the
+    VRAM budget has room for it. `hybrid`'s budget does not pin it: experts rank above the
+    embedding by decode time saved per byte, so whether the table fits beside them follows from
+    the weights' byte counts (since 64cceeb the tiny models' embedding is left on the CPU)."""
     from dataclasses import replace
 
     from ktflow.ir.types import Device, Placement
 
-    return g.map(lambda n: replace(n, place=Placement(Device.CPU, cause="test: embedding on the CPU"))
-                 if n.op == Op.EMBED else n)
+    def pin(g, ctx):
+        return g.map(lambda n: replace(n, place=Placement(Device(device), cause=f"test: embedding on the {device}"))
+                     if n.op == Op.EMBED else n)
+
+    pin.__name__ = pin.__qualname__ = f"embed_on_{device}"
+    return pin
+
+
+@pytest.mark.parametrize("where", ["cpu", "gpu"])
+def test_the_embedding_pinned_either_way_computes_the_same(where, tiny_dirs):
+    """embed_on, as the greedy test uses it, on any machine (device='cpu' runs the hybrid plan on
+    the CPU): the embedding is where it says, the token ids or the looked-up rows cross to the
+    GPU lane once, and the plan computes what the cost model's plan computes, bit for bit."""
+    d, _ = tiny_dirs("qwen3_moe")
+    model = ktflow.load(d)
+    pinned = hybrid(model, device="cpu", backend="torch_ref", passes=[("after:place_by_intensity", embed_on(where))])
+    plain = hybrid(model, device="cpu", backend="torch_ref")
+    g = pinned.decode.ir
+    assert next(n for n in g.nodes if n.op == Op.EMBED).place.device.value == where
+    crossing = {"tokens.to_gpu", "embed.to_gpu"} & {n.name for n in g.nodes}
+    assert crossing == {"tokens.to_gpu" if where == "gpu" else "embed.to_gpu"}
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(6))
+    for x, y in zip(run_steps(pinned, ids, 3), run_steps(plain, ids, 3), strict=True):
+        assert torch.equal(x, y)
 
 
 @gpu
@@ -111,7 +144,8 @@ def test_greedy_runs_of_several_steps_a_launch_equal_one_step_a_launch(case, def
 
     d, _ = tiny_dirs(case)
     model = ktflow.load(d)
-    extra = dict(passes=[("after:place_by_intensity", embed_on_cpu)]) if embed_cpu else {}
+    # the embedding's place pinned both ways (the test is about both prologues, not the cost model)
+    extra = dict(passes=[("after:place_by_intensity", embed_on("cpu" if embed_cpu else "gpu"))])
     one, many = hybrid(model, defer=defer, **extra), hybrid(model, defer=defer, **extra)
     assert embed_cpu == (next(n for n in many.decode.ir.nodes if n.op == Op.EMBED).place.device.value == "cpu")
     g = torch.Generator().manual_seed(6)
@@ -202,10 +236,48 @@ def test_decode_greedy_refuses_a_run_past_the_cache(demo_dir):
     assert decode_greedy(c, nxt, state, 3).shape == (1, 3) and state.position == 8
 
 
+def float32_reference(model, defer):
+    """The model in float32 with the same deferral (torch_ref, on the CPU): what the bf16 runs of
+    a hybrid plan approximate. A plan computes in its IR's dtype, so this is a compile of its own
+    (an options copy of a bf16 plan saying dtype="float32" still runs in bf16); a fixed deferral
+    defers the same picks of every MoE layer but the last wherever the experts are placed, so
+    the placement does not change the function."""
+    return ktflow.compile(model, hw="cpu", device="cpu", dtype="float32", backend="torch_ref", max_seq_len=64,
+                          max_batch=2, defer=defer)
+
+
+def assert_matches_torch_ref(c, model, defer):
+    """`c`'s runs (prompt of 12, 6 decode steps, batch 2) against torch_ref on the same bf16 plan:
+    each token within the bf16 tolerance, or within twice the model's own bf16 noise at that
+    token (torch_ref in bf16 against the model in float32: two bf16 paths may each sit that far
+    from float32; some tiny random models are this sensitive, deepseek_v2_lite's about 1.5%), but
+    for at most FLIPS of the tokens, each within what one router tie resolved the other way does
+    to a token (`compare.FLIP_CEIL`). Returns the per-step errors and torch_ref's runs."""
+    from compare import assert_within_bounds_but_for_ties
+
+    ref = ktflow.Compiled(c.plans.model_copy(update={"options": c.plans.options.model_copy(
+        update={"backend": "torch_ref"})}), model)
+    exact = float32_reference(model, defer)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    got, want = run_steps(c, ids, 6), run_steps(ref, ids, 6)
+    a, b = torch.cat(got, 1).float(), torch.cat(want, 1).float()
+    per_token = ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
+    f = torch.cat(run_steps(exact, ids, 6), 1).float()
+    noise = ((b - f).norm(dim=-1) / f.norm(dim=-1)).flatten()
+    assert float(noise.max()) > 0  # a float32 reference (a bf16 one would match torch_ref exactly)
+    assert_within_bounds_but_for_ties(per_token, torch.clamp(2 * noise, min=TOL))
+    return [rel(x, y) for x, y in zip(got, want, strict=True)], want
+
+
 @gpu
 @pytest.mark.parametrize("defer", [None, 1])
 @pytest.mark.parametrize("case", FAMILIES)
 def test_hybrid_graph_matches_torch_ref_on_the_same_plan(case, defer, tiny_dirs):
+    """cuda_graph against torch_ref on the same bf16 plan (`assert_matches_torch_ref`). The plan
+    is the same on every card (its VRAM budget is fixed by the model); which tokens sit at a near
+    tie is not: it depends on the bf16 kernels. glm4_moe's run on an H200 was 0.056 off as a
+    whole, the size one tied token 0.33 off makes in a run of 36, and failed a bound of 0.05 on
+    the whole run."""
     d, _ = tiny_dirs(case)
     model = ktflow.load(d)
     c = hybrid(model, defer=defer, backend="cuda_graph")
@@ -213,25 +285,26 @@ def test_hybrid_graph_matches_torch_ref_on_the_same_plan(case, defer, tiny_dirs)
     cpu_experts = [n for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "cpu"]
     assert cpu_experts and any(n.op == Op.SYNC for n in g.nodes) and g.by_name("L0.attn").place.device.value == "gpu"
     assert (defer is not None) == any(n.name.endswith(".def") for n in g.nodes)
-    ref, nat, exact = (ktflow.Compiled(c.plans.model_copy(update={"options": c.plans.options.model_copy(
-        update=u)}), model) for u in ({"backend": "torch_ref"}, {"backend": "native"},
-                                      {"backend": "torch_ref", "dtype": "float32"}))
-    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
-    got, want, eager = run_steps(c, ids, 6), run_steps(ref, ids, 6), run_steps(nat, ids, 6)
+    errs, want = assert_matches_torch_ref(c, model, defer)
     runner = c.executor("decode").runner
     assert runner is not None and runner.bound[2].graph is not None  # decode steps 2.. replayed the graph
-    errs = [rel(a, b) for a, b in zip(got, want, strict=True)]
+    nat = ktflow.Compiled(c.plans.model_copy(update={"options": c.plans.options.model_copy(
+        update={"backend": "native"})}), model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    eager = run_steps(nat, ids, 6)
     print(f"\n  {case} defer={defer}: per step relative error vs torch_ref {[f'{e:.4f}' for e in errs]}, "
           f"native eager vs torch_ref {[f'{rel(a, b):.4f}' for a, b in zip(eager, want, strict=True)]}")
-    a, b = torch.cat(got, 1).float(), torch.cat(want, 1).float()
-    per_token = ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
-    # two bf16 paths may each sit the model's own bf16 noise away from float32 (torch_ref in
-    # float32 measures it; some tiny random models are this sensitive: deepseek_v2_lite's ~1.5%)
-    f = torch.cat(run_steps(exact, ids, 6), 1).float()
-    noise = ((b - f).norm(dim=-1) / f.norm(dim=-1)).flatten()
-    bound = torch.clamp(2 * noise, min=TOL)
-    assert (per_token > bound).float().mean() <= FLIPS, (per_token.tolist(), noise.tolist())
-    assert rel(a, b) <= max(FLIP_TOL, 2 * rel(b, f))
+
+
+@pytest.mark.skipif(not native.available(), reason="needs the native module")
+@pytest.mark.parametrize("case,defer", [*((f, None) for f in FAMILIES), ("qwen3_moe", 1), ("deepseek_v3", 1)])
+def test_hybrid_plan_on_the_native_backend_matches_torch_ref_on_the_cpu(case, defer, tiny_dirs):
+    """The same comparison where no GPU is needed (device='cpu' runs the hybrid plan on the CPU):
+    the native backend's CPU experts and split layers against torch_ref. deepseek_v3's run here
+    has a near tie (a token 0.29 off on this comparison, on an AMD EPYC host)."""
+    d, _ = tiny_dirs(case)
+    model = ktflow.load(d)
+    assert_matches_torch_ref(hybrid(model, device="cpu", defer=defer, backend="native"), model, defer)
 
 
 @gpu
@@ -407,3 +480,24 @@ def test_a_plan_for_this_machine_captures_replays_and_traces(demo_dir):
     assert c.executor("decode").runner.bound[1].graph is not None
     measured = c.executor("decode").measured
     assert measured and [s.node for s in measured] == [s.node for s in c.decode.steps]
+
+
+def test_a_tie_excuses_a_token_a_broken_one_is_not_excused():
+    """compare.assert_within_bounds_but_for_ties, the GPU comparisons' check: one token off by
+    what a router tie does passes however short the run; a token off by what a lost or wrong step
+    gives, or more than FLIPS of the tokens off, does not."""
+    from compare import FLIP_CEIL, assert_within_bounds_but_for_ties
+
+    err = torch.full((36,), 0.01)
+    assert_within_bounds_but_for_ties(err, TOL)
+    err[20] = 0.6  # a group flip's size: 0.1 off as a whole run of 36, which a whole-run bound refused
+    assert_within_bounds_but_for_ties(err, TOL)
+    assert_within_bounds_but_for_ties(err, torch.full((36,), TOL))
+    for bad in (1.0, FLIP_CEIL + 0.01):  # logits lost, or just beyond any measured tie
+        worse = err.clone()
+        worse[20] = bad
+        with pytest.raises(AssertionError, match="more than a router tie"):
+            assert_within_bounds_but_for_ties(worse, TOL)
+    err[:4] = 0.05  # 5 of 36 tokens off
+    with pytest.raises(AssertionError, match="5 of 36 tokens above their bound"):
+        assert_within_bounds_but_for_ties(err, TOL)

@@ -323,8 +323,10 @@ def test_cuda_graph_with_fp8_held_weights_matches_torch_ref(fp8_dirs):
     torch_ref in float32 on the same FP8 checkpoint: every step within the bf16 tolerance, or
     within twice the error of the same plan with the weights dequantized at load (this tiny random
     model's own bf16 noise), but for at most FLIPS of the tokens (a router's near tie may go the
-    other way in one bf16 path: test_cuda_graph's allowance), and the whole run within FLIP_TOL."""
-    from test_cuda_graph import FLIP_TOL, FLIPS, hw_here, rel, run_steps
+    other way in one bf16 path: test_cuda_graph's allowance), each within what one tie does to a
+    token (`compare.FLIP_CEIL`; not the whole run within a bound: see compare)."""
+    from compare import assert_within_bounds_but_for_ties
+    from test_cuda_graph import hw_here, rel, run_steps
 
     d, _ = fp8_dirs("deepseek_v3", (128, 128))
     model = ktflow.load(d)
@@ -342,5 +344,4 @@ def test_cuda_graph_with_fp8_held_weights_matches_torch_ref(fp8_dirs):
     a, b, n = (torch.cat(x, 1).float() for x in (got, want, base))
     per_token = ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
     noise_t = ((n - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
-    assert (per_token > torch.clamp(2 * noise_t, min=2e-2)).float().mean() <= FLIPS, (per_token.tolist(), errs, noise)
-    assert rel(a, b) <= max(FLIP_TOL, 2 * rel(n, b)), (errs, noise)
+    assert_within_bounds_but_for_ties(per_token, torch.clamp(2 * noise_t, min=2e-2))

@@ -103,7 +103,9 @@ def test_a_task_that_reads_an_earlier_tasks_result_runs_after_it(tiny_dirs):
     feed layer 2's CPU residual add, whose task also reads values the GPU makes later: the
     deferred experts become a task of their own (submitted in layer 1), and layer 2's task is
     submitted after their sync (this compile used to fail in lowering with a KeyError). The plan
-    computes what a plan with room for the dense nodes computes."""
+    computes what a plan with room for the dense nodes computes. Both run on the CPU
+    (device='cpu'): the test is about the lowered tasks, and paper-a100's plans are placed for
+    its 40 GB, which a GPU of another size refuses to run (`check_gpu`)."""
     import torch
 
     d, _ = tiny_dirs("deepseek_v3")
@@ -111,8 +113,8 @@ def test_a_task_that_reads_an_earlier_tasks_result_runs_after_it(tiny_dirs):
     ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
     outs = {}
     for budget in (1e-5, 1.0):
-        c = ktflow.compile(model, hw="paper-a100", vram_budget_gb=budget, vram_reserve_gb=0, defer=1, max_seq_len=32,
-                           allow_oversize=True, dtype="float32")
+        c = ktflow.compile(model, hw="paper-a100", device="cpu", vram_budget_gb=budget, vram_reserve_gb=0, defer=1,
+                           max_seq_len=32, allow_oversize=True, dtype="float32")
         g = c.decode.ir
         if budget < 1:  # the case: a submit that reads another task's sync
             syncs = {n.name for n in g.nodes if n.op == Op.SYNC}
