@@ -156,15 +156,39 @@ def gpu_activation_peak(g: Graph, tokens: int, context: int = 0, streamed: bool 
 
 def staging_bytes(g: Graph) -> float:
     """Staging of a plan's streamed experts: its slots (each as large as the largest fetch that
-    fills it) and one landing buffer for the largest fetch's packed bytes."""
+    fills it; where the buffer pass has run, the staging arena it laid out, which the runtime
+    allocates, if larger) and one landing buffer for the largest fetch's packed bytes."""
     slots: dict[int, float] = {}
-    landing = 0.0
+    landing = arena = 0.0
     for n in g.nodes:
         if n.op == Op.FETCH:
             size = n.out.numel(0) * n.out.dtype.itemsize
             slots[n.attrs.slot] = max(slots.get(n.attrs.slot, 0.0), size)
             landing = max(landing, n.attrs.link_bytes)
-    return sum(slots.values()) + landing
+            if n.buffer is not None and n.buffer.arena == "staging":
+                arena = max(arena, n.buffer.offset + n.buffer.bytes)
+    return max(sum(slots.values()), arena) + landing
+
+
+def staging_for(experts: int, slots: int, hidden: int, inter: int, act_itemsize: int,
+                packed_per_weight: float) -> float:
+    """GPU bytes of `slots` staging slots of `experts` converted experts each, and the landing
+    buffer for one slot's packed bytes (`packed_per_weight` bytes a weight as the CPU holds it)."""
+    weights = experts * 3 * hidden * inter
+    return slots * weights * act_itemsize + weights * packed_per_weight
+
+
+def stream_bytes(layer_experts: int, cap: int, slots: int, tokens: int, hidden: int, inter: int, act_itemsize: int,
+                 packed_per_weight: float) -> float:
+    """GPU bytes a prefill step of `tokens` tokens needs, beyond `gpu_activation_peak(...,
+    streamed=True)`, to stream a layer of `layer_experts` CPU experts through `slots` staging
+    slots of `cap` experts: the staging (`staging_for`), and the layer's outputs beside its
+    activations: the running sum (float32) of the groups before the running one (whose own
+    sum is its scratch's), the last group's output, a split's CPU part come back. 0 caps: none."""
+    if cap <= 0 or layer_experts <= 0:
+        return 0.0
+    outputs = tokens * hidden * (4 + 2 * act_itemsize)
+    return staging_for(cap, slots, hidden, inter, act_itemsize, packed_per_weight) + outputs
 
 
 def kv_cache_bytes(g: Graph, kv_tokens: int, device: Device | None = None) -> float:
@@ -182,11 +206,12 @@ def resident_gpu_bytes(g: Graph, weight_itemsize: int, kv_tokens: int) -> tuple[
     return weights, kv_cache_bytes(g, kv_tokens, Device.GPU)
 
 
-def prefill_room(g: Graph, hw: HwProfile, *, tokens: int, weight_itemsize: int, kv_tokens: int,
-                 reserve_bytes: float) -> float:
-    """GPU bytes left for staging in a prefill step of `tokens` tokens: the GPU's memory less the
-    reserve, the BLAS workspaces, the resident weights and KV caches, and the step's activations
-    with every CPU routed-experts node counted as streamed (negative: the step does not fit)."""
+def prefill_room(g: Graph, hw: HwProfile, *, tokens: int, weight_itemsize: int, kv_tokens: int, limit: float,
+                 past: int = 0) -> float:
+    """GPU bytes left for staging in a prefill step of `tokens` tokens after `past` earlier
+    positions: the VRAM limit less the BLAS workspaces, the resident weights and KV caches, and
+    the step's activations with every CPU routed-experts node counted as streamed (negative: the
+    step does not fit)."""
     weights, kv = resident_gpu_bytes(g, weight_itemsize, kv_tokens)
-    act = gpu_activation_peak(g, tokens, streamed=True)
-    return hw.gpus[0].memory_bytes - reserve_bytes - gpu_workspace_bytes(hw) - weights - kv - act
+    act = gpu_activation_peak(g, tokens, past, streamed=True)
+    return limit - gpu_workspace_bytes(hw) - weights - kv - act

@@ -45,10 +45,17 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: tor
 
 
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local: torch.Tensor, gate: torch.Tensor,
-                    up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                    up: torch.Tensor, down: torch.Tensor, addend: torch.Tensor | None = None,
+                    running: bool = False) -> torch.Tensor:
     """sum over each token's picks of weight * down(silu(gate x) * up x), for the picks whose
     expert has a row in the stacked weights (`local[id]` >= 0; others add nothing). x [T, H];
-    ids, wts [T, k]; gate, up [n, I, H]; down [n, H, I] -> [T, H] in x's dtype (summed in fp32)."""
+    ids, wts [T, k]; gate, up [n, I, H]; down [n, H, I] -> [T, H] in x's dtype (summed in fp32).
+    Picks are sorted by expert, those held elsewhere last; outside a CUDA graph capture the
+    count of held picks is read on the host (one sync) and only those rows are gathered,
+    multiplied and summed, so a part holding few of the layer's experts (a streamed group)
+    costs in proportion to its picks; while capturing, every pick's row is (masked).
+    `addend` (float32 [T, H]): a running sum the picks are added to; `running`: return the float32
+    sum (a streamed group's partial sum) rather than x's dtype."""
     t, k = ids.shape
     n = gate.shape[0]
     slot = local[ids].reshape(-1)
@@ -56,6 +63,14 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
     order = torch.argsort(key, stable=True)
     counts = torch.bincount(key, minlength=n + 1)[:n]
     offs = torch.cumsum(counts, 0).to(torch.int32)
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        held = int(offs[-1]) if n else 0
+        if held == 0:
+            total = addend.float().clone() if addend is not None else torch.zeros(x.shape, dtype=torch.float32,
+                                                                                  device=x.device)
+            return total if running else total.to(x.dtype)
+        order = order[:held]
     token = order // k
     # rows past the groups (picks held elsewhere) come out undefined: their weight is 0 and they are zeroed
     weight = torch.where(key[order] < n, wts.reshape(-1)[order], 0.0)
@@ -69,11 +84,12 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
     y = grouped_mm(h, down.transpose(1, 2), offs, counts)
     del h
     y.masked_fill_((weight == 0)[:, None], 0.0)
-    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    out = addend.float().clone() if addend is not None else torch.zeros(t, x.shape[1], dtype=torch.float32,
+                                                                          device=x.device)
     for lo in range(0, y.shape[0], SCATTER_ROWS):  # weighted and summed in fp32, a block of rows at a time
         hi = lo + SCATTER_ROWS
         out.index_add_(0, token[lo:hi], y[lo:hi].float().mul_(weight[lo:hi, None]))
-    return out.to(x.dtype)
+    return out if running else out.to(x.dtype)
 
 
 def stack_experts(w: dict, ids: tuple[int, ...], experts: int) -> dict:
