@@ -356,9 +356,10 @@ class _Pricer:
         g = run_pipeline(self.spec, ctx, pipeline=self.pricing)
         return _predicted_step_us(g, ctx), g
 
-    def prefill_us(self, share: VramShare, tokens: int, attended: int) -> float:
+    def prefill(self, share: VramShare, tokens: int, attended: int) -> tuple[float, Graph]:
         ctx = replace(self.context("prefill", tokens, share), context=attended)
-        return _predicted_step_us(run_pipeline(self.spec, ctx, pipeline=self.pricing), ctx)
+        g = run_pipeline(self.spec, ctx, pipeline=self.pricing)
+        return _predicted_step_us(g, ctx), g
 
 
 def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, print_after: str | None = None,
@@ -402,9 +403,19 @@ def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, pr
     pipeline = edit_pipeline(passes)
     watching = [*default_instruments(print_after), *(instruments or ())]
     decided = decide(context, opts, max_seq, _Pricer(spec, context, opts.max_batch, pipeline))
-    share, vram, first = decided if decided is not None else (None, None, None)
+    share, vram, first, estimated = decided if decided is not None else (None, None, None, None)
     decode = _decode_plan(spec, context("decode", opts.max_batch, share), watching, pipeline)
     prefill = _prefill_plans(spec, lambda t: context("prefill", t, share), opts, max_seq, share, watching, pipeline)
+    if share is not None and share != estimated and _over(share.limit, decode, prefill):
+        # the refined reservation was short for some bucket: the one the candidates were compared at
+        share = estimated
+        vram = vram.model_copy(update=dict(reserved_bytes=estimated.limit - estimated.residency - vram.workspace_bytes,
+                                           residency_bytes=estimated.residency,
+                                           cause=vram.cause + "; a bucket's plan exceeded the limit with the refined "
+                                                 "reservation: the estimated one is kept"))
+        decode = _decode_plan(spec, context("decode", opts.max_batch, share), watching, pipeline)
+        prefill = _prefill_plans(spec, lambda t: context("prefill", t, share), opts, max_seq, share, watching,
+                                 pipeline)
     if vram is not None and vram.design != "none":  # the decode-first plan's step beside this one's, both compiled
         without = vram.decode_us_without
         if opts.defer == "auto":
@@ -417,6 +428,11 @@ def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, pr
     if not opts.allow_oversize:
         _check_fits(pf, runnable=model.weights is not None)
     return Compiled(pf, model)
+
+
+def _over(limit: float, decode: Plan, prefill: list[Plan]) -> bool:
+    """Whether a plan's predicted GPU memory, the shared staging counted, exceeds `limit`."""
+    return any(p.memory.gpu_bytes > limit for p in (_with_staging(decode, prefill), *prefill))
 
 
 def _with_staging(decode: Plan, prefill: list[Plan]) -> Plan:

@@ -66,8 +66,8 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                    help="cap decode residency (GPU weights and KV caches) inside --vram-gb (default: what the VRAM "
                    "plan leaves after its prefill reservation)")
     g.add_argument("--workload", choices=["agent", "chat"], default="agent",
-                   help="the requests the VRAM plan is priced for: agent (16384-token prompts, 500-token answers; "
-                   "default) or chat (1024-token prompts, 300-token answers)")
+                   help="the requests the VRAM plan is priced for: agent (prompts of 8k, 16k and 32k tokens alike, "
+                   "500-token answers; default) or chat (1024-token prompts, 300-token answers)")
     g.add_argument("--workload-prompt-tokens", type=int, default=None, metavar="N",
                    help="expected prompt length (overrides the workload's)")
     g.add_argument("--workload-output-tokens", type=int, default=None, metavar="N",

@@ -28,6 +28,10 @@ LOGIT_ROWS = 1024
 #: copy; backends.moe_gpu)
 SCATTER_ROWS = 32768
 
+#: picks a grouped experts step gathers and multiplies at a time outside a CUDA graph (bounds its
+#: temporaries in a long prefill step; backends.moe_gpu)
+GROUPED_ROWS = 16384
+
 #: rows of activations up to which a weight held in FP8 is multiplied by the fused kernels; a
 #: larger step dequantizes the matrix into a temporary in the activation dtype first, then
 #: multiplies with cuBLAS (backends.fp8_gpu)
@@ -97,18 +101,20 @@ def _attention_scratch(n: Node, tokens: int, context: int, act: int) -> float:
 
 
 def _experts_scratch(n: Node, tokens: int, context: int, act: int) -> float:
-    """Grouped routed experts on the GPU (moe_gpu.grouped_experts), the largest of its phases:
+    """Grouped routed experts on the GPU (moe_gpu.grouped_experts), the largest of its phases
+    over a block of at most GROUPED_ROWS picks (any of the step's picks may be the node's):
     each pick's row gathered with its gate and up products; the SiLU product with the down
-    product; the down product with a block of it in fp32 and the fp32 sum. Plus the sort's
-    indices and weights."""
+    product; the down product with a block of it in fp32. Plus the fp32 sum and the sort's
+    indices and weights of every pick."""
     a = n.attrs
     lo, hi = a.rank_range
     picks = tokens * (hi - lo)
+    block = min(picks, GROUPED_ROWS)
     rows = a.rows[1] - a.rows[0]
     h = a.hidden
-    phases = (act * picks * (h + 2 * rows), act * picks * (rows + h),
-              act * picks * h + 4 * min(picks, SCATTER_ROWS) * h + 4 * tokens * h)
-    return max(phases) + 24 * picks
+    phases = (act * block * (h + 2 * rows), act * block * (rows + h),
+              act * block * h + 4 * min(block, SCATTER_ROWS) * h)
+    return max(phases) + 4 * tokens * h + 24 * picks
 
 
 def _mlp_scratch(n: Node, tokens: int, context: int, act: int) -> float:

@@ -72,10 +72,11 @@ class CompileOptions(BaseModel):
         "cost model reserves staging slots and a bucket's activations where that shortens the declared workload's "
         "requests; none = decode residency first, prefill gets what is left (long prompts may stay on the CPU)")
     workload: Literal["agent", "chat"] = Field(
-        "agent", description="the requests the VRAM plan is priced for: agent = 16384-token prompts and 500-token "
-        "answers, chat = 1024-token prompts and 300-token answers (prompts capped at max_seq_len less the answer)")
+        "agent", description="the requests the VRAM plan is priced for: agent = prompts of 8k, 16k and 32k tokens "
+        "alike and 500-token answers, chat = 1024-token prompts and 300-token answers (prompts capped at max_seq_len "
+        "less the answer)")
     workload_prompt_tokens: int | None = Field(None, gt=0, description="expected prompt length; overrides the "
-                                               "workload's")
+                                               "workload's prompts")
     workload_output_tokens: int | None = Field(None, ge=0, description="expected answer length (decoded tokens); "
                                                "overrides the workload's")
     prefill_buckets: list[int] | None = Field(
@@ -108,8 +109,8 @@ class CompileOptions(BaseModel):
         return v
 
 
-#: the workloads `CompileOptions.workload` names: (prompt tokens, answer tokens)
-WORKLOADS = {"agent": (16384, 500), "chat": (1024, 300)}
+#: the workloads `CompileOptions.workload` names: (prompt lengths, equally likely; answer tokens)
+WORKLOADS = {"agent": ((8192, 16384, 32768), 500), "chat": ((1024,), 300)}
 
 
 @dataclass(frozen=True)

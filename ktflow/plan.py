@@ -81,7 +81,8 @@ class VramCandidate(BaseModel):
     reserved_bytes: float  # the prefill reservation: activations of the largest step + staging
     residency_bytes: float  # decode residency budget (GPU weights + KV caches)
     decode_us: float  # predicted decode step
-    prefill_s: float  # predicted prefill of the workload's prompt
+    prefill_s: float  # predicted prefill, the mean over the workload's prompts
+    prompt_s: dict[int, float] = {}  # predicted prefill of each workload prompt length
     extra_s: float = 0.0  # time-share: the evicted experts' copy back, per request
     request_s: float  # prefill + extra + answer tokens x decode step
     runnable: bool = True
@@ -96,7 +97,7 @@ class VramPlan(BaseModel):
     limit_bytes: float
     limit_cause: str
     workload: str
-    prompt_tokens: int
+    prompts: list[int]  # the workload's prompt lengths, equally likely
     output_tokens: int
     chosen: str
     design: str
@@ -107,8 +108,8 @@ class VramPlan(BaseModel):
     stage_experts: int
     decode_us: float  # the decode step with the reservation
     decode_us_without: float  # the decode step of the decode-first placement
-    prefill_s: float  # the workload's prompt with the reservation
-    prefill_s_without: float  # with the decode-first placement
+    prefill_s: dict[int, float]  # each workload prompt's prefill seconds with the reservation
+    prefill_s_without: dict[int, float]  # with the decode-first placement
     candidates: list[VramCandidate]
     cause: str
 
@@ -117,21 +118,24 @@ class VramPlan(BaseModel):
         """The fraction the reservation lengthens the decode step by."""
         return self.decode_us / self.decode_us_without - 1.0 if self.decode_us_without else 0.0
 
+    def rates(self, seconds: dict[int, float]) -> str:
+        """Tokens/s of each workload prompt, "/"-separated ("-" where it was not priced)."""
+        return "/".join(f"{p / seconds[p]:.0f}" if seconds.get(p) else "-" for p in self.prompts)
+
     def table(self) -> str:
         """The decision and its candidates, as `ktflow compile --explain` prints them."""
         gb = lambda b: f"{b / 1e9:.2f}"  # noqa: E731
-        p = self.prompt_tokens
+        lengths = "/".join(map(str, self.prompts))
         w = max(36, *(len(c.name) + 1 for c in self.candidates))
         lines = [f"VRAM plan: limit {gb(self.limit_bytes)} GB ({self.limit_cause}); workload {self.workload}",
-                 f"  chose {self.chosen}: prefill reservation {gb(self.reserved_bytes)} GB (staging {self.stage_experts} "
-                 f"experts a slot, steps up to {self.chunk_tokens} tokens), decode residency {gb(self.residency_bytes)} GB, "
-                 f"workspaces {gb(self.workspace_bytes)} GB",
+                 f"  chose {self.chosen}: prefill reservation {gb(self.reserved_bytes)} GB (staging "
+                 f"{self.stage_experts} experts a slot, steps up to {self.chunk_tokens} tokens), decode residency "
+                 f"{gb(self.residency_bytes)} GB, workspaces {gb(self.workspace_bytes)} GB",
                  f"  decode step {self.decode_us / 1e3:.2f} ms against {self.decode_us_without / 1e3:.2f} ms decode "
-                 f"first ({self.decode_cost:+.1%}); prefill of {p} tokens {self.prefill_rate(self.prefill_s)} tok/s "
-                 f"against {self.prefill_rate(self.prefill_s_without)} tok/s (predicted; benchmarks/vram_plan.py "
-                 "measures both)",
+                 f"first ({self.decode_cost:+.1%}); prefill of {lengths} tokens {self.rates(self.prefill_s)} tok/s "
+                 f"against {self.rates(self.prefill_s_without)} (predicted; benchmarks/vram_plan.py measures both)",
                  f"  {'candidate (* chosen, - priced only)':{w}s} {'reserve GB':>10s} {'decode ms':>9s} "
-                 f"{'prefill tok/s':>13s} {'request s':>9s}"]
+                 f"{'prefill tok/s ' + lengths:>22s} {'request s':>9s}"]
         for c in self.candidates:
             mark = "*" if c.name == self.chosen else " " if c.runnable else "-"
             note = ""
@@ -139,12 +143,8 @@ class VramPlan(BaseModel):
                 note = (f"  (copy-back {c.extra_s:.3f} s a prompt; " if c.extra_s else "  (") + c.note + ")"
             request = f"{c.request_s:9.2f}" if c.prefill_s else f"{'-':>9s}"
             lines.append(f"  {mark + c.name:{w}s} {gb(c.reserved_bytes):>10s} {c.decode_us / 1e3:9.2f} "
-                         f"{self.prefill_rate(c.prefill_s):>13s} {request}{note}")
+                         f"{self.rates(c.prompt_s):>22s} {request}{note}")
         return "\n".join(lines) + "\n"
-
-    def prefill_rate(self, seconds: float) -> str:
-        """The workload's prompt over `seconds`, in tokens/s ("-" where it was not priced)."""
-        return f"{self.prompt_tokens / seconds:.0f}" if seconds else "-"
 
 
 class Plan(BaseModel):
@@ -363,8 +363,8 @@ class PlanFile(BaseModel):
             v = self.vram
             out.append(f"vram      limit {v.limit_bytes / 1e9:.2f} GB ({v.limit_cause}); {v.chosen}: prefill reserve "
                        f"{v.reserved_bytes / 1e9:.2f} GB, decode residency {v.residency_bytes / 1e9:.2f} GB; decode "
-                       f"{v.decode_cost:+.1%}, prefill of {v.prompt_tokens} tokens {v.prefill_rate(v.prefill_s)} "
-                       f"tok/s against {v.prefill_rate(v.prefill_s_without)} decode first (workload "
+                       f"{v.decode_cost:+.1%}, prefill of {'/'.join(map(str, v.prompts))} tokens "
+                       f"{v.rates(v.prefill_s)} tok/s against {v.rates(v.prefill_s_without)} decode first (workload "
                        f"{v.workload.split(':')[0]}; --explain shows the candidates)")
         builtin = all(p.startswith("ktflow.passes.") for p in self.pipeline)
         if self.pipeline and not builtin:  # a plan made with custom passes says so

@@ -42,15 +42,15 @@ code { background: #f4f4f4; padding: 0 3px }
 prefill reservation {{ gb(v.reserved_bytes) }} (steps up to {{ v.chunk_tokens }} tokens, staging {{ v.stage_experts }}
 experts a slot), decode residency {{ gb(v.residency_bytes) }}, BLAS workspaces {{ gb(v.workspace_bytes) }}.
 Decode step {{ "%.2f"|format(v.decode_us / 1000) }} ms against {{ "%.2f"|format(v.decode_us_without / 1000) }} ms
-decode first ({{ "%+.1f"|format(100 * v.decode_cost) }}%); prefill of {{ v.prompt_tokens }} tokens
-{{ v.prefill_rate(v.prefill_s) }} tokens/s against {{ v.prefill_rate(v.prefill_s_without) }}. Predicted; <code>benchmarks/vram_plan.py</code> measures
+decode first ({{ "%+.1f"|format(100 * v.decode_cost) }}%); prefill of {{ v.prompts|join("/") }} tokens
+{{ v.rates(v.prefill_s) }} tokens/s against {{ v.rates(v.prefill_s_without) }}. Predicted; <code>benchmarks/vram_plan.py</code> measures
 them on the GPU.</p>
-<table><tr><th>candidate</th><th>design</th><th>reserve</th><th>decode step</th><th>prefill tokens/s</th>
+<table><tr><th>candidate</th><th>design</th><th>reserve</th><th>decode step</th><th>prefill tokens/s ({{ v.prompts|join("/") }})</th>
 <th>request</th><th></th></tr>
 {% for c in v.candidates %}<tr><td>{% if c.name == v.chosen %}<b>{{ c.name }}</b>{% else %}{{ c.name }}{% endif %}</td>
 <td>{{ c.design }}</td><td class="num">{{ gb(c.reserved_bytes) }}</td>
 <td class="num">{{ "%.2f"|format(c.decode_us / 1000) }} ms</td>
-<td class="num">{{ v.prefill_rate(c.prefill_s) }}</td>
+<td class="num">{{ v.rates(c.prompt_s) }}</td>
 <td class="num">{% if c.prefill_s %}{{ "%.2f"|format(c.request_s) }} s{% else %}-{% endif %}</td>
 <td>{% if c.extra_s %}copy-back {{ "%.3f"|format(c.extra_s) }} s a prompt; {% endif %}{{ c.note }}</td></tr>
 {% endfor %}</table>

@@ -7,31 +7,32 @@ the largest prefill step (`chunk_tokens`) and the staging of streamed experts (`
 slots of `stage_experts` experts each, and a landing buffer for one slot's packed bytes). Every
 byte reserved for prefill is a byte of hot experts decode loses; every byte not reserved leaves
 long prompts with smaller chunks, fewer streamed experts, or the CPU. `decide` prices that trade
-for a declared workload (a prompt of P tokens and an answer of N: a request takes
-prefill(P) + N x decode step) and picks the fastest.
+for a declared workload (prompts of lengths P, equally likely, and answers of N tokens: a request
+takes the mean prefill(P) + N x decode step) and picks the fastest.
 
 Candidates:
 - none: decode residency first (a `prefill_tokens` step's activations reserved, nothing more);
   prefill gets the largest bucket that fits what is left, and stages what room remains.
-- reserve (design a): for each bucket C of the grid up to the prompt's, the activations of
+- reserve (design a): for each bucket C of the grid up to the longest prompt's, the activations of
   steps up to C tokens (with the past context of a chunked prompt) and staging for g experts a
   slot. A layer with more CPU experts than a slot holds streams as several fetches
   (passes.prefill `groups_of`), so g trades staging bytes against the per-fetch GPU work.
   g is chosen per C from the halvings of a layer's CPU experts by a screening price: the
   prefill pass's layer time at C tokens with that slot size, over the streamed layers and the
-  prompt's chunks, plus N x the decode time the staging bytes would have saved as resident
-  experts (the placement's saving per byte at the margin). Whole-layer staging at the prompt's
-  bucket is priced too, for comparison.
+  prompts' chunks, plus N x the decode time the reservation costs (the placement's savings lost,
+  `place.decode_savings`). Whole-layer staging at the longest prompt's bucket is priced too.
 - time-share (design b): the reservation of a reserve candidate taken from resident experts only
   while a long prompt runs, and those experts copied back over PCIe after it; decode keeps the
   decode-first residency. Priced (the copy-back per request), never chosen: the runtime cannot
   evict and restore resident experts yet.
 
-Each candidate is priced by compiling: the decode plan at its residency (predicted step), and a
-prefill step of min(P, C) tokens at its residency and staging (chunks of C attend P/2 earlier
-positions on average; ceil(P / C) chunks). The runnable candidate with the shortest request wins
-(within TIE, the one reserving less); option prefill_reserve='none' keeps decode first. The
-decision and every candidate's numbers are recorded in the plan file (`plan.VramPlan`).
+Each candidate is priced by compiling: the decode plan at its residency (predicted step), and for
+each prompt a prefill step of min(P, C) tokens at its residency and staging (chunks of C attend
+P/2 earlier positions on average; ceil(P / C) chunks; a shorter prompt as its bucket's step).
+Buckets are tried from the longest prompt's
+down while the requests get faster. The runnable candidate with the shortest request wins (within
+TIE, the one reserving less); option prefill_reserve='none' keeps decode first. The decision and
+every candidate's numbers are recorded in the plan file (`plan.VramPlan`).
 
 Preconditions: the profile has a GPU and placement is not 'cpu' (else there is nothing to share:
 `decide` returns None). Guarantees: the reservation holds every prefill bucket up to
@@ -50,7 +51,8 @@ from .errors import ConfigError
 from .ir.graph import Graph
 from .ir.ops import Op, expert_weight_bytes
 from .ir.types import Device
-from .memory import gpu_activation_peak, gpu_workspace_bytes, resident_gpu_bytes, staging_for, stream_bytes
+from .memory import (gpu_activation_peak, gpu_workspace_bytes, resident_gpu_bytes, staging_bytes, staging_for,
+                     stream_bytes)
 from .options import WORKLOADS, CompileContext, CompileOptions, VramShare, vram_limit
 from .passes.costs import annotate_costs
 from .passes.place import decode_savings
@@ -62,6 +64,9 @@ TIE = 0.005
 
 #: staging slot sizes tried per bucket: a layer's CPU experts, halved up to this many times
 HALVINGS = 4
+
+#: the chosen reservation, refined to what its priced plan needs, keeps this much more
+REFINE_MARGIN = 0.02
 
 
 class Pricer(Protocol):
@@ -76,8 +81,9 @@ class Pricer(Protocol):
     def decode_us(self, share: VramShare) -> tuple[float, Graph]:
         """The predicted decode step (us) under `share`, and its final graph."""
 
-    def prefill_us(self, share: VramShare, tokens: int, attended: int) -> float:
-        """The predicted prefill step (us) of `tokens` tokens attending `attended` positions on average."""
+    def prefill(self, share: VramShare, tokens: int, attended: int) -> tuple[float, Graph]:
+        """The predicted prefill step (us) of `tokens` tokens attending `attended` positions on
+        average, and its scheduled graph."""
 
 
 def bucket_grid(max_seq: int) -> list[int]:
@@ -89,18 +95,20 @@ def bucket_grid(max_seq: int) -> list[int]:
     return grid + [max_seq]
 
 
-def workload_of(opts: CompileOptions, max_seq: int) -> tuple[int, int, str]:
-    """(prompt tokens, answer tokens, description) the plan is priced for: the workload's, the
-    explicit options over them, the prompt cut so that prompt and answer fit max_seq_len."""
-    prompt, answer = WORKLOADS[opts.workload]
-    prompt = opts.workload_prompt_tokens or prompt
+def workload_of(opts: CompileOptions, max_seq: int) -> tuple[list[int], int, str]:
+    """(prompt lengths, equally likely; answer tokens; description) the plan is priced for: the
+    workload's, the explicit options over them, each prompt cut so that prompt and answer fit
+    max_seq_len."""
+    prompts, answer = WORKLOADS[opts.workload]
+    prompts = (opts.workload_prompt_tokens,) if opts.workload_prompt_tokens else prompts
     answer = opts.workload_output_tokens if opts.workload_output_tokens is not None else answer
     named = opts.workload if opts.workload_prompt_tokens is None and opts.workload_output_tokens is None else "custom"
-    cut = min(prompt, max(max_seq - min(answer, max_seq // 2), 1))
-    answer = min(answer, max_seq - cut)
-    note = f"{named}: {cut}-token prompts, {answer}-token answers"
-    if cut < prompt:
-        note += f" (prompts of {prompt} cut to fit max_seq_len {max_seq})"
+    most = max(max_seq - min(answer, max_seq // 2), 1)
+    cut = sorted({min(p, most) for p in prompts})
+    answer = min(answer, max_seq - max(cut))
+    note = f"{named}: {'/'.join(map(str, cut))}-token prompts, {answer}-token answers"
+    if cut != sorted(set(prompts)):
+        note += f" (prompts cut to fit max_seq_len {max_seq})"
     return cut, answer, note
 
 
@@ -167,14 +175,16 @@ def _staging(s: _Sizes, experts: int, slots: int, tokens: int = 0) -> float:
 
 
 def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, max_seq: int,
-           pricer: Pricer) -> tuple[VramShare, VramPlan, VramShare] | None:
-    """The VRAM plan (see the module doc): the chosen share, its record, and the decode-first
-    share it was weighed against; None where there is nothing to share."""
+           pricer: Pricer) -> tuple[VramShare, VramPlan, VramShare, VramShare] | None:
+    """The VRAM plan (see the module doc): the chosen share, its record, the decode-first share
+    it was weighed against, and the chosen share as estimated (its reservation not refined: the
+    fallback should a plan of the refined one exceed the limit); None where there is nothing to
+    share."""
     dctx = ctx_for("decode", opts.max_batch)
     if not dctx.hw.has_gpu or opts.placement == "cpu":
         return None
     limit, limit_why = check_limit(opts, dctx)
-    prompt, answer, work_note = workload_of(opts, max_seq)
+    prompts, answer, work_note = workload_of(opts, max_seq)
     grid = sorted({min(t, max_seq) for t in (opts.prefill_buckets or bucket_grid(max_seq))})
     cap = opts.vram_budget_gb * 1e9 if opts.vram_budget_gb is not None else math.inf
     ws = gpu_workspace_bytes(dctx.hw)
@@ -214,10 +224,19 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
             decoded[key] = pricer.decode_us(share)
         return decoded[key]
 
-    def prefill_s(share: VramShare, chunk: int) -> float:
-        if prompt <= chunk:
-            return pricer.prefill_us(share, prompt, (prompt + 1) // 2) * 1e-6
-        return math.ceil(prompt / chunk) * pricer.prefill_us(share, chunk, prompt // 2) * 1e-6
+    needs: dict[VramShare, float] = {}  # a share -> what its priced chunk-sized step needs beside residency
+
+    def prefill_s(share: VramShare, chunk: int) -> dict[int, float]:
+        """Seconds of each workload prompt: the step of the bucket that holds it (as the runtime
+        runs it), or ceil(P / chunk) chunks attending P/2 earlier positions on average."""
+        out = {}
+        for p in prompts:
+            b = min([t for t in grid if p <= t <= chunk] or [chunk])
+            us, g = pricer.prefill(share, b, (b + 1) // 2 if p <= chunk else p // 2)
+            out[p] = (1 if p <= chunk else math.ceil(p / chunk)) * us * 1e-6
+            if b == chunk:
+                needs[share] = gpu_activation_peak(g, b, max(max_seq - b, 0)) + staging_bytes(g)
+        return out
 
     # decode first: the largest bucket whose activations fit next to the residency, staging what is left
     base = VramShare(limit, residency(reserve_none), None, first)
@@ -242,13 +261,14 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
         room) kept as not runnable, with the reason."""
         us, _ = decode(share)
         try:
-            pre, note = prefill_s(share, share.chunk_tokens), ""
+            each, note = prefill_s(share, share.chunk_tokens), ""
         except ConfigError as e:
             refused.append(e)
-            pre, note = 0.0, str(e).split(". ")[0]
+            each, note = {}, str(e).split(". ")[0]
+        pre = sum(each.values()) / len(each) if each else 0.0
         c = VramCandidate(name=name, design=design, chunk_tokens=share.chunk_tokens,
                           stage_experts=share.stage_experts or 0, reserved_bytes=reserved,
-                          residency_bytes=share.residency, decode_us=us, prefill_s=pre,
+                          residency_bytes=share.residency, decode_us=us, prefill_s=pre, prompt_s=each,
                           request_s=pre + answer * us * 1e-6, runnable=not note, note=note)
         cands.append(c)
         return c
@@ -256,7 +276,7 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
     none = add("decode first", "none", base, reserve_none)
     shares = {none.name: base}
     if opts.prefill_reserve == "auto" and opts.placement != "gpu":
-        bucket = min([t for t in grid if t >= prompt] or [grid[-1]])
+        bucket = min([t for t in grid if t >= max(prompts)] or [grid[-1]])
         chunks = [opts.prefill_chunk] if opts.prefill_chunk else [t for t in grid if min(first, bucket) <= t <= bucket]
         costed = pricer.costed()
 
@@ -268,8 +288,8 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
 
         best: VramCandidate | None = None
         for c in sorted(chunks, reverse=True):  # down from the prompt's bucket while the requests get faster
-            g = _screen(ctx_for, placed, sizes, c, prompt, answer, slots, decode_loss, weights + kv, opts, limit, ws,
-                        cap, reserve_none)
+            g = _screen(ctx_for, placed, sizes, c, prompts, answer, slots, decode_loss, weights + kv, opts, limit,
+                        ws, cap, reserve_none)
             if g is None:
                 continue
             reserved = max(reserve_none, sizes.act(c) + _staging(sizes, g, slots, c))
@@ -303,7 +323,8 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
             cands.append(VramCandidate(
                 name=f"time-share {c.chunk_tokens} tokens, {c.stage_experts} experts a slot", design="time-share",
                 chunk_tokens=c.chunk_tokens, stage_experts=c.stage_experts, reserved_bytes=c.reserved_bytes,
-                residency_bytes=none.residency_bytes, decode_us=none.decode_us, prefill_s=c.prefill_s, extra_s=back,
+                residency_bytes=none.residency_bytes, decode_us=none.decode_us, prefill_s=c.prefill_s,
+                prompt_s=c.prompt_s, extra_s=back,
                 request_s=c.prefill_s + back + answer * none.decode_us * 1e-6, runnable=False,
                 note="not runnable yet: the runtime cannot evict and restore resident experts"))
     runnable = [c for c in cands if c.runnable]
@@ -312,8 +333,29 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
     best = min(c.request_s for c in runnable)
     chosen = min((c for c in runnable if c.request_s <= best * (1 + TIE)),
                  key=lambda c: (c.reserved_bytes, c.request_s))
-    record = _record(chosen, none, cands, limit, limit_why, prompt, answer, work_note, opts, ws)
-    return shares[chosen.name], record, base
+    share = shares[chosen.name]
+    refined = _refined(share, needs.get(share), chosen.reserved_bytes, sizes, grid, slots, reserve_none)
+    note = ""
+    if refined < chosen.reserved_bytes:
+        note = (f"; reservation refined from {chosen.reserved_bytes / 1e9:.2f} GB (estimated) to {refined / 1e9:.2f} "
+                f"GB: what the priced {share.chunk_tokens}-token step needs, {1 + REFINE_MARGIN:.0%}")
+        share = replace(share, residency=residency(refined))
+    record = _record(chosen, none, cands, limit, limit_why, prompts, answer, work_note, opts, ws)
+    record = record.model_copy(update=dict(reserved_bytes=min(refined, chosen.reserved_bytes),
+                                           residency_bytes=share.residency, cause=record.cause + note))
+    return share, record, base, shares[chosen.name]
+
+
+def _refined(share: VramShare, need: float | None, estimated: float, sizes: _Sizes, grid: list[int], slots: int,
+             floor: float) -> float:
+    """The reservation a chosen share needs: its priced chunk-sized step's GPU activations and
+    staging (REFINE_MARGIN above), the estimates of the smaller buckets (their past is longer),
+    the floor; never more than the estimate the candidates were compared at."""
+    if need is None or not share.stage_experts and share.chunk_tokens <= min(grid):
+        return estimated
+    smaller = [sizes.act(t) + _staging(sizes, share.stage_experts or 0, slots, t) for t in grid
+               if t < share.chunk_tokens]
+    return min(estimated, max(need * (1 + REFINE_MARGIN), *smaller, floor))
 
 
 def _slot_experts(s: _Sizes, room: float, slots: int, tokens: int) -> int:
@@ -321,7 +363,7 @@ def _slot_experts(s: _Sizes, room: float, slots: int, tokens: int) -> int:
     return next((g for g in range(s.layer_experts, 0, -1) if _staging(s, g, slots, tokens) <= room), 0)
 
 
-def _screen(ctx_for, placed: Graph, sizes: _Sizes, chunk: int, prompt: int, answer: int, slots: int,
+def _screen(ctx_for, placed: Graph, sizes: _Sizes, chunk: int, prompts: list[int], answer: int, slots: int,
             decode_loss: Callable[[list[float]], list[float]], resident: float, opts: CompileOptions, limit: float,
             ws: float, cap: float, floor: float) -> int | None:
     """The staging slot size (experts) for prefill steps of `chunk` tokens, from the halvings of a
@@ -342,41 +384,42 @@ def _screen(ctx_for, placed: Graph, sizes: _Sizes, chunk: int, prompt: int, answ
     fits = [g for g in ladder if min(cap, limit - ws - sizes.act(chunk) - _staging(sizes, g, slots, chunk)) > 0]
     if len(fits) <= 1:
         return fits[0] if fits else None
-    tokens = min(chunk, prompt)
-    ctx = ctx_for("prefill", tokens)
-    if prompt > chunk:
-        ctx = replace(ctx, context=prompt // 2)
-    g = annotate_costs(placed, ctx)
-    moe = [n for n in g.nodes if n.op == Op.ROUTED_EXPERTS]
-    cpu = streamable(g)
-    if not cpu:  # decode first holds every expert: price a layer as if the reservation evicted it
-        widest = max(moe, key=lambda n: n.attrs.experts * n.attrs.inter)
-        g = g.replace_nodes(replace(n, place=replace(n.place, device=Device.CPU)) if n.name == widest.name else n
-                            for n in g.nodes)
-        cpu = streamable(g)
-    if not cpu:
-        return 0
-    node = max(cpu, key=lambda n: len(n.attrs.ids))
+    moe = [n for n in placed.nodes if n.op == Op.ROUTED_EXPERTS]
     h, i, act, _ = sizes.expert_bytes
     layer = full * 3 * h * i * act
     reserved = [max(floor, sizes.act(chunk) + _staging(sizes, k, slots, chunk)) for k in fits]
     losses = decode_loss(reserved)
-    steps = math.ceil(prompt / chunk)
-    score = {}
-    for k, r, loss in zip(fits, reserved, losses):
+    streamed = {}  # layers streamed under each slot size: decode first's CPU layers and those a reservation evicts
+    for k, r in zip(fits, reserved):
         evicted = max(0.0, resident - min(cap, limit - ws - r))
-        layers = min(len(moe), len(streamable(placed)) + math.ceil(evicted / max(layer, 1.0)))
-        score[k] = steps * layers * layer_seconds(g, ctx, node, k, slots) + answer * loss
+        streamed[k] = min(len(moe), len(streamable(placed)) + math.ceil(evicted / max(layer, 1.0)))
+    score = {k: answer * loss for k, loss in zip(fits, losses)}
+    for p in prompts:  # each prompt's chunks, its layers priced by the prefill pass at this slot size
+        ctx = ctx_for("prefill", min(chunk, p))
+        if p > chunk:
+            ctx = replace(ctx, context=p // 2)
+        g = annotate_costs(placed, ctx)
+        cpu = streamable(g)
+        if not cpu:  # decode first holds every expert: price a layer as if the reservation evicted it
+            widest = max(moe, key=lambda n: n.attrs.experts * n.attrs.inter)
+            g = g.replace_nodes(replace(n, place=replace(n.place, device=Device.CPU)) if n.name == widest.name else n
+                                for n in g.nodes)
+            cpu = streamable(g)
+        if not cpu:
+            return 0
+        node = max(cpu, key=lambda n: len(n.attrs.ids))
+        for k in fits:
+            score[k] += math.ceil(p / chunk) * streamed[k] * layer_seconds(g, ctx, node, k, slots) / len(prompts)
     return min(score, key=lambda k: (score[k], k))
 
 
 def _record(chosen: VramCandidate, none: VramCandidate, cands: list[VramCandidate], limit: float, limit_why: str,
-            prompt: int, answer: int, work_note: str, opts: CompileOptions, ws: float) -> VramPlan:
+            prompts: list[int], answer: int, work_note: str, opts: CompileOptions, ws: float) -> VramPlan:
     def gb(b: float) -> str:
         return f"{b / 1e9:.2f} GB"
 
-    def rate(c: VramCandidate) -> str:
-        return f"{prompt / c.prefill_s:.0f}" if c.prefill_s else "-"
+    def rates(c: VramCandidate) -> str:
+        return "/".join(f"{p / c.prompt_s[p]:.0f}" if c.prompt_s.get(p) else "-" for p in prompts)
 
     def line(c: VramCandidate) -> str:
         if not c.prefill_s:
@@ -388,14 +431,16 @@ def _record(chosen: VramCandidate, none: VramCandidate, cands: list[VramCandidat
 
     forced = " (prefill_reserve=none)" if opts.prefill_reserve == "none" else ""
     cost = (chosen.decode_us / none.decode_us - 1.0) * 100 if none.decode_us else 0.0
+    lengths = "/".join(map(str, prompts))
     cause = (f"VRAM limit {gb(limit)} ({limit_why}); workload {work_note}: chose {chosen.name}{forced}: "
              f"reserve {gb(chosen.reserved_bytes)} for prefill (activations of steps up to {chosen.chunk_tokens} "
              f"tokens, staging {chosen.stage_experts} experts a slot), decode residency {gb(chosen.residency_bytes)}, "
-             f"workspaces {gb(ws)}; decode {cost:+.1f}% against decode first, prefill of {prompt} tokens "
-             f"{rate(chosen)} tok/s against {rate(none)}. Candidates: " + "; ".join(line(c) for c in cands))
-    return VramPlan(limit_bytes=limit, limit_cause=limit_why, workload=work_note, prompt_tokens=prompt,
+             f"workspaces {gb(ws)}; decode {cost:+.1f}% against decode first, prefill of {lengths} tokens "
+             f"{rates(chosen)} tok/s against {rates(none)}. Candidates (a request: the prompts' mean prefill and "
+             "the answer's decode steps): " + "; ".join(line(c) for c in cands))
+    return VramPlan(limit_bytes=limit, limit_cause=limit_why, workload=work_note, prompts=prompts,
                     output_tokens=answer, chosen=chosen.name, design=chosen.design,
                     reserved_bytes=chosen.reserved_bytes, residency_bytes=chosen.residency_bytes,
                     workspace_bytes=ws, chunk_tokens=chosen.chunk_tokens, stage_experts=chosen.stage_experts,
-                    decode_us=chosen.decode_us, decode_us_without=none.decode_us, prefill_s=chosen.prefill_s,
-                    prefill_s_without=none.prefill_s, candidates=cands, cause=cause)
+                    decode_us=chosen.decode_us, decode_us_without=none.decode_us, prefill_s=chosen.prompt_s,
+                    prefill_s_without=none.prompt_s, candidates=cands, cause=cause)
