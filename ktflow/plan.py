@@ -127,13 +127,17 @@ class VramPlan(BaseModel):
         gb = lambda b: f"{b / 1e9:.2f}"  # noqa: E731
         lengths = "/".join(map(str, self.prompts))
         w = max(36, *(len(c.name) + 1 for c in self.candidates))
+        chosen = next((c for c in self.candidates if c.name == self.chosen), None)
+        refined = f" (refined from {gb(chosen.reserved_bytes)} GB estimated: what its plans need)" \
+            if chosen is not None and self.reserved_bytes < chosen.reserved_bytes else ""
         lines = [f"VRAM plan: limit {gb(self.limit_bytes)} GB ({self.limit_cause}); workload {self.workload}",
-                 f"  chose {self.chosen}: prefill reservation {gb(self.reserved_bytes)} GB (staging "
+                 f"  chose {self.chosen}: prefill reservation {gb(self.reserved_bytes)} GB{refined} (staging "
                  f"{self.stage_experts} experts a slot, steps up to {self.chunk_tokens} tokens), decode residency "
                  f"{gb(self.residency_bytes)} GB, workspaces {gb(self.workspace_bytes)} GB",
                  f"  decode step {self.decode_us / 1e3:.2f} ms against {self.decode_us_without / 1e3:.2f} ms decode "
-                 f"first ({self.decode_cost:+.1%}); prefill of {lengths} tokens {self.rates(self.prefill_s)} tok/s "
-                 f"against {self.rates(self.prefill_s_without)} (predicted; benchmarks/vram_plan.py measures both)",
+                 f"first ({self.decode_cost:+.1%}, the compiled plans); prefill of {lengths} tokens "
+                 f"{self.rates(self.prefill_s)} tok/s against {self.rates(self.prefill_s_without)} (as priced; "
+                 "benchmarks/vram_plan.py measures both)",
                  f"  {'candidate (* chosen, - priced only)':{w}s} {'reserve GB':>10s} {'decode ms':>9s} "
                  f"{'prefill tok/s ' + lengths:>22s} {'request s':>9s}"]
         for c in self.candidates:

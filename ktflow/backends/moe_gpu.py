@@ -51,7 +51,8 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
     expert has a row in the stacked weights (`local[id]` >= 0; others add nothing). x [T, H];
     ids, wts [T, k]; gate, up [n, I, H]; down [n, H, I] -> [T, H] in x's dtype (summed in fp32).
     Picks are sorted by expert, those held elsewhere last; outside a CUDA graph capture the
-    count of held picks is read on the host (one sync) and only those rows are gathered,
+    count of held picks is read on the host (one sync, where the node holds only some of the
+    layer's experts) and only those rows are gathered,
     multiplied and summed, GROUPED_ROWS at a time, so a part holding few of the layer's experts
     (a streamed group) costs in proportion to its picks and a long step's temporaries stay
     bounded; while capturing, every pick's row is (masked).
@@ -72,7 +73,8 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
         weight = torch.where(key[order] < n, wts.reshape(-1)[order], 0.0)
         _rows(x, order // k, weight, gate, up, down, offs, counts, out, masked=True)
     else:  # the held picks only, GROUPED_ROWS at a time (memory.SCRATCH bounds the temporaries so)
-        held = int(offs[-1]) if n else 0
+        # every expert of the layer held (a resident layer): every pick, no need to read the count
+        held = t * k if n == local.numel() else int(offs[-1]) if n else 0
         for lo in range(0, held, GROUPED_ROWS):
             hi = min(lo + GROUPED_ROWS, held)
             block = order[lo:hi]
