@@ -694,11 +694,8 @@ def finish_variant(a, x: Variant, vocab: int, cfg: dict, info: dict, dram: list[
                predicted_activation_mb=round(plan.memory.activation_bytes / 1e6, 2),
                # the decode runs' 32-token prompts run a prefill plan whose staging stays allocated:
                # the run's peak is the larger of the two plans' predictions
-               predicted_vram_gb=round((max(plan.memory.gpu_bytes, c.prefill_plan(32).memory.gpu_bytes)
-                                        - c.plans.options.vram_reserve_gb * 1e9) / 1e9, 3)
-               if plan.memory.gpu_bytes else 0.0,
-               predicted_decode_plan_vram_gb=round((plan.memory.gpu_bytes - c.plans.options.vram_reserve_gb * 1e9)
-                                                   / 1e9, 3) if plan.memory.gpu_bytes else 0.0,
+               predicted_vram_gb=round(max(plan.memory.gpu_bytes, c.prefill_plan(32).memory.gpu_bytes) / 1e9, 3),
+               predicted_decode_plan_vram_gb=round(plan.memory.gpu_bytes / 1e9, 3),
                defer=str(c.plans.options.defer))
     row.update(split)
     if "+run" not in v:  # (a +run variant's single steps are its base variant's)

@@ -94,7 +94,6 @@ def measure(compiled, vocab: int, tokens: int, reps: int, hw, layers: int) -> di
     mean = statistics.mean(rates)
     seconds = tokens / mean
     predicted_layer, measured_layer = mean_layer(plan), mean_layer(measured_plan)
-    reserve = compiled.plans.options.vram_reserve_gb * 1e9
     return dict(
         prompt=tokens, tok_s=round(mean, 1), sd=round(statistics.stdev(rates) if len(rates) > 1 else 0.0, 1),
         ttft_s=round(statistics.mean(ttft), 4), bucket=plan.step_tokens, chunks=chunks,
@@ -104,6 +103,6 @@ def measure(compiled, vocab: int, tokens: int, reps: int, hw, layers: int) -> di
         busy=busy, predicted_layer_us=round(predicted_layer, 1) if predicted_layer else None,
         step_layer_us=round(seconds / layers * 1e6, 1),  # the untraced step over the layers
         measured_layer_us=round(measured_layer, 1) if measured_layer else None,  # the traced step's layer windows
-        peak_vram_gb=round(max(peaks) / 1e9, 3), planned_vram_gb=round((plan.memory.gpu_bytes - reserve) / 1e9, 3),
+        peak_vram_gb=round(max(peaks) / 1e9, 3), planned_vram_gb=round(plan.memory.gpu_bytes / 1e9, 3),
         planned_staging_gb=round(plan.memory.staging_bytes / 1e9, 3), layers=layers,
         steps=[(s.kind, s.node, s.lane, s.start_us, s.end_us) for s in ex.measured or []])

@@ -19,11 +19,12 @@ from .ir.ops import Op
 from .ir.types import Device
 from .model import Model, load
 from .options import CompileContext, CompileOptions
-from .memory import (activation_peak, gpu_activation_peak, gpu_workspace_bytes, kv_cache_bytes, prefill_room,
-                     resident_gpu_bytes, staging_bytes)
+from .memory import activation_peak, gpu_activation_peak, gpu_workspace_bytes, kv_cache_bytes, staging_bytes
+from .options import VramShare
 from .passes import PIPELINE, PassTimer, default_instruments, edit_pipeline, pass_id, run_pipeline
 from .passes.schedule import steps_of
 from .plan import MemoryEstimate, ModelInfo, Plan, PlanFile
+from .vram_plan import bucket_grid, decide
 from .runtime.execute import decode_greedy, decode_tokens, execute, start_sampling  # noqa: F401 (the public API's)
 from .runtime.executor import Executor
 from .runtime.generate import generate_with_stats
@@ -164,13 +165,12 @@ def check_gpu(pf: PlanFile) -> None:
     # before anything is allocated: what the plans will take against what is free now (memory this
     # process's allocator already holds counts as free; the reserve is what the plan leaves unused)
     need = max((p.memory.gpu_bytes for p in pf.plans if p.device == "cuda"), default=0.0)
-    need -= pf.options.vram_reserve_gb * 1e9
     free, total = torch.cuda.mem_get_info()
     usable = free + torch.cuda.memory_reserved()
     if need > usable:
         raise ResourceError(f"the {where} needs {need / 1e9:.1f} GB of GPU memory; {usable / 1e9:.1f} GB of "
                             f"{total / 1e9:.1f} GB are free (other processes hold the rest). Free the GPU, or compile "
-                            "with a smaller --vram-budget-gb, --max-seq-len or --prefill-chunk")
+                            "with a smaller --vram-gb")
 
 
 def _device(opts: CompileOptions, hw: HwProfile) -> str:
@@ -190,8 +190,9 @@ def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
     streamed experts live in host memory, their fetch stages them; CPU experts once per
     packed slice, which a deferred part shares with its immediate one), a
     step's activations on each device that runs nodes (GPU: live values and the running node's
-    scratch, for the longest context a step may follow), the staging of streamed experts, the
-    BLAS workspaces and the GPU reserve."""
+    scratch, for the longest context a step may follow), the staging of streamed experts and the
+    BLAS workspaces. The GPU bytes are what the run allocates: the reserve (vram_reserve_gb) is
+    outside them."""
     weights = {Device.CPU: 0.0, Device.GPU: 0.0}
     packed = set()  # CPU expert slices already counted: a deferred twin shares its immediate part's pack
     # a layer whose GPU experts are a cache: each of its CPU packs holds every expert of the layer
@@ -222,7 +223,7 @@ def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
     ws = gpu_workspace_bytes(ctx.hw)
     return MemoryEstimate(weight_bytes=weights[Device.CPU] + weights[Device.GPU], kv_cache_bytes=kv_all,
                           activation_bytes=gpu_act, workspace_bytes=ws, staging_bytes=staging,
-                          gpu_bytes=weights[Device.GPU] + kv_gpu + gpu_act + staging + ws + ctx.options.vram_reserve_gb * 1e9,
+                          gpu_bytes=weights[Device.GPU] + kv_gpu + gpu_act + staging + ws,
                           host_bytes=weights[Device.CPU] + (kv_all - kv_gpu) + act)
 
 
@@ -230,8 +231,8 @@ def _compile_plan(spec: Graph, ctx: CompileContext, instruments=(), pipeline=PIP
     timer = PassTimer()
     g = run_pipeline(spec, ctx, pipeline=pipeline, instruments=[timer, *instruments])
     steps = steps_of(g)  # the scheduled graph's steps
-    return Plan(phase=ctx.phase, device=ctx.device, max_seq_len=ctx.max_seq_len, step_tokens=ctx.tokens,
-                graph=g.to_dict(), steps=steps, predicted_step_us=_predicted_step_us(g, ctx),
+    return Plan.of_graph(g, phase=ctx.phase, device=ctx.device, max_seq_len=ctx.max_seq_len, step_tokens=ctx.tokens,
+                steps=steps, predicted_step_us=_predicted_step_us(g, ctx),
                 memory=_memory(g, ctx), pass_seconds=timer.seconds,
                 capture=[(0, len(steps) - 1)] if _captured(g, ctx) else [])
 
@@ -284,64 +285,24 @@ def _decode_plan(spec: Graph, ctx: CompileContext, instruments=(), pipeline=PIPE
                          instruments, pipeline)
 
 
-def _bucket_grid(max_seq: int) -> list[int]:
-    """Candidate bucket bounds: powers of two from 256 below max_seq_len, and max_seq_len."""
-    grid, t = [], 256
-    while t < max_seq:
-        grid.append(t)
-        t *= 2
-    return grid + [max_seq]
-
-
-def _largest_step(spec: Graph, ctx_for, candidates: list[int], pipeline=PIPELINE) -> int:
-    """The most tokens one prefill step may take: the largest candidate whose activations fit
-    the GPU next to the resident weights and KV caches with staging for a whole layer in every
-    slot; failing that, the largest whose activations fit at all (its layers then stream less or
-    not at all); failing that, halving below the smallest. A profile without a GPU: no limit."""
-    ctx = ctx_for(candidates[0])
-    if not ctx.hw.has_gpu or ctx.options.placement == "cpu":
-        return candidates[-1]
-    placed_at = next((i for i, (_, stage) in enumerate(pipeline) if stage == "placed"), 1)
-    placed = run_pipeline(spec, ctx, pipeline=pipeline[:placed_at + 1])  # through the first placing pass
-    kw = dict(weight_itemsize=ctx.weight_itemsize, kv_tokens=ctx.max_seq_len * ctx.options.max_batch,
-              reserve_bytes=ctx.options.vram_reserve_gb * 1e9)
-    layer = max((n.weight_elems() * ctx.weight_itemsize for n in placed.nodes
-                 if n.op == Op.ROUTED_EXPERTS and n.place.device == Device.CPU), default=0.0)
-    staging = layer * (ctx.options.staging_slots + 1)
-    room = {t: prefill_room(placed, ctx.hw, tokens=t, **kw) for t in candidates}
-    for need in (staging, 0.0):
-        fits = [t for t in candidates if room[t] >= need]
-        if fits:
-            return max(fits)
-    t = candidates[0]
-    while t > 1:
-        t //= 2
-        if prefill_room(placed, ctx.hw, tokens=t, **kw) >= 0:
-            return t
-    weights, kv = resident_gpu_bytes(placed, ctx.weight_itemsize, kw["kv_tokens"])
-    raise ConfigError(f"no prefill step fits on the GPU: {ctx.hw.gpus[0].name} has "
-                      f"{ctx.hw.gpus[0].memory_bytes / 1e9:.2f} GB; resident weights take {weights / 1e9:.2f} GB, "
-                      f"KV caches {kv / 1e9:.2f} GB, the reserve {ctx.options.vram_reserve_gb:.1f} GB, and one token's "
-                      f"activations {gpu_activation_peak(placed, 1, streamed=True) / 1e6:.1f} MB; lower vram_budget_gb, "
-                      "max_seq_len or max_batch")
-
-
 def _signature(plan: Plan) -> tuple:
     """What a prefill bucket decided: where each routed-experts node runs and which experts."""
     return tuple((n.name, n.place.device.value, n.attrs.ids, len(n.inputs)) for n in plan.ir.nodes
                  if n.op == Op.ROUTED_EXPERTS)
 
 
-def _prefill_plans(spec: Graph, ctx_for, opts: CompileOptions, max_seq: int, instruments=(),
-                   pipeline=PIPELINE) -> list[Plan]:
+def _prefill_plans(spec: Graph, ctx_for, opts: CompileOptions, max_seq: int, share: VramShare | None,
+                   instruments=(), pipeline=PIPELINE) -> list[Plan]:
     """One prefill plan per bucket. Buckets: the prefill_buckets option, else the grid of
-    `_bucket_grid` with neighbours whose decisions agree merged (the larger bound kept). Bounds
-    above the largest step that fits (or prefill_chunk) are cut to it: longer prompts chunk."""
+    `vram_plan.bucket_grid` with neighbours whose decisions agree merged (the larger bound kept).
+    Bounds above the largest step (prefill_chunk, else the VRAM plan's chunk_tokens) are cut to
+    it: longer prompts chunk. Every GPU plan's staging is counted at the largest any bucket lays
+    out (the runtime shares one staging buffer between buckets, grown to the largest, and keeps it)."""
     auto = opts.prefill_buckets is None
-    cands = sorted({min(t, max_seq) for t in (opts.prefill_buckets or _bucket_grid(max_seq))})
+    cands = sorted({min(t, max_seq) for t in (opts.prefill_buckets or bucket_grid(max_seq))})
     if any(t < 1 for t in cands):
         raise ConfigError(f"prefill_buckets must be positive token counts, got {opts.prefill_buckets}")
-    limit = opts.prefill_chunk or _largest_step(spec, ctx_for, cands, pipeline)
+    limit = opts.prefill_chunk or (share.chunk_tokens if share is not None else cands[-1])
     cands = sorted({min(t, limit) for t in cands})
     ctx = ctx_for(cands[-1])
     if auto and (not ctx.hw.has_gpu or opts.placement == "cpu"):
@@ -355,7 +316,50 @@ def _prefill_plans(spec: Graph, ctx_for, opts: CompileOptions, max_seq: int, ins
             plans[-1] = plan  # same decisions: the larger bucket covers both
         else:
             plans.append(plan)
-    return plans
+    return _shared_staging(plans)
+
+
+def _shared_staging(plans: list[Plan]) -> list[Plan]:
+    """`plans` with each GPU plan's memory counting the largest staging of them all: the
+    runtime's staging buffers are shared by the buckets and kept, once a prompt streamed, at the
+    largest size used."""
+    held = max((p.memory.staging_bytes for p in plans), default=0.0)
+    out = []
+    for p in plans:
+        m = p.memory
+        if m.gpu_bytes and m.staging_bytes < held:
+            m = m.model_copy(update=dict(staging_bytes=held, gpu_bytes=m.gpu_bytes + held - m.staging_bytes))
+            p = p.model_copy(update=dict(memory=m))
+        out.append(p)
+    return out
+
+
+class _Pricer:
+    """Plans priced for the VRAM plan (`vram_plan.Pricer`): the pipeline run under a share."""
+
+    def __init__(self, spec: Graph, context, max_batch: int, pipeline):
+        self.spec, self.context, self.max_batch, self.pipeline = spec, context, max_batch, pipeline
+        at = next((i for i, (_, stage) in enumerate(pipeline) if stage == "placed"), 1)
+        self.placing = pipeline[:at + 1]  # through the first placing pass
+        # the schedule predicts the step; the buffer plan after it changes no time
+        self.pricing = tuple(p for p in pipeline if p[1] != "buffered") or pipeline
+
+    def costed(self) -> Graph:
+        at = next((i for i, (_, stage) in enumerate(self.pipeline) if stage == "costed"), 0)
+        return run_pipeline(self.spec, self.context("decode", self.max_batch), pipeline=self.pipeline[:at + 1])
+
+    def placed(self, share: VramShare) -> Graph:
+        return run_pipeline(self.spec, self.context("decode", self.max_batch, share), pipeline=self.placing)
+
+    def decode_us(self, share: VramShare) -> tuple[float, Graph]:
+        ctx = self.context("decode", self.max_batch, share)
+        g = run_pipeline(self.spec, ctx, pipeline=self.pricing)
+        return _predicted_step_us(g, ctx), g
+
+    def prefill(self, share: VramShare, tokens: int, attended: int) -> tuple[float, Graph]:
+        ctx = replace(self.context("prefill", tokens, share), context=attended)
+        g = run_pipeline(self.spec, ctx, pipeline=self.pricing)
+        return _predicted_step_us(g, ctx), g
 
 
 def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, print_after: str | None = None,
@@ -388,24 +392,58 @@ def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, pr
         routing = RoutingProfile.load(opts.routing_profile)
         routing.check_against(spec)
 
-    def context(phase: str, tokens: int) -> CompileContext:
+    def context(phase: str, tokens: int, share: VramShare | None = None) -> CompileContext:
         batch = tokens if phase == "decode" else 1
         attended = max_seq // 2 if phase == "decode" else (tokens + 1) // 2
         return CompileContext(hw=hwp, options=opts, phase=phase, tokens=tokens, batch=batch, context=attended,
                               weight_itemsize=act.itemsize, max_seq_len=max_seq, device=device,
-                              routing=routing, fp8_block=model.quant.block if model.quant is not None else None)
+                              routing=routing, fp8_block=model.quant.block if model.quant is not None else None,
+                              vram=share)
 
     pipeline = edit_pipeline(passes)
     watching = [*default_instruments(print_after), *(instruments or ())]
-    decode = _decode_plan(spec, context("decode", opts.max_batch), watching, pipeline)
-    prefill = _prefill_plans(spec, lambda t: context("prefill", t), opts, max_seq, watching, pipeline)
+    decided = decide(context, opts, max_seq, _Pricer(spec, context, opts.max_batch, pipeline))
+    share, vram, first, estimated = decided if decided is not None else (None, None, None, None)
+    decode = _decode_plan(spec, context("decode", opts.max_batch, share), watching, pipeline)
+    prefill = _prefill_plans(spec, lambda t: context("prefill", t, share), opts, max_seq, share, watching, pipeline)
+    if share is not None and share != estimated and _over(share.limit, decode, prefill):
+        # the refined reservation was short for some bucket: the one the candidates were compared at
+        share = estimated
+        vram = vram.model_copy(update=dict(reserved_bytes=estimated.limit - estimated.residency - vram.workspace_bytes,
+                                           residency_bytes=estimated.residency,
+                                           cause=vram.cause + "; a bucket's plan exceeded the limit with the refined "
+                                                 "reservation: the estimated one is kept"))
+        decode = _decode_plan(spec, context("decode", opts.max_batch, share), watching, pipeline)
+        prefill = _prefill_plans(spec, lambda t: context("prefill", t, share), opts, max_seq, share, watching,
+                                 pipeline)
+    if vram is not None and vram.design != "none":  # the decode-first plan's step beside this one's, both compiled
+        without = vram.decode_us_without
+        if opts.defer == "auto":
+            without = _decode_plan(spec, context("decode", opts.max_batch, first)).predicted_step_us
+        vram = vram.model_copy(update=dict(decode_us=decode.predicted_step_us, decode_us_without=without))
     info = ModelInfo(model_type=cfg.model_type, fingerprint=model.fingerprint, path=str(model.path.resolve()),
                      layers=cfg.num_hidden_layers)
-    pf = PlanFile(model=info, hw=hwp, options=opts, prefill=prefill, decode=decode,
-                  pipeline=[pass_id(fn) for fn, _ in pipeline])
+    pf = PlanFile(model=info, hw=hwp, options=opts, prefill=prefill, decode=_with_staging(decode, prefill),
+                  pipeline=[pass_id(fn) for fn, _ in pipeline], vram=vram)
     if not opts.allow_oversize:
         _check_fits(pf, runnable=model.weights is not None)
     return Compiled(pf, model)
+
+
+def _over(limit: float, decode: Plan, prefill: list[Plan]) -> bool:
+    """Whether a plan's predicted GPU memory, the shared staging counted, exceeds `limit`."""
+    return any(p.memory.gpu_bytes > limit for p in (_with_staging(decode, prefill), *prefill))
+
+
+def _with_staging(decode: Plan, prefill: list[Plan]) -> Plan:
+    """The decode plan with the prefill plans' shared staging counted: the runtime keeps it
+    between prompts."""
+    held = max((p.memory.staging_bytes for p in prefill), default=0.0)
+    if not held or not decode.memory.gpu_bytes:
+        return decode
+    m = decode.memory
+    return decode.model_copy(update=dict(memory=m.model_copy(update=dict(
+        staging_bytes=held, gpu_bytes=m.gpu_bytes + held - m.staging_bytes))))
 
 
 def _check_fits(pf: PlanFile, runnable: bool) -> None:
@@ -416,15 +454,16 @@ def _check_fits(pf: PlanFile, runnable: bool) -> None:
 
     hw = pf.hw
     host = sum(n.memory_bytes for n in hw.cpu.numa)
-    gpu = hw.gpus[0].memory_bytes if hw.gpus else 0.0
+    gpu = pf.vram.limit_bytes if pf.vram is not None else (
+        hw.gpus[0].memory_bytes - pf.options.vram_reserve_gb * 1e9 if hw.gpus else 0.0)
     for plan in pf.plans:
         m, what = plan.memory, f"the {plan.phase} plan ({plan.step_tokens} tokens/step)"
         parts = (f"weights {m.weight_bytes / 1e9:.1f} GB, KV caches {m.kv_cache_bytes / 1e9:.1f} GB, activations "
                  f"{m.activation_bytes / 1e9:.2f} GB, both devices")
         problem = None
         if plan.device == "cuda" and gpu and m.gpu_bytes > gpu:
-            problem = (f"{what} needs {m.gpu_bytes / 1e9:.1f} GB of GPU memory; the profile {hw.name!r} has "
-                       f"{gpu / 1e9:.1f} GB ({parts}). Lower --vram-budget-gb, --max-seq-len or --max-batch")
+            problem = (f"{what} needs {m.gpu_bytes / 1e9:.2f} GB of GPU memory; the VRAM limit is {gpu / 1e9:.2f} GB "
+                       f"({parts}). Lower --vram-budget-gb, --max-seq-len or --max-batch, or raise --vram-gb")
         elif host and m.host_bytes > host:
             problem = (f"{what} needs {m.host_bytes / 1e9:.1f} GB of host memory; the profile {hw.name!r} has "
                        f"{host / 1e9:.1f} GB ({parts}). Lower --max-seq-len or --max-batch, use smaller expert "

@@ -55,8 +55,27 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                    help="split CPU experts over NUMA nodes: tp (slices of every expert), ep (whole experts), "
                    "auto (the cheaper by the cost model)")
     g.add_argument("--numa-nodes", type=int, default=None, help="NUMA node count (default: the profile's)")
-    g.add_argument("--vram-budget-gb", type=float, default=None,
-                   help="GPU memory for weights and KV caches (default: GPU memory less activations and reserve)")
+    g.add_argument("--vram-gb", type=float, default=None, metavar="GB",
+                   help="GPU memory the whole run may use: resident experts and other weights, KV caches, prefill "
+                   "staging, activations and BLAS workspaces of every plan fit in it (default: the GPU's memory less "
+                   "--vram-reserve-gb). The VRAM plan shares it between decode residency and prefill for the "
+                   "--workload; `--explain` shows the trade")
+    g.add_argument("--vram-reserve-gb", type=float, default=1.0, metavar="GB",
+                   help="GPU memory left to the CUDA context and others when --vram-gb is not given (default 1)")
+    g.add_argument("--vram-budget-gb", type=float, default=None, metavar="GB",
+                   help="cap decode residency (GPU weights and KV caches) inside --vram-gb (default: what the VRAM "
+                   "plan leaves after its prefill reservation)")
+    g.add_argument("--workload", choices=["agent", "chat"], default="agent",
+                   help="the requests the VRAM plan is priced for: agent (prompts of 8k, 16k and 32k tokens alike, "
+                   "500-token answers; default) or chat (1024-token prompts, 300-token answers)")
+    g.add_argument("--workload-prompt-tokens", type=int, default=None, metavar="N",
+                   help="expected prompt length (overrides the workload's)")
+    g.add_argument("--workload-output-tokens", type=int, default=None, metavar="N",
+                   help="expected answer length in tokens (overrides the workload's)")
+    g.add_argument("--prefill-reserve", choices=["auto", "none"], default="auto",
+                   help="auto: the cost model reserves VRAM for prefill staging and a bucket's activations where "
+                   "that shortens the workload's requests (default); none: decode residency first, long prompts "
+                   "get what is left")
     g.add_argument("--prefill-experts", choices=["auto", "cpu", "stream", "split"], default="auto",
                    help="prefill: where the routed experts the decode placement left on the CPU compute: cpu, stream "
                    "(copied to GPU staging slots), split (both, sized to finish together) or auto (the fastest per "
@@ -81,6 +100,9 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                    "activations and staging fit the GPU)")
     g.add_argument("--staging-slots", type=int, default=2,
                    help="GPU staging slots for streamed experts (2 or more: the next layer's copy overlaps this one)")
+    g.add_argument("--staging-experts", type=int, default=None, metavar="N",
+                   help="most experts one staging slot holds; a layer with more streams as several fetches through "
+                   "the slots (default: the VRAM plan's choice)")
     g.add_argument("--greedy-steps", type=int, default=8, metavar="K",
                    help="greedy decoding runs K steps per call of the decode plan: one CUDA graph launch for K "
                    "tokens on the cuda_graph backend, each step's argmax fed to the next on the GPU (up to K - 1 "
@@ -99,8 +121,12 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
 def _options(a: argparse.Namespace) -> dict:
     opts = dict(max_seq_len=a.max_seq_len, max_batch=a.max_batch, dtype=a.dtype, device=a.device, backend=a.backend,
                 expert_format=a.expert_format, fp8_on_gpu=a.fp8_on_gpu,
-                placement=a.placement, vram_budget_gb=a.vram_budget_gb, numa=a.numa, numa_nodes=a.numa_nodes,
+                placement=a.placement, vram_gb=a.vram_gb, vram_budget_gb=a.vram_budget_gb,
+                vram_reserve_gb=a.vram_reserve_gb, workload=a.workload, workload_prompt_tokens=a.workload_prompt_tokens,
+                workload_output_tokens=a.workload_output_tokens, prefill_reserve=a.prefill_reserve,
+                numa=a.numa, numa_nodes=a.numa_nodes,
                 prefill_experts=a.prefill_experts, prefill_chunk=a.prefill_chunk, staging_slots=a.staging_slots,
+                staging_experts=a.staging_experts,
                 greedy_steps=a.greedy_steps, allow_oversize=a.allow_oversize)
     if a.prefill_buckets:
         from ktflow.errors import ConfigError
@@ -173,6 +199,8 @@ def cmd_compile(a: argparse.Namespace) -> int:
 
         print(placement_table(compiled.decode), end="")
         print(prefill_table(compiled.plans), end="")
+        if compiled.plans.vram is not None:
+            print(compiled.plans.vram.table(), end="")
     if a.text:
         print(compiled.as_text(), end="")
     where = "".join(f", wrote {f}" for f in (a.output, a.trace, a.report) if f)
@@ -618,7 +646,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
     c.add_argument("--print-after", metavar="PASS", help=f"print the graph after this pass ({', '.join(pass_names())})")
     c.add_argument("--text", action="store_true", help="also print both plans in full")
-    c.add_argument("--explain", action="store_true", help="print the placement table: where each node runs and why")
+    c.add_argument("--explain", action="store_true", help="print where each node runs and why, the prefill buckets, "
+                   "and the VRAM plan: what the prefill reservation costs decode and buys prefill, against the "
+                   "candidates the cost model priced")
     c.add_argument("--trace", metavar="JSON", help="write the predicted timelines as a Chrome trace (open in Perfetto)")
     c.add_argument("--report", metavar="HTML", help="write an HTML report: memory, per-layer timeline, placement")
     c.add_argument("--routing-profile", metavar="JSON", help="per-layer expert frequencies: hot experts go to the GPU")
@@ -806,7 +836,7 @@ def describe(e: BaseException) -> tuple[int, str]:
     if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
             isinstance(e, RuntimeError) and "can't allocate memory" in str(e)):
         first = first_line(e) or "host memory"
-        return 1, f"out of memory ({first}); use a smaller --max-seq-len, --max-batch or --vram-budget-gb"
+        return 1, f"out of memory ({first}); use a smaller --vram-gb, --max-seq-len or --max-batch"
     if isinstance(e, OSError):
         what = f" {e.filename}" if e.filename else ""
         reason = e.strerror or str(e) or type(e).__name__

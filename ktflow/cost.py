@@ -194,6 +194,19 @@ def node_work(n: Node, g: Graph, work: Work, weight_itemsize: int) -> tuple[floa
     return flops, nbytes
 
 
+def grouped_pick_bytes(n: Node, work: Work, act_itemsize: int) -> float:
+    """GPU memory traffic of routed experts on the GPU beyond their weights and products
+    (backends.moe_gpu.grouped_experts): every pick of the step in the node's rank range sorted
+    by expert, then the node's own picks gathered, SiLU'd, masked and summed in fp32. A layer
+    streamed as several parts pays the sort once a part."""
+    a = n.attrs
+    lo, hi = a.rank_range
+    picks = work.tokens * (hi - lo)
+    own = FACTS[n.op].flops(a, work) / (6.0 * a.hidden * a.inter * a.slice_fraction) if a.hidden and a.inter else 0.0
+    rows = a.rows[1] - a.rows[0]
+    return picks * 32 + own * (a.hidden * (4 * act_itemsize + 20) + 5 * rows * act_itemsize)
+
+
 def held_weight_bytes(n: Node, device: Device, weight_itemsize: int, expert_format: str) -> float:
     """Bytes of weights `n` holds on `device`: routed experts on the CPU (and the fetches that
     stream them from there) packed in `expert_format`, scales included; the rest at
@@ -244,5 +257,9 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
         measured = {Op.ATTENTION: hw.gpus[0].attention_tflops, Op.ROUTED_EXPERTS: hw.gpus[0].grouped_tflops}.get(n.op)
         if measured:
             gpu = Roof(measured * 1e12 * half, gpu.bandwidth, gpu.overhead)
+    # a prefill step (more tokens than sequences) runs GPU experts by the grouped path; a decode
+    # step by the captured per-pick rule, which this does not price
+    grouped = n.op == Op.ROUTED_EXPERTS and work.tokens > work.batch
+    gpu_bytes = nbytes + (grouped_pick_bytes(n, work, g.act_dtype.itemsize) if grouped else 0.0)
     return Cost(tokens=work.tokens, flops=flops, bytes=nbytes, cpu_s=cpu.seconds(flops, cpu_bytes),
-                gpu_s=gpu.seconds(flops, nbytes) if gpu else None)
+                gpu_s=gpu.seconds(flops, gpu_bytes) if gpu else None)

@@ -189,6 +189,16 @@ PRESETS: dict[str, HwProfile] = {
                     isa=IsaFlags(avx512f=True, avx512_bf16=True, avx512_vnni=True), gemm_tflops=1.5, gemv_gbps=65),
         gpus=[GpuSpec(name="NVIDIA RTX 4090", memory_bytes=24 * GiB, hbm_gbps=1008, bf16_tflops=165,
                       pcie_h2d_gbps=25, pcie_d2h_gbps=25)]),
+    # the benchmarks' GPU machine (16 Xeon cores with AMX of a larger host, PCIe 5.0): CPU, DRAM and
+    # PCIe as `ktflow hw probe` measured them there (benchmarks/RESULTS.md), an H100 80GB with the
+    # paper presets' kernel efficiency; `ktflow hw probe` on the machine itself is better
+    "h100": HwProfile(
+        name="h100", description="16 Xeon cores (AMX) + NVIDIA H100 80GB over PCIe 5.0, like the benchmarks' GPU machine",
+        cpu=CpuSpec(name="16 Xeon cores (AMX)", numa=[NumaNode(cores=16, memory_bytes=128 * GiB, dram_gbps=116)],
+                    isa=IsaFlags(avx512f=True, avx512_bf16=True, avx512_vnni=True, amx_bf16=True, amx_int8=True),
+                    gemm_tflops=4.86, gemv_gbps=110),
+        gpus=[GpuSpec(name="NVIDIA H100 80GB HBM3", memory_bytes=80 * GiB, hbm_gbps=3350, bf16_tflops=780,
+                      pcie_h2d_gbps=55, pcie_d2h_gbps=55, efficiency=0.45)]),
     "cpu": HwProfile(
         name="cpu", description="a generic 16-core x86-64 server CPU, no GPU",
         cpu=CpuSpec(name="generic 16-core x86-64", numa=[NumaNode(cores=16, memory_bytes=128 * GiB, dram_gbps=80)],

@@ -28,6 +28,10 @@ LOGIT_ROWS = 1024
 #: copy; backends.moe_gpu)
 SCATTER_ROWS = 32768
 
+#: picks a grouped experts step gathers and multiplies at a time outside a CUDA graph (bounds its
+#: temporaries in a long prefill step; backends.moe_gpu)
+GROUPED_ROWS = 16384
+
 #: rows of activations up to which a weight held in FP8 is multiplied by the fused kernels; a
 #: larger step dequantizes the matrix into a temporary in the activation dtype first, then
 #: multiplies with cuBLAS (backends.fp8_gpu)
@@ -97,18 +101,20 @@ def _attention_scratch(n: Node, tokens: int, context: int, act: int) -> float:
 
 
 def _experts_scratch(n: Node, tokens: int, context: int, act: int) -> float:
-    """Grouped routed experts on the GPU (moe_gpu.grouped_experts), the largest of its phases:
+    """Grouped routed experts on the GPU (moe_gpu.grouped_experts), the largest of its phases
+    over a block of at most GROUPED_ROWS picks (any of the step's picks may be the node's):
     each pick's row gathered with its gate and up products; the SiLU product with the down
-    product; the down product with a block of it in fp32 and the fp32 sum. Plus the sort's
-    indices and weights."""
+    product; the down product with a block of it in fp32. Plus the fp32 sum and the sort's
+    indices and weights of every pick."""
     a = n.attrs
     lo, hi = a.rank_range
     picks = tokens * (hi - lo)
+    block = min(picks, GROUPED_ROWS)
     rows = a.rows[1] - a.rows[0]
     h = a.hidden
-    phases = (act * picks * (h + 2 * rows), act * picks * (rows + h),
-              act * picks * h + 4 * min(picks, SCATTER_ROWS) * h + 4 * tokens * h)
-    return max(phases) + 24 * picks
+    phases = (act * block * (h + 2 * rows), act * block * (rows + h),
+              act * block * h + 4 * min(block, SCATTER_ROWS) * h)
+    return max(phases) + 4 * tokens * h + 24 * picks
 
 
 def _mlp_scratch(n: Node, tokens: int, context: int, act: int) -> float:
@@ -156,15 +162,39 @@ def gpu_activation_peak(g: Graph, tokens: int, context: int = 0, streamed: bool 
 
 def staging_bytes(g: Graph) -> float:
     """Staging of a plan's streamed experts: its slots (each as large as the largest fetch that
-    fills it) and one landing buffer for the largest fetch's packed bytes."""
+    fills it; where the buffer pass has run, the staging arena it laid out, which the runtime
+    allocates, if larger) and one landing buffer for the largest fetch's packed bytes."""
     slots: dict[int, float] = {}
-    landing = 0.0
+    landing = arena = 0.0
     for n in g.nodes:
         if n.op == Op.FETCH:
             size = n.out.numel(0) * n.out.dtype.itemsize
             slots[n.attrs.slot] = max(slots.get(n.attrs.slot, 0.0), size)
             landing = max(landing, n.attrs.link_bytes)
-    return sum(slots.values()) + landing
+            if n.buffer is not None and n.buffer.arena == "staging":
+                arena = max(arena, n.buffer.offset + n.buffer.bytes)
+    return max(sum(slots.values()), arena) + landing
+
+
+def staging_for(experts: int, slots: int, hidden: int, inter: int, act_itemsize: int,
+                packed_per_weight: float) -> float:
+    """GPU bytes of `slots` staging slots of `experts` converted experts each, and the landing
+    buffer for one slot's packed bytes (`packed_per_weight` bytes a weight as the CPU holds it)."""
+    weights = experts * 3 * hidden * inter
+    return slots * weights * act_itemsize + weights * packed_per_weight
+
+
+def stream_bytes(layer_experts: int, cap: int, slots: int, tokens: int, hidden: int, inter: int, act_itemsize: int,
+                 packed_per_weight: float) -> float:
+    """GPU bytes a prefill step of `tokens` tokens needs, beyond `gpu_activation_peak(...,
+    streamed=True)`, to stream a layer of `layer_experts` CPU experts through `slots` staging
+    slots of `cap` experts: the staging (`staging_for`), and the layer's outputs beside its
+    activations: the running sum (float32) of the groups before the running one (whose own
+    sum is its scratch's), the last group's output, a split's CPU part come back. 0 caps: none."""
+    if cap <= 0 or layer_experts <= 0:
+        return 0.0
+    outputs = tokens * hidden * (4 + 2 * act_itemsize)
+    return staging_for(cap, slots, hidden, inter, act_itemsize, packed_per_weight) + outputs
 
 
 def kv_cache_bytes(g: Graph, kv_tokens: int, device: Device | None = None) -> float:
@@ -182,11 +212,12 @@ def resident_gpu_bytes(g: Graph, weight_itemsize: int, kv_tokens: int) -> tuple[
     return weights, kv_cache_bytes(g, kv_tokens, Device.GPU)
 
 
-def prefill_room(g: Graph, hw: HwProfile, *, tokens: int, weight_itemsize: int, kv_tokens: int,
-                 reserve_bytes: float) -> float:
-    """GPU bytes left for staging in a prefill step of `tokens` tokens: the GPU's memory less the
-    reserve, the BLAS workspaces, the resident weights and KV caches, and the step's activations
-    with every CPU routed-experts node counted as streamed (negative: the step does not fit)."""
+def prefill_room(g: Graph, hw: HwProfile, *, tokens: int, weight_itemsize: int, kv_tokens: int, limit: float,
+                 past: int = 0) -> float:
+    """GPU bytes left for staging in a prefill step of `tokens` tokens after `past` earlier
+    positions: the VRAM limit less the BLAS workspaces, the resident weights and KV caches, and
+    the step's activations with every CPU routed-experts node counted as streamed (negative: the
+    step does not fit)."""
     weights, kv = resident_gpu_bytes(g, weight_itemsize, kv_tokens)
-    act = gpu_activation_peak(g, tokens, streamed=True)
-    return hw.gpus[0].memory_bytes - reserve_bytes - gpu_workspace_bytes(hw) - weights - kv - act
+    act = gpu_activation_peak(g, tokens, past, streamed=True)
+    return limit - gpu_workspace_bytes(hw) - weights - kv - act

@@ -57,11 +57,28 @@ class CompileOptions(BaseModel):
         "ep (whole experts per node), auto (the cheaper by the cost model; ties go to tp)")
     numa_nodes: int | None = Field(None, gt=0, description="NUMA node count (default: the profile's)")
     numa_block: int = Field(64, gt=0, description="tp slices are multiples of this many intermediate rows")
-    vram_budget_gb: float | None = Field(None, gt=0, description="GPU memory for weights and KV caches; default "
-                                         "the GPU's memory less one prefill step's activations, the BLAS workspaces and the reserve")
-    vram_reserve_gb: float = Field(1.0, ge=0, description="GPU memory kept free (CUDA context, allocator slack)")
-    prefill_tokens: int = Field(512, gt=0, description="prompt tokens whose activations the default VRAM budget "
-                                "leaves room for on the GPU")
+    vram_gb: float | None = Field(None, gt=0, description="GPU memory the whole run may use: resident weights, KV "
+                                  "caches, prefill staging, activations and BLAS workspaces of every plan fit in it; "
+                                  "default the profile GPU's memory less vram_reserve_gb")
+    vram_budget_gb: float | None = Field(None, gt=0, description="a cap on decode residency (GPU weights and KV caches) "
+                                         "inside vram_gb; default: what vram_gb leaves after the VRAM plan's prefill "
+                                         "reservation and the BLAS workspaces")
+    vram_reserve_gb: float = Field(1.0, ge=0, description="GPU memory no plan uses (CUDA context, allocator slack): the "
+                                   "default vram_gb is the GPU's memory less this")
+    prefill_tokens: int = Field(512, gt=0, description="the smallest prefill step the VRAM plan always leaves "
+                                "activations room for (prefill_reserve='none' reserves this and nothing more)")
+    prefill_reserve: Literal["auto", "none"] = Field(
+        "auto", description="how VRAM is shared between decode residency and prefill (ktflow.vram_plan): auto = the "
+        "cost model reserves staging slots and a bucket's activations where that shortens the declared workload's "
+        "requests; none = decode residency first, prefill gets what is left (long prompts may stay on the CPU)")
+    workload: Literal["agent", "chat"] = Field(
+        "agent", description="the requests the VRAM plan is priced for: agent = prompts of 8k, 16k and 32k tokens "
+        "alike and 500-token answers, chat = 1024-token prompts and 300-token answers (prompts capped at max_seq_len "
+        "less the answer)")
+    workload_prompt_tokens: int | None = Field(None, gt=0, description="expected prompt length; overrides the "
+                                               "workload's prompts")
+    workload_output_tokens: int | None = Field(None, ge=0, description="expected answer length (decoded tokens); "
+                                               "overrides the workload's")
     prefill_buckets: list[int] | None = Field(
         None, description="upper bounds (tokens per step) of the prefill plans; None: chosen where the compiler's "
         "decisions change, over powers of two up to max_seq_len")
@@ -74,6 +91,8 @@ class CompileOptions(BaseModel):
         "most whose activations fit the GPU")
     staging_slots: int = Field(2, ge=1, le=8, description="GPU staging slots for streamed experts: with 2 or more "
                                "the copy of layer j+1's experts overlaps layer j's compute")
+    staging_experts: int | None = Field(None, gt=0, description="most experts one staging slot holds (a layer with "
+                                        "more streams as several fetches); None: the VRAM plan's choice")
     routing_profile: str | None = Field(None, description="routing profile JSON (per-layer expert frequencies)")
     expert_cache: bool = Field(False, description="a split layer's GPU experts are a cache: the runtime refills "
                                "them from recent routing (ktflow.runtime.expert_cache), so the layer's CPU part "
@@ -88,6 +107,32 @@ class CompileOptions(BaseModel):
         if v != "auto" and v not in BACKEND_NAMES:
             raise ValueError(f"unknown backend {v!r}; available: auto, {', '.join(BACKEND_NAMES)}")
         return v
+
+
+#: the workloads `CompileOptions.workload` names: (prompt lengths, equally likely; answer tokens)
+WORKLOADS = {"agent": ((8192, 16384, 32768), 500), "chat": ((1024,), 300)}
+
+
+@dataclass(frozen=True)
+class VramShare:
+    """The VRAM plan's decision as the passes read it: the limit every plan fits in, the bytes of
+    it decode residency (GPU weights and KV caches) may take, the most experts one staging slot
+    holds (None: no cap) and the most tokens one prefill step takes."""
+
+    limit: float
+    residency: float
+    stage_experts: int | None
+    chunk_tokens: int
+
+
+def vram_limit(options: CompileOptions, hw: HwProfile) -> float:
+    """Bytes of GPU memory a run may use: option vram_gb, else the profile GPU's memory less
+    vram_reserve_gb (0 without a GPU)."""
+    if not hw.gpus:
+        return 0.0
+    if options.vram_gb is not None:
+        return options.vram_gb * 1e9
+    return hw.gpus[0].memory_bytes - options.vram_reserve_gb * 1e9
 
 
 @dataclass(frozen=True)
@@ -108,6 +153,9 @@ class CompileContext:
     #: why this deferral (compile's defer="auto" search names the candidates it compared); the
     #: defer pass writes it into its nodes' causes
     defer_choice: str = ""
+    #: how the compile driver shared the VRAM limit between phases (ktflow.vram_plan); None: a
+    #: context built by hand, whose passes fall back to the options (`residency_budget`)
+    vram: VramShare | None = None
 
     @property
     def label(self) -> str:

@@ -65,8 +65,90 @@ class MemoryEstimate(BaseModel):
     activation_bytes: float  # largest live activation set of one step
     workspace_bytes: float = 0.0  # BLAS workspaces: one per GPU compute stream (prefill's, decode's)
     staging_bytes: float = 0.0  # streamed experts: GPU staging slots and the landing buffer
-    gpu_bytes: float  # predicted peak VRAM: GPU weights + GPU KV caches + activations + staging + workspaces + reserve
+    #: predicted peak VRAM the run allocates: GPU weights + GPU KV caches + activations + staging + workspaces
+    gpu_bytes: float
     host_bytes: float  # predicted host RAM: CPU weights + CPU KV caches + activations
+
+
+class VramCandidate(BaseModel):
+    """One way of sharing the VRAM limit the VRAM plan priced (ktflow.vram_plan)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    design: Literal["none", "reserve", "time-share"]  # decode first; (a) reserved; (b) time-shared
+    chunk_tokens: int  # the largest prefill step
+    stage_experts: int  # experts a staging slot holds (0: no staging)
+    reserved_bytes: float  # the prefill reservation: activations of the largest step + staging
+    residency_bytes: float  # decode residency budget (GPU weights + KV caches)
+    decode_us: float  # predicted decode step
+    prefill_s: float  # predicted prefill, the mean over the workload's prompts
+    prompt_s: dict[int, float] = {}  # predicted prefill of each workload prompt length
+    extra_s: float = 0.0  # time-share: the evicted experts' copy back, per request
+    request_s: float  # prefill + extra + answer tokens x decode step
+    runnable: bool = True
+    note: str = ""  # why not runnable (time-share: not built; a candidate the options refuse: why)
+
+
+class VramPlan(BaseModel):
+    """How the compile shared the VRAM limit between decode residency and prefill, for which
+    workload, against which candidates (the cost model's decision, ktflow.vram_plan)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    limit_bytes: float
+    limit_cause: str
+    workload: str
+    prompts: list[int]  # the workload's prompt lengths, equally likely
+    output_tokens: int
+    chosen: str
+    design: str
+    reserved_bytes: float
+    residency_bytes: float
+    workspace_bytes: float
+    chunk_tokens: int
+    stage_experts: int
+    decode_us: float  # the decode step with the reservation
+    decode_us_without: float  # the decode step of the decode-first placement
+    prefill_s: dict[int, float]  # each workload prompt's prefill seconds with the reservation
+    prefill_s_without: dict[int, float]  # with the decode-first placement
+    candidates: list[VramCandidate]
+    cause: str
+
+    @property
+    def decode_cost(self) -> float:
+        """The fraction the reservation lengthens the decode step by."""
+        return self.decode_us / self.decode_us_without - 1.0 if self.decode_us_without else 0.0
+
+    def rates(self, seconds: dict[int, float]) -> str:
+        """Tokens/s of each workload prompt, "/"-separated ("-" where it was not priced)."""
+        return "/".join(f"{p / seconds[p]:.0f}" if seconds.get(p) else "-" for p in self.prompts)
+
+    def table(self) -> str:
+        """The decision and its candidates, as `ktflow compile --explain` prints them."""
+        gb = lambda b: f"{b / 1e9:.2f}"  # noqa: E731
+        lengths = "/".join(map(str, self.prompts))
+        w = max(36, *(len(c.name) + 1 for c in self.candidates))
+        chosen = next((c for c in self.candidates if c.name == self.chosen), None)
+        refined = f" (refined from {gb(chosen.reserved_bytes)} GB estimated: what its plans need)" \
+            if chosen is not None and self.reserved_bytes < chosen.reserved_bytes else ""
+        lines = [f"VRAM plan: limit {gb(self.limit_bytes)} GB ({self.limit_cause}); workload {self.workload}",
+                 f"  chose {self.chosen}: prefill reservation {gb(self.reserved_bytes)} GB{refined} (staging "
+                 f"{self.stage_experts} experts a slot, steps up to {self.chunk_tokens} tokens), decode residency "
+                 f"{gb(self.residency_bytes)} GB, workspaces {gb(self.workspace_bytes)} GB",
+                 f"  decode step {self.decode_us / 1e3:.2f} ms against {self.decode_us_without / 1e3:.2f} ms decode "
+                 f"first ({self.decode_cost:+.1%}, the compiled plans); prefill of {lengths} tokens "
+                 f"{self.rates(self.prefill_s)} tok/s against {self.rates(self.prefill_s_without)} (as priced; "
+                 "benchmarks/vram_plan.py measures both)",
+                 f"  {'candidate (* chosen, - priced only)':{w}s} {'reserve GB':>10s} {'decode ms':>9s} "
+                 f"{'prefill tok/s ' + lengths:>22s} {'request s':>9s}"]
+        for c in self.candidates:
+            mark = "*" if c.name == self.chosen else " " if c.runnable else "-"
+            note = ""
+            if c.note:
+                note = (f"  (copy-back {c.extra_s:.3f} s a prompt; " if c.extra_s else "  (") + c.note + ")"
+            request = f"{c.request_s:9.2f}" if c.prefill_s else f"{'-':>9s}"
+            lines.append(f"  {mark + c.name:{w}s} {gb(c.reserved_bytes):>10s} {c.decode_us / 1e3:9.2f} "
+                         f"{self.rates(c.prompt_s):>22s} {request}{note}")
+        return "\n".join(lines) + "\n"
 
 
 class Plan(BaseModel):
@@ -87,6 +169,13 @@ class Plan(BaseModel):
     @cached_property
     def ir(self) -> Graph:
         return Graph.from_dict(self.graph)
+
+    @classmethod
+    def of_graph(cls, g: Graph, **fields) -> "Plan":
+        """The plan of graph `g` (its JSON form in `graph`), with `ir` already `g` (not read back)."""
+        plan = cls(graph=g.to_dict(), **fields)
+        plan.__dict__["ir"] = g
+        return plan
 
     @cached_property
     def buffers(self) -> dict[str, Slot]:
@@ -143,7 +232,7 @@ def prefill_decisions(plan: "Plan") -> str:
     words = []
     for layer, nodes in sorted(per_layer.items()):
         cpu = sum(len(n.attrs.ids) for n in nodes if n.place.device.value == "cpu" and n.attrs.rows[0] == 0)
-        streamed = sum(len(n.attrs.ids) for n in nodes if len(n.inputs) == 3)
+        streamed = sum(len(n.attrs.ids) for n in nodes if len(n.inputs) >= 3)
         words.append((layer, "gpu" if not cpu and not streamed else "cpu" if not streamed
                       else "stream" if not cpu else f"split {streamed}/{cpu + streamed}"))
     runs: list[list] = []
@@ -205,6 +294,8 @@ class PlanFile(BaseModel):
     decode: Plan
     #: the passes that made the plans, in order, as `module:function` (custom ones included)
     pipeline: list[str] = []
+    #: how the VRAM limit was shared between decode residency and prefill (None: no GPU to share)
+    vram: VramPlan | None = None
 
     @property
     def plans(self) -> list[Plan]:
@@ -272,6 +363,13 @@ class PlanFile(BaseModel):
                f"hardware  {self.hw.name}: {self.hw.cpu.name}"
                + (f" + {', '.join(g.name for g in self.hw.gpus)}" if self.hw.gpus else ""),
                "options   " + ", ".join(f"{k}={v}" for k, v in self.options.model_dump().items())]
+        if self.vram is not None:
+            v = self.vram
+            out.append(f"vram      limit {v.limit_bytes / 1e9:.2f} GB ({v.limit_cause}); {v.chosen}: prefill reserve "
+                       f"{v.reserved_bytes / 1e9:.2f} GB, decode residency {v.residency_bytes / 1e9:.2f} GB; decode "
+                       f"{v.decode_cost:+.1%}, prefill of {'/'.join(map(str, v.prompts))} tokens "
+                       f"{v.rates(v.prefill_s)} tok/s against {v.rates(v.prefill_s_without)} decode first (workload "
+                       f"{v.workload.split(':')[0]}; --explain shows the candidates)")
         builtin = all(p.startswith("ktflow.passes.") for p in self.pipeline)
         if self.pipeline and not builtin:  # a plan made with custom passes says so
             out.append("pipeline  " + " -> ".join(self.pipeline))

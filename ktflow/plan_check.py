@@ -129,7 +129,7 @@ def _buffer_problems(plan: "Plan", g) -> list[str]:
 
 #: attrs fields passes rewrite (which experts and rows a node computes, and whether its experts
 #: are a cache or stand in for one): left out of the comparison with the model's spec
-_PLACED_FIELDS = ("subset", "inter_slice", "ranks", "skip", "refill_every", "cache_slots")
+_PLACED_FIELDS = ("subset", "inter_slice", "ranks", "skip", "refill_every", "cache_slots", "running")
 
 
 def spec_mismatches(plan: "Plan", spec) -> list[str]:
@@ -152,7 +152,7 @@ def spec_mismatches(plan: "Plan", spec) -> list[str]:
                     for f in dataclasses.fields(b) if f.name not in _PLACED_FIELDS
                     and getattr(n.attrs, f.name, None) != getattr(s.attrs, f.name)]
             out.append(f"node {n.name}'s attrs differ from the model's: {', '.join(diff) or 'attrs'}")
-        streamed = n.op == Op.ROUTED_EXPERTS and len(n.inputs) == 3 and not n.weights  # a fetch holds them
+        streamed = n.op == Op.ROUTED_EXPERTS and len(n.inputs) >= 3 and not n.weights  # a fetch holds them
         if [(w.role, w.key, w.shape, w.experts) for w in n.weights] != \
                 [(w.role, w.key, w.shape, w.experts) for w in s.weights] \
                 and not streamed:

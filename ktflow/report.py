@@ -36,6 +36,27 @@ code { background: #f4f4f4; padding: 0 3px }
 <td class="num">{{ gb(p.memory.staging_bytes) }}</td></tr>
 {% endfor %}</table>
 
+{% if pf.vram %}{% set v = pf.vram %}
+<h2>VRAM plan: decode residency against prefill</h2>
+<p>Limit {{ gb(v.limit_bytes) }} ({{ v.limit_cause }}); workload {{ v.workload }}. Chose <b>{{ v.chosen }}</b>:
+prefill reservation {{ gb(v.reserved_bytes) }} (steps up to {{ v.chunk_tokens }} tokens, staging {{ v.stage_experts }}
+experts a slot), decode residency {{ gb(v.residency_bytes) }}, BLAS workspaces {{ gb(v.workspace_bytes) }}.
+Decode step {{ "%.2f"|format(v.decode_us / 1000) }} ms against {{ "%.2f"|format(v.decode_us_without / 1000) }} ms
+decode first ({{ "%+.1f"|format(100 * v.decode_cost) }}%); prefill of {{ v.prompts|join("/") }} tokens
+{{ v.rates(v.prefill_s) }} tokens/s against {{ v.rates(v.prefill_s_without) }}. Predicted; <code>benchmarks/vram_plan.py</code> measures
+them on the GPU.</p>
+<table><tr><th>candidate</th><th>design</th><th>reserve</th><th>decode step</th><th>prefill tokens/s ({{ v.prompts|join("/") }})</th>
+<th>request</th><th></th></tr>
+{% for c in v.candidates %}<tr><td>{% if c.name == v.chosen %}<b>{{ c.name }}</b>{% else %}{{ c.name }}{% endif %}</td>
+<td>{{ c.design }}</td><td class="num">{{ gb(c.reserved_bytes) }}</td>
+<td class="num">{{ "%.2f"|format(c.decode_us / 1000) }} ms</td>
+<td class="num">{{ v.rates(c.prompt_s) }}</td>
+<td class="num">{% if c.prefill_s %}{{ "%.2f"|format(c.request_s) }} s{% else %}-{% endif %}</td>
+<td>{% if c.extra_s %}copy-back {{ "%.3f"|format(c.extra_s) }} s a prompt; {% endif %}{{ c.note }}</td></tr>
+{% endfor %}</table>
+<p>{{ v.cause }}</p>
+{% endif %}
+
 <h2>Prefill buckets: where the routed experts compute</h2>
 <table><tr><th>bucket (tokens per step)</th><th>predicted step</th><th>tokens/s</th><th>routed experts per layer</th></tr>
 {% for p in pf.prefill %}<tr><td class="num">{{ p.step_tokens }}</td><td class="num">{{ "%.3f"|format(p.predicted_step_us / 1000) }} ms</td>

@@ -14,7 +14,7 @@ from ktflow.options import BACKEND_NAMES
 ROOT = Path(ktflow.__file__).parent
 COMPILER = [*(ROOT / "ir").glob("*.py"), *(ROOT / "passes").glob("*.py"),
             *(ROOT / f for f in ("cost.py", "memory.py", "plan.py", "plan_check.py", "timeline.py", "diff.py",
-                                 "options.py"))]
+                                 "options.py", "vram_plan.py"))]
 RUNNING = ("ktflow.backends", "ktflow.runtime", "ktflow.native", "ktflow._native", "ktflow.api", "torch")
 
 

@@ -108,8 +108,11 @@ def test_forced_modes_and_no_room(demo_dir):
     c = hybrid(model, hw=tiny_gpu, **opts)
     assert prefill_decisions(c.prefill[0]) == "L1-3 cpu"
     assert "no GPU room for staging" in c.prefill[0].ir.by_name("L1.experts").place.cause
-    with pytest.raises(ConfigError, match="prefill_experts='stream' at 64 tokens needs .* of GPU staging"):
-        hybrid(model, hw=tiny_gpu, prefill_experts="stream", **opts)
+    # stream forced: the VRAM plan reserves staging out of residency; decode first, it is refused
+    forced = hybrid(model, hw=tiny_gpu, prefill_experts="stream", **opts)
+    assert forced.plans.vram.design == "reserve" and "stream" in prefill_decisions(forced.prefill[0])
+    with pytest.raises(ConfigError, match="prefill_experts='stream' at [0-9]+ tokens needs .* of GPU staging"):
+        hybrid(model, hw=tiny_gpu, prefill_experts="stream", prefill_reserve="none", **opts)
 
 
 def test_one_staging_slot_still_streams_without_prefetch(demo_dir):
@@ -139,7 +142,7 @@ def test_chunk_limit_follows_the_gpu_memory(demo_dir):
 
 
 def test_nothing_fits_a_prefill_step(demo_dir):
-    with pytest.raises(ConfigError, match="no prefill step fits on the GPU"):
+    with pytest.raises(ConfigError, match="nothing fits in vram_gb: .* less than the BLAS workspaces"):
         hybrid(ktflow.load(demo_dir), max_seq_len=64, hw=machine(memory_gb=0.06), vram_reserve_gb=0.0)
 
 
@@ -315,9 +318,15 @@ def test_one_pass_dequant_kernel_matches_the_torch_unpack(fmt, inter, monkeypatc
         assert (want_buf[:, 1:n + 1, 2:k + 2] != 7.0).any()
 
 
-def test_grouped_experts_match_the_reference_loop():
+@pytest.mark.parametrize("block", [16384, 7, 1])
+def test_grouped_experts_match_the_reference_loop(block, monkeypatch):
+    """Held picks only, in blocks of GROUPED_ROWS (here also 7 and 1: blocks that cut an
+    expert's picks), equal the per-pick loop; added to a running sum, returned as its float32."""
+    from ktflow.backends import moe_gpu
     from ktflow.backends.layers import swiglu
     from ktflow.backends.moe_gpu import expert_map, grouped_experts
+
+    monkeypatch.setattr(moe_gpu, "GROUPED_ROWS", block)
 
     g = torch.Generator().manual_seed(2)
     E, H, I, T, k = 8, 32, 48, 40, 3
@@ -336,6 +345,12 @@ def test_grouped_experts_match_the_reference_loop():
             if e in held:
                 want[t] += wts[t, s] * swiglu(x[t:t + 1], gate[e], up[e], down[e])[0]
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    before = torch.randn(T, H, generator=g)
+    running = grouped_experts(x, ids, wts, expert_map(held, E, "cpu"), gate[list(held)], up[list(held)],
+                              down[list(held)], addend=before, running=True)
+    assert running.dtype == torch.float32 and torch.allclose(running, before + want, atol=1e-4, rtol=1e-4)
+    none = grouped_experts(x, ids, wts, expert_map((), E, "cpu"), gate[:0], up[:0], down[:0])
+    assert torch.equal(none, torch.zeros_like(x))
 
 
 # ------------------------------------------------------------------------------- on a GPU

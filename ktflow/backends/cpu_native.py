@@ -92,7 +92,7 @@ class NativeBackend(TorchRefBackend):
         and every expert of a layer whose GPU part is a cache (an expert it gives up runs here)."""
         held: dict[int, set[int]] = {}
         for n in graph.nodes:
-            if n.op == Op.ROUTED_EXPERTS and (n.place.device == Device.CPU or len(n.inputs) == 3):
+            if n.op == Op.ROUTED_EXPERTS and (n.place.device == Device.CPU or len(n.inputs) >= 3):
                 held.setdefault(n.attrs.layer, set()).update(n.attrs.ids)
         for n in graph.nodes:
             if n.op == Op.ROUTED_EXPERTS and n.attrs.cached and n.attrs.layer in held:
@@ -195,7 +195,7 @@ def _routed_experts(be: NativeBackend, node: Node, w, ins, ctx, dev):
     x, (ids, wts) = ins[:2]
     a = node.attrs
     lo, hi = a.rank_range
-    if len(ins) == 3:
+    if len(ins) >= 3:
         gate, up, down = staged(ins[2], a.hidden, a.inter)
         key = node_key(node)
         if key not in be._local_maps:
@@ -204,7 +204,8 @@ def _routed_experts(be: NativeBackend, node: Node, w, ins, ctx, dev):
     else:
         st = be.stacked(node)
         gate, up, down, local = st["gate"], st["up"], st["down"], st["local"]
-    return moe_gpu.grouped_experts(x, ids[:, lo:hi], wts[:, lo:hi], local, gate, up, down)
+    return moe_gpu.grouped_experts(x, ids[:, lo:hi], wts[:, lo:hi], local, gate, up, down,
+                                   addend=ins[3] if len(ins) == 4 else None, running=a.running)
 
 
 def _fetch(be: NativeBackend, node: Node, w, ins, ctx, dev):

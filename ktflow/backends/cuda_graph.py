@@ -656,8 +656,8 @@ class DecodeGraph:
                            f"{free / 1e9:.2f} GB free of {total / 1e9:.2f} GB; the plan predicted a peak of "
                            f"{m.gpu_bytes / 1e9:.2f} GB (weights, KV cache {m.kv_cache_bytes / 1e9:.2f} GB, "
                            f"activations {m.activation_bytes / 1e6:.1f} MB, BLAS workspaces {m.workspace_bytes / 1e6:.0f} MB, "
-                           "reserve). Lower max_seq_len or "
-                           "max_batch, or the VRAM budget (vram_budget_gb), and recompile")
+                           f"staging {m.staging_bytes / 1e9:.2f} GB). Lower max_seq_len or max_batch, or the VRAM "
+                           "limit (vram_gb), and recompile")
 
     def _issue(self, bound: Bound, state, timer, steps: int = 1, run: TokenRun | None = None,
                sampler: Sampler | None = None) -> tuple[list, torch.Tensor]:

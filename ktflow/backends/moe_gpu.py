@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..memory import SCATTER_ROWS
+from ..memory import GROUPED_ROWS, SCATTER_ROWS
 from . import dequant_gpu
 
 
@@ -45,10 +45,19 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: tor
 
 
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local: torch.Tensor, gate: torch.Tensor,
-                    up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                    up: torch.Tensor, down: torch.Tensor, addend: torch.Tensor | None = None,
+                    running: bool = False) -> torch.Tensor:
     """sum over each token's picks of weight * down(silu(gate x) * up x), for the picks whose
     expert has a row in the stacked weights (`local[id]` >= 0; others add nothing). x [T, H];
-    ids, wts [T, k]; gate, up [n, I, H]; down [n, H, I] -> [T, H] in x's dtype (summed in fp32)."""
+    ids, wts [T, k]; gate, up [n, I, H]; down [n, H, I] -> [T, H] in x's dtype (summed in fp32).
+    Picks are sorted by expert, those held elsewhere last; outside a CUDA graph capture the
+    count of held picks is read on the host (one sync, where the node holds only some of the
+    layer's experts) and only those rows are gathered,
+    multiplied and summed, GROUPED_ROWS at a time, so a part holding few of the layer's experts
+    (a streamed group) costs in proportion to its picks and a long step's temporaries stay
+    bounded; while capturing, every pick's row is (masked).
+    `addend` (float32 [T, H]): a running sum the picks are added to; `running`: return the float32
+    sum (a streamed group's partial sum) rather than x's dtype."""
     t, k = ids.shape
     n = gate.shape[0]
     slot = local[ids].reshape(-1)
@@ -56,10 +65,30 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
     order = torch.argsort(key, stable=True)
     counts = torch.bincount(key, minlength=n + 1)[:n]
     offs = torch.cumsum(counts, 0).to(torch.int32)
-    token = order // k
-    # rows past the groups (picks held elsewhere) come out undefined: their weight is 0 and they are zeroed
-    weight = torch.where(key[order] < n, wts.reshape(-1)[order], 0.0)
-    del slot, key, order
+    out = addend.float().clone() if addend is not None else torch.zeros(t, x.shape[1], dtype=torch.float32,
+                                                                          device=x.device)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        # every pick's row; rows past the groups (picks held elsewhere) come out undefined: their
+        # weight is 0 and they are zeroed
+        weight = torch.where(key[order] < n, wts.reshape(-1)[order], 0.0)
+        _rows(x, order // k, weight, gate, up, down, offs, counts, out, masked=True)
+    else:  # the held picks only, GROUPED_ROWS at a time (memory.SCRATCH bounds the temporaries so)
+        # every expert of the layer held (a resident layer): every pick, no need to read the count
+        held = t * k if n == local.numel() else int(offs[-1]) if n else 0
+        for lo in range(0, held, GROUPED_ROWS):
+            hi = min(lo + GROUPED_ROWS, held)
+            block = order[lo:hi]
+            offs_b = (offs - lo).clamp_(0, hi - lo)
+            counts_b = torch.diff(offs_b, prepend=offs_b.new_zeros(1))
+            _rows(x, block // k, wts.reshape(-1)[block], gate, up, down, offs_b, counts_b, out, masked=False)
+    return out if running else out.to(x.dtype)
+
+
+def _rows(x: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+          down: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, masked: bool) -> None:
+    """Picks (their tokens and routing weights, sorted by expert: offs/counts) through the grouped
+    SwiGLU, weighted and added into `out` (fp32) a block of SCATTER_ROWS rows at a time; `masked`:
+    rows of weight 0 (held elsewhere) zeroed first (they come out undefined)."""
     xs = x.index_select(0, token)
     h = grouped_mm(xs, gate.transpose(1, 2), offs, counts)
     u = grouped_mm(xs, up.transpose(1, 2), offs, counts)
@@ -68,12 +97,11 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
     del u
     y = grouped_mm(h, down.transpose(1, 2), offs, counts)
     del h
-    y.masked_fill_((weight == 0)[:, None], 0.0)
-    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    if masked:
+        y.masked_fill_((weight == 0)[:, None], 0.0)
     for lo in range(0, y.shape[0], SCATTER_ROWS):  # weighted and summed in fp32, a block of rows at a time
         hi = lo + SCATTER_ROWS
         out.index_add_(0, token[lo:hi], y[lo:hi].float().mul_(weight[lo:hi, None]))
-    return out.to(x.dtype)
 
 
 def stack_experts(w: dict, ids: tuple[int, ...], experts: int) -> dict:

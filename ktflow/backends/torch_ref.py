@@ -207,8 +207,9 @@ def _routed_experts(be, node, w, ins, ctx, dev):
     a = node.attrs
     lo, hi = a.rank_range  # the gate sorts each token's picks by weight: slot = rank
     ids, wts = ids[:, lo:hi], wts[:, lo:hi]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    if len(ins) == 3:  # streamed: the weights its fetch staged, expert i of the subset in row i
+    # a streamed group after the first adds to its layer's running sum (float32)
+    out = ins[3].float().clone() if len(ins) == 4 else torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if len(ins) >= 3:  # streamed: the weights its fetch staged, expert i of the subset in row i
         gate, up, down = staged(ins[2], a.hidden, a.inter)
         w = {"gate": dict(zip(a.ids, gate)), "up": dict(zip(a.ids, up)), "down": dict(zip(a.ids, down))}
     held = w["gate"]
@@ -218,7 +219,7 @@ def _routed_experts(be, node, w, ins, ctx, dev):
         rows, slot = torch.where(ids == e)
         y = swiglu(x[rows], w["gate"][e], w["up"][e], w["down"][e])
         out.index_add_(0, rows, y.float() * wts[rows, slot, None])
-    return out.to(x.dtype)
+    return out if a.running else out.to(x.dtype)
 
 
 def staged(t: torch.Tensor, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -160,7 +160,11 @@ class RoutedExpertsAttrs:
     expert and compute those not in the cache. 0: the subset is fixed.
     `cache_slots` > 0: a prefill step's streamed node standing in for a cached layer's parts (it
     computes every expert from its fetch); the decode plan's cache of that many GPU slots stays
-    resident beside it, unread by this step."""
+    resident beside it, unread by this step.
+    `running`: a streamed group of a layer fetched in several (not its last): its output is the
+    layer's running sum so far in float32, read by the next group as a fourth input, which adds
+    its own picks to it; the last group outputs the total in the activation dtype (one rounding,
+    as one node computing the layer would)."""
 
     layer: int
     hidden: int
@@ -173,6 +177,7 @@ class RoutedExpertsAttrs:
     skip: int = 0
     refill_every: int = 0
     cache_slots: int = 0
+    running: bool = False
 
     @property
     def cached(self) -> bool:
@@ -347,6 +352,11 @@ def _hidden(a, ins, act):
     return TensorType((TOKENS, a.hidden), act)
 
 
+def _experts_out(a, ins, act):
+    """[T, hidden] in the activation dtype; a running group's partial sum in float32."""
+    return TensorType((TOKENS, a.hidden), DType.F32 if a.running else act)
+
+
 def _same_as_first(a, ins, act):
     return ins[0]
 
@@ -383,13 +393,19 @@ def _expert_probs(a: RoutedExpertsAttrs, w: Work) -> list[float]:
 def experts_hit_fraction(a: RoutedExpertsAttrs, w: Work) -> float:
     """Expected fraction of the node's experts hit by `tokens` tokens: mean over its experts
     of 1 - (1 - p_e)^T."""
+    if w.expert_probs is None:  # uniform: every expert alike (the common case, priced often)
+        return 1.0 - (1.0 - a.top_k / a.experts * a.rank_fraction) ** w.tokens
     p = _expert_probs(a, w)
     return sum(1.0 - (1.0 - q) ** w.tokens for q in p) / len(p)
 
 
 def _experts_flops(a: RoutedExpertsAttrs, w: Work) -> float:
     """6 FLOPs per weight for each (token, expert) pair routed into the node's subset and slice."""
-    return 6.0 * w.tokens * sum(_expert_probs(a, w)) * a.hidden * a.inter * a.slice_fraction
+    if w.expert_probs is None:
+        picked = (len(a.subset) or a.experts) * a.top_k / a.experts * a.rank_fraction
+    else:
+        picked = sum(_expert_probs(a, w))
+    return 6.0 * w.tokens * picked * a.hidden * a.inter * a.slice_fraction
 
 
 FACTS: dict[Op, OpFacts] = {
@@ -404,12 +420,12 @@ FACTS: dict[Op, OpFacts] = {
                      lambda a, w: 2.0 * w.tokens * a.hidden * a.experts),
     Op.MLP: OpFacts(MLPAttrs, (1, 1), _hidden,
                     lambda a, w: 6.0 * w.tokens * a.hidden * a.inter + (2.0 * w.tokens * a.hidden if a.sigmoid_gate else 0)),
-    Op.ROUTED_EXPERTS: OpFacts(RoutedExpertsAttrs, (2, 3), _hidden, _experts_flops,
+    Op.ROUTED_EXPERTS: OpFacts(RoutedExpertsAttrs, (2, 4), _experts_out, _experts_flops,
                                weight_fraction=experts_hit_fraction,
                                held_fraction=lambda a: len(a.ids) / a.experts * a.slice_fraction),
     Op.REDUCE: OpFacts(ReduceAttrs, (1, 16), _hidden, lambda a, w: float(w.tokens * a.hidden)),
     Op.DEFER: OpFacts(DeferAttrs, (1, 4), _hidden, lambda a, w: float(w.tokens * a.hidden)),
-    Op.ADD: OpFacts(AddAttrs, (2, 16), _same_as_first, lambda a, w: 0.0),
+    Op.ADD: OpFacts(AddAttrs, (2, 64), _same_as_first, lambda a, w: 0.0),
     Op.LM_HEAD: OpFacts(LMHeadAttrs, (1, 1), lambda a, ins, act: TensorType((TOKENS, a.vocab), DType.F32),
                         lambda a, w: 2.0 * w.tokens * a.hidden * a.vocab),
     Op.COPY: OpFacts(CopyAttrs, (1, 1), _same_as_first, lambda a, w: 0.0, pricing="copy"),
@@ -457,14 +473,18 @@ def _ints_in_range(a: Any, where: str) -> None:
                 raise ValueError(f"{where}.{f.name}: {x} is outside 0..{ATTR_INT_MAX}")
 
 
+_HINTS: dict[type, tuple[dict[str, Any], set[str]]] = {}  # a dataclass -> its fields' types and names, read once
+
+
 def dataclass_from(cls: type, d: Any, where: str) -> Any:
     """A dataclass from its JSON dict, every field's type checked (see `typed`)."""
     import typing
 
     if not isinstance(d, dict):
         raise ValueError(f"{where}: attrs must be a JSON object, got {d!r}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in fields(cls)}
+    if cls not in _HINTS:
+        _HINTS[cls] = (typing.get_type_hints(cls), {f.name for f in fields(cls)})
+    hints, names = _HINTS[cls]
     extra = sorted(set(d) - names)
     if extra:
         raise ValueError(f"{where}: unknown attrs {extra}")

@@ -188,6 +188,12 @@ def _r10_expert_subsets_partition(g: Graph):
 
 def _tile_experts(layer: int, nodes: list):
     """Within one rank range: each expert computed once, or by shards whose rows tile 0..inter."""
+    want = nodes[0].attrs.experts
+    if not any(n.attrs.inter_slice for n in nodes):  # whole experts only: a partition, counted (the common case)
+        seen = [e for n in nodes for e in n.attrs.ids]
+        if len(seen) == want and len(set(seen)) == want and min(seen) == 0 and max(seen) == want - 1 \
+                and all(list(n.attrs.subset) == sorted(set(n.attrs.subset)) for n in nodes):
+            return
     slices: dict[int, list[tuple[int, int, str]]] = {}
     for n in nodes:
         a = n.attrs
@@ -283,14 +289,24 @@ def _s1_fetch_feeds_its_experts(g: Graph):
                 yield n.name, f"must be read by one routed-experts node alone, is read by {list(g.users(n.name))}"
                 continue
             r = g.by_name(readers[0])
-            if len(r.inputs) != 3 or r.inputs[2] != n.name:
+            if len(r.inputs) < 3 or r.inputs[2] != n.name:
                 yield n.name, f"must be the third input of {r.name}"
             elif (r.attrs.layer, r.attrs.ids, r.attrs.rows) != (n.attrs.layer, n.attrs.subset, (0, n.attrs.inter)):
                 yield n.name, f"stages layer {n.attrs.layer} experts [{len(n.attrs.subset)}], {r.name} computes layer " \
                               f"{r.attrs.layer} experts [{len(r.attrs.ids)}] rows {r.attrs.rows}"
             if n.place is not None and n.place.device.value != "gpu":
                 yield n.name, "a fetch stages weights in GPU memory: it is placed on the GPU"
-        if n.op == Op.ROUTED_EXPERTS and len(n.inputs) == 3:
+        if n.op == Op.ROUTED_EXPERTS and len(n.inputs) == 4:  # a streamed group adding to the one before
+            prev = g.by_name(n.inputs[3]) if n.inputs[3] in g else None
+            if prev is None or prev.op != Op.ROUTED_EXPERTS or not prev.attrs.running \
+                    or prev.attrs.layer != n.attrs.layer:
+                yield n.name, f"fourth input {n.inputs[3]} is not the running sum of its layer's group before it"
+        if n.op == Op.ROUTED_EXPERTS and n.attrs.running:
+            readers = [g.by_name(u) for u in g.users(n.name) if g.by_name(u).op != Op.FETCH]  # a fetch: its slot's wait
+            if len(n.inputs) < 3 or len(readers) != 1 or readers[0].op != Op.ROUTED_EXPERTS \
+                    or readers[0].inputs[3:] != (n.name,):
+                yield n.name, "a running sum is a streamed group's, read as the fourth input of its layer's next group"
+        if n.op == Op.ROUTED_EXPERTS and len(n.inputs) >= 3:
             src = g.by_name(n.inputs[2]) if n.inputs[2] in g else None
             if src is None or src.op != Op.FETCH:
                 yield n.name, f"third input {n.inputs[2]} is not a fetch"
@@ -300,7 +316,7 @@ def _s1_fetch_feeds_its_experts(g: Graph):
                 yield n.name, "streamed experts run on the GPU"
         if n.op == Op.ROUTED_EXPERTS and n.attrs.cache_slots:  # a cached layer streamed whole in a prefill step
             a = n.attrs
-            if len(n.inputs) != 3 or a.subset or a.refill_every or not 0 < a.cache_slots < a.experts:
+            if len(n.inputs) < 3 or a.subset or a.refill_every or not 0 < a.cache_slots < a.experts:
                 yield n.name, (f"cache_slots={a.cache_slots} marks a streamed node computing every expert of its layer "
                                f"(a third input, no subset, not itself a cache, fewer slots than its {a.experts} "
                                "experts)")
@@ -318,7 +334,7 @@ def _s2_slots_reused_in_order(g: Graph):
             if got != want:
                 yield n.name, f"slot {n.attrs.slot} was last used by {want}; the fetch must wait for it (input {got})"
             slot_of[n.name] = n.attrs.slot
-        elif n.op == Op.ROUTED_EXPERTS and len(n.inputs) == 3 and n.inputs[2] in slot_of:
+        elif n.op == Op.ROUTED_EXPERTS and len(n.inputs) >= 3 and n.inputs[2] in slot_of:
             last[slot_of[n.inputs[2]]] = n.name
 
 
@@ -434,12 +450,17 @@ def _b2_live_slots_disjoint(g: Graph) -> Iterator[tuple[str | None, str]]:
 
 
 def _b3_arenas_without_gaps(g: Graph) -> Iterator[tuple[str | None, str]]:
-    """A slot ends within the sum of its arena's slots: a layout never needs a gap larger than
-    everything else in the arena (an absurd offset in an edited plan is refused, not allocated)."""
+    """A slot ends within the sum of its arena's slots (staging: within its staging slots times
+    the largest fetch): a layout never needs a gap larger than everything else in the arena (an
+    absurd offset in an edited plan is refused, not allocated)."""
     total: dict[str, int] = {}
     for n in g.nodes:
         if n.buffer is not None:
             total[n.buffer.arena] = total.get(n.buffer.arena, 0) + n.buffer.bytes
+    fetches = [n for n in g.nodes if n.op == Op.FETCH and n.buffer is not None]
+    if fetches:
+        per_slot = max(n.buffer.bytes for n in fetches) * (max(n.attrs.slot for n in fetches) + 1)
+        total["staging"] = max(total.get("staging", 0), per_slot)
     for n in g.nodes:
         b = n.buffer
         if b is not None and b.offset + b.bytes > total[b.arena]:

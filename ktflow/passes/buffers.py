@@ -40,8 +40,8 @@ def layout(g: Graph, steps: list[Step]) -> dict[str, Slot]:
 
     A value lives from the step that writes it to the last step that reads it (graph outputs to
     the end). Arena: pinned for values a PCIe copy reads or writes on the host side (the exchange
-    memory, reused across layers), staging for streamed expert weights (fetch outputs: first fit
-    gives one slot per fetch in flight), gpu for other GPU values, host for other CPU values.
+    memory, reused across layers), staging for streamed expert weights (fetch outputs: staging
+    slot i at i x the largest fetch), gpu for other GPU values, host for other CPU values.
     Sizes: per token, rounded up to ALIGN bytes (a value with no token dimension takes its whole
     size per token: more than it needs in a step of several tokens, never less); staging slots
     their absolute size. Within an arena, values are placed in order of their first step at the
@@ -85,7 +85,13 @@ def layout(g: Graph, steps: list[Step]) -> dict[str, Slot]:
         values.append((first[n.name], last[n.name], n.name, arena, -(-size // ALIGN) * ALIGN))
     slots: dict[str, Slot] = {}
     live: dict[str, list[tuple[int, int, int]]] = {}  # arena -> (offset, size, last step)
+    # staging: slot i of the fetches at i x the largest fetch (a fetch waits for its slot's last
+    # reader, rule S2), so the arena is exactly staging_slots x the largest fetch
+    widest = max((size for _, _, _, arena, size in values if arena == "staging"), default=0)
     for start, end, name, arena, size in sorted(values):
+        if arena == "staging":
+            slots[name] = Slot(arena, g.by_name(name).attrs.slot * widest, size, start, end, per_token=False)
+            continue
         taken = sorted((o, sz) for o, sz, e in live.get(arena, []) if e >= start)
         offset = 0
         for o, sz in taken:

@@ -10,7 +10,7 @@ from ..errors import ConfigError
 from ..ir.graph import Graph, Node
 from ..ir.ops import FACTS, Op, Work, fp8_holdable
 from ..ir.types import FP8_BLOCK, Cost, Device, Placement, _si
-from ..options import CompileContext
+from ..options import CompileContext, vram_limit
 from .costs import cost_in, recost_changed
 from .infra import compiler_pass
 
@@ -29,18 +29,26 @@ class Unit:
 
 
 def gpu_budget(g: Graph, ctx: CompileContext) -> float:
-    """Bytes of GPU memory for weights and KV caches: the VRAM budget option, or the GPU's memory
-    less the activations of one prefill step, the BLAS workspaces and the fixed reserve."""
+    """Bytes of GPU memory for weights and KV caches (decode residency): the VRAM plan's
+    (ctx.vram, set by the compile driver: ktflow.vram_plan), else `residency_budget`."""
+    if ctx.vram is not None:
+        return ctx.vram.residency
+    return residency_budget(g, ctx)
+
+
+def residency_budget(g: Graph, ctx: CompileContext) -> float:
+    """Decode residency without a VRAM plan: the VRAM limit (`options.vram_limit`) less the BLAS
+    workspaces and the activations of a `prefill_tokens`-token step, capped by vram_budget_gb."""
     o = ctx.options
-    if o.vram_budget_gb is not None:
-        return o.vram_budget_gb * 1e9
-    gpu = ctx.hw.gpus[0]
+    limit = vram_limit(o, ctx.hw)
     act = activation_peak(g, o.prefill_tokens)
-    budget = gpu.memory_bytes - o.vram_reserve_gb * 1e9 - act - gpu_workspace_bytes(ctx.hw)
+    budget = limit - act - gpu_workspace_bytes(ctx.hw)
+    if o.vram_budget_gb is not None:
+        return o.vram_budget_gb * 1e9 if o.allow_oversize else min(o.vram_budget_gb * 1e9, max(budget, 0.0))
     if budget <= 0:
-        raise ConfigError(f"nothing fits on the GPU: {gpu.name} has {gpu.memory_bytes / 1e9:.1f} GB, the activations of "
-                          f"a {o.prefill_tokens}-token prefill step take {act / 1e9:.2f} GB and the reserve "
-                          f"{o.vram_reserve_gb:.1f} GB; lower prefill_tokens or vram_reserve_gb, or set vram_budget_gb")
+        raise ConfigError(f"nothing fits on the GPU: vram_gb is {limit / 1e9:.2f} GB and the activations of a "
+                          f"{o.prefill_tokens}-token prefill step take {act / 1e9:.2f} GB; raise vram_gb (or lower "
+                          "vram_reserve_gb), or lower prefill_tokens")
     return budget
 
 
@@ -233,7 +241,7 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
         smallest = min(units, key=lambda u: u.vram)
         raise ConfigError(f"nothing fits on the GPU: the smallest placement unit ({smallest.node}) needs "
                           f"{_si(smallest.vram)}B, the VRAM budget is {_si(budget)}B; lower max_seq_len "
-                          "or max_batch, or raise vram_budget_gb")
+                          "or max_batch, or raise vram_gb (vram_budget_gb where set)")
     left = budget
     taken: set[tuple[str, int | None]] = set()
     for u in sorted(units, key=lambda u: (-(u.saving / max(u.vram, 1.0)), u.order, u.rank)):
@@ -263,6 +271,31 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
         placed[n.name] = dev
         nodes.append(replace(n, place=Placement(dev, cause=why)))
     return recost_changed(g, _rewire_split_experts(_place_weightless(g.replace_nodes(nodes), placed), split), ctx)
+
+
+def decode_savings(g: Graph, ctx: CompileContext, budgets: list[float]) -> list[float]:
+    """Per residency budget: the decode seconds a step saves by the units `place_by_intensity`
+    takes under it (its ranking and greedy, the FP8 choice included), so the VRAM plan can price
+    what a smaller budget costs decode without placing again. `g`: the spec costed for decode."""
+    if not ctx.hw.has_gpu:
+        return [0.0] * len(budgets)
+    def ranked(units: list[Unit]) -> list[Unit]:
+        return sorted(units, key=lambda u: (-(u.saving / max(u.vram, 1.0)), u.order, u.rank))
+
+    plain, _ = _units(g, ctx)
+    orders = {False: ranked(plain)}
+    out = []
+    for budget in budgets:
+        keep = _fp8_choice(g, ctx, plain, budget)[0]
+        if keep not in orders:
+            orders[keep] = ranked(_units(recost_changed(g, g.map(_hold_fp8), ctx), ctx)[0])
+        left, saved = budget, 0.0
+        for u in orders[keep]:
+            if u.saving > 0 and u.vram <= left:
+                left -= u.vram
+                saved += u.saving
+        out.append(saved)
+    return out
 
 
 def _fp8_choice(g: Graph, ctx: CompileContext, units: list[Unit], budget: float) -> tuple[bool, str]:

@@ -9,10 +9,10 @@ from ..cost import fetch_seconds, transfer_seconds
 from ..errors import ConfigError
 from ..hw import HwProfile
 from ..ir.graph import Graph, Node
-from ..ir.ops import FACTS, FetchAttrs, Op
+from ..ir.ops import FACTS, FetchAttrs, Op, expert_weight_bytes
 from ..ir.types import Device, Placement, _si
-from ..memory import prefill_room
-from ..options import CompileContext
+from ..memory import gpu_activation_peak, prefill_room, staging_bytes, stream_bytes
+from ..options import CompileContext, vram_limit
 from .costs import cost_in, recost_changed, step_work
 from .infra import compiler_pass
 
@@ -27,6 +27,8 @@ class LayerChoice:
     streamed: tuple[int, ...]  # expert ids copied to the GPU (empty: all stay on the CPU)
     kept: tuple[int, ...]  # expert ids computed on the CPU
     cause: str  # what was decided, with the times compared
+    groups: tuple[tuple[int, ...], ...] = ()  # the streamed ids as fetched: one group a staging slot
+    seconds: float = 0.0  # the layer's priced steady-state time
 
 
 @compiler_pass(requires="placed", produces="placed")
@@ -47,14 +49,21 @@ def place_prefill_experts(g: Graph, ctx: CompileContext) -> Graph:
     and routing down, result up), G the streamed experts on the GPU and F their fetch (PCIe +
     conversion), which overlaps the previous layer. The fastest n wins, ties
     to fewer streamed (option prefill_experts forces cpu, stream, or the best split). Staging
-    must fit the GPU memory the step leaves (memory.prefill_room): `staging_slots` slots of the
-    largest streamed set plus one landing buffer; with no room for two slots the pass uses one
-    (no prefetch), with none it keeps the CPU, and says so in the cause.
+    must fit the GPU memory the step leaves under the VRAM limit (memory.prefill_room, the
+    step's activations with a chunk's past; ctx.vram: the VRAM plan's limit and its slot size):
+    `staging_slots` slots of up to `cap` experts, one landing buffer for a slot's packed bytes,
+    and the layer's partial outputs (memory.stream_bytes). A streamed set larger than `cap` is
+    fetched in groups of up to `cap` (`groups_of`), one fetch and one GPU node each, priced as
+    the sum of their fetches and GPU work; with no room for two slots the pass uses one (no
+    prefetch), with none it keeps the CPU, and says so in the cause.
     Rewrite: a streamed node runs on the GPU, holds no weights, and reads a third input: a fetch
     node (lane `fetch`) holding the experts' weight references, placed right after the node that
-    used its slot before (its input: the copy waits for it), or at the start. A split keeps the
-    CPU part under the node's name and adds `<name>.stream` on the GPU; their reader (the
-    residual add) reads both.
+    used its slot before (its input: the copy waits for it), or at the start; the slots are used
+    in turn. A split keeps the CPU part under the node's name and adds `<name>.stream` on the
+    GPU; their reader (the residual add) reads both. A layer fetched in groups has one node a
+    group (`<name>`, `<name>2`, ..; `.stream`, `.stream2`, .. for a split), each after the first
+    adding to the float32 running sum of those before (a fourth input; `running` on all but the
+    last), the residual add reading the last.
     A layer whose GPU experts are a cache (`expert_cache`: the runtime moves experts between its
     parts, so no subset can be fixed here) has two candidates only: as placed (the cache's slots on
     the GPU, the rest on the CPU), or streamed whole: one GPU node computing every expert from a
@@ -86,43 +95,129 @@ def place_prefill_experts(g: Graph, ctx: CompileContext) -> Graph:
         raise ConfigError(f"prefill_experts='stream' with expert_cache: cached layers {several} have several CPU parts "
                           "(a pass before place_prefill_experts split them), and such a layer streams only whole; "
                           "use prefill_experts='auto' or 'cpu'")
-    # a layer streams only where its hidden states and routing are on the GPU
-    cpu_nodes = [n for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device == Device.CPU
-                 and all(g.by_name(i).place.device == Device.GPU for i in n.inputs) and n.attrs.layer not in several]
+    cpu_nodes = streamable(g, several)
     if not cpu_nodes:
         return g
     fmt = ctx.expert_format
     room = prefill_room(g, ctx.hw, tokens=ctx.tokens, weight_itemsize=ctx.weight_itemsize,
-                        kv_tokens=ctx.max_seq_len * ctx.options.max_batch,
-                        reserve_bytes=ctx.options.vram_reserve_gb * 1e9)
-    one = [_fetch(n, n.attrs.ids[:1], fmt, 0) for n in cpu_nodes]
-    slot_bytes = max(f.out.numel(0) * f.out.dtype.itemsize for f in one)  # one expert, converted
-    landing = max(f.attrs.link_bytes for f in one)  # one expert, packed
-    slots, cap = ctx.options.staging_slots, 0
-    while slots >= 1:
-        cap = int(max(room, 0.0) // (slots * slot_bytes + landing))
-        if cap >= 1:
-            break
-        slots -= 1
-    slots = max(slots, 1)
-    widest = max(n.attrs.experts if n.attrs.layer in caches else len(n.attrs.ids) for n in cpu_nodes)
+                        kv_tokens=ctx.max_seq_len * ctx.options.max_batch, limit=limit_of(ctx),
+                        past=max(ctx.max_seq_len - ctx.tokens, 0))
+    most = max(n.attrs.experts if n.attrs.layer in caches else len(n.attrs.ids) for n in cpu_nodes)
+    # the VRAM plan's slot size (staging_experts where given)
+    upto = ctx.vram.stage_experts if ctx.vram is not None else ctx.options.staging_experts
+    slots, cap = staging_capacity(cpu_nodes, fmt, room, ctx.options.staging_slots, ctx.tokens, most, upto)
+    widest = max((n.attrs.experts for n in cpu_nodes if n.attrs.layer in caches), default=1)
     if mode == "stream" and cap < widest:
-        need = widest * (ctx.options.staging_slots * slot_bytes + landing)
+        one = _fetch(cpu_nodes[0], cpu_nodes[0].attrs.ids[:1], fmt, 0)
+        need = widest * (ctx.options.staging_slots * one.out.numel(0) * one.out.dtype.itemsize + one.attrs.link_bytes)
+        what = "a cached layer's experts" if caches else "one expert"
         raise ConfigError(f"prefill_experts='stream' at {ctx.tokens} tokens needs {_si(need)}B of GPU staging "
-                          f"({ctx.options.staging_slots} slots of a whole layer's experts and a landing buffer); "
+                          f"({ctx.options.staging_slots} slots of {what} and a landing buffer); "
                           f"{_si(max(room, 0.0))}B are left after weights, KV caches and activations. Use "
-                          "prefill_experts='auto', fewer staging_slots, a smaller prefill_chunk or VRAM budget")
-    # while a split layer's experts stream, the copy engine reads host memory too: the CPU part
-    # streams its weights with what DRAM has left (at least a quarter of its rate)
-    cpu = ctx.hw.cpu
-    sharing = ctx.hw.model_copy(update={"cpu": cpu.model_copy(update={
-        "gemv_gbps": max(cpu.gemv_gbps - ctx.hw.gpus[0].pcie_h2d_gbps, cpu.gemv_gbps / 4)})})
+                          "prefill_experts='auto', fewer staging_slots, a smaller prefill_chunk or a larger vram_gb")
+    if upto and cap < min(upto, most):
+        # the estimate (every part's output live beside the step's peak) refuses the VRAM plan's
+        # slot size: the rewritten step measured instead, taken where it fits
+        want = min(upto, most)
+        trial = _placed_for(g, ctx, cpu_nodes, caches, fmt, want, ctx.options.staging_slots, mode)
+        if trial is not None and _measured_need(g, trial, ctx) <= room + gpu_activation_peak(
+                g, ctx.tokens, max(ctx.max_seq_len - ctx.tokens, 0), streamed=True):
+            return trial
+    return _placed_for(g, ctx, cpu_nodes, caches, fmt, cap, slots, mode) or g
+
+
+def _placed_for(g: Graph, ctx: CompileContext, cpu_nodes: list[Node], caches: dict[int, Node], fmt: str, cap: int,
+                slots: int, mode: str) -> Graph | None:
+    """`g` with every CPU layer's choice at `cap` experts a slot and `slots` slots (None: no
+    layer's choice changed, then only the causes are new)."""
+    sharing = _sharing(ctx)
     bounds = _layer_bounds(g, cpu_nodes)
-    choices = {n.name: _choose(g, ctx, n, bounds[n.name], fmt, cap, slots, sharing, mode, caches.get(n.attrs.layer))
-               for n in cpu_nodes}
+    choices, alike = {}, {}  # layers alike but for their index (uniform routing) are priced once
+    for n in cpu_nodes:
+        cache = caches.get(n.attrs.layer)
+        key = None if ctx.routing is not None or cache is not None else (replace(n.attrs, layer=0), bounds[n.name])
+        if key is None or key not in alike:
+            choice = _choose(g, ctx, n, bounds[n.name], fmt, cap, slots, sharing, mode, cache)
+            if key is not None:
+                alike[key] = choice
+        choices[n.name] = alike[key] if key is not None else choice
     if not any(c.streamed for c in choices.values()):
         return g.map(lambda n: _with_cause(n, choices[n.name]) if n.name in choices else n)
     return _rewrite(g, ctx, choices, fmt, slots, caches)
+
+
+def _measured_need(before: Graph, after: Graph, ctx: CompileContext) -> float:
+    """GPU bytes the streamed step `after` needs beside residency and workspaces: its activations
+    (with a chunk's past; plus one hidden-state value for a split part's result, which lowering
+    copies back) and its staging."""
+    row = max((n.out.numel(1) * n.out.dtype.itemsize for n in before.nodes if n.op == Op.EMBED), default=0)
+    past = max(ctx.max_seq_len - ctx.tokens, 0)
+    return gpu_activation_peak(after, ctx.tokens, past) + ctx.tokens * row + staging_bytes(after)
+
+
+def limit_of(ctx: CompileContext) -> float:
+    """The VRAM limit the plan fits in: the VRAM plan's, else the options' (`vram_limit`)."""
+    return ctx.vram.limit if ctx.vram is not None else vram_limit(ctx.options, ctx.hw)
+
+
+def streamable(g: Graph, skip_layers=()) -> list[Node]:
+    """The routed-experts nodes placed on the CPU that could stream: their hidden states and
+    routing are on the GPU (layers in `skip_layers` left out)."""
+    return [n for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device == Device.CPU
+            and all(g.by_name(i).place.device == Device.GPU for i in n.inputs) and n.attrs.layer not in skip_layers]
+
+
+def staging_capacity(cpu_nodes: list[Node], fmt: str, room: float, want_slots: int, tokens: int,
+                     widest: int, upto: int | None = None) -> tuple[int, int]:
+    """(slots, experts per slot) that `room` bytes hold for a step of `tokens` tokens
+    (`memory.stream_bytes`: the slots, a landing buffer for one slot's packed bytes and the
+    outputs of the parts of a layer streaming `widest` experts): `want_slots` slots if one
+    expert fits each, else fewer; the most experts (up to `widest`, and `upto`) a slot then
+    holds; at least one slot, 0 experts where none fits."""
+    a = max((n.attrs for n in cpu_nodes), key=lambda a: a.hidden * a.inter)
+    act = cpu_nodes[0].out.dtype.itemsize
+    packed = expert_weight_bytes(fmt, a.hidden, a.inter)
+    for slots in range(want_slots, 0, -1):
+        for cap in range(min(widest, widest if upto is None else upto), 0, -1):
+            if stream_bytes(widest, cap, slots, tokens, a.hidden, a.inter, act, packed) <= room:
+                return slots, cap
+    return 1, 0
+
+
+def _sharing(ctx: CompileContext) -> HwProfile:
+    """While a split layer's experts stream, the copy engine reads host memory too: the machine
+    with the DRAM rate the CPU part is left (at least a quarter of its own)."""
+    cpu = ctx.hw.cpu
+    return ctx.hw.model_copy(update={"cpu": cpu.model_copy(update={
+        "gemv_gbps": max(cpu.gemv_gbps - ctx.hw.gpus[0].pcie_h2d_gbps, cpu.gemv_gbps / 4)})})
+
+
+def layer_seconds(g: Graph, ctx: CompileContext, node: Node, cap: int, slots: int) -> float:
+    """The steady-state seconds of CPU routed-experts `node`'s layer in a prefill step of
+    ctx.tokens tokens, as this pass prices its fastest choice with at most `cap` experts a
+    staging slot and `slots` slots (0 caps: the CPU). For the VRAM plan (ktflow.vram_plan),
+    which weighs staging bytes against decode residency; `g` is placed and costed for the step."""
+    bounds = _layer_bounds(g, streamable(g))
+    cache = next((n for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.cached
+                  and n.attrs.layer == node.attrs.layer), None)
+    return _choose(g, ctx, node, bounds[node.name], ctx.expert_format, cap, max(slots, 1), _sharing(ctx),
+                   ctx.options.prefill_experts, cache).seconds
+
+
+def groups_of(ids, cap: int) -> list[tuple[int, ...]]:
+    """`ids` in order as ceil(len / cap) runs of near-equal size (each sorted): the fetches a
+    streamed set takes when a staging slot holds `cap` experts."""
+    ids = list(ids)
+    if not ids:
+        return []
+    m = -(-len(ids) // max(cap, 1))
+    base, extra = divmod(len(ids), m)
+    out, at = [], 0
+    for i in range(m):
+        size = base + (1 if i < extra else 0)
+        out.append(tuple(sorted(ids[at:at + size])))
+        at += size
+    return out
 
 
 # ------------------------------------------------------------------------------- pricing
@@ -163,9 +258,10 @@ def _fetch(n: Node, ids, fmt: str, slot: int) -> Node:
 def _choose(g: Graph, ctx: CompileContext, n: Node, bounds: tuple[float, float], fmt: str, cap: int, slots: int,
             sharing: HwProfile, mode: str, cache: Node | None = None) -> LayerChoice:
     """Price the candidate counts of streamed experts for `n` and pick one (see the pass).
-    `sharing`: the machine with the DRAM bandwidth a fetch leaves the CPU. `cache`: the layer's
-    GPU part where it is a cache: then `n` stays as placed or streams with every expert of the
-    layer, which also takes over the cache part's work."""
+    `cap`: the most experts a staging slot holds (a streamed set of more goes as several
+    fetches, `groups_of`). `sharing`: the machine with the DRAM bandwidth a fetch leaves the
+    CPU. `cache`: the layer's GPU part where it is a cache: then `n` stays as placed or streams
+    with every expert of the layer in one fetch, which also takes over the cache part's work."""
     d1, d2 = bounds
     placed = n
     if cache is not None:
@@ -178,9 +274,20 @@ def _choose(g: Graph, ctx: CompileContext, n: Node, bounds: tuple[float, float],
     xfer = (transfer_seconds(x.out.numel(t) * x.out.dtype.itemsize, ctx.hw, "d2h")
             + transfer_seconds(route.out.numel(t) * route.out.dtype.itemsize, ctx.hw, "d2h")
             + transfer_seconds(n.out.numel(t) * n.out.dtype.itemsize, ctx.hw, "h2d"))
+    uniform = work.expert_probs is None
+    memo: dict = {}
 
     def part(ids) -> Node:
         return replace(n, attrs=replace(n.attrs, subset=tuple(sorted(ids))))
+
+    def group_cost(ids: tuple[int, ...]) -> tuple[float, float]:
+        """(GPU seconds, fetch seconds) of one streamed group (by size where routing is uniform)."""
+        key = len(ids) if uniform else ids
+        if key not in memo:
+            gpu_node = replace(part(ids), weights=())
+            memo[key] = (cost_in(gpu_node, g, ctx, work=work, numa_nodes=1, expert_format="bf16").gpu_s,
+                         fetch_seconds(_fetch(n, ids, fmt, 0).attrs, ctx.hw, g.act_dtype))
+        return memo[key]
 
     def price(k: int) -> tuple[float, float, float, float]:
         """(layer seconds, CPU part, GPU part, fetch) with the first k of `order` streamed."""
@@ -189,34 +296,37 @@ def _choose(g: Graph, ctx: CompileContext, n: Node, bounds: tuple[float, float],
         cpu = cost_in(kept, g, ctx, work=work, hw=hw, numa_nodes=1, expert_format=fmt).cpu_s + xfer if k < total else 0.0
         if k == 0:
             return d1 + max(cpu, d2), cpu, 0.0, 0.0
-        gpu_node = replace(part(order[:k]), weights=())
-        gpu = cost_in(gpu_node, g, ctx, work=work, numa_nodes=1, expert_format="bf16").gpu_s
-        fetch = fetch_seconds(_fetch(n, order[:k], fmt, 0).attrs, ctx.hw, g.act_dtype)
+        costs = [group_cost(ids) for ids in groups_of(order[:k], cap)]
+        gpu, fetch = sum(c[0] for c in costs), sum(c[1] for c in costs)
         beside = d2 - (cache.cost.on(Device.GPU) if cache is not None else 0.0)  # the cache part's work taken over
         return max(d1 + max(cpu, beside + gpu), fetch), cpu, gpu, fetch
 
     step = max(1, math.ceil(total / GRID))
-    counts = [0, total] if cache is not None else sorted({0, total, *range(step, total, step)})
-    priced = {k: price(k) for k in counts if k <= cap}
+    if cache is not None:  # streamed whole in one fetch, or kept
+        counts = [0, total] if cap >= total else [0]
+    else:
+        counts = sorted({0, total, *range(step, total, step)}) if cap >= 1 else [0]
+    priced = {k: price(k) for k in counts}
     cpu_t = priced[0][0]
     if mode == "cpu":
         k = 0
     elif mode == "stream":
-        k = total
+        k = total if total in priced else 0
     elif mode == "split":
         inner = [k for k in priced if 0 < k < total]
         k = min(inner, key=lambda k: (priced[k][0], k)) if inner else 0
     else:
         k = min(priced, key=lambda k: (priced[k][0], k))
     secs, cpu, gpu, fetch = priced[k]
-    full = price(total) if total not in priced else priced[total]
+    full = priced.get(total)
     splits = [k2 for k2 in priced if 0 < k2 < total]
     best_split = min(splits, key=lambda k2: (priced[k2][0], k2)) if splits else None
-    alts = [f"cpu {_si(cpu_t)}s", f"stream {_si(full[0])}s" + ("" if total in priced else " (no room)")]
+    alts = [f"cpu {_si(cpu_t)}s", f"stream {_si(full[0])}s" if full else "stream (no room)"]
     if best_split is not None:
         alts.append(f"split {best_split}/{total} {_si(priced[best_split][0])}s")
     head = f"prefill {t} tokens" + (f" (the layer's GPU part a cache of {len(cache.attrs.ids)} slots: streamed "
                                      "whole or kept)" if cache is not None else "")
+    groups = tuple(groups_of(order[:k], cap)) if k else ()
     if k == 0:
         why = "prefill_experts=cpu" if mode == "cpu" else (
             "no GPU room for staging" if cap == 0 else "no GPU room to stage the whole layer"
@@ -226,10 +336,13 @@ def _choose(g: Graph, ctx: CompileContext, n: Node, bounds: tuple[float, float],
         parts = f"fetch {_si(fetch)}s, GPU {_si(gpu)}s" + (f", CPU {_si(cpu)}s" if k < total else "")
         slot_note = "" if slots >= ctx.options.staging_slots else f"; {slots} staging slot(s) fit, no prefetch" \
             if slots == 1 else f"; {slots} staging slots fit"
+        if len(groups) > 1:
+            slot_note += (f"; {len(groups)} fetches of up to {max(len(x) for x in groups)} experts "
+                          "(a staging slot's room)")
         forced = f"prefill_experts={mode}" if mode != "auto" else "fastest"
         cause = (f"{head}: {'stream' if k == total else 'split'} {k}/{total} experts, {_si(secs)}s/layer "
                  f"({parts}; {forced}; {', '.join(alts)}){slot_note}")
-    return LayerChoice(tuple(sorted(order[:k])), tuple(sorted(order[k:])), cause)
+    return LayerChoice(tuple(sorted(order[:k])), tuple(sorted(order[k:])), cause, groups, secs)
 
 
 # ------------------------------------------------------------------------------- rewrite
@@ -246,7 +359,8 @@ def _rewrite(g: Graph, ctx: CompileContext, choices: dict[str, LayerChoice], fmt
     whole = {caches[n.attrs.layer].name: n for n in g.nodes
              if n.name in choices and choices[n.name].streamed and n.attrs.layer in caches}
     nodes: list[Node] = []
-    extra_reads: dict[str, str] = {}  # CPU part -> its streamed twin (readers read both)
+    extra_reads: dict[str, str] = {}  # a split's CPU part -> its streamed parts' sum, which its readers also read
+    renamed: dict[str, str] = {}  # a layer streamed in groups -> their sum, which its readers read instead
     after: dict[str, list[Node]] = {}  # node -> fetches placed right after it
     streamed_order: list[str] = []  # streamed nodes in graph order
     first_fetches: list[Node] = []
@@ -257,33 +371,48 @@ def _rewrite(g: Graph, ctx: CompileContext, choices: dict[str, LayerChoice], fmt
         if c is None or not c.streamed:
             nodes.append(_with_cause(n, c) if c else n)
             continue
-        name = n.name if not c.kept else n.name + ".stream"
-        slot = len(streamed_order) % slots
-        fetch = replace(_fetch(n, c.streamed, fmt, slot), name=name + ".fetch",
-                        place=Placement(Device.GPU, cause=f"stage {len(c.streamed)} experts for {name}", stream="fetch"))
-        prev = streamed_order[-slots] if len(streamed_order) >= slots else None
-        if prev is None:
-            first_fetches.append(fetch)
-        else:
-            fetch = replace(fetch, inputs=(prev,))
-            after.setdefault(prev, []).append(fetch)
-        streamed_order.append(name)
-        cache = caches.get(n.attrs.layer)
-        attrs = replace(n.attrs, subset=c.streamed if c.kept else n.attrs.subset)
-        if cache is not None:  # every expert of the layer, beside the cache's resident slots
-            attrs = replace(n.attrs, subset=(), cache_slots=len(cache.attrs.ids))
-        gpu = replace(n, name=name, inputs=n.inputs + (fetch.name,), weights=(), attrs=attrs,
-                      place=Placement(Device.GPU, cause=c.cause))
+        base = n.name if not c.kept else n.name + ".stream"
         if c.kept:
             nodes.append(_with_cause(n, c, attrs=replace(n.attrs, subset=c.kept)))
-            extra_reads[n.name] = name
-        nodes.append(gpu)
+        groups = c.groups or (c.streamed,)
+        total = base  # the layer's running sum: the group before this one
+        for i, ids in enumerate(groups):
+            name = base if i == 0 else f"{base}{i + 1}"  # a layer fetched in groups: L3.experts, L3.experts2, ..
+            slot = len(streamed_order) % slots
+            what = f"stage {len(ids)} experts for {name}"
+            if len(groups) > 1:
+                what += f" (fetch {i + 1} of {len(groups)})"
+            fetch = replace(_fetch(n, ids, fmt, slot), name=name + ".fetch",
+                            place=Placement(Device.GPU, cause=what, stream="fetch"))
+            prev = streamed_order[-slots] if len(streamed_order) >= slots else None
+            if prev is None:
+                first_fetches.append(fetch)
+            else:
+                fetch = replace(fetch, inputs=(prev,))
+                after.setdefault(prev, []).append(fetch)
+            streamed_order.append(name)
+            cache = caches.get(n.attrs.layer)
+            attrs = replace(n.attrs, subset=ids if (c.kept or len(groups) > 1) else n.attrs.subset,
+                            running=i < len(groups) - 1)
+            if cache is not None:  # every expert of the layer, beside the cache's resident slots
+                attrs = replace(n.attrs, subset=(), cache_slots=len(cache.attrs.ids))
+            # a group after the first adds to the running sum of the ones before (float32: one
+            # rounding for the layer, and one partial sum live, not every group's output)
+            inputs = n.inputs + (fetch.name,) + ((total,) if i else ())
+            nodes.append(replace(n, name=name, inputs=inputs, weights=(), attrs=attrs,
+                                 out=FACTS[Op.ROUTED_EXPERTS].shape(attrs, [], n.out.dtype) if attrs.running else n.out,
+                                 place=Placement(Device.GPU, cause=c.cause)))
+            total = name
+        if c.kept:
+            extra_reads[n.name] = total
+        elif total != n.name:
+            renamed[n.name] = total
     out: list[Node] = []
     for n in nodes:
-        if n.op == Op.ADD:  # the residual add of a split layer reads its streamed part too
+        if n.op == Op.ADD:  # a layer's residual add reads its streamed parts' sum
             extra = tuple(extra_reads[i] for i in n.inputs if i in extra_reads)
-            n = replace(n, inputs=tuple(i for i in n.inputs if i not in whole) + extra) if extra or any(
-                i in whole for i in n.inputs) else n
+            ins = tuple(renamed.get(i, i) for i in n.inputs if i not in whole) + extra
+            n = replace(n, inputs=ins) if ins != n.inputs else n
         out.append(n)
         if n.op == Op.INPUT:
             out += first_fetches
