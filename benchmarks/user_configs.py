@@ -65,7 +65,7 @@ DEFAULT_VRAM_GB = {"qwen3": 24.0, "dsv2lite": 16.0}
 # The whole run's GPU memory bound, and what makes a decode-only placement (nothing reserved for
 # prefill) under the same bound. Each is used only where CompileOptions has it; else the fallback.
 VRAM_OPTION = "vram_gb"
-DECODE_ONLY_OPTIONS = {"workload_prompt_tokens": 0}
+DECODE_ONLY_OPTIONS = {"prefill_reserve": "none"}  # decode first: nothing reserved for prefill
 PROMPT = 32  # decode runs start after a prompt of this many tokens
 
 

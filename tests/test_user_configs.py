@@ -55,8 +55,9 @@ def test_every_phase_writes_its_rows_on_the_cpu(tiny_qwen3, tmp_path):
     assert all(r["decode_tok_s"] > 0 and len(r["dram_gbps_rounds"]) == 1 for r in dec.values())
     ab = {r["variant"]: r for r in rows if r["table"] == "decode_ab"}
     assert sorted(ab) == ["decode-only greedy", "greedy"]
-    # nothing reserved for prefill: the decode-only placement holds more experts in the same limit
-    assert ab["decode-only greedy"]["gpu_experts"] > ab["greedy"]["gpu_experts"] == dec["greedy"]["gpu_experts"]
+    # nothing reserved for prefill: the decode-only placement holds at least the experts of the
+    # user's plan in the same limit (as many where the VRAM plan itself chose decode first)
+    assert ab["decode-only greedy"]["gpu_experts"] >= ab["greedy"]["gpu_experts"] == dec["greedy"]["gpu_experts"]
     assert ab["greedy"]["vs_decode_only"] > 0
     vram = {r["variant"]: r for r in rows if r["table"] == "vram"}
     assert sorted(vram) == ["cpu-experts", "user"]
@@ -85,7 +86,7 @@ def test_deepseek_v2_lite_shape_runs_the_user_phase(tmp_path):
 def test_the_limit_is_met_with_the_compile_options_there_are(tiny_qwen3):
     """Whichever way the limit reaches the compiler (vram_gb, or the benchmark's own search of
     vram_budget_gb), the plans that must fit do, and a decode-only placement fills the limit with
-    more experts than the one that reserves room for prefill."""
+    at least the experts of the one that may reserve room for prefill."""
     import ktflow
     from user_configs import compile_limited, peak_gb, resident
 
@@ -95,7 +96,7 @@ def test_the_limit_is_met_with_the_compile_options_there_are(tiny_qwen3):
     only, _, how_d = compile_limited(model, base, LIMIT, True)
     assert peak_gb([user.decode, *user.prefill]) <= LIMIT * 1.0005
     assert peak_gb([only.decode]) <= LIMIT * 1.0005
-    assert resident(only.decode)["gpu_experts"] > resident(user.decode)["gpu_experts"]
+    assert resident(only.decode)["gpu_experts"] >= resident(user.decode)["gpu_experts"]
     assert how and how_d
 
 
