@@ -14,9 +14,8 @@ measured, so a run cut short keeps them):
                and sampled (`--temperature`, `--top-p`, seed = round), all through
                `generate_with_stats` after a 32-token prompt. Then a `vram` row: the plans'
                predicted peak (max `plan.memory.gpu_bytes` over the plans run) against torch's
-               peak allocated (against the prediction less `vram_reserve_gb`) and the process's
-               card memory (nvidia-smi's used less what was used before this process; against
-               the whole prediction).
+               peak allocated, and the process's card memory (nvidia-smi's used less what was
+               used before this process) against it plus `vram_reserve_gb`.
   decode-only  the same limit with nothing reserved for prefill (DECODE_ONLY_OPTIONS) on the user
                phase's backend (the cap raised to two limits for the two placements), greedy decode
                in rounds beside the user plan's: what the prefill reservation costs decode.
@@ -127,16 +126,18 @@ class Vram:
 
 
 def vram_row(c, plans, vram: Vram, variant: str) -> dict:
-    """Predicted peak (the plans run) against the measured peaks."""
+    """Predicted peak (the plans run: what they allocate) against the measured peaks: torch's
+    allocated bytes against it, the process on the card against it and the reserve (the CUDA
+    context and the allocator's slack the plan leaves them)."""
     pred = max(p.memory.gpu_bytes for p in plans) / 1e9
-    less = pred - c.plans.options.vram_reserve_gb
-    row = dict(table="vram", variant=variant, predicted_gb=round(pred, 3), predicted_less_reserve_gb=round(less, 3),
+    card = pred + c.plans.options.vram_reserve_gb
+    row = dict(table="vram", variant=variant, predicted_gb=round(pred, 3), predicted_with_reserve_gb=round(card, 3),
                plans=sorted({f"{p.phase}{p.step_tokens if p.phase == 'prefill' else ''}" for p in plans}),
                **vram.measured())
     if row.get("max_allocated_gb"):
-        row["err_allocated"] = round(row["max_allocated_gb"] / less - 1, 4)
+        row["err_allocated"] = round(row["max_allocated_gb"] / pred - 1, 4)
     if row.get("process_gb"):
-        row["err_process"] = round(row["process_gb"] / pred - 1, 4)
+        row["err_process"] = round(row["process_gb"] / card - 1, 4)
     return row
 
 
@@ -335,7 +336,7 @@ def phase_user(run: Run) -> None:
     for extra in ({}, kw):  # the user's decode graphs captured: greedy runs, single steps, logits for sampling
         decode_rate(c, run.vocab, 2 * c.plans.options.greedy_steps + 2, 98, **extra)
     row = vram_row(c, plans_run(c, run.lengths), vram, "user")
-    print(f"  VRAM user: predicted {row['predicted_gb']} GB ({row['predicted_less_reserve_gb']} less the reserve); "
+    print(f"  VRAM user: predicted {row['predicted_gb']} GB ({row['predicted_with_reserve_gb']} with the reserve); "
           f"measured {row.get('max_allocated_gb')} allocated / {row.get('max_reserved_gb')} reserved / "
           f"{row.get('process_gb')} process", flush=True)
     run.emit([row])
@@ -373,7 +374,7 @@ def phase_decode_only(run: Run) -> None:
     rows[0].update(vs_decode_only=round(ratio, 4), vs_decode_only_paired=round(paired, 4))
     print(f"  user greedy / decode-only greedy: {ratio:.4f} (mean of the rounds' ratios {paired:.4f})", flush=True)
     row = dict(table="vram_decode_only", variant="decode-only", predicted_gb=round(d.decode.memory.gpu_bytes / 1e9, 3),
-               predicted_less_reserve_gb=round(d.decode.memory.gpu_bytes / 1e9 - d.plans.options.vram_reserve_gb, 3))
+               predicted_with_reserve_gb=round(d.decode.memory.gpu_bytes / 1e9 + d.plans.options.vram_reserve_gb, 3))
     if run.cuda:  # beside the user plan: what it added (weights both plans hold are counted once), graphs captured
         row["added_allocated_gb"] = round((torch.cuda.memory_allocated() - before) / 1e9, 3)
     run.emit(rows + [row])

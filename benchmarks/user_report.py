@@ -103,8 +103,8 @@ def report(rows: list[dict], out=print) -> dict:
         vr = [r for r in rs if r.get("table") == "vram"]
         lv = [r for r in rs if r.get("table", "").startswith("llama_") and "process_gb" in r]
         if vr or lv:
-            out("\n| VRAM row | predicted GB | allocated (vs prediction less reserve) | process on the card "
-                "(vs prediction) | within 10% |")
+            out("\n| VRAM row | predicted GB | allocated (vs prediction) | process on the card "
+                "(vs prediction + reserve) | within 10% |")
             out("|---|---|---|---|---|")
             worst = 0.0
             for r in vr:

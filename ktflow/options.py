@@ -57,14 +57,15 @@ class CompileOptions(BaseModel):
         "ep (whole experts per node), auto (the cheaper by the cost model; ties go to tp)")
     numa_nodes: int | None = Field(None, gt=0, description="NUMA node count (default: the profile's)")
     numa_block: int = Field(64, gt=0, description="tp slices are multiples of this many intermediate rows")
-    vram_gb: float | None = Field(None, gt=0, description="GPU memory the whole run may use: resident weights, KV "
-                                  "caches, prefill staging, activations and BLAS workspaces of every plan fit in it; "
-                                  "default the profile GPU's memory less vram_reserve_gb")
+    vram_gb: float | None = Field(None, gt=0, description="GPU memory the whole run may use, as the card counts it: "
+                                  "the CUDA context and the allocator's slack (vram_reserve_gb) and every plan's "
+                                  "resident weights, KV caches, prefill staging, activations and BLAS workspaces fit "
+                                  "in it; default the profile GPU's memory")
     vram_budget_gb: float | None = Field(None, gt=0, description="a cap on decode residency (GPU weights and KV caches) "
                                          "inside vram_gb; default: what vram_gb leaves after the VRAM plan's prefill "
                                          "reservation and the BLAS workspaces")
-    vram_reserve_gb: float = Field(1.0, ge=0, description="GPU memory no plan uses (CUDA context, allocator slack): the "
-                                   "default vram_gb is the GPU's memory less this")
+    vram_reserve_gb: float = Field(1.0, ge=0, description="GPU memory of vram_gb no plan uses (the CUDA context, the "
+                                   "allocator's slack): the plans' tensors get vram_gb less this")
     prefill_tokens: int = Field(512, gt=0, description="the smallest prefill step the VRAM plan always leaves "
                                 "activations room for (prefill_reserve='none' reserves this and nothing more)")
     prefill_reserve: Literal["auto", "none"] = Field(
@@ -126,13 +127,13 @@ class VramShare:
 
 
 def vram_limit(options: CompileOptions, hw: HwProfile) -> float:
-    """Bytes of GPU memory a run may use: option vram_gb, else the profile GPU's memory less
-    vram_reserve_gb (0 without a GPU)."""
+    """Bytes of GPU memory a run's plans may allocate: option vram_gb (the run's VRAM, as the card
+    counts it; default the profile GPU's memory) less vram_reserve_gb, which the CUDA context and
+    the allocator's slack take (0 without a GPU)."""
     if not hw.gpus:
         return 0.0
-    if options.vram_gb is not None:
-        return options.vram_gb * 1e9
-    return hw.gpus[0].memory_bytes - options.vram_reserve_gb * 1e9
+    card = options.vram_gb * 1e9 if options.vram_gb is not None else hw.gpus[0].memory_bytes
+    return card - options.vram_reserve_gb * 1e9
 
 
 @dataclass(frozen=True)

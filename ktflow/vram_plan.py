@@ -116,17 +116,16 @@ def check_limit(opts: CompileOptions, ctx: CompileContext) -> tuple[float, str]:
     """(the VRAM limit in bytes, where it comes from); ConfigError for a value the card cannot hold."""
     gpu = ctx.hw.gpus[0]
     limit = vram_limit(opts, ctx.hw)
-    card = gpu.memory_bytes - opts.vram_reserve_gb * 1e9
+    run = opts.vram_gb if opts.vram_gb is not None else gpu.memory_bytes / 1e9
+    if limit <= 0:
+        raise ConfigError(f"vram_reserve_gb={opts.vram_reserve_gb:g} leaves nothing of the run's {run:.2f} GB "
+                          f"(vram_gb); lower vram_reserve_gb or raise vram_gb")
     if opts.vram_gb is None:
-        if limit <= 0:
-            raise ConfigError(f"vram_reserve_gb={opts.vram_reserve_gb:g} leaves nothing of {gpu.name}'s "
-                              f"{gpu.memory_bytes / 1e9:.2f} GB; lower vram_reserve_gb or set vram_gb")
         return limit, f"{gpu.name} {gpu.memory_bytes / 1e9:.2f} GB less vram_reserve_gb {opts.vram_reserve_gb:g}"
-    if limit > card and not opts.allow_oversize:
-        raise ConfigError(f"vram_gb={opts.vram_gb:g} is more than {gpu.name} has: {gpu.memory_bytes / 1e9:.2f} GB less "
-                          f"vram_reserve_gb {opts.vram_reserve_gb:g} = {card / 1e9:.2f} GB; lower vram_gb (or pass "
-                          "allow_oversize to plan for a bigger card)")
-    return limit, f"vram_gb={opts.vram_gb:g}"
+    if opts.vram_gb * 1e9 > gpu.memory_bytes and not opts.allow_oversize:
+        raise ConfigError(f"vram_gb={opts.vram_gb:g} is more than {gpu.name} has ({gpu.memory_bytes / 1e9:.2f} GB); "
+                          "lower vram_gb (or pass allow_oversize to plan for a bigger card)")
+    return limit, f"vram_gb={opts.vram_gb:g} less vram_reserve_gb {opts.vram_reserve_gb:g}"
 
 
 @dataclass(frozen=True)

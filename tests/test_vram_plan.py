@@ -81,9 +81,10 @@ def test_the_decision_names_its_candidates_and_what_it_costs(by_preset):
 
 
 def test_a_24_gb_limit_on_a_big_card(qwen3):
-    """vram_gb bounds every plan on an 80 GB profile as a 24 GB card would be bounded."""
+    """vram_gb bounds every plan on an 80 GB profile as a 24 GB card would be bounded: its tensors
+    get the 24 GB less vram_reserve_gb (the CUDA context's and the allocator's)."""
     c = ktflow.compile(qwen3, hw="h100", max_seq_len=32768, vram_gb=24)
-    assert c.plans.vram.limit_bytes == 24e9 and "vram_gb=24" in c.plans.vram.limit_cause
+    assert c.plans.vram.limit_bytes == 23e9 and "vram_gb=24 less vram_reserve_gb 1" in c.plans.vram.limit_cause
     within_limit(c)
     assert all(p.memory.gpu_bytes > 20e9 for p in c.plans.plans)  # the limit is used, not left idle
     assert not no_room(c.prefill_plan(32768)) and c.chunk_tokens > 512
@@ -113,7 +114,8 @@ def test_vram_budget_gb_caps_residency_inside_the_limit(qwen3):
 @pytest.mark.parametrize("options, match", [
     (dict(vram_gb=0), "vram_gb"),
     (dict(vram_gb=-3), "vram_gb"),
-    (dict(vram_gb=0.05), "nothing fits in vram_gb: 0.050 GB .* less than the BLAS workspaces"),
+    (dict(vram_gb=0.05), "vram_reserve_gb=1 leaves nothing of the run's 0.05 GB"),
+    (dict(vram_gb=0.05, vram_reserve_gb=0), "nothing fits in vram_gb: 0.050 GB .* less than the BLAS workspaces"),
     (dict(vram_gb=500), "vram_gb=500 is more than NVIDIA RTX 4090 has"),
     (dict(vram_reserve_gb=30), "vram_reserve_gb=30 leaves nothing"),
     (dict(workload="batch"), "workload"),
@@ -147,7 +149,7 @@ def test_a_layer_streams_in_groups_through_small_slots(demo_dir):
     summed as they finish, through the slots in turn; the runtime's staging arena is the slots
     times the largest fetch, counted in the plan's memory with one landing buffer."""
     model = ktflow.load(demo_dir)
-    c = ktflow.compile(model, hw=machine(pcie_gbps=32, gemm_tflops=0.05), device="cpu", max_seq_len=64, vram_gb=0.08,
+    c = ktflow.compile(model, hw=machine(pcie_gbps=32, gemm_tflops=0.05), device="cpu", max_seq_len=64, vram_gb=0.08, vram_reserve_gb=0,
                        prefill_experts="stream", staging_experts=3, prefill_buckets=[64])
     plan = c.prefill[0]
     fetches = [n for n in plan.ir.nodes if n.op == Op.FETCH]
@@ -174,7 +176,7 @@ def test_the_landing_buffer_the_runtime_makes_is_the_one_planned(demo_dir):
     """The native stagers' landing buffer for a fetch is its packed bytes (FetchAttrs.link_bytes),
     the size the plan counts."""
     model = ktflow.load(demo_dir)
-    c = ktflow.compile(model, hw=machine(pcie_gbps=32, gemm_tflops=0.05), device="cpu", max_seq_len=64, vram_gb=0.08,
+    c = ktflow.compile(model, hw=machine(pcie_gbps=32, gemm_tflops=0.05), device="cpu", max_seq_len=64, vram_gb=0.08, vram_reserve_gb=0,
                        backend="native", prefill_experts="stream", staging_experts=3, prefill_buckets=[64])
     plan = c.prefill[0]
     ex = c.executor(plan)
@@ -192,7 +194,7 @@ def _shared_and_decode_first(model, **options):
     fast link) and limit where the plan reserves for prefill: 1.5 layers of experts resident
     decode first, a workload of long prompts, slots of 2 experts."""
     hw = machine(pcie_gbps=32, gemm_tflops=0.002)
-    probe = ktflow.compile(model, hw=hw, device="cpu", max_seq_len=32, vram_gb=10, prefill_reserve="none", **options)
+    probe = ktflow.compile(model, hw=hw, device="cpu", max_seq_len=32, vram_gb=10, vram_reserve_gb=0, prefill_reserve="none", **options)
     nodes = probe.decode.ir.nodes
     size = probe.decode.ir.act_dtype.itemsize
     dense = sum(n.weight_elems() * size for n in nodes if n.op != Op.ROUTED_EXPERTS)
@@ -200,7 +202,7 @@ def _shared_and_decode_first(model, **options):
     first = probe.prefill[-1].memory
     vram = (dense + probe.decode.memory.kv_cache_bytes + first.activation_bytes + first.workspace_bytes
             + 1.5 * layer) / 1e9
-    kw = dict(hw=hw, device="cpu", max_seq_len=32, vram_gb=vram, workload_prompt_tokens=24, workload_output_tokens=1,
+    kw = dict(hw=hw, device="cpu", max_seq_len=32, vram_gb=vram, vram_reserve_gb=0, workload_prompt_tokens=24, workload_output_tokens=1,
               staging_experts=2, **options)
     return ktflow.compile(model, **kw), ktflow.compile(model, prefill_reserve="none", **kw)
 

@@ -205,6 +205,7 @@ class Sampler:
         """Every row takes the argmax of the logits as they are (no sampling, bias or penalty)."""
         return all(p.plain_greedy for p in self.params)
 
+    @torch.inference_mode()  # (its tensors may be inference tensors: a backend's static ones)
     def set_row(self, row: int, params: SamplingParams, prompt: Sequence[int] | torch.Tensor | None = ()) -> None:
         """Row `row` starts a sequence with `params` (checked against the vocabulary) after
         `prompt` (the token ids the repetition penalty counts): counts cleared, the stream at
@@ -235,6 +236,7 @@ class Sampler:
         self.params[row] = params
         self._sync()
 
+    @torch.inference_mode()
     def set_active(self, active: Sequence[bool]) -> None:
         """Which rows' counts and stream the next steps advance (the others are padding)."""
         active = [bool(a) for a in active]
@@ -257,6 +259,7 @@ class Sampler:
         view.params, view._active_host = self.params, self._active_host  # shared: read through the base
         return view
 
+    @torch.inference_mode()
     def load(self, other: "Sampler") -> None:
         """Take `other`'s rows (same shape): parameters, counts, streams."""
         if (other.rows, other.vocab) != (self.rows, self.vocab):
@@ -273,6 +276,7 @@ class Sampler:
         return tuple(getattr(self, name).data_ptr() for name in _TENSORS)
 
     # --------------------------------------------------------------------------- selecting
+    @torch.inference_mode()
     def select(self, logits: torch.Tensor, captured: bool = False) -> torch.Tensor:
         """The next ids [rows] (int64) from logits [rows, vocab] on the sampler's device; every
         active row's counts and stream advance. Tensor ops only (capturable). `captured`: the
@@ -296,6 +300,7 @@ class Sampler:
                 any(not p.greedy for p in params),
                 any(not p.greedy and (p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0) for p in params))
 
+    @torch.inference_mode()
     def select_rows(self, logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         """The next ids [len(rows)] from logits [len(rows), vocab] for those rows only (a prompt's
         first token; not captured); their counts and streams advance."""
