@@ -13,7 +13,7 @@ from ktflow.hw import PRESETS
 from ktflow.ir.ops import Op
 from ktflow.plan import PlanFile, prefill_decisions
 from compare import FLIPS, TOL, per_token_errors
-from test_prefill import FAMILIES, machine, streamed
+from test_prefill import FAMILIES, _run, machine, streamed
 
 QWEN3 = "tests/data/qwen3-30b-a3b-config"
 GPU_PRESETS = [name for name, hw in PRESETS.items() if hw.has_gpu]
@@ -202,20 +202,9 @@ def _shared_and_decode_first(model, **options):
     first = probe.prefill[-1].memory
     vram = (dense + probe.decode.memory.kv_cache_bytes + first.activation_bytes + first.workspace_bytes
             + 1.5 * layer) / 1e9
-    kw = dict(hw=hw, device="cpu", max_seq_len=32, vram_gb=vram, vram_reserve_gb=0, workload_prompt_tokens=24, workload_output_tokens=1,
-              staging_experts=2, **options)
+    kw = dict(hw=hw, device="cpu", max_seq_len=32, vram_gb=vram, vram_reserve_gb=0, workload_prompt_tokens=24,
+              workload_output_tokens=1, staging_experts=2, **options)
     return ktflow.compile(model, **kw), ktflow.compile(model, prefill_reserve="none", **kw)
-
-
-def _run(compiled, ids, steps=3):
-    logits, state = ktflow.execute(compiled, ids)
-    out = [logits]
-    g = torch.Generator().manual_seed(3)
-    for _ in range(steps):
-        nxt = torch.randint(0, compiled.vocab_size, (ids.shape[0], 1), generator=g)
-        logits, state = ktflow.execute(compiled, nxt, state)
-        out.append(logits)
-    return torch.cat(out, dim=1)
 
 
 def _shared_plan(model, **options):
