@@ -149,7 +149,8 @@ def test_a_layer_streams_in_groups_through_small_slots(demo_dir):
     summed as they finish, through the slots in turn; the runtime's staging arena is the slots
     times the largest fetch, counted in the plan's memory with one landing buffer."""
     model = ktflow.load(demo_dir)
-    c = ktflow.compile(model, hw=machine(pcie_gbps=32, gemm_tflops=0.05), device="cpu", max_seq_len=64, vram_gb=0.08, vram_reserve_gb=0,
+    c = ktflow.compile(model, hw=machine(pcie_gbps=32, gemm_tflops=0.05), device="cpu", max_seq_len=64, vram_gb=0.08,
+                       vram_reserve_gb=0,
                        prefill_experts="stream", staging_experts=3, prefill_buckets=[64])
     plan = c.prefill[0]
     fetches = [n for n in plan.ir.nodes if n.op == Op.FETCH]
@@ -176,7 +177,8 @@ def test_the_landing_buffer_the_runtime_makes_is_the_one_planned(demo_dir):
     """The native stagers' landing buffer for a fetch is its packed bytes (FetchAttrs.link_bytes),
     the size the plan counts."""
     model = ktflow.load(demo_dir)
-    c = ktflow.compile(model, hw=machine(pcie_gbps=32, gemm_tflops=0.05), device="cpu", max_seq_len=64, vram_gb=0.08, vram_reserve_gb=0,
+    c = ktflow.compile(model, hw=machine(pcie_gbps=32, gemm_tflops=0.05), device="cpu", max_seq_len=64, vram_gb=0.08,
+                       vram_reserve_gb=0,
                        backend="native", prefill_experts="stream", staging_experts=3, prefill_buckets=[64])
     plan = c.prefill[0]
     ex = c.executor(plan)
@@ -194,7 +196,8 @@ def _shared_and_decode_first(model, **options):
     fast link) and limit where the plan reserves for prefill: 1.5 layers of experts resident
     decode first, a workload of long prompts, slots of 2 experts."""
     hw = machine(pcie_gbps=32, gemm_tflops=0.002)
-    probe = ktflow.compile(model, hw=hw, device="cpu", max_seq_len=32, vram_gb=10, vram_reserve_gb=0, prefill_reserve="none", **options)
+    probe = ktflow.compile(model, hw=hw, device="cpu", max_seq_len=32, vram_gb=10, vram_reserve_gb=0,
+                           prefill_reserve="none", **options)
     nodes = probe.decode.ir.nodes
     size = probe.decode.ir.act_dtype.itemsize
     dense = sum(n.weight_elems() * size for n in nodes if n.op != Op.ROUTED_EXPERTS)
