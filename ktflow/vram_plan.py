@@ -1,7 +1,8 @@
 """The VRAM plan: one limit for the whole run, shared between decode residency and prefill.
 
-A run may use `limit` bytes of GPU memory (option vram_gb; default the profile GPU's memory
-less vram_reserve_gb). Inside it sit the BLAS workspaces, decode residency (the GPU weights and
+A run's plans may allocate `limit` bytes of GPU memory (option vram_gb, the run's VRAM as the
+card counts it, default the profile GPU's memory, less vram_reserve_gb for the CUDA context and
+the allocator's slack). Inside it sit the BLAS workspaces, decode residency (the GPU weights and
 KV caches the placement pass takes: `residency`) and the prefill reservation: the activations of
 the largest prefill step (`chunk_tokens`) and the staging of streamed experts (`staging_slots`
 slots of `stage_experts` experts each, and a landing buffer for one slot's packed bytes). Every

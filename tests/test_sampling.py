@@ -271,10 +271,10 @@ def test_selection_captures_in_a_cuda_graph_and_replays_new_draws():
 def test_the_fused_kernels_equal_the_torch_ops():
     """sampling_gpu's two kernels (penalties; the weights at the temperature) against the torch
     ops they replace, and the ids selected either way."""
-    from ktflow.backends import sampling_gpu
+    from ktflow.backends import dequant_gpu, sampling_gpu
     from ktflow.backends.sampling import select_ids
 
-    if not sampling_gpu.available(torch.device("cuda")):
+    if not dequant_gpu.available(torch.device("cuda")):
         pytest.skip("Triton is not importable here")
     torch.manual_seed(5)
     rows, vocab = 8, 5001  # not a multiple of the kernels' block
@@ -285,8 +285,6 @@ def test_the_fused_kernels_equal_the_torch_ops():
     s.counts[:, :200] = torch.randint(0, 3, (rows, 200), dtype=torch.int32, device="cuda")
     logits = torch.randn(rows, vocab, device="cuda") * 3
     before = logits.clone()
-    args = lambda: (logits, s.temperature, s.top_p, s.top_k, s.min_p, s.repetition, s.presence, s.frequency,  # noqa: E731
-                    s.bias_ids, s.bias, s.seed_lo, s.seed_hi, s.counter, s.counts, s.in_prompt)
     x = logits.clone()
     sampling_gpu.penalize_(x, s.counts, s.in_prompt, s.repetition, s.presence, s.frequency)
     seen = s.in_prompt | (s.counts > 0)
@@ -301,7 +299,17 @@ def test_the_fused_kernels_equal_the_torch_ops():
     n = 1000
     seeds = torch.randint(0, 2**32, (3, n), dtype=torch.int64, device="cuda")
     assert torch.equal(sampling_gpu.uniform(*seeds), uniform(*seeds))  # the same bits
-    fused = select_ids(*args(), kernels=True)
-    plain = select_ids(*args(), kernels=False)
+    fused = select_ids(logits, s, kernels=True)
+    plain = select_ids(logits, s, kernels=False)
     assert torch.equal(fused, plain)
     assert torch.equal(logits, before)  # the caller's logits are left alone
+
+
+def test_select_rows_advances_rows_a_batched_step_left_inactive():
+    """A prompt's first token advances its row even where the last batched step marked it padding."""
+    s = Sampler(2, 50, "cpu")
+    for r in range(2):
+        s.set_row(r, SamplingParams(temperature=1.0, seed=r))
+    s.set_active([False, True])
+    ids = s.select_rows(torch.zeros(1, 50), [0])
+    assert s.counter.tolist() == [1, 0] and s.counts[0, ids[0]] == 1

@@ -450,9 +450,10 @@ class DecodeGraph:
             with self._abandoned_on_failure(bound):
                 measured, out = self._eager(bound, state, trace)
             native.sync()  # raises here if a CPU task failed
-            result = self._result(bound, out, logits)
             if logits == "sample":  # traced: the eager step's logits, then the sampler
                 result = self._sampler(bound, state, positions is not None).select(out).view(b, 1).cpu()
+            else:
+                result = self._result(bound, out, logits)
             if self.capture and bound.graph is None and not trace:
                 self._capture(bound, state)
         else:
@@ -514,7 +515,7 @@ class DecodeGraph:
     def _launch_run(self, bound: Bound, state, steps: int, sampler: Sampler | None) -> torch.Tensor:
         """The bound's run of `steps` steps (inputs written) launched, captured after its first
         (eager) launch; returns its ids [batch, steps] (int64, CPU)."""
-        key = (steps, sampler.key() if sampler is not None else None)
+        key = (steps, sampler.key if sampler is not None else None)
         if key not in bound.runs:
             bound.runs[key] = TokenRun(torch.zeros(steps, bound.batch, dtype=torch.int64, pin_memory=True))
         run = bound.runs[key]

@@ -38,7 +38,7 @@ from typing import Sequence
 import torch
 
 from ..errors import InputError
-from . import sampling_gpu
+from . import dequant_gpu, sampling_gpu
 
 #: most logit_bias entries a row may carry (OpenAI's limit): the bias tensors have this fixed width
 MAX_LOGIT_BIAS = 300
@@ -199,6 +199,7 @@ class Sampler:
         self.active = torch.ones(rows, dtype=torch.int32, device=dev)
         self.params: list[SamplingParams] = [SamplingParams()] * rows  # the host's copy
         self._active_host = [True] * rows
+        self.key = self._addresses()
 
     @property
     def plain_greedy(self) -> bool:
@@ -213,13 +214,10 @@ class Sampler:
         params.check(self.vocab)
         seed = params.seed if params.seed is not None else random.getrandbits(64)
         seed %= 1 << 64
-        t = params.temperature
-        vals = torch.tensor([t, params.top_p, params.min_p, params.repetition_penalty, params.presence_penalty,
-                             params.frequency_penalty], dtype=torch.float64)
-        for dst, v in zip((self.temperature, self.top_p, self.min_p, self.repetition, self.presence,
-                           self.frequency), vals):
+        for dst, v in ((self.temperature, params.temperature), (self.top_p, params.top_p), (self.min_p, params.min_p),
+                       (self.repetition, params.repetition_penalty), (self.presence, params.presence_penalty),
+                       (self.frequency, params.frequency_penalty), (self.top_k, params.top_k)):
             dst[row] = v
-        self.top_k[row] = params.top_k
         ids = torch.zeros(MAX_LOGIT_BIAS, dtype=torch.int64)
         bias = torch.zeros(MAX_LOGIT_BIAS)
         for i, (tok, v) in enumerate(params.logit_bias):
@@ -252,12 +250,18 @@ class Sampler:
     def rows_view(self, rows: int) -> "Sampler":
         """A sampler over views of the first `rows` rows, for a step of that batch over them (what
         it selects and counts lands here). Rows are set and marked active on this sampler."""
-        view = object.__new__(Sampler)
-        view.rows, view.vocab, view.device = rows, self.vocab, self.device
+        return self._derived(lambda t: t[:rows], self.params, self._active_host)
+
+    def _derived(self, rows_of, params: list, active: list) -> "Sampler":
+        """A sampler whose tensors are `rows_of(tensor)` of this one's (views or copies), its host
+        copies `params` and `active`."""
+        other = object.__new__(Sampler)
         for name in _TENSORS:
-            setattr(view, name, getattr(self, name)[:rows])
-        view.params, view._active_host = self.params, self._active_host  # shared: read through the base
-        return view
+            setattr(other, name, rows_of(getattr(self, name)))
+        other.rows, other.vocab, other.device = other.active.shape[0], self.vocab, self.device
+        other.params, other._active_host = params, active
+        other.key = other._addresses()
+        return other
 
     @torch.inference_mode()
     def load(self, other: "Sampler") -> None:
@@ -271,8 +275,9 @@ class Sampler:
         self._active_host = list(other._active_host)
         self._sync()
 
-    def key(self) -> tuple[int, ...]:
-        """The addresses of the tensors a captured step reads and writes (a graph is bound to them)."""
+    def _addresses(self) -> tuple[int, ...]:
+        """The addresses of the tensors a captured step reads and writes (a graph is bound to them;
+        kept as `key`: the tensors are never replaced, only written)."""
         return tuple(getattr(self, name).data_ptr() for name in _TENSORS)
 
     # --------------------------------------------------------------------------- selecting
@@ -282,19 +287,17 @@ class Sampler:
         active row's counts and stream advance. Tensor ops only (capturable). `captured`: the
         ops run in a graph replayed whatever the rows' parameters become, so every stage runs;
         else the stages no row needs are left out (the host knows the rows' parameters)."""
-        ids = select_ids(logits, self.temperature, self.top_p, self.top_k, self.min_p, self.repetition,
-                         self.presence, self.frequency, self.bias_ids, self.bias, self.seed_lo, self.seed_hi,
-                         self.counter, self.counts, self.in_prompt, *self._stages(captured))
+        ids = select_ids(logits, self, *self._stages(captured))
         self.counts.scatter_add_(1, ids[:, None], self.active[:, None])
         self.counter.add_(self.active)
         return ids
 
-    def _stages(self, captured: bool, params: Sequence[SamplingParams] | None = None) -> tuple[bool, ...]:
+    def _stages(self, captured: bool) -> tuple[bool, ...]:
         """(bias, penalties, a draw, truncation): the stages of `select_ids` some row needs (all
         when captured)."""
         if captured:
             return True, True, True, True
-        params = self.params[:self.rows] if params is None else params
+        params = self.params[:self.rows]
         return (any(p.logit_bias for p in params),
                 any((p.repetition_penalty, p.presence_penalty, p.frequency_penalty) != (1.0, 0.0, 0.0) for p in params),
                 any(not p.greedy for p in params),
@@ -305,16 +308,12 @@ class Sampler:
         """The next ids [len(rows)] from logits [len(rows), vocab] for those rows only (a prompt's
         first token; not captured); their counts and streams advance."""
         r = torch.as_tensor(list(rows), dtype=torch.int64, device=self.device)
-        pick = lambda t: t.index_select(0, r)  # noqa: E731
-        counts, counter = pick(self.counts), pick(self.counter)
-        ids = select_ids(logits.to(self.device, torch.float32), pick(self.temperature), pick(self.top_p),
-                         pick(self.top_k), pick(self.min_p), pick(self.repetition), pick(self.presence),
-                         pick(self.frequency), pick(self.bias_ids), pick(self.bias), pick(self.seed_lo),
-                         pick(self.seed_hi), counter, counts, pick(self.in_prompt),
-                         *self._stages(False, [self.params[i] for i in rows]))
-        counts.scatter_add_(1, ids[:, None], torch.ones_like(ids[:, None], dtype=torch.int32))
-        self.counts.index_copy_(0, r, counts)
-        self.counter.index_copy_(0, r, counter + 1)
+        params = [self.params[i] for i in rows]
+        picked = self._derived(lambda t: t.index_select(0, r), params, [True] * len(params))
+        picked.active.fill_(1)  # (copies) each listed row advances, whatever a last batched step marked
+        ids = picked.select(logits.to(self.device, torch.float32))  # the copies' counts and counters advance
+        self.counts.index_copy_(0, r, picked.counts)
+        self.counter.index_copy_(0, r, picked.counter)
         return ids
 
 
@@ -355,10 +354,10 @@ def _prefix(w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
     return before + inner.gather(1, (i % CHUNK)[:, None]).squeeze(1)
 
 
-def select_ids(logits, temperature, top_p, top_k, min_p, repetition, presence, frequency, bias_ids, bias, seed_lo,
-               seed_hi, counter, counts, in_prompt, biased=True, penalized=True, drawn=True, truncated=True,
+def select_ids(logits: torch.Tensor, s: Sampler, biased=True, penalized=True, drawn=True, truncated=True,
                kernels: bool = True) -> torch.Tensor:
-    """The rule of the module docstring, over rows of per-row parameter tensors (see Sampler).
+    """The rule of the module docstring, over the rows of `s`'s per-row tensors (its counts and
+    counter are read, not advanced).
     A stage whose flag is off is left out: the caller knows no row needs it (bias: no row has a
     logit_bias; penalties: none has a penalty; a draw: every row is greedy; truncation: no
     sampled row has top_k > 1, top_p < 1 or min_p > 0, so nothing is sorted; the draw is the
@@ -367,37 +366,37 @@ def select_ids(logits, temperature, top_p, top_k, min_p, repetition, presence, f
     device the elementwise stages run as the fused kernels of `sampling_gpu` (`kernels`: where
     Triton is there; False: the torch ops, their reference)."""
     rows, vocab = logits.shape
-    fused = kernels and sampling_gpu.available(logits.device)
+    fused = kernels and dequant_gpu.available(logits.device)  # (Triton importable on a CUDA device)
     x = logits.float()
     if biased:
-        x = x.scatter_add(1, bias_ids, bias)
+        x = x.scatter_add(1, s.bias_ids, s.bias)
     if penalized:
         if fused:
-            x = sampling_gpu.penalize_(x if biased else x.clone(memory_format=torch.contiguous_format), counts,
-                                       in_prompt, repetition, presence, frequency)
+            x = sampling_gpu.penalize_(x if biased else x.clone(memory_format=torch.contiguous_format), s.counts,
+                                       s.in_prompt, s.repetition, s.presence, s.frequency)
         else:
-            seen = in_prompt | (counts > 0)
-            r = repetition[:, None]
+            seen = s.in_prompt | (s.counts > 0)
+            r = s.repetition[:, None]
             x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
-            x = x - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+            x = x - s.frequency[:, None] * s.counts - s.presence[:, None] * (s.counts > 0)
     best = x.argmax(-1)
     if not drawn:
         return best
-    sampled = temperature > 0
+    sampled = s.temperature > 0
     if fused:
-        w = sampling_gpu.weights(x.contiguous(), best, temperature)
+        w = sampling_gpu.weights(x.contiguous(), best, s.temperature)
     else:
-        t = torch.where(sampled, temperature, torch.ones_like(temperature))
+        t = torch.where(sampled, s.temperature, torch.ones_like(s.temperature))
         z = x / t[:, None]
         w = torch.exp(z - z.gather(1, best[:, None]))  # unnormalised probabilities, the largest 1
     if truncated:  # each row's kept tokens: those at least as likely as its last kept one in sorted order
         ws = w.sort(dim=-1, descending=True).values
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab)) - 1  # last index
-        target = top_p * _prefix(ws, k)  # top_p of the first top_k's mass
+        k = torch.where(s.top_k > 0, s.top_k.clamp(max=vocab), torch.full_like(s.top_k, vocab)) - 1  # last index
+        target = s.top_p * _prefix(ws, k)  # top_p of the first top_k's mass
         last = torch.minimum(_first_passing(ws, target * (1 - 2.0 ** -20)), k)  # the mass before it is below
-        cut = torch.maximum(ws.gather(1, last[:, None]), min_p[:, None])  # min_p times the most likely (1)
+        cut = torch.maximum(ws.gather(1, last[:, None]), s.min_p[:, None])  # min_p times the most likely (1)
         w = w * (w >= cut)
     total = w.sum(-1)
-    u = (sampling_gpu.uniform if fused else uniform)(seed_lo, seed_hi, counter).float() * total
-    drawn = _first_passing(w, torch.minimum(u, total * (1 - 2.0 ** -20)))  # where the mass passes u
-    return torch.where(sampled & (top_k != 1), drawn, best)
+    u = (sampling_gpu.uniform if fused else uniform)(s.seed_lo, s.seed_hi, s.counter).float() * total
+    pick = _first_passing(w, torch.minimum(u, total * (1 - 2.0 ** -20)))  # where the mass passes u
+    return torch.where(sampled & (s.top_k != 1), pick, best)

@@ -1,7 +1,7 @@
 """The elementwise stages of token selection as two Triton kernels (one pass over the logits each).
 
 `backends.sampling.select_ids` runs these where the logits are on a CUDA device and Triton is
-importable; its torch ops (a dozen passes over [rows, vocab] for the penalties alone, each a
+importable (`dequant_gpu.available`); its torch ops (a dozen passes over [rows, vocab] for the penalties alone, each a
 kernel of its own in the captured graph) are the fallback and the reference the GPU tests
 compare against:
 
@@ -21,18 +21,6 @@ import functools
 import torch
 
 BLOCK = 2048  # tokens per program
-
-
-@functools.cache
-def available(device: torch.device) -> bool:
-    """Whether the kernels run for tensors on `device` (a CUDA device with Triton importable)."""
-    if device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure: the torch fallback runs
-        return False
-    return True
 
 
 @functools.cache

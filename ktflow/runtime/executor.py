@@ -145,15 +145,12 @@ class Executor:
         if segments is not None:
             _check_packed(self.attention_layers, input_ids, state, segments)
         extra = {k: v for k, v in (("positions", positions), ("segments", segments)) if v is not None}
-        if logits == "argmax" and not (self.runner is not None and position_t is None
-                                       and getattr(self.runner, "argmax_on_device", False)):
-            out = self._run(input_ids, state, position_t, "last", **extra)  # the last position's logits, then their argmax
-            return None if out is None else out.argmax(-1)
-        if logits == "sample" and not (self.runner is not None and position_t is None
-                                       and getattr(self.runner, "selects_on_device", False)):
-            out = self._run(input_ids, state, position_t, "last", **extra)  # the last position's logits, then the sampler
-            sampler = state.sampler
-            return sampler.select(out[:, -1].to(sampler.device)).view(-1, 1)
+        on_device = {"argmax": "argmax_on_device", "sample": "selects_on_device"}.get(logits)
+        if on_device and not (self.runner is not None and position_t is None and getattr(self.runner, on_device, False)):
+            out = self._run(input_ids, state, position_t, "last", **extra)  # the last position's logits, then the ids
+            if out is None or logits == "argmax":
+                return None if out is None else out.argmax(-1)
+            return state.sampler.select(out[:, -1].to(state.sampler.device)).view(-1, 1)
         tracing = self.trace > 0
         self.trace = max(self.trace - 1, 0)
         if self.runner is not None and position_t is None:

@@ -56,10 +56,7 @@ def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, 
     rows = input_ids.shape[0]
     t0 = time.perf_counter()
     own_state = state is None  # generate's own state: steps past an end-of-sequence token harm nothing
-    if own_state:
-        step_out, state = execute(compiled, input_ids, None, logits="last")
-    else:
-        step_out, state = execute(compiled, input_ids, state, logits="last")
+    step_out, state = execute(compiled, input_ids, state, logits="last")
     start_sampling(compiled, state, sampling, input_ids.cpu())
     nxt = state.sampler.select(step_out[:, -1].to(state.sampler.device)).cpu()
     sampled = not state.sampler.plain_greedy

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ..backends.sampling import SamplingParamError, SamplingParams
+
 
 class ApiError(Exception):
     """An error answered to the client: HTTP `status`, a one-line `message`, the request field it
@@ -76,8 +78,6 @@ class _Request(BaseModel):
     def sampling(self, vocab: int):
         """The request's token selection as SamplingParams, checked against the vocabulary (an
         ApiError naming the field otherwise)."""
-        from ..backends.sampling import SamplingParams, SamplingParamError
-
         try:
             return SamplingParams.make(temperature=self.temperature, top_p=self.top_p, seed=self.seed,
                                        top_k=self.top_k, min_p=self.min_p,
