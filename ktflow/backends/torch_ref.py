@@ -27,7 +27,7 @@ from .base import StepContext, node_key
 from .dequant_gpu import available as triton_on
 from .fp8_gpu import Fp8Weight, nan_bytes
 from .layers import attention, linear, matmul, rms_norm, swiglu
-from .moe_gpu import stack_experts
+from .moe_gpu import expert_map, stack_experts
 
 Weights = dict[str, Any]
 
@@ -65,19 +65,29 @@ class TorchRefBackend:
             w: Weights = {}
             # a fetch's experts stay in host memory: it copies them to the GPU at each step
             dev = self.devices[Device.CPU] if n.op == Op.FETCH else self.device_of(n)
+            stacks: dict[str, torch.Tensor] = {}
             for ref in n.weights:
                 if ref.experts:  # only the experts (and the intermediate rows) this node holds
                     rows = slice(*n.attrs.rows)
                     index = (slice(None), rows) if ref.role == "down" else (rows,)
-                    w[ref.role] = {e: self._ready(weights.load_expert(ref, e)[index], dev) for e in n.attrs.ids}
-                    for e, t in w[ref.role].items():
+                    w[ref.role] = {}
+                    for i, e in enumerate(n.attrs.ids):
+                        t = self._ready(weights.load_expert(ref, e)[index], dev)
                         check_finite(t, f"tensor {ref.key.format(e=e)} (node {n.name})")
+                        if dev.type == "cuda":  # one stacked copy; each expert a view of its row
+                            if ref.role not in stacks:
+                                stacks[ref.role] = torch.empty((len(n.attrs.ids), *t.shape), dtype=t.dtype, device=dev)
+                            t = stacks[ref.role][i].copy_(t)
+                        w[ref.role][e] = t
                 elif ref.held == "fp8":  # as stored: e4m3 bytes and block scales
                     w[ref.role] = _fp8_weight(weights, ref, dev, n.name)
                 else:
                     w[ref.role] = self._ready(weights.load(ref), dev)
                     check_finite(w[ref.role], f"tensor {ref.key} (node {n.name})")
             self.weights[node_key(n)] = w
+            if {"gate", "up", "down"} <= stacks.keys():
+                self._stacked[node_key(n)] = dict(local=expert_map(n.attrs.ids, n.attrs.experts, dev),
+                                                  **{r: stacks[r] for r in ("gate", "up", "down")})
 
     # ------------------------------------------------------------------------------ dispatch
     def run(self, node: Node, inputs: list[Any], ctx: StepContext) -> Any:
@@ -85,8 +95,9 @@ class TorchRefBackend:
         return self.rules[node.op](self, node, self.weights.get(node_key(node), {}), inputs, ctx, dev)
 
     def stacked(self, node: Node) -> dict:
-        """A GPU routed-experts node's resident weights stacked for the batched rules (once, kept:
-        captured graphs and the grouped prefill rule read the same copy)."""
+        """A GPU routed-experts node's resident weights stacked for the batched rules (made when
+        they load, the per-expert weights views of its rows: held once; captured graphs and the
+        grouped prefill rule read the same copy)."""
         key = node_key(node)
         if key not in self._stacked:
             self._stacked[key] = stack_experts(self.weights[key], node.attrs.ids, node.attrs.experts)
