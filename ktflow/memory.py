@@ -176,6 +176,15 @@ def staging_bytes(g: Graph) -> float:
     return max(sum(slots.values()), arena) + landing
 
 
+def streamed_step_bytes(g: Graph, tokens: int, past: int) -> float:
+    """GPU bytes a prefill step of `g` (its experts' placement decided) needs beside residency
+    and workspaces: its activations with `past` earlier positions, one hidden-state value more
+    (a split part's result, which lowering copies back) and its staging. The prefill pass admits
+    a streamed step by it and the VRAM plan reserves by it: the two agree."""
+    row = max((n.out.numel(1) * n.out.dtype.itemsize for n in g.nodes if n.op == Op.EMBED), default=0)
+    return gpu_activation_peak(g, tokens, past) + tokens * row + staging_bytes(g)
+
+
 def staging_for(experts: int, slots: int, hidden: int, inter: int, act_itemsize: int,
                 packed_per_weight: float) -> float:
     """GPU bytes of `slots` staging slots of `experts` converted experts each, and the landing

@@ -64,8 +64,10 @@ class CompileOptions(BaseModel):
     vram_budget_gb: float | None = Field(None, gt=0, description="a cap on decode residency (GPU weights and KV caches) "
                                          "inside vram_gb; default: what vram_gb leaves after the VRAM plan's prefill "
                                          "reservation and the BLAS workspaces")
-    vram_reserve_gb: float = Field(1.0, ge=0, description="GPU memory of vram_gb no plan uses (the CUDA context, the "
-                                   "allocator's slack): the plans' tensors get vram_gb less this")
+    vram_reserve_gb: float = Field(2.5, ge=0, description="GPU memory of vram_gb no plan uses (the CUDA context, "
+                                   "about 0.8 GB, and the caching allocator's slack: up to 1.4 GB above the "
+                                   "allocated peak measured at a 24 GB limit): the plans' tensors get vram_gb less "
+                                   "this")
     prefill_tokens: int = Field(512, gt=0, description="the smallest prefill step the VRAM plan always leaves "
                                 "activations room for (prefill_reserve='none' reserves this and nothing more)")
     prefill_reserve: Literal["auto", "none"] = Field(

@@ -52,8 +52,8 @@ from .errors import ConfigError
 from .ir.graph import Graph
 from .ir.ops import Op, expert_weight_bytes
 from .ir.types import Device
-from .memory import (gpu_activation_peak, gpu_workspace_bytes, resident_gpu_bytes, staging_bytes, staging_for,
-                     stream_bytes)
+from .memory import (gpu_activation_peak, gpu_workspace_bytes, resident_gpu_bytes, staging_for, stream_bytes,
+                     streamed_step_bytes)
 from .options import WORKLOADS, CompileContext, CompileOptions, VramShare, vram_limit
 from .passes.costs import annotate_costs
 from .passes.place import decode_savings
@@ -235,7 +235,7 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
             us, g = pricer.prefill(share, b, (b + 1) // 2 if p <= chunk else p // 2)
             out[p] = (1 if p <= chunk else math.ceil(p / chunk)) * us * 1e-6
             if b == chunk:
-                needs[share] = gpu_activation_peak(g, b, max(max_seq - b, 0)) + staging_bytes(g)
+                needs[share] = streamed_step_bytes(g, b, max(max_seq - b, 0))
         return out
 
     # decode first: the largest bucket whose activations fit next to the residency, staging what is left

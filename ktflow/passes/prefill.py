@@ -11,7 +11,7 @@ from ..hw import HwProfile
 from ..ir.graph import Graph, Node
 from ..ir.ops import FACTS, FetchAttrs, Op, expert_weight_bytes
 from ..ir.types import Device, Placement, _si
-from ..memory import gpu_activation_peak, prefill_room, staging_bytes, stream_bytes
+from ..memory import gpu_activation_peak, prefill_room, stream_bytes, streamed_step_bytes
 from ..options import CompileContext, vram_limit
 from .costs import cost_in, recost_changed, step_work
 from .infra import compiler_pass
@@ -117,12 +117,16 @@ def place_prefill_experts(g: Graph, ctx: CompileContext) -> Graph:
                           "prefill_experts='auto', fewer staging_slots, a smaller prefill_chunk or a larger vram_gb")
     if upto and cap < min(upto, most):
         # the estimate (every part's output live beside the step's peak) refuses the VRAM plan's
-        # slot size: the rewritten step measured instead, taken where it fits
+        # slot size: the rewritten step measured instead, taken at the largest slot size (the
+        # plan's, then its halvings) where it fits
+        past = max(ctx.max_seq_len - ctx.tokens, 0)
+        room_here = room + gpu_activation_peak(g, ctx.tokens, past, streamed=True)
         want = min(upto, most)
-        trial = _placed_for(g, ctx, cpu_nodes, caches, fmt, want, ctx.options.staging_slots, mode)
-        if trial is not None and _measured_need(g, trial, ctx) <= room + gpu_activation_peak(
-                g, ctx.tokens, max(ctx.max_seq_len - ctx.tokens, 0), streamed=True):
-            return trial
+        while want > cap:
+            trial = _placed_for(g, ctx, cpu_nodes, caches, fmt, want, ctx.options.staging_slots, mode)
+            if trial is not None and streamed_step_bytes(trial, ctx.tokens, past) <= room_here:
+                return trial
+            want //= 2
     return _placed_for(g, ctx, cpu_nodes, caches, fmt, cap, slots, mode) or g
 
 
@@ -144,15 +148,6 @@ def _placed_for(g: Graph, ctx: CompileContext, cpu_nodes: list[Node], caches: di
     if not any(c.streamed for c in choices.values()):
         return g.map(lambda n: _with_cause(n, choices[n.name]) if n.name in choices else n)
     return _rewrite(g, ctx, choices, fmt, slots, caches)
-
-
-def _measured_need(before: Graph, after: Graph, ctx: CompileContext) -> float:
-    """GPU bytes the streamed step `after` needs beside residency and workspaces: its activations
-    (with a chunk's past; plus one hidden-state value for a split part's result, which lowering
-    copies back) and its staging."""
-    row = max((n.out.numel(1) * n.out.dtype.itemsize for n in before.nodes if n.op == Op.EMBED), default=0)
-    past = max(ctx.max_seq_len - ctx.tokens, 0)
-    return gpu_activation_peak(after, ctx.tokens, past) + ctx.tokens * row + staging_bytes(after)
 
 
 def limit_of(ctx: CompileContext) -> float:
