@@ -192,10 +192,10 @@ def dram_read() -> float | None:
         return None
 
 
-def test_args(kind: str, n: int, ub: int, threads: str) -> list[str]:
+def test_args(kind: str, n: int, ub: int, threads: str, depth: int = 0) -> list[str]:
     if kind == "prefill":
         return ["-p", str(n), "-n", "0", "-ub", str(ub), "-b", str(max(ub, 2048)), "-t", threads]
-    return ["-p", "0", "-n", str(n), "-t", threads]
+    return ["-p", "0", "-n", str(n), "-t", threads] + (["-d", str(depth)] if depth else [])
 
 
 class Llama:
@@ -211,25 +211,26 @@ class Llama:
     def emit(self, rows):
         append_jsonl(self.a.out, [dict(self.info, **r) for r in rows])
 
-    def probe(self, kind: str, n: int, ub: int, threads: str) -> dict:
+    def probe(self, kind: str, n: int, ub: int, threads: str, depth: int = 0) -> dict:
         t = threads.split(",")[-1]
         _, log, used, rc = bench(self.base + ["-ot", "exps=CPU", "-r", "0", "--no-warmup", "--delay", "2"]
-                                 + test_args(kind, n, ub, t), poll=0.2)
+                                 + test_args(kind, n, ub, t, depth), poll=0.2)
         b = buffers(log)
         process = used * MIB if used else sum(b.values()) * MIB + 0.6e9  # (no nvidia-smi: a context guessed)
         held = sum(b.values()) * MIB
         return dict(rc=rc, probe_buffers_gb=round(held / 1e9, 3), probe_process_gb=round(process / 1e9, 3),
                     overhead_gb=round((process - held) / 1e9, 3), room_gb=round((self.budget - process) / 1e9, 3))
 
-    def run(self, kind: str, n: int, ub: int, threads: str, placement: str) -> list[dict]:
-        """One test at the limit: probe, choose N (or llama.cpp's fitter), run; rows."""
+    def run(self, kind: str, n: int, ub: int, threads: str, placement: str, depth: int = 0) -> list[dict]:
+        """One test at the limit: probe, choose N (or llama.cpp's fitter), run; rows. `depth`: a
+        decode test after that many tokens of context (llama-bench -d: its KV cache that full)."""
         reps = self.a.reps
         if placement == "fit":
             free = card("memory.free")
             margin = int(free - self.budget / MIB) if free is not None else 0
             args, pr, ncmoe = ["-fitt", str(margin)], dict(fit_margin_mib=margin), None
         else:
-            pr = self.probe(kind, n, ub, threads)
+            pr = self.probe(kind, n, ub, threads, depth)
             if pr["rc"]:
                 print(f"  probe for {kind} {n} -ub {ub} failed ({pr['rc']}); not run", flush=True)
                 self.emit([dict(table=f"llama_{kind}", error="probe failed", prompt=n, ub=ub, **pr)])
@@ -237,8 +238,9 @@ class Llama:
             ncmoe = choose_ncmoe(self.per_block, self.blocks, self.budget - pr["probe_process_gb"] * 1e9)
             args = ["-ncmoe", str(ncmoe)]
         for attempt in range(2):
-            rows, log, used, rc = bench(self.base + args + ["-r", str(reps)] + test_args(kind, n, ub, threads),
-                                        poll=0.5 if kind == "prefill" else None)
+            test = test_args(kind, n, ub, threads, depth)
+            rows, log, used, rc = bench(self.base + args + ["-r", str(reps)] + test,
+                                        poll=0.5 if kind == "prefill" or depth else None)
             b = buffers(log)
             gpu_experts = sum(v for i, v in self.per_block.items() if ncmoe is not None and i >= ncmoe)
             process = used * MIB if used else sum(b.values()) * MIB + pr.get("overhead_gb", 0.0) * 1e9
@@ -268,7 +270,7 @@ class Llama:
             row = dict(table=f"llama_{kind}", system=system,
                        tok_s=round(float(d["avg_ts"]), 2), sd=round(float(d["stddev_ts"]), 2),
                        threads=int(d["n_threads"]), llama_commit=d.get("build_commit"), **common)
-            row.update(prompt=n, ub=ub) if kind == "prefill" else row.update(decode_tokens=n)
+            row.update(prompt=n, ub=ub) if kind == "prefill" else row.update(decode_tokens=n, decode_depth=depth)
             out.append(row)
             print(f"  {row['system']:34s} {kind} {n:6d} t{row['threads']}: {row['tok_s']:9.2f} +- {row['sd']:7.2f} "
                   f"tok/s; VRAM {row['process_gb']} GB ({'polled' if used else 'buffers + probe overhead'})",
@@ -314,6 +316,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ub512-max", type=int, default=8192, help="longest prompt timed at -ub 512 (its slowest mode)")
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--threads", default="", help="decode thread counts (default: CPUs - 2 .. CPUs)")
+    ap.add_argument("--decode-depth", default="", help="also decode at these context depths (llama-bench -d; "
+                    "comma list), at the best decode thread count")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--fit", action="store_true", help="also llama.cpp's fitter (-fitt) at the largest -ub and threads")
     ap.add_argument("--temperature", type=float, default=0.7)
@@ -356,12 +360,15 @@ def main(argv=None) -> int:
     decode = ll.run("decode", a.decode, 0, threads, "ncmoe") if a.decode else []
     if a.fit and a.decode:
         decode += ll.run("decode", a.decode, 0, str(cpus), "fit")
+    best = max(decode, key=lambda r: r["tok_s"], default=None)
+    for depth in [int(x) for x in a.decode_depth.split(",") if x and int(x) > 0]:
+        if best:
+            ll.run("decode", a.decode, 0, str(best["threads"]), "ncmoe", depth)
     info["dram_gbps_after"] = dram_read()
     from user_configs import MODELS
 
     vocab = MODELS[a.model]["vocab_size"]
     s = sampler_ms(binary.parent / "libllama.so", vocab, a.temperature, a.top_p)
-    best = max(decode, key=lambda r: r["tok_s"], default=None)
     if best:
         s.update(tg_tok_s=best["tok_s"], tg_system=best["system"], tg_threads=best["threads"],
                  sampled_estimate_tok_s=round(1 / (1 / best["tok_s"] + s["sampler_ms"] / 1e3), 2))

@@ -12,7 +12,9 @@ measured, so a run cut short keeps them):
                round every variant once after a DRAM read: greedy (`greedy_steps` default: runs a
                launch), greedy one step a launch (`greedy_steps=1`, same placement, same backend)
                and sampled (`--temperature`, `--top-p`, seed = round), all through
-               `generate_with_stats` after a 32-token prompt. Then a `vram` row: the plans'
+               `generate_with_stats` after a 32-token prompt (and greedy and sampled after each
+               `--decode-depth` prompt: the KV cache of an agent's long prompt behind the decode,
+               as llama-bench -d). Then a `vram` row: the plans'
                predicted peak (max `plan.memory.gpu_bytes` over the plans run) against torch's
                peak allocated, and the process's card memory (nvidia-smi's used less what was
                used before this process) against it plus `vram_reserve_gb`.
@@ -250,32 +252,38 @@ def prefill_row(c, vocab: int, tokens: int, reps: int, cuda: bool) -> dict:
                 staging_gb=round(plan.memory.staging_bytes / 1e9, 3))
 
 
-def decode_rate(c, vocab: int, new: int, seed: int, temperature: float = 0.0, top_p: float = 1.0) -> float:
+def decode_rate(c, vocab: int, new: int, seed: int, temperature: float = 0.0, top_p: float = 1.0,
+                prompt: int = PROMPT) -> float:
+    """Decode tokens/s of `new` tokens after a random prompt of `prompt` tokens (its prefill not timed)."""
     from ktflow.runtime.generate import generate_with_stats
 
-    ids = torch.randint(0, vocab, (1, PROMPT), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(seed))
     _, stats = generate_with_stats(c, ids, new, temperature=temperature, top_p=top_p, seed=seed)
     return stats.decode_tokens_per_s
 
 
-def decode_rounds(variants: list[tuple[str, object, dict]], vocab: int, new: int, rounds: int, dram) -> list[dict]:
-    """Every variant once a round, after the round's DRAM read; a row per variant."""
+def decode_rounds(variants: list[tuple[str, object, dict]], vocab: int, new: int, rounds: int, dram,
+                  depth: int = 0) -> list[dict]:
+    """Every variant once a round, after the round's DRAM read; a row per variant. `depth`: the
+    decode follows a prompt of that many tokens (0: a PROMPT-token one), its KV cache that full."""
+    prompt = max(depth, PROMPT)
     for _, c, kw in variants:  # warm: graphs captured, first-call costs paid
-        decode_rate(c, vocab, min(new, 16), 99, **kw)
+        decode_rate(c, vocab, min(new, 16), 99, prompt=PROMPT, **kw)
     got: dict[str, list[float]] = {name: [] for name, _, _ in variants}
     reads = []
     for r in range(rounds):
         reads.append(dram())
         for name, c, kw in variants:
-            got[name].append(decode_rate(c, vocab, new, r, **kw))
-        print(f"  round {r + 1}/{rounds} (DRAM {reads[-1]:.1f} GB/s): "
+            got[name].append(decode_rate(c, vocab, new, r, prompt=prompt, **kw))
+        print(f"  round {r + 1}/{rounds} (DRAM {reads[-1]:.1f} GB/s, depth {depth}): "
               + ", ".join(f"{n} {v[-1]:.2f}" for n, v in got.items()) + " tok/s", flush=True)
     rows = []
     for name, c, kw in variants:
         xs = got[name]
         rows.append(dict(table="decode", variant=name, decode_tok_s=round(statistics.mean(xs), 2),
                          decode_sd=round(statistics.stdev(xs), 2) if len(xs) > 1 else 0.0, per_round=xs,
-                         dram_gbps_rounds=reads, tokens=new, greedy_steps=c.plans.options.greedy_steps, **kw,
+                         dram_gbps_rounds=reads, tokens=new, decode_depth=depth,
+                         greedy_steps=c.plans.options.greedy_steps, **kw,
                          **{k: v for k, v in resident(c.decode).items() if k != "gpu_keys"},
                          predicted_step_us=round(c.decode.predicted_step_us, 1)))
     return rows
@@ -291,6 +299,7 @@ class Run:
         self.a, self.model, self.base, self.info, self.vram, self.dram = a, model, base, info, vram, dram
         self.cuda = a.device == "cuda"
         self.lengths = [int(x) for x in a.prefill.split(",") if x]
+        self.depths = [int(x) for x in a.decode_depth.split(",") if x and int(x) > 0]
         self.vocab = model.config.vocab_size
         self.user = None  # (compiled, options, how) of the user phase, for decode-only
 
@@ -349,6 +358,9 @@ def phase_user(run: Run) -> None:
     for r in rows:
         r.update(same_placement_as_greedy=same if r["greedy_steps"] == 1 else True, cap_gb=vram.cap_gb)
     run.emit(rows)
+    for depth in run.depths:  # decode with a long prompt's KV cache behind it (llama-bench -d)
+        run.emit(decode_rounds([("greedy", c, {}), ("sampled", c, kw)], run.vocab, a.decode, a.depth_rounds,
+                               run.dram, depth))
 
 
 def phase_decode_only(run: Run) -> None:
@@ -421,6 +433,9 @@ def parse(argv=None):
     ap.add_argument("--prefill-reps", type=int, default=2)
     ap.add_argument("--decode", type=int, default=128, help="tokens per decode run")
     ap.add_argument("--rounds", type=int, default=3, help="decode rounds")
+    ap.add_argument("--decode-depth", default="", help="also decode after prompts of these lengths (comma "
+                    "list; llama_user.py's --decode-depth runs llama-bench -d at the same)")
+    ap.add_argument("--depth-rounds", type=int, default=2, help="decode rounds at each depth")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--expert-format", default="auto", choices=["auto", "bf16", "int8", "int4", "fp8"])
@@ -474,8 +489,9 @@ def main(argv=None) -> int:
     dram_pool = native.module().Pool(threads=0, groups=0, pin=True)
     dram = lambda: native.module().stream_read_gbps(dram_pool, a.dram_mib << 20, 3)  # noqa: E731
     lengths = [int(x) for x in a.prefill.split(",") if x]
+    depths = [int(x) for x in a.decode_depth.split(",") if x]
     base = dict(hw=hw or "this", device=a.device, backend="cuda_graph" if cuda else "native",
-                max_seq_len=max(lengths + [PROMPT]) + a.decode + 64, expert_format=a.expert_format,
+                max_seq_len=max(lengths + depths + [PROMPT]) + a.decode + 64, expert_format=a.expert_format,
                 **json.loads(a.options))
     model = ktflow.load(d)
     info = dict(bench="user_configs", run_id=a.run_id, commit=commit(), **machine(),

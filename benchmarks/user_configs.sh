@@ -15,8 +15,9 @@
 #
 # Knobs: RUN_ID, JSONL (default /tmp/uc/user_configs.jsonl: outside the tree, which a later
 # device call may copy over), MODELS ("qwen3 dsv2lite"), FIT=1 (also llama.cpp's own fitter),
-# DS_CKPT (DeepSeek-V2-Lite's checkpoint arguments, default --fp8), KTFLOW_COMMIT (the rows' commit
-# where the tree has no .git).
+# DEPTH (decode also after a prompt this long, both sides; default 32768, "" for none), DS_CKPT
+# (DeepSeek-V2-Lite's checkpoint arguments, default --fp8), KTFLOW_COMMIT (the rows' commit where
+# the tree has no .git).
 # Estimates (H100 host; disk and packing rates guessed, see the report): setup 1.5 min; per
 # model: Qwen3 GGUF 2.5 + llama.cpp 4 + checkpoint 2.5 + ktflow 4 + experts-on-CPU 1.5 = ~15 min;
 # DeepSeek-V2-Lite about 9 min.
@@ -29,6 +30,7 @@ CARRY=${CARRY:-.carry}
 JSONL=${JSONL:-/tmp/uc/user_configs.jsonl}
 MODELS=${MODELS:-"qwen3 dsv2lite"}
 FIT=${FIT:-0}
+DEPTH=${DEPTH:-32768}   # decode also after a prompt this long (an agent's), both sides (llama-bench -d)
 E2E=/tmp/ktflow-e2e
 mkdir -p /tmp/uc "$E2E"
 status() { echo "$(date +%T) $*" | tee -a /tmp/uc/status; }
@@ -56,12 +58,13 @@ for m in $MODELS; do
   # llama.cpp: the GGUF (template converted, then synthesized: Qwen3 ~2.5 min, DeepSeek ~1.5), then
   # prompt processing at 8192 / 32768 tokens at -ub 512 (8192 only) / 2048 / 4096 and tg128 at 14-16
   # threads, each test's -ncmoe chosen for the limit (Qwen3 ~4 min, DeepSeek ~3)
-  step "$m llama.cpp" python3 benchmarks/llama_user.py --model "$m" --vram-gb $V "${LL[@]}" "${fit[@]}"
+  step "$m llama.cpp" python3 benchmarks/llama_user.py --model "$m" --vram-gb $V --decode-depth "$DEPTH" \
+      "${LL[@]}" "${fit[@]}"
   rm -f "$E2E/$m.q8_0-random.gguf"; sync
   # ktflow: the FP8 checkpoint (Qwen3 31 GB ~2.5 min, DeepSeek 16 GB ~1.5), then at the limit:
   # prefill, greedy / one-step / sampled decode, VRAM; the decode-only placement beside it (~4 min)
   step "$m ktflow at $V GB" python3 benchmarks/user_configs.py --model "$m" $FP8 --vram-gb $V \
-      --phases user,decode-only "${UC[@]}"
+      --decode-depth "$DEPTH" --phases user,decode-only "${UC[@]}"
   # the same prefill with every expert in CPU memory and VRAM free, its own process (~1.5 min)
   step "$m ktflow experts on CPU" python3 benchmarks/user_configs.py --model "$m" $FP8 --vram-gb $V \
       --phases cpu-experts "${UC[@]}"

@@ -62,9 +62,9 @@ def report(rows: list[dict], out=print) -> dict:
             mode = f" ({best['system']})" if best else ""
             out(f"| {n} | {cell(u)}{how} | {cell(f)} | {cell(best)}{mode} | {verdict(vs_l, 3.0)} | "
                 f"{verdict(vs_f, 0.7)} |")
-        dec = {r["variant"]: r for r in rs if r.get("table") == "decode"}
-        tg = max((r for r in rs if r.get("table") == "llama_decode" and "tok_s" in r), key=lambda r: r["tok_s"],
-                 default=None)
+        dec = {r["variant"]: r for r in rs if r.get("table") == "decode" and not r.get("decode_depth")}
+        tg = max((r for r in rs if r.get("table") == "llama_decode" and "tok_s" in r and not r.get("decode_depth")),
+                 key=lambda r: r["tok_s"], default=None)
         smp = next((r for r in rs if r.get("table") == "llama_sampler"), None)
         ab = {r["variant"]: r for r in rs if r.get("table") == "decode_ab"}
         if dec or tg:
@@ -92,6 +92,18 @@ def report(rows: list[dict], out=print) -> dict:
                 out(f"| ktflow {name} | {r['decode_tok_s']:.2f} +- {r['decode_sd']:.2f} | "
                     f"{verdict(vs, 1.3) if name != 'greedy, one step a launch' else (f'{vs:.2f}x' if vs else '—')} "
                     f"| {other} |")
+            for depth in sorted({r["decode_depth"] for r in rs if r.get("decode_depth")}):
+                at = [r for r in rs if r.get("decode_depth") == depth]
+                ltg = max((r for r in at if r.get("table") == "llama_decode" and "tok_s" in r),
+                          key=lambda r: r["tok_s"], default=None)
+                if ltg:
+                    out(f"| llama.cpp tg after {depth} tokens (-d), {ltg['system']}, {ltg['threads']} threads | "
+                        f"{ltg['tok_s']:.2f} +- {ltg['sd']:.2f} | 1.00x | |")
+                for r in (r for r in at if r.get("table") == "decode"):
+                    vs = r["decode_tok_s"] / ltg["tok_s"] if ltg else None
+                    t[f"{r['variant']}_vs_llama_at_{depth}"] = vs
+                    out(f"| ktflow {r['variant']} after {depth} tokens | {r['decode_tok_s']:.2f} +- "
+                        f"{r['decode_sd']:.2f} | {verdict(vs, 1.3)} | |")
             if ab.get("greedy", {}).get("vs_decode_only"):
                 g, d = ab["greedy"], ab["decode-only greedy"]
                 t["reservation_cost"] = 1 - g["vs_decode_only_paired"]

@@ -74,6 +74,23 @@ def test_every_phase_writes_its_rows_on_the_cpu(tiny_qwen3, tmp_path):
     assert any("decode-only" in line for line in lines)
 
 
+def test_decode_after_a_long_prompt_is_measured_and_reported(tiny_qwen3, tmp_path):
+    """--decode-depth: greedy and sampled decode after a prompt of that length, beside the short
+    prompt's rows, and the report's rows for that depth."""
+    out = tmp_path / "uc.jsonl"
+    p = run_uc(tiny_qwen3, out, "qwen3-tiny", LIMIT, "--phases", "user", "--decode-depth", "96")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    deep = {r["variant"]: r for r in rows if r["table"] == "decode" and r["decode_depth"] == 96}
+    assert sorted(deep) == ["greedy", "sampled"] and all(r["decode_tok_s"] > 0 for r in deep.values())
+    assert len([r for r in rows if r["table"] == "decode" and r["decode_depth"] == 0]) == 3
+    from user_report import report
+
+    lines = []
+    report(rows, out=lines.append)
+    assert any("greedy after 96 tokens" in line for line in lines)
+
+
 def test_deepseek_v2_lite_shape_runs_the_user_phase(tmp_path):
     out = tmp_path / "uc.jsonl"
     p = run_uc(tmp_path / "ds", out, "dsv2lite-tiny", 0.075, "--phases", "user")
@@ -126,7 +143,7 @@ blocks, grow = 4, float(sys.argv[0].endswith("grow"))
 gpu = 0 if "-ot" in a else blocks - int(val("-ncmoe", 0))
 compute = 200 + (600 * grow if gpu else 0)  # (grow: more compute buffer once any experts are on the GPU)
 print(f"load_tensors: CUDA0 model buffer size = {1000 + 500 * gpu:.2f} MiB", file=sys.stderr)
-print(f"llama_kv_cache: CUDA0 KV buffer size = 100.00 MiB", file=sys.stderr)
+print(f"llama_kv_cache: CUDA0 KV buffer size = {100 + int(val('-d', 0)) / 64:.2f} MiB", file=sys.stderr)
 print(f"llama_context: CUDA0 compute buffer size = {compute:.2f} MiB", file=sys.stderr)
 if val("-r") != "0":
     for t in val("-t").split(","):
@@ -156,9 +173,12 @@ def test_llama_side_probes_chooses_and_keeps_to_the_limit(tmp_path, monkeypatch,
     assert row["n_cpu_moe"] == (3 if grow else 2) and row["within_limit"] and row["tok_s"] > 50
     assert row["gpu_expert_blocks"] == 4 - row["n_cpu_moe"] and row["prompt"] == 512 and row["ub"] == 2048
     (dec,) = ll.run("decode", 16, 0, "16", "ncmoe")
-    assert dec["decode_tokens"] == 16 and dec["threads"] == 16
+    assert dec["decode_tokens"] == 16 and dec["threads"] == 16 and dec["decode_depth"] == 0
+    # after 65536 tokens (-d) its KV cache takes another GiB: a block's experts fewer on the GPU
+    (deep,) = ll.run("decode", 16, 0, "16", "ncmoe", 65536)
+    assert deep["decode_depth"] == 65536 and deep["n_cpu_moe"] > dec["n_cpu_moe"] and deep["within_limit"]
     written = [json.loads(line) for line in Path(a.out).read_text().splitlines()]
-    assert [r["table"] for r in written] == ["llama_prefill", "llama_decode"]
+    assert [r["table"] for r in written] == ["llama_prefill", "llama_decode", "llama_decode"]
 
 
 def test_gguf_synth_repeats_the_last_block_with_random_q8_0(tmp_path):
