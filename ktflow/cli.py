@@ -60,8 +60,9 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                    "staging, activations and BLAS workspaces of every plan fit in it (default: the GPU's memory less "
                    "--vram-reserve-gb). The VRAM plan shares it between decode residency and prefill for the "
                    "--workload; `--explain` shows the trade")
-    g.add_argument("--vram-reserve-gb", type=float, default=1.0, metavar="GB",
-                   help="GPU memory left to the CUDA context and others when --vram-gb is not given (default 1)")
+    g.add_argument("--vram-reserve-gb", type=float, default=2.5, metavar="GB",
+                   help="GPU memory of --vram-gb no plan allocates: the CUDA context (about 0.8 GB) and the caching "
+                   "allocator's slack (default 2.5)")
     g.add_argument("--vram-budget-gb", type=float, default=None, metavar="GB",
                    help="cap decode residency (GPU weights and KV caches) inside --vram-gb (default: what the VRAM "
                    "plan leaves after its prefill reservation)")
