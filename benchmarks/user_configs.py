@@ -378,7 +378,8 @@ def phase_decode_only(run: Run) -> None:
     share(d, c)
     print(f"decode-only: {how}; GPU experts {resident(d.decode)['gpu_experts']} against the user plan's "
           f"{resident(c.decode)['gpu_experts']}", flush=True)
-    rows = decode_rounds([("greedy", c, {}), ("decode-only greedy", d, {})], run.vocab, a.decode, a.rounds, run.dram)
+    rows = decode_rounds([("greedy", c, {}), ("decode-only greedy", d, {})], run.vocab, a.decode, a.ab_rounds,
+                         run.dram)
     for r in rows:
         r.update(table="decode_ab", decode_only_option=how)
     ratio = rows[0]["decode_tok_s"] / rows[1]["decode_tok_s"]
@@ -436,6 +437,8 @@ def parse(argv=None):
     ap.add_argument("--decode-depth", default="", help="also decode after prompts of these lengths (comma "
                     "list; llama_user.py's --decode-depth runs llama-bench -d at the same)")
     ap.add_argument("--depth-rounds", type=int, default=2, help="decode rounds at each depth")
+    ap.add_argument("--ab-rounds", type=int, default=6, help="rounds of the user plan against the decode-only one "
+                    "(a 3%% difference needs more than the spread of three: one round was 40 tok/s against 55)")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--expert-format", default="auto", choices=["auto", "bf16", "int8", "int4", "fp8"])

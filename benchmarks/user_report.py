@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -107,11 +108,15 @@ def report(rows: list[dict], out=print) -> dict:
             if ab.get("greedy", {}).get("vs_decode_only"):
                 g, d = ab["greedy"], ab["decode-only greedy"]
                 t["reservation_cost"] = 1 - g["vs_decode_only_paired"]
+                ratios = [u / o for u, o in zip(g.get("per_round", []), d.get("per_round", []))]
+                spread = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else None
+                t["reservation_cost_se"] = spread
                 out(f"| prefill reservation, same rounds: at the limit {g['decode_tok_s']:.2f} vs decode-only "
                     f"{d['decode_tok_s']:.2f} ({d['gpu_experts']} GPU experts against {g['gpu_experts']}) | "
                     f"{g['vs_decode_only']:.4f}x (rounds' mean {g['vs_decode_only_paired']:.4f}x) | | cost <= 3%: "
                     f"{'**met**' if t['reservation_cost'] <= 0.03 else 'not met'} "
-                    f"({100 * t['reservation_cost']:.1f}%) |")
+                    f"({100 * t['reservation_cost']:.1f}%"
+                    + (f" ± {100 * spread:.1f}% standard error of {len(ratios)} rounds" if spread else "") + ") |")
         vr = [r for r in rs if r.get("table") == "vram"]
         lv = [r for r in rs if r.get("table", "").startswith("llama_") and "process_gb" in r]
         if vr or lv:
