@@ -220,8 +220,10 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
               expert_format: str = "bf16") -> Cost:
     """FLOPs, bytes and seconds of one step of `n` on each device. A NUMA shard (placement with a
     numa index) gets 1/numa_nodes of the CPU's throughput and bandwidth: its node's share.
-    Weights are read at `weight_itemsize` bytes each, but routed experts on the CPU at their
-    packed size in `expert_format` (int8: about 1 byte, int4: about 0.5)."""
+    Weights are read at `weight_itemsize` bytes each, or at their stored size where held in FP8
+    (a GPU routed expert held so reads about half the bytes of one in bf16: the decode rule
+    gathers the picks' FP8 bytes), but routed experts on the CPU at their packed size in
+    `expert_format` (int8: about 1 byte, int4: about 0.5)."""
     pricing = FACTS[n.op].pricing
     if pricing == "fetch":
         s = fetch_seconds(n.attrs, hw, g.act_dtype)
@@ -235,9 +237,10 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
         return Cost(tokens=work.tokens, flops=0.0, bytes=nbytes if pricing == "copy" else 0.0, cpu_s=s, gpu_s=s)
     flops, nbytes = node_work(n, g, work, weight_itemsize)
     cpu_bytes = nbytes
-    if n.op == Op.ROUTED_EXPERTS:  # the CPU reads its packed copy
+    if n.op == Op.ROUTED_EXPERTS:  # the CPU reads its packed copy (the GPU its own: FP8-held ones at their size)
         per = expert_weight_bytes(expert_format, n.attrs.hidden, n.attrs.inter)
-        cpu_bytes += n.weight_elems() * FACTS[n.op].weight_fraction(n.attrs, work) * (per - weight_itemsize)
+        fraction = FACTS[n.op].weight_fraction(n.attrs, work)
+        cpu_bytes += (n.weight_elems() * per - n.weight_bytes(weight_itemsize)) * fraction
     cpu = roof(hw, Device.CPU, g.act_dtype)
     half = 0.5 if g.act_dtype == DType.F32 else 1.0
     if n.op == Op.ROUTED_EXPERTS and flops > 0:  # the native operator's measured rate at this many rows per expert

@@ -587,9 +587,23 @@ FP8_KERNEL_OPS: dict[Op, frozenset[str]] = {Op.ATTENTION: frozenset({"kv_b"}), O
 
 
 def fp8_holdable(op: Op, w: WeightRef) -> bool:
-    """Whether a node of `op` can hold weight `w` in FP8 on the GPU: stored in FP8, not per
-    expert, and read by the FP8 kernels."""
-    return w.fmt == "fp8" and not w.experts and op in FP8_KERNEL_OPS and w.role not in FP8_KERNEL_OPS[op]
+    """Whether a node of `op` can hold weight `w` in FP8 on the GPU: stored in FP8 and either a
+    dense matrix the FP8 kernels read, or a routed expert's projection (the GPU experts rules
+    dequantize the picked experts' rows, or one projection of the layer, into a temporary)."""
+    if w.fmt != "fp8":
+        return False
+    if w.experts:
+        return op == Op.ROUTED_EXPERTS and w.role in EXPERT_ROLES
+    return op in FP8_KERNEL_OPS and w.role not in FP8_KERNEL_OPS[op]
+
+
+#: the per-expert projections of a routed-experts node (what its GPU rules stack and read)
+EXPERT_ROLES = frozenset({"gate", "up", "down"})
+
+
+def fp8_expert_weight(w: WeightRef) -> bool:
+    """Whether `w` is a routed expert's projection held in FP8."""
+    return w.held == "fp8" and w.experts > 0
 
 
 def ffn_residual(g, layer: int):

@@ -227,9 +227,9 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
         return g.map(lambda n: replace(n, place=Placement(Device.CPU, cause=why)))
     budget = gpu_budget(g, ctx)
     units, gains = _units(g, ctx)
-    keep_fp8, fp8_why = _fp8_choice(g, ctx, units, budget)
-    if keep_fp8:
-        g = recost_changed(g, g.map(_hold_fp8), ctx)
+    keep_fp8, fp8_why, experts_fp8, experts_why = _fp8_choices(g, ctx, units, budget)
+    if keep_fp8 or experts_fp8:
+        g = recost_changed(g, g.map(lambda n: _hold_fp8(n, keep_fp8, experts_fp8)), ctx)
         units, gains = _units(g, ctx)
     if mode == "gpu":
         need = sum(u.vram for u in units)
@@ -254,7 +254,7 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
     nodes: list[Node] = []
     for n in g.nodes:
         if n.op == Op.ROUTED_EXPERTS:
-            nodes += _place_experts(n, g, ctx, taken, ridge, placed, split)
+            nodes += _place_experts(n, g, ctx, taken, ridge, placed, split, experts_why)
             continue
         if not n.weights:
             nodes.append(n)  # placed below, after its neighbours
@@ -266,7 +266,7 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
         if dev == Device.CPU:
             why = ("over the VRAM budget; " if c.cpu_s + copies > c.gpu_s else "no faster on the GPU; ") + why
             n = _drop_fp8(n)
-        elif fp8_why and any(fp8_holdable(n.op, w) for w in n.weights):
+        elif fp8_why and any(fp8_holdable(n.op, w) and not w.experts for w in n.weights):
             why += "; " + fp8_why
         placed[n.name] = dev
         nodes.append(replace(n, place=Placement(dev, cause=why)))
@@ -283,12 +283,14 @@ def decode_savings(g: Graph, ctx: CompileContext, budgets: list[float]) -> list[
         return sorted(units, key=lambda u: (-(u.saving / max(u.vram, 1.0)), u.order, u.rank))
 
     plain, _ = _units(g, ctx)
-    orders = {False: ranked(plain)}
+    orders = {(False, False): ranked(plain)}
     out = []
     for budget in budgets:
-        keep = _fp8_choice(g, ctx, plain, budget)[0]
+        dense, _, experts, _ = _fp8_choices(g, ctx, plain, budget)
+        keep = (dense, experts)
         if keep not in orders:
-            orders[keep] = ranked(_units(recost_changed(g, g.map(_hold_fp8), ctx), ctx)[0])
+            held = g.map(lambda n: _hold_fp8(n, dense, experts))
+            orders[keep] = ranked(_units(recost_changed(g, held, ctx), ctx)[0])
         left, saved = budget, 0.0
         for u in orders[keep]:
             if u.saving > 0 and u.vram <= left:
@@ -298,21 +300,43 @@ def decode_savings(g: Graph, ctx: CompileContext, budgets: list[float]) -> list[
     return out
 
 
+def _fp8_choices(g: Graph, ctx: CompileContext, units: list[Unit], budget: float) -> tuple[bool, str, bool, str]:
+    """(dense weights held in FP8, why; routed experts held in FP8, why): `_fp8_choice` and
+    `_fp8_experts_choice` under `budget`, from the units of the graph holding nothing in FP8."""
+    dense, dense_why = _fp8_choice(g, ctx, units, budget)
+    experts, experts_why = _fp8_experts_choice(g, ctx, units, budget, dense)
+    return dense, dense_why, experts, experts_why
+
+
+def _holdable(g: Graph, experts: bool) -> bool:
+    """Does any node of `g` hold a weight it could hold in FP8: per-expert ones (`experts`) or dense ones."""
+    return any(fp8_holdable(n.op, w) and bool(w.experts) == experts for n in g.nodes for w in n.weights)
+
+
+def _fp8_blocks(ctx: CompileContext, what: str) -> str:
+    """'' where the checkpoint's FP8 scale blocks are the 128 x 128 the GPU rules read; else why
+    its FP8 weights are dequantized (fp8_on_gpu='keep': a ConfigError)."""
+    block = ctx.fp8_block
+    if block == (FP8_BLOCK, FP8_BLOCK):
+        return ""
+    if ctx.options.fp8_on_gpu == "keep":
+        raise ConfigError(f"fp8_on_gpu='keep': the checkpoint's FP8 scale blocks are {block}, the FP8 kernels read "
+                          f"{FP8_BLOCK}x{FP8_BLOCK}; use fp8_on_gpu='dequantize'")
+    return f"{what} dequantized: scale blocks {block}, the FP8 kernels read {FP8_BLOCK}x{FP8_BLOCK}"
+
+
 def _fp8_choice(g: Graph, ctx: CompileContext, units: list[Unit], budget: float) -> tuple[bool, str]:
     """Whether the dense weights an FP8 checkpoint stores in FP8 stay FP8 on the GPU, and why
     (the cause GPU nodes holding such weights carry): option fp8_on_gpu, and under 'auto' FP8
     only when the dense units (units with a decode saving, experts aside) dequantized would
     exceed the budget: cuBLAS on dequantized weights outruns the FP8 kernels at most shapes
     (benchmarks/fp8_linear.py), FP8 halves their bytes."""
-    if not any(fp8_holdable(n.op, w) for n in g.nodes for w in n.weights):
+    if not _holdable(g, experts=False):
         return False, ""
     mode = ctx.options.fp8_on_gpu
-    block = ctx.fp8_block
-    if block != (FP8_BLOCK, FP8_BLOCK):
-        if mode == "keep":
-            raise ConfigError(f"fp8_on_gpu='keep': the checkpoint's FP8 scale blocks are {block}, the FP8 kernels read "
-                              f"{FP8_BLOCK}x{FP8_BLOCK}; use fp8_on_gpu='dequantize'")
-        return False, f"fp8 weights dequantized: scale blocks {block}, the FP8 kernels read {FP8_BLOCK}x{FP8_BLOCK}"
+    blocks = _fp8_blocks(ctx, "fp8 weights")
+    if blocks:
+        return False, blocks
     if mode != "auto":
         return mode == "keep", ("fp8 weights held in fp8" if mode == "keep" else "fp8 weights dequantized") + \
             f" (fp8_on_gpu={mode})"
@@ -322,10 +346,53 @@ def _fp8_choice(g: Graph, ctx: CompileContext, units: list[Unit], budget: float)
     return True, f"fp8 weights held in fp8: the dense units need {_si(dense)}B dequantized, the budget is {_si(budget)}B"
 
 
-def _hold_fp8(n: Node) -> Node:
-    if not any(fp8_holdable(n.op, w) for w in n.weights):
+def _fp8_experts_choice(g: Graph, ctx: CompileContext, units: list[Unit], budget: float,
+                        dense_fp8: bool) -> tuple[bool, str]:
+    """Whether the routed experts an FP8 checkpoint stores in FP8 are held in FP8 where placed on
+    the GPU, and why (the cause of GPU experts nodes): option fp8_on_gpu ('keep': always,
+    'dequantize': never), and under 'auto' FP8 only when the experts in the activation dtype and
+    the dense units with a decode saving (as `dense_fp8` holds them) do not all fit the budget: then FP8 fits about twice as many experts in the same VRAM, each read at half
+    the bytes; where all fit, the experts are dequantized (no dequantization per step). Every
+    expert counts, whatever its saving in the activation dtype (one that saves nothing there may
+    in FP8, read at half the bytes). Never with option expert_cache: the cache refills its slots
+    in the activation dtype."""
+    if not _holdable(g, experts=True):
+        return False, ""
+    mode = ctx.options.fp8_on_gpu
+    blocks = _fp8_blocks(ctx, "fp8 routed experts")
+    if blocks:
+        return False, blocks
+    if ctx.options.expert_cache:
+        return False, ("fp8 routed experts dequantized: expert_cache refills the GPU experts in the activation dtype "
+                       f"(fp8_on_gpu={mode} applies to the dense weights)")
+    if mode != "auto":
+        return mode == "keep", ("fp8 routed experts held in fp8" if mode == "keep" else
+                                "fp8 routed experts dequantized") + f" (fp8_on_gpu={mode})"
+    size = ctx.weight_itemsize
+    nodes = {n.name: n for n in g.nodes}
+    need = 0.0
+    for u in units:
+        if u.saving <= 0 and u.expert is None:
+            continue
+        need += u.vram
+        if dense_fp8 and u.expert is None:  # the dense choice holds its FP8 weights at their stored size
+            n = nodes[u.node]
+            need -= n.weight_bytes(size) - _hold_fp8(n, True, False).weight_bytes(size)
+    if need <= budget:
+        return False, (f"fp8 routed experts dequantized: every expert fits the budget so ({_si(need)}B of "
+                       f"{_si(budget)}B with the dense units)")
+    return True, (f"routed experts held in fp8 (1 byte a weight and block scales): with them dequantized the GPU "
+                  f"units need {_si(need)}B, the budget is {_si(budget)}B")
+
+
+def _hold_fp8(n: Node, dense: bool = True, experts: bool = True) -> Node:
+    """`n` with the weights it can hold in FP8 held so: the dense ones (`dense`), the per-expert ones (`experts`)."""
+    def held(w) -> bool:
+        return fp8_holdable(n.op, w) and (experts if w.experts else dense)
+
+    if not any(held(w) for w in n.weights):
         return n
-    return replace(n, weights=tuple(replace(w, held="fp8") if fp8_holdable(n.op, w) else w for w in n.weights))
+    return replace(n, weights=tuple(replace(w, held="fp8") if held(w) else w for w in n.weights))
 
 
 def _drop_fp8(n: Node) -> Node:
@@ -334,7 +401,8 @@ def _drop_fp8(n: Node) -> Node:
     return replace(n, weights=tuple(replace(w, held="") for w in n.weights))
 
 
-def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, placed, split) -> list[Node]:
+def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, placed, split,
+                   fp8_why: str = "") -> list[Node]:
     gpu_ids = tuple(e for e in n.attrs.ids if (n.name, e) in taken)
     cpu_ids = tuple(e for e in n.attrs.ids if (n.name, e) not in taken)
     probs = ctx.routing.probs(n.attrs.layer) if ctx.routing is not None else None
@@ -352,14 +420,14 @@ def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, 
         nbytes = part.weight_elems() * ctx.weight_itemsize * FACTS[n.op].weight_fraction(part.attrs, w)
         why = (f"{len(cpu_ids)} of {n.attrs.experts} experts, {_si(part.weight_elems() * ctx.weight_itemsize)}B: "
                f"decode intensity {flops / max(nbytes, 1.0):.2f} FLOP/B, GPU ridge {ridge:.0f}; over the VRAM budget")
-        out.append(replace(part, place=Placement(Device.CPU, cause=why)))
+        out.append(replace(_drop_fp8(part), place=Placement(Device.CPU, cause=why)))
         placed[n.name] = Device.CPU
     if gpu_ids:
         name = n.name if not cpu_ids else n.name + ".gpu"
         every, cache_why = _cache_choice(n, g, ctx, len(gpu_ids)) if cpu_ids else (0, "")
         attrs = replace(n.attrs, subset=gpu_ids if cpu_ids else n.attrs.subset, refill_every=every)
         why = (f"{len(gpu_ids)} of {n.attrs.experts} experts fit the VRAM budget: expected {share:.0%} of the "
-               f"layer's picks ({source})" + cache_why)
+               f"layer's picks ({source})" + cache_why + (f"; {fp8_why}" if fp8_why else ""))
         out.append(replace(n, name=name, attrs=attrs, place=Placement(Device.GPU, cause=why)))
         placed[name] = Device.GPU
         if cpu_ids:
