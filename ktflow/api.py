@@ -218,7 +218,7 @@ def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
         return MemoryEstimate(weight_bytes=weights[Device.CPU], kv_cache_bytes=kv_all, activation_bytes=act,
                               gpu_bytes=0.0, host_bytes=weights[Device.CPU] + kv_all + act)
     past = max(ctx.max_seq_len - ctx.tokens, 0) if ctx.phase == "prefill" else 0
-    gpu_act = gpu_activation_peak(g, ctx.tokens, past)
+    gpu_act = gpu_activation_peak(g, ctx.tokens, past, decode=ctx.phase == "decode")
     staging = staging_bytes(g)
     ws = gpu_workspace_bytes(ctx.hw)
     return MemoryEstimate(weight_bytes=weights[Device.CPU] + weights[Device.GPU], kv_cache_bytes=kv_all,

@@ -7,8 +7,17 @@ converted weights in their slots (the plan's `staging` arena) and one landing bu
 packed bytes are copied into before conversion. `prefill_room` is what the compiler has left for
 staging once weights, KV caches, workspaces and a step's activations are counted.
 
-The scratch rules mirror the GPU rules of ktflow.backends.layers (attention) and
-ktflow.backends.moe_gpu (grouped routed experts); change them together.
+Weights held in FP8 (WeightRef.held) count at their stored size with their block scales; the
+temporaries their rules dequantize into count as scratch: a dense weight's whole matrix in a step
+over FP8_FUSED_ROWS rows (backends.fp8_gpu), and for routed experts held in FP8
+(`fp8_experts_dequant_bytes`) the picked experts' rows of one projection at a time in a decode
+step (the captured rule, backends.static_rules.routed_experts: their FP8 bytes gathered, then
+dequantized into the activation dtype), one projection of the node's whole stack at a time in the
+grouped rule of any other step (backends.moe_gpu.grouped_experts).
+
+The scratch rules mirror the GPU rules of ktflow.backends.layers (attention),
+ktflow.backends.moe_gpu (grouped routed experts) and ktflow.backends.fp8_gpu (FP8 weights); change
+them together.
 """
 
 from __future__ import annotations
@@ -17,8 +26,8 @@ from typing import Callable
 
 from .hw import HwProfile
 from .ir.graph import Graph, Node
-from .ir.ops import Op
-from .ir.types import Device, DType
+from .ir.ops import Op, fp8_expert_weight
+from .ir.types import FP8_BLOCK, Device, DType
 
 #: rows of logits the GPU holds at once when a prefill asks for every position's logits (they
 #: leave for host memory piece by piece; the usual prefill computes the last position's only)
@@ -126,31 +135,60 @@ SCRATCH: dict[Op, Callable[[Node, int, int, int], float]] = {
 }
 
 
-def fp8_dequant_bytes(n: Node, tokens: int, act: int) -> float:
-    """The dequantized temporary of `n`'s largest weight held in FP8, in a step of more than
-    FP8_FUSED_ROWS tokens (one at a time: each is freed after its product)."""
-    if tokens <= FP8_FUSED_ROWS:
+def fp8_dequant_bytes(n: Node, tokens: int, act: int, decode: bool = False) -> float:
+    """The dequantized temporaries of `n`'s weights held in FP8 in a step of `tokens` tokens: a
+    dense weight's, the largest (one at a time: each is freed after its product), in a step of
+    more than FP8_FUSED_ROWS tokens; routed experts' (`fp8_experts_dequant_bytes`)."""
+    dense = 0.0
+    if tokens > FP8_FUSED_ROWS:
+        dense = max((w.numel() * act for w in n.weights if w.held == "fp8" and not w.experts), default=0.0)
+    return dense + fp8_experts_dequant_bytes(n, tokens, act, decode)
+
+
+def _blocks(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows, columns) of FP8_BLOCK blocks that cover a matrix of `shape` (partial ones whole)."""
+    return -(-shape[0] // FP8_BLOCK), -(-shape[1] // FP8_BLOCK)
+
+
+def fp8_experts_dequant_bytes(n: Node, tokens: int, act: int, decode: bool = False) -> float:
+    """Temporaries of the GPU rules of a routed-experts node whose experts are held in FP8, one
+    projection at a time (each freed after its product), the largest, its matrices padded to
+    whole FP8_BLOCK blocks (backends.fp8_gpu.dequantize_experts): in a `decode` step (the captured
+    rule) every pick's FP8 bytes and scales gathered and its matrix in the activation dtype; in
+    any other step (the grouped rule) the node's every expert's matrix in the activation dtype."""
+    held = [w for w in n.weights if fp8_expert_weight(w)]
+    if not held or n.op != Op.ROUTED_EXPERTS:
         return 0.0
-    return max((w.numel() * act for w in n.weights if w.held == "fp8"), default=0.0)
+    blocks = max(_blocks(w.shape)[0] * _blocks(w.shape)[1] for w in held)
+    padded = blocks * FP8_BLOCK * FP8_BLOCK
+    if decode:
+        lo, hi = n.attrs.rank_range
+        picks = tokens * (hi - lo)
+        return picks * (padded * act + max(w.shape[0] * w.shape[1] for w in held) + 4 * blocks)
+    return len(n.attrs.ids) * padded * act
 
 
-def scratch_bytes(n: Node, tokens: int, context: int, act: DType) -> float:
+def scratch_bytes(n: Node, tokens: int, context: int, act: DType, decode: bool = False) -> float:
     """Temporaries of `n`'s rule while it runs a step of `tokens` new tokens after `context`
-    earlier positions (with the dequantized copy of a weight held in FP8 it multiplies)."""
+    earlier positions (with the dequantized copies of weights held in FP8 it multiplies; `decode`:
+    a decode step, whose routed experts run the captured rule)."""
     rule = SCRATCH.get(n.op)
-    return (rule(n, tokens, context, act.itemsize) if rule else 0.0) + fp8_dequant_bytes(n, tokens, act.itemsize)
+    return ((rule(n, tokens, context, act.itemsize) if rule else 0.0)
+            + fp8_dequant_bytes(n, tokens, act.itemsize, decode))
 
 
-def gpu_activation_peak(g: Graph, tokens: int, context: int = 0, streamed: bool = False) -> float:
+def gpu_activation_peak(g: Graph, tokens: int, context: int = 0, streamed: bool = False,
+                        decode: bool = False) -> float:
     """Largest GPU memory a step's activations take: the live GPU values (freed after their last
     reader) plus the scratch of the node running. `streamed`: count CPU routed experts as if
-    they ran on the GPU (their scratch), for the room a prefill step could stream into."""
+    they ran on the GPU (their scratch), for the room a prefill step could stream into.
+    `decode`: a decode step (the captured rules' scratch)."""
     def on_gpu(n: Node) -> bool:
         return n.place is not None and n.place.device == Device.GPU
 
     def running(n: Node) -> float | None:
         if on_gpu(n) or (streamed and n.op == Op.ROUTED_EXPERTS):
-            return scratch_bytes(n, tokens, context, g.act_dtype)
+            return scratch_bytes(n, tokens, context, g.act_dtype, decode)
         return None
 
     # staged weights (fetch outputs) are counted as staging

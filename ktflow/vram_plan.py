@@ -162,7 +162,8 @@ def _sizes(g: Graph, ctx: CompileContext, grid: list[int], extra: list[int]) -> 
     if widest is not None:
         a = widest.attrs
         shape = (a.hidden, a.inter, g.act_dtype.itemsize, expert_weight_bytes(ctx.expert_format, a.hidden, a.inter))
-    return _Sizes(acts, tuple(sizes), gpu_activation_peak(g, ctx.options.max_batch), gpu_workspace_bytes(ctx.hw),
+    return _Sizes(acts, tuple(sizes), gpu_activation_peak(g, ctx.options.max_batch, decode=True),
+                  gpu_workspace_bytes(ctx.hw),
                   shape, widest.attrs.experts if widest is not None else 0)
 
 
