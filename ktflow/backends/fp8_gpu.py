@@ -19,6 +19,12 @@ dequantized matrix where the step is small:
 - elsewhere (the CPU, or no Triton), the dequantized matrix in the activation dtype, then
   `F.linear`: the reference the kernels are tested against.
 
+Routed experts held in FP8 on the GPU are one `Fp8Weight` per projection over the node's stack
+of experts (data [E, n, k], scales [E, ceil(n / 128), ceil(k / 128)]); their rules multiply in
+the activation dtype after `dequantize_experts`: the picked experts' rows gathered (decode, the
+captured rule) or the whole stack (the grouped rule), one projection at a time, into a temporary
+(memory.fp8_experts_dequant_bytes counts it).
+
 Only 128 x 128 blocks are held in FP8 (what releases publish); the placement pass dequantizes
 other block sizes at load.
 """
@@ -40,7 +46,9 @@ from .dequant_gpu import available as triton_on  # CUDA, Triton importable
 @dataclass(frozen=True)
 class Fp8Weight:
     """An FP8 weight on its device: `data` [n, k] float8_e4m3fn, `scale_inv` [ceil(n/128),
-    ceil(k/128)] float32 (the real weight is data * scale_inv per block)."""
+    ceil(k/128)] float32 (the real weight is data * scale_inv per block); or a stack of routed
+    experts' matrices, data [E, n, k] and scale_inv [E, ceil(n/128), ceil(k/128)]
+    (`dequantize_experts`)."""
 
     data: torch.Tensor
     scale_inv: torch.Tensor
@@ -50,6 +58,42 @@ class Fp8Weight:
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(self.data, self.scale_inv, (BLOCK, BLOCK)).to(dtype)
+
+
+def dequantize_experts(w: Fp8Weight, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """A stack of FP8 expert matrices (`w.data` [E, n, k]) in `dtype`: the stack's rows `rows`
+    (int64 on its device: the picked experts, their bytes and scales gathered first) or all of
+    them -> [len(rows) or E, n, k]. Each weight is rounded once from its float32 product with its
+    block scale, as `Fp8Weight.dequantized`. Plain torch ops with static shapes and no host sync
+    (a CUDA graph captures it), the scales broadcast over a blocked view (no expanded copy); a
+    matrix of partial blocks is padded to whole ones (the result a view of it). The whole stack on
+    a CUDA device with Triton, n a multiple of the block: one pass of `fp8_dequant` over it."""
+    data, scale = w.data, w.scale_inv
+    e, n, k = data.shape
+    nb, kb = scale.shape[1:]
+    if rows is None and n % BLOCK == 0 and triton_on(data.device) and dtype in (torch.bfloat16, torch.float16):
+        flat = Fp8Weight(data.view(e * n, k), scale.reshape(e * nb, kb))
+        return dequantize_gpu(flat, dtype).view(e, n, k)
+    if rows is not None:  # the picked rows' bytes (gathered as bytes: any device's index_select takes them)
+        data = data.view(torch.uint8).index_select(0, rows).view(torch.float8_e4m3fn)
+        scale = scale.index_select(0, rows)
+        e = rows.shape[0]
+    values = data.view(torch.float8_e4m3fn)
+    if (n, k) == (nb * BLOCK, kb * BLOCK):
+        full = out = values.to(dtype)
+    else:
+        full = torch.zeros(e, nb * BLOCK, kb * BLOCK, dtype=dtype, device=data.device)
+        out = full[:, :n, :k]
+        out.copy_(values)
+    del data, values
+    # in place: the product of the (exact) value and the float32 scale is rounded once, to dtype
+    full.view(e, nb, BLOCK, kb, BLOCK).mul_(scale[:, :, None, :, None])
+    return out
+
+
+def stack_rows(w) -> int:
+    """Experts in a stacked projection: a tensor [E, n, k] or an Fp8Weight over one."""
+    return (w.data if isinstance(w, Fp8Weight) else w).shape[0]
 
 
 def nan_bytes(w8: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 - `grouped_experts`: every pick of a step as one grouped matrix product per projection: picks
   sorted by expert and offsets computed on the device (no host sync), over stacked resident
-  weights or the weights a fetch staged.
+  weights or the weights a fetch staged. Resident experts held in FP8 (fp8_gpu.Fp8Weight stacks)
+  are dequantized one projection of the stack at a time into a temporary in the activation dtype
+  just before its product (memory.fp8_experts_dequant_bytes counts it).
 - `unpack_matrix`: packed CPU experts (the native layouts: 16-row blocks with K pairs, quads or
   octets side by side, int8/int4/fp8 with fp32 group scales) converted to plain [n, k] matrices
   on the device they were copied to (int8/int4/fp8 on a GPU: `dequant_gpu`'s one-pass kernel).
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 
 from ..memory import GROUPED_ROWS, SCATTER_ROWS
 from . import dequant_gpu
+from .fp8_gpu import Fp8Weight, dequantize_experts, stack_rows
 
 
 _GROUPED_OK: dict[str, bool] = {}  # device type -> whether torch's grouped matmul runs there
@@ -44,12 +47,12 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: tor
     return out
 
 
-def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local: torch.Tensor, gate: torch.Tensor,
-                    up: torch.Tensor, down: torch.Tensor, addend: torch.Tensor | None = None,
-                    running: bool = False) -> torch.Tensor:
+def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local: torch.Tensor, gate, up, down,
+                    addend: torch.Tensor | None = None, running: bool = False) -> torch.Tensor:
     """sum over each token's picks of weight * down(silu(gate x) * up x), for the picks whose
     expert has a row in the stacked weights (`local[id]` >= 0; others add nothing). x [T, H];
-    ids, wts [T, k]; gate, up [n, I, H]; down [n, H, I] -> [T, H] in x's dtype (summed in fp32).
+    ids, wts [T, k]; gate, up [n, I, H]; down [n, H, I] (tensors, or fp8_gpu.Fp8Weight stacks:
+    each dequantized to x's dtype for its product) -> [T, H] in x's dtype (summed in fp32).
     Picks are sorted by expert, those held elsewhere last; outside a CUDA graph capture the
     count of held picks is read on the host (one sync, where the node holds only some of the
     layer's experts) and only those rows are gathered,
@@ -59,7 +62,7 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
     `addend` (float32 [T, H]): a running sum the picks are added to; `running`: return the float32
     sum (a streamed group's partial sum) rather than x's dtype."""
     t, k = ids.shape
-    n = gate.shape[0]
+    n = stack_rows(gate)
     slot = local[ids].reshape(-1)
     key = torch.where(slot < 0, n, slot)
     order = torch.argsort(key, stable=True)
@@ -90,18 +93,24 @@ def _rows(x: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, gate: torc
     SwiGLU, weighted and added into `out` (fp32) a block of SCATTER_ROWS rows at a time; `masked`:
     rows of weight 0 (held elsewhere) zeroed first (they come out undefined)."""
     xs = x.index_select(0, token)
-    h = grouped_mm(xs, gate.transpose(1, 2), offs, counts)
-    u = grouped_mm(xs, up.transpose(1, 2), offs, counts)
+    h = grouped_mm(xs, _matrices(gate, x.dtype).transpose(1, 2), offs, counts)
+    u = grouped_mm(xs, _matrices(up, x.dtype).transpose(1, 2), offs, counts)
     del xs
     h = F.silu(h, inplace=True).mul_(u)
     del u
-    y = grouped_mm(h, down.transpose(1, 2), offs, counts)
+    y = grouped_mm(h, _matrices(down, x.dtype).transpose(1, 2), offs, counts)
     del h
     if masked:
         y.masked_fill_((weight == 0)[:, None], 0.0)
     for lo in range(0, y.shape[0], SCATTER_ROWS):  # weighted and summed in fp32, a block of rows at a time
         hi = lo + SCATTER_ROWS
         out.index_add_(0, token[lo:hi], y[lo:hi].float().mul_(weight[lo:hi, None]))
+
+
+def _matrices(stack, dtype: torch.dtype) -> torch.Tensor:
+    """A stacked projection as matrices in `dtype`: itself, or one held in FP8 dequantized (a
+    temporary, freed after the product that reads it)."""
+    return dequantize_experts(stack, dtype) if isinstance(stack, Fp8Weight) else stack
 
 
 def stack_experts(w: dict, ids: tuple[int, ...], experts: int) -> dict:

@@ -18,7 +18,8 @@ rule's device, rewritten before each replay) and keep every shape static:
   folded into the rows (scores and softmax in float32, not rounded to bf16 first), and its output leaves the latent space through W_uv, so per-head keys and values are never
   expanded;
 - GPU-resident routed experts: each token's picks gathered from the node's stacked expert
-  weights (picks of experts held elsewhere get weight 0).
+  weights (picks of experts held elsewhere get weight 0); experts held in FP8 gathered as their
+  bytes and block scales and dequantized to the activation dtype, one projection at a time.
 
 They run on any device (tests compare them with torch_ref on the CPU) and are used for decode
 steps, the ones captured as graphs. Cache layouts are torch_ref's.
@@ -37,6 +38,7 @@ from ..ir.ops import AttentionAttrs, Op
 from ..ir.types import Device
 from . import attention_gpu
 from .base import StepContext, node_key
+from .fp8_gpu import Fp8Weight, dequantize_experts
 from .layers import gqa_project, linear, mla_project, rms_norm
 
 
@@ -208,9 +210,20 @@ def attention(be, node, w, ins, ctx, dev):
     return (mla if node.attrs.kind == "mla" else gqa)(be, node.attrs, w, ins[0], ctx, dev)
 
 
+def _picked(stack, slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The picks' matrices of one stacked projection: its rows `slot`, gathered; from a stack held
+    in FP8 (fp8_gpu.Fp8Weight) their bytes and scales gathered and dequantized to `dtype` (a
+    temporary each projection in turn: memory.fp8_experts_dequant_bytes)."""
+    if isinstance(stack, Fp8Weight):
+        return dequantize_experts(stack, dtype, slot)
+    return stack[slot]
+
+
 def routed_experts(be, node, w, ins, ctx, dev):
     """Each token's picks in the node's rank range, gathered from the stacked weights (reads
-    only the picked experts; no host-side look at the ids)."""
+    only the picked experts; no host-side look at the ids). Experts held in FP8: the picks'
+    bytes and block scales gathered, dequantized to the activation dtype one projection at a
+    time, then multiplied as the others."""
     x, (ids, wts) = ins
     st = be.stacked(node)
     lo, hi = node.attrs.rank_range
@@ -220,8 +233,9 @@ def routed_experts(be, node, w, ins, ctx, dev):
     slot = slot.clamp(min=0).reshape(-1)
     t, k = ids.shape
     xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [t*k, H, 1]
-    h = F.silu(torch.bmm(st["gate"][slot], xs)) * torch.bmm(st["up"][slot], xs)  # [t*k, I, 1]
-    y = torch.bmm(st["down"][slot], h)[:, :, 0].float()  # [t*k, H]
+    h = F.silu(torch.bmm(_picked(st["gate"], slot, x.dtype), xs))  # [t*k, I, 1]
+    h = h * torch.bmm(_picked(st["up"], slot, x.dtype), xs)
+    y = torch.bmm(_picked(st["down"], slot, x.dtype), h)[:, :, 0].float()  # [t*k, H]
     scale = (wts * held).reshape(-1, 1)
     return (y * scale).view(t, k, -1).sum(dim=1).to(x.dtype)
 

@@ -10,6 +10,7 @@ device arrive through the plan's copy nodes.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -67,7 +68,11 @@ class TorchRefBackend:
             dev = self.devices[Device.CPU] if n.op == Op.FETCH else self.device_of(n)
             stacks: dict[str, torch.Tensor] = {}
             for ref in n.weights:
-                if ref.experts:  # only the experts (and the intermediate rows) this node holds
+                if ref.experts and ref.held == "fp8":  # as stored, stacked: e4m3 bytes and block scales
+                    stacks[ref.role] = _fp8_experts(weights, ref, n, dev)
+                    w[ref.role] = {e: Fp8Weight(stacks[ref.role].data[i], stacks[ref.role].scale_inv[i])
+                                   for i, e in enumerate(n.attrs.ids)}
+                elif ref.experts:  # only the experts (and the intermediate rows) this node holds
                     rows = slice(*n.attrs.rows)
                     index = (slice(None), rows) if ref.role == "down" else (rows,)
                     w[ref.role] = {}
@@ -97,7 +102,8 @@ class TorchRefBackend:
     def stacked(self, node: Node) -> dict:
         """A GPU routed-experts node's resident weights stacked for the batched rules (made when
         they load, the per-expert weights views of its rows: held once; captured graphs and the
-        grouped prefill rule read the same copy)."""
+        grouped prefill rule read the same copy). A projection held in FP8 (WeightRef.held) is an
+        Fp8Weight over the stack: e4m3 bytes [E, n, k] and float32 block scales [E, n/128, k/128]."""
         key = node_key(node)
         if key not in self._stacked:
             self._stacked[key] = stack_experts(self.weights[key], node.attrs.ids, node.attrs.experts)
@@ -137,6 +143,26 @@ def _fp8_weight(weights: WeightSource, ref, dev: torch.device, node: str) -> Fp8
         raise WeightError(f"tensor {ref.key} (node {node}): e4m3 NaN byte at {at}: the checkpoint is damaged")
     check_finite(scale, f"tensor {scale_key(ref.key)} (node {node})")
     return Fp8Weight(w8.to(dev), scale.to(device=dev, dtype=torch.float32).contiguous())
+
+
+def _fp8_experts(weights: WeightSource, ref, n: Node, dev: torch.device) -> Fp8Weight:
+    """The experts of routed-experts node `n` of per-expert reference `ref`, held in FP8 on
+    `dev`: one stack of their stored bytes [E, n, k] (float8_e4m3fn) and one of their block
+    scales [E, ceil(n/128), ceil(k/128)] (float32), row i expert n.attrs.ids[i]; each checked as
+    `_fp8_weight` checks a dense one."""
+    if tuple(n.attrs.rows) != (0, n.attrs.inter):
+        raise KtflowError(f"node {n.name} holds intermediate rows {n.attrs.rows} of its experts in fp8: only whole "
+                          "experts are held so (the plan is not one placement makes)")
+    data = scales = None
+    for i, e in enumerate(n.attrs.ids):
+        key = ref.key.format(e=e)
+        one = _fp8_weight(weights, replace(ref, key=key, experts=0), torch.device("cpu"), n.name)
+        if data is None:
+            data = torch.empty((len(n.attrs.ids), *one.data.shape), dtype=torch.float8_e4m3fn, device=dev)
+            scales = torch.empty((len(n.attrs.ids), *one.scale_inv.shape), dtype=torch.float32, device=dev)
+        data[i].view(torch.uint8).copy_(one.data.view(torch.uint8))
+        scales[i].copy_(one.scale_inv)
+    return Fp8Weight(data, scales)
 
 
 # ------------------------------------------------------------------------------------ op rules
