@@ -39,10 +39,13 @@ class CompileOptions(BaseModel):
         "channel), int4 (groups of 128), fp8 (e4m3 in 128-column groups: an FP8 release's own bytes and scales); "
         "auto = fp8 for an FP8 checkpoint, else bf16 (compile writes the one it chose into the plan)")
     fp8_on_gpu: Literal["auto", "keep", "dequantize"] = Field(
-        "auto", description="an FP8 checkpoint's dense weights on the GPU (attention, dense and shared-expert "
-        "MLPs): keep (as stored, 1 byte per weight, multiplied by the FP8 kernels), dequantize (to the activation "
-        "dtype at load: cuBLAS, faster at most shapes) or auto (dequantize while the dense weights fit the VRAM "
-        "budget that way, else keep them all in FP8); the plan records the choice per weight")
+        "auto", description="an FP8 checkpoint's weights on the GPU, dense ones (attention, dense and "
+        "shared-expert MLPs) and routed experts: keep (as stored, 1 byte per weight with 128x128 block scales: "
+        "the FP8 kernels multiply dense ones, experts are dequantized into a temporary per step), dequantize (to "
+        "the activation dtype at load: cuBLAS, faster at most shapes) or auto (dense weights: dequantize while "
+        "they fit the VRAM budget that way, else keep them all in FP8; routed experts: dequantize where every one "
+        "fits the budget that way, else keep the GPU ones in FP8, about twice as many in the same VRAM); with "
+        "expert_cache the experts are dequantized; the plan records the choice per weight")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where GPU-placed nodes run: cuda, or cpu (the same hybrid plan on a machine without "
         "a GPU); auto = cuda when torch sees one")

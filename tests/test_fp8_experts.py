@@ -14,6 +14,7 @@ import torch
 import ktflow
 from ktflow.backends import moe_gpu, static_rules
 from ktflow.backends.fp8_gpu import Fp8Weight, dequantize_experts
+from ktflow.cost import held_weight_bytes
 from ktflow.ir.ops import Op
 from ktflow.quant import config_entry, quantize, scale_key, stored_fp8
 from test_place import A100_NO_OVERHEAD
@@ -112,9 +113,34 @@ def test_a_binding_budget_holds_gpu_experts_in_fp8_and_places_about_twice_as_man
     per = 3 * (a.inter * a.hidden + 4 * (a.inter // 128) * (a.hidden // 128))
     assert gpu[0].weight_bytes(2) == pytest.approx(len(a.ids) * per)
     mem_gpu = sum(n.weight_bytes(2) for n in g.nodes if n.place.device.value == "gpu")
-    assert auto.decode.memory.weight_bytes == pytest.approx(
-        mem_gpu + sum(__import__("ktflow.cost", fromlist=["x"]).held_weight_bytes(n, n.place.device, 2, "fp8")
-                      for n in g.nodes if n.place.device.value == "cpu"), rel=1e-6)
+    mem_cpu = sum(held_weight_bytes(n, n.place.device, 2, "fp8") for n in g.nodes if n.place.device.value == "cpu")
+    assert auto.decode.memory.weight_bytes == pytest.approx(mem_gpu + mem_cpu, rel=1e-6)
+    bf16 = sum(n.weight_elems() * 2 for n in gpu)
+    assert 0.5 < sum(n.weight_bytes(2) for n in gpu) / bf16 < 0.52  # 1 byte a weight and its scales
+
+
+def test_verifier_p2_refuses_experts_held_in_fp8_where_no_rule_reads_them(qwen3_30b_fp8):
+    """P2: FP8-held experts only on GPU nodes holding whole experts, never in an expert cache."""
+    from dataclasses import replace
+
+    from ktflow.ir.verify import VerifyError, _p2_fp8_held_on_gpu, verify
+
+    c = ktflow.compile(qwen3_30b_fp8, hw="h100", vram_gb=24, device="cpu")
+    g = c.decode.ir
+    n = _held_experts(c.decode)[0]
+    verify(g, "placed")
+
+    def edit(fn):
+        return g.replace_nodes([fn(m) if m.name == n.name else m for m in g.nodes])
+
+    on_cpu = edit(lambda m: replace(m, place=replace(m.place, device=type(m.place.device)("cpu"))))
+    cached = edit(lambda m: replace(m, attrs=replace(m.attrs, refill_every=32)))
+    sliced = edit(lambda m: replace(m, attrs=replace(m.attrs, inter_slice=(0, 384))))
+    for bad in (on_cpu, cached):
+        with pytest.raises(VerifyError, match="P2"):
+            verify(bad, "placed")
+    assert not list(_p2_fp8_held_on_gpu(g))
+    assert [name for name, _ in _p2_fp8_held_on_gpu(sliced)] == [n.name] * 3  # (rule V10 fails first in verify)
 
 
 def test_auto_dequantizes_the_experts_where_every_one_fits(qwen3_30b_fp8):
@@ -381,6 +407,7 @@ def test_the_memory_model_predicts_a_plan_with_fp8_experts(qwen3_small_fp8):
     prompt_peak, decode_peak = run(c, CONFIG["vocab_size"], prompt, 8)
     predicted_decode = c.decode.memory.gpu_bytes
     print(f"\n  {_gpu_experts(c.decode)} GPU experts in fp8; prompt peak {prompt_peak / 1e9:.3f} GB, predicted "
-          f"{predicted_prompt / 1e9:.3f}; decode peak {decode_peak / 1e9:.3f} GB, predicted {predicted_decode / 1e9:.3f}")
+          f"{predicted_prompt / 1e9:.3f}; decode peak {decode_peak / 1e9:.3f} GB, "
+          f"predicted {predicted_decode / 1e9:.3f}")
     assert abs(prompt_peak - predicted_prompt) <= 0.1 * prompt_peak
     assert abs(decode_peak - predicted_decode) <= 0.1 * decode_peak

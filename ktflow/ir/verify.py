@@ -148,6 +148,11 @@ def _p2_fp8_held_on_gpu(g: Graph):
                                f"FP8 kernels read for a {n.op.value} node")
             elif n.place is not None and n.place.device != Device.GPU:
                 yield n.name, f"weight {w.key} is held in fp8 on the {n.place.device.value}; only GPU nodes hold fp8"
+            elif w.experts and n.attrs.cached:
+                yield n.name, (f"weight {w.key} is held in fp8 in an expert cache; the runtime refills cached slots "
+                               "in the activation dtype")
+            elif w.experts and tuple(n.attrs.rows) != (0, n.attrs.inter):
+                yield n.name, f"weight {w.key} is held in fp8 for rows {n.attrs.rows} of its experts; only whole ones"
 
 
 def _r9_one_attention_per_layer(g: Graph):
@@ -482,7 +487,8 @@ RULES: dict[str, Rule] = {r.id: r for r in [
     Rule("D2", "spec", "nothing is deferred out of the last MoE layer", _d2_last_moe_layer_defers_nothing),
     Rule("C1", "costed", "every node has a cost", _c1_costed),
     Rule("P1", "placed", "every node has a placement", _p1_placed),
-    Rule("P2", "placed", "weights held in fp8 are fp8-stored matrices of GPU nodes the FP8 kernels read",
+    Rule("P2", "placed", "weights held in fp8 are fp8-stored matrices of GPU nodes the FP8 kernels or the "
+         "GPU experts rules read (whole experts, no expert cache)",
          _p2_fp8_held_on_gpu),
     Rule("S1", "placed", "a fetch stages the weights of the streamed experts that read it", _s1_fetch_feeds_its_experts),
     Rule("S2", "placed", "a reused staging slot waits for its previous reader", _s2_slots_reused_in_order),

@@ -211,10 +211,15 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
     L<i>.experts.gpu (the experts taken) and L<i>.experts (the rest, CPU). Nodes without
     weights follow their neighbours.
     Option placement='cpu' / 'gpu' puts every node on that device instead (baselines).
-    FP8 checkpoints (`_fp8_choice`): the dense weights the FP8 kernels can read are held in FP8
+    FP8 checkpoints (`_fp8_choices`): the dense weights the FP8 kernels can read are held in FP8
     on the GPU (WeightRef.held) when fp8_on_gpu='keep', or under 'auto' when the dense units
-    would not all fit the budget dequantized; they are then priced and counted at their stored
-    size before the greedy choice above. A node placed on the CPU holds nothing in FP8.
+    would not all fit the budget dequantized (`_fp8_choice`); the routed experts stored in FP8
+    (128 x 128 blocks) are held in FP8 when 'keep', or under 'auto' when the experts in the
+    activation dtype and the dense units do not all fit the budget (`_fp8_experts_choice`; never
+    with expert_cache), so about twice as many experts fit. Held weights are priced and counted
+    at their stored size (with their scales) before the greedy choice above, and the causes of
+    the GPU nodes holding them say why. A node placed on the CPU (a split layer's CPU part
+    included) holds nothing in FP8.
     Requires: a costed graph. Guarantees: every node placed with a cause; GPU weights + KV
     caches fit the budget; decisions use decode costs only, so the prefill and decode plans of
     one compile place identically.
@@ -351,8 +356,9 @@ def _fp8_experts_choice(g: Graph, ctx: CompileContext, units: list[Unit], budget
     """Whether the routed experts an FP8 checkpoint stores in FP8 are held in FP8 where placed on
     the GPU, and why (the cause of GPU experts nodes): option fp8_on_gpu ('keep': always,
     'dequantize': never), and under 'auto' FP8 only when the experts in the activation dtype and
-    the dense units with a decode saving (as `dense_fp8` holds them) do not all fit the budget: then FP8 fits about twice as many experts in the same VRAM, each read at half
-    the bytes; where all fit, the experts are dequantized (no dequantization per step). Every
+    the dense units with a decode saving (as `dense_fp8` holds them) do not all fit the budget:
+    then FP8 fits about twice as many experts in the same VRAM, each read at half the bytes;
+    where all fit, the experts are dequantized (no dequantization per step). Every
     expert counts, whatever its saving in the activation dtype (one that saves nothing there may
     in FP8, read at half the bytes). Never with option expert_cache: the cache refills its slots
     in the activation dtype."""
