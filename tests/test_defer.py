@@ -128,8 +128,9 @@ def test_auto_on_the_papers_machine():
     per-layer rule predicts about the same step with more deferral (d = 5 in layer 3, which keeps
     only 154 experts on the CPU), and the least deferral within 1% wins."""
     m = ktflow.load(DATA / "deepseek-v3-config")
-    auto = ktflow.compile(m, hw="paper-a100", defer="auto", expert_format="bf16")  # the paper's bf16 experts
-    plain = ktflow.compile(m, hw="paper-a100", expert_format="bf16")
+    paper = dict(hw="paper-a100", expert_format="bf16", fp8_on_gpu="dequantize")  # the paper's bf16 experts
+    auto = ktflow.compile(m, defer="auto", **paper)
+    plain = ktflow.compile(m, **paper)
     g = auto.decode.ir
     d = {n.attrs.layer: 8 - n.attrs.ranks[0] for n in g.nodes
          if n.op == Op.ROUTED_EXPERTS and n.attrs.rank_range[0] > 0 and n.place.numa == 0}
