@@ -7,7 +7,7 @@ cost real bandwidth: the same routing, token for token):
 
 - speed: on the scaled model, every routed expert on the CPU (the VRAM budget holds the dense
   weights and the KV cache only, as benchmarks/e2e.py places them), cuda_graph backend, the
-  hardware probed (`ktflow.hw.probe`: `defer="auto"` decides from it), for the exact plan,
+  hardware probed (`ktflow.tools.probe.probe`: `defer="auto"` decides from it), for the exact plan,
   `defer="auto"` and each `--defer` d. Each runs the same held-out conversations: a
   `--prompt`-token prompt, then `--decode` decode steps fed the held-out text that follows (one
   step a token); decode tok/s is those tokens over their wall time, the plans taking turns
@@ -84,7 +84,8 @@ def main() -> int:
     ap.add_argument("--out", default=str(HERE / "defer_speed.jsonl"))
     a = ap.parse_args()
     import ktflow
-    from ktflow.hw import PRESETS, probe
+    from ktflow.hw import PRESETS
+    from ktflow.tools.probe import probe
 
     d = Path(a.model)
     model = ktflow.load(d)

@@ -41,7 +41,7 @@ def compile_model(d: Path, fmt: str, defer: int | None):
     """Every routed expert on the CPU (the dense weights and KV cache on the GPU), as e2e.py."""
     import ktflow
     from ktflow import native
-    from ktflow.hw import probe
+    from ktflow.tools.probe import probe
     from e2e import budget_without_experts, compile_cpu_experts
 
     model = ktflow.load(d)

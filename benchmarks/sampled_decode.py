@@ -127,7 +127,7 @@ def main() -> int:
     write_checkpoint(cfg, ckpt)
     model = ktflow.load(ckpt)
     from ktflow import native
-    from ktflow.hw import probe
+    from ktflow.tools.probe import probe
 
     native.pool(spare=2)  # the pool the cuda_graph backend makes: probe with it
     base = dict(hw=probe(quick=True), max_seq_len=512, device="cuda")

@@ -483,7 +483,7 @@ def main(argv=None) -> int:
         if cache.exists():
             hw = str(cache)
         else:
-            from ktflow.hw import probe
+            from ktflow.tools.probe import probe
 
             prof = probe(log=lambda s: print(f"  probe: {s}", flush=True))
             cache.parent.mkdir(parents=True, exist_ok=True)

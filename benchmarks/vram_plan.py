@@ -79,7 +79,7 @@ def main() -> int:
         return 2
     import ktflow
     from ktflow import native
-    from ktflow.hw import probe
+    from ktflow.tools.probe import probe
 
     cfg = dict(MODELS[a.model])
     if a.layers:

@@ -470,7 +470,7 @@ def cmd_hw_show(a: argparse.Namespace) -> int:
 
 def cmd_hw_probe(a: argparse.Namespace) -> int:
     from ktflow.fsutil import write_atomic
-    from ktflow.hw import probe
+    from ktflow.tools.probe import probe
 
     hw = probe(quick=a.quick, log=lambda s: print(s, flush=True))
     if a.name:

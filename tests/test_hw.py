@@ -9,7 +9,8 @@ import torch
 
 import ktflow
 from ktflow.errors import ConfigError
-from ktflow.hw import PRESETS, HwProfile, _count_cpulist, probe, resolve_hw, this_machine
+from ktflow.hw import PRESETS, HwProfile, _count_cpulist, resolve_hw, this_machine
+from ktflow.tools.probe import probe
 
 
 def test_paper_presets_carry_the_papers_numbers():
@@ -66,9 +67,9 @@ def test_quick_probe_measures_this_machine(monkeypatch):
     """A quick probe still reads past the last-level cache (here said to be 40 MiB) where it
     measures a bandwidth, and times the GPU's grouped experts at a long prompt's size (a small
     product ran at 3% of the GPU's GEMM rate)."""
-    import ktflow.hw
+    import ktflow.tools.probe
 
-    monkeypatch.setattr(ktflow.hw, "last_level_cache_bytes", lambda: 40 << 20)
+    monkeypatch.setattr(ktflow.tools.probe, "last_level_cache_bytes", lambda: 40 << 20)
     lines = []
     hw = probe(quick=True, log=lines.append)
     assert {"dram_gbps", "gemm_tflops", "gemv_gbps"} <= set(hw.measured)

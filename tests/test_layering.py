@@ -53,6 +53,12 @@ def test_runtime_and_api_do_not_import_each_other():
         assert not any(under(i, ("ktflow.api",)) for i in imported(p)), p.name
 
 
+def test_the_hardware_profiles_run_nothing():
+    """ktflow.hw describes machines; the probe that times kernels on this one is ktflow.tools.probe."""
+    assert not sorted(i for i in imported(ROOT / "hw.py") if under(i, RUNNING[:-1] + ("ktflow.tools",)))
+    assert "ktflow.backends.handoff_probe.round_trip_us" in imported(ROOT / "tools" / "probe.py")
+
+
 def test_the_reader_sees_imports_inside_functions():
     """The rules above would pass vacuously if lazy imports went unseen."""
     assert "ktflow.backends.BACKENDS" not in imported(ROOT / "options.py")  # moved out this way

@@ -1,0 +1,1 @@
+"""Tools that run on this machine: the hardware probe."""
