@@ -5,16 +5,39 @@
     logits, state = ktflow.execute(compiled, input_ids)          # prefill
     logits, state = ktflow.execute(compiled, next_ids, state)    # decode
     out = ktflow.generate(compiled, input_ids, max_new_tokens=32)
+
+The names that run things (and need torch) load on first use: `import ktflow.ir` or
+`ktflow.passes` (the compiler's IR and passes) needs no torch.
 """
 
-from .api import Compiled, compile, decode_greedy, decode_tokens, execute, generate, start_sampling
-from .backends.sampling import SamplingParams
+from importlib import import_module
+from importlib.util import find_spec
+
 from .errors import ConfigError, InputError, KtflowError, PassError, PlanError, WeightError
 from .hw import HwProfile
-from .model import Model, load
-from .runtime.state import State
 from .version import __version__
+
+#: the public names loaded on first use, and their modules
+_LAZY = {**dict.fromkeys(("Compiled", "compile", "decode_greedy", "decode_tokens", "execute", "generate",
+                          "start_sampling"), ".api"),
+         "SamplingParams": ".backends.sampling", "Model": ".model", "load": ".model", "State": ".runtime.state"}
 
 __all__ = ["Compiled", "compile", "execute", "decode_greedy", "decode_tokens", "generate", "start_sampling",
            "SamplingParams", "load", "Model", "State", "HwProfile",
            "KtflowError", "ConfigError", "InputError", "PassError", "PlanError", "WeightError", "__version__"]
+
+
+def __getattr__(name: str):
+    """A lazy public name, or a submodule (`ktflow.api`, `ktflow.native`, ...) imported on use."""
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name], __name__), name)
+    elif not name.startswith("__") and find_spec(f"{__name__}.{name}") is not None:
+        value = import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'ktflow' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *_LAZY})

@@ -68,3 +68,17 @@ def test_the_reader_sees_imports_inside_functions():
 
 def test_backend_names_match_the_registered_backends():
     assert set(BACKEND_NAMES) == set(BACKENDS)
+
+
+def test_the_compiler_imports_without_torch():
+    """`import ktflow.ir` (and the passes, the plan, the profiles) needs no torch: the package face
+    loads what runs things on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import ktflow, ktflow.ir.graph, ktflow.passes, ktflow.plan, ktflow.hw, ktflow.options\n"
+            "assert 'ktflow.api' not in sys.modules and 'ktflow.backends' not in sys.modules\n"
+            "assert ktflow.HwProfile and ktflow.KtflowError and ktflow.__version__\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
