@@ -119,6 +119,20 @@ SHARD_BYTES = 4 << 30
 # ------------------------------------------------------------------------------------ checkpoint
 
 
+def ready_checkpoint(model: str, cfg: dict, layers: int, fp8: bool, where: str | None) -> Path:
+    """The random checkpoint of `cfg` (model `model`, cut to `layers` where nonzero) in `where`
+    (default /tmp/ktflow-e2e/<model>[-<layers>l][-fp8]), written unless there, its pages flushed:
+    the kernel writes a fresh checkpoint's dirty pages back for a minute or more after, and that
+    writeback would compete with the CPU rows and the probe."""
+    name = model + (f"-{layers}l" if layers else "") + ("-fp8" if fp8 else "")
+    d = Path(where or f"/tmp/ktflow-e2e/{name}")
+    t0 = time.perf_counter()
+    write_checkpoint(cfg, d, fp8=fp8)
+    os.sync()
+    print(f"checkpoint {d} ready in {time.perf_counter() - t0:.1f} s (on disk)", flush=True)
+    return d
+
+
 def write_checkpoint(cfg: dict, directory: Path, fp8: bool = False) -> None:
     """config.json, then bf16 safetensors shards of every tensor ktflow's spec of this config reads
     (ktflow.checkpoint's streaming writer, one tensor at a time), and the shard index. Large
@@ -927,17 +941,8 @@ def main() -> int:
     from ktflow import native
     from ktflow.tools.probe import probe
 
-    cfg = dict(MODELS[a.model])
-    if a.layers:
-        cfg["num_hidden_layers"] = a.layers
-    name = a.model + (f"-{a.layers}l" if a.layers else "") + ("-fp8" if a.fp8 else "")
-    d = Path(a.dir or f"/tmp/ktflow-e2e/{name}")
-    t0 = time.perf_counter()
-    write_checkpoint(cfg, d, fp8=a.fp8)
-    # the kernel writes a fresh checkpoint's dirty pages back to disk for a minute or more after it
-    # is written: flush them now, or the writeback competes with the CPU rows and the probe
-    os.sync()
-    print(f"checkpoint ready in {time.perf_counter() - t0:.1f} s (on disk)", flush=True)
+    cfg = dict(MODELS[a.model], **({"num_hidden_layers": a.layers} if a.layers else {}))
+    d = ready_checkpoint(a.model, cfg, a.layers, a.fp8, a.dir)
     lengths = [int(x) for x in a.prefill.split(",") if x]
     if a.prepare_only:
         if a.llama:

@@ -48,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import HERE, append_jsonl, commit, machine  # noqa: E402
-from e2e import MODELS as FULL, budget_without_experts, compile_cpu_experts, write_checkpoint  # noqa: E402
+from e2e import MODELS as FULL, budget_without_experts, compile_cpu_experts, ready_checkpoint  # noqa: E402
 
 TINY = {  # dry-run shapes: the families of the real ones, small enough for a CPU test
     "qwen3-tiny": dict(FULL["qwen3"], vocab_size=1024, hidden_size=256, intermediate_size=512,
@@ -470,12 +470,7 @@ def main(argv=None) -> int:
     from ktflow import native
 
     cfg = dict(MODELS[a.model], **({"num_hidden_layers": a.layers} if a.layers else {}))
-    name = a.model + (f"-{a.layers}l" if a.layers else "") + ("-fp8" if a.fp8 else "")
-    d = Path(a.dir or f"/tmp/ktflow-e2e/{name}")
-    t0 = time.perf_counter()
-    write_checkpoint(cfg, d, fp8=a.fp8)
-    os.sync()
-    print(f"checkpoint {d} ready in {time.perf_counter() - t0:.0f} s", flush=True)
+    d = ready_checkpoint(a.model, cfg, a.layers, a.fp8, a.dir)
     native.pool(spare=2)
     hw = a.hw
     if hw is None and cuda:

@@ -219,8 +219,12 @@ def streamed_step_bytes(g: Graph, tokens: int, past: int) -> float:
     and workspaces: its activations with `past` earlier positions, one hidden-state value more
     (a split part's result, which lowering copies back) and its staging. The prefill pass admits
     a streamed step by it and the VRAM plan reserves by it: the two agree."""
-    row = max((n.out.numel(1) * n.out.dtype.itemsize for n in g.nodes if n.op == Op.EMBED), default=0)
-    return gpu_activation_peak(g, tokens, past) + tokens * row + staging_bytes(g)
+    return gpu_activation_peak(g, tokens, past) + tokens * hidden_row_bytes(g) + staging_bytes(g)
+
+
+def hidden_row_bytes(g: Graph) -> int:
+    """Bytes of one token's hidden state (the embedding's output row; 0 without one)."""
+    return max((n.out.numel(1) * n.out.dtype.itemsize for n in g.nodes if n.op == Op.EMBED), default=0)
 
 
 def staging_for(experts: int, slots: int, hidden: int, inter: int, act_itemsize: int,

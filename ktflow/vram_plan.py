@@ -52,8 +52,8 @@ from .errors import ConfigError
 from .ir.graph import Graph
 from .ir.ops import Op, expert_weight_bytes
 from .ir.types import Device
-from .memory import (gpu_activation_peak, gpu_workspace_bytes, resident_gpu_bytes, staging_for, stream_bytes,
-                     streamed_step_bytes)
+from .memory import (gpu_activation_peak, gpu_workspace_bytes, hidden_row_bytes, resident_gpu_bytes, staging_for,
+                     stream_bytes, streamed_step_bytes)
 from .options import WORKLOADS, CompileContext, CompileOptions, VramShare, vram_limit
 from .passes.costs import annotate_costs
 from .passes.place import decode_savings
@@ -151,7 +151,7 @@ def _sizes(g: Graph, ctx: CompileContext, grid: list[int], extra: list[int]) -> 
     each with one value of the hidden size more than the placed graph shows (a CPU part's result
     copied back, which lowering adds)."""
     max_seq = ctx.max_seq_len
-    row = max((n.out.numel(1) * n.out.dtype.itemsize for n in g.nodes if n.op == Op.EMBED), default=0)
+    row = hidden_row_bytes(g)
     sizes = sorted({*grid, *extra})
     acts = {(t, s): gpu_activation_peak(g, t, max(max_seq - t, 0), streamed=s) + t * row
             for t in sizes for s in (True, False)}

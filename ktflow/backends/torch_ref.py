@@ -149,10 +149,7 @@ def _fp8_experts(weights: WeightSource, ref, n: Node, dev: torch.device) -> Fp8W
     """The experts of routed-experts node `n` of per-expert reference `ref`, held in FP8 on
     `dev`: one stack of their stored bytes [E, n, k] (float8_e4m3fn) and one of their block
     scales [E, ceil(n/128), ceil(k/128)] (float32), row i expert n.attrs.ids[i]; each checked as
-    `_fp8_weight` checks a dense one."""
-    if tuple(n.attrs.rows) != (0, n.attrs.inter):
-        raise KtflowError(f"node {n.name} holds intermediate rows {n.attrs.rows} of its experts in fp8: only whole "
-                          "experts are held so (the plan is not one placement makes)")
+    `_fp8_weight` checks a dense one. Whole experts only (verifier rule P2)."""
     data = scales = None
     for i, e in enumerate(n.attrs.ids):
         key = ref.key.format(e=e)

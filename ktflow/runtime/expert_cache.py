@@ -115,10 +115,6 @@ class ExpertCache:
                     continue  # (a prefill step streaming the layer whole: every expert from its fetch, no cache)
                 c = self.layers.setdefault(layer, CachedLayer(layer, n.attrs.experts))
                 if n.place.device == Device.GPU:
-                    if any(w.held for w in n.weights):
-                        raise ConfigError(f"{n.name} holds its experts in fp8 but its layer's GPU experts are a "
-                                          "cache, refilled in the activation dtype (placement never holds a cache "
-                                          "in fp8; verifier rule P2)")
                     stacked = be.stacked(n)
                     if not c.resident:
                         c.resident, c.every = list(n.attrs.ids), n.attrs.refill_every
