@@ -555,7 +555,11 @@ def compile_cpu_experts(model, opts: dict):
         if not on_gpu:
             return c
         # each resident expert once (a deferred node holds the same experts as its immediate twin)
-        opts["vram_budget_gb"] -= sum(n.weight_elems() * 2 for n in on_gpu if n.attrs.rank_range[0] == 0) / 1e9
+        # (at their held size: an FP8 checkpoint's experts may be held in FP8 at a tight budget)
+        opts["vram_budget_gb"] -= sum(n.weight_bytes(2) for n in on_gpu if n.attrs.rank_range[0] == 0) / 1e9
+        if opts["vram_budget_gb"] <= 0:
+            raise SystemExit("compile_cpu_experts: no budget keeps every routed expert off the GPU "
+                             f"({len(on_gpu)} expert nodes still there); pass placement options instead")
 
 
 @dataclass

@@ -129,8 +129,9 @@ class Vram:
 
 def vram_row(c, plans, vram: Vram, variant: str) -> dict:
     """Predicted peak (the plans run: what they allocate) against the measured peaks: torch's
-    allocated bytes against it, the process on the card against it and the reserve (the CUDA
-    context and the allocator's slack the plan leaves them)."""
+    allocated bytes and the process's memory on the card past its CUDA context, each against
+    the prediction (the reserve is room left for the context and the allocator's slack, not a
+    prediction); `within_limit`: the allocator's peak and the context inside the cap."""
     pred = max(p.memory.gpu_bytes for p in plans) / 1e9
     card = pred + c.plans.options.vram_reserve_gb
     row = dict(table="vram", variant=variant, predicted_gb=round(pred, 3), predicted_with_reserve_gb=round(card, 3),
@@ -139,7 +140,9 @@ def vram_row(c, plans, vram: Vram, variant: str) -> dict:
     if row.get("max_allocated_gb"):
         row["err_allocated"] = round(row["max_allocated_gb"] / pred - 1, 4)
     if row.get("process_gb"):
-        row["err_process"] = round(row["process_gb"] / card - 1, 4)
+        row["err_process"] = round(row["process_gb"] / pred - 1, 4)
+    if row.get("cap_gb") and row.get("max_reserved_gb") is not None:
+        row["within_limit"] = row["max_reserved_gb"] + row["context_gb"] <= row["cap_gb"]
     return row
 
 

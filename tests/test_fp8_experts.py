@@ -353,6 +353,49 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 @cuda
+@pytest.mark.parametrize("hidden,inter", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_fused_pick_kernel_equals_the_picks_dequantized_then_multiplied(hidden, inter, dtype):
+    """fp8_gpu.picked_linear (one kernel: each pick's bytes read, scaled and rounded as loading
+    rounds them, multiplied in float32) against the picks dequantized (dequantize_experts) and
+    multiplied in float64: within one rounding of the output, for every projection's shape
+    (partial blocks too), rows of x shared by a token's picks (xdiv) or one per pick; and
+    static_rules.routed_experts, which takes it on CUDA, equals its gather-and-dequantize path."""
+    from ktflow.backends.fp8_gpu import picked_linear, picks_fused
+
+    dev = torch.device("cuda")
+    fp8 = {r: Fp8Weight(w.data.to(dev), w.scale_inv.to(dev)) for r, w in _stacks(6, hidden, inter, seed=5).items()}
+    g = torch.Generator().manual_seed(6)
+    slot = torch.tensor([0, 5, 2, 2, 4, 1, 3, 0, 5], device=dev)  # 3 tokens x 3 picks, repeats
+    for role, xdiv in (("gate", 3), ("up", 3), ("down", 1)):
+        w = fp8[role]
+        k = w.data.shape[2]
+        x = torch.randn(len(slot) // xdiv, k, generator=g).to(dev, dtype)
+        assert picks_fused(x)
+        got = picked_linear(x, w, slot, xdiv)
+        mats = dequantize_experts(w, dtype, slot).double()
+        want = torch.bmm(mats, x.double().repeat_interleave(xdiv, dim=0)[:, :, None])[:, :, 0]
+        assert got.shape == want.shape and got.dtype == dtype
+        err = (got.double() - want).abs()
+        assert (err <= want.abs() * 2**-7 + 1e-4).all(), f"{role}: max error {err.max().item():.3g}"
+    # the decode rule on CUDA (the fused kernel) against the same rule's reference path on the CPU
+    from ktflow.backends.base import StepContext
+
+    experts, ids = 8, (0, 2, 3, 5, 6, 7)
+    node = _node(ids, experts, hidden, inter, 3)
+    local = moe_gpu.expert_map(ids, experts, "cpu")
+    x = torch.randn(3, hidden, generator=g).to(dtype)
+    pick = torch.stack([torch.randperm(experts, generator=g)[:3] for _ in range(3)])
+    wts = torch.rand(3, 3, generator=g)
+    ctx = StepContext(batch=3, seq=1, position=0, state=None, token_ids=torch.zeros(3, dtype=torch.long))
+    cpu = {r: Fp8Weight(w.data.cpu(), w.scale_inv.cpu()) for r, w in fp8.items()}
+    want = static_rules.routed_experts(_Backend(dict(local=local, **cpu)), node, {}, [x, (pick, wts)], ctx, "cpu")
+    got = static_rules.routed_experts(_Backend(dict(local=local.to(dev), **fp8)), node, {},
+                                      [x.to(dev), (pick.to(dev), wts.to(dev))], ctx, dev)
+    torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2e-2, atol=2e-3)
+
+
+@cuda
 def test_cuda_graph_with_fp8_experts_matches_the_dequantized_plan(fp8_tiny):
     """On CUDA with the cuda_graph backend: the captured decode over FP8 experts (the picks
     gathered and dequantized inside the graph) and the prompt step (the grouped rule, the stacks

@@ -144,7 +144,30 @@ def _kernels():
         val = widen(raw).to(tl.float32) * (sc * 256.0)
         tl.store(out + rn[:, None].to(tl.int64) * so + kk[None, :], val.to(out.dtype.element_ty), mask=inside)
 
-    return triton, fp8_gemm, fp8_dequant
+    @triton.jit
+    def fp8_pick_gemv(x, xdiv, w, s, slot, y, n, k, sx, swe, swn, sse, ssn, sy, bn: tl.constexpr, bk: tl.constexpr):
+        """y[r] = x[r // xdiv] @ (expert slot[r]'s matrix)^T for one [bn] slice of row r per
+        program, k in steps of one scale block (bk); each weight rounded to y's dtype after its
+        scale (what a dequantized matrix holds), the products summed in float32."""
+        pn = tl.program_id(0)
+        r = tl.program_id(1)
+        e = tl.load(slot + r).to(tl.int64)
+        rn = pn * bn + tl.arange(0, bn)
+        rk = tl.arange(0, bk)
+        xrow = x + (r // xdiv).to(tl.int64) * sx
+        wrow = w + e * swe + rn[:, None].to(tl.int64) * swn
+        acc = tl.zeros((bn,), dtype=tl.float32)
+        for k0 in range(0, k, bk):
+            kk = k0 + rk
+            a = tl.load(xrow + kk, mask=kk < k, other=0.0).to(tl.float32)
+            raw = tl.load(wrow + kk[None, :], mask=(rn[:, None] < n) & (kk[None, :] < k), other=0).to(tl.int16)
+            sc = tl.load(s + e * sse + (rn // bk) * ssn + k0 // bk, mask=rn < n, other=0.0)
+            wd = widen(raw).to(tl.float32) * (sc * 256.0)[:, None]
+            wd = wd.to(y.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+            acc += tl.sum(wd * a[None, :], axis=1)
+        tl.store(y + r.to(tl.int64) * sy + rn, acc.to(y.dtype.element_ty), mask=rn < n)
+
+    return triton, fp8_gemm, fp8_dequant, fp8_pick_gemv
 
 
 def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -160,7 +183,7 @@ def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> t
 
 def fused(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The fused kernel on x [m, k] (bf16/fp16; m <= FP8_FUSED_ROWS): [m, n]."""
-    triton, gemm, _ = _kernels()
+    triton, gemm, *_ = _kernels()
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -175,10 +198,37 @@ def fused(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> to
 
 def dequantize_gpu(w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
     """The weight [n, k] in `dtype`, in one pass of a kernel (a temporary for large products)."""
-    triton, _, kernel = _kernels()
+    triton, _, kernel, _ = _kernels()
     n, k = w.data.shape
     out = torch.empty(n, k, dtype=dtype, device=w.data.device)
     kernel[(triton.cdiv(n, 32), triton.cdiv(k, 256))](w.data.view(torch.uint8), w.scale_inv, out, n, k,
                                                         w.data.stride(0), w.scale_inv.stride(0), out.stride(0),
                                                         32, 256, BLOCK, num_warps=4)
     return out
+
+
+def picks_fused(x: torch.Tensor) -> bool:
+    """Whether `picked_linear` runs for activations `x`: CUDA with Triton, bf16 or fp16."""
+    return triton_on(x.device) and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def picked_linear(x: torch.Tensor, w: Fp8Weight, slot: torch.Tensor, xdiv: int) -> torch.Tensor:
+    """Row r: x[r // xdiv] [k] times the matrix of expert `slot[r]` of the FP8 stack `w` (data
+    [E, n, k]) -> [len(slot), n] in x's dtype, in one kernel (`fp8_pick_gemv`) that reads each
+    picked expert's bytes once and builds no dequantized matrix (`picks_fused(x)` must hold).
+    Equal to `dequantize_experts(w, x.dtype, slot)` multiplied in float32, up to the order of
+    the sums; static shapes and no host sync (a CUDA graph captures it)."""
+    triton, *_, gemv = _kernels()
+    e, n, k = w.data.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    data, scale = w.data.view(torch.uint8), w.scale_inv
+    if data.stride(2) != 1 or scale.stride(2) != 1:
+        raise ValueError("picked_linear: the FP8 stack's rows must be contiguous")
+    rows = slot.shape[0]
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows:  # a program per 16 output rows of a pick (tiles and warps from a sweep on an H100, decode shapes)
+        gemv[(triton.cdiv(n, 16), rows)](x, xdiv, data, scale, slot, y, n, k, x.stride(0), data.stride(0),
+                                         data.stride(1), scale.stride(0), scale.stride(1), y.stride(0), 16, BLOCK,
+                                         num_warps=8 if k > 1024 else 2)
+    return y
