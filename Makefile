@@ -54,3 +54,8 @@ native-test: $(ASAN)/test_native
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# benchmarks/RESULTS.md from the benchmarks' JSONL rows and benchmarks/SUMMARY.md (stdlib only).
+.PHONY: results
+results:
+	$(PY) benchmarks/results.py

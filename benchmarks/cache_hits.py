@@ -102,7 +102,7 @@ def cache_run(picks: torch.Tensor, first: set[int], prompt: int, every: int, s: 
     every `every` decode steps with the S the steps since picked most, ordered as
     `ExpertCache.refill_from` orders (`cache_curves.next_order`: ties keep the order of the refill
     before)."""
-    from ktflow.cache_curves import next_order
+    from ktflow.runtime.cache_curves import next_order
 
     if picks.dim() == 2:
         picks = picks[:, None]
@@ -143,7 +143,7 @@ def main() -> int:
         raise SystemExit(f"need 0 < --prompt < --len, --every >= 1 and 1 <= --batch <= --seqs (got {a.prompt}, "
                          f"{a.len}, {a.every}, {a.batch})")
     import ktflow
-    from ktflow.cache_curves import spread
+    from ktflow.runtime.cache_curves import spread
 
     d = Path(a.model)
     model = ktflow.load(d)

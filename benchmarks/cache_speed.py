@@ -151,7 +151,7 @@ def main() -> int:
     path = Path(tmp.name) / "routing.json"
     path.write_text(prof.model_dump_json() + "\n")
     if a.save_profile:
-        from ktflow.fsutil import write_atomic
+        from ktflow.util.fsutil import write_atomic
 
         write_atomic(a.save_profile, prof.model_dump_json() + "\n")
     # the held-out conversations' own routing (the same text the timed runs read): static plans' hits

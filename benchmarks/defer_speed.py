@@ -84,7 +84,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(HERE / "defer_speed.jsonl"))
     a = ap.parse_args()
     import ktflow
-    from ktflow.hw import PRESETS
+    from ktflow.costmodel.hw import PRESETS
     from ktflow.tools.probe import probe
 
     d = Path(a.model)

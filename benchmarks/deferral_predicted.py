@@ -16,7 +16,7 @@ from pathlib import Path
 
 import ktflow
 from ktflow.ir.ops import Op
-from ktflow.timeline import layer_times
+from ktflow.plan.timeline import layer_times
 from common import append_jsonl, commit
 
 HERE = Path(__file__).parent

@@ -30,7 +30,7 @@ decode tokens/s for `--decode` tokens after a 32-token prompt. For each
 decode variant also: CPU busy % (the native queue's task times over the wall time), GPU busy %
 and API launches per token (torch.profiler over 16 steps), predicted vs measured per-layer time,
 peak VRAM vs the plan, the hand-off of each layer's CPU task to the CPU and back (graph variants: one
-traced step, `ktflow.timeline.handoffs`), and the roofline: routed-expert bytes per token over the
+traced step, `ktflow.plan.timeline.handoffs`), and the roofline: routed-expert bytes per token over the
 DRAM read measured (the native pool streaming 1 GiB on every CPU) at the start of each round, the
 fraction being the mean of the rounds' own fractions; exact variants also print their CPU task's
 expert bytes per second (replayed) against it. Every routed expert stays on the CPU (the VRAM budget holds the dense weights
@@ -60,7 +60,7 @@ block scales and quantization_config), which ktflow loads as published; its expe
 
 `--calibrate` fits the hardware profile to the graph variants run one step a launch
 (`graph+run1`: their replayed steps are timed one by one; a greedy run's are not;
-`ktflow.calibrate.fit_replayed`): the first (exact) fits every term but the deferred task's extra
+`ktflow.tools.calibrate.fit_replayed`): the first (exact) fits every term but the deferred task's extra
 time, the first deferred one (`graph+run1+d2`) that term; then every variant's prediction with the
 fitted profile is printed beside its measured step, its rounds' mean (the fitting variants' own
 rows record the replayed step too).
@@ -135,13 +135,13 @@ def ready_checkpoint(model: str, cfg: dict, layers: int, fp8: bool, where: str |
 
 def write_checkpoint(cfg: dict, directory: Path, fp8: bool = False) -> None:
     """config.json, then bf16 safetensors shards of every tensor ktflow's spec of this config reads
-    (ktflow.checkpoint's streaming writer, one tensor at a time), and the shard index. Large
+    (ktflow.frontend.checkpoint's streaming writer, one tensor at a time), and the shard index. Large
     tensors are cut from a pool of random values (fast enough for 30+ GB); norms, biases and
     routers come from `random_tensor`. `fp8`: the layout of an FP8 release instead (linear
     weights in e4m3 with 128 x 128 block scales, quantization_config in config.json)."""
     import ktflow
-    from ktflow.checkpoint import checkpoint_entries, random_tensor, write_safetensors
-    from ktflow.quant import config_entry, scale_key, stored_fp8
+    from ktflow.frontend.checkpoint import checkpoint_entries, random_tensor, write_safetensors
+    from ktflow.frontend.quant import config_entry, scale_key, stored_fp8
 
     marker = directory / ".complete"
     if fp8:
@@ -240,7 +240,7 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
     the host, as `generate` runs greedy decoding); returns (tokens/s, CPU busy fraction, the
     replayed step's split)."""
     import ktflow
-    from ktflow import native
+    from ktflow.backends.native import binding as native
     from ktflow.runtime.execute import decode_greedy
 
     g = torch.Generator().manual_seed(seed)
@@ -285,7 +285,7 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
         busy = merged / wall
         split = replay_split(recs, new, calls if run == 1 else None)
         if split is not None and run == 1:
-            from ktflow.calibrate import Replayed
+            from ktflow.tools.calibrate import Replayed
 
             split["replayed"] = Replayed.from_records(recs, new, [(b - a) / 1e3 for a, b in calls])
         if split and len(host) == new:
@@ -298,11 +298,11 @@ def decode_run(compiled, vocab: int, new: int, seed: int, records: bool = False)
 
 def fit_from_variant(plan, replayed, hw, calibrated, row: dict):
     """With --calibrate: a graph variant run one step a launch fits the profile from its replayed
-    steps (`ktflow.calibrate.fit_replayed`): the first, exact, every term but the deferred task's
+    steps (`ktflow.tools.calibrate.fit_replayed`): the first, exact, every term but the deferred task's
     extra time; then the first deferred one only that term, on top (its gaps are not the GPU's
-    chain), as `ktflow.calibrate.calibrate` does. Returns the profile (`calibrated` where the
+    chain), as `ktflow.tools.calibrate.calibrate` does. Returns the profile (`calibrated` where the
     variant adds nothing)."""
-    from ktflow.calibrate import deferred_tasks, fit_replayed
+    from ktflow.tools.calibrate import deferred_tasks, fit_replayed
 
     deferred = any(deferred_tasks(plan))
     if calibrated is not None and (not deferred or calibrated.overheads.cpu_deferred_us > 0):
@@ -480,7 +480,7 @@ def traced_handoffs(compiled, vocab: int) -> dict:
     run with the trace (issued eagerly with CUDA events around each GPU step: the launches add to
     what a replayed graph spends), beside the plan's prediction."""
     import ktflow
-    from ktflow.timeline import handoffs, with_measured_steps
+    from ktflow.plan.timeline import handoffs, with_measured_steps
 
     logits, state = ktflow.execute(compiled, torch.randint(0, vocab, (1, 32)))
     nxt = logits[:, -1:].argmax(-1)
@@ -522,7 +522,7 @@ def shared_backend(compiled):
     """One cuda_graph backend for every variant (benchmark only): packed experts, their pinning
     and GPU weights made once."""
     global _SHARED
-    from ktflow.backends.cuda_graph import CudaGraphBackend
+    from ktflow.backends.cuda.backend import CudaGraphBackend
 
     if _SHARED is None:
         _SHARED = CudaGraphBackend("cuda", torch.bfloat16, options=compiled.plans.options)
@@ -674,7 +674,7 @@ def finish_variant(a, x: Variant, vocab: int, cfg: dict, info: dict, dram: list[
     is the mean over the rounds of the round's tok/s over the round's own bound (routed-expert bytes
     per token at that round's DRAM read): this VM's DRAM read drifts by 10-30% within minutes."""
     from ktflow.ir.ops import Op
-    from ktflow.timeline import layer_times
+    from ktflow.plan.timeline import layer_times
 
     v, c, row = x.name, x.c, dict(info, **x.row)
     x.apply()
@@ -738,7 +738,7 @@ def tasks_by_kind(plan, replayed) -> dict:
     """A replayed run's CPU tasks (one step a launch) split by kind: those running a layer's picks
     needed now and the deferred ones, each kind's median measured and predicted time (us), so a
     deferred task's time can be read beside the other's (and its picks: top_k - d against d)."""
-    from ktflow.calibrate import deferred_tasks, predicted_tasks
+    from ktflow.tools.calibrate import deferred_tasks, predicted_tasks
 
     if replayed is None:
         return {}
@@ -929,7 +929,7 @@ def main() -> int:
     ap.add_argument("--fp8-on-gpu", default="auto", choices=["auto", "keep", "dequantize"],
                     help="an FP8 checkpoint's dense weights on the GPU (compile option fp8_on_gpu)")
     ap.add_argument("--calibrate", action="store_true",
-                    help="fit the profile to the first graph variant's replayed steps (ktflow.calibrate.fit_replayed) "
+                    help="fit the profile to the first graph variant's replayed steps (ktflow.tools.calibrate.fit_replayed) "
                          "and print, for every variant after it, its prediction with the fitted profile beside the "
                          "measured step (out of sample: fitted on another variant)")
     ap.add_argument("--host-profile", action="store_true",
@@ -942,7 +942,7 @@ def main() -> int:
         print("e2e.py needs a CUDA GPU", file=sys.stderr)
         return 2
     import ktflow
-    from ktflow import native
+    from ktflow.backends.native import binding as native
     from ktflow.tools.probe import probe
 
     cfg = dict(MODELS[a.model], **({"num_hidden_layers": a.layers} if a.layers else {}))
@@ -996,7 +996,7 @@ def main() -> int:
         x = prepare_variant(v, model, opts, vocab)
         ready.append(x)
         if a.calibrate and x.c.plans.options.greedy_steps == 1:  # fit now, so that a later auto variant uses it
-            from ktflow.calibrate import measure_replayed
+            from ktflow.tools.calibrate import measure_replayed
 
             replayed = measure_replayed(x.c, 32)  # as `ktflow calibrate` measures: with greedy runs of 8
             if replayed is not None:

@@ -25,8 +25,8 @@ import torch
 
 from common import append_jsonl, commit, machine
 from fp8_linear import timed
-from ktflow.backends import fp8_gpu
-from ktflow.quant import quantize
+from ktflow.backends.kernels import fp8_gpu
+from ktflow.frontend.quant import quantize
 
 SHAPES = {  # name: (n, k) of one expert's projection
     "qwen3.gate_up": (768, 2048), "qwen3.down": (2048, 768),

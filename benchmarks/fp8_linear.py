@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from common import append_jsonl, commit, machine
-from ktflow.backends import fp8_gpu
-from ktflow.memory import FP8_FUSED_ROWS
-from ktflow.quant import quantize
+from ktflow.backends.kernels import fp8_gpu
+from ktflow.costmodel.memory import FP8_FUSED_ROWS
+from ktflow.frontend.quant import quantize
 
 SHAPES = {  # name: (n, k)
     "dsv3.q_b": (24576, 1536), "dsv3.kv_a": (576, 7168), "dsv3.o": (7168, 16384),

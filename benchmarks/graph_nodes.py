@@ -31,8 +31,8 @@ HERE = Path(__file__).resolve().parent
 
 def build(kernels: int, nodes: int, kind: str, stream: torch.cuda.Stream):
     """A captured graph of `kernels` small kernels with `nodes` nodes of `kind` among them."""
-    from ktflow.backends import pinned_copy
-    from ktflow.backends.cuda_graph import Driver
+    from ktflow.backends.kernels import pinned_copy
+    from ktflow.backends.cuda.backend import Driver
 
     x = torch.zeros(2048, device="cuda", dtype=torch.bfloat16)
     host = torch.zeros(2048, dtype=torch.bfloat16, pin_memory=True)

@@ -40,7 +40,7 @@ TOKENS = 128
 def compile_model(d: Path, fmt: str, defer: int | None):
     """Every routed expert on the CPU (the dense weights and KV cache on the GPU), as e2e.py."""
     import ktflow
-    from ktflow import native
+    from ktflow.backends.native import binding as native
     from ktflow.tools.probe import probe
     from e2e import budget_without_experts, compile_cpu_experts
 
@@ -57,7 +57,7 @@ def compile_model(d: Path, fmt: str, defer: int | None):
 def one_round(c, vocab: int, k: int, seed: int) -> dict:
     """128 greedy steps, k per call; tok/s and the medians of the task records' gaps."""
     import ktflow
-    from ktflow import native
+    from ktflow.backends.native import binding as native
     from ktflow.runtime.execute import decode_greedy
 
     g = torch.Generator().manual_seed(seed)

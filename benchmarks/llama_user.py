@@ -182,7 +182,7 @@ def sampler_ms(libllama: Path, vocab: int, temperature: float, top_p: float, ite
 def dram_read() -> float | None:
     """The DRAM read of ktflow's instrument (every CPU streaming 1 GiB), where ktflow is built."""
     try:
-        from ktflow import native
+        from ktflow.backends.native import binding as native
 
         pool = native.module().Pool(threads=0, groups=0, pin=True)
         gbps = native.module().stream_read_gbps(pool, 1 << 30, 3)

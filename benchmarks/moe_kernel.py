@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from common import append_jsonl, commit, machine
-from ktflow import native
+from ktflow.backends.native import binding as native
 
 SHAPES = {  # name: (experts, top_k, hidden, inter)
     "qwen3": (128, 8, 2048, 768),
@@ -228,7 +228,7 @@ def main() -> None:
         impls = []
         fp8 = {}  # fp8 is packed from e4m3 bytes and 128 x 128 block scales, as an FP8 release holds them
         if "fp8" in a.formats.split(","):
-            from ktflow.quant import Fp8Matrix, quantize
+            from ktflow.frontend.quant import Fp8Matrix, quantize
 
             fp8 = {e: tuple(Fp8Matrix(*quantize(t[e], (128, 128)), (128, 128)) for t in (gate, up, down))
                    for e in range(E)}

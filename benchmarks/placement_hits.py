@@ -125,7 +125,7 @@ def roofline_only(hw=None, device: str | None = None):
     those of `hw` (a profile or its JSON path, e.g. `ktflow hw probe`'s); with this GPU's memory
     where there is one, unless the plans run on the CPU (`device="cpu"`: they then keep the
     profile's memory, so a --device cpu run compiles the same plans on any machine)."""
-    from ktflow.hw import PRESETS, Overheads, resolve_hw, with_this_gpus_memory
+    from ktflow.costmodel.hw import PRESETS, Overheads, resolve_hw, with_this_gpus_memory
 
     base = PRESETS["paper-a100"] if hw is None else resolve_hw(hw)
     if device != "cpu":

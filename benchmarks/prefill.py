@@ -57,8 +57,8 @@ def pcie_bound(plan, hw, chunks: int) -> tuple[float, float]:
 def measure(compiled, vocab: int, tokens: int, reps: int, hw, layers: int) -> dict:
     """One variant at one prompt length."""
     import ktflow
-    from ktflow.plan import prefill_decisions
-    from ktflow.timeline import layer_times, with_measured_steps
+    from ktflow.plan.artifact import prefill_decisions
+    from ktflow.plan.timeline import layer_times, with_measured_steps
 
     g = torch.Generator().manual_seed(tokens)
     plan = compiled.prefill_plan(tokens)

@@ -126,7 +126,7 @@ def main() -> int:
     ckpt = Path(a.dir or f"/tmp/ktflow-e2e/{a.model}-{cfg['num_hidden_layers']}")
     write_checkpoint(cfg, ckpt)
     model = ktflow.load(ckpt)
-    from ktflow import native
+    from ktflow.backends.native import binding as native
     from ktflow.tools.probe import probe
 
     native.pool(spare=2)  # the pool the cuda_graph backend makes: probe with it

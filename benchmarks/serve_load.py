@@ -232,7 +232,7 @@ def expert_read_ceiling(d: Path, streams: int) -> float | None:
 def served_dir(tmp: Path, checkpoint: str | None) -> Path:
     """The dir to serve, in `tmp`: the demo checkpoint, or `checkpoint`'s files linked, each with
     the demo tokenizer where it has no tokenizer.json (its ids are below 2048: any vocabulary)."""
-    from ktflow.demo import ensure_demo_checkpoint
+    from ktflow.tools.demo import ensure_demo_checkpoint
     from ktflow.serve.demo_tokenizer import write_demo_tokenizer
 
     d = tmp / "model"

@@ -150,7 +150,7 @@ def vram_row(c, plans, vram: Vram, variant: str) -> dict:
 
 
 def has_options(*names: str) -> bool:
-    from ktflow.options import CompileOptions
+    from ktflow.plan.options import CompileOptions
 
     return all(n in CompileOptions.model_fields for n in names)
 
@@ -232,7 +232,7 @@ def sync(cuda: bool) -> None:
 def prefill_row(c, vocab: int, tokens: int, reps: int, cuda: bool) -> dict:
     """llama-bench style: random ids, a warm-up, then `reps` timed prompts (logits of the last)."""
     import ktflow
-    from ktflow.plan import prefill_decisions
+    from ktflow.plan.artifact import prefill_decisions
 
     g = torch.Generator().manual_seed(tokens)
     ktflow.execute(c, torch.randint(0, vocab, (1, tokens), generator=g), logits="last")
@@ -470,7 +470,7 @@ def main(argv=None) -> int:
     a.vram_gb = a.vram_gb or DEFAULT_VRAM_GB.get(family, 24.0)
     vram = Vram(cuda)  # before anything else touches the GPU
     import ktflow
-    from ktflow import native
+    from ktflow.backends.native import binding as native
 
     cfg = dict(MODELS[a.model], **({"num_hidden_layers": a.layers} if a.layers else {}))
     d = ready_checkpoint(a.model, cfg, a.layers, a.fp8, a.dir)

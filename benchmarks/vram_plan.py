@@ -78,7 +78,7 @@ def main() -> int:
         print("vram_plan.py needs a CUDA GPU", file=sys.stderr)
         return 2
     import ktflow
-    from ktflow import native
+    from ktflow.backends.native import binding as native
     from ktflow.tools.probe import probe
 
     cfg = dict(MODELS[a.model])

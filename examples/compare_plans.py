@@ -4,7 +4,7 @@
 
 Compiles MODEL_DIR as ktflow would by default and with the two example passes (the first MoE
 layer's experts pinned to the GPU, deferral by depth), then prints what changed
-(`ktflow.diff.plan_diff`: placements with their causes, deferral per layer, memory, predicted
+(`ktflow.plan.diff.plan_diff`: placements with their causes, deferral per layer, memory, predicted
 step and per-layer times). The demo checkpoint works: `ktflow demo` writes it.
 """
 
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import ktflow
-from ktflow.diff import plan_diff
+from ktflow.plan.diff import plan_diff
 
 sys.path.insert(0, str(Path(__file__).parent))
 from defer_by_depth import defer_by_depth  # noqa: E402

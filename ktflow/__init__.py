@@ -14,13 +14,13 @@ from importlib import import_module
 from importlib.util import find_spec
 
 from .errors import ConfigError, InputError, KtflowError, PassError, PlanError, WeightError
-from .hw import HwProfile
+from .costmodel.hw import HwProfile
 from .version import __version__
 
 #: the public names loaded on first use, and their modules
 _LAZY = {**dict.fromkeys(("Compiled", "compile", "decode_greedy", "decode_tokens", "execute", "generate",
                           "start_sampling"), ".api"),
-         "SamplingParams": ".backends.sampling", "Model": ".model", "load": ".model", "State": ".runtime.state"}
+         "SamplingParams": ".backends.sampling", "Model": ".frontend.load", "load": ".frontend.load", "State": ".runtime.state"}
 
 __all__ = ["Compiled", "compile", "execute", "decode_greedy", "decode_tokens", "generate", "start_sampling",
            "SamplingParams", "load", "Model", "State", "HwProfile",
@@ -28,7 +28,7 @@ __all__ = ["Compiled", "compile", "execute", "decode_greedy", "decode_tokens", "
 
 
 def __getattr__(name: str):
-    """A lazy public name, or a submodule (`ktflow.api`, `ktflow.native`, ...) imported on use."""
+    """A lazy public name, or a submodule (`ktflow.api`, `ktflow.backends.native.binding`, ...) imported on use."""
     if name in _LAZY:
         value = getattr(import_module(_LAZY[name], __name__), name)
     elif not name.startswith("__") and find_spec(f"{__name__}.{name}") is not None:

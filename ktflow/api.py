@@ -10,25 +10,25 @@ import torch
 from pydantic import ValidationError
 
 from .backends import get_backend, resolve_backend
-from .config import DTYPE_BY_NAME
-from .cost import held_weight_bytes
+from .frontend.config import DTYPE_BY_NAME
+from .costmodel.roofline import held_weight_bytes
 from .errors import ConfigError, PlanError, ResourceError
-from .hw import HwProfile, resolve_hw
+from .costmodel.hw import HwProfile, resolve_hw
 from .ir.graph import Graph
 from .ir.ops import Op
 from .ir.types import Device
-from .model import Model, load
-from .options import CompileContext, CompileOptions
-from .memory import activation_peak, gpu_activation_peak, gpu_workspace_bytes, kv_cache_bytes, staging_bytes
-from .options import VramShare
+from .frontend.load import Model, load
+from .plan.options import CompileContext, CompileOptions
+from .costmodel.memory import activation_peak, gpu_activation_peak, gpu_workspace_bytes, kv_cache_bytes, staging_bytes
+from .plan.options import VramShare
 from .passes import PIPELINE, PassTimer, default_instruments, edit_pipeline, pass_id, run_pipeline
 from .passes.schedule import steps_of
-from .plan import MemoryEstimate, ModelInfo, Plan, PlanFile
-from .vram_plan import bucket_grid, decide
+from .plan.artifact import MemoryEstimate, ModelInfo, Plan, PlanFile
+from .passes.vram_plan import bucket_grid, decide
 from .runtime.execute import decode_greedy, decode_tokens, execute, start_sampling  # noqa: F401 (the public API's)
 from .runtime.executor import Executor
 from .runtime.generate import generate_with_stats
-from .weights import TORCH_DTYPE
+from .frontend.weights import TORCH_DTYPE
 
 
 
@@ -89,7 +89,7 @@ class Compiled:
         elif not isinstance(model, Model):
             model = load(model)
         pf.require_model(model.fingerprint, path)
-        from .plan_check import spec_mismatches
+        from .plan.check import spec_mismatches
 
         for plan in pf.plans:
             bad = spec_mismatches(plan, model.graph(plan.ir.act_dtype))
@@ -308,7 +308,7 @@ def _prefill_plans(spec: Graph, ctx_for, opts: CompileOptions, max_seq: int, sha
     if auto and (not ctx.hw.has_gpu or opts.placement == "cpu"):
         cands = cands[-1:]  # nothing to stream: every bucket would decide the same
     plans: list[Plan] = []
-    from .progress import bar
+    from .util.progress import bar
 
     for t in bar(cands, "compile: prefill buckets", "plan", show=len(cands) > 1):
         plan = _compile_plan(spec, ctx_for(t), instruments if t == cands[-1] else (), pipeline)
@@ -387,7 +387,7 @@ def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, pr
         opts = opts.model_copy(update=dict(expert_format="fp8" if stored == {"fp8"} else "bf16"))
     routing = None
     if opts.routing_profile:
-        from .cost import RoutingProfile
+        from .costmodel.roofline import RoutingProfile
 
         routing = RoutingProfile.load(opts.routing_profile)
         routing.check_against(spec)
@@ -450,7 +450,7 @@ def _check_fits(pf: PlanFile, runnable: bool) -> None:
     """Where a plan's predicted peak GPU or host memory exceeds the hardware profile's: a
     ConfigError with the numbers, or for a config-only model (a plan that cannot run here
     anyway: planning for another machine) one warning."""
-    from . import notices
+    from .util import notices
 
     hw = pf.hw
     host = sum(n.memory_bytes for n in hw.cpu.numa)

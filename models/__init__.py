@@ -1,6 +1,6 @@
 """Model specs, one file per family, and the registry from config.json's model_type.
 
-A family module defines `Config` (a pydantic `ktflow.config.HFConfig` subclass),
+A family module defines `Config` (a pydantic `ktflow.frontend.config.HFConfig` subclass),
 `config(raw: dict, where: str) -> Config` and `build(cfg, act_dtype) -> Graph`. To add a family,
 write `models/<family>.py` and add its model_type(s) to REGISTRY below.
 """

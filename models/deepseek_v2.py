@@ -9,12 +9,12 @@ model code, weights are renormalised when `norm_topk_prob`, otherwise multiplied
 
 from __future__ import annotations
 
-from ktflow.config import HFConfig, parse_config, resolve_rope, yarn_softmax_mscale
+from ktflow.frontend.config import HFConfig, parse_config, resolve_rope, yarn_softmax_mscale
 from ktflow.errors import ConfigError
 from ktflow.ir.graph import Graph
 from ktflow.ir.ops import GateAttrs
 from ktflow.ir.types import DType
-from ktflow import spec
+from ktflow.frontend import spec
 
 
 class Config(HFConfig):

@@ -11,11 +11,11 @@ are not part of the graph and their tensors are ignored.
 
 from __future__ import annotations
 
-from ktflow.config import HFConfig, parse_config, resolve_rope, yarn_softmax_mscale
+from ktflow.frontend.config import HFConfig, parse_config, resolve_rope, yarn_softmax_mscale
 from ktflow.ir.graph import Graph
 from ktflow.ir.ops import GateAttrs
 from ktflow.ir.types import DType
-from ktflow import spec
+from ktflow.frontend import spec
 
 
 class V3FfnConfig(HFConfig):

@@ -13,11 +13,11 @@ the graph and their tensors are ignored.
 
 from __future__ import annotations
 
-from ktflow.config import parse_config, resolve_rope, rope_params
+from ktflow.frontend.config import parse_config, resolve_rope, rope_params
 from ktflow.errors import ConfigError
 from ktflow.ir.graph import Graph
 from ktflow.ir.types import DType
-from ktflow import spec
+from ktflow.frontend import spec
 
 from .deepseek_v3 import V3FfnConfig, v3_ffn
 

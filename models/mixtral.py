@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from pydantic import AliasChoices, Field
 
-from ktflow.config import HFConfig, parse_config, resolve_rope
+from ktflow.frontend.config import HFConfig, parse_config, resolve_rope
 from ktflow.ir.graph import Graph
 from ktflow.ir.ops import GateAttrs
 from ktflow.ir.types import DType
-from ktflow import spec
+from ktflow.frontend import spec
 
 
 class Config(HFConfig):

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ktflow.config import HFConfig, parse_config, resolve_rope
+from ktflow.frontend.config import HFConfig, parse_config, resolve_rope
 from ktflow.errors import ConfigError
 from ktflow.ir.graph import Graph
 from ktflow.ir.ops import GateAttrs
 from ktflow.ir.types import DType
-from ktflow import spec
+from ktflow.frontend import spec
 
 
 class Config(HFConfig):

@@ -17,7 +17,7 @@ DATA = Path(__file__).parent / "data"
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory):
     """The demo checkpoint (small DeepSeek-V3 shape, bf16), written once per test session."""
-    from ktflow.demo import ensure_demo_checkpoint
+    from ktflow.tools.demo import ensure_demo_checkpoint
 
     d, _ = ensure_demo_checkpoint(tmp_path_factory.mktemp("demo") / "ckpt")
     return d

@@ -109,7 +109,7 @@ def to_fp8(model: torch.nn.Module, directory: Path, block: tuple[int, int] = (12
     model."""
     from safetensors.torch import save_file
 
-    from ktflow.quant import config_entry, dequantize, quantize, stored_fp8
+    from ktflow.frontend.quant import config_entry, dequantize, quantize, stored_fp8
 
     directory.mkdir(parents=True, exist_ok=True)
     tensors, meant = {}, {}

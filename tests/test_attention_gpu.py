@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from ktflow import rope
+from ktflow.backends.kernels import rope
 from ktflow.ir.ops import AttentionAttrs, RopeAttrs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the kernels are Triton's)")
@@ -46,7 +46,7 @@ def test_project_writes_what_the_torch_form_computes(a, batch, seq, ragged):
     (layers.rms_norm and layers.rotate, fused_gpu's kernels on the GPU) from the same projections,
     and nothing else in the caches changes."""
     pytest.importorskip("triton")
-    from ktflow.backends import attention_gpu, layers
+    from ktflow.backends.kernels import attention_gpu, layers
 
     g = torch.Generator(device="cuda").manual_seed(1)
     w = weights(a, g)
@@ -100,7 +100,7 @@ def test_attend_matches_float64_attention(a, length, pos, batch, seq, ragged):
     twice torch's own (scaled_dot_product_attention in bf16 over the same keys), and it reads
     no key past a token's position (the keys there are NaN)."""
     pytest.importorskip("triton")
-    from ktflow.backends import attention_gpu
+    from ktflow.backends.kernels import attention_gpu
 
     g = torch.Generator(device="cuda").manual_seed(2)
     tokens, pos_t = steps(batch, seq, pos, ragged)
@@ -131,7 +131,8 @@ def test_decode_rule_runs_the_kernels_and_matches_the_torch_form(monkeypatch):
     """static_rules.gqa on a CUDA step with fused weights goes through attention_gpu, and gives
     what the torch form gives on the same caches (within bf16 attention's rounding)."""
     pytest.importorskip("triton")
-    from ktflow.backends import attention_gpu, static_rules
+    from ktflow.backends.kernels import attention_gpu
+    from ktflow.backends.cuda import static_rules
     from ktflow.backends.base import StepContext
 
     a = attrs(heads=32, kv=4, dim=128, rdim=128)
@@ -171,7 +172,7 @@ def test_decode_rule_runs_the_kernels_and_matches_the_torch_form(monkeypatch):
 
 
 def test_fuse_qkv_keeps_the_three_as_views_of_one_matrix():
-    from ktflow.backends import attention_gpu
+    from ktflow.backends.kernels import attention_gpu
 
     w = {r: torch.randn(n, 8, device="cuda").to(torch.bfloat16) for r, n in (("q", 16), ("k", 4), ("v", 4))}
     w.update({r + "_bias": torch.randn(n, device="cuda").to(torch.bfloat16) for r, n in (("q", 16), ("k", 4), ("v", 4))})
@@ -202,7 +203,7 @@ def test_mla_project_writes_what_the_torch_form_computes(a, batch, seq, ragged):
     (layers.mla_project's norm and rotation, fused_gpu's kernels) from the same projections; the
     rest of the cache unchanged."""
     pytest.importorskip("triton")
-    from ktflow.backends import attention_gpu, layers
+    from ktflow.backends.kernels import attention_gpu, layers
 
     g = torch.Generator(device="cuda").manual_seed(4)
     tokens, pos = steps(batch, seq, 17, ragged)
@@ -239,7 +240,7 @@ def test_attend_latent_matches_float64_attention(a, length, pos, batch, seq, rag
     the torch form's (static_rules.mla: scores in float32, probabilities rounded to bf16, one
     bmm with the latent), and no key past a token's position is read (NaN there)."""
     pytest.importorskip("triton")
-    from ktflow.backends import attention_gpu
+    from ktflow.backends.kernels import attention_gpu
 
     g = torch.Generator(device="cuda").manual_seed(5)
     tokens, pos_t = steps(batch, seq, pos, ragged)

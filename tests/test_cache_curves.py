@@ -1,11 +1,11 @@
-"""The cache curves (ktflow.cache_curves): the refill policy replayed on recorded routing."""
+"""The cache curves (ktflow.runtime.cache_curves): the refill policy replayed on recorded routing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ktflow.cache_curves import cache_curves, spread
+from ktflow.runtime.cache_curves import cache_curves, spread
 
 
 def brute_batch(convs, every, first, s):

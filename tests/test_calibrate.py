@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import ktflow
-from ktflow.calibrate import (Replayed, _edge_syncs, median_steps, calibrate, deferred_tasks, fit, fit_replayed, measure,
-                              predicted_tasks)
-from ktflow.hw import PRESETS, Overheads, resolve_hw
+from ktflow.tools.calibrate import (Replayed, _edge_syncs, median_steps, calibrate, deferred_tasks, fit,
+    fit_replayed, measure, predicted_tasks)
+from ktflow.costmodel.hw import PRESETS, Overheads, resolve_hw
 from ktflow.ir.ops import Op
 from ktflow.ir.types import Device
-from ktflow.native import available as native_available
+from ktflow.backends.native.binding import available as native_available
 
 
 def fabricate(plan, hw, gpu=None, cpu=None):

@@ -6,7 +6,7 @@ import re
 import pytest
 
 import ktflow
-from ktflow.config import resolve_rope
+from ktflow.frontend.config import resolve_rope
 from ktflow.errors import ConfigError
 from ktflow.models import REGISTRY, family
 from small_configs import CONFIGS

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ktflow
-from ktflow import native
+from ktflow.backends.native import binding as native
 from ktflow.errors import InputError, KtflowError, PlanError, ResourceError
 from ktflow.ir.ops import Op
 
@@ -27,7 +27,7 @@ FLIPS, FLIP_TOL = 0.1, 5e-2
 def hw_here():
     """The paper's machine with this GPU's memory and no fixed overheads (so the cost model
     places by intensity alone)."""
-    from ktflow.hw import PRESETS, Overheads, with_this_gpus_memory
+    from ktflow.costmodel.hw import PRESETS, Overheads, with_this_gpus_memory
 
     return with_this_gpus_memory(PRESETS["paper-a100"]).model_copy(update={"overheads": Overheads(
         gpu_launch_us=0, cpu_submit_us=0, cpu_op_us=0, cpu_sync_us=0)})
@@ -400,7 +400,7 @@ def test_one_graph_launch_per_decoded_token(demo_dir):
 
 @gpu
 def test_out_of_memory_at_capture_names_the_node_and_the_prediction(demo_dir, monkeypatch):
-    from ktflow.backends.cuda_graph import DecodeGraph
+    from ktflow.backends.cuda.backend import DecodeGraph
 
     model = ktflow.load(demo_dir)
     c = ktflow.compile(model, hw=hw_here(), device="cuda", vram_budget_gb=0.01, max_seq_len=64)

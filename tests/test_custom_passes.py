@@ -145,7 +145,7 @@ def test_instruments_watch_every_pass_from_outside_the_pipeline(demo_dir):
 
 
 def test_cli_loads_passes_from_a_file_and_a_module(demo_dir, tmp_path, monkeypatch, capsys):
-    from ktflow import cli
+    from ktflow.tools import cli
 
     f = tmp_path / "mypasses.py"
     f.write_text("from dataclasses import replace\n\n"

@@ -145,8 +145,8 @@ def test_the_per_layer_rule_covers_the_gpu_gap():
     defers as few picks as keep the CPU busy through the next layer's GPU work. Layer 3 keeps
     only 154 of its experts on the CPU (102 hot ones fit the A100), so each deferred pick is
     less CPU work there and it needs d = 5; the last MoE layer defers none."""
-    from ktflow.hw import PRESETS
-    from ktflow.options import CompileContext, CompileOptions
+    from ktflow.costmodel.hw import PRESETS
+    from ktflow.plan.options import CompileContext, CompileOptions
     from ktflow.passes import run_pipeline
 
     m = ktflow.load(DATA / "deepseek-v3-config")

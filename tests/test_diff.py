@@ -4,7 +4,7 @@ differ between two plans, and nothing for a plan against itself."""
 import pytest
 
 import ktflow
-from ktflow.diff import plan_diff
+from ktflow.plan.diff import plan_diff
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_deferral_and_its_time_show_per_layer(plans):
 
 
 def test_placements_and_memory_moved_to_the_cpu(plans, tmp_path, capsys):
-    from ktflow import cli
+    from ktflow.tools import cli
 
     base, _, cpu = plans
     d = plan_diff(base.plans, cpu.plans)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import ktflow
-from ktflow import cli
+from ktflow.tools import cli
 from ktflow.errors import WeightError
 
 
@@ -105,7 +105,7 @@ def test_a_nan_in_a_dense_weight_is_named(capsys, tiny_dirs, tmp_path):
 
 
 def test_a_nan_in_a_cpu_expert_is_named_with_its_layer(tiny_dirs, tmp_path, monkeypatch):
-    from ktflow import native
+    from ktflow.backends.native import binding as native
 
     if not native.available():
         pytest.skip("needs the native module")
@@ -187,9 +187,9 @@ def test_a_corrupt_tokenizer_is_named(capsys, demo_dir, tmp_path):
 def test_a_plan_past_the_profile_memory_is_an_error_with_the_numbers(demo_dir, tmp_path, capsys, monkeypatch):
     import shutil
 
-    monkeypatch.setattr("ktflow.notices._said", set())
+    monkeypatch.setattr("ktflow.util.notices._said", set())
     from ktflow.errors import ConfigError
-    from ktflow.hw import PRESETS
+    from ktflow.costmodel.hw import PRESETS
 
     base = PRESETS["cpu"]
     small = base.model_copy(update={"cpu": base.cpu.model_copy(update={"numa": [
@@ -229,7 +229,7 @@ def test_check_finite_names_the_first_node_that_made_a_nan(demo_dir, capsys, mon
 
 
 def test_progress_shows_on_a_terminal_only_and_not_when_quiet(monkeypatch):
-    from ktflow import progress
+    from ktflow.util import progress
 
     class Tty:
         def isatty(self):

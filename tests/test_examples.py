@@ -34,7 +34,7 @@ def test_pin_layers_puts_those_experts_on_the_gpu(model):
 
 
 def test_defer_by_depth_defers_more_in_deeper_layers(model):
-    from ktflow.diff import _deferred
+    from ktflow.plan.diff import _deferred
 
     c = ktflow.compile(model, hw="paper-a100", vram_budget_gb=0.004,
                        passes=[("replace:defer_experts", defer_by_depth)])
@@ -48,7 +48,7 @@ def test_defer_by_depth_defers_more_in_deeper_layers(model):
 def test_the_examples_run_from_the_command_line(demo_dir, tmp_path):
     env_py = sys.executable
     out = tmp_path / "p.json"
-    r = subprocess.run([env_py, "-m", "ktflow.cli", "compile", str(demo_dir), "--hw", "paper-a100",
+    r = subprocess.run([env_py, "-m", "ktflow.tools.cli", "compile", str(demo_dir), "--hw", "paper-a100",
                         "--vram-budget-gb", "0.004", "--allow-oversize",
                         "--pass", f"{EXAMPLES / 'pin_experts.py'}:pin_first_moe_layer@after=place_by_intensity",
                         "--pass", f"{EXAMPLES / 'defer_by_depth.py'}:defer_by_depth@replace=defer_experts",

@@ -13,10 +13,10 @@ from safetensors.torch import load_file, save_file
 
 import ktflow
 from ktflow.errors import ConfigError, InputError
-from ktflow.hw import PRESETS, with_this_gpus_memory
+from ktflow.costmodel.hw import PRESETS, with_this_gpus_memory
 from ktflow.ir.ops import Op
 from ktflow.ir.printer import print_graph
-from ktflow.native import available as native_available
+from ktflow.backends.native.binding import available as native_available
 from ktflow.runtime.expert_cache import ExpertCache
 from ktflow.runtime.routing import RoutingRecorder
 
@@ -150,7 +150,7 @@ def test_refilled_slots_hold_their_experts_weights(demo_dir, device, stage, monk
         allocations()
         # the copies still behind the sleep (else the host waited for them: how long, and why, said:
         # copies from memory the driver did not page-lock hold the host)
-        from ktflow.backends.staging import pin
+        from ktflow.backends.native.staging import pin
 
         pinned = [pin(piece.op) for piece in cache.stagers[n.attrs.layer].pieces]
         assert cache.pending and not cache.pending[0][3].query(), \
@@ -506,7 +506,7 @@ def test_decode_steps_run_while_refill_copies_are_under_way(demo_dir, tmp_path, 
 
 
 def test_ktflow_run_follows_the_routing_with_expert_cache(demo_dir, capsys):
-    from ktflow.cli import main
+    from ktflow.tools.cli import main
 
     kw = split_options(ktflow.load(demo_dir))
     args = ["run", str(demo_dir), "--input-ids", "5 17 3 9 44 2", "--max-new-tokens", "6", "--hw", kw["hw"],
@@ -532,7 +532,7 @@ def curves_profile(path, experts=32, top_k=4, sticky=(3,), flat=(1, 2), interval
     S slots serves 4 S / experts of the picks (more at the first interval, for fewer copies); in
     `flat` layers only S / experts (what static slots serve) and copies cost extra. `batched`:
     {B: (sticky, flat)} the same for batches of B conversations."""
-    from ktflow.cost import CacheCurve, RoutingProfile
+    from ktflow.costmodel.roofline import CacheCurve, RoutingProfile
 
     sizes = range(1, experts)
 
@@ -608,7 +608,7 @@ def test_the_pass_prices_each_copy_at_its_time_over_pcie(demo_dir, tmp_path):
     """A refill's copy costs the decode steps its bytes' time over PCIe: the same curves that make
     the sticky layer a cache over the preset's link price it below static experts over a link a
     thousand times slower, and the pass turns the cache off."""
-    from ktflow.hw import PRESETS
+    from ktflow.costmodel.hw import PRESETS
 
     model = ktflow.load(demo_dir)
     fast = PRESETS["rtx4090-desktop"]

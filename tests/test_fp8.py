@@ -10,7 +10,7 @@ import torch
 
 import hf_tiny
 import ktflow
-from ktflow import native
+from ktflow.backends.native import binding as native
 from ktflow.errors import ConfigError, WeightError
 from test_hf_parity import assert_close, hf_and_ktflow_logits
 
@@ -126,7 +126,7 @@ def test_bad_quantization_configs_are_refused(qc, fp8_dirs, tmp_path):
 
 
 def test_the_cli_says_one_line_for_an_unread_quantization(fp8_dirs, tmp_path, capsys):
-    from ktflow import cli
+    from ktflow.tools import cli
 
     d, _ = fp8_dirs("qwen3_moe")
     bad = _edit(d, tmp_path / "q", config=lambda c: c["quantization_config"].update(quant_method="awq"))
@@ -138,7 +138,7 @@ def test_the_cli_says_one_line_for_an_unread_quantization(fp8_dirs, tmp_path, ca
 @pytest.mark.parametrize("shape,block", [((256, 384), (128, 128)), ((100, 200), (16, 32)), ((7, 5), (128, 128))])
 def test_dequantize_applies_each_blocks_scale(shape, block):
     """Whole blocks (the broadcast path) and partial edge blocks against an element loop's rule."""
-    from ktflow.quant import dequantize
+    from ktflow.frontend.quant import dequantize
 
     g = torch.Generator().manual_seed(0)
     w8 = torch.randn(shape, generator=g).to(torch.float8_e4m3fn)
@@ -198,7 +198,7 @@ def test_fp8_held_weights_are_counted_at_their_stored_size(fp8_dirs, tmp_path):
     """The memory plan counts a held weight at 1 byte per element plus its block scales; the plan
     file keeps `held` per weight and the printer shows it; a step over the fused kernel's row limit
     counts the dequantized temporary of the node's largest held weight."""
-    from ktflow.memory import FP8_FUSED_ROWS, fp8_dequant_bytes
+    from ktflow.costmodel.memory import FP8_FUSED_ROWS, fp8_dequant_bytes
 
     d, _ = fp8_dirs("deepseek_v3", (128, 128))
     model = ktflow.load(d)
@@ -299,9 +299,9 @@ def test_fp8_gpu_kernels_against_float64():
     rows), with partial 128-blocks and a bias, against float64 on the exactly dequantized weight:
     within bf16 output rounding."""
     pytest.importorskip("triton")
-    from ktflow.backends import fp8_gpu
-    from ktflow.memory import FP8_FUSED_ROWS
-    from ktflow.quant import quantize
+    from ktflow.backends.kernels import fp8_gpu
+    from ktflow.costmodel.memory import FP8_FUSED_ROWS
+    from ktflow.frontend.quant import quantize
 
     for n, k, w in _fp8_kernel_cases():
         w8, s = quantize(w)

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 import ktflow
-from ktflow.backends import moe_gpu, static_rules
-from ktflow.backends.fp8_gpu import Fp8Weight, dequantize_experts
-from ktflow.cost import held_weight_bytes
+from ktflow.backends.kernels import moe_gpu
+from ktflow.backends.cuda import static_rules
+from ktflow.backends.kernels.fp8_gpu import Fp8Weight, dequantize_experts
+from ktflow.costmodel.roofline import held_weight_bytes
 from ktflow.ir.ops import Op
-from ktflow.quant import config_entry, quantize, scale_key, stored_fp8
+from ktflow.frontend.quant import config_entry, quantize, scale_key, stored_fp8
 from test_place import A100_NO_OVERHEAD
 
 DATA = Path(__file__).parent / "data"
@@ -49,7 +50,7 @@ def write_fp8_checkpoint(directory: Path, config: dict, seed: int = 0) -> Path:
     in 128 x 128 blocks with its `_scale_inv` beside it, config.json with quantization_config."""
     from safetensors.torch import load_file, save_file
 
-    from ktflow.checkpoint import write_random_checkpoint
+    from ktflow.frontend.checkpoint import write_random_checkpoint
     from ktflow.models import family
 
     fam = family(config["model_type"])
@@ -162,8 +163,8 @@ def test_gpu_experts_held_in_fp8_are_priced_at_half_the_bytes(qwen3_30b_fp8):
     bytes) and the same expert on the CPU at its packed size whatever it is held as."""
     from dataclasses import replace
 
-    from ktflow.cost import node_cost
-    from ktflow.hw import PRESETS
+    from ktflow.costmodel.roofline import node_cost
+    from ktflow.costmodel.hw import PRESETS
     from ktflow.ir.ops import Work
 
     c = ktflow.compile(qwen3_30b_fp8, hw="h100", vram_gb=24, device="cpu")
@@ -233,7 +234,7 @@ def test_the_decode_rule_over_fp8_stacks_equals_it_over_the_dequantized_stacks(h
     want = static_rules.routed_experts(_Backend(dict(local=local, **plain)), node, {}, [x, (pick, wts)], ctx, "cpu")
     assert got.dtype == dtype and torch.equal(got, want)
     # and the dequantized stacks are the checkpoint's weights (float32 product, one rounding)
-    from ktflow.quant import dequantize
+    from ktflow.frontend.quant import dequantize
 
     for r, w in fp8.items():
         for i in range(len(ids)):
@@ -296,7 +297,7 @@ BACKENDS = ["torch_ref", "native"]
 
 
 def _backend_here(backend):
-    from ktflow import native
+    from ktflow.backends.native import binding as native
 
     if backend == "native" and not native.available():
         pytest.skip("native module not built")
@@ -361,7 +362,7 @@ def test_the_fused_pick_kernel_equals_the_picks_dequantized_then_multiplied(hidd
     multiplied in float64: within one rounding of the output, for every projection's shape
     (partial blocks too), rows of x shared by a token's picks (xdiv) or one per pick; and
     static_rules.routed_experts, which takes it on CUDA, equals its gather-and-dequantize path."""
-    from ktflow.backends.fp8_gpu import picked_linear, picks_fused
+    from ktflow.backends.kernels.fp8_gpu import picked_linear, picks_fused
 
     dev = torch.device("cuda")
     fp8 = {r: Fp8Weight(w.data.to(dev), w.scale_inv.to(dev)) for r, w in _stacks(6, hidden, inter, seed=5).items()}
@@ -402,7 +403,7 @@ def test_cuda_graph_with_fp8_experts_matches_the_dequantized_plan(fp8_tiny):
     dequantized by the Triton kernel where it runs) give the logits of the 'dequantize' plan
     within the bf16 tolerance."""
     from compare import assert_close_but_for_flips
-    from ktflow import native
+    from ktflow.backends.native import binding as native
     from test_cuda_graph import hw_here, run_steps
 
     if not native.available():
@@ -437,7 +438,7 @@ def test_the_memory_model_predicts_a_plan_with_fp8_experts(qwen3_small_fp8):
     """A run at a VRAM limit that holds the dense work and about one layer of experts in bf16
     holds its GPU experts in FP8 (about two layers' worth); its measured peaks (the weights
     loaded, a prompt, decode steps) are within 10% of the plans' predictions."""
-    from ktflow import native
+    from ktflow.backends.native import binding as native
     from test_vram_gpu import CONFIG, compiled_for, limit_for, run
 
     if not native.available():

@@ -4,8 +4,8 @@ replace on the GPU."""
 import pytest
 import torch
 
-from ktflow import rope
-from ktflow.backends import layers
+from ktflow.backends.kernels import rope
+from ktflow.backends.kernels import layers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the kernel is Triton's)")
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 ])
 def test_rmsnorm_kernel_matches_the_torch_form(shape, xdt, wdt):
     pytest.importorskip("triton")
-    from ktflow.backends import fused_gpu
+    from ktflow.backends.kernels import fused_gpu
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(shape, generator=g, device="cuda") * 3).to(xdt)
@@ -35,7 +35,7 @@ def test_rmsnorm_kernel_matches_the_torch_form(shape, xdt, wdt):
 def test_rmsnorm_kernel_reads_a_strided_slice():
     """A column slice (MLA's latent part of kv_a's output) normalised as the torch form does."""
     pytest.importorskip("triton")
-    from ktflow.backends import fused_gpu
+    from ktflow.backends.kernels import fused_gpu
 
     kv = torch.randn(2, 3, 512 + 64, device="cuda").to(torch.bfloat16)
     w = torch.rand(512, device="cuda").to(torch.bfloat16)
@@ -46,7 +46,7 @@ def test_rmsnorm_kernel_reads_a_strided_slice():
 
 def test_layers_rms_norm_uses_the_kernel_on_cuda(monkeypatch):
     pytest.importorskip("triton")
-    from ktflow.backends import fused_gpu
+    from ktflow.backends.kernels import fused_gpu
 
     calls = []
     real = fused_gpu.rms_norm
@@ -64,7 +64,7 @@ def test_layers_rms_norm_uses_the_kernel_on_cuda(monkeypatch):
 ])
 def test_rope_kernel_matches_the_torch_form(shape, half, pairs):
     pytest.importorskip("triton")
-    from ktflow.backends import fused_gpu
+    from ktflow.backends.kernels import fused_gpu
 
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(shape, generator=g, device="cuda").to(torch.bfloat16)
@@ -81,7 +81,7 @@ def test_rope_kernel_matches_the_torch_form(shape, half, pairs):
 def test_rope_kernel_reads_a_strided_slice():
     """MLA's rope part of the queries: a column slice of each head."""
     pytest.importorskip("triton")
-    from ktflow.backends import fused_gpu
+    from ktflow.backends.kernels import fused_gpu
 
     q = torch.randn(2, 3, 16, 128 + 64, device="cuda").to(torch.bfloat16)
     ang = torch.rand(3, 32, device="cuda")
@@ -98,7 +98,8 @@ def test_rope_kernel_reads_a_strided_slice():
 ])
 def test_route_kernel_picks_what_torch_ref_picks(experts, k, scoring, renormalize, scale, t):
     pytest.importorskip("triton")
-    from ktflow.backends import fused_gpu, torch_ref
+    from ktflow.backends.kernels import fused_gpu
+    from ktflow.backends import torch_ref
     from ktflow.ir.ops import GateAttrs
 
     a = GateAttrs(hidden=256, experts=experts, top_k=k, scoring=scoring, renormalize=renormalize, scale=scale)

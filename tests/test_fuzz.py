@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import ktflow  # noqa: E402
-from ktflow import cli  # noqa: E402
+from ktflow.tools import cli  # noqa: E402
 from ktflow.errors import KtflowError  # noqa: E402
-from ktflow.weights import SafetensorsFile  # noqa: E402
+from ktflow.frontend.weights import SafetensorsFile  # noqa: E402
 
 #: examples per property: bounded for `make test`; KTFLOW_FUZZ_EXAMPLES=N for a longer run
 N = int(os.environ.get("KTFLOW_FUZZ_EXAMPLES", "60"))

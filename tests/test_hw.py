@@ -9,7 +9,7 @@ import torch
 
 import ktflow
 from ktflow.errors import ConfigError
-from ktflow.hw import PRESETS, HwProfile, _count_cpulist, resolve_hw, this_machine
+from ktflow.costmodel.hw import PRESETS, HwProfile, _count_cpulist, resolve_hw, this_machine
 from ktflow.tools.probe import probe
 
 
@@ -79,7 +79,7 @@ def test_quick_probe_measures_this_machine(monkeypatch):
         g = hw.gpus[0]
         assert g.hbm_gbps > 100 and g.bf16_tflops > 10 and g.pcie_h2d_gbps > 1 and "gpu_launch_us" in hw.measured
         assert g.grouped_tflops > 0.1 * g.bf16_tflops, (g.grouped_tflops, g.bf16_tflops)
-        from ktflow import native
+        from ktflow.backends.native import binding as native
 
         if native.available():  # the hand-off priced from its measured round trip
             assert "cpu_sync_us" in hw.measured and any("hand-off" in line for line in lines)
@@ -113,8 +113,8 @@ def test_handoff_round_trip_is_measured_where_a_gpu_runs_it():
     on a machine without CUDA (or the native module) it says so with None instead of a number."""
     import torch
 
-    from ktflow import native
-    from ktflow.backends.handoff_probe import round_trip_us
+    from ktflow.backends.native import binding as native
+    from ktflow.tools.handoff_probe import round_trip_us
 
     trip = round_trip_us(n=8, reps=3)
     if not (torch.cuda.is_available() and native.available()):

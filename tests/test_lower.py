@@ -5,10 +5,10 @@ import dataclasses
 
 
 import ktflow
-from ktflow.hw import PRESETS, Overheads
+from ktflow.costmodel.hw import PRESETS, Overheads
 from ktflow.ir import verify, violations
 from ktflow.ir.ops import Op
-from ktflow.options import CompileContext, CompileOptions
+from ktflow.plan.options import CompileContext, CompileOptions
 from ktflow.passes import run_pipeline
 from small_configs import graph_of
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ktflow
-from ktflow import native
+from ktflow.backends.native import binding as native
 from ktflow.backends.base import node_key
 from ktflow.ir.ops import Op
 from compare import assert_close_but_for_flips, closer_reference, per_token_errors
@@ -116,7 +116,7 @@ def test_a_cpu_only_step_keeps_the_pool_from_spinning(demo_dir):
     logits, state = ktflow.execute(cpu, torch.tensor([[1, 2, 3]]))
     assert cpu.executor("decode").backend.torch_on_cpu and pool.spin_us == 0
     if torch.cuda.is_available():
-        from ktflow.hw import PRESETS, with_this_gpus_memory
+        from ktflow.costmodel.hw import PRESETS, with_this_gpus_memory
 
         gpu = ktflow.compile(model, hw=with_this_gpus_memory(PRESETS["rtx4090-desktop"]), device="cuda",
                              backend="cuda_graph", max_seq_len=16)

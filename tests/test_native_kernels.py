@@ -6,7 +6,7 @@ fp8 packed from an FP8 checkpoint's own bytes and block scales, and quantized fr
 import pytest
 import torch
 
-from ktflow import native
+from ktflow.backends.native import binding as native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native module not built")
 
@@ -269,7 +269,7 @@ def test_fp8_checkpoint_bytes_are_packed_as_they_are(path, block, fp8_widening):
     rows: dequantized tiles)."""
     if path not in paths():
         pytest.skip(f"this CPU has no {path} path")
-    from ktflow.quant import dequantize, quantize
+    from ktflow.frontend.quant import dequantize, quantize
 
     g = torch.Generator().manual_seed(block[0] + block[1])
     n, k = 100, 300  # partial blocks at both edges
@@ -290,7 +290,7 @@ def test_fp8_checkpoint_bytes_are_packed_as_they_are(path, block, fp8_widening):
 def test_fp8_from_floats_rounds_like_torch():
     """Floats packed as fp8: per row and 128 columns, scale amax / 448 and the nearest e4m3 (ties to
     even, subnormals included), exactly what torch's float8_e4m3fn conversion gives."""
-    from ktflow.quant import dequantize, quantize
+    from ktflow.frontend.quant import dequantize, quantize
 
     g = torch.Generator().manual_seed(4)
     n, k = 48, 384
@@ -302,7 +302,7 @@ def test_fp8_from_floats_rounds_like_torch():
 def test_fp8_source_requantized_to_other_formats():
     """An FP8 source packed as bf16, int8 or int4 (or as fp8 over other groups) is its dequantized
     weight re-quantized: bf16 within bf16 rounding of the dequantized values."""
-    from ktflow.quant import dequantize, quantize
+    from ktflow.frontend.quant import dequantize, quantize
 
     g = torch.Generator().manual_seed(5)
     n, k, block = 64, 256, (128, 128)
@@ -321,7 +321,7 @@ def test_fused_moe_from_fp8_checkpoint_bytes():
     """Experts packed from FP8 sources (row and column slices carry their offsets into the block
     scales; a scale grid with a partial edge block) against float64 on the dequantized weights,
     decode and prefill, split over intermediate slices where the pool has several groups."""
-    from ktflow.quant import Fp8Matrix, dequantize, quantize
+    from ktflow.frontend.quant import Fp8Matrix, dequantize, quantize
 
     E, H, I, block = 8, 256, 320, (128, 128)
     gate, up, down = make_experts(E, H, I, seed=8)
@@ -349,7 +349,7 @@ def test_fused_moe_from_fp8_checkpoint_bytes():
 
 def test_fp8_nan_and_missing_scales_are_named():
     from ktflow.errors import WeightError
-    from ktflow.quant import Fp8Matrix, quantize
+    from ktflow.frontend.quant import Fp8Matrix, quantize
 
     E, H, I, block = 2, 128, 128, (128, 128)
     gate, up, down = make_experts(E, H, I, seed=2)

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from ktflow import native
+from ktflow.backends.native import binding as native
 from ktflow.errors import KtflowError
 from test_native_kernels import make_experts, reference_moe, rel, routing
 
@@ -92,7 +92,7 @@ def test_c_entry_points_drive_the_queue(op):
 def test_exit_with_work_pending_does_not_hang():
     code = """
 import torch
-from ktflow import native
+from ktflow.backends.native import binding as native
 from test_native_kernels import make_experts, routing
 gate, up, down = make_experts(8, 256, 128, seed=0)
 op = native.ExpertOp(8, 256, 128)

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from ktflow import native
+from ktflow.backends.native import binding as native
 from ktflow.errors import WeightError
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs the native module")
@@ -36,7 +36,7 @@ def out_of(op):
 @pytest.fixture(autouse=True)
 def writable_again(monkeypatch):
     monkeypatch.setattr(native, "_CACHE_UNWRITABLE", False)
-    monkeypatch.setattr("ktflow.notices._said", set())
+    monkeypatch.setattr("ktflow.util.notices._said", set())
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip_middle", "garbage", "empty"])

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from ktflow.hw import PRESETS, Overheads
+from ktflow.costmodel.hw import PRESETS, Overheads
 from ktflow.ir import print_graph, verify
-from ktflow.options import CompileContext, CompileOptions
+from ktflow.plan.options import CompileContext, CompileOptions
 from ktflow.passes import PIPELINE
 from ktflow.models import family
 from small_configs import CONFIGS

@@ -5,7 +5,7 @@ between replays (a load must not be served from a line an earlier replay cached)
 import pytest
 import torch
 
-from ktflow.backends import dequant_gpu, pinned_copy
+from ktflow.backends.kernels import dequant_gpu, pinned_copy
 
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and dequant_gpu.available(torch.device("cuda"))),
                          reason="needs a CUDA GPU and Triton")
@@ -62,7 +62,7 @@ def test_replays_read_the_host_values_of_their_time():
 def test_rows_gathered_from_a_page_locked_table_by_ids_on_the_gpu(dtype, width):
     """gather_rows: an ordinary CPU tensor page-locked by staging.pin_tensor (as an embedding table
     the plan keeps on the CPU), rows picked by GPU ids, into pinned host memory and into GPU memory."""
-    from ktflow.backends.staging import pin_tensor
+    from ktflow.backends.native.staging import pin_tensor
 
     table = torch.randn(3000, width, generator=torch.Generator().manual_seed(width)).to(dtype)
     ids = torch.tensor([2999, 0, 17, 17, 1234], device="cuda")

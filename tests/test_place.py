@@ -9,11 +9,11 @@ import torch
 
 import ktflow
 from ktflow.errors import ConfigError
-from ktflow.hw import PRESETS, Overheads
+from ktflow.costmodel.hw import PRESETS, Overheads
 from ktflow.ir.ops import Op
 from ktflow.ir.types import Device
-from ktflow.memory import activation_peak
-from ktflow.plan import placement_table
+from ktflow.costmodel.memory import activation_peak
+from ktflow.plan.artifact import placement_table
 from conftest import DATA
 
 GiB = 2**30

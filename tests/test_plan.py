@@ -12,10 +12,10 @@ import ktflow
 from ktflow.errors import PassError, PlanError
 from ktflow.ir.types import Device
 from ktflow.ir.printer import print_graph
-from ktflow.options import CompileContext, CompileOptions
+from ktflow.plan.options import CompileContext, CompileOptions
 from ktflow.passes import PIPELINE, PassTimer, PrintAfter, default_instruments, run_pipeline
-from ktflow.plan import PlanFile
-from ktflow.hw import PRESETS
+from ktflow.plan.artifact import PlanFile
+from ktflow.costmodel.hw import PRESETS
 from small_configs import graph_of
 
 

@@ -11,15 +11,15 @@ import pytest
 import torch
 
 import ktflow
-from ktflow import native
-from ktflow.config import DTYPE_BY_NAME
+from ktflow.backends.native import binding as native
+from ktflow.frontend.config import DTYPE_BY_NAME
 from ktflow.errors import ConfigError
-from ktflow.hw import PRESETS, GpuSpec, Overheads
+from ktflow.costmodel.hw import PRESETS, GpuSpec, Overheads
 from ktflow.ir import verify
 from ktflow.ir.ops import Op
 from ktflow.ir.types import Device
 from ktflow.ir.verify import VerifyError, violations
-from ktflow.plan import prefill_decisions
+from ktflow.plan.artifact import prefill_decisions
 from compare import assert_close_but_for_flips, per_token_errors
 
 FAMILIES = ["deepseek_v3", "deepseek_v2_lite", "qwen2_moe", "qwen3_moe", "mixtral_sliding", "glm4_moe"]
@@ -247,7 +247,7 @@ def test_staged_experts_unpack_to_the_weights_the_cpu_computes_with(fmt):
     """Experts packed in the native layouts, copied out of the arenas of two operators that hold
     halves of the rows (NUMA shards), unpacked: the same matrices the CPU kernels multiply by
     (bf16 exactly; int8/int4 as dequantized by the CPU: compared through one expert's output)."""
-    from ktflow.backends.staging import ExpertStager, pieces_of
+    from ktflow.backends.native.staging import ExpertStager, pieces_of
     from ktflow.backends.torch_ref import staged
 
     E, H, I = 6, 64, 96
@@ -273,7 +273,7 @@ def test_staged_experts_unpack_to_the_weights_the_cpu_computes_with(fmt):
         ids = torch.full((3, 1), e, dtype=torch.int64)
         ones = torch.ones(3, 1)
         cpu = sum(op.forward(x, ids, ones) for _, op in halves)
-        from ktflow.backends.layers import swiglu
+        from ktflow.backends.kernels.layers import swiglu
 
         gpu_side = swiglu(x.float(), gate[i].float(), up[i].float(), down[i].float())
         assert ((gpu_side - cpu).norm() / cpu.norm()) < 3e-2, (fmt, e)
@@ -288,8 +288,8 @@ def test_one_pass_dequant_kernel_matches_the_torch_unpack(fmt, inter, monkeypatc
     NUMA shard of a staged layer), on the GPU; on a CPU through Triton's interpreter where
     Triton is installed (float32 targets only there: the interpreter truncates to bf16)."""
     pytest.importorskip("triton")
-    from ktflow.backends import dequant_gpu
-    from ktflow.backends.moe_gpu import unpack_matrix
+    from ktflow.backends.kernels import dequant_gpu
+    from ktflow.backends.kernels.moe_gpu import unpack_matrix
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not os.environ.get("TRITON_INTERPRET"):
@@ -322,9 +322,9 @@ def test_one_pass_dequant_kernel_matches_the_torch_unpack(fmt, inter, monkeypatc
 def test_grouped_experts_match_the_reference_loop(block, monkeypatch):
     """Held picks only, in blocks of GROUPED_ROWS (here also 7 and 1: blocks that cut an
     expert's picks), equal the per-pick loop; added to a running sum, returned as its float32."""
-    from ktflow.backends import moe_gpu
-    from ktflow.backends.layers import swiglu
-    from ktflow.backends.moe_gpu import expert_map, grouped_experts
+    from ktflow.backends.kernels import moe_gpu
+    from ktflow.backends.kernels.layers import swiglu
+    from ktflow.backends.kernels.moe_gpu import expert_map, grouped_experts
 
     monkeypatch.setattr(moe_gpu, "GROUPED_ROWS", block)
 
@@ -370,8 +370,8 @@ def test_prefill_on_the_gpu_lanes_matches_torch_ref(case, tiny_dirs):
     """The cuda_graph backend's prefill runner: streamed experts copied from the pinned arenas on
     the fetch stream and unpacked there, split layers' CPU parts as host-node tasks with done
     flags, chunks of 5 tokens; against torch_ref on the same plans, then decode steps on top."""
-    from ktflow.backends.prefill_runner import PrefillRunner
-    from ktflow.backends.staging import _PINNED
+    from ktflow.backends.cuda.prefill import PrefillRunner
+    from ktflow.backends.native.staging import _PINNED
 
     d, _ = tiny_dirs(case)
     model = ktflow.load(d)
@@ -459,9 +459,9 @@ def test_prefill_runner_issues_what_the_executor_runs(mode, tiny_dirs, monkeypat
     calls replaced by host-order stand-ins: the same logits as the executor on the same plans."""
     import contextlib
 
-    import ktflow.backends.prefill_runner as prefill_runner
-    from ktflow.backends.cpu_native import NativeBackend
-    from ktflow.backends.prefill_runner import PrefillRunner
+    import ktflow.backends.cuda.prefill as prefill_runner
+    from ktflow.backends.native.backend import NativeBackend
+    from ktflow.backends.cuda.prefill import PrefillRunner
 
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Event", _Event)

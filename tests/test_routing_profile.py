@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import ktflow
-from ktflow.cli import main
-from ktflow.cost import RoutingProfile
+from ktflow.tools.cli import main
+from ktflow.costmodel.roofline import RoutingProfile
 from ktflow.errors import ConfigError
-from ktflow.hw import PRESETS, with_this_gpus_memory
+from ktflow.costmodel.hw import PRESETS, with_this_gpus_memory
 from ktflow.runtime.routing import RoutingRecorder, record_routing
 
 
@@ -74,7 +74,7 @@ def test_a_captured_decode_step_counts_its_routing_on_the_gpu(tiny_dirs, tmp_pat
     """On the cuda_graph backend the decode step is one captured graph: its routers' picks are
     counted inside it, on every replay (single steps and greedy runs of K steps a launch), and
     the counts equal those of the same plan issued eagerly."""
-    from ktflow import native
+    from ktflow.backends.native import binding as native
     from ktflow.runtime.execute import decode_greedy
 
     if not native.available():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ktflow
-from ktflow import native
+from ktflow.backends.native import binding as native
 from ktflow.backends.sampling import SamplingParamError
 from ktflow.errors import InputError
 from ktflow.ir.ops import Op

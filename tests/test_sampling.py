@@ -271,7 +271,7 @@ def test_selection_captures_in_a_cuda_graph_and_replays_new_draws():
 def test_the_fused_kernels_equal_the_torch_ops():
     """sampling_gpu's two kernels (penalties; the weights at the temperature) against the torch
     ops they replace, and the ids selected either way."""
-    from ktflow.backends import dequant_gpu, sampling_gpu
+    from ktflow.backends.kernels import dequant_gpu, sampling_gpu
     from ktflow.backends.sampling import select_ids
 
     if not dequant_gpu.available(torch.device("cuda")):

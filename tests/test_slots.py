@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ktflow
-from ktflow.backends.static_rules import StaticRules
+from ktflow.backends.cuda.static_rules import StaticRules
 from ktflow.backends.torch_ref import TorchRefBackend
 from ktflow.errors import ConfigError, InputError
 from ktflow.runtime.executor import Executor

@@ -9,9 +9,9 @@ from html.parser import HTMLParser
 import pytest
 
 import ktflow
-from ktflow.plan import Step
-from ktflow.report import render_report
-from ktflow.timeline import _busy, _overlap, chrome_trace, layer_times, step_utilisation
+from ktflow.plan.artifact import Step
+from ktflow.plan.report import render_report
+from ktflow.plan.timeline import _busy, _overlap, chrome_trace, layer_times, step_utilisation
 from small_configs import CONFIGS
 
 
@@ -109,7 +109,7 @@ def test_handoffs_of_a_predicted_plan_are_the_profiles_overheads(hybrid):
     """In the predicted timeline each CPU task waits the profile's submit overhead before it
     starts and its sync the sync overhead after it ends; shifting a task's measured start and end
     shows up as that hand-off, and the summary line quotes both."""
-    from ktflow.timeline import handoff_summary, handoffs, with_measured_steps
+    from ktflow.plan.timeline import handoff_summary, handoffs, with_measured_steps
 
     o = hybrid.plans.hw.overheads
     h = [x for x in handoffs(hybrid.decode) if x.layer is not None]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ktflow
-from ktflow import native
+from ktflow.backends.native import binding as native
 from ktflow.ir.ops import Op
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and native.available()),
@@ -29,7 +29,7 @@ PROMPT = 6000  # > the chunk: a chunked prompt, its later chunks attending the e
 
 @pytest.fixture(scope="module")
 def qwen3_small(tmp_path_factory):
-    from ktflow.checkpoint import write_random_checkpoint
+    from ktflow.frontend.checkpoint import write_random_checkpoint
     from ktflow.models import family
 
     fam = family("qwen3_moe")
@@ -42,7 +42,7 @@ def qwen3_small(tmp_path_factory):
 def compiled_for(model, vram_gb: float, **options):
     """Compiled for the h100 preset (the GPU machine's CPU and PCIe, where streaming a long
     prompt's experts pays) with this GPU's memory."""
-    from ktflow.hw import PRESETS, with_this_gpus_memory
+    from ktflow.costmodel.hw import PRESETS, with_this_gpus_memory
 
     return ktflow.compile(model, hw=with_this_gpus_memory(PRESETS["h100"]), device="cuda", max_seq_len=8192,
                           vram_gb=vram_gb, vram_reserve_gb=0,  # the plans' own bytes: what torch allocates

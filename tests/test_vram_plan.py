@@ -1,4 +1,4 @@
-"""The VRAM plan (ktflow.vram_plan): one limit for both phases, shared between decode residency
+"""The VRAM plan (ktflow.passes.vram_plan): one limit for both phases, shared between decode residency
 and prefill by the cost model for a declared workload; every plan fits the limit; long prompts
 stream on every GPU preset; the shared plan computes what the decode-first plan computes; bad
 limits are refused naming the option."""
@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import ktflow
-from ktflow import native
+from ktflow.backends.native import binding as native
 from ktflow.errors import ConfigError
-from ktflow.hw import PRESETS
+from ktflow.costmodel.hw import PRESETS
 from ktflow.ir.ops import Op
-from ktflow.plan import PlanFile, prefill_decisions
+from ktflow.plan.artifact import PlanFile, prefill_decisions
 from compare import FLIPS, TOL, per_token_errors
 from test_prefill import FAMILIES, _run, machine, streamed
 
@@ -154,7 +154,7 @@ def test_the_plan_file_keeps_the_decision(qwen3, tmp_path):
     c.save(tmp_path / "p.json")
     back = PlanFile.load(tmp_path / "p.json")
     assert back.vram == c.plans.vram and "vram      limit" in back.summary()
-    from ktflow.report import render_report
+    from ktflow.plan.report import render_report
 
     html = render_report(back)
     assert "VRAM plan" in html and "time-share" in html and "not runnable yet" in html

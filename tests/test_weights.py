@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import ktflow
 from ktflow.errors import WeightError
-from ktflow.weights import WeightSource
+from ktflow.frontend.weights import WeightSource
 
 
 @pytest.fixture()

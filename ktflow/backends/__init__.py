@@ -7,8 +7,8 @@ import torch
 
 from ..errors import ConfigError
 from .base import Backend, StepContext
-from .cpu_native import NativeBackend
-from .cuda_graph import CudaGraphBackend
+from .native.backend import NativeBackend
+from .cuda.backend import CudaGraphBackend
 from .null import NullBackend
 from .torch_ref import TorchRefBackend
 
@@ -26,7 +26,7 @@ def resolve_backend(name: str, act_dtype: torch.dtype, device: str = "cpu") -> s
     'native'; otherwise 'torch_ref'."""
     if name != "auto":
         return name
-    from .. import native
+    from .native import binding as native
 
     if not (native.available() and act_dtype == torch.bfloat16):
         return "torch_ref"

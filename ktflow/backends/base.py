@@ -8,8 +8,8 @@ from typing import Any, Protocol
 import torch
 
 from ..ir.graph import Graph, Node
-from ..memory import LOGIT_ROWS
-from ..weights import WeightSource
+from ..costmodel.memory import LOGIT_ROWS
+from ..frontend.weights import WeightSource
 
 
 @dataclass

@@ -38,7 +38,7 @@ from typing import Sequence
 import torch
 
 from ..errors import InputError
-from . import dequant_gpu, sampling_gpu
+from .kernels import dequant_gpu, sampling_gpu
 
 #: most logit_bias entries a row may carry (OpenAI's limit): the bias tensors have this fixed width
 MAX_LOGIT_BIAS = 300

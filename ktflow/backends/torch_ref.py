@@ -16,19 +16,19 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .. import rope as rope_mod
+from .kernels import rope as rope_mod
 from ..errors import KtflowError, WeightError
 from ..ir.graph import Graph, Node
 from ..ir.ops import AttentionAttrs, GateAttrs, Op
 from ..ir.types import Device
-from ..quant import scale_key
-from ..weights import WeightSource, check_finite
-from . import fused_gpu
+from ..frontend.quant import scale_key
+from ..frontend.weights import WeightSource, check_finite
+from .kernels import fused_gpu
 from .base import StepContext, node_key
-from .dequant_gpu import available as triton_on
-from .fp8_gpu import Fp8Weight, nan_bytes
-from .layers import attention, linear, matmul, rms_norm, swiglu
-from .moe_gpu import expert_map, stack_experts
+from .kernels.dequant_gpu import available as triton_on
+from .kernels.fp8_gpu import Fp8Weight, nan_bytes
+from .kernels.layers import attention, linear, matmul, rms_norm, swiglu
+from .kernels.moe_gpu import expert_map, stack_experts
 
 Weights = dict[str, Any]
 
@@ -58,7 +58,7 @@ class TorchRefBackend:
         if todo and weights is None:
             raise KtflowError("this model was loaded without weights (config.json only): it can be compiled "
                               "but not run; point ktflow at a checkpoint dir with *.safetensors")
-        from ..progress import bar
+        from ..util.progress import bar
 
         # a bar (on stderr) when there is enough to copy to be worth watching
         copying = sum(n.weight_elems() for n in todo if self.device_of(n).type != "cpu") > 2e8

@@ -166,7 +166,7 @@ class WeightRef:
 
     `key` is the checkpoint name. When `experts` > 0 the key contains `{e}` and the reference
     stands for `experts` tensors of the same `shape`, one per expert (the weight loader also
-    finds them in fused per-layer tensors; see ktflow.weights). `fmt` is how the checkpoint
+    finds them in fused per-layer tensors; see ktflow.frontend.weights). `fmt` is how the checkpoint
     stores it: "" in the model's float dtype, or one of `STORED_FORMATS` ("fp8": e4m3 with
     block scales beside it, as FP8 releases store their linear layers). `held` is how the node
     holds it on its device, decided by placement: "" in the activation dtype (dequantized at

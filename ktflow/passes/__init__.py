@@ -26,7 +26,7 @@ from typing import TextIO
 from ..errors import ConfigError, PassError
 from ..ir.graph import Graph
 from ..ir.verify import VerifyError, verify
-from ..options import CompileContext
+from ..plan.options import CompileContext
 from .costs import annotate_costs
 from .defer import defer_experts
 from .infra import DumpEach, Instrument, Pass, PassTimer, PrintAfter, check_stages, compiler_pass
@@ -161,7 +161,7 @@ def run_pipeline(g: Graph, ctx: CompileContext, pipeline=PIPELINE, instruments=(
     for ins in instruments:
         ins.start(names, ctx)
     verify(g, "spec")
-    from ..progress import bar
+    from ..util.progress import bar
 
     # a bar for a big model (seconds a plan), naming the running pass
     steps = bar(list(enumerate(pipeline)), f"compile {ctx.label}", "pass", show=len(g.nodes) > 300)

@@ -8,8 +8,8 @@ from ..ir.graph import Graph
 from ..ir.ops import Op
 from ..ir.types import Device, Slot
 from ..ir.verify import needs_buffer
-from ..options import CompileContext
-from ..plan import Step
+from ..plan.options import CompileContext
+from ..plan.artifact import Step
 from .infra import compiler_pass
 from .schedule import steps_of
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..cost import node_cost
+from ..costmodel.roofline import node_cost
 from ..ir.graph import Graph, Node
 from ..ir.ops import Op, Work
 from ..ir.types import Cost
-from ..options import CompileContext
+from ..plan.options import CompileContext
 from .infra import compiler_pass
 
 
@@ -35,7 +35,7 @@ def step_work(n: Node, ctx: CompileContext) -> Work:
 def annotate_costs(g: Graph, ctx: CompileContext) -> Graph:
     """Attach a `Cost` to every node.
 
-    Algorithm: the roofline cost model (ktflow.cost) per node, on the CPU and (when the profile
+    Algorithm: the roofline cost model (ktflow.costmodel.roofline) per node, on the CPU and (when the profile
     has one) the GPU, for a step of ctx.tokens tokens attending to ctx.context positions; routed
     experts priced from the routing profile when given, else uniform routing.
     Requires: a verified spec graph. Guarantees: every node has `cost`; nothing else changes.

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..cost import transfer_seconds
+from ..costmodel.roofline import transfer_seconds
 from ..errors import ConfigError
 from ..ir.graph import Graph, Node
 from ..ir.ops import DeferAttrs, Op, ffn_residual
 from ..ir.types import Device, Placement, _si
-from ..options import CompileContext
+from ..plan.options import CompileContext
 from .costs import cost_in, recost_changed
 from .infra import compiler_pass
 

@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from ..errors import PassError
-from ..fsutil import write_atomic
+from ..util.fsutil import write_atomic
 from ..ir.graph import Graph
 from ..ir.printer import print_graph
 from ..ir.verify import STAGES
-from ..options import CompileContext
+from ..plan.options import CompileContext
 
 Pass = Callable[[Graph, CompileContext], Graph]
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 from ..ir.graph import Graph, Node
 from ..ir.ops import FACTS, CopyAttrs, Op, SubmitAttrs, SyncAttrs
 from ..ir.types import Device, Placement
-from ..options import CompileContext
+from ..plan.options import CompileContext
 from .costs import recost_changed
 from .infra import compiler_pass
 

@@ -9,7 +9,7 @@ from ..errors import ConfigError
 from ..ir.graph import Graph, Node
 from ..ir.ops import Op, ReduceAttrs
 from ..ir.types import Device, Placement
-from ..options import CompileContext
+from ..plan.options import CompileContext
 from .costs import cost_in, recost_changed, step_work
 from .infra import compiler_pass
 

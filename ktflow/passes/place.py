@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..cost import transfer_seconds
-from ..memory import activation_peak, gpu_workspace_bytes
+from ..costmodel.roofline import transfer_seconds
+from ..costmodel.memory import activation_peak, gpu_workspace_bytes
 from ..errors import ConfigError
 from ..ir.graph import Graph, Node
 from ..ir.ops import FACTS, Op, Work, fp8_holdable
 from ..ir.types import FP8_BLOCK, Cost, Device, Placement, _si
-from ..options import CompileContext, vram_limit
+from ..plan.options import CompileContext, vram_limit
 from .costs import cost_in, recost_changed
 from .infra import compiler_pass
 
@@ -30,7 +30,7 @@ class Unit:
 
 def gpu_budget(g: Graph, ctx: CompileContext) -> float:
     """Bytes of GPU memory for weights and KV caches (decode residency): the VRAM plan's
-    (ctx.vram, set by the compile driver: ktflow.vram_plan), else `residency_budget`."""
+    (ctx.vram, set by the compile driver: ktflow.passes.vram_plan), else `residency_budget`."""
     if ctx.vram is not None:
         return ctx.vram.residency
     return residency_budget(g, ctx)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ..cost import fetch_seconds, transfer_seconds
+from ..costmodel.roofline import fetch_seconds, transfer_seconds
 from ..errors import ConfigError
-from ..hw import HwProfile
+from ..costmodel.hw import HwProfile
 from ..ir.graph import Graph, Node
 from ..ir.ops import FACTS, FetchAttrs, Op, expert_weight_bytes
 from ..ir.types import Device, Placement, _si
-from ..memory import gpu_activation_peak, prefill_room, stream_bytes, streamed_step_bytes
-from ..options import CompileContext, vram_limit
+from ..costmodel.memory import gpu_activation_peak, prefill_room, stream_bytes, streamed_step_bytes
+from ..plan.options import CompileContext, vram_limit
 from .costs import cost_in, recost_changed, step_work
 from .infra import compiler_pass
 
@@ -190,7 +190,7 @@ def _sharing(ctx: CompileContext) -> HwProfile:
 def layer_seconds(g: Graph, ctx: CompileContext, node: Node, cap: int, slots: int) -> float:
     """The steady-state seconds of CPU routed-experts `node`'s layer in a prefill step of
     ctx.tokens tokens, as this pass prices its fastest choice with at most `cap` experts a
-    staging slot and `slots` slots (0 caps: the CPU). For the VRAM plan (ktflow.vram_plan),
+    staging slot and `slots` slots (0 caps: the CPU). For the VRAM plan (ktflow.passes.vram_plan),
     which weighs staging bytes against decode residency; `g` is placed and costed for the step."""
     bounds = _layer_bounds(g, streamable(g))
     cache = next((n for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.cached

@@ -7,8 +7,8 @@ from dataclasses import replace
 from ..ir.graph import Graph
 from ..ir.ops import Op
 from ..ir.types import Timing
-from ..options import CompileContext
-from ..plan import Step
+from ..plan.options import CompileContext
+from ..plan.artifact import Step
 from .infra import compiler_pass
 
 #: step kind per op; everything else is a kernel launch on its lane (record/wait steps mark events)

@@ -16,7 +16,7 @@ from ..backends import StepContext
 from ..backends.base import lm_head_rows, step_output
 from ..ir.graph import Graph
 from ..ir.ops import Op
-from ..plan import Plan, Step
+from ..plan.artifact import Plan, Step
 from .routing import gate_layers
 from .state import State
 
@@ -29,7 +29,7 @@ def _check_finite(v: Any, what: str) -> None:
     """A NumericError naming `what` if a float tensor in v (a tensor or a tuple) holds a NaN or
     an infinity."""
     from ..errors import NumericError
-    from ..weights import first_non_finite
+    from ..frontend.weights import first_non_finite
 
     for t in v if isinstance(v, tuple) else (v,):
         bad = first_non_finite(t) if isinstance(t, torch.Tensor) else None

@@ -52,9 +52,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..backends.base import node_key
-from ..backends.staging import pin
+from ..backends.native.staging import pin
 from ..backends.torch_ref import staged
-from ..cache_curves import next_order
+from .cache_curves import next_order
 from ..errors import ConfigError, InputError
 from ..ir.graph import Node
 from ..ir.ops import Op
@@ -144,7 +144,7 @@ class ExpertCache:
                        and n.place.device != Device.GPU)
             self.stagers[layer] = be.cpu_expert_stager(cpu, compiled.model.weights, c.stacks[0][1]["gate"].device)
             if self._cuda and not all([pin(piece.op) for piece in self.stagers[layer].pieces]):
-                from .. import notices
+                from ..util import notices
 
                 notices.warn(f"expert cache: the driver would not page-lock layer {layer}'s CPU experts; its "
                              "refills copy from pageable memory, and each refill holds the decode loop until its "
@@ -221,7 +221,7 @@ class ExpertCache:
 
     def _begin(self, c: CachedLayer, slots: list[int]) -> None:
         """Empty `slots`: their experts computed on the CPU from the next step on."""
-        from .. import native
+        from ..backends.native import binding as native
 
         native.sync()  # no CPU task (a deferred one included) reads the masks while they change
         out = [c.resident[s] for s in slots if c.resident[s] >= 0]  # (a slot whose copy failed is empty)
@@ -247,7 +247,7 @@ class ExpertCache:
         """Issue the copies of `experts` into `slots` of every stack of the layer (module doc);
         `poll` finishes them. A copy that fails to issue warns: its slots stay empty, the experts
         on the CPU, and a later refill copies them again."""
-        from .. import notices
+        from ..util import notices
 
         stream = self.copy_stream
         try:
@@ -304,7 +304,7 @@ class ExpertCache:
         self.pending = rest
         if not ready:
             return 0
-        from .. import native
+        from ..backends.native import binding as native
 
         native.sync()
         if self.recorder is not None:  # the picks counted before the slot was filled were the CPU's

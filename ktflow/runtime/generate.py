@@ -68,7 +68,7 @@ def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, 
     # caller's own state (continued after this call) must not see
     run = compiled.plans.options.greedy_steps if own_state or not eos else 1
     ahead: list[torch.Tensor] = []  # ids a multi-step call returned, not yet taken
-    from ..progress import bar
+    from ..util.progress import bar
 
     for i in bar(range(max_new_tokens), "decode", "token", show=max_new_tokens > 1):
         if i:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cost import RoutingProfile
+from ..costmodel.roofline import RoutingProfile
 from ..ir.graph import Graph
 from ..ir.ops import Op
 
@@ -200,11 +200,11 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
     with `continuations`, each prompt's continuation fed one decode step a token: teacher
     forcing), with a RoutingRecorder on every plan; returns the RoutingProfile of all the tokens
     it routed. With decode steps, the profile also holds the expert cache's curves
-    (`ktflow.cache_curves`): each conversation's picks are read step by step and the refill policy
+    (`ktflow.runtime.cache_curves`): each conversation's picks are read step by step and the refill policy
     replayed on them, one conversation at a time (`cache`) and, for each B of BATCHES, B at a time
     in lockstep (`cache_batched`)."""
-    from ..cache_curves import BATCHES, cache_curves
-    from ..progress import bar
+    from .cache_curves import BATCHES, cache_curves
+    from ..util.progress import bar
     from .execute import execute
 
     rec = RoutingRecorder(pairs)

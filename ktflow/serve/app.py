@@ -30,7 +30,7 @@ from starlette.routing import Route
 from .engine import Delta, Draining, Engine, Failed, Finished, GenRequest, QueueFull
 from .metrics import ServerMetrics
 from .schemas import (ApiError, ChatChoice, ChatChoiceMessage, ChatCompletion, ChatCompletionRequest, Completion,
-                      CompletionChoice, CompletionRequest, Usage, parse)
+    CompletionChoice, CompletionRequest, Usage, parse)
 from .tokenizer import ServeTokenizer, TemplateError
 
 #: status recorded for a request whose client went away before its answer

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..fsutil import write_atomic
+from ..util.fsutil import write_atomic
 
 #: role markers; the template refuses any other role through raise_exception
 CHAT_TEMPLATE = (

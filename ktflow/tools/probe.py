@@ -3,7 +3,7 @@
 `probe()` times DRAM read bandwidth with all cores, the CPU's bf16 GEMM and the native expert
 kernel, and, with a GPU, its HBM bandwidth, bf16 GEMM, grouped products, PCIe both ways, the
 launch overhead and the CPU hand-off inside a replayed graph. It runs backend kernels, so it
-lives here, above the profile module (`ktflow.hw`), which only describes machines.
+lives here, above the profile module (`ktflow.costmodel.hw`), which only describes machines.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..hw import GB, GpuSpec, HwProfile, NumaNode, Overheads, this_machine
+from ..costmodel.hw import GB, GpuSpec, HwProfile, NumaNode, Overheads, this_machine
 
 def _best_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
     fn()
@@ -94,7 +94,7 @@ def probe(quick: bool = False, log: Callable[[str], None] = lambda s: None) -> H
         gpus, overheads = _probe_gpu(torch, quick, reps, overheads, log)
         measured += ["hbm_gbps", "bf16_tflops", "pcie_h2d_gbps", "pcie_d2h_gbps", "gpu_launch_us", "attention_tflops",
                      "grouped_tflops"]
-        from ..backends.handoff_probe import round_trip_us
+        from .handoff_probe import round_trip_us
 
         trip = round_trip_us(n=8 if quick else 32, reps=reps)
         if trip is not None:  # priced whole: submit keeps its value, the sync takes the rest
@@ -126,7 +126,7 @@ def _probe_experts(hidden: int, inter: int, experts: int | None, most: int, seed
     own so its bytes are real."""
     import torch
 
-    from .. import native
+    from ..backends.native import binding as native
 
     if experts is None:
         experts = min(most, max(64, -(-8 * last_level_cache_bytes() // (3 * hidden * inter * 2))))
@@ -146,7 +146,7 @@ def _native_expert_gbps(quick: bool) -> float | None:
     at most 114); quick: experts of 1024 x 512, as many (8x the cache, at least 64)."""
     import torch
 
-    from .. import native
+    from ..backends.native import binding as native
 
     if not native.available():
         return None
@@ -240,7 +240,7 @@ def _prefill_rates(torch, reps: int, sync) -> tuple[float, float]:
     these sizes too: smaller products run far below the rate a long prompt's get."""
     import torch.nn.functional as F
 
-    from ..backends.moe_gpu import expert_map, grouped_experts
+    from ..backends.kernels.moe_gpu import expert_map, grouped_experts
 
     dev, bf = torch.device("cuda"), torch.bfloat16
     t = 8192

@@ -1,0 +1,1 @@
+"""GPU and shared tensor kernels the backends call (Triton and torch): no planning, no state."""

@@ -1,0 +1,212 @@
+"""The native backend: the plan's CPU routed-expert nodes (NUMA shards included) run on the C++
+fused MoE operator (ktflow.backends.native.binding); every other node runs as in torch_ref.
+
+Each CPU routed-experts node runs on an `ExpertOp` holding the layer's experts that live in host
+memory (GPU-resident experts are never packed) and the node's intermediate rows (its NUMA slice),
+on the pool group of its NUMA index (or split over every group when the plan did not split it);
+a node over fewer experts (the CPU part of a split prefill layer) computes its own through a
+mask. A fetch streams experts from the same packed copy to the GPU (backends.staging). Packed
+weights are cached on disk (KTFLOW_CACHE_DIR, default ~/.cache/ktflow/packed) keyed by the
+checkpoint files, the node's tensors and rows, the format and the split, so a second load only
+reads them back. The expert weight format is the compile option `expert_format`.
+
+GPU routed experts run as grouped matmuls over stacked or streamed weights (backends.moe_gpu).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import binding as native
+from ...errors import WeightError
+from ...ir.graph import Graph, Node
+from ...ir.ops import Op
+from ...ir.types import Device
+from ...frontend.weights import WeightSource
+from ..kernels import moe_gpu
+from ..base import StepContext, node_key
+from .staging import ExpertStager, pieces_of
+from ..torch_ref import TorchRefBackend, staged
+
+
+def cache_dir() -> Path | None:
+    """Where packed experts are cached: KTFLOW_CACHE_DIR (default ~/.cache/ktflow/packed); 'off':
+    nowhere (pack at every load; for disks without room for a second copy of the experts)."""
+    env = os.environ.get("KTFLOW_CACHE_DIR")
+    if env == "off":
+        return None
+    return Path(env or Path.home() / ".cache" / "ktflow" / "packed")
+
+
+def _checkpoint_digest(weights: WeightSource) -> str:
+    """The checkpoint files' identity (name, size, mtime)."""
+    h = hashlib.sha256()
+    for name, f in sorted(weights.files.items()):
+        st = os.stat(f.path)
+        h.update(f"{name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()
+
+
+def _fingerprint(checkpoint: str, refs, ids: tuple[int, ...], rows: tuple[int, int]) -> str:
+    """What packed weights depend on: the checkpoint, the tensor keys, the experts and rows."""
+    h = hashlib.sha256(checkpoint.encode())
+    h.update(repr([r.key for r in refs]).encode())
+    h.update(repr((ids, rows)).encode())
+    return h.hexdigest()
+
+
+class NativeBackend(TorchRefBackend):
+    name = "native"
+
+    def __init__(self, gpu_device: str = "cpu", dtype: torch.dtype = torch.bfloat16, options: Any = None):
+        native.module()  # a clear error now if the module is not built
+        super().__init__(gpu_device, dtype)
+        self.expert_format = getattr(options, "expert_format", "bf16")
+        # prepared state per node (keyed by node_key: plans reuse node names for different work)
+        self.ops: dict[tuple, native.ExpertOp] = {}
+        self.masks: dict[tuple, torch.Tensor] = {}  # its experts, where its operator holds more
+        self.stagers: dict[tuple, ExpertStager] = {}  # fetch -> where its experts are packed
+        self.loaded: dict[str, str] = {}  # node name -> 'cache', 'packed' or 'shared'
+        # one operator per (tensors, the layer's CPU-side experts, rows, NUMA node): the nodes of every
+        # plan over the same weights share its packed copy (a deferred `.def` node, the CPU part of a
+        # split prefill layer, a fetch that streams them to the GPU), each computing its own experts
+        self._packed: dict[tuple, native.ExpertOp] = {}
+        self._local_maps: dict[tuple, torch.Tensor] = {}  # streamed experts node -> its ids' rows
+        self.rules[Op.ROUTED_EXPERTS] = _routed_experts
+        self.rules[Op.FETCH] = _fetch
+        # the step's other ops run in torch on the CPU between the pool's runs: the pool sleeps
+        # between them rather than spin on those cores (native.set_spinning)
+        self.torch_on_cpu = self.devices[Device.GPU].type == "cpu"
+
+    def runs_natively(self, node: Node) -> bool:
+        return node.op == Op.ROUTED_EXPERTS and node.place is not None and node.place.device == Device.CPU
+
+    @staticmethod
+    def _cpu_side(graph: Graph) -> dict[int, tuple[int, ...]]:
+        """Per MoE layer, the experts held in host memory: those of CPU nodes and of streamed ones,
+        and every expert of a layer whose GPU part is a cache (an expert it gives up runs here)."""
+        held: dict[int, set[int]] = {}
+        for n in graph.nodes:
+            if n.op == Op.ROUTED_EXPERTS and (n.place.device == Device.CPU or len(n.inputs) >= 3):
+                held.setdefault(n.attrs.layer, set()).update(n.attrs.ids)
+        for n in graph.nodes:
+            if n.op == Op.ROUTED_EXPERTS and n.attrs.cached and n.attrs.layer in held:
+                held[n.attrs.layer].update(range(n.attrs.experts))
+        return {layer: tuple(sorted(ids)) for layer, ids in held.items()}
+
+    def prepare(self, graph: Graph, weights: WeightSource | None) -> None:
+        todo = [n for n in graph.nodes if (self.runs_natively(n) or n.op == Op.FETCH)
+                and node_key(n) not in self.ops and node_key(n) not in self.stagers]
+        if todo and weights is not None:
+            checkpoint = _checkpoint_digest(weights)
+            held = self._cpu_side(graph)
+            from ...util.progress import bar
+
+            for n in bar(todo, "packing experts", "node", show=len(todo) > 1):
+                ids = held[n.attrs.layer]
+                if n.op == Op.FETCH:
+                    self.stagers[node_key(n)] = self._stager(n, ids, weights, checkpoint)
+                else:
+                    self.ops[node_key(n)] = self._operator(n, ids, n.attrs.rows, n.place.numa, weights, checkpoint)
+                    if n.attrs.ids != ids:
+                        mask = torch.zeros(n.attrs.experts, dtype=torch.uint8)
+                        mask[list(n.attrs.ids)] = 1
+                        self.masks[node_key(n)] = mask
+                self.weights[node_key(n)] = {}  # nothing for torch_ref to load
+        super().prepare(graph, weights)
+
+    def _operator(self, n: Node, ids: tuple[int, ...], rows: tuple[int, int], numa: int | None,
+                  weights: WeightSource, checkpoint: str) -> native.ExpertOp:
+        key = (tuple(r.key for r in n.weights), ids, rows, numa)
+        if key in self._packed:
+            self.loaded[n.name] = "shared"
+        else:
+            self._packed[key] = self._pack(n, ids, rows, numa, weights, checkpoint)
+        return self._packed[key]
+
+    def cpu_expert_stager(self, n: Node, weights: WeightSource, device) -> ExpertStager:
+        """A stager over the packed CPU copy of every expert of routed-experts node `n`'s layer (a
+        cached layer's CPU side holds them all), landing on `device`: the expert cache refills its
+        GPU slots from it, a copy over PCIe and an unpack on the GPU, no CPU work."""
+        ids = tuple(range(n.attrs.experts))
+        return self._stager(n, ids, weights, _checkpoint_digest(weights), device)
+
+    def _stager(self, n: Node, ids: tuple[int, ...], weights: WeightSource, checkpoint: str,
+                device=None) -> ExpertStager:
+        """Where a fetch's experts are packed: the operators over the layer's CPU-side experts
+        (NUMA shards whose rows tile the layer, or one over all rows, packed here if missing),
+        landing on `device` (default: the node's)."""
+        a = n.attrs
+        keys = tuple(r.key for r in n.weights)
+        shards = sorted(((k[2], op) for k, op in self._packed.items() if k[0] == keys and k[1] == ids),
+                        key=lambda kv: kv[0])
+        edge, chosen = 0, []
+        for (lo, hi), op in shards:
+            if lo == edge:
+                chosen.append((lo, op))
+                edge = hi
+        if edge != a.inter:
+            chosen = [(0, self._operator(n, ids, (0, a.inter), None, weights, checkpoint))]
+        pieces = pieces_of([op for _, op in chosen], [lo for lo, _ in chosen])
+        return ExpertStager(pieces, self.expert_format, a.hidden, a.inter, device or self.device_of(n), self.dtype)
+
+    def _pack(self, n: Node, ids: tuple[int, ...], rows: tuple[int, int], numa: int | None, weights: WeightSource,
+              checkpoint: str) -> native.ExpertOp:
+        a = n.attrs
+        lo, hi = rows
+        pool = native.pool()
+        groups = [numa % pool.groups] if numa is not None else None
+        op = native.ExpertOp(a.experts, a.hidden, hi - lo, held=ids, fmt=self.expert_format, groups=groups,
+                             group_size=native.fp8_group(self.expert_format, weights.quant))
+        refs = {r.role: r for r in n.weights}
+
+        def tensors(e: int):  # FP8 ones as stored: packed from the checkpoint's bytes
+            g, u, d = (weights.load_expert_stored(refs[role], e) for role in ("gate", "up", "down"))
+            return native.rows_of(g, lo, hi), native.rows_of(u, lo, hi), native.cols_of(d, lo, hi)
+
+        try:
+            self.loaded[n.name] = op.pack(tensors, cache=cache_dir(),
+                                          fingerprint=_fingerprint(checkpoint, n.weights, ids, rows))
+        except WeightError as e:
+            keys = ", ".join(refs[role].key for role in ("gate", "up", "down"))
+            raise WeightError(f"layer {a.layer} ({keys}): {e}") from None
+        return op
+
+    def run(self, node: Node, inputs: list[Any], ctx: StepContext) -> Any:
+        op = self.ops.get(node_key(node))
+        if op is None:
+            return super().run(node, inputs, ctx)
+        native.set_spinning(not self.torch_on_cpu)
+        x, (ids, wts) = inputs
+        xb = x.to(torch.bfloat16).contiguous()
+        out = torch.empty(xb.shape, dtype=torch.bfloat16)
+        op.forward(xb, ids.contiguous(), wts.float().contiguous(), out=out, ranks=node.attrs.rank_range,
+                   mask=self.masks.get(node_key(node)))
+        return out.to(x.dtype)
+
+
+def _routed_experts(be: NativeBackend, node: Node, w, ins, ctx, dev):
+    """GPU routed experts (CPU ones run natively): grouped over the fetched or the stacked weights."""
+    x, (ids, wts) = ins[:2]
+    a = node.attrs
+    lo, hi = a.rank_range
+    if len(ins) >= 3:
+        gate, up, down = staged(ins[2], a.hidden, a.inter)
+        key = node_key(node)
+        if key not in be._local_maps:
+            be._local_maps[key] = moe_gpu.expert_map(a.ids, a.experts, dev)
+        local = be._local_maps[key]
+    else:
+        st = be.stacked(node)
+        gate, up, down, local = st["gate"], st["up"], st["down"], st["local"]
+    return moe_gpu.grouped_experts(x, ids[:, lo:hi], wts[:, lo:hi], local, gate, up, down,
+                                   addend=ins[3] if len(ins) == 4 else None, running=a.running)
+
+
+def _fetch(be: NativeBackend, node: Node, w, ins, ctx, dev):
+    return be.stagers[node_key(node)].stage(node.attrs.subset)

@@ -1,0 +1,1 @@
+"""What things cost: hardware profiles, the roofline cost of a node, the memory model, routing curves."""

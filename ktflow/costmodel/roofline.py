@@ -1,0 +1,268 @@
+"""The cost model: what a node's work costs on each device, and what a PCIe transfer costs.
+
+Work (FLOPs and bytes moved) comes from the per-op facts table (ktflow.ir.ops.FACTS); this file
+turns it into seconds with one roofline per device:
+
+    seconds = max(flops / peak, bytes / bandwidth) + fixed overhead
+
+GPU: bf16 tensor throughput, HBM bandwidth, one kernel launch. CPU: bf16 GEMM throughput (half
+for float32), the bandwidth a GEMV streams weights at, one task submit. On N > 1 sockets a node
+that is not NUMA-split reads (N-1)/N of its bytes across the socket link (which bounds it when
+slower); a NUMA shard gets its own node's share of throughput and bandwidth, all local. Routed experts read only
+the experts their tokens hit: with T tokens and per-expert pick probabilities p_e (uniform k/E,
+or a routing profile's measured frequencies) the expected bytes are sum_e (1 - (1 - p_e)^T)
+times one expert's bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from ..errors import ConfigError
+from ..util.fsutil import read_model_json
+from .hw import HwProfile
+from ..ir.graph import Graph, Node
+from ..ir.ops import FACTS, FetchAttrs, Op, Work, expert_weight_bytes, experts_hit_fraction
+from ..ir.types import Cost, Device, DType
+
+
+class CacheCurve(BaseModel):
+    """One layer at one refill interval of the decode-time expert cache, for S = 1 .. experts - 1
+    slots: `hits[S - 1]`, the share of decoded tokens' picks the slots served; `copies[S - 1]`,
+    experts copied in per decoded token (ktflow.runtime.cache_curves measures them)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    hits: list[float]
+    copies: list[float]
+
+    @field_validator("hits")
+    @classmethod
+    def _shares(cls, v: list[float]) -> list[float]:
+        if any(not 0.0 <= h <= 1.0 for h in v):
+            raise ValueError("every cache hit share must be in [0, 1]")
+        return v
+
+    @field_validator("copies")
+    @classmethod
+    def _copies(cls, v: list[float]) -> list[float]:
+        if any(not c >= 0.0 for c in v):
+            raise ValueError("every cache copies-per-token figure must be >= 0")
+        return v
+
+
+class RoutingProfile(BaseModel):
+    """Measured routing: `layers[layer][e]` is the fraction of tokens that pick expert e in that
+    MoE layer (each token picks top_k experts, so a layer's fractions sum to top_k)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    layers: dict[int, list[float]]
+    model_type: str | None = None
+    tokens: int | None = None  # how many tokens the frequencies were counted over
+    #: optional, `pairs[layer][i][j]`: the fraction of tokens that pick both experts i and j (the
+    #: diagonal is `layers`); measured by `ktflow profile --pairs`, not read by placement yet
+    pairs: dict[int, list[list[float]]] | None = None
+    #: optional, `cache[N][layer]`: what an expert cache refilled every N decoded tokens served
+    #: on the profiled conversations (`ktflow profile --decode`); placement prices cached layers by it
+    cache: dict[int, dict[int, CacheCurve]] | None = None
+    #: optional, `cache_batched[B][N][layer]`: the same for B conversations decoded together in
+    #: lockstep with one cache, `hits` being the share of the steps' expert reads it served
+    cache_batched: dict[int, dict[int, dict[int, CacheCurve]]] | None = None
+
+    @field_validator("layers")
+    @classmethod
+    def _fractions(cls, v: dict[int, list[float]]) -> dict[int, list[float]]:
+        for layer, fr in v.items():
+            if not fr or any(not 0.0 <= f <= 1.0 for f in fr):
+                raise ValueError(f"layer {layer}: every expert frequency must be in [0, 1]")
+        return v
+
+    @field_validator("cache_batched")
+    @classmethod
+    def _batches(cls, v):
+        if v and any(b < 2 for b in v):
+            raise ValueError("cache_batched is keyed by batches of 2 or more conversations (one is `cache`)")
+        return v
+
+    def probs(self, layer: int) -> tuple[float, ...] | None:
+        fr = self.layers.get(layer)
+        return tuple(fr) if fr is not None else None
+
+    def cache_for(self, batch: int, layer: int) -> tuple[dict[int, CacheCurve], int]:
+        """(layer `layer`'s cache curves by refill interval, the batch they price) for decode steps
+        of up to `batch` conversations: those of the largest profiled batch not above `batch` (the
+        smallest where all are above it); one conversation's at 1, with no batched curves, or where
+        the batched curves leave the layer out."""
+        def of(table: dict[int, dict[int, CacheCurve]]) -> dict[int, CacheCurve]:
+            return {every: c[layer] for every, c in table.items() if layer in c}
+
+        if batch > 1 and self.cache_batched:
+            sizes = sorted(self.cache_batched)
+            b = max([s for s in sizes if s <= batch], default=sizes[0])
+            curves = of(self.cache_batched[b])
+            if curves:
+                return curves, b
+        return of(self.cache or {}), 1
+
+    def check_against(self, g: Graph) -> None:
+        for n in g.nodes:
+            if n.op == Op.ROUTED_EXPERTS and n.attrs.layer in self.layers:
+                fr = self.layers[n.attrs.layer]
+                if len(fr) != n.attrs.experts:
+                    raise ConfigError(f"routing profile: layer {n.attrs.layer} lists {len(fr)} experts, "
+                                      f"the model has {n.attrs.experts}")
+                if abs(sum(fr) - n.attrs.top_k) > 0.05 * n.attrs.top_k:
+                    raise ConfigError(f"routing profile: layer {n.attrs.layer} frequencies sum to {sum(fr):.3f}, "
+                                      f"expected top_k = {n.attrs.top_k}")
+                tables = [(1, self.cache or {})] + sorted((self.cache_batched or {}).items())
+                for batch, table in tables:
+                    for every, curves in table.items():
+                        curve = curves.get(n.attrs.layer)
+                        if curve is not None and not len(curve.hits) == len(curve.copies) == n.attrs.experts - 1:
+                            of = f", batch {batch}" if batch > 1 else ""
+                            raise ConfigError(f"routing profile: the cache curve of layer {n.attrs.layer} (every "
+                                              f"{every} tokens{of}) has {len(curve.hits)} sizes, the layer has "
+                                              f"{n.attrs.experts} experts (expected {n.attrs.experts - 1} sizes)")
+
+    @staticmethod
+    def load(path: str | os.PathLike) -> "RoutingProfile":
+        return read_model_json(RoutingProfile, path, "routing profile")
+
+
+@dataclass(frozen=True)
+class Roof:
+    """One device's roofline: peak FLOP/s, bytes/s, fixed seconds per op."""
+
+    flops: float
+    bandwidth: float
+    overhead: float
+
+    def seconds(self, flops: float, nbytes: float) -> float:
+        return max(flops / self.flops, nbytes / self.bandwidth) + self.overhead
+
+
+def roof(hw: HwProfile, device: Device, act: DType) -> Roof | None:
+    """The roofline of `device` in `hw` (None for a GPU the profile does not have)."""
+    if device == Device.GPU:
+        if not hw.gpus:
+            return None
+        g = hw.gpus[0]
+        e = g.efficiency
+        return Roof(g.bf16_tflops * 1e12 * e * (0.5 if act == DType.F32 else 1.0), g.hbm_gbps * 1e9 * e,
+                    hw.overheads.gpu_launch_us * 1e-6)
+    c = hw.cpu
+    return Roof(c.gemm_tflops * 1e12 * (0.5 if act == DType.F32 else 1.0), c.gemv_gbps * 1e9,
+                hw.overheads.cpu_op_us * 1e-6)
+
+
+def transfer_seconds(nbytes: float, hw: HwProfile, direction: str) -> float:
+    """PCIe copy of `nbytes`: 'h2d' host to GPU or 'd2h' GPU to host, plus one launch."""
+    if not hw.gpus:
+        raise ConfigError(f"hardware profile {hw.name!r} has no GPU to copy to or from")
+    g = hw.gpus[0]
+    bw = g.pcie_h2d_gbps if direction == "h2d" else g.pcie_d2h_gbps
+    return nbytes / (bw * 1e9) + hw.overheads.gpu_launch_us * 1e-6
+
+
+def fetch_seconds(a: FetchAttrs, hw: HwProfile, act: DType) -> float:
+    """Streaming experts to the GPU: the packed bytes over PCIe, then one conversion pass on the
+    GPU reading them and writing the GPU layout."""
+    g = hw.gpus[0]
+    converted = len(a.subset) * 3 * a.hidden * a.inter * act.itemsize
+    return transfer_seconds(a.link_bytes, hw, "h2d") + (a.link_bytes + converted) / (g.hbm_gbps * 1e9 * g.efficiency)
+
+
+def rows_per_expert(n: Node, work: Work) -> float:
+    """Expected tokens per expert a routed-experts step computes (over the experts it hits)."""
+    a = n.attrs
+    flops = FACTS[n.op].flops(a, work)
+    hit = experts_hit_fraction(a, work) * len(a.ids)
+    return flops / (6.0 * a.hidden * a.inter * a.slice_fraction) / max(hit, 1e-9)
+
+
+def node_work(n: Node, g: Graph, work: Work, weight_itemsize: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of one step of `n`: weights read (the op's fraction), state read (KV cache)
+    and activations in and out."""
+    facts = FACTS[n.op]
+    flops = facts.flops(n.attrs, work)
+    io = sum(g.by_name(i).out.numel(work.tokens) * g.by_name(i).out.dtype.itemsize for i in n.inputs)
+    io += n.out.numel(work.tokens) * n.out.dtype.itemsize
+    nbytes = (n.weight_bytes(weight_itemsize) * facts.weight_fraction(n.attrs, work)
+              + facts.state_elems(n.attrs, work) * g.act_dtype.itemsize + io)
+    return flops, nbytes
+
+
+def grouped_pick_bytes(n: Node, work: Work, act_itemsize: int) -> float:
+    """GPU memory traffic of routed experts on the GPU beyond their weights and products
+    (backends.moe_gpu.grouped_experts): every pick of the step in the node's rank range sorted
+    by expert, then the node's own picks gathered, SiLU'd, masked and summed in fp32. A layer
+    streamed as several parts pays the sort once a part."""
+    a = n.attrs
+    lo, hi = a.rank_range
+    picks = work.tokens * (hi - lo)
+    own = FACTS[n.op].flops(a, work) / (6.0 * a.hidden * a.inter * a.slice_fraction) if a.hidden and a.inter else 0.0
+    rows = a.rows[1] - a.rows[0]
+    return picks * 32 + own * (a.hidden * (4 * act_itemsize + 20) + 5 * rows * act_itemsize)
+
+
+def held_weight_bytes(n: Node, device: Device, weight_itemsize: int, expert_format: str) -> float:
+    """Bytes of weights `n` holds on `device`: routed experts on the CPU (and the fetches that
+    stream them from there) packed in `expert_format`, scales included; the rest at
+    `weight_itemsize`, or at their stored size where held in FP8 (Node.weight_bytes)."""
+    if device == Device.CPU and n.op in (Op.ROUTED_EXPERTS, Op.FETCH):
+        return n.weight_elems() * expert_weight_bytes(expert_format, n.attrs.hidden, n.attrs.inter)
+    return n.weight_bytes(weight_itemsize)
+
+
+def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int, numa_nodes: int = 1,
+              expert_format: str = "bf16") -> Cost:
+    """FLOPs, bytes and seconds of one step of `n` on each device. A NUMA shard (placement with a
+    numa index) gets 1/numa_nodes of the CPU's throughput and bandwidth: its node's share.
+    Weights are read at `weight_itemsize` bytes each, or at their stored size where held in FP8
+    (a GPU routed expert held so reads about half the bytes of one in bf16: the decode rule
+    gathers the picks' FP8 bytes), but routed experts on the CPU at their packed size in
+    `expert_format` (int8: about 1 byte, int4: about 0.5)."""
+    pricing = FACTS[n.op].pricing
+    if pricing == "fetch":
+        s = fetch_seconds(n.attrs, hw, g.act_dtype)
+        return Cost(tokens=work.tokens, flops=0.0, bytes=n.attrs.link_bytes, cpu_s=s, gpu_s=s)
+    if pricing != "compute":
+        nbytes = n.out.numel(work.tokens) * n.out.dtype.itemsize
+        if pricing == "copy":
+            s = transfer_seconds(nbytes, hw, "h2d" if n.attrs.dst == "gpu" else "d2h")
+        else:
+            s = (hw.overheads.cpu_submit_us if pricing == "submit" else hw.overheads.cpu_sync_us) * 1e-6
+        return Cost(tokens=work.tokens, flops=0.0, bytes=nbytes if pricing == "copy" else 0.0, cpu_s=s, gpu_s=s)
+    flops, nbytes = node_work(n, g, work, weight_itemsize)
+    cpu_bytes = nbytes
+    if n.op == Op.ROUTED_EXPERTS:  # the CPU reads its packed copy (the GPU its own: FP8-held ones at their size)
+        per = expert_weight_bytes(expert_format, n.attrs.hidden, n.attrs.inter)
+        fraction = FACTS[n.op].weight_fraction(n.attrs, work)
+        cpu_bytes += (n.weight_elems() * per - n.weight_bytes(weight_itemsize)) * fraction
+    cpu = roof(hw, Device.CPU, g.act_dtype)
+    half = 0.5 if g.act_dtype == DType.F32 else 1.0
+    if n.op == Op.ROUTED_EXPERTS and flops > 0:  # the native operator's measured rate at this many rows per expert
+        cpu = Roof(hw.cpu.expert_rate(rows_per_expert(n, work)) * half, cpu.bandwidth, cpu.overhead)
+    if n.op == Op.ROUTED_EXPERTS and n.attrs.deferred:  # its own task's extra time
+        cpu = Roof(cpu.flops, cpu.bandwidth, cpu.overhead + hw.overheads.cpu_deferred_us * 1e-6)
+    sockets = len(hw.cpu.numa)
+    if n.place is not None and n.place.numa is not None:
+        cpu = Roof(cpu.flops / numa_nodes, cpu.bandwidth / numa_nodes, cpu.overhead)
+    elif sockets > 1 and hw.cpu.cross_socket_gbps > 0:
+        # not NUMA-aware: its data is spread over the sockets, so (N-1)/N of every read is remote
+        # and crosses the socket link, which may be the slower path
+        remote = (sockets - 1) / sockets / (hw.cpu.cross_socket_gbps * 1e9)
+        cpu = Roof(cpu.flops, 1.0 / max(1.0 / cpu.bandwidth, remote), cpu.overhead)
+    gpu = roof(hw, Device.GPU, g.act_dtype)
+    if gpu is not None:  # measured prefill rates where the probe took them
+        measured = {Op.ATTENTION: hw.gpus[0].attention_tflops, Op.ROUTED_EXPERTS: hw.gpus[0].grouped_tflops}.get(n.op)
+        if measured:
+            gpu = Roof(measured * 1e12 * half, gpu.bandwidth, gpu.overhead)
+    # a prefill step (more tokens than sequences) runs GPU experts by the grouped path; a decode
+    # step by the captured per-pick rule, which this does not price
+    grouped = n.op == Op.ROUTED_EXPERTS and work.tokens > work.batch
+    gpu_bytes = nbytes + (grouped_pick_bytes(n, work, g.act_dtype.itemsize) if grouped else 0.0)
+    return Cost(tokens=work.tokens, flops=flops, bytes=nbytes, cpu_s=cpu.seconds(flops, cpu_bytes),
+                gpu_s=gpu.seconds(flops, gpu_bytes) if gpu else None)

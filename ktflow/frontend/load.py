@@ -1,0 +1,108 @@
+"""`ktflow.load(path)`: an HF checkpoint dir as a spec graph plus a lazy weight source."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import ModuleType
+
+from .config import HFConfig
+from ..errors import ConfigError
+from ..ir.graph import Graph, Node
+from ..ir.types import DType, WeightRef
+from ..ir.verify import verify
+from .quant import QuantConfig, stored_fp8
+from .weights import WeightSource
+
+
+def config_fingerprint(raw: dict) -> str:
+    """Hash of the model's config.json content (key order and whitespace do not matter)."""
+    return hashlib.sha256(json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Model:
+    path: Path
+    raw_config: dict
+    config: HFConfig
+    family: ModuleType
+    weights: WeightSource | None
+    quant: QuantConfig | None = None  # config.json's quantization_config (an FP8 release)
+    _graphs: dict = field(default_factory=dict, repr=False)  # act dtype -> verified spec graph
+
+    @property
+    def model_type(self) -> str:
+        return self.config.model_type
+
+    @property
+    def fingerprint(self) -> str:
+        return config_fingerprint(self.raw_config)
+
+    def graph(self, act_dtype: DType | None = None) -> Graph:
+        """The spec graph with activations in `act_dtype` (default: the checkpoint's dtype)."""
+        dt = act_dtype or self.config.weight_dtype
+        if dt not in self._graphs:  # built once per dtype: load validates it, compile reuses it
+            g = self.family.build(self.config, dt)
+            if self.quant is not None:
+                g = g.map(self._stored_formats)
+            verify(g, "spec")
+            self._graphs[dt] = g
+        return self._graphs[dt]
+
+    def _stored_formats(self, n: Node) -> Node:
+        """n with each weight's stored format: from the checkpoint's header where the weights are
+        here, else by the layout FP8 releases use (`quant.stored_fp8`)."""
+        def fmt(w: WeightRef) -> str:
+            if self.weights is not None:
+                return "fp8" if self.weights.stored_fp8(w) else ""
+            return "fp8" if stored_fp8(w.key.replace("{e}", "0"), w.shape) else ""
+
+        return replace(n, weights=tuple(replace(w, fmt=fmt(w)) for w in n.weights)) if n.weights else n
+
+    def __repr__(self) -> str:
+        w = "weights" if self.weights else "no weights"
+        return f"Model({self.model_type}, {self.path}, {self.config.num_hidden_layers} layers, {w})"
+
+
+def read_config(path: str | os.PathLike) -> tuple[Path, dict]:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"model path {p} does not exist")
+    if not p.is_dir():
+        raise ConfigError(f"model path {p} is not a directory (give an HF checkpoint dir with config.json)")
+    cfg = p / "config.json"
+    if not cfg.exists():
+        raise ConfigError(f"{p} has no config.json (an HF checkpoint dir holds config.json and *.safetensors)")
+    try:
+        raw = json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{cfg}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{cfg}: expected a JSON object")
+    return p, raw
+
+
+def load(path: str | os.PathLike) -> Model:
+    """Read config.json, pick the family spec by model_type, open the weights (lazily).
+
+    A dir with only config.json loads without weights: it can be compiled but not run. When
+    safetensors files are present, every tensor the spec needs is checked (name, shape, dtype;
+    an FP8 weight's block scales) from the headers alone. A quantization method ktflow does not
+    read is refused here, by name.
+    """
+    from ..models import family as find_family
+
+    p, raw = read_config(path)
+    where = str(p / "config.json")
+    fam = find_family(raw.get("model_type"), where)
+    cfg = fam.config(raw, where)
+    quant = QuantConfig.parse(raw.get("quantization_config"), where)
+    weights = WeightSource(p, quant) if WeightSource.present(p) else None
+    model = Model(p, raw, cfg, fam, weights, quant)
+    graph = model.graph()  # builds and verifies the spec: config errors surface here
+    if weights is not None:
+        weights.validate(graph)
+    return model

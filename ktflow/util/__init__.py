@@ -1,0 +1,1 @@
+"""Small helpers with no ktflow imports: atomic files, notices, progress bars."""

@@ -1,0 +1,62 @@
+"""File helpers: atomic writes (temporary file in the same directory, fsync, rename) and reading
+a pydantic model from a JSON file with errors that name the file and the field."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def read_model_json(cls: type[M], path: str | os.PathLike, what: str) -> M:
+    """`cls` from the JSON file at `path`; a ConfigError names `what`, the file and the problem."""
+    from ..errors import ConfigError
+
+    p = Path(path)
+    try:
+        return cls.model_validate(json.loads(p.read_text()))
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {p} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{what} {p} is a directory, not a JSON file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ConfigError(f"{what} {p} is not valid JSON ({e})") from None
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in e.errors())
+        raise ConfigError(f"{what} {p} is malformed: {problems}") from None
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write `data` to `path` whole or not at all (a temporary file beside it, fsynced, renamed)."""
+    from ..errors import ConfigError
+
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{p} is a directory; give a file path to write")
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
