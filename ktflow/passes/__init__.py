@@ -36,6 +36,7 @@ from .place import place_by_intensity
 from .prefill import place_prefill_experts
 from .schedule import schedule
 from .buffers import plan_buffers
+from ..util import env
 
 __all__ = ["PIPELINE", "Pass", "Instrument", "PassTimer", "PrintAfter", "DumpEach", "compiler_pass",
            "edit_pipeline", "load_pass", "pass_id", "pass_names", "run_pipeline", "default_instruments"]
@@ -148,8 +149,8 @@ def default_instruments(print_after: str | None = None, out: TextIO | None = Non
     found: list[Instrument] = []
     if print_after is not None:
         found.append(PrintAfter(print_after, out))
-    if os.environ.get("KTFLOW_DUMP"):
-        found.append(DumpEach(os.environ["KTFLOW_DUMP"]))
+    if env.get("KTFLOW_DUMP"):
+        found.append(DumpEach(env.get("KTFLOW_DUMP")))
     return found
 
 

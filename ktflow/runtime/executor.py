@@ -6,7 +6,6 @@ the backend. The sequence state (KV caches, position) lives in `State` and is ad
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable
 
@@ -19,6 +18,7 @@ from ..ir.ops import Op
 from ..plan.artifact import Plan, Step
 from .routing import gate_layers
 from .state import State
+from ..util import env
 
 
 def _nothing(step: Step, values: dict, ctx: StepContext) -> None:
@@ -63,7 +63,7 @@ class Executor:
         self.trace = 0
         #: check every value a step writes for NaN and infinity (the first bad node is named); a
         #: plan the backend runs as a whole (a captured graph) has its output checked
-        self.check_finite = os.environ.get("KTFLOW_CHECK_FINITE", "") not in ("", "0")
+        self.check_finite = env.get("KTFLOW_CHECK_FINITE")
         self.measured: list[Step] | None = None
 
     def _launch(self, step: Step, values: dict, ctx: StepContext) -> None:

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import time
+from ..util import env
 from pathlib import Path
 
 EPILOG = """examples:
@@ -776,7 +777,7 @@ MODEL must hold tokenizer.json (and tokenizer_config.json with a chat_template f
     sv.add_argument("--model-name", default=None, help="the model name clients send (default: MODEL's dir name)")
     sv.add_argument("--max-queue", type=int, default=64,
                     help="requests that may wait for a slot; more get HTTP 429 with Retry-After (default 64)")
-    sv.add_argument("--api-key", default=os.environ.get("KTFLOW_API_KEY"),
+    sv.add_argument("--api-key", default=env.get("KTFLOW_API_KEY") or None,
                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $KTFLOW_API_KEY; none: open)")
     sv.add_argument("--prefill-step", type=int, default=None, metavar="TOKENS",
                     help="most prompt tokens prefilled per scheduler iteration (the chunks of every waiting prompt "
@@ -804,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
     ktflow.errors): 2 bad input, 1 the environment or an internal error, 130 Ctrl-C, 141 a
     closed output pipe (quiet). --debug (or KTFLOW_DEBUG=1) re-raises for the traceback."""
     args = parser().parse_args(argv)
-    debug = bool(getattr(args, "debug", False)) or os.environ.get("KTFLOW_DEBUG", "") not in ("", "0")
+    debug = bool(getattr(args, "debug", False)) or env.get("KTFLOW_DEBUG")
     where = f"ktflow {args.command}"
     if getattr(args, "quiet", False):
         from ktflow.util import progress

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from ..util import env
 from pathlib import Path
 
 DEMO_CONFIG = {
@@ -50,8 +51,8 @@ DEMO_CONFIG = {
 
 
 def cache_dir() -> Path:
-    if os.environ.get("KTFLOW_CACHE"):
-        return Path(os.environ["KTFLOW_CACHE"])
+    if env.get("KTFLOW_CACHE"):
+        return Path(env.get("KTFLOW_CACHE"))
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "ktflow"
 

@@ -5,9 +5,10 @@ elapsed time; it clears itself when done."""
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Iterable, TypeVar
+
+from . import env
 
 T = TypeVar("T")
 
@@ -15,7 +16,7 @@ QUIET = False
 
 
 def shown() -> bool:
-    return not QUIET and os.environ.get("KTFLOW_QUIET", "") in ("", "0") and sys.stderr.isatty()
+    return not QUIET and not env.get("KTFLOW_QUIET") and sys.stderr.isatty()
 
 
 def bar(items: Iterable[T], desc: str, unit: str, total: int | None = None, show: bool = True):

@@ -17,6 +17,7 @@ from ...ir.ops import Op
 from ...ir.types import Device, DType
 from ..base import node_key
 from ..native import binding as native
+from ...util import env
 
 
 _TORCH_DTYPE = {**TORCH_DTYPE, DType.I64: torch.int64}  # and the integer values an arena may hold
@@ -122,7 +123,7 @@ def keep_off_workers(pool) -> None:
     sampling) to the CPUs the native pool does not use, where it has some: left to the scheduler
     it can land on a pinned worker's CPU and share it with a spinning thread. Threads it starts
     later (the driver's) inherit the set. KTFLOW_PIN=0 (an unpinned pool) leaves it alone."""
-    if os.environ.get("KTFLOW_PIN", "1") == "0":
+    if not env.get("KTFLOW_PIN"):
         return
     free = set(os.sched_getaffinity(0)) - set(pool.cpus)
     if free:

@@ -32,15 +32,16 @@ from ..kernels import moe_gpu
 from ..base import StepContext, node_key
 from .staging import ExpertStager, pieces_of
 from ..torch_ref import TorchRefBackend, staged
+from ...util import env
 
 
 def cache_dir() -> Path | None:
     """Where packed experts are cached: KTFLOW_CACHE_DIR (default ~/.cache/ktflow/packed); 'off':
     nowhere (pack at every load; for disks without room for a second copy of the experts)."""
-    env = os.environ.get("KTFLOW_CACHE_DIR")
-    if env == "off":
+    where = env.get("KTFLOW_CACHE_DIR")
+    if where == "off":
         return None
-    return Path(env or Path.home() / ".cache" / "ktflow" / "packed")
+    return Path(where or Path.home() / ".cache" / "ktflow" / "packed")
 
 
 def _checkpoint_digest(weights: WeightSource) -> str:

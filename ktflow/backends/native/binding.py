@@ -22,6 +22,7 @@ import torch
 from ...util import notices
 from ...errors import ConfigError, KtflowError, WeightError, first_line
 from ...frontend.quant import Fp8Matrix
+from ...util import env
 
 try:
     from ... import _native
@@ -154,9 +155,9 @@ def pool(spare: int = 1):
     groups (default: one per NUMA node; more gives virtual groups)."""
     global _POOL
     if _POOL is None:
-        threads = int(os.environ.get("KTFLOW_THREADS", "0") or 0) or default_threads(spare)
-        groups = int(os.environ.get("KTFLOW_NUMA_GROUPS", "0") or 0)
-        _POOL = module().Pool(threads=threads, groups=groups, pin=os.environ.get("KTFLOW_PIN", "1") != "0")
+        threads = env.get("KTFLOW_THREADS") or default_threads(spare)
+        groups = env.get("KTFLOW_NUMA_GROUPS")
+        _POOL = module().Pool(threads=threads, groups=groups, pin=env.get("KTFLOW_PIN"))
         global _SPIN_US
         _SPIN_US = _POOL.spin_us
     return _POOL
