@@ -456,7 +456,7 @@ def test_gpu_memory_size_check(demo_dir, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(total_memory=int(planned * 2)))
     with pytest.raises(PlanError, match=r"GPU with 40\.0 GiB of memory .*a test GPU\) has 80\.0 GiB"):
         c.executor("prefill")
-    from ktflow.api import check_gpu
+    from ktflow.runtime.compiled import check_gpu
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(total_memory=int(planned * 1.01)))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (int(planned), int(planned)))

@@ -364,7 +364,7 @@ def test_a_plan_streaming_a_cached_layer_whole_saves_loads_and_is_checked(demo_d
     edit); a cache_slots on a node that does not stream every expert is refused by rule S1."""
     from dataclasses import replace
 
-    from ktflow.api import Compiled
+    from ktflow.runtime.compiled import Compiled
     from ktflow.ir.verify import VerifyError, verify
 
     model = ktflow.load(demo_dir)

@@ -12,7 +12,7 @@ import torch
 
 import ktflow
 from ktflow.backends.native import binding as native
-from ktflow.frontend.config import DTYPE_BY_NAME
+from ktflow.ir.types import DTYPE_BY_NAME
 from ktflow.errors import ConfigError
 from ktflow.costmodel.hw import PRESETS, GpuSpec, Overheads
 from ktflow.ir import verify

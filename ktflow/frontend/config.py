@@ -15,13 +15,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..errors import ConfigError
 from ..ir.ops import RopeAttrs
-from ..ir.types import DType
+from ..ir.types import DTYPE_BY_NAME, DType
 
 SUPPORTED_ROPE = ("default", "linear", "yarn")
 
 #: dtype names of config.json (and of the `dtype` compile option) -> IR dtype
-DTYPE_BY_NAME = {"bfloat16": DType.BF16, "float16": DType.F16, "half": DType.F16, "float32": DType.F32,
-                 "float": DType.F32}
 
 
 class HFConfig(BaseModel):

@@ -208,3 +208,8 @@ def _si(x: float) -> str:
         if abs(x) >= scale:
             return f"{x / scale:.3g}{unit}"
     return f"{x:.3g}"
+
+
+#: the names a dtype option (CompileOptions.dtype, a config's torch_dtype) may take
+DTYPE_BY_NAME = {"bfloat16": DType.BF16, "float16": DType.F16, "half": DType.F16, "float32": DType.F32,
+                 "float": DType.F32}

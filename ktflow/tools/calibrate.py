@@ -350,7 +350,7 @@ def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile,
         plan's greedy runs of K steps a launch, the edge splits in two: one launch's
         (`overheads.graph_step_us`), (one a launch - K a launch) x K / (K - 1), and every step's
         (`overheads.decode_step_us`), the rest (a plan's predicted step adds the second and the
-        first divided by its greedy steps a launch: `api._predicted_step_us`). Without them the
+        first divided by its greedy steps a launch: `passes.compile._predicted_step_us`). Without them the
         whole edge is the launch's. Session 33, H100 host: 580-890 us of edge, of which a launch
         of 8 steps saved only about a fifth, so most of it is the step's;
     - in a deferred plan, `overheads.cpu_deferred_us`: the deferred tasks' median measured time
