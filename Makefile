@@ -55,7 +55,7 @@ native-test: $(ASAN)/test_native
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
 
-# benchmarks/RESULTS.md from the benchmarks' JSONL rows and benchmarks/SUMMARY.md (stdlib only).
+# benchmarks/RESULTS.md from the benchmarks' JSONL rows and benchmarks/SUMMARY.md.
 .PHONY: results
-results:
+results: $(STAMP)
 	$(PY) benchmarks/results.py

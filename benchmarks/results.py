@@ -24,10 +24,11 @@ import os
 import re
 import statistics
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from ktflow.util.fsutil import write_atomic  # whole or not at all
 
 HERE = Path(__file__).resolve().parent
 COMMAND = "make results"
@@ -505,24 +506,6 @@ def render(bench_dir: Path) -> str:
                     out += ["", f"#### {stem}: {title}: {k or 'other rows'}"]
                 out += [""] + render_table(stem, kinds[k], table)
     return "\n".join(out) + "\n"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def main(argv: list[str] | None = None) -> int:

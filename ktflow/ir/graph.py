@@ -13,7 +13,8 @@ from typing import Any, Iterable
 
 import networkx as nx
 
-from .ops import FACTS, Op, attrs_from_dict, attrs_to_dict, dataclass_from, typed
+from .ops import FACTS, Op
+from .serialize import attrs_from_dict, attrs_to_dict, dataclass_from, typed
 from .types import Cost, Device, DType, Placement, Slot, TensorType, Timing, WeightRef
 
 
