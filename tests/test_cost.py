@@ -6,7 +6,8 @@ import json
 import pytest
 
 import ktflow
-from ktflow.costmodel.roofline import RoutingProfile, node_cost, roof, transfer_seconds
+from ktflow.costmodel.roofline import node_cost, roof, transfer_seconds
+from ktflow.costmodel.routing import RoutingProfile
 from ktflow.errors import ConfigError
 from ktflow.costmodel.hw import PRESETS
 from ktflow.ir.ops import Work
@@ -103,7 +104,7 @@ def test_bad_routing_profiles(demo_dir, tmp_path, layers, message):
 
 @pytest.mark.parametrize("field", ["cache", "cache_batched"])
 def test_a_cache_curve_of_the_wrong_size_is_refused(demo_dir, tmp_path, field):
-    from ktflow.costmodel.roofline import CacheCurve
+    from ktflow.costmodel.routing import CacheCurve
 
     curves = {16: {1: CacheCurve(hits=[0.5] * 15, copies=[0.1] * 15)}}  # 16 sizes; the model's layers have 32 experts
     prof = RoutingProfile(layers={1: [0.125] * 32}, **{field: curves if field == "cache" else {4: curves}})
@@ -115,7 +116,7 @@ def test_a_cache_curve_of_the_wrong_size_is_refused(demo_dir, tmp_path, field):
 
 
 def test_batched_cache_curves_are_for_two_or_more_conversations():
-    from ktflow.costmodel.roofline import CacheCurve
+    from ktflow.costmodel.routing import CacheCurve
 
     curves = {16: {1: CacheCurve(hits=[0.5] * 31, copies=[0.1] * 31)}}
     with pytest.raises(ValueError, match="batches of 2 or more"):

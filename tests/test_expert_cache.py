@@ -532,7 +532,7 @@ def curves_profile(path, experts=32, top_k=4, sticky=(3,), flat=(1, 2), interval
     S slots serves 4 S / experts of the picks (more at the first interval, for fewer copies); in
     `flat` layers only S / experts (what static slots serve) and copies cost extra. `batched`:
     {B: (sticky, flat)} the same for batches of B conversations."""
-    from ktflow.costmodel.roofline import CacheCurve, RoutingProfile
+    from ktflow.costmodel.routing import CacheCurve, RoutingProfile
 
     sizes = range(1, experts)
 

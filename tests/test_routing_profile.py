@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 import ktflow
 from ktflow.tools.cli import main
-from ktflow.costmodel.roofline import RoutingProfile
+from ktflow.costmodel.routing import RoutingProfile
 from ktflow.errors import ConfigError
 from ktflow.costmodel.hw import PRESETS, with_this_gpus_memory
 from ktflow.runtime.routing import RoutingRecorder, record_routing

@@ -1,31 +1,15 @@
 """Token selection on the device, per row: greedy or sampled, in tensor ops a CUDA graph captures.
 
 A `Sampler` holds, for `rows` sequences, each row's `SamplingParams` as device tensors and its
-running state (how often it generated each token, whether the prompt held it, its random
-stream's counter). `select(logits)` turns a step's logits [rows, vocab] into the next ids [rows]
-without a host synchronisation and with fixed shapes, so the cuda_graph backend captures it in
-the decode step (one step or a run of K) and only the ids reach the host. On the CPU the same
-code selects the same ids (up to the rounding of the logits themselves).
-
-Per row, in this order (vLLM's order; the rules are HF transformers' and OpenAI's):
-
-1. `logit_bias` added to the logits;
-2. `repetition_penalty` r on every token of the prompt or generated so far: a logit x > 0
-   becomes x / r, else x * r; `frequency_penalty` f and `presence_penalty` p on generated
-   tokens: x - f * count - p * (count > 0);
-3. temperature 0 (or top_k 1): the argmax (greedy). Else probabilities softmax(x / temperature);
-   in sorted order, most likely first, the kept prefix is the shortest of: the first `top_k` (0:
-   all); the tokens whose mass before them is below `top_p` of the first top_k's mass; those
-   with probability at least `min_p` times the most likely's; and at least one. Every token as
-   likely as the last kept one is kept (ties at the edge all stay, as HF's top-k keeps them);
-4. the token drawn from the kept ones in proportion to their probabilities: the first token, in
-   id order, whose cumulative kept mass passes u times the total, u ~ U[0, 1) from the row's
-   stream: u = hash(seed, counter) (a counter-based generator: the same seed and step give the
-   same u on any device), counter + 1 after each step. So top_k=1 equals greedy, a seed
-   reproduces on any backend, and each row draws from its own stream.
-
-The generated counts and the counter advance only for rows marked active (`set_active`: a
-ragged batch's padding rows leave a sequence's state alone).
+running state (generated counts, prompt tokens, its random stream's counter). `select(logits)`
+turns logits [rows, vocab] into the next ids [rows] without a host synchronisation and with fixed
+shapes (the cuda_graph backend captures it in the decode step); the CPU selects the same ids, up
+to the rounding of the logits themselves. Per row, in vLLM's order with HF transformers' and
+OpenAI's rules: `logit_bias`; repetition, frequency and presence penalties; temperature 0 (or top_k
+1) is the argmax, else top_k, top_p and min_p keep a prefix of the sorted probabilities (at least
+one token; ties at the edge all kept); the token is drawn with u = hash(seed, counter), so a seed
+reproduces on any device and each row draws from its own stream. The counts and the counter
+advance only for active rows (`set_active`). The rules in full: docs/design-notes.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """The memory model: what a step of a plan holds besides weights, on the GPU and in host memory.
 
 A step's activations are its live values (each freed after its last reader) plus, while a node
-runs, the temporaries inside its rule (`scratch_bytes`: projections, attention inputs, the
-gathered rows of routed experts). Prefill plans add the staging of streamed experts: the
-converted weights in their slots (the plan's `staging` arena) and one landing buffer that the
-packed bytes are copied into before conversion. `prefill_room` is what the compiler has left for
-staging once weights, KV caches, workspaces and a step's activations are counted.
-
-Weights held in FP8 (WeightRef.held) count at their stored size with their block scales; the
-temporaries their rules dequantize into count as scratch: a dense weight's whole matrix in a step
-over FP8_FUSED_ROWS rows (backends.fp8_gpu), and for routed experts held in FP8
-(`fp8_experts_dequant_bytes`) the picked experts' rows of one projection at a time in a decode
-step (the captured rule, backends.static_rules.routed_experts: their FP8 bytes gathered, then
-dequantized into the activation dtype), one projection of the node's whole stack at a time in the
-grouped rule of any other step (backends.moe_gpu.grouped_experts).
-
-The scratch rules mirror the GPU rules of ktflow.backends.kernels.layers (attention),
-ktflow.backends.kernels.moe_gpu (grouped routed experts) and ktflow.backends.kernels.fp8_gpu (FP8 weights); change
-them together.
+runs, the temporaries inside its rule (`scratch_bytes`). Prefill plans add the staging of streamed
+experts: the plan's `staging` arena and one landing buffer for the packed bytes. `prefill_room` is
+what is left for staging once weights, KV caches, workspaces and a step's activations are counted.
+Weights held in FP8 (WeightRef.held) count at their stored size with their block scales, and what
+their rules dequantize into as scratch (`fp8_dequant_bytes`: a dense weight's matrix in a step over
+FP8_FUSED_ROWS rows; `fp8_experts_dequant_bytes`: routed experts, one projection at a time). The
+scratch rules mirror the GPU rules of ktflow.backends.kernels.layers (attention),
+ktflow.backends.kernels.moe_gpu (grouped routed experts), ktflow.backends.cuda.static_rules
+(captured routed experts) and ktflow.backends.kernels.fp8_gpu (FP8 weights); change them together.
 """
 
 from __future__ import annotations

@@ -16,119 +16,13 @@ times one expert's bytes.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, field_validator
-
 from ..errors import ConfigError
-from ..util.fsutil import read_model_json
-from .hw import HwProfile
 from ..ir.graph import Graph, Node
 from ..ir.ops import FACTS, FetchAttrs, Op, Work, expert_weight_bytes, experts_hit_fraction
 from ..ir.types import Cost, Device, DType
-
-
-class CacheCurve(BaseModel):
-    """One layer at one refill interval of the decode-time expert cache, for S = 1 .. experts - 1
-    slots: `hits[S - 1]`, the share of decoded tokens' picks the slots served; `copies[S - 1]`,
-    experts copied in per decoded token (ktflow.runtime.cache_curves measures them)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    hits: list[float]
-    copies: list[float]
-
-    @field_validator("hits")
-    @classmethod
-    def _shares(cls, v: list[float]) -> list[float]:
-        if any(not 0.0 <= h <= 1.0 for h in v):
-            raise ValueError("every cache hit share must be in [0, 1]")
-        return v
-
-    @field_validator("copies")
-    @classmethod
-    def _copies(cls, v: list[float]) -> list[float]:
-        if any(not c >= 0.0 for c in v):
-            raise ValueError("every cache copies-per-token figure must be >= 0")
-        return v
-
-
-class RoutingProfile(BaseModel):
-    """Measured routing: `layers[layer][e]` is the fraction of tokens that pick expert e in that
-    MoE layer (each token picks top_k experts, so a layer's fractions sum to top_k)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    layers: dict[int, list[float]]
-    model_type: str | None = None
-    tokens: int | None = None  # how many tokens the frequencies were counted over
-    #: optional, `pairs[layer][i][j]`: the fraction of tokens that pick both experts i and j (the
-    #: diagonal is `layers`); measured by `ktflow profile --pairs`, not read by placement yet
-    pairs: dict[int, list[list[float]]] | None = None
-    #: optional, `cache[N][layer]`: what an expert cache refilled every N decoded tokens served
-    #: on the profiled conversations (`ktflow profile --decode`); placement prices cached layers by it
-    cache: dict[int, dict[int, CacheCurve]] | None = None
-    #: optional, `cache_batched[B][N][layer]`: the same for B conversations decoded together in
-    #: lockstep with one cache, `hits` being the share of the steps' expert reads it served
-    cache_batched: dict[int, dict[int, dict[int, CacheCurve]]] | None = None
-
-    @field_validator("layers")
-    @classmethod
-    def _fractions(cls, v: dict[int, list[float]]) -> dict[int, list[float]]:
-        for layer, fr in v.items():
-            if not fr or any(not 0.0 <= f <= 1.0 for f in fr):
-                raise ValueError(f"layer {layer}: every expert frequency must be in [0, 1]")
-        return v
-
-    @field_validator("cache_batched")
-    @classmethod
-    def _batches(cls, v):
-        if v and any(b < 2 for b in v):
-            raise ValueError("cache_batched is keyed by batches of 2 or more conversations (one is `cache`)")
-        return v
-
-    def probs(self, layer: int) -> tuple[float, ...] | None:
-        fr = self.layers.get(layer)
-        return tuple(fr) if fr is not None else None
-
-    def cache_for(self, batch: int, layer: int) -> tuple[dict[int, CacheCurve], int]:
-        """(layer `layer`'s cache curves by refill interval, the batch they price) for decode steps
-        of up to `batch` conversations: those of the largest profiled batch not above `batch` (the
-        smallest where all are above it); one conversation's at 1, with no batched curves, or where
-        the batched curves leave the layer out."""
-        def of(table: dict[int, dict[int, CacheCurve]]) -> dict[int, CacheCurve]:
-            return {every: c[layer] for every, c in table.items() if layer in c}
-
-        if batch > 1 and self.cache_batched:
-            sizes = sorted(self.cache_batched)
-            b = max([s for s in sizes if s <= batch], default=sizes[0])
-            curves = of(self.cache_batched[b])
-            if curves:
-                return curves, b
-        return of(self.cache or {}), 1
-
-    def check_against(self, g: Graph) -> None:
-        for n in g.nodes:
-            if n.op == Op.ROUTED_EXPERTS and n.attrs.layer in self.layers:
-                fr = self.layers[n.attrs.layer]
-                if len(fr) != n.attrs.experts:
-                    raise ConfigError(f"routing profile: layer {n.attrs.layer} lists {len(fr)} experts, "
-                                      f"the model has {n.attrs.experts}")
-                if abs(sum(fr) - n.attrs.top_k) > 0.05 * n.attrs.top_k:
-                    raise ConfigError(f"routing profile: layer {n.attrs.layer} frequencies sum to {sum(fr):.3f}, "
-                                      f"expected top_k = {n.attrs.top_k}")
-                tables = [(1, self.cache or {})] + sorted((self.cache_batched or {}).items())
-                for batch, table in tables:
-                    for every, curves in table.items():
-                        curve = curves.get(n.attrs.layer)
-                        if curve is not None and not len(curve.hits) == len(curve.copies) == n.attrs.experts - 1:
-                            of = f", batch {batch}" if batch > 1 else ""
-                            raise ConfigError(f"routing profile: the cache curve of layer {n.attrs.layer} (every "
-                                              f"{every} tokens{of}) has {len(curve.hits)} sizes, the layer has "
-                                              f"{n.attrs.experts} experts (expected {n.attrs.experts - 1} sizes)")
-
-    @staticmethod
-    def load(path: str | os.PathLike) -> "RoutingProfile":
-        return read_model_json(RoutingProfile, path, "routing profile")
+from .hw import HwProfile
 
 
 @dataclass(frozen=True)

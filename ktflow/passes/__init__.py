@@ -27,7 +27,7 @@ from ..errors import ConfigError, PassError
 from ..ir.graph import Graph
 from ..ir.verify import VerifyError, verify
 from ..plan.options import CompileContext
-from .costs import annotate_costs
+from .annotate_costs import annotate_costs
 from .defer import defer_experts
 from .infra import DumpEach, Instrument, Pass, PassTimer, PrintAfter, check_stages, compiler_pass
 from .lower import lower

@@ -15,7 +15,8 @@ from typing import Any
 
 from ..costmodel.hw import HwProfile
 from ..costmodel.memory import activation_peak, gpu_activation_peak, gpu_workspace_bytes, kv_cache_bytes, staging_bytes
-from ..costmodel.roofline import RoutingProfile, held_weight_bytes
+from ..costmodel.roofline import held_weight_bytes
+from ..costmodel.routing import RoutingProfile
 from ..errors import ConfigError
 from ..ir.graph import Graph
 from ..ir.ops import Op

@@ -10,7 +10,7 @@ from ..ir.graph import Graph, Node
 from ..ir.ops import DeferAttrs, Op, ffn_residual
 from ..ir.types import Device, Placement, _si
 from ..plan.options import CompileContext
-from .costs import cost_in, recost_changed
+from .annotate_costs import cost_in, recost_changed
 from .infra import compiler_pass
 
 

@@ -8,7 +8,7 @@ from ..ir.graph import Graph, Node
 from ..ir.ops import FACTS, CopyAttrs, Op, SubmitAttrs, SyncAttrs
 from ..ir.types import Device, Placement
 from ..plan.options import CompileContext
-from .costs import recost_changed
+from .annotate_costs import recost_changed
 from .infra import compiler_pass
 
 

@@ -10,7 +10,7 @@ from ..ir.graph import Graph, Node
 from ..ir.ops import Op, ReduceAttrs
 from ..ir.types import Device, Placement
 from ..plan.options import CompileContext
-from .costs import cost_in, recost_changed, step_work
+from .annotate_costs import cost_in, recost_changed, step_work
 from .infra import compiler_pass
 
 

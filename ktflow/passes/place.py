@@ -11,7 +11,7 @@ from ..ir.graph import Graph, Node
 from ..ir.ops import FACTS, Op, Work, fp8_holdable
 from ..ir.types import FP8_BLOCK, Cost, Device, Placement, _si
 from ..plan.options import CompileContext, vram_limit
-from .costs import cost_in, recost_changed
+from .annotate_costs import cost_in, recost_changed
 from .infra import compiler_pass
 
 

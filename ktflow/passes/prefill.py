@@ -13,7 +13,7 @@ from ..ir.ops import FACTS, FetchAttrs, Op, expert_weight_bytes
 from ..ir.types import Device, Placement, _si
 from ..costmodel.memory import gpu_activation_peak, prefill_room, stream_bytes, streamed_step_bytes
 from ..plan.options import CompileContext, vram_limit
-from .costs import cost_in, recost_changed, step_work
+from .annotate_costs import cost_in, recost_changed, step_work
 from .infra import compiler_pass
 
 #: candidate streamed-expert counts per layer: 0, then steps of 1/GRID of the layer's CPU experts

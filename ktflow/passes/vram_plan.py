@@ -1,45 +1,16 @@
 """The VRAM plan: one limit for the whole run, shared between decode residency and prefill.
 
-A run's plans may allocate `limit` bytes of GPU memory (option vram_gb, the run's VRAM as the
-card counts it, default the profile GPU's memory, less vram_reserve_gb for the CUDA context and
-the allocator's slack). Inside it sit the BLAS workspaces, decode residency (the GPU weights and
-KV caches the placement pass takes: `residency`) and the prefill reservation: the activations of
-the largest prefill step (`chunk_tokens`) and the staging of streamed experts (`staging_slots`
-slots of `stage_experts` experts each, and a landing buffer for one slot's packed bytes). Every
-byte reserved for prefill is a byte of hot experts decode loses; every byte not reserved leaves
-long prompts with smaller chunks, fewer streamed experts, or the CPU. `decide` prices that trade
-for a declared workload (prompts of lengths P, equally likely, and answers of N tokens: a request
-takes the mean prefill(P) + N x decode step) and picks the fastest.
-
-Candidates:
-- none: decode residency first (a `prefill_tokens` step's activations reserved, nothing more);
-  prefill gets the largest bucket that fits what is left, and stages what room remains.
-- reserve (design a): for each bucket C of the grid up to the longest prompt's, the activations of
-  steps up to C tokens (with the past context of a chunked prompt) and staging for g experts a
-  slot. A layer with more CPU experts than a slot holds streams as several fetches
-  (passes.prefill `groups_of`), so g trades staging bytes against the per-fetch GPU work.
-  g is chosen per C from the halvings of a layer's CPU experts by a screening price: the
-  prefill pass's layer time at C tokens with that slot size, over the streamed layers and the
-  prompts' chunks, plus N x the decode time the reservation costs (the placement's savings lost,
-  `place.decode_savings`). Whole-layer staging at the longest prompt's bucket is priced too.
-- time-share (design b): the reservation of a reserve candidate taken from resident experts only
-  while a long prompt runs, and those experts copied back over PCIe after it; decode keeps the
-  decode-first residency. Priced (the copy-back per request), never chosen: the runtime cannot
-  evict and restore resident experts yet.
-
-Each candidate is priced by compiling: the decode plan at its residency (predicted step), and for
-each prompt a prefill step of min(P, C) tokens at its residency and staging (chunks of C attend
-P/2 earlier positions on average; ceil(P / C) chunks; a shorter prompt as its bucket's step).
-Buckets are tried from the longest prompt's
-down while the requests get faster. The runnable candidate with the shortest request wins (within
-TIE, the one reserving less); option prefill_reserve='none' keeps decode first. The decision and
-every candidate's numbers are recorded in the plan file (`plan.VramPlan`).
-
-Preconditions: the profile has a GPU and placement is not 'cpu' (else there is nothing to share:
-`decide` returns None). Guarantees: the reservation holds every prefill bucket up to
-chunk_tokens with stage_experts a slot, and decode's activations, beside `residency` and the
-workspaces, inside `limit`; a limit nothing fits (or a vram_budget_gb / vram_gb the card cannot
-hold) is a ConfigError naming the option and the numbers.
+`decide` splits `limit` (option vram_gb, default the profile GPU's memory, less vram_reserve_gb)
+between decode residency (`residency`: the GPU weights and KV caches the placement pass takes) and
+the prefill reservation (activations of steps up to `chunk_tokens`, and `staging_slots` slots of
+`stage_experts` streamed experts), for a declared workload: prompts of lengths P, equally likely,
+and answers of N tokens. It compiles each candidate and keeps the runnable one with the shortest
+mean request (within TIE, the one reserving less); prefill_reserve='none' keeps decode first. The
+decision and every candidate's numbers go into the plan file (`plan.artifact.VramPlan`).
+Preconditions: the profile has a GPU and placement is not 'cpu' (else `decide` returns None).
+Guarantees: the reservation, decode's activations, `residency` and the BLAS workspaces fit inside
+`limit`; a limit nothing fits (or a vram_budget_gb / vram_gb the card cannot hold) is a ConfigError
+naming the option and the numbers. Candidates and pricing: docs/design-notes.md.
 """
 
 from __future__ import annotations
@@ -55,7 +26,7 @@ from ..ir.types import Device
 from ..costmodel.memory import (gpu_activation_peak, gpu_workspace_bytes, hidden_row_bytes, resident_gpu_bytes,
     staging_for, stream_bytes, streamed_step_bytes)
 from ..plan.options import WORKLOADS, CompileContext, CompileOptions, VramShare, vram_limit
-from .costs import annotate_costs
+from .annotate_costs import annotate_costs
 from .place import decode_savings
 from .prefill import layer_seconds, streamable
 from ..plan.artifact import VramCandidate, VramPlan

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..costmodel.roofline import RoutingProfile
+from ..costmodel.routing import RoutingProfile
 from ..costmodel.hw import HwProfile
 
 

@@ -1,41 +1,22 @@
 """What a GPU expert cache would serve, per MoE layer and cache size, measured from recorded routing.
 
-The decode-time expert cache (`runtime.expert_cache`) keeps S expert slots per layer on the GPU and
-refills them after each prompt and every N decoded tokens with the S experts the tokens since the
-last refill picked most. Whether that beats a static choice of S experts depends on how sticky the
-routing is over N tokens, which frequencies alone do not say. `ktflow profile` therefore records
-each conversation's picks (the prompt's counts, then each decode step's), and `cache_curves`
-replays the refill policy on them for every S and for N in `INTERVALS`:
-
-- `hits[S - 1]`: the share of the decode steps' expert reads the S slots served (a stretch's
-  reads are served by the slots chosen from the stretch before it: causal, as at run time);
-- `copies[S - 1]`: experts copied in per decoded token (a refill copies the experts entering the
-  top S; the refill after the prompt counts too).
-
-One conversation reads what it picks. A serving step decodes a batch of conversations together
-with one cache and reads each expert any of its rows picked once, so for B = 2, 4, 8 (`BATCHES`)
-the profile's conversations are also taken B at a time in lockstep (members spread over the
-prompt list, not neighbours: `spread`; step t of the batch is every member's step t that has
-one): the refills follow all rows' picks, after the prompts and then, as the runtime counts, once
-N decoded tokens (rows) have run since the last (every ceil(N / B) steps while all B run). These
-are `RoutingProfile.cache_batched`, which the placement pass reads for a plan of `max_batch` > 1.
-They assume one decode step a launch (as `serve` runs a batch) and a refill's copies landing
-before the next is due (the runtime skips a refill of a layer whose copies are under way).
-
-Ties in a stretch's counts keep the order of the refill before (`next_order`), as
-`ExpertCache.refill_from` does, so a resident expert stays resident on a tie. What differs from a
-run: the curves start each conversation (or batch) from the profile's order, where a run starts
-from the plan's slots, then the rest by id, and carries its order from one conversation to the
-next; on tied counts that moves the served share by 0.05-0.5% of the picks. And a server's rows
-start and end at different times, not in lockstep. The placement pass prices a cached layer by
-these curves (`passes/place.py`).
+`cache_curves` replays `runtime.expert_cache`'s refill policy (S slots a layer, refilled after the
+prompt and every N decoded tokens with the S experts picked most since the last refill) on the
+conversations `ktflow profile` recorded, for every S and for N in `INTERVALS`:
+- `hits[S - 1]`: the share of the decode steps' expert reads the S slots served (causal: a
+  stretch's reads are served by the slots chosen from the stretch before it, as at run time);
+- `copies[S - 1]`: experts copied in per decoded token (the refill after the prompt included).
+For B in `BATCHES` the conversations are also taken B at a time in lockstep (`spread`), one read
+per expert a step whichever rows picked it: `RoutingProfile.cache_batched`. Ties keep the previous
+refill's order (`next_order`, as `ExpertCache.refill_from` does). The placement pass prices a
+cached layer by these curves; how they differ from a run: docs/design-notes.md.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..costmodel.roofline import CacheCurve
+from ..costmodel.routing import CacheCurve
 
 #: the refill intervals (decoded tokens) the curves are computed for
 INTERVALS = (8, 16, 32, 64, 128, 256)

@@ -1,46 +1,15 @@
 """The decode-time GPU expert cache: a split layer's GPU experts refilled, as the model runs, with
-the experts recent tokens picked most.
+the experts recent tokens picked most (plans compiled with `expert_cache=True`).
 
-A plan compiled with `expert_cache=True` marks each split layer's GPU part a cache (its
-`refill_every`, chosen by the placement pass from the routing profile's cache curves): its subset
-is the first filling of S expert slots, and the layer's CPU parts hold every expert (packed once),
-each computing the experts its mask marks. `ExpertCache(compiled).refill(layer, ids)` then makes
-`ids` (S experts) the GPU's, in two halves:
-
-- begin (between steps): each outgoing expert's slot is emptied: the GPU parts' expert -> slot
-  map (`local`) no longer names it and the CPU masks take it back, so the very next step computes
-  it on the CPU;
-- copy (issued at once, a bounded number of experts at a time (`STAGE_BYTES`); on CUDA on the
-  cache's copy stream, after the steps issued before, which may still read the slots): the incoming
-  experts copied from the layer's CPU side, which holds every expert packed (page-locked on CUDA,
-  so the copy is a DMA at PCIe speed with no CPU work), to the GPU, unpacked there and written into
-  the emptied slots of every stacked copy of the layer's GPU parts (every plan's; plans over the
-  same node share one). An expert refilled into the cache so computes with the CPU side's weights:
-  the checkpoint's where the CPU holds them as stored (bf16, or an FP8 checkpoint's FP8), the
-  quantized ones where it quantized them (int8, int4, FP8 from a bf16 checkpoint); the first
-  filling is the checkpoint's;
-- finish (between steps, once the copy is done): the map names the expert's slot and the CPU
-  masks give it up.
-
-Decode steps do not wait for a copy: an expert is on the CPU until its slot is filled, then on the
-GPU. Two exceptions: capturing a decode step as a CUDA graph (a batch size's first step, or the
-first after `follow` hands the plan a recorder) synchronizes the device, copies included; and where
-the driver refuses to page-lock the CPU experts (a warning says so) the copies run from pageable
-memory, which holds the host at each refill until they land. In place is what keeps captured CUDA
-graphs valid: a replayed decode step reads the stacked weights, the map and (through the native
-task) the mask at the addresses it was captured with. `refill` waits for its copies (`wait=False`:
-it returns after begin); `follow()` refills each cached layer after each prefill step and every
-`refill_every` decoded tokens (or every `every`) from the picks since its last refill, without
-waiting, finishing copies at each step's end (`poll`); `refill_from(recorder)` is one such refill
-from a `RoutingRecorder`.
-
-A prefill plan may stream a cached layer whole (`place_prefill_experts`, for long prompts): that
-step computes every expert of the layer on the GPU from a fetch of them all and reads neither the
-slots nor the masks, so the cache leaves it alone.
-
-Preconditions: the plan's backend is native or cuda_graph (their CPU parts take a mask), and no
-plan streams a subset of a cached layer's experts (a subset fixed at compile time; only a custom
-pass could). Not built: token-wise prefetch of the next layer's likely experts.
+`ExpertCache(compiled).refill(layer, ids)` makes `ids` (S experts) the layer's GPU experts, waiting
+for the copies unless wait=False; `follow()` refills each cached layer after each prefill step and
+every `refill_every` decoded tokens from the picks since its last refill; `refill_from(recorder)` is
+one such refill. What holds: each step computes every expert once, on the CPU until its slot is
+filled, on the GPU after; decode steps do not wait for a copy (a graph capture synchronizes the
+device, and experts the driver would not page-lock copy synchronously); refills write in place, so
+captured CUDA graphs stay valid; a refilled expert computes with the CPU side's weights. A prefill
+step that streams a cached layer whole is left alone. Preconditions: backend native or cuda_graph,
+no plan streams a subset of a cached layer's experts. The mechanism: docs/design-notes.md.
 """
 
 from __future__ import annotations

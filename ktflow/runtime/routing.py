@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..costmodel.roofline import RoutingProfile
+from ..costmodel.routing import RoutingProfile
 from ..ir.graph import Graph
 from ..ir.ops import Op
 

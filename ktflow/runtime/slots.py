@@ -1,26 +1,15 @@
 """`SlotPool`: KV caches for a fixed number of sequences that start, grow and end on their own,
 decoded together in one batched step (what a server's continuous batching needs).
 
-The pool owns one `State` of `slots` rows, its caches made once for every attention layer (no
-allocation later). A sequence lives in a slot (a row) and has its own position:
-
-- `start(slot, params, prompt)`: a new sequence at position 0 (the row's old entries are never
-  read again: attention masks every position past a row's own), selecting its tokens by
-  `params` (`backends.sampling`: the pool's sampler has a row per slot, on the device of the
-  decode step's logits);
-- `prefill(slot, ids)`: the next part of that sequence's prompt, through the prefill plans, over
-  views of its row (batch 1); `prefill_many(slots, chunks)`: a chunk of each of several
-  sequences' prompts in ONE packed prefill step (`Executor.run(segments=...)`);
-- `first_tokens(slots, logits)`: each slot's first token from its prompt's last logits;
-- `decode(slots, ids)`: one token for each listed slot in ONE ragged decode step
-  (`Executor.run(positions=...)`): the step runs rows 0..b-1, b the smallest batch bucket (1, 2,
-  4, 8, ... capped at `slots`) above the highest listed slot; each row at its own position. Rows in
-  the bucket that are not listed are padding: token 0, written at their own next position, which
-  their next real token overwrites before anything reads it, and their outputs dropped (with
-  logits='sample' their sampler rows are inactive: their counts and random streams stay as they
-  are). Keep busy slots low (take the lowest free slot) and the buckets stay small.
-
-On the cuda_graph backend each bucket is bound and captured once, over the pool's rows 0..b-1.
+The pool owns one `State` of `slots` rows, its caches made once (no allocation later); a sequence
+lives in a slot (a row) at its own position. `start(slot, params, prompt)` begins one at position
+0 (the row's old entries are never read again), selecting tokens by `params`; `prefill(slot, ids)`
+continues its prompt, `prefill_many(slots, chunks)` several prompts in ONE packed step;
+`first_tokens(slots, logits)` gives each slot's first token; `decode(slots, ids)` runs ONE ragged
+step over rows 0..b-1, b the smallest batch bucket (1, 2, 4, 8, ... capped at `slots`) holding the
+highest listed slot. Unlisted rows in it are padding: outputs dropped, nothing of theirs a later
+step reads changed. Take the lowest free slot and the buckets stay small. On the cuda_graph backend
+each bucket is bound and captured once, over rows 0..b-1. Padding rows: docs/design-notes.md.
 """
 
 from __future__ import annotations

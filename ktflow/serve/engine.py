@@ -1,26 +1,16 @@
 """The serving engine: an iteration-level (continuous-batching) scheduler in one background thread.
 
 Requests wait in a bounded queue (`submit` raises `QueueFull` when it is full, `Draining` once
-shutdown began). Each iteration of the scheduler thread:
-
-1. retires sequences whose client went away (`cancel`) and admits waiting requests into free
-   slots (a fixed number, the runner's; a slot keeps its KV cache between sequences);
-2. prefills, in admission order, chunks of at most `prefill_tokens` prompt tokens, as many as
-   fit `prefill_tokens` in all (at least one), all in one step (the runner packs them), so a
-   long prompt delays the running decodes by one chunk per iteration. A prompt is always cut at
-   the same places (multiples of `prefill_tokens`); the rows it shares a step with still change
-   the kernels' shapes, so its numbers may differ from running alone by rounding (in bf16 a greedy
-   near-tie can flip). The chunk that ends a prompt yields the sequence's first token;
-3. decodes one token for every sequence that has one pending;
-4. retires finished sequences (a stop string, a stop token id or eos, max_tokens, cancelled)
-   and frees their slots.
-
-The model is reached only through a `Runner` (`runner.py`), which selects every token where the
-logits are (inside the captured decode step on the GPU) by the request's `SamplingParams`: each
-row its own parameters and its own random stream, seeded by the request's `seed` and advanced only
-by its own steps, so a seed gives the same tokens whatever else is running. A request hears about its
-sequence through `emit(event)`, called on the scheduler thread with a `Delta`, then one
-`Finished` or `Failed`.
+shutdown began). Each iteration: retires cancelled sequences and admits waiting requests into free
+slots (the runner's fixed number); prefills, in admission order, chunks of at most `prefill_tokens`
+prompt tokens, `prefill_tokens` in all (at least one chunk), as one step, the chunk that ends a
+prompt giving its first token; decodes one token for every sequence with one pending; retires
+finished sequences (a stop string, a stop token id or eos, max_tokens, cancelled), freeing their
+slots. A prompt is always cut at multiples of `prefill_tokens`. The model is reached only through
+a `Runner` (`runner.py`), which selects each row's tokens by its request's `SamplingParams` from
+its own random stream (seeded by `seed`, advanced only by its own steps). A request hears of its
+sequence through its `emit(event)`, called on the scheduler thread: `Delta`s, then one `Finished`
+or `Failed`. On batching and reproducibility: docs/design-notes.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
 """How the serving engine runs the model: the `Runner` interface and the runner over a `SlotPool`.
 
-The scheduler (`engine.py`) holds a fixed number of slots and speaks to the model only through a
-Runner, in slot numbers and token ids:
-
-- `start(slot, params, prompt_ids)`: a new sequence begins in `slot` at position 0 (the slot's
-  KV cache is reused, not reallocated: positions past the new sequence's are never read),
+The scheduler (`engine.py`) speaks to the model only through a Runner, in slot numbers and ids:
+- `start(slot, params, prompt_ids)`: a new sequence at position 0 in `slot` (its KV cache reused),
   selecting its tokens by `params` (a backends.sampling.SamplingParams; a bad one raises
   InputError naming it);
-- `prefill(items)`: for each (slot, ids, last), the next chunk of that sequence's prompt,
-  continuing its cache; returns per item the sequence's first generated token (an int) where
-  `last` is set (else None), or the exception that failed that item only;
-- `decode(slots, ids)`: one token for each listed slot (each at its own position), returning
-  per slot its next token (an int: selected where the logits are, inside the captured step on
-  the GPU, so only the ids cross), or the exception that failed it (a batched step that fails
-  fails every slot in it);
+- `prefill(items)`: per (slot, ids, last), the next chunk of that prompt; returns per item the
+  first generated token (an int) where `last` is set, else None, or the exception that failed it;
+- `decode(slots, ids)`: one token per listed slot, each at its own position, selected where the
+  logits are; returns per slot its token (an int) or the exception that failed it;
 - `free(slot)`: the sequence in `slot` is finished.
-
-`PoolRunner` runs every decode step as ONE batched step over all listed slots
-(`ktflow.runtime.slots.SlotPool`: each row at its own position, in the smallest batch bucket that
-holds the highest slot; the engine takes the lowest free slot so the buckets stay small), and the
-prompt chunks of one iteration as ONE packed prefill step. A decode step that fails fails the
-sequences in it; a packed prefill that fails is run again one chunk at a time, so only the
+`PoolRunner` runs a decode as ONE batched step (a failure fails every slot in it) and an
+iteration's chunks as ONE packed prefill step, run again chunk by chunk if it fails, so only the
 chunks that fail alone fail.
 """
 

@@ -1,36 +1,16 @@
 """`ktflow calibrate`: run a model's decode plan on this machine, measure each step, fit the few
 terms of the hardware profile the roofline misses, and return the profile the compiler then uses.
 
-The cost model prices a node as max(FLOPs / peak, bytes / bandwidth) + a fixed cost per op, with
-the peaks from the profile (`ktflow hw probe` measures them with microbenchmarks). Calibration
-runs the real plan: a prompt, a few decode steps to warm up, then `steps` decode steps traced
-(each GPU op between CUDA events, each CPU task by the native queue's timestamps, or, on a
-backend that runs one step after another, each step's host time), and fits, from the median of
-each step's measured time:
-
-- `gpus[0].efficiency`, the fraction of its peak FLOP/s and HBM bandwidth the GPU's decode
-  kernels reach, and `overheads.gpu_launch_us`, the fixed time of one GPU op: a least-squares
-  line through (each GPU op's roofline time at peak, its measured time): slope 1 / efficiency,
-  intercept the fixed time;
-- the CPU's rate, `cpu.gemv_gbps`, `cpu.gemm_tflops` and the routed-experts rate table scaled by
-  one factor, and `overheads.cpu_op_us`, the fixed time of one CPU op: the same line through the
-  CPU ops (the native kernels as they run in this plan, in its expert format); where the CPU ops
-  are all alike (a hybrid plan's expert tasks) the factor alone, their predicted over measured;
-- `overheads.cpu_submit_us` and `overheads.cpu_sync_us`, the hand-off of a CPU task each way:
-  moved by the difference between the measured and the predicted median hand-off
-  (`timeline.handoffs`) of the plan's CPU tasks (plans with submit/sync only).
-
-A plan the backend replays as one captured graph is fitted from replayed steps instead
-(`fit_replayed`): the CPU rate from the tasks (and, in a deferred plan,
-`overheads.cpu_deferred_us`: what a deferred task takes beyond its bytes), `overheads.gpu_launch_us`
-from the gaps between them, `overheads.graph_step_us` (one launch's) and `overheads.decode_step_us`
-(every step's) from the step's edges, one a launch against eight a launch (an instrumented step runs eagerly and
-times the host's issue more than the GPU's work; measured on the GPU machine, a fit from it made
-the Qwen3-shaped prediction worse, 11.8 to 30.4 ms against 11.3 measured).
-
-A term without enough measured ops to fit (no GPU ops, fewer than three, no CPU tasks) keeps its
-value. The fit is reported as `Fitted` rows (term, before, after, from how many ops), and the
-plan's predicted step before and after beside the measured one (untraced decode steps).
+Fitted, from the median of traced steps after warm-up: `gpus[0].efficiency` and
+`overheads.gpu_launch_us` (a line through the GPU ops' roofline and measured times); the CPU's
+rates (`cpu.gemv_gbps`, `cpu.gemm_tflops`, the routed-experts table, scaled by one factor) and
+`overheads.cpu_op_us`; `overheads.cpu_submit_us` and `overheads.cpu_sync_us` (plans with
+submit/sync). A plan replayed as one captured graph is fitted from replayed steps instead
+(`fit_replayed`: also `overheads.cpu_deferred_us`, `overheads.graph_step_us`,
+`overheads.decode_step_us`). A term without enough measured ops (no GPU ops, fewer than three, no
+CPU tasks) keeps its value. The result (`Calibration`) has `Fitted` rows (term, before, after,
+from how many ops) and each plan's predicted step before and after beside the measured one
+(untraced decode steps). How each term is fitted: docs/design-notes.md.
 """
 
 from __future__ import annotations
@@ -90,9 +70,8 @@ class Calibration:
 
 
 #: decode steps run before any is measured: a captured backend captures in the first, and the
-#: CPU experts' freshly packed memory and the pool's threads settle over the rest (session 33, H100
-#: host: DS-V2-Lite's exact plan measured after 2 warm steps came out 16% slower than the same
-#: plan in the e2e benchmark after a 128-token run)
+#: CPU experts' freshly packed memory and the pool's threads settle over the rest (too few warm
+#: steps measure a slower step than the e2e benchmark's: docs/design-notes.md)
 WARM_STEPS = 24
 
 
@@ -343,19 +322,17 @@ def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile,
         over the GPU ops in a gap (at decode the GPU's ops are small: their fixed time is what the
         roofline misses; the efficiency is left as it is). Where that would go below zero, the
         rest comes off `overheads.cpu_sync_us`: each gap holds one hand-off round trip, and the
-        probe that measured it may have met a busy host (session 33: 245 us once, 11.5 us in the
-        next call on the same machine);
+        probe that measured it may have met a busy host;
       - the step's edge: what the measured step has beyond its tasks and gaps, less what the
         plan predicts there (its edges' GPU ops with the fitted fixed time). Where `rep` has the
         plan's greedy runs of K steps a launch, the edge splits in two: one launch's
         (`overheads.graph_step_us`), (one a launch - K a launch) x K / (K - 1), and every step's
         (`overheads.decode_step_us`), the rest (a plan's predicted step adds the second and the
-        first divided by its greedy steps a launch: `passes.compile._predicted_step_us`). Without them the
-        whole edge is the launch's. Session 33, H100 host: 580-890 us of edge, of which a launch
-        of 8 steps saved only about a fifth, so most of it is the step's;
+        first divided by its greedy steps a launch: `passes.compile._predicted_step_us`). Without
+        them the whole edge is the launch's;
     - in a deferred plan, `overheads.cpu_deferred_us`: the deferred tasks' median measured time
-      beyond their predicted time at the fitted rate (on the GPU host such a task ran 1.5-2x
-      slower per expert than the layer's other task, session 32). Its gaps and edges fit nothing:
+      beyond their predicted time at the fitted rate (such a task runs slower per expert than
+      the layer's other task). Its gaps and edges fit nothing:
       the next layer's doorbell rings while the deferred task runs, so a gap is not the GPU's
       chain. Fit the exact plan first and this one with the profile that gave
       (`calibrate` does)."""

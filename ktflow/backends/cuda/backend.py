@@ -1,59 +1,17 @@
-"""The CUDA-graph backend: a hybrid decode step, every layer, as one CUDA graph.
+"""The CUDA-graph backend (`CudaGraphBackend`, "cuda_graph"): a hybrid plan's GPU nodes as PyTorch
+CUDA ops (static_rules.py's capturable rules in decode), its CPU routed experts on the native pool.
 
-GPU-placed nodes run as PyTorch CUDA ops (the static-shape rules of static_rules.py where
-torch_ref's are not capturable); CPU routed experts run on the native queue (cpu_native). The
-decode plan's steps are issued in plan order onto two CUDA streams, one per GPU lane of the plan
-(`gpu`: compute, and the host functions that drive the CPU; `copy`: PCIe copies), ordered by the
-plan's record/wait events:
-
-- copy to the CPU: the value is written into its slot of the pinned exchange arena, laid out by
-  the plan's buffer plan (one arena for the whole step, slots reused across layers);
-- submit: the backend's `submit` (default: doorbell where the driver runs stream write-value
-  operations). "host": a host node (`cuLaunchHostFunc`) calling
-  `ktf_submit(batch)`, which only enqueues the task's prepared native batch, whose jobs read and
-  write the pinned slots. "doorbell": two stream write-value operations (`cuStreamWriteValue32`),
-  one clearing the batch's done flag, one setting its doorbell, a pinned word the native
-  dispatcher polls while the step's ring of batches is armed (armed by the host before each
-  launch): no host function, no driver callback thread, no wake-up on the way. Either way the
-  stream goes on with the GPU work the plan put between submit and sync (the shared expert;
-  under deferral the next layer's attention and router);
-- sync: the stream waits for that task only, not for deferred tasks queued after it. Two ways
-  (the backend's `wait`): "flag", the default, a wait-value operation (`cuStreamWaitValue32`) on
-  the batch's done flag, a pinned word the native dispatcher sets once the outputs are written;
-  the GPU polls it and no host thread blocks; "host", a host node calling
-  `ktf_wait_batch(batch)`, which holds the driver's one host-function thread until the task has
-  run (a submit behind it on another stream waits too);
-- copy to the GPU: from the task's pinned slot after the sync.
-
-For each batch size the first decode step runs eagerly on those streams (warming up and giving
-that step's logits), then the same issue sequence is captured once into a graph with
-`torch.cuda.graph`; later steps write the token ids and the position into pinned inputs and
-replay it: one graph launch per token. KV caches are static: one set per batch size, owned by the
-backend and lent to the sequence that prefilled last. Prefill plans run through
-backends.prefill_runner: issued on the same lanes, not captured (prompts vary in length).
-
-Token selection: a step's logits stay on the GPU. Its argmax goes to the pinned `next_ids`
-(logits='argmax'), or a sampled step (logits='sample') selects each row's token by the state's
-sampler (`backends.sampling`: temperature, top-p/k, min-p, penalties, logit_bias, a seed per row)
-inside the same graph, captured once per batch size: only the ids reach the host. The sampler's
-tensors are static like the KV caches: the backend keeps one per batch size and lends it to the
-sequence decoding (a ragged step uses its caller's, whose addresses key the graph).
-
-Runs (`DecodeGraph.run_tokens`): K decode steps issued one after another and captured as one
-graph per batch size, K and selection (greedy or sampled); each step's token goes into the pinned
-token ids the next step reads (and its row of the run's pinned ids), the position advances on the
-GPU, and the ring is armed K times before the launch. A host prologue of embedding lookups is made on the GPU for the
-steps after the first, from the page-locked table; any other prologue runs one step a launch.
-
-CPU threads: the native pool's pinned workers spin between tasks, so they get every CPU but two
-(the Python thread, and the driver's host-function thread that runs host-node submits; the
-Python thread is confined to those two, `keep_off_workers`, and the pool's dispatcher pinned to
-its thread 0's CPU), and torch's
-own CPU ops one thread (`torch.set_num_threads(1)`, process-wide): an OpenMP team spinning after
-a parallel op (a logits copy, a caller's sampling on the CPU) takes the workers' cores.
-
-`trace=True` runs a step eagerly with CUDA events around every GPU step and the native queue's
-timestamps for the CPU tasks, and returns it as the plan's steps with measured times.
+Decode plans with GPU work run through decode.py's `DecodeGraph` (captured once per batch size,
+one graph launch per token or run of tokens), prefill plans through prefill.py's `PrefillRunner`
+(issued on the same lanes, not captured); driver.py is the hand-off to the CPU, trace.py one
+measured eager step. It computes in bfloat16 on a CUDA device (else ConfigError). `wait` ("flag",
+"host") and `submit` ("doorbell", "host") choose how a step waits for and hands over a CPU task:
+"auto" takes the first the driver runs (doorbell needs the flag wait), one it refuses is a
+ConfigError. KV caches are static: one set per batch size, owned here and lent to the sequence
+that prefilled last. Constructing one changes the process: the native workers get every CPU but
+two, the calling thread is confined to those two, torch's CPU ops get one thread, and the CUDA
+allocator uses expandable segments unless PYTORCH_CUDA_ALLOC_CONF is set. How a step runs, and
+why: docs/design-notes.md.
 """
 
 from __future__ import annotations
@@ -86,9 +44,8 @@ class CudaGraphBackend(StaticRules, NativeBackend):
     WAITS = ("auto", "flag", "host")
     #: how a step submits a CPU task: "host" (a host node calling ktf_submit) or "doorbell" (the
     #: stream writes the batch's doorbell word, which the armed native dispatcher polls; needs the
-    #: flag wait); "auto": doorbell where the driver supports it (a traced Qwen3-shaped step on the
-    #: GPU host: 41 us from the inputs in host memory to the task's start, against 147 us through
-    #: a host node; benchmarks/RESULTS.md)
+    #: flag wait); "auto": doorbell where the driver supports it (it starts a task sooner than a
+    #: host node: docs/design-notes.md)
     SUBMITS = ("auto", "host", "doorbell")
 
     def __init__(self, gpu_device: str = "cuda", dtype: torch.dtype = torch.bfloat16, options: Any = None,
@@ -108,8 +65,7 @@ class CudaGraphBackend(StaticRules, NativeBackend):
         # the native workers are pinned and spin between tasks: they get all CPUs but two (the Python
         # thread and the driver's host-function thread that runs submits), and torch's own CPU ops
         # (the embedding, the logits copy, a caller's sampling) one thread: an OpenMP team that spins
-        # after each parallel op would take the workers' cores (GPU host, DeepSeek-V2-Lite shape, 15
-        # workers: decode 31.8 tok/s with one torch thread, 23.0 with sixteen; benchmarks/RESULTS.md)
+        # after each parallel op would take the workers' cores (measured: docs/design-notes.md)
         keep_off_workers(native.pool(spare=2))
         torch.set_num_threads(1)
         expandable_segments()

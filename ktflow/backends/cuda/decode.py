@@ -1,5 +1,13 @@
 """Decode on the GPU: a plan's step bound to its buffers (`Bound`), captured as CUDA graphs and
-replayed, one token or a run of tokens a launch (`DecodeGraph`)."""
+replayed, one token or a run of tokens a launch (`DecodeGraph`).
+
+Per batch size (a ragged step: per batch size and the caller's caches) the first step is issued
+eagerly on the backend's streams and gives its result, then captured; later steps write the token
+ids and the position into pinned inputs and replay. Tokens are selected inside the graph (the
+argmax, or the state's sampler): only the ids reach the host. `run_tokens` gives what as many calls
+of `run` give, in one launch. The stream waits for a CPU task only at its sync. A step that fails
+leaves the native dispatcher and the doorbells clean for the next. A new recorder drops the graphs.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,13 @@
 """The CUDA backend's hand-off to the CPU: the driver calls a captured graph makes (host launches,
 stream memory writes and waits), and what both runners read from a plan's graph to bind CPU tasks
-(the host prologue, the exchange slots, native batches, the done flags)."""
+(the host prologue, the exchange slots, native batches, the done flags).
+
+A task's inputs and outputs are views of the pinned exchange arena. Each native batch has a pinned
+done flag the native dispatcher sets once its outputs are written; a sync waits on its task's last
+batch's flag (shards run in order). Captures are thread-local (`CAPTURE_MODE`): other threads' CUDA
+calls do not invalidate them. CPU nodes other than routed experts (with their NUMA reduce) and
+nodes computed from the token ids alone are a ConfigError.
+"""
 
 from __future__ import annotations
 
@@ -112,8 +119,7 @@ def expandable_segments() -> None:
     """The CUDA caching allocator grows one mapped segment per stream instead of caching blocks of
     the sizes asked for, unless the user configured the allocator (PYTORCH_CUDA_ALLOC_CONF): the
     plans' steps allocate activations of every bucket's sizes, and the blocks a cache of them
-    splits held 1.9 GiB beside 19.5 GiB allocated in a 24 GB run (H200, Qwen3-30B-A3B shape),
-    which the VRAM plan cannot count."""
+    splits are slack the VRAM plan cannot count (measured: docs/design-notes.md)."""
     if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 

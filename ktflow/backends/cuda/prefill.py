@@ -3,26 +3,12 @@ nothing waited for on the host until the step's end.
 
 The plan's lanes map to CUDA streams (`gpu`: compute and the host functions that drive the CPU;
 `copy`: activations across PCIe; `fetch`: streamed expert weights, their copy and conversion),
-ordered by the plan's record/wait events. So, as the plan's schedule predicts:
-
-- the copy of layer j+1's streamed experts (a fetch, into its staging slot) runs on the fetch
-  stream while layer j computes, and a fetch that reuses a slot waits for the slot's previous
-  reader (the plan's slot edge);
-- a CPU task (the CPU part of a split layer, or a layer kept on the CPU) is submitted by a host
-  node once its inputs are in their pinned slots, runs on the native pool while the GPU computes
-  the streamed part and the shared expert, and the GPU waits on its done flag before the sum;
-- host sources are pinned: the exchange arena at allocation, the packed experts' arenas when
-  the backend prepared them (backends.staging.pin);
-- in a plan that streams experts, activations coming up from the CPU (the embedding, a CPU
-  part's result) are read from their pinned slots by a kernel (`host_mapped`), not copied by
-  the copy engine, which serves commands in order and would hold them behind a whole fetch.
-
-Nothing is captured: prompts vary in length. Buffers come from the plan: the pinned exchange
-arena (laid out for the bucket's step_tokens; a shorter step uses each slot's first rows, and the
-native tasks read the step's token count from a pinned word) and the staging arena of the
-fetches. Other values are torch tensors freed after their last reader; one read on another
-stream than it was made on is recorded there (record_stream), so its memory is not reused under
-the reader.
+ordered by the plan's record/wait events, so the steps overlap as the plan's schedule predicts.
+Nothing is captured (prompts vary in length). Buffers come from the plan: the pinned exchange arena
+(laid out for the bucket's step_tokens; a shorter step uses each slot's first rows) and the
+fetches' staging arena. Host sources are pinned. Other values are torch tensors freed after their
+last reader; one read on another stream than it was made on is recorded there (record_stream), so
+its memory is not reused under the reader. How the lanes overlap: docs/design-notes.md.
 """
 
 from __future__ import annotations

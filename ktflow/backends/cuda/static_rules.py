@@ -1,28 +1,14 @@
 """Op rules for a step whose position is a tensor: what a CUDA graph can capture and replay.
 
-torch_ref's rules take the position as a Python int and size everything by it (cache slices
-0..p, masks of p + s columns, `unique()` over the routed ids), so each token would need a new
-graph. These rules read the position from `ctx.position_t` (a one-element int64 tensor on the
-rule's device, rewritten before each replay) and keep every shape static:
-
-- rope: cos/sin rows looked up in a table of every position the KV cache holds;
-- KV cache: the new rows written with `index_copy_` at the position;
-- ragged steps (a server's slots: one token per row, each row at its own position, so
-  `position_t` has a row each): the rows projected as one sequence so each takes its own rope
-  row, each row's entry written at its own position, each row masked by its own;
-- GQA: `scaled_dot_product_attention` over the whole static cache with a mask of the positions
-  reached (and the sliding window);
-- MLA, absorbed: the queries are folded into the latent space (q_nope x W_uk), attention runs
-  over the compressed cache (normalised latent + roped key, one buffer: a single key head
-  every query head shares, whose latent part is also the value) as two GEMMs with the heads
-  folded into the rows (scores and softmax in float32, not rounded to bf16 first), and its output leaves the latent space through W_uv, so per-head keys and values are never
-  expanded;
-- GPU-resident routed experts: each token's picks gathered from the node's stacked expert
-  weights (picks of experts held elsewhere get weight 0); experts held in FP8 gathered as their
-  bytes and block scales and dequantized to the activation dtype, one projection at a time.
-
-They run on any device (tests compare them with torch_ref on the CPU) and are used for decode
-steps, the ones captured as graphs. Cache layouts are torch_ref's.
+The rules read the position from `ctx.position_t` (a one-element int64 tensor on the rule's
+device, rewritten before each replay; a ragged step's has a row each, each row at its own
+position) and keep every shape static, so one captured graph serves every position: rope rows
+from a table of every position the KV cache holds, cache rows written at the position, attention
+over the whole static cache masked to the positions reached (and the sliding window), MLA absorbed
+(per-head keys and values never expanded), GPU-resident routed experts gathered per token from the
+node's stacked weights (picks of experts held elsewhere get weight 0). Cache layouts are
+torch_ref's. They run on any device (tests compare them with torch_ref on the CPU) and are used for
+decode steps, the ones captured as graphs. How each rule stays static: docs/design-notes.md.
 """
 
 from __future__ import annotations

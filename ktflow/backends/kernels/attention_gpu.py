@@ -1,38 +1,16 @@
 """A captured decode step's attention in Triton kernels (attention_kernels): one GEMM for the
 layer's input projections, one kernel for norms, rotation and cache writes, one for attention
-(and a merge past 512 cache positions), for GQA and for DeepSeek's MLA.
+(and a merge past ONE_SPLIT_MAX cache positions), for GQA and for DeepSeek's MLA.
 
-The torch form of a GQA decode layer's attention (static_rules.gqa) is three projection GEMMs,
-two q/k norms, two rotations, two cache writes, a mask turned into an additive bias and cuDNN's
-attention over the whole static cache: 14 kernels a layer on the GPU host (Qwen3-30B-A3B shape;
-MLA's absorbed torch form is 17), all of them on the critical path of exact decode, where the
-CPU's experts wait for the GPU (benchmarks/RESULTS.md). Here:
-
-- `project`: q, k and v of every token from one projection (the layer's q/k/v weights concatenated
-  once, `fuse_qkv`), then one kernel, `qkv_rope_cache`, with a program per (token, head): a q or k
-  head is RMS-normalised (when the layer has q/k norms) and rotated, a q head stored for attention,
-  a k head written into the key cache at its position, a v head into the value cache. The
-  arithmetic and its roundings are `layers.gqa_project`'s with fused_gpu's norm and rotation (the
-  norm rounded to the activation dtype before the weight, the weight's product rounded, the
-  rotation in float32 rounded once), so the cache holds what the torch form writes.
-- `attend`: one program per (token, key/value head, split of the cache): the query heads that share
-  the key head as the rows of one tile, an online softmax over the split's keys in blocks (scores
-  and sums in float32, the probabilities rounded to the activation dtype for the product with the
-  values, as flash attention does), reading keys up to the token's own position only (and from its
-  window's start): the step's cost follows the position, not the cache's length. Caches up to 512
-  positions are one split and the kernel writes the output; longer ones are split every 256
-  positions (splits past the position return at once) and `combine` merges the splits' partial
-  sums by their maxima.
-- MLA (`mla_project`, `attend_latent`): q (or its LoRA's first half) and kv_a as one GEMM; one
-  kernel normalises the latent, rotates the key's and the queries' rope parts and writes the
-  cache row [latent | roped key]; the queries are folded into the latent space by the caller
-  (q_nope x W_uk), and attention runs over the compressed cache, a single key head every query
-  head shares whose latent part is also the value (blocks of 16 query heads a program), its
-  output left in the latent space for W_uv.
-
-Positions come from a tensor on the GPU (the captured graph's), one per step or one per row (a
-ragged step); a token's cache row and position follow the static rules' convention. The torch
-forms stay the reference: tests/test_attention_gpu.py compares them on the GPU.
+- `project` / `mla_project` write into the caches what the torch forms write (static_rules,
+  `layers.gqa_project`): the same arithmetic and roundings, after `fuse_qkv` joined the weights.
+- `attend` / `attend_latent` read keys only up to each token's own position (and from its window's
+  start): scores and sums in float32, probabilities rounded to the activation dtype for the
+  product with the values, as flash attention does. MLA's output stays in the latent space (the
+  caller applies W_uv).
+- Positions come from a tensor on the GPU, one per step or one per row (a ragged step); a token's
+  cache row and position follow the static rules' convention.
+The torch forms stay the reference: tests/test_attention_gpu.py compares them on the GPU.
 """
 
 from __future__ import annotations

@@ -1,32 +1,15 @@
 """Linear layers over block-scaled FP8 weights held as the checkpoint stores them.
 
-A weight kept in FP8 on the GPU (`WeightRef.held == "fp8"`, decided by the placement pass) is an
-`Fp8Weight`: the e4m3 bytes [n, k] and the float32 block scales [ceil(n / 128), ceil(k / 128)]
-of the release, 1 byte per weight plus 4 per 128 x 128 block. `linear(x, w)` computes
-x @ (w8 * scale)^T with activations in bf16/fp16 and float32 accumulation, never building the
-dequantized matrix where the step is small:
-
-- on a CUDA device with Triton, up to memory.FP8_FUSED_ROWS rows (decode), one fused kernel
-  (`fp8_gemm`): each program owns a 16 x 32 tile of the output and walks k in steps of 128 (one
-  scale block); it reads a [128, 32] tile of weight bytes, widens e4m3 to binary16 exactly by
-  moving bits (e4m3's sign to bit 15, its exponent and mantissa to bits 7..14: the value times
-  2^-8, subnormals included, on any GPU generation) and then to the activation dtype (exact: 3
-  mantissa bits), multiplies it with the activation tile on the tensor cores, and adds the
-  product to the accumulator times the block's scale (times 2^8);
-- more rows (prefill): one pass of `fp8_dequant` writes the matrix in the activation dtype into a
-  temporary (memory.py counts it) and cuBLAS multiplies, since the fused kernel reaches about a
-  third of cuBLAS's rate on large products (benchmarks/fp8_linear.py);
-- elsewhere (the CPU, or no Triton), the dequantized matrix in the activation dtype, then
-  `F.linear`: the reference the kernels are tested against.
-
-Routed experts held in FP8 on the GPU are one `Fp8Weight` per projection over the node's stack
-of experts (data [E, n, k], scales [E, ceil(n / 128), ceil(k / 128)]); their rules multiply in
-the activation dtype after `dequantize_experts`: the picked experts' rows gathered (decode, the
-captured rule) or the whole stack (the grouped rule), one projection at a time, into a temporary
-(memory.fp8_experts_dequant_bytes counts it).
-
-Only 128 x 128 blocks are held in FP8 (what releases publish); the placement pass dequantizes
-other block sizes at load.
+An `Fp8Weight` (a weight with `WeightRef.held == "fp8"`) is the release's e4m3 bytes [n, k] and
+float32 block scales [ceil(n / 128), ceil(k / 128)]; routed experts are one per projection over the
+node's stack (data [E, n, k], scales [E, ceil(n / 128), ceil(k / 128)]). `linear(x, w)` computes
+x @ (w8 * scale)^T with activations in bf16/fp16 and float32 accumulation: on a CUDA device with
+Triton, up to memory.FP8_FUSED_ROWS rows in one kernel that builds no dequantized matrix, more rows
+through a dequantized temporary and cuBLAS; elsewhere the dequantized matrix and `F.linear`, the
+reference the kernels are tested against. Experts: `picked_linear` (each pick's bytes read once,
+where `picks_fused`) or `dequantize_experts` (one projection at a time). Temporaries are those
+memory.py counts (`fp8_dequant_bytes`, `fp8_experts_dequant_bytes`). Only 128 x 128 blocks are held
+in FP8; the placement pass dequantizes other block sizes at load. The kernels: docs/design-notes.md.
 """
 
 from __future__ import annotations
@@ -227,7 +210,7 @@ def picked_linear(x: torch.Tensor, w: Fp8Weight, slot: torch.Tensor, xdiv: int) 
         raise ValueError("picked_linear: the FP8 stack's rows must be contiguous")
     rows = slot.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    if rows:  # a program per 16 output rows of a pick (tiles and warps from a sweep on an H100, decode shapes)
+    if rows:  # a program per 16 output rows of a pick (tile and warps: benchmarks/fp8_experts_decode.py)
         gemv[(triton.cdiv(n, 16), rows)](x, xdiv, data, scale, slot, y, n, k, x.stride(0), data.stride(0),
                                          data.stride(1), scale.stride(0), scale.stride(1), y.stride(0), 16, BLOCK,
                                          num_warps=8 if k > 1024 else 2)

@@ -1,27 +1,15 @@
 """RMSNorm, rotary embedding and the greedy router as one Triton kernel each on the GPU.
 
-In torch, `layers.rms_norm_torch` is seven kernels (to float32, square, mean, add eps, rsqrt,
-scale, round, times the weight) and `rope.apply` seven per tensor (four products, a difference,
-a sum, the concatenation). A GQA decode layer runs four norms (attention and FFN inputs, the
-per-head q/k norms) and two rotations: 42 kernels a layer, in a CUDA-graph decode step where
-each kernel costs a couple of microseconds however small, while the CPU waits for the chain.
-
-- `rms_norm`: one program per row; the row in float32, its mean square, times rsqrt(mean +
-  eps), rounded to the input's dtype (as the torch form rounds before the weight), times the
-  weight, rounded to the result type of (weight, input). Only the reduction order differs from
-  the torch form: results agree to within one rounding of the output dtype.
-- `rotate`: one program per (token, block of heads); the rotation in float32, rounded once to
-  the activation dtype (the torch form rounds each product too: the two agree to within those
-  roundings); partial rotary (the first r dims rotate, the rest pass through) and both
-  pair layouts ('half', and 'interleaved' returned de-interleaved, as `rope.apply` does).
-- `route`: a greedy router without a choice bias (Qwen, Mixtral, GLM-style softmax or sigmoid
-  top-k): the logits as one GEMM with a float32 output, then one program per token holding every
-  score in registers: softmax or sigmoid, k rounds of (max, its lowest index, out of the
-  running), renormalisation and scale; twelve kernels in torch_ref.route's form. Grouped and
-  biased routers (DeepSeek) keep the torch form.
-
+- `rms_norm`: `layers.rms_norm_torch`'s arithmetic and roundings (the row in float32, rounded to
+  the input's dtype before the weight, then to the result type of (weight, input)); only the
+  reduction order differs: results agree to within one rounding of the output dtype.
+- `rotate`: `rope.apply`'s rotation in float32, rounded once (the torch form rounds each product
+  too: they agree to within those roundings); partial rotary, and both pair layouts ('half', and
+  'interleaved' returned de-interleaved, as `rope.apply` does).
+- `route`: a greedy router without a choice bias (softmax or sigmoid top-k, ties to the lowest
+  index, renormalisation and scale); grouped and biased routers (DeepSeek) keep the torch form.
 `layers` calls these for CUDA tensors where Triton is importable (`dequant_gpu.available`); the
-torch forms stay the reference the GPU tests compare against.
+torch forms stay the reference the GPU tests compare against. Why: docs/design-notes.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
-"""Copies between GPU memory and pinned host memory as a kernel instead of a copy-engine memcpy.
+"""Copies between GPU memory and pinned host memory as a kernel instead of a copy-engine memcpy
+(cheaper as a node of a CUDA graph: docs/design-notes.md).
 
-A captured decode step moves small values across PCIe every layer (the hidden state, the routing
-ids and weights to the CPU, the experts' result back) and at the step's edges (the token ids,
-the position, the next ids). As nodes of a CUDA graph, a 4 KB pinned memcpy adds 10.3 us
-(device to host) or 10.9 us (host to device) to a replay on the GPU machine (H100), a kernel that
-stores into the mapped pinned buffer 1.0 us, one that loads from it 5.0 us (a PCIe read round
-trip): `benchmarks/graph_nodes.py`, rows in benchmarks/graph_nodes.jsonl.
-
-Pinned memory from cudaHostAlloc is mapped into the GPU's address space at the same address
-(unified addressing), so a kernel reads and writes it directly. Coherence: loads from host
-memory use the `.cv` cache operator (fetched again every time, never served from a line an
-earlier step cached, since the CPU writes those buffers between reads), and stores use `.wt`
-(written through to host memory). What orders the CPU's reads after the store is the stream:
-the CPU reads the buffer only after a later stream operation says so (a doorbell write or a
-done-flag after the kernel completes, or the host's wait for the step).
-
-`gather_rows(out, table, ids)` gathers rows of a table held in page-locked host memory (an
-embedding the plan keeps on the CPU) by ids on the GPU, so a step that makes its own token ids
-on the GPU looks up their rows without the host (4 KB a row over PCIe).
-
-`copy(dst, src)` falls back to `dst.copy_(src, non_blocking=True)` where Triton is missing, the
-host side is not pinned, either side is not contiguous, or the dtypes or element counts differ
-(a conversion, which a byte copy is not). Unlike a non-blocking `copy_`, the kernel records no
-event with torch's pinned-memory cache: the pinned side must outlive the copy (the decode step's
-buffers live as long as its graph).
+The kernel reads and writes pinned memory (cudaHostAlloc's, mapped at the same address) directly:
+loads use `.cv` (fetched again every time: the CPU writes those buffers between reads), stores
+`.wt` (written through to host memory); the CPU may read a stored buffer only after a later stream
+operation says so (a doorbell write, a done flag, the host's wait for the step). `copy(dst, src)`
+falls back to `dst.copy_(src, non_blocking=True)` where Triton is missing, the host side is not
+pinned, either side is not contiguous, or the dtypes or element counts differ. Unlike a
+non-blocking `copy_` it records no event with torch's pinned-memory cache: the pinned side must
+outlive the copy. `gather_rows(out, table, ids)` gathers rows of a page-locked host table by ids
+on the GPU, without the host.
 """
 
 from __future__ import annotations
