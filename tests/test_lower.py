@@ -84,6 +84,22 @@ def test_l2_fires_on_a_broken_pair():
     assert "L2" in {r for r, _, _ in violations(g.replace_nodes(nodes), "lowered")}
 
 
+def test_lowering_records_each_layers_host_experts_and_l3_fires_without_them():
+    """The experts a CPU part holds (its NUMA shards and their reduce alike) are its layer's host
+    experts, recorded on each node that reads host memory; a node missing some, or a layer whose
+    nodes disagree, breaks rule L3."""
+    g = lowered()
+    shards = [g.by_name(f"L1.experts.numa{i}") for i in (0, 1)]
+    cpu = [n for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "cpu" and n.attrs.layer == 1]
+    assert cpu and all(n.attrs.host == tuple(sorted({e for m in cpu for e in m.attrs.ids})) for n in cpu)
+    assert all(set(n.attrs.ids) <= set(n.attrs.host) for n in shards)
+    assert "L3" not in {r for r, _, _ in violations(g, "lowered")}
+    first = cpu[0]
+    short = dataclasses.replace(first.attrs, host=first.attrs.host[1:])
+    g2 = g.replace_nodes(dataclasses.replace(n, attrs=short) if n.name == first.name else n for n in g.nodes)
+    assert "L3" in {r for r, _, _ in violations(g2, "lowered")}
+
+
 def test_schedule_overlaps_cpu_experts_with_the_shared_expert(demo_dir):
     model = ktflow.load(demo_dir)
     c = ktflow.compile(model, hw="paper-a100", vram_budget_gb=0.004)  # dense on the GPU, experts on the CPU

@@ -164,7 +164,9 @@ class RoutedExpertsAttrs:
     `running`: a streamed group of a layer fetched in several (not its last): its output is the
     layer's running sum so far in float32, read by the next group as a fourth input, which adds
     its own picks to it; the last group outputs the total in the activation dtype (one rounding,
-    as one node computing the layer would)."""
+    as one node computing the layer would).
+    `host` (set by `lower` on CPU and streamed parts): the layer's experts packed in host memory,
+    which the native operator holds (rule L3)."""
 
     layer: int
     hidden: int
@@ -178,6 +180,7 @@ class RoutedExpertsAttrs:
     refill_every: int = 0
     cache_slots: int = 0
     running: bool = False
+    host: tuple[int, ...] = ()
 
     @property
     def cached(self) -> bool:
@@ -292,7 +295,8 @@ class FetchAttrs:
     memory into GPU staging slot `slot` and convert them there to the GPU layout (gate and up
     [inter, hidden], down [hidden, inter] per expert, in the activation dtype). The output is the
     converted weights, read by one GPU routed-experts node as its third input. The optional input
-    is the routed-experts node that used the same slot before: the copy waits until it is done."""
+    is the routed-experts node that used the same slot before: the copy waits until it is done.
+    `host` (set by `lower`): the layer's experts packed in host memory, which it copies from."""
 
     layer: int
     hidden: int
@@ -301,6 +305,7 @@ class FetchAttrs:
     subset: tuple[int, ...]
     fmt: str = "bf16"
     slot: int = 0
+    host: tuple[int, ...] = ()
 
     @property
     def ids(self) -> tuple[int, ...]:

@@ -356,6 +356,19 @@ def _l1_edges_stay_on_one_device(g: Graph):
                 yield n.name, f"reads {i} from the {src.value} without a copy (it runs on the {n.place.device.value})"
 
 
+def _l3_host_experts_recorded(g: Graph):
+    recorded: dict[int, set[tuple[int, ...]]] = {}
+    readers = [n for n in g.nodes if n.place is not None and (n.op == Op.FETCH or (
+        n.op == Op.ROUTED_EXPERTS and (n.place.device == Device.CPU or len(n.inputs) >= 3)))]
+    for n in readers:
+        if not set(n.attrs.ids) <= set(n.attrs.host):
+            yield n.name, f"its experts are not all among its layer's host experts ({len(n.attrs.host)} recorded)"
+        recorded.setdefault(n.attrs.layer, set()).add(n.attrs.host)
+    for layer, sets in recorded.items():
+        if len(sets) > 1:
+            yield None, f"layer {layer}'s nodes record {len(sets)} different sets of host experts"
+
+
 def _l2_submit_sync_pairs(g: Graph):
     for n in g.nodes:
         if n.op == Op.SYNC:
@@ -494,6 +507,8 @@ RULES: dict[str, Rule] = {r.id: r for r in [
     Rule("S2", "placed", "a reused staging slot waits for its previous reader", _s2_slots_reused_in_order),
     Rule("L1", "lowered", "values cross devices only through copy nodes", _l1_edges_stay_on_one_device),
     Rule("L2", "lowered", "submit/sync pairs wrap a CPU task", _l2_submit_sync_pairs),
+    Rule("L3", "lowered", "CPU and streamed expert nodes and fetches name their layer's host experts",
+         _l3_host_experts_recorded),
     Rule("T1", "scheduled", "every node is timed, starting after its inputs end", _t1_timed_after_inputs),
     Rule("T2", "scheduled", "a lane runs one node at a time", _t2_one_node_per_lane_at_a_time),
     Rule("B1", "buffered", "every value has one well-formed slot of the right arena", _b1_slots_well_formed),

@@ -1,4 +1,5 @@
-"""Lowering: explicit copies at device crossings, submit/sync around CPU work the GPU waits on."""
+"""Lowering: explicit copies at device crossings, submit/sync around CPU work the GPU waits on, and
+each layer's experts packed in host memory recorded on the nodes that read them."""
 
 from __future__ import annotations
 
@@ -23,10 +24,15 @@ def lower(g: Graph, ctx: CompileContext) -> Graph:
     GPU stream: wait for the task); GPU readers take the sync's value through a copy. GPU work
     that does not depend on the task (the shared expert) sits between the two in graph order, so
     it runs while the CPU computes. A task that reads another task's result is submitted after
-    that task's sync. Plans with one device are returned unchanged.
+    that task's sync. Plans with one device get no copies or tasks.
+    First, per MoE layer, the experts held in host memory (`host_experts`) go into the `host`
+    attr of the layer's CPU parts, streamed parts and fetches: the native backend packs those.
     Requires: placed, costed graph. Guarantees: values cross devices only through copy nodes
-    (rule L1), submit/sync pairs wrap exactly one CPU node each (rule L2), new nodes are costed.
+    (rule L1), submit/sync pairs wrap exactly one CPU node each (rule L2), every CPU or streamed
+    routed-experts node and every fetch names its layer's host experts (rule L3), new nodes are
+    costed.
     """
+    g = _with_host_experts(g)
     if len({n.place.device for n in g.nodes}) == 1:
         return g
     device = {n.name: n.place.device for n in g.nodes}
@@ -86,6 +92,36 @@ def lower(g: Graph, ctx: CompileContext) -> Graph:
         ins = tuple(on(i, dev) for i in n.inputs)
         emit(replace(n, inputs=ins))
     return recost_changed(g, g.replace_nodes(out), ctx)
+
+
+def host_experts(g: Graph) -> dict[int, tuple[int, ...]]:
+    """Per MoE layer, the experts held in host memory: those of CPU parts and of streamed ones
+    (a fetch copies from host memory), and every expert of a layer whose GPU part is a cache (an
+    expert it gives up runs on the CPU)."""
+    held: dict[int, set[int]] = {}
+    for n in g.nodes:
+        if n.op == Op.ROUTED_EXPERTS and (n.place.device == Device.CPU or streamed(n)):
+            held.setdefault(n.attrs.layer, set()).update(n.attrs.ids)
+    for n in g.nodes:
+        if n.op == Op.ROUTED_EXPERTS and n.attrs.cached and n.attrs.layer in held:
+            held[n.attrs.layer].update(range(n.attrs.experts))
+    return {layer: tuple(sorted(ids)) for layer, ids in held.items()}
+
+
+def streamed(n: Node) -> bool:
+    """A GPU routed-experts node computing experts a fetch staged (its third input)."""
+    return n.op == Op.ROUTED_EXPERTS and len(n.inputs) >= 3
+
+
+def _with_host_experts(g: Graph) -> Graph:
+    held = host_experts(g)
+    out = []
+    for n in g.nodes:
+        reads = n.op == Op.FETCH or (n.op == Op.ROUTED_EXPERTS and (n.place.device == Device.CPU or streamed(n)))
+        if reads and n.attrs.host != held[n.attrs.layer]:
+            n = replace(n, attrs=replace(n.attrs, host=held[n.attrs.layer]))
+        out.append(n)
+    return g.replace_nodes(out)
 
 
 def _task_groups(g: Graph, roots: set[str]) -> dict[str, str]:

@@ -126,9 +126,10 @@ def _buffer_problems(plan: "Plan", g) -> list[str]:
     return out
 
 
-#: attrs fields passes rewrite (which experts and rows a node computes, and whether its experts
-#: are a cache or stand in for one): left out of the comparison with the model's spec
-_PLACED_FIELDS = ("subset", "inter_slice", "ranks", "skip", "refill_every", "cache_slots", "running")
+#: attrs fields passes rewrite (which experts and rows a node computes, which its layer holds in
+#: host memory, whether its experts are a cache or stand in for one): left out of the comparison
+#: with the model's spec
+_PLACED_FIELDS = ("subset", "inter_slice", "ranks", "skip", "refill_every", "cache_slots", "running", "host")
 
 
 def spec_mismatches(plan: "Plan", spec) -> list[str]:

@@ -87,29 +87,15 @@ class NativeBackend(TorchRefBackend):
     def runs_natively(self, node: Node) -> bool:
         return node.op == Op.ROUTED_EXPERTS and node.place is not None and node.place.device == Device.CPU
 
-    @staticmethod
-    def _cpu_side(graph: Graph) -> dict[int, tuple[int, ...]]:
-        """Per MoE layer, the experts held in host memory: those of CPU nodes and of streamed ones,
-        and every expert of a layer whose GPU part is a cache (an expert it gives up runs here)."""
-        held: dict[int, set[int]] = {}
-        for n in graph.nodes:
-            if n.op == Op.ROUTED_EXPERTS and (n.place.device == Device.CPU or len(n.inputs) >= 3):
-                held.setdefault(n.attrs.layer, set()).update(n.attrs.ids)
-        for n in graph.nodes:
-            if n.op == Op.ROUTED_EXPERTS and n.attrs.cached and n.attrs.layer in held:
-                held[n.attrs.layer].update(range(n.attrs.experts))
-        return {layer: tuple(sorted(ids)) for layer, ids in held.items()}
-
     def prepare(self, graph: Graph, weights: WeightSource | None) -> None:
         todo = [n for n in graph.nodes if (self.runs_natively(n) or n.op == Op.FETCH)
                 and node_key(n) not in self.ops and node_key(n) not in self.stagers]
         if todo and weights is not None:
             checkpoint = _checkpoint_digest(weights)
-            held = self._cpu_side(graph)
             from ...util.progress import bar
 
             for n in bar(todo, "packing experts", "node", show=len(todo) > 1):
-                ids = held[n.attrs.layer]
+                ids = n.attrs.host  # the layer's experts in host memory: set by the plan's lowering
                 if n.op == Op.FETCH:
                     self.stagers[node_key(n)] = self._stager(n, ids, weights, checkpoint)
                 else:
