@@ -15,7 +15,7 @@ import networkx as nx
 
 from .ops import FACTS, Op
 from .serialize import attrs_from_dict, attrs_to_dict, dataclass_from, typed
-from .types import Cost, Device, DType, Placement, Slot, TensorType, Timing, WeightRef
+from .types import Cost, Device, DType, Placement, Buffer, TensorType, Timing, WeightRef
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Node:
     place: Placement | None = None
     cost: Cost | None = None
     timing: Timing | None = None  # set by the schedule pass
-    buffer: Slot | None = None  # set by the buffer pass
+    buffer: Buffer | None = None  # set by the buffer pass
 
     def weight_elems(self) -> int:
         """Elements of the weights this node holds (a routed-expert subset: its experts only)."""
@@ -95,7 +95,7 @@ class Node:
             place=None if place is None else dataclass_from(Placement, place, f"{where}.place"),
             cost=None if cost is None else dataclass_from(Cost, cost, f"{where}.cost"),
             timing=None if timing is None else dataclass_from(Timing, timing, f"{where}.timing"),
-            buffer=None if buffer is None else dataclass_from(Slot, buffer, f"{where}.buffer"),
+            buffer=None if buffer is None else dataclass_from(Buffer, buffer, f"{where}.buffer"),
         )
 
 

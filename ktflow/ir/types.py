@@ -106,7 +106,7 @@ ARENAS = ("gpu", "host", "pinned", "staging")
 
 
 @dataclass(frozen=True)
-class Slot:
+class Buffer:
     """Where a node's value lives in its step (set by the buffer pass): bytes `offset` ..
     `offset + bytes` of `arena`, live from plan step `first_step` (the writer, or its task's
     submit) to `last_step` (its last reader) inclusive.

@@ -428,12 +428,12 @@ def needs_buffer(n: Node) -> bool:
     return n.out.dtype != DType.TOKEN and n.op not in (Op.INPUT, Op.SYNC)
 
 
-def _b1_slots_well_formed(g: Graph) -> Iterator[tuple[str | None, str]]:
+def _b1_buffers_well_formed(g: Graph) -> Iterator[tuple[str | None, str]]:
     for n in g.nodes:
         b = n.buffer
         if b is None:
             if needs_buffer(n):
-                yield n.name, "no buffer (the buffer pass gives every value a slot)"
+                yield n.name, "no buffer (the buffer pass gives every value one)"
             continue
         if not needs_buffer(n):
             yield n.name, f"a {n.op.value} node of type {n.out.dtype.value} takes no buffer"
@@ -442,19 +442,19 @@ def _b1_slots_well_formed(g: Graph) -> Iterator[tuple[str | None, str]]:
         elif (b.arena == "staging") != (n.op == Op.FETCH) or b.per_token == (b.arena == "staging"):
             yield n.name, "staging slots (absolute) hold fetched expert weights, per-token slots everything else"
         elif b.offset < 0 or b.first_step < 0 or b.last_step < b.first_step:
-            yield n.name, f"slot {b} has a negative offset or ends before it starts"
+            yield n.name, f"buffer {b} has a negative offset or ends before it starts"
         else:
             need = n.out.numel(0 if not b.per_token else 1) * n.out.dtype.itemsize
             if b.bytes < need:
-                yield n.name, f"slot {b} holds {b.bytes} bytes{'/token' if b.per_token else ''}, the value needs {need}"
+                yield n.name, f"buffer {b} holds {b.bytes} bytes{'/token' if b.per_token else ''}, the value needs {need}"
 
 
-def _b2_live_slots_disjoint(g: Graph) -> Iterator[tuple[str | None, str]]:
+def _b2_live_buffers_disjoint(g: Graph) -> Iterator[tuple[str | None, str]]:
     by_arena: dict[str, list[Node]] = {}
     for n in g.nodes:
         if n.buffer is not None:
             by_arena.setdefault(n.buffer.arena, []).append(n)
-    for arena, nodes in by_arena.items():  # a sweep over steps: the slots live at once, by offset
+    for arena, nodes in by_arena.items():  # a sweep over steps: the buffers live at once, by offset
         live: list[Node] = []
         for n in sorted(nodes, key=lambda n: (n.buffer.first_step, n.buffer.offset)):
             b = n.buffer
@@ -482,7 +482,7 @@ def _b3_arenas_without_gaps(g: Graph) -> Iterator[tuple[str | None, str]]:
     for n in g.nodes:
         b = n.buffer
         if b is not None and b.offset + b.bytes > total[b.arena]:
-            yield n.name, f"slot {b} ends past the {total[b.arena]} bytes all slots of arena {b.arena} need together"
+            yield n.name, f"buffer {b} ends past the {total[b.arena]} bytes all buffers of arena {b.arena} need together"
 
 
 RULES: dict[str, Rule] = {r.id: r for r in [
@@ -511,9 +511,9 @@ RULES: dict[str, Rule] = {r.id: r for r in [
          _l3_host_experts_recorded),
     Rule("T1", "scheduled", "every node is timed, starting after its inputs end", _t1_timed_after_inputs),
     Rule("T2", "scheduled", "a lane runs one node at a time", _t2_one_node_per_lane_at_a_time),
-    Rule("B1", "buffered", "every value has one well-formed slot of the right arena", _b1_slots_well_formed),
-    Rule("B2", "buffered", "values live at once do not share bytes of an arena", _b2_live_slots_disjoint),
-    Rule("B3", "buffered", "an arena is no larger than its slots together", _b3_arenas_without_gaps),
+    Rule("B1", "buffered", "every value has one well-formed buffer of the right arena", _b1_buffers_well_formed),
+    Rule("B2", "buffered", "values live at once do not share bytes of an arena", _b2_live_buffers_disjoint),
+    Rule("B3", "buffered", "an arena is no larger than its buffers together", _b3_arenas_without_gaps),
 ]}
 
 

@@ -6,37 +6,37 @@ from dataclasses import replace
 
 from ..ir.graph import Graph
 from ..ir.ops import Op
-from ..ir.types import Device, Slot
+from ..ir.types import Device, Buffer
 from ..ir.verify import needs_buffer
 from ..plan.options import CompileContext
 from ..plan.artifact import Step
 from .infra import compiler_pass
 from .schedule import steps_of
 
-#: alignment of a value's bytes per token (a cache line: every slot of a step of t tokens starts
+#: alignment of a value's bytes per token (a cache line: every buffer of a step of t tokens starts
 #: on a multiple of 64 x t bytes)
 ALIGN = 64
 
 
 @compiler_pass(requires="scheduled", produces="buffered")
 def plan_buffers(g: Graph, ctx: CompileContext) -> Graph:
-    """Give every value of the step a buffer: `Node.buffer`, a Slot in an arena.
+    """Give every value of the step a buffer: `Node.buffer`, a Buffer in an arena.
 
     Algorithm (`layout`): liveness over the scheduled graph's plan steps (`steps_of`), then
     first fit per arena in order of first step. Requires: a scheduled graph (its steps are the
-    ones the plan will hold). Guarantees (rules B1, B2): a slot for every value a step writes
+    ones the plan will hold). Guarantees (rules B1, B2): a buffer for every value a step writes
     except completion tokens, the token-id input (host memory the caller hands in) and syncs (a
     sync's value is its task's); staging slots for fetched expert weights only, absolute; every
-    other slot per token, so the one layout serves a step of any number of tokens (a decode plan
+    other buffer per token, so the one layout serves a step of any number of tokens (a decode plan
     run at a larger batch than it was compiled for, a prefill chunk shorter than its bucket)
     without the backend planning anything; values live at once never share bytes of one arena.
     """
-    slots = layout(g, steps_of(g))
-    return g.map(lambda n: replace(n, buffer=slots.get(n.name)))
+    placed = layout(g, steps_of(g))
+    return g.map(lambda n: replace(n, buffer=placed.get(n.name)))
 
 
-def layout(g: Graph, steps: list[Step]) -> dict[str, Slot]:
-    """Each value's Slot.
+def layout(g: Graph, steps: list[Step]) -> dict[str, Buffer]:
+    """Each value's Buffer.
 
     A value lives from the step that writes it to the last step that reads it (graph outputs to
     the end). Arena: pinned for values a PCIe copy reads or writes on the host side (the exchange
@@ -83,14 +83,14 @@ def layout(g: Graph, steps: list[Step]) -> dict[str, Slot]:
             "gpu" if n.place.device == Device.GPU else "host")
         size = n.out.numel(0 if arena == "staging" else 1) * n.out.dtype.itemsize
         values.append((first[n.name], last[n.name], n.name, arena, -(-size // ALIGN) * ALIGN))
-    slots: dict[str, Slot] = {}
+    placed: dict[str, Buffer] = {}
     live: dict[str, list[tuple[int, int, int]]] = {}  # arena -> (offset, size, last step)
     # staging: slot i of the fetches at i x the largest fetch (a fetch waits for its slot's last
     # reader, rule S2), so the arena is exactly staging_slots x the largest fetch
     widest = max((size for _, _, _, arena, size in values if arena == "staging"), default=0)
     for start, end, name, arena, size in sorted(values):
         if arena == "staging":
-            slots[name] = Slot(arena, g.by_name(name).attrs.slot * widest, size, start, end, per_token=False)
+            placed[name] = Buffer(arena, g.by_name(name).attrs.slot * widest, size, start, end, per_token=False)
             continue
         taken = sorted((o, sz) for o, sz, e in live.get(arena, []) if e >= start)
         offset = 0
@@ -99,8 +99,8 @@ def layout(g: Graph, steps: list[Step]) -> dict[str, Slot]:
                 break
             offset = max(offset, o + sz)
         live.setdefault(arena, []).append((offset, size, end))
-        slots[name] = Slot(arena, offset, size, start, end, per_token=arena != "staging")
-    return slots
+        placed[name] = Buffer(arena, offset, size, start, end, per_token=arena != "staging")
+    return placed
 
 
 def _extend_async_tasks(g: Graph, steps: list[Step], first: dict[str, int], last: dict[str, int], home) -> None:

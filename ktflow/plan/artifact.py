@@ -22,7 +22,7 @@ from ..util.fsutil import write_atomic
 from ..costmodel.hw import HwProfile
 from ..ir.graph import Graph
 from ..ir.printer import print_graph
-from ..ir.types import Slot
+from ..ir.types import Buffer
 from .check import file_problems, plan_problems
 from .options import CompileOptions
 from ..version import PLAN_FORMAT, __version__
@@ -179,7 +179,7 @@ class Plan(BaseModel):
         return plan
 
     @cached_property
-    def buffers(self) -> dict[str, Slot]:
+    def buffers(self) -> dict[str, Buffer]:
         """Where each value of the step lives (the buffer pass's `Node.buffer`), in graph order."""
         return {n.name: n.buffer for n in self.ir.nodes if n.buffer is not None}
 

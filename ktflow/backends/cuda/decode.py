@@ -28,7 +28,7 @@ from ..kernels import pinned_copy
 from ..native import binding as native
 from ..native.staging import pin, pin_tensor
 from ..sampling import Sampler
-from .driver import CAPTURE_MODE, done_flags, exchange_slots, host_prologue, native_batches
+from .driver import CAPTURE_MODE, done_flags, exchange_views, host_prologue, native_batches
 from .trace import _Timer
 
 
@@ -129,7 +129,7 @@ class DecodeGraph:
         plan, g = self.plan, self.g
         # the plan's buffer plan is per token: the same layout for any batch
         arena = torch.zeros(max(plan.arena_bytes(b).get("pinned", 0), 1), dtype=torch.uint8, pin_memory=True)
-        slots = exchange_slots(g, plan.buffers, arena, b)
+        slots = exchange_views(g, plan.buffers, arena, b)
         tasks = {n.attrs.task: native_batches(self.be, g, n, slots, self.home) for n in g.nodes if n.op == Op.SUBMIT}
         done_at, flag_at, flags = done_flags(self.driver, tasks)
         bells, ring, words = {}, None, None

@@ -163,7 +163,7 @@ def host_prologue(g: Graph, be, where: str) -> list[Node]:
     return prologue
 
 
-def exchange_slots(g: Graph, buffers, arena: torch.Tensor, tokens: int) -> dict[str, Any]:
+def exchange_views(g: Graph, buffers, arena: torch.Tensor, tokens: int) -> dict[str, Any]:
     """Views of the pinned exchange arena for every value the buffer plan put there, shaped for
     `tokens` tokens (a routing is an (ids int64, weights float32) pair, ids first)."""
     slots: dict[str, Any] = {}

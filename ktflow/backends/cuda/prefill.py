@@ -27,7 +27,7 @@ from ...ir.types import Device
 from ...plan.artifact import Plan
 from ...frontend.weights import TORCH_DTYPE
 from ..base import StepContext, lm_head_rows, node_key, step_output
-from .driver import done_flags, exchange_slots, host_prologue, native_batches
+from .driver import done_flags, exchange_views, host_prologue, native_batches
 from .trace import _Timer
 
 
@@ -96,7 +96,7 @@ class PrefillRunner:
         plan, g, be = self.plan, self.g, self.be
         arenas = plan.arena_bytes()
         arena = torch.zeros(max(arenas.get("pinned", 0), 1), dtype=torch.uint8, pin_memory=True)
-        slots = exchange_slots(g, plan.buffers, arena, plan.step_tokens)
+        slots = exchange_views(g, plan.buffers, arena, plan.step_tokens)
         tokens = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         tasks = {n.attrs.task: native_batches(be, g, n, slots, self.home, tokens=tokens)
                  for n in g.nodes if n.op == Op.SUBMIT}
