@@ -255,6 +255,36 @@ def prefill_row(c, vocab: int, tokens: int, reps: int, cuda: bool) -> dict:
                 staging_gb=round(plan.memory.staging_bytes / 1e9, 3))
 
 
+def traced_prefill(c, vocab: int, tokens: int, path: Path) -> dict:
+    """One prompt of `tokens` with its prefill plan's (last) step instrumented: the measured steps
+    written as a Chrome trace to `path` (beside the plan's predicted ones: `ktflow compile
+    --trace`), and per lane the measured busy time against the predicted, with the step's span."""
+    import ktflow
+    from ktflow.plan.timeline import with_measured_steps, write_chrome_trace
+
+    plan = c.prefill_plan(tokens)
+    ex = c.executor(plan)
+    ex.trace = 1
+    g = torch.Generator().manual_seed(tokens + 1)
+    ktflow.execute(c, torch.randint(0, vocab, (1, tokens), generator=g), logits="last")
+    steps = ex.measured or []
+
+    def lanes(ss) -> dict:
+        busy: dict[str, float] = {}
+        for st in ss:
+            busy[st.lane] = busy.get(st.lane, 0.0) + st.end_us - st.start_us
+        return {k: round(v, 1) for k, v in sorted(busy.items())}
+
+    measured = [with_measured_steps(p, steps) if p is plan and steps else p.model_copy(update={"steps": []})
+                for p in c.prefill]
+    write_chrome_trace(c.plans.model_copy(update=dict(prefill=measured, decode=c.decode.model_copy(
+        update={"steps": []}))), str(path), label="measured")
+    span = (max(st.end_us for st in steps) - min(st.start_us for st in steps)) if steps else 0.0
+    return dict(table="prefill_trace", prompt=tokens, bucket=plan.step_tokens, trace=str(path),
+                span_us=round(span, 1), predicted_us=round(plan.predicted_step_us, 1),
+                busy_us=lanes(steps), predicted_busy_us=lanes(plan.steps))
+
+
 def decode_rate(c, vocab: int, new: int, seed: int, temperature: float = 0.0, top_p: float = 1.0,
                 prompt: int = PROMPT) -> float:
     """Decode tokens/s of `new` tokens after a random prompt of `prompt` tokens (its prefill not timed)."""
@@ -344,6 +374,14 @@ def phase_user(run: Run) -> None:
         print(f"  user prefill {n}: {row['tok_s']} +- {row['sd']} tok/s ({row['decisions']}, bucket {row['bucket']}, "
               f"{row['chunks']} chunk(s))", flush=True)
         run.emit([row])
+    if a.trace_dir:  # where a prompt's step goes: measured lanes against the plan's
+        for n in run.lengths:
+            row = traced_prefill(c, run.vocab, n, Path(a.trace_dir) / f"{a.model}-prefill{n}.trace.json")
+            print(f"  traced prefill {n} (a {row['bucket']}-token step): {row['span_us'] / 1e3:.1f} ms measured, "
+                  f"{row['predicted_us'] / 1e3:.1f} ms predicted; busy ms by lane, measured / predicted: "
+                  + ", ".join(f"{k} {v / 1e3:.1f} / {row['predicted_busy_us'].get(k, 0) / 1e3:.1f}"
+                              for k, v in row["busy_us"].items()), flush=True)
+            run.emit([row])
     kw = dict(temperature=a.temperature, top_p=a.top_p)
     for extra in ({}, kw):  # the user's decode graphs captured: greedy runs, single steps, logits for sampling
         decode_rate(c, run.vocab, 2 * c.plans.options.greedy_steps + 2, 98, **extra)
@@ -442,6 +480,8 @@ def parse(argv=None):
     ap.add_argument("--depth-rounds", type=int, default=2, help="decode rounds at each depth")
     ap.add_argument("--ab-rounds", type=int, default=6, help="rounds of the user plan against the decode-only one "
                     "(a 3%% difference needs more than the spread of three: one round was 40 tok/s against 55)")
+    ap.add_argument("--trace-dir", default="", help="also trace one prompt of each length at the limit: a Chrome "
+                    "trace per length in this folder, and a row of busy time per lane against the plan's")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--expert-format", default="auto", choices=["auto", "bf16", "int8", "int4", "fp8"])

@@ -62,9 +62,10 @@ for m in $MODELS; do
       "${LL[@]}" "${fit[@]}"
   rm -f "$E2E/$m.q8_0-random.gguf"; sync
   # ktflow: the FP8 checkpoint (Qwen3 31 GB ~2.5 min, DeepSeek 16 GB ~1.5), then at the limit:
-  # prefill, greedy / one-step / sampled decode, VRAM; the decode-only placement beside it (~4 min)
+  # prefill (and one traced prompt a length: /tmp/uc/<model>-prefill<n>.trace.json), greedy / one-step /
+  # sampled decode, VRAM; the decode-only placement beside it (~4 min)
   step "$m ktflow at $V GB" python3 benchmarks/user_configs.py --model "$m" $FP8 --vram-gb $V \
-      --decode-depth "$DEPTH" --phases user,decode-only "${UC[@]}"
+      --decode-depth "$DEPTH" --phases user,decode-only --trace-dir /tmp/uc "${UC[@]}"
   # the same prefill with every expert in CPU memory and VRAM free, its own process (~1.5 min)
   step "$m ktflow experts on CPU" python3 benchmarks/user_configs.py --model "$m" $FP8 --vram-gb $V \
       --phases cpu-experts "${UC[@]}"

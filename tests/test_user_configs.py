@@ -91,6 +91,22 @@ def test_decode_after_a_long_prompt_is_measured_and_reported(tiny_qwen3, tmp_pat
     assert any("greedy after 96 tokens" in line for line in lines)
 
 
+def test_a_traced_prompt_writes_its_trace_and_busy_time_per_lane(tiny_qwen3, tmp_path):
+    """--trace-dir: one prompt of each length runs instrumented; its Chrome trace is written and a
+    row gives each lane's measured busy time beside the plan's predicted one."""
+    out = tmp_path / "uc.jsonl"
+    p = run_uc(tiny_qwen3, out, "qwen3-tiny", LIMIT, "--phases", "user", "--trace-dir", str(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines() if '"prefill_trace"' in line]
+    assert sorted(r["prompt"] for r in rows) == [32, 64]
+    for r in rows:
+        trace = json.loads(Path(r["trace"]).read_text())
+        assert trace["traceEvents"] if isinstance(trace, dict) else trace
+        assert r["span_us"] > 0 and r["predicted_us"] > 0
+        assert r["busy_us"] and set(r["busy_us"]) <= set(r["predicted_busy_us"]) | {"host"}
+    assert "traced prefill 64" in p.stdout
+
+
 def test_deepseek_v2_lite_shape_runs_the_user_phase(tmp_path):
     out = tmp_path / "uc.jsonl"
     p = run_uc(tmp_path / "ds", out, "dsv2lite-tiny", 0.075, "--phases", "user")
