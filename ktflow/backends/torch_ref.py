@@ -109,6 +109,33 @@ class TorchRefBackend:
             self._stacked[key] = stack_experts(self.weights[key], node.attrs.ids, node.attrs.experts)
         return self._stacked[key]
 
+    # -------------------------------------------- the experts interface (runtime.expert_cache's)
+    def place_experts(self, node: Node, moves: dict[int, int | None]) -> None:
+        """GPU routed-experts node `node`'s resident experts change: expert e now sits in row
+        `moves[e]` of its stacks (the caller has copied it there), or nowhere (None). The stacks'
+        map and the per-expert views follow; nothing is copied here."""
+        st = self.stacked(node)
+        held = self.weights.get(node_key(node))
+        gone = [e for e, row in moves.items() if row is None]
+        came = {e: row for e, row in moves.items() if row is not None}
+        if gone:
+            st["local"][torch.tensor(gone, device=st["local"].device)] = -1
+        if came:
+            st["local"][torch.tensor(list(came), device=st["local"].device)] = \
+                torch.tensor(list(came.values()), device=st["local"].device)
+        if held is not None:  # the per-expert views the stacks were made from, kept in step with them
+            for role in ("gate", "up", "down"):
+                for e in gone:
+                    held[role].pop(e, None)
+                for e, row in came.items():
+                    held[role][e] = st[role][row]
+
+    def cpu_expert_mask(self, node: Node) -> torch.Tensor | None:
+        """The mask of the experts a CPU routed-experts node computes, where its operator holds
+        more (a cached layer's CPU part: 1 = computed here); None where it computes all it holds.
+        The reference backend has no native operator: None."""
+        return None
+
     def rope_tables(self, attrs: AttentionAttrs, ctx: StepContext, dev: torch.device):
         key = (attrs.rope, dev)
         if key not in self._inv_freq:

@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backends.base import node_key
-from ..backends.native.staging import pin
 from ..backends.torch_ref import staged
 from .cache_curves import next_order
 from ..errors import ConfigError, InputError
@@ -63,7 +61,7 @@ class ExpertCache:
         be = compiled.executor(compiled.decode).backend
         for plan in plans:
             compiled.executor(plan)  # every plan's weights loaded, its masks made
-        if not hasattr(be, "masks"):
+        if not hasattr(be, "cpu_expert_stager"):
             raise ConfigError(f"the expert cache needs a backend whose CPU experts take a mask (native or cuda_graph), "
                               f"not {be.name}")
         self.backend = be
@@ -95,7 +93,7 @@ class ExpertCache:
                         seen.add(id(stacked["local"]))
                         c.stacks.append((n, stacked))
                 else:
-                    mask = be.masks.get(node_key(n))
+                    mask = be.cpu_expert_mask(n)
                     if mask is None:
                         raise ConfigError(f"{n.name} holds only its own experts: its layer's GPU part is not a cache "
                                           "(compile with expert_cache=True)")
@@ -112,7 +110,7 @@ class ExpertCache:
             cpu = next(n for n in compiled.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.layer == layer
                        and n.place.device != Device.GPU)
             self.stagers[layer] = be.cpu_expert_stager(cpu, compiled.model.weights, c.stacks[0][1]["gate"].device)
-            if self._cuda and not all([pin(piece.op) for piece in self.stagers[layer].pieces]):
+            if self._cuda and not self.stagers[layer].page_lock():
                 from ..util import notices
 
                 notices.warn(f"expert cache: the driver would not page-lock layer {layer}'s CPU experts; its "
@@ -198,14 +196,8 @@ class ExpertCache:
             c.resident[s] = -1
         if not out:
             return
-        gone = torch.tensor(out)
-        for node, stacked in c.stacks:
-            stacked["local"][gone.to(stacked["local"].device)] = -1
-            held = self.backend.weights.get(node_key(node))
-            if held is not None:
-                for role in ("gate", "up", "down"):
-                    for e in out:
-                        held[role].pop(e, None)
+        for node, _ in c.stacks:
+            self.backend.place_experts(node, dict.fromkeys(out))
         for mask, own in c.masks:
             back = [e for e in out if e in own]
             if back:
@@ -292,16 +284,9 @@ class ExpertCache:
                 for mask, own in c.masks:
                     if e in own:
                         mask[e] = 0
-            # the map's entries of the layer's finished experts in one write a stack
-            pairs = torch.tensor([[e for _, _, e, *_ in jobs], [slot for _, slot, *_ in jobs]])
-            for node, stacked in c.stacks:
-                at = pairs.to(stacked["local"].device)
-                stacked["local"][at[0]] = at[1]
-                held = self.backend.weights.get(node_key(node))
-                if held is not None:  # the per-expert view the stack was made from, kept in step with it
-                    for _, slot, e, *_ in jobs:
-                        for role in ("gate", "up", "down"):
-                            held[role][e] = stacked[role][slot]
+            # the layer's finished experts take their rows: one write of each stack's map
+            for node, _ in c.stacks:
+                self.backend.place_experts(node, {e: slot for _, slot, e, *_ in jobs})
         self._stream_sync()
         self.copied += len(ready)
         for c, slot, *_ in ready:

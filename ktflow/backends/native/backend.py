@@ -116,6 +116,11 @@ class NativeBackend(TorchRefBackend):
             self._packed[key] = self._pack(n, ids, rows, numa, weights, checkpoint)
         return self._packed[key]
 
+    def cpu_expert_mask(self, node: Node) -> torch.Tensor | None:
+        """See TorchRefBackend.cpu_expert_mask: the uint8 mask the native operator reads (writes to
+        it take effect at the next task; `native.sync()` first while tasks may run)."""
+        return self.masks.get(node_key(node))
+
     def cpu_expert_stager(self, n: Node, weights: WeightSource, device) -> ExpertStager:
         """A stager over the packed CPU copy of every expert of routed-experts node `n`'s layer (a
         cached layer's CPU side holds them all), landing on `device`: the expert cache refills its

@@ -67,6 +67,11 @@ class ExpertStager:
         self._layouts = [[p.op.layout(p.slice, which) for which in range(3)] for p in pieces]
         self._runs: dict[tuple[int, ...], list[list[tuple[int, int, int]]]] = {}
 
+    def page_lock(self) -> bool:
+        """Page-lock every piece's packed experts (copies from them then run asynchronously);
+        False where the driver would not lock some piece."""
+        return all([pin(p.op) for p in self.pieces])
+
     def landing_bytes(self, experts: int) -> int:
         """Bytes of the landing buffer for `experts` experts (every piece's blocks back to back)."""
         return experts * sum(p.stride for p in self.pieces)
