@@ -279,7 +279,7 @@ def main() -> int:
               f"{added:>12.4f} {link:>11.4f} {ratio:>6.2f}")
         rows.append(dict(**info, kind=kind, mb=round(mb, 4), experts=int(amount) if kind == "refill" else None,
                          ms_per_token=round(mean, 4), sd=round(statistics.pstdev(ms[v]), 4),
-                         host_ms_per_token=round(host_ms, 4), added_ms_per_mb=round(added, 5),
+                         host_ms_per_token=float(f"{host_ms:.4g}"), added_ms_per_mb=round(added, 5),
                          link_ms_per_mb=round(link, 5), link_gbps=round(MB / 1e6 / link, 1) if mb else None,
                          stall=round(ratio, 3)))
     for v in variants if a.profile > 0 else ():
