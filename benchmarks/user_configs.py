@@ -128,10 +128,10 @@ class Vram:
 
 
 def vram_row(c, plans, vram: Vram, variant: str) -> dict:
-    """Predicted peak (the plans run: what they allocate) against the measured peaks: torch's
-    allocated bytes and the process's memory on the card past its CUDA context, each against
-    the prediction (the reserve is room left for the context and the allocator's slack, not a
-    prediction); `within_limit`: the allocator's peak and the context inside the cap."""
+    """Predicted peak (the plans run: what they allocate) beside the measured peaks: torch's
+    allocated bytes (err_allocated against the prediction) and the process's memory on the card
+    past its CUDA context, which the report sets against the prediction too (the reserve is room
+    left for the context and the allocator's slack, not a prediction)."""
     pred = max(p.memory.gpu_bytes for p in plans) / 1e9
     card = pred + c.plans.options.vram_reserve_gb
     row = dict(table="vram", variant=variant, predicted_gb=round(pred, 3), predicted_with_reserve_gb=round(card, 3),
@@ -139,10 +139,6 @@ def vram_row(c, plans, vram: Vram, variant: str) -> dict:
                **vram.measured())
     if row.get("max_allocated_gb"):
         row["err_allocated"] = round(row["max_allocated_gb"] / pred - 1, 4)
-    if row.get("process_gb"):
-        row["err_process"] = round(row["process_gb"] / pred - 1, 4)
-    if row.get("cap_gb") and row.get("max_reserved_gb") is not None:
-        row["within_limit"] = row["max_reserved_gb"] + row["context_gb"] <= row["cap_gb"]
     return row
 
 
@@ -260,7 +256,7 @@ def traced_prefill(c, vocab: int, tokens: int, path: Path) -> dict:
     written as a Chrome trace to `path` (beside the plan's predicted ones: `ktflow compile
     --trace`), and per lane the measured busy time against the predicted, with the step's span."""
     import ktflow
-    from ktflow.plan.timeline import with_measured_steps, write_chrome_trace
+    from ktflow.plan.timeline import with_measured_plans, write_chrome_trace
 
     plan = c.prefill_plan(tokens)
     ex = c.executor(plan)
@@ -275,10 +271,8 @@ def traced_prefill(c, vocab: int, tokens: int, path: Path) -> dict:
             busy[st.lane] = busy.get(st.lane, 0.0) + st.end_us - st.start_us
         return {k: round(v, 1) for k, v in sorted(busy.items())}
 
-    measured = [with_measured_steps(p, steps) if p is plan and steps else p.model_copy(update={"steps": []})
-                for p in c.prefill]
-    write_chrome_trace(c.plans.model_copy(update=dict(prefill=measured, decode=c.decode.model_copy(
-        update={"steps": []}))), str(path), label="measured")
+    write_chrome_trace(with_measured_plans(c.plans, lambda p: steps if p is plan else None), str(path),
+                       label="measured")
     span = (max(st.end_us for st in steps) - min(st.start_us for st in steps)) if steps else 0.0
     return dict(table="prefill_trace", prompt=tokens, bucket=plan.step_tokens, trace=str(path),
                 span_us=round(span, 1), predicted_us=round(plan.predicted_step_us, 1),

@@ -125,8 +125,8 @@ def report(rows: list[dict], out=print) -> dict:
             out("|---|---|---|---|---|")
             worst = 0.0
             for r in vr:
-                # the process past its context against the prediction (rows before 2026-11-28 stored it
-                # against the prediction plus the reserve: worked out again from the raw fields)
+                # the process past its context against the prediction, from the raw fields (rows before
+                # 2026-11-28 also stored an err_process against the prediction plus the reserve)
                 r = dict(r, err_process=round(r["process_gb"] / r["predicted_gb"] - 1, 4) if r.get("process_gb") else None)
                 errs = [abs(e) for e in (r.get("err_allocated"), r.get("err_process")) if e is not None]
                 worst = max([worst, *errs])

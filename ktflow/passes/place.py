@@ -330,21 +330,34 @@ def _fp8_blocks(ctx: CompileContext, what: str) -> str:
     return f"{what} dequantized: scale blocks {block}, the FP8 kernels read {FP8_BLOCK}x{FP8_BLOCK}"
 
 
+def _fp8_fixed(g: Graph, ctx: CompileContext, experts: bool) -> tuple[bool, str] | None:
+    """The FP8 choice for the dense weights (`experts` False) or the routed experts where nothing
+    needs pricing, with its cause: nothing holdable, scale blocks the kernels do not read, the
+    expert cache (experts: dequantized), or fp8_on_gpu 'keep' / 'dequantize'; None under 'auto'."""
+    what = "fp8 routed experts" if experts else "fp8 weights"
+    if not _holdable(g, experts=experts):
+        return False, ""
+    mode = ctx.options.fp8_on_gpu
+    blocks = _fp8_blocks(ctx, what)
+    if blocks:
+        return False, blocks
+    if experts and ctx.options.expert_cache:
+        return False, (f"{what} dequantized: expert_cache refills the GPU experts in the activation dtype "
+                       f"(fp8_on_gpu={mode} applies to the dense weights)")
+    if mode != "auto":
+        return mode == "keep", f"{what} {'held in fp8' if mode == 'keep' else 'dequantized'} (fp8_on_gpu={mode})"
+    return None
+
+
 def _fp8_choice(g: Graph, ctx: CompileContext, units: list[Unit], budget: float) -> tuple[bool, str]:
     """Whether the dense weights an FP8 checkpoint stores in FP8 stay FP8 on the GPU, and why
     (the cause GPU nodes holding such weights carry): option fp8_on_gpu, and under 'auto' FP8
     only when the dense units (units with a decode saving, experts aside) dequantized would
     exceed the budget: cuBLAS on dequantized weights outruns the FP8 kernels at most shapes
     (benchmarks/fp8_linear.py), FP8 halves their bytes."""
-    if not _holdable(g, experts=False):
-        return False, ""
-    mode = ctx.options.fp8_on_gpu
-    blocks = _fp8_blocks(ctx, "fp8 weights")
-    if blocks:
-        return False, blocks
-    if mode != "auto":
-        return mode == "keep", ("fp8 weights held in fp8" if mode == "keep" else "fp8 weights dequantized") + \
-            f" (fp8_on_gpu={mode})"
+    fixed = _fp8_fixed(g, ctx, experts=False)
+    if fixed is not None:
+        return fixed
     dense = sum(u.vram for u in units if u.expert is None and u.saving > 0)
     if dense <= budget:
         return False, f"fp8 weights dequantized: the dense units fit the budget so ({_si(dense)}B of {_si(budget)}B)"
@@ -362,18 +375,9 @@ def _fp8_experts_choice(g: Graph, ctx: CompileContext, units: list[Unit], budget
     expert counts, whatever its saving in the activation dtype (one that saves nothing there may
     in FP8, read at half the bytes). Never with option expert_cache: the cache refills its slots
     in the activation dtype."""
-    if not _holdable(g, experts=True):
-        return False, ""
-    mode = ctx.options.fp8_on_gpu
-    blocks = _fp8_blocks(ctx, "fp8 routed experts")
-    if blocks:
-        return False, blocks
-    if ctx.options.expert_cache:
-        return False, ("fp8 routed experts dequantized: expert_cache refills the GPU experts in the activation dtype "
-                       f"(fp8_on_gpu={mode} applies to the dense weights)")
-    if mode != "auto":
-        return mode == "keep", ("fp8 routed experts held in fp8" if mode == "keep" else
-                                "fp8 routed experts dequantized") + f" (fp8_on_gpu={mode})"
+    fixed = _fp8_fixed(g, ctx, experts=True)
+    if fixed is not None:
+        return fixed
     size = ctx.weight_itemsize
     nodes = {n.name: n for n in g.nodes}
     need = 0.0

@@ -199,3 +199,13 @@ def with_measured_steps(plan: Plan, steps) -> Plan:
     """`plan` with its steps' times replaced by measured ones (same steps, same order)."""
     return plan.model_copy(update={"steps": list(steps),
                                    "predicted_step_us": max((s.end_us for s in steps), default=0.0)})
+
+
+def with_measured_plans(pf: PlanFile, measured) -> PlanFile:
+    """`pf` with each plan's steps those `measured(plan)` gives (`with_measured_steps`), and no
+    steps where it gives none: a trace of it shows only what ran."""
+    def one(plan: Plan) -> Plan:
+        steps = measured(plan)
+        return with_measured_steps(plan, steps) if steps else plan.model_copy(update={"steps": []})
+
+    return pf.model_copy(update=dict(prefill=[one(p) for p in pf.prefill], decode=one(pf.decode)))

@@ -188,21 +188,17 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 
 def _write_measured_trace(compiled, path: str) -> None:
-    from ktflow.plan.timeline import with_measured_steps, write_chrome_trace
+    from ktflow.plan.timeline import with_measured_plans, write_chrome_trace
 
-    def measured(plan):
-        steps = compiled.executor(plan).measured
-        return with_measured_steps(plan, steps) if steps else plan.model_copy(update={"steps": []})
-
-    plans = dict(prefill=[measured(p) for p in compiled.prefill], decode=measured(compiled.decode))
-    write_chrome_trace(compiled.plans.model_copy(update=plans), path, label="measured")
+    measured = with_measured_plans(compiled.plans, lambda plan: compiled.executor(plan).measured)
+    write_chrome_trace(measured, path, label="measured")
     ran = [f"{p.phase} ({p.step_tokens}-token plan)" if p.phase == "prefill" else p.phase
            for p in compiled.plans.plans if compiled.executor(p).measured]
     print(f"wrote {path}: measured {' and '.join(ran)} step (compare with `ktflow compile --trace`)")
     if compiled.executor(compiled.decode).measured:
         from ktflow.plan.timeline import handoff_summary
 
-        print(handoff_summary(plans["decode"], compiled.decode))
+        print(handoff_summary(measured.decode, compiled.decode))
 
 
 def _print_ready(compiled) -> None:

@@ -219,16 +219,15 @@ def routed_experts(be, node, w, ins, ctx, dev):
     held = slot >= 0
     slot = slot.clamp(min=0).reshape(-1)
     t, k = ids.shape
-    scale = (wts * held).reshape(-1, 1)
     if isinstance(st["gate"], Fp8Weight) and picks_fused(x):  # one kernel per projection reads the picks' bytes
         h = F.silu(picked_linear(x, st["gate"], slot, k)) * picked_linear(x, st["up"], slot, k)  # [t*k, I]
         y = picked_linear(h, st["down"], slot, 1).float()  # [t*k, H]
-        return (y * scale).view(t, k, -1).sum(dim=1).to(x.dtype)
-    xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [t*k, H, 1]
-    h = F.silu(torch.bmm(_picked(st["gate"], slot, x.dtype), xs))  # [t*k, I, 1]
-    h = h * torch.bmm(_picked(st["up"], slot, x.dtype), xs)
-    y = torch.bmm(_picked(st["down"], slot, x.dtype), h)[:, :, 0].float()  # [t*k, H]
-    return (y * scale).view(t, k, -1).sum(dim=1).to(x.dtype)
+    else:
+        xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [t*k, H, 1]
+        h = F.silu(torch.bmm(_picked(st["gate"], slot, x.dtype), xs))  # [t*k, I, 1]
+        h = h * torch.bmm(_picked(st["up"], slot, x.dtype), xs)
+        y = torch.bmm(_picked(st["down"], slot, x.dtype), h)[:, :, 0].float()  # [t*k, H]
+    return (y * (wts * held).reshape(-1, 1)).view(t, k, -1).sum(dim=1).to(x.dtype)
 
 
 #: ops whose torch_ref rule is not graph-safe, and the rule used instead (GPU-placed nodes)
