@@ -20,7 +20,6 @@ import argparse
 import ast
 import json
 import math
-import os
 import re
 import statistics
 import sys

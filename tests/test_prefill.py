@@ -14,7 +14,7 @@ import ktflow
 from ktflow.backends.native import binding as native
 from ktflow.ir.types import DTYPE_BY_NAME
 from ktflow.errors import ConfigError
-from ktflow.costmodel.hw import PRESETS, GpuSpec, Overheads
+from ktflow.costmodel.hw import PRESETS, Overheads
 from ktflow.ir import verify
 from ktflow.ir.ops import Op
 from ktflow.ir.types import Device

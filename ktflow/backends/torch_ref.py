@@ -27,7 +27,7 @@ from .kernels import fused_gpu
 from .base import StepContext, node_key
 from .kernels.dequant_gpu import available as triton_on
 from .kernels.fp8_gpu import Fp8Weight, nan_bytes
-from .kernels.layers import attention, linear, matmul, rms_norm, swiglu
+from .kernels.layers import attention, matmul, rms_norm, swiglu
 from .kernels.moe_gpu import expert_map, stack_experts
 
 Weights = dict[str, Any]

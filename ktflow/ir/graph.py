@@ -15,7 +15,7 @@ import networkx as nx
 
 from .ops import FACTS, Op
 from .serialize import attrs_from_dict, attrs_to_dict, dataclass_from, typed
-from .types import Cost, Device, DType, Placement, Buffer, TensorType, Timing, WeightRef
+from .types import Cost, DType, Placement, Buffer, TensorType, Timing, WeightRef
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
-"""The executor: a loop over a plan's steps with a dispatch table from step kind to handler.
-
-It owns the values of one step (freed after their last reader) and hands each node's inputs to
-the backend. The sequence state (KV caches, position) lives in `State` and is advanced here.
+"""The executor runs a plan on a backend: through the backend's own runner where it has one (the
+CUDA decode graph, the prefill on the GPU lanes), else eagerly through the one step loop
+(backends/steps.py), each node step handed to the backend. The sequence state (KV caches,
+position) lives in `State` and is advanced here.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable
 
@@ -13,16 +14,13 @@ import torch
 
 from ..backends import StepContext
 from ..backends.base import lm_head_rows, step_output
+from ..backends.steps import nothing, run_steps
 from ..ir.graph import Graph
 from ..ir.ops import Op
 from ..plan.artifact import Plan, Step
 from .routing import gate_layers
 from .state import State
 from ..util import env
-
-
-def _nothing(step: Step, values: dict, ctx: StepContext) -> None:
-    pass
 
 
 def _check_finite(v: Any, what: str) -> None:
@@ -37,11 +35,34 @@ def _check_finite(v: Any, what: str) -> None:
             raise NumericError(f"{what} produced {bad[1]} at {bad[0]} of shape {list(t.shape)}")
 
 
+class _EagerWatcher:
+    """Around each step of an eager run: the finite-value check (KTFLOW_CHECK_FINITE) and, when
+    traced, the step's host time (GPU work synced: steps run one after another here)."""
+
+    def __init__(self, ex: "Executor", ctx: StepContext, tracing: bool):
+        self.ex, self.ctx, self.timed = ex, ctx, [] if tracing else None
+        self.t0 = time.perf_counter()
+
+    def before(self, i: int, step: Step) -> None:
+        pass
+
+    def after(self, i: int, step: Step, values: dict) -> None:
+        ex = self.ex
+        if ex.check_finite and step.writes:
+            _check_finite(values.get(step.writes[0]), f"node {step.node} ({ex.graph.by_name(step.node).op.value}, "
+                          f"{ex.plan.phase} step at position {self.ctx.state.position})")
+        if self.timed is not None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            now = (time.perf_counter() - self.t0) * 1e6
+            start = self.timed[-1].end_us if self.timed else 0.0
+            self.timed.append(step.model_copy(update={"start_us": round(start, 3), "end_us": round(now, 3)}))
+
+
 class Executor:
     def __init__(self, plan: Plan, backend: Any):
         self.plan, self.backend = plan, backend
         self.graph: Graph = plan.ir
-        self.frees = plan.frees  # values to drop after step i
         self.attention_layers = frozenset(n.attrs.layer for n in self.graph.nodes if n.op == Op.ATTENTION)
         #: a RoutingRecorder (runtime/routing.py) that sees every router's picks, or None
         self.recorder = None
@@ -49,13 +70,6 @@ class Executor:
         #: called after each finished run as hook(executor, tokens it ran): a runtime policy's
         #: point between steps (the expert cache refills there: runtime/expert_cache.py)
         self.after_run: list[Callable[["Executor", int], None]] = []
-        # torch_ref runs every kind the same way (a copy moves the value, submit is a no-op, sync
-        # passes the task's value); asynchronous backends give submit and sync their own handlers
-        # record/wait order lanes; a backend that runs steps in plan order on one thread needs neither
-        self.handlers: dict[str, Callable[[Step, dict, StepContext], None]] = {
-            "launch": self._launch, "copy": self._launch, "fetch": self._launch, "submit": self._launch,
-            "sync": self._launch,
-            "record": _nothing, "wait": _nothing}
         # a backend may run a whole plan its own way (cuda_graph: decode captured as one graph)
         make_runner = getattr(backend, "step_runner", None)
         self.runner = make_runner(plan) if make_runner else None
@@ -66,7 +80,7 @@ class Executor:
         self.check_finite = env.get("KTFLOW_CHECK_FINITE")
         self.measured: list[Step] | None = None
 
-    def _launch(self, step: Step, values: dict, ctx: StepContext) -> None:
+    def _launch(self, ctx: StepContext, i: int, step: Step, values: dict) -> None:
         node = self.graph.by_name(step.node)
         inputs = [values[i] for i in node.inputs]
         if node.op == Op.LM_HEAD:
@@ -167,24 +181,16 @@ class Executor:
         ctx = StepContext(batch=b, seq=s, position=0 if extra else state.position, state=state,
                           token_ids=input_ids.reshape(-1), position_t=position_t, logits=logits, positions=positions,
                           segments=segments)
-        values: dict[str, Any] = {}
-        timed = [] if tracing else None
-        t0 = time.perf_counter()
-        for i, step in enumerate(self.plan.steps):
-            self.handlers[step.kind](step, values, ctx)
-            if self.check_finite and step.writes:
-                _check_finite(values.get(step.writes[0]), f"node {step.node} ({self.graph.by_name(step.node).op.value}, "
-                              f"{self.plan.phase} step at position {state.position})")
-            if timed is not None:  # steps run one after another here: host time, GPU work synced
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                now = (time.perf_counter() - t0) * 1e6
-                start = timed[-1].end_us if timed else 0.0
-                timed.append(step.model_copy(update={"start_us": round(start, 3), "end_us": round(now, 3)}))
-            for name in self.frees[i]:
-                values.pop(name, None)
-        if timed is not None:
-            self.measured = timed
+        # every node step goes to the backend (a copy moves the value, submit is a no-op, sync
+        # passes the task's value); steps run one after another on this thread, so record/wait
+        # have nothing to order
+        launch = functools.partial(self._launch, ctx)
+        handlers = {**dict.fromkeys(("launch", "copy", "fetch", "submit", "sync"), launch),
+                    "record": nothing, "wait": nothing}
+        watcher = _EagerWatcher(self, ctx, tracing) if tracing or self.check_finite else None
+        values = run_steps(self.plan, handlers, watcher=watcher)
+        if tracing:
+            self.measured = watcher.timed
         if not extra:
             state.position += s
         out = values[self.graph.outputs[0]]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 from ..util import env
 from .compile_flags import add_compile_options

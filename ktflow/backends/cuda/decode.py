@@ -26,10 +26,12 @@ from ...plan.artifact import Plan
 from ..base import StepContext, node_key
 from ..kernels import pinned_copy
 from ..native import binding as native
-from ..native.staging import pin, pin_tensor
+from ..native.staging import pin_tensor
 from ..sampling import Sampler
 from .driver import CAPTURE_MODE, done_flags, exchange_views, host_prologue, native_batches
-from .trace import _Timer
+from ..steps import run_steps
+from .lanes import Lanes
+from .trace import StepTimer
 
 
 class Bound:
@@ -78,9 +80,10 @@ class DecodeGraph:
     argmax_on_device = True  # logits='argmax': the graph takes it, only the ids cross
     selects_on_device = True  # logits='sample': the graph selects by the state's sampler, only the ids cross
 
-    def __init__(self, plan: Plan, be: CudaGraphBackend):
+    def __init__(self, plan: Plan, be):  # be: the CudaGraphBackend that runs it
         self.plan, self.be, self.g = plan, be, plan.ir
         self.gpu, self.copy = be.gpu_stream, be.copy_stream
+        self.lanes = Lanes({"gpu": self.gpu, "copy": self.copy})
         # waiting for a step's end sleeps instead of spinning a core the native workers need
         self.done = torch.cuda.Event(blocking=True)
         self.driver = be.driver
@@ -349,7 +352,7 @@ class DecodeGraph:
             bound.ring.arm()
         self.gpu.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.gpu):
-            timer = _Timer(self) if trace else None
+            timer = StepTimer(self, self.lanes) if trace else None
             _, out = self._issue(bound, state, timer)
         self._wait()
         return (timer.steps(bound) if timer else None), out
@@ -436,59 +439,55 @@ class DecodeGraph:
         self.current = ""
         return kept, out
 
-    def _issue_step(self, bound: Bound, ctx: StepContext, timer) -> tuple[list, torch.Tensor]:
-        """One decode step's plan steps in order on the streams (the position already on the GPU):
-        every value, and the logits [batch, vocab] on the GPU."""
-        be, g = self.be, self.g
-        values: dict[str, Any] = {}
-        events: dict[str, torch.cuda.Event] = {}
-        streams = {"gpu": self.gpu, "copy": self.copy}
-        # fork the copy stream from the step's stream (under capture this makes it part of the graph;
-        # a copy whose only ordering is a CPU-lane event, such as the token ids', would escape it)
-        self.copy.wait_stream(self.gpu)
-        for i, step in enumerate(self.plan.steps):
-            self.current = step.node
-            stream = streams.get(step.lane)
-            if step.kind == "record":
-                if stream is not None:
-                    events[step.event] = torch.cuda.Event()
-                    events[step.event].record(stream)
-                continue
-            if step.kind == "wait":
-                if stream is not None and step.event in events:  # CPU-lane events: host nodes order them
-                    stream.wait_event(events[step.event])
-                continue
+    def _issue_step(self, bound: Bound, ctx: StepContext, timer: StepTimer | None) -> tuple[list, torch.Tensor]:
+        """One decode step's plan steps in order on the streams (the position already on the GPU),
+        through the one step loop: every value (none freed: the graph keeps them), and the
+        logits [batch, vocab] on the GPU."""
+        be, g, lanes = self.be, self.g, self.lanes
+
+        def launch(i, step, values):
             node = g.by_name(step.node)
-            if timer:
-                timer.start(i, stream)
-            if step.kind == "launch" and node.place.device == Device.CPU:  # input, prologue or a task's part
+            self.current = node.name
+            if node.place.device == Device.CPU:  # input, prologue or a task's part
                 values[node.name] = bound.tokens if node.op == Op.INPUT else bound.slots.get(node.name)
             elif node.op == Op.INPUT:  # token ids read on the GPU: copied from their pinned buffer in the graph
                 values[node.name] = pinned_copy.copy(torch.empty_like(bound.tokens, device="cuda"), bound.tokens)
-            elif step.kind == "launch":
+            else:
                 values[node.name] = be.run(node, [values[v] for v in node.inputs], ctx)
                 if self.recorder is not None and node.name in self.gate_layer:
                     self.recorder.add(self.gate_layer[node.name], values[node.name][0], node.attrs.experts)
-            elif step.kind == "copy":
-                values[node.name] = self._copy(node, values[node.inputs[0]], bound, stream)
-            elif step.kind == "submit":
-                for batch in bound.tasks[node.attrs.task]:
-                    if bound.ring is not None:  # clear its done flag, then ring: the dispatcher runs it
-                        flag, bell = bound.bells[id(batch)]
-                        self.driver.write_value(stream, flag, 0)
-                        self.driver.write_value(stream, bell, 1)
-                    else:
-                        self.driver.launch_host(stream, self.driver.submit_fn, batch.handle)
-            elif step.kind == "sync":  # a task without batches is a prologue node, computed before the launch
-                root = node.inputs[1]
-                if bound.tasks[root]:
-                    if self.be.wait == "flag":
-                        self.driver.wait_value(stream, bound.done_at[root], 1)
-                    else:
-                        self.driver.launch_host(stream, self.driver.wait_fn, bound.tasks[root][-1].handle)
-                values[node.name] = bound.slots[node.inputs[1]]
-            if timer:
-                timer.end(i, stream)
+
+        def copy(i, step, values):
+            node = g.by_name(step.node)
+            self.current = node.name
+            values[node.name] = self._copy(node, values[node.inputs[0]], bound, lanes.stream(step))
+
+        def submit(i, step, values):
+            stream = lanes.stream(step)
+            for batch in bound.tasks[g.by_name(step.node).attrs.task]:
+                if bound.ring is not None:  # clear its done flag, then ring: the dispatcher runs it
+                    flag, bell = bound.bells[id(batch)]
+                    self.driver.write_value(stream, flag, 0)
+                    self.driver.write_value(stream, bell, 1)
+                else:
+                    self.driver.launch_host(stream, self.driver.submit_fn, batch.handle)
+
+        def sync(i, step, values):  # a task without batches is a prologue node, computed before the launch
+            node = g.by_name(step.node)
+            root = node.inputs[1]
+            if bound.tasks[root]:
+                if be.wait == "flag":
+                    self.driver.wait_value(lanes.stream(step), bound.done_at[root], 1)
+                else:
+                    self.driver.launch_host(lanes.stream(step), self.driver.wait_fn, bound.tasks[root][-1].handle)
+            values[node.name] = bound.slots[root]
+
+        lanes.events.clear()
+        # fork the copy stream from the step's stream (under capture this makes it part of the graph;
+        # a copy whose only ordering is a CPU-lane event, such as the token ids', would escape it)
+        self.copy.wait_stream(self.gpu)
+        values = run_steps(self.plan, {"launch": launch, "copy": copy, "submit": submit, "sync": sync,
+                                       "record": lanes.record, "wait": lanes.wait}, free=False, watcher=timer)
         out = values[g.outputs[0]].view(bound.batch, -1)
         self.gpu.wait_stream(self.copy)  # join it back
         return list(values.values()), out

@@ -28,7 +28,9 @@ from ...plan.artifact import Plan
 from ...frontend.weights import TORCH_DTYPE
 from ..base import StepContext, lm_head_rows, node_key, step_output
 from .driver import done_flags, exchange_views, host_prologue, native_batches
-from .trace import _Timer
+from ..steps import run_steps
+from .lanes import Lanes
+from .trace import StepTimer
 
 
 @dataclass
@@ -82,7 +84,6 @@ class PrefillRunner:
         self.done = torch.cuda.Event(blocking=True)
         self.bound: PrefillBound | None = None
         self.prologue = {n.name for n in host_prologue(self.g, be, "a prefill on the GPU lanes")}
-        self.frees = plan.frees
         self.lane = {s.node: s.lane for s in plan.steps if s.kind not in ("record", "wait")}
         self.streams_experts = any(s.kind == "fetch" for s in plan.steps)
         self.recorder, self.gate_layer = None, {}  # routing counted as the GPU's routers run (`set_recorder`)
@@ -141,30 +142,14 @@ class PrefillRunner:
         staged, landing = self._staging(bound)
         for stream in self.streams.values():
             stream.wait_stream(torch.cuda.current_stream())
-        timer = _Timer(self) if trace else None
-        values: dict[str, Any] = {}
-        events: dict[str, torch.cuda.Event] = {}
-        for i, step in enumerate(self.plan.steps):
-            stream = self.streams.get(step.lane)
-            if step.kind == "record":
-                if stream is not None:
-                    events[step.event] = torch.cuda.Event()
-                    events[step.event].record(stream)
-            elif step.kind == "wait":
-                if stream is not None and step.event in events:  # CPU-lane events: host nodes order them
-                    stream.wait_event(events[step.event])
-            else:
-                node = self.g.by_name(step.node)
-                if timer:
-                    timer.start(i, stream)
-                    host_ns = native.module().now_ns()
-                self._issue(step, node, stream, values, bound, ctx, rows, staged, landing)
-                if timer:
-                    timer.end(i, stream)
-                    if node.name in self.prologue:
-                        timer.host(i, host_ns, native.module().now_ns())
-            for name in self.frees[i]:
-                values.pop(name, None)
+        lanes = Lanes(self.streams)
+        timer = StepTimer(self, lanes, self.prologue) if trace else None
+
+        def issue(i, step, values):
+            self._issue(step, self.g.by_name(step.node), lanes.stream(step), values, bound, ctx, rows, staged, landing)
+
+        handlers = dict.fromkeys(("launch", "copy", "fetch", "submit", "sync"), issue)
+        values = run_steps(self.plan, {**handlers, "record": lanes.record, "wait": lanes.wait}, watcher=timer)
         out = values[self.g.outputs[0]]
         for lane in ("copy", "fetch"):
             self.gpu.wait_stream(self.streams[lane])

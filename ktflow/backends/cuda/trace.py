@@ -10,36 +10,44 @@ from ...plan.artifact import Step
 from ..native import binding as native
 
 
-class _Timer:
-    """CUDA events around each GPU/copy-lane step of one eager step, anchored to the native
-    queue's clock; CPU tasks timed by the queue (started/finished of each batch)."""
+class StepTimer:
+    """A watcher of the step loop (backends/steps.py): CUDA events around each GPU/copy-lane step
+    of one eager step, anchored to the native queue's clock; steps the host runs itself
+    (`host_nodes`: a prefill's prologue) timed on that clock; CPU tasks timed by the queue
+    (started/finished of each batch)."""
 
-    def __init__(self, runner: DecodeGraph):
-        self.runner = runner
+    def __init__(self, runner, lanes, host_nodes=frozenset()):
+        self.runner, self.lanes, self.host_nodes = runner, lanes, host_nodes
         self.events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
         self.host_us: dict[int, tuple[float, float]] = {}
+        self._host_ns = 0
         torch.cuda.synchronize()
         self.anchor = torch.cuda.Event(enable_timing=True)
         self.anchor.record(runner.gpu)
         self.anchor_ns = native.module().now_ns()
 
-    def start(self, i: int, stream) -> None:
+    def before(self, i: int, step: Step) -> None:
+        if step.kind in ("record", "wait"):
+            return
+        stream = self.lanes.stream(step)
         if stream is not None:
             e = torch.cuda.Event(enable_timing=True)
             e.record(stream)
             self.events[i] = (e, e)
+        self._host_ns = native.module().now_ns()
 
-    def end(self, i: int, stream) -> None:
+    def after(self, i: int, step: Step, values: dict) -> None:
+        if step.kind in ("record", "wait"):
+            return
+        stream = self.lanes.stream(step)
         if stream is not None:
             e = torch.cuda.Event(enable_timing=True)
             e.record(stream)
             self.events[i] = (self.events[i][0], e)
+        if step.node in self.host_nodes:  # it ran on the host itself
+            self.host_us[i] = ((self._host_ns - self.anchor_ns) / 1e3, (native.module().now_ns() - self.anchor_ns) / 1e3)
 
-    def host(self, i: int, start_ns: int, end_ns: int) -> None:
-        """Step i ran on the host itself (a prologue node), from start_ns to end_ns."""
-        self.host_us[i] = ((start_ns - self.anchor_ns) / 1e3, (end_ns - self.anchor_ns) / 1e3)
-
-    def steps(self, bound: Bound) -> list[Step]:
+    def steps(self, bound) -> list[Step]:
         """The plan's steps with measured start/end (us from the step's start)."""
         r = self.runner
 
