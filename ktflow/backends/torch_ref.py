@@ -23,6 +23,7 @@ from ..ir.ops import AttentionAttrs, GateAttrs, Op
 from ..ir.types import Device
 from ..frontend.quant import scale_key
 from ..frontend.weights import WeightSource, check_finite
+from .kv import cache_of
 from .kernels import fused_gpu
 from .base import StepContext, node_key
 from .kernels.dequant_gpu import available as triton_on
@@ -144,20 +145,8 @@ class TorchRefBackend:
         return rope_mod.cos_sin(attrs.rope, self._inv_freq[key], pos, self.dtype)
 
     def cache(self, ctx: StepContext, attrs: AttentionAttrs, dev: torch.device) -> tuple[torch.Tensor, ...]:
-        """This layer's static KV cache in the sequence state, allocated on first use: keys and
-        values (GQA), or the latent and the roped key with both as one [B, L, rank + rope] buffer
-        they are views of (MLA)."""
-        caches = ctx.state.kv
-        if attrs.layer not in caches:
-            b, m = ctx.batch, ctx.state.max_seq_len
-            kw = dict(device=dev, dtype=self.dtype)
-            if attrs.kind == "mla":
-                both = torch.zeros(b, m, attrs.kv_lora_rank + attrs.qk_rope_dim, **kw)
-                caches[attrs.layer] = (both[..., :attrs.kv_lora_rank], both[..., attrs.kv_lora_rank:], both)
-            else:
-                caches[attrs.layer] = (torch.zeros(b, attrs.kv_heads, m, attrs.head_dim, **kw),
-                                       torch.zeros(b, attrs.kv_heads, m, attrs.head_dim, **kw))
-        return caches[attrs.layer]
+        """This layer's KV cache: the sequence state's own (backends/kv.py)."""
+        return cache_of(ctx.state, attrs, ctx.batch, self.dtype, dev)
 
 
 def _fp8_weight(weights: WeightSource, ref, dev: torch.device, node: str) -> Fp8Weight:

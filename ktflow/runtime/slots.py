@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.kv import cache_of
 from ..backends.sampling import Sampler, SamplingParams
 from ..errors import ConfigError, InputError
 from ..ir.ops import Op
@@ -59,15 +60,10 @@ class SlotPool:
 
     def _make_caches(self) -> None:
         """Every attention layer's cache for all slots, where the decode plan runs that layer."""
-        from ..backends import StepContext
-        from ..backends.torch_ref import TorchRefBackend
-
         ex = self.compiled.executor(self.compiled.decode)
-        ctx = StepContext(batch=self.slots, seq=1, position=0, state=self.state,
-                          token_ids=torch.zeros(self.slots, dtype=torch.int64))
         for n in ex.graph.nodes:
-            if n.op == Op.ATTENTION:  # the pool's own caches, not a backend's shared ones
-                TorchRefBackend.cache(ex.backend, ctx, n.attrs, ex.backend.device_of(n))
+            if n.op == Op.ATTENTION:  # the pool's own caches, not a backend's static ones
+                cache_of(self.state, n.attrs, self.slots, ex.backend.dtype, ex.backend.device_of(n))
 
     def bucket(self, rows: int) -> int:
         """The smallest bucket of at least `rows` rows."""

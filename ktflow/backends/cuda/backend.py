@@ -16,7 +16,6 @@ why: docs/design-notes.md.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from ...ir.graph import Graph
 from ...ir.types import Device
 from ...plan.artifact import Plan
 from ..base import StepContext
+from ..kv import StaticCaches
 from ..native import binding as native
 from ..native.backend import NativeBackend
 from ..native.staging import pin
@@ -89,21 +89,13 @@ class CudaGraphBackend(StaticRules, NativeBackend):
         self.fetch_stream = torch.cuda.Stream()  # prefill's streamed expert weights: copies and conversion
         self._staging: torch.Tensor | None = None
         self._landing: torch.Tensor | None = None
-        self.kv: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (layer, batch) -> static caches
-        self.kv_owner: dict[int, Any] = {}  # batch -> weakref to the state using those caches
+        self.static_kv = StaticCaches(self.dtype)  # the captured graphs' caches, one set per batch size
         self.static_setup()
 
     def cache(self, ctx: StepContext, attrs, dev: torch.device) -> tuple[torch.Tensor, ...]:
         """The static caches of this batch size (the graph captured their addresses), lent to
         the sequence that prefilled last."""
-        state, b = ctx.state, ctx.batch
-        if attrs.layer not in state.kv:
-            key = (attrs.layer, b, str(dev), state.max_seq_len)
-            if key not in self.kv:
-                self.kv[key] = super().cache(ctx, attrs, dev)  # allocates into state.kv
-            state.kv[attrs.layer] = self.kv[key]
-            self.kv_owner[b] = weakref.ref(state)
-        return state.kv[attrs.layer]
+        return self.static_kv.lend(ctx.state, attrs, ctx.batch, dev)
 
     def prepare(self, graph: Graph, weights) -> None:
         super().prepare(graph, weights)

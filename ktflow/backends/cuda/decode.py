@@ -334,8 +334,7 @@ class DecodeGraph:
         return out.view(bound.batch, 1, -1).to("cpu")
 
     def _check_cache(self, state, b: int) -> None:
-        owner = self.be.kv_owner.get(b)
-        if owner is None or owner() is not state:
+        if self.be.static_kv.owner(b) is not state:
             raise InputError("this sequence's KV cache is no longer its own: the cuda_graph backend keeps one static "
                              f"cache per batch size ({b}), and a later prefill of that batch size took it over; "
                              "decode a sequence before starting the next one of the same batch size")
