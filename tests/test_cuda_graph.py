@@ -124,6 +124,10 @@ def test_the_embedding_pinned_either_way_computes_the_same(where, tiny_dirs):
     assert next(n for n in g.nodes if n.op == Op.EMBED).place.device.value == where
     crossing = {"tokens.to_gpu", "embed.to_gpu"} & {n.name for n in g.nodes}
     assert crossing == {"tokens.to_gpu" if where == "gpu" else "embed.to_gpu"}
+    # lowering marks the embedding's task as one the host computes before the step, no other
+    on_host = {n.attrs.task for n in g.nodes if n.op == Op.SUBMIT and n.attrs.on_host}
+    assert on_host == ({"embed"} if where == "cpu" else set())
+    assert any(n.op == Op.SUBMIT and n.attrs.task != "embed" for n in g.nodes)
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(6))
     for x, y in zip(run_steps(pinned, ids, 3), run_steps(plain, ids, 3), strict=True):
         assert torch.equal(x, y)

@@ -100,6 +100,17 @@ def test_lowering_records_each_layers_host_experts_and_l3_fires_without_them():
     assert "L3" in {r for r, _, _ in violations(g2, "lowered")}
 
 
+def test_a_task_marked_on_host_reads_only_token_ids_or_l4_fires():
+    """The CPU experts' task reads the GPU's activations: lowering leaves it off the host, and
+    marking it so breaks rule L4."""
+    g = lowered()
+    sub = g.by_name("L1.experts.submit")
+    assert not sub.attrs.on_host and "L4" not in {r for r, _, _ in violations(g, "lowered")}
+    marked = dataclasses.replace(sub, attrs=dataclasses.replace(sub.attrs, on_host=True))
+    g2 = g.replace_nodes(marked if n.name == sub.name else n for n in g.nodes)
+    assert "L4" in {r for r, _, _ in violations(g2, "lowered")}
+
+
 def test_schedule_overlaps_cpu_experts_with_the_shared_expert(demo_dir):
     model = ktflow.load(demo_dir)
     c = ktflow.compile(model, hw="paper-a100", vram_budget_gb=0.004)  # dense on the GPU, experts on the CPU

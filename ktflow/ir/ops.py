@@ -262,10 +262,13 @@ class SubmitAttrs:
     """Enqueue CPU task `task` (its root node) from the GPU stream (returns at once). `members`:
     the task's CPU nodes in graph order, the root last (e.g. NUMA shards and their reduce).
     Inputs: what the members read from outside the task, already on the CPU. Output: a token
-    the matching sync waits on."""
+    the matching sync waits on. `on_host`: the task reads the token ids alone (an embedding
+    lowered as a task): a runner on the GPU lanes has the host compute it before the step, and
+    the submit and sync only order it."""
 
     task: str
     members: tuple[str, ...] = ()
+    on_host: bool = False
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,13 @@ def lower(g: Graph, ctx: CompileContext) -> Graph:
     GPU stream: wait for the task); GPU readers take the sync's value through a copy. GPU work
     that does not depend on the task (the shared expert) sits between the two in graph order, so
     it runs while the CPU computes. A task that reads another task's result is submitted after
-    that task's sync. Plans with one device get no copies or tasks.
+    that task's sync. A task that reads the token ids alone is marked `on_host` on its submit.
+    Plans with one device get no copies or tasks.
     First, per MoE layer, the experts held in host memory (`host_experts`) go into the `host`
     attr of the layer's CPU parts, streamed parts and fetches: the native backend packs those.
     Requires: placed, costed graph. Guarantees: values cross devices only through copy nodes
-    (rule L1), submit/sync pairs wrap exactly one CPU node each (rule L2), every CPU or streamed
+    (rule L1), submit/sync pairs wrap exactly one CPU task each (rule L2), a task on the host
+    reads only token ids (rule L4), every CPU or streamed
     routed-experts node and every fetch names its layer's host experts (rule L3), new nodes are
     costed.
     """
@@ -85,7 +87,8 @@ def lower(g: Graph, ctx: CompileContext) -> Graph:
                     settle(i)
                     waited.add(i)  # the task's nodes read it through the sync
             sub = emit(Node(f"{root}.submit", Op.SUBMIT, tuple(on(i, Device.CPU) for i in ext),
-                            SubmitAttrs(root, tuple(members[root])),
+                            SubmitAttrs(root, tuple(members[root]),
+                                        on_host=all(g.by_name(i).op == Op.INPUT for i in ext)),
                             FACTS[Op.SUBMIT].shape(None, [], g.act_dtype),
                             place=Placement(Device.CPU, cause="enqueue CPU work from the GPU stream", stream="gpu")))
             pending[root] = sub

@@ -137,30 +137,22 @@ def keep_off_workers(pool) -> None:
 
 
 def host_prologue(g: Graph, be, where: str) -> list[Node]:
-    """The CPU nodes a plan on the GPU lanes may hold besides the token ids and the routed
-    experts the native backend runs (tasks, with their NUMA reduce): nodes computed from the
-    token ids alone (an embedding over the budget, lowered as a task), which the host runs
-    itself. Any other CPU node is an error naming `where` it cannot run."""
-    prologue: list[Node] = []
-    host_only = set()
+    """The members of the plan's tasks marked `on_host` (lowering's: computed from the token ids
+    alone), in graph order: the host runs them itself before the step. Any other CPU node but
+    the token ids and the routed experts the native backend runs (with their NUMA reduce) is an
+    error naming `where` it cannot run."""
+    on_host = {m for n in g.nodes if n.op == Op.SUBMIT and n.attrs.on_host for m in n.attrs.members}
     for n in g.nodes:
-        if n.place.device != Device.CPU or n.op in (Op.SUBMIT, Op.SYNC, Op.COPY):
-            continue
-        if n.op == Op.INPUT:
-            host_only.add(n.name)
+        if n.place.device != Device.CPU or n.name in on_host or n.op in (Op.INPUT, Op.SUBMIT, Op.SYNC, Op.COPY):
             continue
         if n.op == Op.ROUTED_EXPERTS and node_key(n) in be.ops:
             continue
         if n.op == Op.REDUCE and all(node_key(g.by_name(i)) in be.ops for i in n.inputs):
             continue
-        if all(i in host_only for i in n.inputs):
-            host_only.add(n.name)
-            prologue.append(n)
-            continue
         raise ConfigError(f"node {n.name} ({n.op.value}) is placed on the CPU, but {where} only routed experts "
-                          "(with their NUMA reduce) and nodes computed from the token ids alone run there; use "
-                          "backend='native' for this plan")
-    return prologue
+                          "(with their NUMA reduce) and tasks on the host (from the token ids alone) run there; "
+                          "use backend='native' for this plan")
+    return [n for n in g.nodes if n.name in on_host]
 
 
 def exchange_views(g: Graph, buffers, arena: torch.Tensor, tokens: int) -> dict[str, Any]:
