@@ -122,6 +122,30 @@ def test_one_staging_slot_still_streams_without_prefetch(demo_dir):
     assert fetches[1].inputs == ("L1.experts",) and fetches[2].inputs == ("L2.experts",)
 
 
+@pytest.mark.parametrize("numa", ["tp", "ep"])
+def test_each_fetch_names_the_host_packs_the_decode_plan_computes_on(numa, demo_dir, tmp_path):
+    """On two NUMA nodes, the decode plan splits each layer's CPU experts into shards; a streamed
+    layer's fetch copies from those packs (tp: one per row slice, tiling the rows; ep: the first
+    whole-expert shard), recorded on the fetch and kept through the plan file."""
+    from ktflow.plan.artifact import PlanFile
+
+    model = ktflow.load(demo_dir)
+    c = hybrid(model, max_seq_len=8192, prefill_buckets=[8192], prefill_experts="stream", numa=numa)
+    fetches = [n for n in c.prefill[-1].ir.nodes if n.op == Op.FETCH]
+    assert fetches
+    for f in fetches:
+        parts = [n for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "cpu"
+                 and n.attrs.layer == f.attrs.layer]
+        shards = sorted((*n.attrs.rows, n.place.numa) for n in parts)
+        assert len(shards) == 2
+        want = tuple(shards) if numa == "tp" else (shards[0],)
+        assert f.attrs.packs == want and f.attrs.packs[0][:2] == (0, shards[0][1])
+    path = tmp_path / "plan.json"
+    c.plans.save(path)
+    again = [n for n in PlanFile.load(path).prefill[-1].ir.nodes if n.op == Op.FETCH]
+    assert [f.attrs.packs for f in again] == [f.attrs.packs for f in fetches]
+
+
 def test_decode_plans_are_unchanged_by_the_prefill_pass(demo_dir):
     model = ktflow.load(demo_dir)
     a = hybrid(model, prefill_experts="cpu")

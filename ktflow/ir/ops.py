@@ -279,6 +279,19 @@ class SyncAttrs:
     task: str
 
 
+def host_packs(parts, inter: int) -> tuple[tuple[int, int, int | None], ...]:
+    """The packs a copy of a layer's host experts reads, from that layer's CPU routed-experts
+    nodes `parts` (placed, all holding the same host experts): their (rows, NUMA node) in row
+    order where they tile 0..inter (tp shards, or one unsplit part; of whole-expert shards, which
+    each span every row, the first), else one pack over every row (0, inter, None)."""
+    edge, out = 0, []
+    for lo, hi, numa in sorted({(*n.attrs.rows, n.place.numa) for n in parts}, key=lambda p: (p[0], p[1], p[2] or 0)):
+        if lo == edge and hi > lo:
+            out.append((lo, hi, numa))
+            edge = hi
+    return tuple(out) if edge == inter and out else ((0, inter, None),)
+
+
 #: bytes per weight of a packed expert format over the PCIe link: data, plus the fp32 scales of its
 #: quantization groups (int8: one per output channel of K = hidden; int4, fp8: one per 128 weights)
 def packed_weight_bytes(fmt: str, k: int) -> float:
@@ -299,7 +312,10 @@ class FetchAttrs:
     [inter, hidden], down [hidden, inter] per expert, in the activation dtype). The output is the
     converted weights, read by one GPU routed-experts node as its third input. The optional input
     is the routed-experts node that used the same slot before: the copy waits until it is done.
-    `host` (set by `lower`): the layer's experts packed in host memory, which it copies from."""
+    `host` (set by `lower`): the layer's experts packed in host memory, which it copies from.
+    `packs` (set by the compile driver): the host packs holding them, (first row, end row, NUMA
+    node or None) each, tiling the rows: the decode plan's CPU parts of the layer where they hold
+    the same experts (one pack per NUMA shard), else one pack over every row."""
 
     layer: int
     hidden: int
@@ -309,6 +325,7 @@ class FetchAttrs:
     fmt: str = "bf16"
     slot: int = 0
     host: tuple[int, ...] = ()
+    packs: tuple[tuple[int, int, int | None], ...] = ()
 
     @property
     def ids(self) -> tuple[int, ...]:

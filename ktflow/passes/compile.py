@@ -19,7 +19,7 @@ from ..costmodel.roofline import held_weight_bytes
 from ..costmodel.routing import RoutingProfile
 from ..errors import ConfigError
 from ..ir.graph import Graph
-from ..ir.ops import Op
+from ..ir.ops import Op, host_packs
 from ..ir.types import DTYPE_BY_NAME, Device
 from ..plan.artifact import MemoryEstimate, ModelInfo, Plan, PlanFile
 from ..plan.options import CompileContext, CompileOptions, VramShare
@@ -80,6 +80,7 @@ def compile_plans(model: Any, hw: HwProfile, opts: CompileOptions, device: str, 
         vram = vram.model_copy(update=dict(decode_us=decode.predicted_step_us, decode_us_without=without))
     info = ModelInfo(model_type=cfg.model_type, fingerprint=model.fingerprint, path=str(model.path.resolve()),
                      layers=cfg.num_hidden_layers)
+    prefill = _fetch_packs(decode, prefill)
     pf = PlanFile(model=info, hw=hw, options=opts, prefill=prefill, decode=_with_staging(decode, prefill),
                   pipeline=[pass_id(fn) for fn, _ in pipeline], vram=vram)
     if not opts.allow_oversize:
@@ -219,6 +220,31 @@ def _prefill_plans(spec: Graph, ctx_for, opts: CompileOptions, max_seq: int, sha
         else:
             plans.append(plan)
     return _shared_staging(plans)
+
+
+def _fetch_packs(decode: Plan, prefill: list[Plan]) -> list[Plan]:
+    """The prefill plans with each fetch's host packs recorded (FetchAttrs.packs, `host_packs`):
+    the decode plan's CPU parts of its layer where they hold the same experts, so a streamed
+    layer copies from the packs decode computes on and the backend packs each once, whatever
+    order it prepares the plans in."""
+    parts: dict[tuple, list] = {}
+    for n in decode.ir.nodes:
+        if n.op == Op.ROUTED_EXPERTS and n.place.device == Device.CPU:
+            parts.setdefault((n.attrs.layer, n.attrs.host), []).append(n)
+    out = []
+    for plan in prefill:
+        g = plan.ir
+
+        def linked(n):
+            if n.op != Op.FETCH:
+                return n
+            packs = host_packs(parts.get((n.attrs.layer, n.attrs.host), ()), n.attrs.inter)
+            return replace(n, attrs=replace(n.attrs, packs=packs))
+
+        if any(n.op == Op.FETCH for n in g.nodes):
+            plan = plan.with_graph(g.replace_nodes(linked(n) for n in g.nodes))
+        out.append(plan)
+    return out
 
 
 def _shared_staging(plans: list[Plan]) -> list[Plan]:

@@ -178,6 +178,14 @@ class Plan(BaseModel):
         plan.__dict__["ir"] = g
         return plan
 
+    def with_graph(self, g: Graph) -> "Plan":
+        """This plan over graph `g` (the same nodes with other attrs: its steps still hold)."""
+        plan = self.model_copy(update=dict(graph=g.to_dict()))
+        for cached in ("ir", "buffers", "frees"):
+            plan.__dict__.pop(cached, None)
+        plan.__dict__["ir"] = g
+        return plan
+
     @cached_property
     def buffers(self) -> dict[str, Buffer]:
         """Where each value of the step lives (the buffer pass's `Node.buffer`), in graph order."""

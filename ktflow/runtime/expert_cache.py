@@ -107,8 +107,8 @@ class ExpertCache:
         # where refills copy from: each cached layer's CPU side (every expert, packed)
         self.stagers = {}
         for layer, c in self.layers.items():
-            cpu = next(n for n in compiled.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.layer == layer
-                       and n.place.device != Device.GPU)
+            cpu = [n for n in compiled.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.layer == layer
+                   and n.place.device != Device.GPU]
             self.stagers[layer] = be.cpu_expert_stager(cpu, compiled.model.weights, c.stacks[0][1]["gate"].device)
             if self._cuda and not self.stagers[layer].page_lock():
                 from ..util import notices

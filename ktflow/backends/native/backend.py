@@ -25,7 +25,7 @@ import torch
 from . import binding as native
 from ...errors import WeightError
 from ...ir.graph import Graph, Node
-from ...ir.ops import Op
+from ...ir.ops import Op, host_packs
 from ...ir.types import Device
 from ...frontend.weights import WeightSource
 from ..kernels import moe_gpu
@@ -96,8 +96,9 @@ class NativeBackend(TorchRefBackend):
 
             for n in bar(todo, "packing experts", "node", show=len(todo) > 1):
                 ids = n.attrs.host  # the layer's experts in host memory: set by the plan's lowering
-                if n.op == Op.FETCH:
-                    self.stagers[node_key(n)] = self._stager(n, ids, weights, checkpoint)
+                if n.op == Op.FETCH:  # the packs the plan names (one over every row in a plan made without them)
+                    packs = n.attrs.packs or ((0, n.attrs.inter, None),)
+                    self.stagers[node_key(n)] = self._stager(n, ids, packs, weights, checkpoint)
                 else:
                     self.ops[node_key(n)] = self._operator(n, ids, n.attrs.rows, n.place.numa, weights, checkpoint)
                     if n.attrs.ids != ids:
@@ -121,29 +122,22 @@ class NativeBackend(TorchRefBackend):
         it take effect at the next task; `native.sync()` first while tasks may run)."""
         return self.masks.get(node_key(node))
 
-    def cpu_expert_stager(self, n: Node, weights: WeightSource, device) -> ExpertStager:
-        """A stager over the packed CPU copy of every expert of routed-experts node `n`'s layer (a
-        cached layer's CPU side holds them all), landing on `device`: the expert cache refills its
-        GPU slots from it, a copy over PCIe and an unpack on the GPU, no CPU work."""
-        ids = tuple(range(n.attrs.experts))
-        return self._stager(n, ids, weights, _checkpoint_digest(weights), device)
+    def cpu_expert_stager(self, parts: list[Node], weights: WeightSource, device) -> ExpertStager:
+        """A stager over the packed CPU copy of every expert of a cached layer, from the plan's CPU
+        parts of that layer (`parts`: a cached layer's CPU side holds them all), landing on
+        `device`: the expert cache refills its GPU slots from it, a copy over PCIe and an unpack on
+        the GPU, no CPU work."""
+        n = parts[0]
+        packs = host_packs(parts, n.attrs.inter)
+        return self._stager(n, tuple(range(n.attrs.experts)), packs, weights, _checkpoint_digest(weights), device)
 
-    def _stager(self, n: Node, ids: tuple[int, ...], weights: WeightSource, checkpoint: str,
+    def _stager(self, n: Node, ids: tuple[int, ...], packs, weights: WeightSource, checkpoint: str,
                 device=None) -> ExpertStager:
-        """Where a fetch's experts are packed: the operators over the layer's CPU-side experts
-        (NUMA shards whose rows tile the layer, or one over all rows, packed here if missing),
-        landing on `device` (default: the node's)."""
+        """Where a fetch's experts are copied from: the packs `packs` ((first row, end row, NUMA
+        node) tiling the rows) of experts `ids`, each shared with the CPU part that computes on it
+        or packed here, landing on `device` (default: the node's)."""
         a = n.attrs
-        keys = tuple(r.key for r in n.weights)
-        shards = sorted(((k[2], op) for k, op in self._packed.items() if k[0] == keys and k[1] == ids),
-                        key=lambda kv: kv[0])
-        edge, chosen = 0, []
-        for (lo, hi), op in shards:
-            if lo == edge:
-                chosen.append((lo, op))
-                edge = hi
-        if edge != a.inter:
-            chosen = [(0, self._operator(n, ids, (0, a.inter), None, weights, checkpoint))]
+        chosen = [(lo, self._operator(n, ids, (lo, hi), numa, weights, checkpoint)) for lo, hi, numa in packs]
         pieces = pieces_of([op for _, op in chosen], [lo for lo, _ in chosen])
         return ExpertStager(pieces, self.expert_format, a.hidden, a.inter, device or self.device_of(n), self.dtype)
 
