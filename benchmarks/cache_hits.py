@@ -4,7 +4,7 @@ the decode-time expert cache (`ktflow.runtime.expert_cache`) can pay, before any
 
 Each held-out sequence stands for one conversation: its first `--prompt` tokens are the prompt,
 the rest are decoded tokens. The routers' picks of every token are recorded (exact plans on the
-CPU, `ktflow.runtime.routing`). Per MoE layer, S = share x experts GPU slots, and the share of the
+CPU, `ktflow.runtime.routing`). Per MoE layer, S = share x experts GPU rows, and the share of the
 decoded tokens' picks that land in them, for:
 
 - `uniform`: the first S experts of each layer (what placement does without a profile);
@@ -91,7 +91,7 @@ def reads_of(decoded: torch.Tensor, experts: int) -> torch.Tensor:
 
 
 def served(reads: torch.Tensor, slots: set[int]) -> int:
-    """Of the steps' expert reads, how many the GPU slots hold."""
+    """Of the steps' expert reads, how many the GPU rows hold."""
     return int(reads[:, sorted(slots)].sum())
 
 

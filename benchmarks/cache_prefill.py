@@ -2,7 +2,7 @@
 
 A split layer's CPU experts are streamed to the GPU for a long prompt where the prefill pass prices
 that faster (`passes/prefill.py`). A layer whose GPU experts are a cache can be streamed only whole
-(every expert, standing in for the cache part in that step) or kept as placed (the cache's slots on
+(every expert, standing in for the cache part in that step) or kept as placed (the cache's rows on
 the GPU, the rest on the CPU). This benchmark times one prompt of each length in `--tokens` through
 four plans compiled at one VRAM budget (the one putting `--share` of the routed experts on the GPU,
 as cache_speed.py finds it):
@@ -116,9 +116,9 @@ def main() -> int:
                 share=a.share, budget_gb=round(budget, 4), rounds=a.rounds, routing_profile=a.routing_profile)
     static_gpu = gpu_experts(plans["static"].decode)  # per layer: the static plan's GPU experts
     cached = {n.attrs.layer: n for n in plans["cache"].decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.cached}
-    print(f"share {a.share:.2f} (budget {budget:.3f} GB); the cache plan's cached layers (slots/refill interval): "
+    print(f"share {a.share:.2f} (budget {budget:.3f} GB); the cache plan's cached layers (rows/refill interval): "
           + (", ".join(f"L{layer} {len(n.attrs.ids)}/{n.attrs.refill_every}" for layer, n in sorted(cached.items()))
-             or "none (the pass priced static slots)"))
+             or "none (the pass priced static rows)"))
     print(f"{'tokens':>7} " + " ".join(f"{name:>11}" for name in PLANS)
           + "   cache / static   (prefill tok/s; the cache's refill from the prompt landing after it, ms)")
     for n in lengths:
@@ -128,7 +128,7 @@ def main() -> int:
         refill_ms = {name: round(1e3 * timed[name][1], 2) for name in PLANS if name.startswith("cache")}
         # the cache plan's prefill plan for this length: its cached layers streamed whole (or kept)
         whole = sorted({m.attrs.layer for m in plans["cache"].prefill_plan(n).ir.nodes
-                        if m.op == Op.ROUTED_EXPERTS and m.attrs.cache_slots})
+                        if m.op == Op.ROUTED_EXPERTS and m.attrs.cache_size})
         tok_s = {name: n / s for name, s in secs.items()}
         print(f"{n:>7} " + " ".join(f"{tok_s[name]:>11.1f}" for name in PLANS)
               + f"   {tok_s['cache'] / tok_s['static']:.3f}x   (refill "

@@ -10,7 +10,7 @@ a profile puts that share on the GPU, as placement_hits.py finds it) and four pl
   `--prompt`-token prompt and `--decode` decode steps (`--profile-decode`; read as `--text`
   says), so the profile holds the cache's curves;
 - `cache`: compiled with `expert_cache=True` and the same profile: the placement pass prices a
-  cache per layer from the curves (how many slots each layer gets, cache or static, the refill
+  cache per layer from the curves (how many GPU rows each layer gets, cache or static, the refill
   interval; with `--profile-decode 0` the profile has no curves and every split layer is a
   cache, unpriced), and the run follows the routing (`ExpertCache.follow`: refills after each
   prompt and at the plan's intervals, or every `--every` tokens; the copies behind the decode

@@ -505,3 +505,22 @@ def test_a_tie_excuses_a_token_a_broken_one_is_not_excused():
     err[:4] = 0.05  # 5 of 36 tokens off
     with pytest.raises(AssertionError, match="5 of 36 tokens above their bound"):
         assert_within_bounds_but_for_ties(err, TOL)
+
+
+def test_the_runners_bindings_take_what_their_bind_gives_them():
+    """Runs without a GPU: the decode and prefill bindings are built from the keywords their
+    `_bind` passes (a binding that lost its dataclass, or a keyword its class lacks, would fail
+    only on a GPU, at the first step)."""
+    import ast
+    import inspect
+    import textwrap
+
+    from ktflow.backends.cuda.decode import Bound, DecodeGraph
+    from ktflow.backends.cuda.prefill import PrefillBound, PrefillRunner
+
+    for cls, runner in ((Bound, DecodeGraph), (PrefillBound, PrefillRunner)):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(runner._bind)))
+        calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and getattr(c.func, "id", None) == cls.__name__]
+        assert len(calls) == 1, cls.__name__
+        made = cls(**{k.arg: None for k in calls[0].keywords})
+        assert all(getattr(made, k.arg) is None for k in calls[0].keywords)

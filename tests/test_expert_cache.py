@@ -305,7 +305,7 @@ def test_a_cached_layers_prefill_streams_the_layer_whole_or_keeps_it(demo_dir):
         assert [len(f.attrs.ids) for f in fetch] == [fetch[0].attrs.experts]  # every expert of the layer
         (whole,) = experts  # the cache part and the CPU part replaced by one streamed node
         assert whole.place.device.value == "gpu" and whole.attrs.ids == tuple(range(whole.attrs.experts))
-        assert whole.attrs.cache_slots == slots and not whole.attrs.cached
+        assert whole.attrs.cache_size == slots and not whole.attrs.cached
         assert "a cache of" in whole.place.cause
     # the slots still resident: the plan's VRAM is the kept plan's and the staging (the weights the same)
     for p, kept in zip(c.prefill, ktflow.compile(model, expert_cache=True, prefill_experts="cpu", **kw).prefill):
@@ -331,7 +331,7 @@ def test_the_pass_streams_a_cached_layer_whole_for_a_long_prompt_only(demo_dir):
     layer = cached_node(ktflow.compile(model, expert_cache=True, **kw)).attrs.layer
 
     def whole(p):
-        return [n for n in p.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.layer == layer and n.attrs.cache_slots]
+        return [n for n in p.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.layer == layer and n.attrs.cache_size]
 
     short, long = (ktflow.compile(model, expert_cache=True, **dict(kw, max_seq_len=m)).prefill_plan(m) for m in (64, 1024))
     assert (short.step_tokens, long.step_tokens) == (64, 1024)
@@ -360,8 +360,8 @@ def test_a_prefill_fetch_copies_from_the_decode_plans_packed_experts(demo_dir, f
 
 
 def test_a_plan_streaming_a_cached_layer_whole_saves_loads_and_is_checked(demo_dir, tmp_path):
-    """The plan file round-trips (its cache_slots node is one the placement passes make, not an
-    edit); a cache_slots on a node that does not stream every expert is refused by rule S1."""
+    """The plan file round-trips (its cache_size node is one the placement passes make, not an
+    edit); a cache_size on a node that does not stream every expert is refused by rule S1."""
     from dataclasses import replace
 
     from ktflow.runtime.compiled import Compiled
@@ -373,12 +373,12 @@ def test_a_plan_streaming_a_cached_layer_whole_saves_loads_and_is_checked(demo_d
     c.save(tmp_path / "plan.json")
     back = Compiled.load(tmp_path / "plan.json", model)
     g = back.prefill[0].ir
-    n = next(m for m in g.nodes if m.op == Op.ROUTED_EXPERTS and m.attrs.cache_slots)
+    n = next(m for m in g.nodes if m.op == Op.ROUTED_EXPERTS and m.attrs.cache_size)
     assert n.attrs == next(m for m in c.prefill[0].ir.nodes if m.name == n.name).attrs
     verify(g, "placed")
-    bad = g.replace_nodes([replace(m, attrs=replace(m.attrs, cache_slots=m.attrs.experts)) if m.name == n.name else m
+    bad = g.replace_nodes([replace(m, attrs=replace(m.attrs, cache_size=m.attrs.experts)) if m.name == n.name else m
                            for m in g.nodes])  # as many slots as experts: no cache
-    with pytest.raises(VerifyError, match="cache_slots"):
+    with pytest.raises(VerifyError, match="cache_size"):
         verify(bad, "placed")
 
 
@@ -394,7 +394,7 @@ def test_a_prefill_streaming_a_cached_layer_whole_keeps_the_logits_and_the_cache
     ref = decode_logits(ktflow.compile(model, **kw))
     c = ktflow.compile(model, expert_cache=True, **kw)
     n = cached_node(c)
-    assert all(m.attrs.cache_slots for p in c.prefill for m in p.ir.nodes
+    assert all(m.attrs.cache_size for p in c.prefill for m in p.ir.nodes
                if m.op == Op.ROUTED_EXPERTS and m.attrs.layer == n.attrs.layer)
     cache = ExpertCache(c)
     cache.follow(every=2)

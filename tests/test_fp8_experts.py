@@ -146,7 +146,7 @@ def test_verifier_p2_refuses_experts_held_in_fp8_where_no_rule_reads_them(qwen3_
 
 def test_auto_dequantizes_the_experts_where_every_one_fits(qwen3_30b_fp8):
     """auto with room for every expert in bf16 holds none in FP8 (and says why); expert_cache
-    keeps them in bf16 under 'keep' too (the cache refills its slots in the activation dtype)."""
+    keeps them in bf16 under 'keep' too (the cache refills its rows in the activation dtype)."""
     roomy = ktflow.compile(qwen3_30b_fp8, hw="h100", device="cpu", max_seq_len=4096)  # 80 GB
     gpu = [n for n in roomy.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "gpu"]
     assert _gpu_experts(roomy.decode) == 48 * 128 and not _held_experts(roomy.decode)
@@ -367,14 +367,14 @@ def test_the_fused_pick_kernel_equals_the_picks_dequantized_then_multiplied(hidd
     dev = torch.device("cuda")
     fp8 = {r: Fp8Weight(w.data.to(dev), w.scale_inv.to(dev)) for r, w in _stacks(6, hidden, inter, seed=5).items()}
     g = torch.Generator().manual_seed(6)
-    slot = torch.tensor([0, 5, 2, 2, 4, 1, 3, 0, 5], device=dev)  # 3 tokens x 3 picks, repeats
+    stack_rows = torch.tensor([0, 5, 2, 2, 4, 1, 3, 0, 5], device=dev)  # 3 tokens x 3 picks, repeats
     for role, xdiv in (("gate", 3), ("up", 3), ("down", 1)):
         w = fp8[role]
         k = w.data.shape[2]
-        x = torch.randn(len(slot) // xdiv, k, generator=g).to(dev, dtype)
+        x = torch.randn(len(stack_rows) // xdiv, k, generator=g).to(dev, dtype)
         assert picks_fused(x)
-        got = picked_linear(x, w, slot, xdiv)
-        mats = dequantize_experts(w, dtype, slot).double()
+        got = picked_linear(x, w, stack_rows, xdiv)
+        mats = dequantize_experts(w, dtype, stack_rows).double()
         want = torch.bmm(mats, x.double().repeat_interleave(xdiv, dim=0)[:, :, None])[:, :, 0]
         assert got.shape == want.shape and got.dtype == dtype
         err = (got.double() - want).abs()

@@ -75,7 +75,7 @@ def test_short_prompts_stay_on_the_cpu_long_ones_stream(demo_dir):
     assert all(n.place.device.value == "gpu" and not n.weights for n in streamed(long))
     fetches = [n for n in long.ir.nodes if n.op == Op.FETCH]
     assert [f.attrs.layer for f in fetches] == [1, 2, 3] and all(f.place.stream == "fetch" for f in fetches)
-    assert [f.attrs.slot for f in fetches] == [0, 1, 0] and fetches[2].inputs == ("L1.experts",)
+    assert [f.attrs.staging_buffer for f in fetches] == [0, 1, 0] and fetches[2].inputs == ("L1.experts",)
     steps = {s.node: s for s in long.steps if s.kind != "record" and s.kind != "wait"}
     assert steps["L2.experts.fetch"].kind == "fetch" and steps["L2.experts.fetch"].lane == "fetch"
     # the copy of layer 2's experts runs while layer 1 computes (two slots), layer 3's waits for slot 0
@@ -116,9 +116,9 @@ def test_forced_modes_and_no_room(demo_dir):
 
 
 def test_one_staging_slot_still_streams_without_prefetch(demo_dir):
-    c = hybrid(ktflow.load(demo_dir), prefill_experts="stream", staging_slots=1, prefill_buckets=[64])
+    c = hybrid(ktflow.load(demo_dir), prefill_experts="stream", staging_buffers=1, prefill_buckets=[64])
     fetches = [n for n in c.prefill[0].ir.nodes if n.op == Op.FETCH]
-    assert [f.attrs.slot for f in fetches] == [0, 0, 0]
+    assert [f.attrs.staging_buffer for f in fetches] == [0, 0, 0]
     assert fetches[1].inputs == ("L1.experts",) and fetches[2].inputs == ("L2.experts",)
 
 
@@ -415,7 +415,7 @@ def test_prefill_on_the_gpu_lanes_matches_torch_ref(case, tiny_dirs):
 
 @gpu
 def test_prefill_runner_overlaps_the_next_layers_fetch(tiny_dirs):
-    """Traced: layer 2's fetch starts before layer 1's streamed experts end (two staging slots)."""
+    """Traced: layer 2's fetch starts before layer 1's streamed experts end (two staging buffers)."""
     d, _ = tiny_dirs("qwen3_moe")
     model = ktflow.load(d)
     c = hybrid(model, hw=_gpu_machine(), device="cuda", dtype="bfloat16", max_seq_len=64, prefill_experts="stream",

@@ -182,7 +182,7 @@ def test_a_layer_streams_in_groups_through_small_slots(demo_dir):
     for f in fetches:
         by_layer.setdefault(f.attrs.layer, []).append(f)
     assert any(len(v) > 1 for v in by_layer.values())
-    assert [f.attrs.slot for f in fetches] == [i % 2 for i in range(len(fetches))]
+    assert [f.attrs.staging_buffer for f in fetches] == [i % 2 for i in range(len(fetches))]
     running = [n for n in plan.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.running]
     assert running and all(n.out.dtype.value == "f32" for n in running)  # the groups' float32 running sums
     # read by the next group alone (and by the fetch that reuses its slot, which waits for it)

@@ -255,7 +255,7 @@ def _mlp(be, node, w, ins, ctx, dev):
 def _routed_experts(be, node, w, ins, ctx, dev):
     x, (ids, wts) = ins[:2]
     a = node.attrs
-    lo, hi = a.rank_range  # the gate sorts each token's picks by weight: slot = rank
+    lo, hi = a.rank_range  # the gate sorts each token's picks by weight: column = rank
     ids, wts = ids[:, lo:hi], wts[:, lo:hi]
     # a streamed group after the first adds to its layer's running sum (float32)
     out = ins[3].float().clone() if len(ins) == 4 else torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -266,9 +266,9 @@ def _routed_experts(be, node, w, ins, ctx, dev):
     for e in ids.unique().tolist():
         if e not in held:
             continue  # another node (placed elsewhere) computes this expert
-        rows, slot = torch.where(ids == e)
+        rows, rank = torch.where(ids == e)
         y = swiglu(x[rows], w["gate"][e], w["up"][e], w["down"][e])
-        out.index_add_(0, rows, y.float() * wts[rows, slot, None])
+        out.index_add_(0, rows, y.float() * wts[rows, rank, None])
     return out if a.running else out.to(x.dtype)
 
 

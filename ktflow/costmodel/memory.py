@@ -191,19 +191,19 @@ def gpu_activation_peak(g: Graph, tokens: int, context: int = 0, streamed: bool 
 
 
 def staging_bytes(g: Graph) -> float:
-    """Staging of a plan's streamed experts: its slots (each as large as the largest fetch that
+    """Staging of a plan's streamed experts: its buffers (each as large as the largest fetch that
     fills it; where the buffer pass has run, the staging arena it laid out, which the runtime
     allocates, if larger) and one landing buffer for the largest fetch's packed bytes."""
-    slots: dict[int, float] = {}
+    buffers: dict[int, float] = {}
     landing = arena = 0.0
     for n in g.nodes:
         if n.op == Op.FETCH:
             size = n.out.numel(0) * n.out.dtype.itemsize
-            slots[n.attrs.slot] = max(slots.get(n.attrs.slot, 0.0), size)
+            buffers[n.attrs.staging_buffer] = max(buffers.get(n.attrs.staging_buffer, 0.0), size)
             landing = max(landing, n.attrs.link_bytes)
             if n.buffer is not None and n.buffer.arena == "staging":
                 arena = max(arena, n.buffer.offset + n.buffer.bytes)
-    return max(sum(slots.values()), arena) + landing
+    return max(sum(buffers.values()), arena) + landing
 
 
 def streamed_step_bytes(g: Graph, tokens: int, past: int) -> float:
@@ -219,25 +219,25 @@ def hidden_row_bytes(g: Graph) -> int:
     return max((n.out.numel(1) * n.out.dtype.itemsize for n in g.nodes if n.op == Op.EMBED), default=0)
 
 
-def staging_for(experts: int, slots: int, hidden: int, inter: int, act_itemsize: int,
+def staging_for(experts: int, buffers: int, hidden: int, inter: int, act_itemsize: int,
                 packed_per_weight: float) -> float:
-    """GPU bytes of `slots` staging slots of `experts` converted experts each, and the landing
-    buffer for one slot's packed bytes (`packed_per_weight` bytes a weight as the CPU holds it)."""
+    """GPU bytes of `buffers` staging buffers of `experts` converted experts each, and the landing
+    buffer for one buffer's packed bytes (`packed_per_weight` bytes a weight as the CPU holds it)."""
     weights = experts * 3 * hidden * inter
-    return slots * weights * act_itemsize + weights * packed_per_weight
+    return buffers * weights * act_itemsize + weights * packed_per_weight
 
 
-def stream_bytes(layer_experts: int, cap: int, slots: int, tokens: int, hidden: int, inter: int, act_itemsize: int,
+def stream_bytes(layer_experts: int, cap: int, buffers: int, tokens: int, hidden: int, inter: int, act_itemsize: int,
                  packed_per_weight: float) -> float:
     """GPU bytes a prefill step of `tokens` tokens needs, beyond `gpu_activation_peak(...,
-    streamed=True)`, to stream a layer of `layer_experts` CPU experts through `slots` staging
-    slots of `cap` experts: the staging (`staging_for`), and the layer's outputs beside its
+    streamed=True)`, to stream a layer of `layer_experts` CPU experts through `buffers` staging
+    buffers of `cap` experts: the staging (`staging_for`), and the layer's outputs beside its
     activations: the running sum (float32) of the groups before the running one (whose own
     sum is its scratch's), the last group's output, a split's CPU part come back. 0 caps: none."""
     if cap <= 0 or layer_experts <= 0:
         return 0.0
     outputs = tokens * hidden * (4 + 2 * act_itemsize)
-    return staging_for(cap, slots, hidden, inter, act_itemsize, packed_per_weight) + outputs
+    return staging_for(cap, buffers, hidden, inter, act_itemsize, packed_per_weight) + outputs
 
 
 def kv_cache_bytes(g: Graph, kv_tokens: int, device: Device | None = None) -> float:

@@ -1,6 +1,6 @@
 """What a model's routers pick, as the cost model reads it: a recorded `RoutingProfile` (each MoE
 layer's pick probabilities, checked against the model it is applied to) and the expert cache's
-`CacheCurve`s (hits and copies per slot count) measured from it."""
+`CacheCurve`s (hits and copies per row count) measured from it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ..util.fsutil import read_model_json
 
 class CacheCurve(BaseModel):
     """One layer at one refill interval of the decode-time expert cache, for S = 1 .. experts - 1
-    slots: `hits[S - 1]`, the share of decoded tokens' picks the slots served; `copies[S - 1]`,
+    rows: `hits[S - 1]`, the share of decoded tokens' picks the rows served; `copies[S - 1]`,
     experts copied in per decoded token (ktflow.runtime.cache_curves measures them)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

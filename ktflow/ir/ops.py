@@ -155,11 +155,11 @@ class RoutedExpertsAttrs:
     approximation a pass must ask for; no built-in pass does), so its nodes' ranks cover
     0..top_k - skip.
     `refill_every` > 0: on a split layer's GPU part, its subset is only the first filling of a
-    cache of that many expert slots, which the runtime refills after each prompt and every
+    cache of that many expert rows, which the runtime refills after each prompt and every
     `refill_every` decoded tokens (`runtime.expert_cache`); the layer's CPU parts then hold every
     expert and compute those not in the cache. 0: the subset is fixed.
-    `cache_slots` > 0: a prefill step's streamed node standing in for a cached layer's parts (it
-    computes every expert from its fetch); the decode plan's cache of that many GPU slots stays
+    `cache_size` > 0: a prefill step's streamed node standing in for a cached layer's parts (it
+    computes every expert from its fetch); the decode plan's cache of that many GPU rows stays
     resident beside it, unread by this step.
     `running`: a streamed group of a layer fetched in several (not its last): its output is the
     layer's running sum so far in float32, read by the next group as a fourth input, which adds
@@ -178,7 +178,7 @@ class RoutedExpertsAttrs:
     ranks: tuple[int, ...] = ()
     skip: int = 0
     refill_every: int = 0
-    cache_slots: int = 0
+    cache_size: int = 0
     running: bool = False
     host: tuple[int, ...] = ()
 
@@ -308,10 +308,10 @@ def expert_weight_bytes(fmt: str, hidden: int, inter: int) -> float:
 class FetchAttrs:
     """Stream routed experts to the GPU for a prefill step: copy the packed weights of experts
     `subset` of layer `layer` (`experts` in all; each hidden x inter, packed as `fmt`) from host
-    memory into GPU staging slot `slot` and convert them there to the GPU layout (gate and up
+    memory into GPU staging buffer `staging_buffer` and convert them there to the GPU layout (gate and up
     [inter, hidden], down [hidden, inter] per expert, in the activation dtype). The output is the
     converted weights, read by one GPU routed-experts node as its third input. The optional input
-    is the routed-experts node that used the same slot before: the copy waits until it is done.
+    is the routed-experts node that used the same staging buffer before: the copy waits until it is done.
     `host` (set by `lower`): the layer's experts packed in host memory, which it copies from.
     `packs` (set by the compile driver): the host packs holding them, (first row, end row, NUMA
     node or None) each, tiling the rows: the decode plan's CPU parts of the layer where they hold
@@ -323,7 +323,7 @@ class FetchAttrs:
     experts: int
     subset: tuple[int, ...]
     fmt: str = "bf16"
-    slot: int = 0
+    staging_buffer: int = 0
     host: tuple[int, ...] = ()
     packs: tuple[tuple[int, int, int | None], ...] = ()
 

@@ -100,7 +100,7 @@ class Timing:
 
 
 #: the arenas a buffer plan places values in: gpu (device memory), host, pinned (the exchange
-#: memory PCIe copies read and write on the host side), staging (GPU slots streamed expert
+#: memory PCIe copies read and write on the host side), staging (GPU buffers streamed expert
 #: weights are fetched into)
 ARENAS = ("gpu", "host", "pinned", "staging")
 

@@ -149,7 +149,7 @@ def _p2_fp8_held_on_gpu(g: Graph):
             elif n.place is not None and n.place.device != Device.GPU:
                 yield n.name, f"weight {w.key} is held in fp8 on the {n.place.device.value}; only GPU nodes hold fp8"
             elif w.experts and n.attrs.cached:
-                yield n.name, (f"weight {w.key} is held in fp8 in an expert cache; the runtime refills cached slots "
+                yield n.name, (f"weight {w.key} is held in fp8 in an expert cache; the runtime refills cached rows "
                                "in the activation dtype")
             elif w.experts and tuple(n.attrs.rows) != (0, n.attrs.inter):
                 yield n.name, f"weight {w.key} is held in fp8 for rows {n.attrs.rows} of its experts; only whole ones"
@@ -286,7 +286,7 @@ def _p1_placed(g: Graph):
 def _s1_fetch_feeds_its_experts(g: Graph):
     """A fetch stages the weights of exactly the experts of the one GPU routed-experts node that
     reads it (as its third input); that node holds no weights of its own. A streamed node with
-    `cache_slots` (a cached layer streamed whole) computes every expert of its layer."""
+    `cache_size` (a cached layer streamed whole) computes every expert of its layer."""
     for n in g.nodes:
         if n.op == Op.FETCH:
             readers = [u for u in g.users(n.name) if g.by_name(u).op == Op.ROUTED_EXPERTS]
@@ -307,7 +307,7 @@ def _s1_fetch_feeds_its_experts(g: Graph):
                     or prev.attrs.layer != n.attrs.layer:
                 yield n.name, f"fourth input {n.inputs[3]} is not the running sum of its layer's group before it"
         if n.op == Op.ROUTED_EXPERTS and n.attrs.running:
-            readers = [g.by_name(u) for u in g.users(n.name) if g.by_name(u).op != Op.FETCH]  # a fetch: its slot's wait
+            readers = [g.by_name(u) for u in g.users(n.name) if g.by_name(u).op != Op.FETCH]  # a fetch: its buffer's wait
             if len(n.inputs) < 3 or len(readers) != 1 or readers[0].op != Op.ROUTED_EXPERTS \
                     or readers[0].inputs[3:] != (n.name,):
                 yield n.name, "a running sum is a streamed group's, read as the fourth input of its layer's next group"
@@ -319,28 +319,28 @@ def _s1_fetch_feeds_its_experts(g: Graph):
                 yield n.name, "streamed experts hold no weights: their fetch does"
             if n.place is not None and n.place.device.value != "gpu":
                 yield n.name, "streamed experts run on the GPU"
-        if n.op == Op.ROUTED_EXPERTS and n.attrs.cache_slots:  # a cached layer streamed whole in a prefill step
+        if n.op == Op.ROUTED_EXPERTS and n.attrs.cache_size:  # a cached layer streamed whole in a prefill step
             a = n.attrs
-            if len(n.inputs) < 3 or a.subset or a.refill_every or not 0 < a.cache_slots < a.experts:
-                yield n.name, (f"cache_slots={a.cache_slots} marks a streamed node computing every expert of its layer "
-                               f"(a third input, no subset, not itself a cache, fewer slots than its {a.experts} "
+            if len(n.inputs) < 3 or a.subset or a.refill_every or not 0 < a.cache_size < a.experts:
+                yield n.name, (f"cache_size={a.cache_size} marks a streamed node computing every expert of its layer "
+                               f"(a third input, no subset, not itself a cache, fewer rows than its {a.experts} "
                                "experts)")
 
 
-def _s2_slots_reused_in_order(g: Graph):
-    """A fetch that reuses a staging slot waits for the slot's previous user: its input is the
-    streamed-experts node that last read a fetch into the same slot."""
-    last: dict[int, str] = {}  # slot -> the streamed-experts node that read it last, in graph order
-    slot_of: dict[str, int] = {}  # fetch -> slot
+def _s2_staging_buffers_reused_in_order(g: Graph):
+    """A fetch that reuses a staging buffer waits for the buffer's previous user: its input is
+    the streamed-experts node that last read a fetch into the same buffer."""
+    last: dict[int, str] = {}  # staging buffer -> the streamed-experts node that read it last, in graph order
+    buffer_of: dict[str, int] = {}  # fetch -> its staging buffer
     for n in g.nodes:
         if n.op == Op.FETCH:
-            want = last.get(n.attrs.slot)
+            want = last.get(n.attrs.staging_buffer)
             got = n.inputs[0] if n.inputs else None
             if got != want:
-                yield n.name, f"slot {n.attrs.slot} was last used by {want}; the fetch must wait for it (input {got})"
-            slot_of[n.name] = n.attrs.slot
-        elif n.op == Op.ROUTED_EXPERTS and len(n.inputs) >= 3 and n.inputs[2] in slot_of:
-            last[slot_of[n.inputs[2]]] = n.name
+                yield n.name, f"staging buffer {n.attrs.staging_buffer} was last used by {want}; the fetch must wait for it (input {got})"
+            buffer_of[n.name] = n.attrs.staging_buffer
+        elif n.op == Op.ROUTED_EXPERTS and len(n.inputs) >= 3 and n.inputs[2] in buffer_of:
+            last[buffer_of[n.inputs[2]]] = n.name
 
 
 def _l1_edges_stay_on_one_device(g: Graph):
@@ -448,7 +448,7 @@ def _b1_buffers_well_formed(g: Graph) -> Iterator[tuple[str | None, str]]:
         elif b.arena not in ARENAS:
             yield n.name, f"arena {b.arena!r} is not one of {', '.join(ARENAS)}"
         elif (b.arena == "staging") != (n.op == Op.FETCH) or b.per_token == (b.arena == "staging"):
-            yield n.name, "staging slots (absolute) hold fetched expert weights, per-token slots everything else"
+            yield n.name, "staging buffers (absolute) hold fetched expert weights, per-token buffers everything else"
         elif b.offset < 0 or b.first_step < 0 or b.last_step < b.first_step:
             yield n.name, f"buffer {b} has a negative offset or ends before it starts"
         else:
@@ -476,7 +476,7 @@ def _b2_live_buffers_disjoint(g: Graph) -> Iterator[tuple[str | None, str]]:
 
 
 def _b3_arenas_without_gaps(g: Graph) -> Iterator[tuple[str | None, str]]:
-    """A slot ends within the sum of its arena's slots (staging: within its staging slots times
+    """A buffer ends within the sum of its arena's buffers (staging: within its staging buffers times
     the largest fetch): a layout never needs a gap larger than everything else in the arena (an
     absurd offset in an edited plan is refused, not allocated)."""
     total: dict[str, int] = {}
@@ -485,8 +485,8 @@ def _b3_arenas_without_gaps(g: Graph) -> Iterator[tuple[str | None, str]]:
             total[n.buffer.arena] = total.get(n.buffer.arena, 0) + n.buffer.bytes
     fetches = [n for n in g.nodes if n.op == Op.FETCH and n.buffer is not None]
     if fetches:
-        per_slot = max(n.buffer.bytes for n in fetches) * (max(n.attrs.slot for n in fetches) + 1)
-        total["staging"] = max(total.get("staging", 0), per_slot)
+        per_buffer = max(n.buffer.bytes for n in fetches) * (max(n.attrs.staging_buffer for n in fetches) + 1)
+        total["staging"] = max(total.get("staging", 0), per_buffer)
     for n in g.nodes:
         b = n.buffer
         if b is not None and b.offset + b.bytes > total[b.arena]:
@@ -512,7 +512,7 @@ RULES: dict[str, Rule] = {r.id: r for r in [
          "GPU experts rules read (whole experts, no expert cache)",
          _p2_fp8_held_on_gpu),
     Rule("S1", "placed", "a fetch stages the weights of the streamed experts that read it", _s1_fetch_feeds_its_experts),
-    Rule("S2", "placed", "a reused staging slot waits for its previous reader", _s2_slots_reused_in_order),
+    Rule("S2", "placed", "a reused staging buffer waits for its previous reader", _s2_staging_buffers_reused_in_order),
     Rule("L1", "lowered", "values cross devices only through copy nodes", _l1_edges_stay_on_one_device),
     Rule("L2", "lowered", "submit/sync pairs wrap a CPU task", _l2_submit_sync_pairs),
     Rule("L3", "lowered", "CPU and streamed expert nodes and fetches name their layer's host experts",

@@ -26,7 +26,7 @@ def plan_buffers(g: Graph, ctx: CompileContext) -> Graph:
     first fit per arena in order of first step. Requires: a scheduled graph (its steps are the
     ones the plan will hold). Guarantees (rules B1, B2): a buffer for every value a step writes
     except completion tokens, the token-id input (host memory the caller hands in) and syncs (a
-    sync's value is its task's); staging slots for fetched expert weights only, absolute; every
+    sync's value is its task's); staging buffers for fetched expert weights only, absolute; every
     other buffer per token, so the one layout serves a step of any number of tokens (a decode plan
     run at a larger batch than it was compiled for, a prefill chunk shorter than its bucket)
     without the backend planning anything; values live at once never share bytes of one arena.
@@ -41,9 +41,9 @@ def layout(g: Graph, steps: list[Step]) -> dict[str, Buffer]:
     A value lives from the step that writes it to the last step that reads it (graph outputs to
     the end). Arena: pinned for values a PCIe copy reads or writes on the host side (the exchange
     memory, reused across layers), staging for streamed expert weights (fetch outputs: staging
-    slot i at i x the largest fetch), gpu for other GPU values, host for other CPU values.
+    buffer i at i x the largest fetch), gpu for other GPU values, host for other CPU values.
     Sizes: per token, rounded up to ALIGN bytes (a value with no token dimension takes its whole
-    size per token: more than it needs in a step of several tokens, never less); staging slots
+    size per token: more than it needs in a step of several tokens, never less); staging buffers
     their absolute size. Within an arena, values are placed in order of their first step at the
     lowest offset that no value live at the same time occupies (first fit).
     A sync's value is its task's (no buffer of its own; the task's stays live until the sync's
@@ -85,12 +85,12 @@ def layout(g: Graph, steps: list[Step]) -> dict[str, Buffer]:
         values.append((first[n.name], last[n.name], n.name, arena, -(-size // ALIGN) * ALIGN))
     placed: dict[str, Buffer] = {}
     live: dict[str, list[tuple[int, int, int]]] = {}  # arena -> (offset, size, last step)
-    # staging: slot i of the fetches at i x the largest fetch (a fetch waits for its slot's last
-    # reader, rule S2), so the arena is exactly staging_slots x the largest fetch
+    # staging: buffer i of the fetches at i x the largest fetch (a fetch waits for its buffer's last
+    # reader, rule S2), so the arena is exactly staging_buffers x the largest fetch
     widest = max((size for _, _, _, arena, size in values if arena == "staging"), default=0)
     for start, end, name, arena, size in sorted(values):
         if arena == "staging":
-            placed[name] = Buffer(arena, g.by_name(name).attrs.slot * widest, size, start, end, per_token=False)
+            placed[name] = Buffer(arena, g.by_name(name).attrs.staging_buffer * widest, size, start, end, per_token=False)
             continue
         taken = sorted((o, sz) for o, sz, e in live.get(arena, []) if e >= start)
         offset = 0

@@ -91,7 +91,7 @@ def compile_plans(model: Any, hw: HwProfile, opts: CompileOptions, device: str, 
 def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
     """Predicted memory per device: weights and KV caches where their nodes are placed (a GPU
     expert has no host copy, unless its layer's GPU part is a cache, whose CPU packs hold every
-    expert, and whose slots stay on the GPU in a prefill step that streams the layer whole;
+    expert, and whose rows stay on the GPU in a prefill step that streams the layer whole;
     streamed experts live in host memory, their fetch stages them; CPU experts once per
     packed slice, which a deferred part shares with its immediate one), a
     step's activations on each device that runs nodes (GPU: live values and the running node's
@@ -113,8 +113,8 @@ def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
             if n.attrs.layer in cached:
                 scale = n.attrs.experts / len(n.attrs.ids)
         weights[device] += scale * held_weight_bytes(n, device, ctx.weight_itemsize, ctx.expert_format)
-        if n.op == Op.ROUTED_EXPERTS and n.attrs.cache_slots:  # a cache's slots, resident though this step streams
-            weights[Device.GPU] += n.attrs.cache_slots * 3 * n.attrs.hidden * n.attrs.inter * ctx.weight_itemsize
+        if n.op == Op.ROUTED_EXPERTS and n.attrs.cache_size:  # a cache's rows, resident though this step streams
+            weights[Device.GPU] += n.attrs.cache_size * 3 * n.attrs.hidden * n.attrs.inter * ctx.weight_itemsize
     kv_tokens = ctx.max_seq_len * ctx.options.max_batch
     kv_gpu, kv_all = kv_cache_bytes(g, kv_tokens, Device.GPU), kv_cache_bytes(g, kv_tokens)
     on_gpu = any(n.place.device == Device.GPU for n in g.nodes)

@@ -94,22 +94,22 @@ DEFAULT_REFILL = 32
 
 
 @dataclass(frozen=True)
-class SlotChoice:
-    """What a layer's first S GPU slots are worth, and whether as a cache: `every` > 0 refills
+class Residency:
+    """What a layer's first S GPU rows are worth, and whether as a cache: `every` > 0 refills
     them every that many decoded tokens (a cache), 0 holds the S most picked experts (static)."""
 
     every: int
-    value: float  # seconds per decode step the S slots save
-    static: float  # what static S slots would save
-    hits: float  # share of the layer's picks (batched curves: of its expert reads) the slots serve, expected
+    value: float  # seconds per decode step the S rows save
+    static: float  # what static S rows would save
+    hits: float  # share of the layer's picks (batched curves: of its expert reads) the rows serve, expected
     copies: float  # experts copied in per decoded token (0 for static)
     priced: bool  # from the profile's cache curves (else a cache by default, unpriced)
     batch: int = 1  # conversations decoded together that the curves priced
 
 
-def slot_choices(n: Node, ctx: CompileContext, w: Work, saving: float, vram: float) -> list[SlotChoice]:
-    """For S = 1 .. len(ids) GPU slots of routed-experts node `n` (whose decode step `saving`
-    seconds on the GPU), the best use of S slots. Static: the S experts most likely hit, each
+def residency_choices(n: Node, ctx: CompileContext, w: Work, saving: float, vram: float) -> list[Residency]:
+    """For S = 1 .. len(ids) GPU rows of routed-experts node `n` (whose decode step `saving`
+    seconds on the GPU), the best use of S rows. Static: the S experts most likely hit, each
     worth its share of the node's saving (its chance of being hit in a step of w.tokens tokens
     over the node's total). With `expert_cache` and the routing profile's cache curves for the
     layer: a cache refilled every N tokens is worth `saving * hits_N[S]` less its copies, each
@@ -120,9 +120,9 @@ def slot_choices(n: Node, ctx: CompileContext, w: Work, saving: float, vram: flo
     no cost for its copies beyond the hits they bring, `cache_speed.py`. So one link time a copy
     overprices large experts and underprices small ones' refills: a per-refill host term is not
     priced.) S
-    slots go to whichever is worth more (ties: static). Without curves a split layer is a cache
+    rows go to whichever is worth more (ties: static). Without curves a split layer is a cache
     refilled every DEFAULT_REFILL tokens, unpriced (valued as static). At max_batch > 1 the curves of a profiled
-    batch (`RoutingProfile.cache_for`) give the share of the step's expert reads the slots serve,
+    batch (`RoutingProfile.cache_for`) give the share of the step's expert reads the rows serve,
     the unit the static value is in (each expert's chance of being read in the step), so a cache
     is worth `saving * hits_N[S]`; with one conversation's curves only, the picks' share is
     converted as at one token (an overstatement the cause states)."""
@@ -141,29 +141,29 @@ def slot_choices(n: Node, ctx: CompileContext, w: Work, saving: float, vram: flo
         static += saving * hit[e] / total
         share += hit[e] / total
         picked += probs[e] / picks
-        best = SlotChoice(0, static, static, share, 0.0, True)
+        best = Residency(0, static, static, share, 0.0, True)
         if s < n.attrs.experts and ctx.options.expert_cache:
             if not curves:
-                best = SlotChoice(DEFAULT_REFILL, static, static, share, 0.0, False)
+                best = Residency(DEFAULT_REFILL, static, static, share, 0.0, False)
             # batched curves: a share of the reads, worth the saving times it; one conversation's:
-            # a share of the picks, worth what the static slots' share of the picks is worth
+            # a share of the picks, worth what the static rows' share of the picks is worth
             worth = saving if batch > 1 else (static / picked if picked > 0 else saving)
             for every, c in sorted(curves.items()):
                 v = worth * c.hits[s - 1] - per_copy * c.copies[s - 1]
                 if v > best.value:
-                    best = SlotChoice(every, v, static, c.hits[s - 1], c.copies[s - 1], True, batch)
+                    best = Residency(every, v, static, c.hits[s - 1], c.copies[s - 1], True, batch)
         out.append(best)
     return out
 
 
 def _expert_units(n: Node, ctx: CompileContext, w: Work, saving: float, vram: float, order: int) -> list[Unit]:
-    """One unit per GPU slot of a routed-experts node, labelled with the expert a static choice
-    would put there (most likely hit first). Static slots are each worth their expert's share of
-    the saving. Where a priced cache is worth more for some S (`slot_choices`), slot S is worth
+    """One unit per GPU row of a routed-experts node, labelled with the expert a static choice
+    would put there (most likely hit first). Static rows are each worth their expert's share of
+    the saving. Where a priced cache is worth more for some S (`residency_choices`), row S is worth
     the slope of the upper concave envelope of S -> best value (S = all experts: the whole layer,
-    static): no slot is worth more than the one before, so greedy placement takes a prefix of each
-    layer's slots, and a layer whose cache value levels off can still go whole to the GPU."""
-    choices = slot_choices(n, ctx, w, saving, vram)
+    static): no row is worth more than the one before, so greedy placement takes a prefix of each
+    layer's rows, and a layer whose cache value levels off can still go whole to the GPU."""
+    choices = residency_choices(n, ctx, w, saving, vram)
     probs = w.expert_probs or [n.attrs.top_k / n.attrs.experts] * n.attrs.experts
     ranked = sorted(n.attrs.ids, key=lambda e: (-probs[e], e))
     per = vram / len(n.attrs.ids)
@@ -373,7 +373,7 @@ def _fp8_experts_choice(g: Graph, ctx: CompileContext, units: list[Unit], budget
     then FP8 fits about twice as many experts in the same VRAM, each read at half the bytes;
     where all fit, the experts are dequantized (no dequantization per step). Every
     expert counts, whatever its saving in the activation dtype (one that saves nothing there may
-    in FP8, read at half the bytes). Never with option expert_cache: the cache refills its slots
+    in FP8, read at half the bytes). Never with option expert_cache: the cache refills its rows
     in the activation dtype."""
     fixed = _fp8_fixed(g, ctx, experts=True)
     if fixed is not None:
@@ -445,13 +445,13 @@ def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, 
     return out
 
 
-def _cache_choice(n: Node, g: Graph, ctx: CompileContext, slots: int) -> tuple[int, str]:
-    """(refill interval, cause) for a split layer's `slots` GPU slots (`slot_choices`)."""
+def _cache_choice(n: Node, g: Graph, ctx: CompileContext, rows: int) -> tuple[int, str]:
+    """(refill interval, cause) for a split layer's `rows` GPU rows (`residency_choices`)."""
     if not ctx.options.expert_cache:
         return 0, ""
     w = _decode_work(ctx, n)
     c = cost_in(n, g, ctx, work=w, numa_nodes=1)
-    ch = slot_choices(n, ctx, w, c.cpu_s - c.gpu_s, n.weight_bytes(ctx.weight_itemsize))[slots - 1]
+    ch = residency_choices(n, ctx, w, c.cpu_s - c.gpu_s, n.weight_bytes(ctx.weight_itemsize))[rows - 1]
     if not ch.priced:
         return ch.every, (f"; a cache the runtime refills every {ch.every} decoded tokens from recent routing (not "
                           "priced: the routing profile has no cache curves; record one with `ktflow profile`)")
@@ -461,7 +461,7 @@ def _cache_choice(n: Node, g: Graph, ctx: CompileContext, slots: int) -> tuple[i
             shared = f"; priced for {ch.batch} conversations decoded together" + (
                 f" (the largest batch the profile holds; the plan's is up to {batch})" if ch.batch < batch else "")
         elif batch > 1:
-            shared = (f"; priced for one conversation: a batch of up to {batch} shares the slots, and is served "
+            shared = (f"; priced for one conversation: a batch of up to {batch} shares the rows, and is served "
                       "less (not modelled: the routing profile has no batched curves; record one with `ktflow "
                       "profile` and two or more prompts)")
         else:

@@ -27,7 +27,7 @@ class LayerChoice:
     streamed: tuple[int, ...]  # expert ids copied to the GPU (empty: all stay on the CPU)
     kept: tuple[int, ...]  # expert ids computed on the CPU
     cause: str  # what was decided, with the times compared
-    groups: tuple[tuple[int, ...], ...] = ()  # the streamed ids as fetched: one group a staging slot
+    groups: tuple[tuple[int, ...], ...] = ()  # the streamed ids as fetched: one group a staging buffer
     seconds: float = 0.0  # the layer's priced steady-state time
 
 
@@ -35,7 +35,7 @@ class LayerChoice:
 def place_prefill_experts(g: Graph, ctx: CompileContext) -> Graph:
     """Decide, for a prefill step of ctx.tokens tokens, where each MoE layer's CPU routed
     experts compute: `cpu` (the native kernels, where they live), `stream` (their packed
-    weights copied to a GPU staging slot, converted there and computed by a grouped matmul, the
+    weights copied to a GPU staging buffer, converted there and computed by a grouped matmul, the
     copy of the next streamed layer overlapping this one) or `split` (the hottest experts
     streamed, the rest on the CPU at the same time, sized so both finish together).
 
@@ -50,25 +50,25 @@ def place_prefill_experts(g: Graph, ctx: CompileContext) -> Graph:
     conversion), which overlaps the previous layer. The fastest n wins, ties
     to fewer streamed (option prefill_experts forces cpu, stream, or the best split). Staging
     must fit the GPU memory the step leaves under the VRAM limit (memory.prefill_room, the
-    step's activations with a chunk's past; ctx.vram: the VRAM plan's limit and its slot size):
-    `staging_slots` slots of up to `cap` experts, one landing buffer for a slot's packed bytes,
+    step's activations with a chunk's past; ctx.vram: the VRAM plan's limit and its buffer size):
+    `staging_buffers` buffers of up to `cap` experts, one landing buffer for a buffer's packed bytes,
     and the layer's partial outputs (memory.stream_bytes). A streamed set larger than `cap` is
     fetched in groups of up to `cap` (`groups_of`), one fetch and one GPU node each, priced as
-    the sum of their fetches and GPU work; with no room for two slots the pass uses one (no
+    the sum of their fetches and GPU work; with no room for two buffers the pass uses one (no
     prefetch), with none it keeps the CPU, and says so in the cause.
     Rewrite: a streamed node runs on the GPU, holds no weights, and reads a third input: a fetch
     node (lane `fetch`) holding the experts' weight references, placed right after the node that
-    used its slot before (its input: the copy waits for it), or at the start; the slots are used
+    used its buffer before (its input: the copy waits for it), or at the start; the buffers are used
     in turn. A split keeps the CPU part under the node's name and adds `<name>.stream` on the
     GPU; their reader (the residual add) reads both. A layer fetched in groups has one node a
     group (`<name>`, `<name>2`, ..; `.stream`, `.stream2`, .. for a split), each after the first
     adding to the float32 running sum of those before (a fourth input; `running` on all but the
     last), the residual add reading the last.
     A layer whose GPU experts are a cache (`expert_cache`: the runtime moves experts between its
-    parts, so no subset can be fixed here) has two candidates only: as placed (the cache's slots on
+    parts, so no subset can be fixed here) has two candidates only: as placed (the cache's rows on
     the GPU, the rest on the CPU), or streamed whole: one GPU node computing every expert from a
-    fetch of them all, standing in for both parts in this step (`cache_slots` says the cache's
-    slots stay resident, unread; priced without the cache part's GPU work). A cached layer with
+    fetch of them all, standing in for both parts in this step (`cache_size` says the cache's
+    rows stay resident, unread; priced without the cache part's GPU work). A cached layer with
     several CPU parts (a custom pass split them before this one: the built-in NUMA and deferral
     passes run after it) keeps its parts, and prefill_experts='stream' refuses it.
     Requires: a costed, placed prefill graph. Decode graphs, graphs without a GPU (or with
@@ -103,36 +103,36 @@ def place_prefill_experts(g: Graph, ctx: CompileContext) -> Graph:
                         kv_tokens=ctx.max_seq_len * ctx.options.max_batch, limit=limit_of(ctx),
                         past=max(ctx.max_seq_len - ctx.tokens, 0))
     most = max(n.attrs.experts if n.attrs.layer in caches else len(n.attrs.ids) for n in cpu_nodes)
-    # the VRAM plan's slot size (staging_experts where given)
+    # the VRAM plan's buffer size (staging_experts where given)
     upto = ctx.vram.stage_experts if ctx.vram is not None else ctx.options.staging_experts
-    slots, cap = staging_capacity(cpu_nodes, fmt, room, ctx.options.staging_slots, ctx.tokens, most, upto)
+    buffers, cap = staging_capacity(cpu_nodes, fmt, room, ctx.options.staging_buffers, ctx.tokens, most, upto)
     widest = max((n.attrs.experts for n in cpu_nodes if n.attrs.layer in caches), default=1)
     if mode == "stream" and cap < widest:
         one = _fetch(cpu_nodes[0], cpu_nodes[0].attrs.ids[:1], fmt, 0)
-        need = widest * (ctx.options.staging_slots * one.out.numel(0) * one.out.dtype.itemsize + one.attrs.link_bytes)
+        need = widest * (ctx.options.staging_buffers * one.out.numel(0) * one.out.dtype.itemsize + one.attrs.link_bytes)
         what = "a cached layer's experts" if caches else "one expert"
         raise ConfigError(f"prefill_experts='stream' at {ctx.tokens} tokens needs {_si(need)}B of GPU staging "
-                          f"({ctx.options.staging_slots} slots of {what} and a landing buffer); "
+                          f"({ctx.options.staging_buffers} buffers of {what} and a landing buffer); "
                           f"{_si(max(room, 0.0))}B are left after weights, KV caches and activations. Use "
-                          "prefill_experts='auto', fewer staging_slots, a smaller prefill_chunk or a larger vram_gb")
+                          "prefill_experts='auto', fewer staging_buffers, a smaller prefill_chunk or a larger vram_gb")
     if upto and cap < min(upto, most):
         # the estimate (every part's output live beside the step's peak) refuses the VRAM plan's
-        # slot size: the rewritten step measured instead, taken at the largest slot size (the
+        # buffer size: the rewritten step measured instead, taken at the largest buffer size (the
         # plan's, then its halvings) where it fits
         past = max(ctx.max_seq_len - ctx.tokens, 0)
         room_here = room + gpu_activation_peak(g, ctx.tokens, past, streamed=True)
         want = min(upto, most)
         while want > cap:
-            trial = _placed_for(g, ctx, cpu_nodes, caches, fmt, want, ctx.options.staging_slots, mode)
+            trial = _placed_for(g, ctx, cpu_nodes, caches, fmt, want, ctx.options.staging_buffers, mode)
             if trial is not None and streamed_step_bytes(trial, ctx.tokens, past) <= room_here:
                 return trial
             want //= 2
-    return _placed_for(g, ctx, cpu_nodes, caches, fmt, cap, slots, mode) or g
+    return _placed_for(g, ctx, cpu_nodes, caches, fmt, cap, buffers, mode) or g
 
 
 def _placed_for(g: Graph, ctx: CompileContext, cpu_nodes: list[Node], caches: dict[int, Node], fmt: str, cap: int,
-                slots: int, mode: str) -> Graph | None:
-    """`g` with every CPU layer's choice at `cap` experts a slot and `slots` slots (None: no
+                buffers: int, mode: str) -> Graph | None:
+    """`g` with every CPU layer's choice at `cap` experts a buffer and `buffers` buffers (None: no
     layer's choice changed, then only the causes are new)."""
     sharing = _sharing(ctx)
     bounds = _layer_bounds(g, cpu_nodes)
@@ -141,13 +141,13 @@ def _placed_for(g: Graph, ctx: CompileContext, cpu_nodes: list[Node], caches: di
         cache = caches.get(n.attrs.layer)
         key = None if ctx.routing is not None or cache is not None else (replace(n.attrs, layer=0), bounds[n.name])
         if key is None or key not in alike:
-            choice = _choose(g, ctx, n, bounds[n.name], fmt, cap, slots, sharing, mode, cache)
+            choice = _choose(g, ctx, n, bounds[n.name], fmt, cap, buffers, sharing, mode, cache)
             if key is not None:
                 alike[key] = choice
         choices[n.name] = alike[key] if key is not None else choice
     if not any(c.streamed for c in choices.values()):
         return g.map(lambda n: _with_cause(n, choices[n.name]) if n.name in choices else n)
-    return _rewrite(g, ctx, choices, fmt, slots, caches)
+    return _rewrite(g, ctx, choices, fmt, buffers, caches)
 
 
 def limit_of(ctx: CompileContext) -> float:
@@ -162,20 +162,20 @@ def streamable(g: Graph, skip_layers=()) -> list[Node]:
             and all(g.by_name(i).place.device == Device.GPU for i in n.inputs) and n.attrs.layer not in skip_layers]
 
 
-def staging_capacity(cpu_nodes: list[Node], fmt: str, room: float, want_slots: int, tokens: int,
+def staging_capacity(cpu_nodes: list[Node], fmt: str, room: float, want_buffers: int, tokens: int,
                      widest: int, upto: int | None = None) -> tuple[int, int]:
-    """(slots, experts per slot) that `room` bytes hold for a step of `tokens` tokens
-    (`memory.stream_bytes`: the slots, a landing buffer for one slot's packed bytes and the
-    outputs of the parts of a layer streaming `widest` experts): `want_slots` slots if one
-    expert fits each, else fewer; the most experts (up to `widest`, and `upto`) a slot then
-    holds; at least one slot, 0 experts where none fits."""
+    """(buffers, experts per buffer) that `room` bytes hold for a step of `tokens` tokens
+    (`memory.stream_bytes`: the buffers, a landing buffer for one buffer's packed bytes and the
+    outputs of the parts of a layer streaming `widest` experts): `want_buffers` buffers if one
+    expert fits each, else fewer; the most experts (up to `widest`, and `upto`) a buffer then
+    holds; at least one buffer, 0 experts where none fits."""
     a = max((n.attrs for n in cpu_nodes), key=lambda a: a.hidden * a.inter)
     act = cpu_nodes[0].out.dtype.itemsize
     packed = expert_weight_bytes(fmt, a.hidden, a.inter)
-    for slots in range(want_slots, 0, -1):
+    for buffers in range(want_buffers, 0, -1):
         for cap in range(min(widest, widest if upto is None else upto), 0, -1):
-            if stream_bytes(widest, cap, slots, tokens, a.hidden, a.inter, act, packed) <= room:
-                return slots, cap
+            if stream_bytes(widest, cap, buffers, tokens, a.hidden, a.inter, act, packed) <= room:
+                return buffers, cap
     return 1, 0
 
 
@@ -187,21 +187,21 @@ def _sharing(ctx: CompileContext) -> HwProfile:
         "gemv_gbps": max(cpu.gemv_gbps - ctx.hw.gpus[0].pcie_h2d_gbps, cpu.gemv_gbps / 4)})})
 
 
-def layer_seconds(g: Graph, ctx: CompileContext, node: Node, cap: int, slots: int) -> float:
+def layer_seconds(g: Graph, ctx: CompileContext, node: Node, cap: int, buffers: int) -> float:
     """The steady-state seconds of CPU routed-experts `node`'s layer in a prefill step of
     ctx.tokens tokens, as this pass prices its fastest choice with at most `cap` experts a
-    staging slot and `slots` slots (0 caps: the CPU). For the VRAM plan (ktflow.passes.vram_plan),
+    staging buffer and `buffers` buffers (0 caps: the CPU). For the VRAM plan (ktflow.passes.vram_plan),
     which weighs staging bytes against decode residency; `g` is placed and costed for the step."""
     bounds = _layer_bounds(g, streamable(g))
     cache = next((n for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.cached
                   and n.attrs.layer == node.attrs.layer), None)
-    return _choose(g, ctx, node, bounds[node.name], ctx.expert_format, cap, max(slots, 1), _sharing(ctx),
+    return _choose(g, ctx, node, bounds[node.name], ctx.expert_format, cap, max(buffers, 1), _sharing(ctx),
                    ctx.options.prefill_experts, cache).seconds
 
 
 def groups_of(ids, cap: int) -> list[tuple[int, ...]]:
     """`ids` in order as ceil(len / cap) runs of near-equal size (each sorted): the fetches a
-    streamed set takes when a staging slot holds `cap` experts."""
+    streamed set takes when a staging buffer holds `cap` experts."""
     ids = list(ids)
     if not ids:
         return []
@@ -244,16 +244,16 @@ def _order(n: Node, ctx: CompileContext) -> list[int]:
     return sorted(n.attrs.ids, key=lambda e: (-probs[e], e))
 
 
-def _fetch(n: Node, ids, fmt: str, slot: int) -> Node:
+def _fetch(n: Node, ids, fmt: str, buffer: int) -> Node:
     a = n.attrs
-    attrs = FetchAttrs(a.layer, a.hidden, a.inter, a.experts, tuple(sorted(ids)), fmt, slot)
+    attrs = FetchAttrs(a.layer, a.hidden, a.inter, a.experts, tuple(sorted(ids)), fmt, buffer)
     return Node(n.name + ".fetch", Op.FETCH, (), attrs, FACTS[Op.FETCH].shape(attrs, [], n.out.dtype), n.weights)
 
 
-def _choose(g: Graph, ctx: CompileContext, n: Node, bounds: tuple[float, float], fmt: str, cap: int, slots: int,
+def _choose(g: Graph, ctx: CompileContext, n: Node, bounds: tuple[float, float], fmt: str, cap: int, buffers: int,
             sharing: HwProfile, mode: str, cache: Node | None = None) -> LayerChoice:
     """Price the candidate counts of streamed experts for `n` and pick one (see the pass).
-    `cap`: the most experts a staging slot holds (a streamed set of more goes as several
+    `cap`: the most experts a staging buffer holds (a streamed set of more goes as several
     fetches, `groups_of`). `sharing`: the machine with the DRAM bandwidth a fetch leaves the
     CPU. `cache`: the layer's GPU part where it is a cache: then `n` stays as placed or streams
     with every expert of the layer in one fetch, which also takes over the cache part's work."""
@@ -319,7 +319,7 @@ def _choose(g: Graph, ctx: CompileContext, n: Node, bounds: tuple[float, float],
     alts = [f"cpu {_si(cpu_t)}s", f"stream {_si(full[0])}s" if full else "stream (no room)"]
     if best_split is not None:
         alts.append(f"split {best_split}/{total} {_si(priced[best_split][0])}s")
-    head = f"prefill {t} tokens" + (f" (the layer's GPU part a cache of {len(cache.attrs.ids)} slots: streamed "
+    head = f"prefill {t} tokens" + (f" (the layer's GPU part a cache of {len(cache.attrs.ids)} rows: streamed "
                                      "whole or kept)" if cache is not None else "")
     groups = tuple(groups_of(order[:k], cap)) if k else ()
     if k == 0:
@@ -329,14 +329,14 @@ def _choose(g: Graph, ctx: CompileContext, n: Node, bounds: tuple[float, float],
         cause = f"{head}: cpu ({why}; {', '.join(alts)})"
     else:
         parts = f"fetch {_si(fetch)}s, GPU {_si(gpu)}s" + (f", CPU {_si(cpu)}s" if k < total else "")
-        slot_note = "" if slots >= ctx.options.staging_slots else f"; {slots} staging slot(s) fit, no prefetch" \
-            if slots == 1 else f"; {slots} staging slots fit"
+        staging_note = "" if buffers >= ctx.options.staging_buffers else f"; {buffers} staging buffer(s) fit, no prefetch" \
+            if buffers == 1 else f"; {buffers} staging buffers fit"
         if len(groups) > 1:
-            slot_note += (f"; {len(groups)} fetches of up to {max(len(x) for x in groups)} experts "
-                          "(a staging slot's room)")
+            staging_note += (f"; {len(groups)} fetches of up to {max(len(x) for x in groups)} experts "
+                          "(a staging buffer's room)")
         forced = f"prefill_experts={mode}" if mode != "auto" else "fastest"
         cause = (f"{head}: {'stream' if k == total else 'split'} {k}/{total} experts, {_si(secs)}s/layer "
-                 f"({parts}; {forced}; {', '.join(alts)}){slot_note}")
+                 f"({parts}; {forced}; {', '.join(alts)}){staging_note}")
     return LayerChoice(tuple(sorted(order[:k])), tuple(sorted(order[k:])), cause, groups, secs)
 
 
@@ -348,7 +348,7 @@ def _with_cause(n: Node, c: LayerChoice, **changes) -> Node:
     return replace(n, place=replace(n.place, cause=f"{n.place.cause}; {c.cause}"), **changes)
 
 
-def _rewrite(g: Graph, ctx: CompileContext, choices: dict[str, LayerChoice], fmt: str, slots: int,
+def _rewrite(g: Graph, ctx: CompileContext, choices: dict[str, LayerChoice], fmt: str, buffers: int,
              caches: dict[int, Node]) -> Graph:
     # a cached layer streamed whole: its streamed node stands in for the cache part too
     whole = {caches[n.attrs.layer].name: n for n in g.nodes
@@ -373,13 +373,13 @@ def _rewrite(g: Graph, ctx: CompileContext, choices: dict[str, LayerChoice], fmt
         total = base  # the layer's running sum: the group before this one
         for i, ids in enumerate(groups):
             name = base if i == 0 else f"{base}{i + 1}"  # a layer fetched in groups: L3.experts, L3.experts2, ..
-            slot = len(streamed_order) % slots
+            buffer = len(streamed_order) % buffers
             what = f"stage {len(ids)} experts for {name}"
             if len(groups) > 1:
                 what += f" (fetch {i + 1} of {len(groups)})"
-            fetch = replace(_fetch(n, ids, fmt, slot), name=name + ".fetch",
+            fetch = replace(_fetch(n, ids, fmt, buffer), name=name + ".fetch",
                             place=Placement(Device.GPU, cause=what, stream="fetch"))
-            prev = streamed_order[-slots] if len(streamed_order) >= slots else None
+            prev = streamed_order[-buffers] if len(streamed_order) >= buffers else None
             if prev is None:
                 first_fetches.append(fetch)
             else:
@@ -389,8 +389,8 @@ def _rewrite(g: Graph, ctx: CompileContext, choices: dict[str, LayerChoice], fmt
             cache = caches.get(n.attrs.layer)
             attrs = replace(n.attrs, subset=ids if (c.kept or len(groups) > 1) else n.attrs.subset,
                             running=i < len(groups) - 1)
-            if cache is not None:  # every expert of the layer, beside the cache's resident slots
-                attrs = replace(n.attrs, subset=(), cache_slots=len(cache.attrs.ids))
+            if cache is not None:  # every expert of the layer, beside the cache's resident rows
+                attrs = replace(n.attrs, subset=(), cache_size=len(cache.attrs.ids))
             # a group after the first adds to the running sum of the ones before (float32: one
             # rounding for the layer, and one partial sum live, not every group's output)
             inputs = n.inputs + (fetch.name,) + ((total,) if i else ())

@@ -2,7 +2,7 @@
 
 `decide` splits `limit` (option vram_gb, default the profile GPU's memory, less vram_reserve_gb)
 between decode residency (`residency`: the GPU weights and KV caches the placement pass takes) and
-the prefill reservation (activations of steps up to `chunk_tokens`, and `staging_slots` slots of
+the prefill reservation (activations of steps up to `chunk_tokens`, and `staging_buffers` buffers of
 `stage_experts` streamed experts), for a declared workload: prompts of lengths P, equally likely,
 and answers of N tokens. It compiles each candidate and keeps the runnable one with the shortest
 mean request (within TIE, the one reserving less); prefill_reserve='none' keeps decode first. The
@@ -34,7 +34,7 @@ from ..plan.artifact import VramCandidate, VramPlan
 #: candidates within this fraction of the fastest request count as tied: the one reserving less wins
 TIE = 0.005
 
-#: staging slot sizes tried per bucket: a layer's CPU experts, halved up to this many times
+#: staging buffer sizes tried per bucket: a layer's CPU experts, halved up to this many times
 HALVINGS = 4
 
 #: the chosen reservation, refined to what its priced plan needs, keeps this much more
@@ -138,12 +138,12 @@ def _sizes(g: Graph, ctx: CompileContext, grid: list[int], extra: list[int]) -> 
                   shape, widest.attrs.experts if widest is not None else 0)
 
 
-def _staging(s: _Sizes, experts: int, slots: int, tokens: int = 0) -> float:
-    """Staging of `experts` a slot, and with `tokens`, the outputs of the widest layer's parts."""
+def _staging(s: _Sizes, experts: int, buffers: int, tokens: int = 0) -> float:
+    """Staging of `experts` a buffer, and with `tokens`, the outputs of the widest layer's parts."""
     h, i, act, packed = s.expert_bytes
     if not tokens:
-        return staging_for(experts, slots, h, i, act, packed) if experts else 0.0
-    return stream_bytes(s.layer_experts, experts, slots, tokens, h, i, act, packed)
+        return staging_for(experts, buffers, h, i, act, packed) if experts else 0.0
+    return stream_bytes(s.layer_experts, experts, buffers, tokens, h, i, act, packed)
 
 
 def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, max_seq: int,
@@ -160,7 +160,7 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
     grid = sorted({min(t, max_seq) for t in (opts.prefill_buckets or bucket_grid(max_seq))})
     cap = opts.vram_budget_gb * 1e9 if opts.vram_budget_gb is not None else math.inf
     ws = gpu_workspace_bytes(dctx.hw)
-    slots = opts.staging_slots
+    buffers = opts.staging_buffers
 
     # sizes from a provisional decode-first placement (GPU activations depend only on the dense
     # part being on the GPU)
@@ -182,7 +182,7 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
                           f"{reserve_none / 1e9:.2f} GB leaves nothing for weights; raise vram_gb, or lower "
                           "prefill_tokens (prefill_chunk) or max_seq_len")
     if opts.vram_budget_gb is not None and opts.allow_oversize and cap > limit - ws - reserve_none:  # a bigger card
-        top_need = sizes.act(grid[-1]) + _staging(sizes, sizes.layer_experts, slots, grid[-1])
+        top_need = sizes.act(grid[-1]) + _staging(sizes, sizes.layer_experts, buffers, grid[-1])
         limit = cap + ws + max(reserve_none, top_need)
         limit_why += f", raised to {limit / 1e9:.2f} GB to hold vram_budget_gb={opts.vram_budget_gb:g} (allow_oversize)"
     elif opts.vram_budget_gb is not None:
@@ -215,11 +215,11 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
     placed = pricer.placed(base)
     weights, kv = resident_gpu_bytes(placed, dctx.weight_itemsize, max_seq * opts.max_batch)
     left = limit - ws - weights - kv
-    whole = [t for t in grid if sizes.act(t) + _staging(sizes, sizes.layer_experts, slots, t) <= left]
-    some = [t for t in grid if sizes.act(t) + _staging(sizes, 1, slots, t) <= left]
+    whole = [t for t in grid if sizes.act(t) + _staging(sizes, sizes.layer_experts, buffers, t) <= left]
+    some = [t for t in grid if sizes.act(t) + _staging(sizes, 1, buffers, t) <= left]
     plain = [t for t in grid if sizes.act(t, streamed=False) <= left]
     c0 = opts.prefill_chunk or max(whole or some or plain or [first])
-    g0 = _slot_experts(sizes, left - sizes.act(c0), slots, c0)
+    g0 = _buffer_experts(sizes, left - sizes.act(c0), buffers, c0)
     if opts.staging_experts:
         g0 = min(g0, opts.staging_experts)
     base = VramShare(limit, base.residency, g0, c0)
@@ -260,13 +260,13 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
 
         best: VramCandidate | None = None
         for c in sorted(chunks, reverse=True):  # down from the prompt's bucket while the requests get faster
-            g = _screen(ctx_for, placed, sizes, c, prompts, answer, slots, decode_loss, weights + kv, opts, limit,
+            g = _screen(ctx_for, placed, sizes, c, prompts, answer, buffers, decode_loss, weights + kv, opts, limit,
                         ws, cap, reserve_none)
             if g is None:
                 continue
-            reserved = max(reserve_none, sizes.act(c) + _staging(sizes, g, slots, c))
+            reserved = max(reserve_none, sizes.act(c) + _staging(sizes, g, buffers, c))
             share = VramShare(limit, residency(reserved), g, c)
-            cand = add(f"reserve {c} tokens, {g} experts a slot" if g else f"reserve {c} tokens, no staging",
+            cand = add(f"reserve {c} tokens, {g} experts a buffer" if g else f"reserve {c} tokens, no staging",
                        "reserve", share, reserved)
             shares[cand.name] = share
             if not cand.runnable:
@@ -278,10 +278,10 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
         full = sizes.layer_experts
         priced = any(c.design == "reserve" and c.chunk_tokens == top and c.stage_experts == full for c in cands)
         if full and opts.prefill_experts != "cpu" and not opts.staging_experts and not priced:
-            reserved = max(reserve_none, sizes.act(top) + _staging(sizes, full, slots, top))
+            reserved = max(reserve_none, sizes.act(top) + _staging(sizes, full, buffers, top))
             if residency(reserved) > 0:
                 share = VramShare(limit, residency(reserved), full, top)
-                cand = add(f"reserve {top} tokens, whole-layer staging ({full} experts a slot)", "reserve", share,
+                cand = add(f"reserve {top} tokens, whole-layer staging ({full} experts a buffer)", "reserve", share,
                            reserved)
                 shares[cand.name] = share
         # design b, priced: the same prefill, decode keeping the decode-first residency, the evicted
@@ -293,7 +293,7 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
             evicted = max(base_weights - resident_gpu_bytes(dg, dctx.weight_itemsize, max_seq * opts.max_batch)[0], 0.0)
             back = evicted / h2d
             cands.append(VramCandidate(
-                name=f"time-share {c.chunk_tokens} tokens, {c.stage_experts} experts a slot", design="time-share",
+                name=f"time-share {c.chunk_tokens} tokens, {c.stage_experts} experts a buffer", design="time-share",
                 chunk_tokens=c.chunk_tokens, stage_experts=c.stage_experts, reserved_bytes=c.reserved_bytes,
                 residency_bytes=none.residency_bytes, decode_us=none.decode_us, prefill_s=c.prefill_s,
                 prompt_s=c.prompt_s, extra_s=back,
@@ -306,7 +306,7 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
     chosen = min((c for c in runnable if c.request_s <= best * (1 + TIE)),
                  key=lambda c: (c.reserved_bytes, c.request_s))
     share = shares[chosen.name]
-    refined = _refined(share, needs.get(share), chosen.reserved_bytes, sizes, grid, slots, reserve_none)
+    refined = _refined(share, needs.get(share), chosen.reserved_bytes, sizes, grid, buffers, reserve_none)
     note = ""
     if refined < chosen.reserved_bytes:
         note = (f"; reservation refined from {chosen.reserved_bytes / 1e9:.2f} GB (estimated) to {refined / 1e9:.2f} "
@@ -318,27 +318,27 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
     return share, record, base, shares[chosen.name]
 
 
-def _refined(share: VramShare, need: float | None, estimated: float, sizes: _Sizes, grid: list[int], slots: int,
+def _refined(share: VramShare, need: float | None, estimated: float, sizes: _Sizes, grid: list[int], buffers: int,
              floor: float) -> float:
     """The reservation a chosen share needs: its priced chunk-sized step's GPU activations and
     staging (REFINE_MARGIN above), the estimates of the smaller buckets (their past is longer),
     the floor; never more than the estimate the candidates were compared at."""
     if need is None or not share.stage_experts and share.chunk_tokens <= min(grid):
         return estimated
-    smaller = [sizes.act(t) + _staging(sizes, share.stage_experts or 0, slots, t) for t in grid
+    smaller = [sizes.act(t) + _staging(sizes, share.stage_experts or 0, buffers, t) for t in grid
                if t < share.chunk_tokens]
     return min(estimated, max(need * (1 + REFINE_MARGIN), *smaller, floor))
 
 
-def _slot_experts(s: _Sizes, room: float, slots: int, tokens: int) -> int:
-    """The most experts a staging slot holds in `room` bytes in a step of `tokens` tokens."""
-    return next((g for g in range(s.layer_experts, 0, -1) if _staging(s, g, slots, tokens) <= room), 0)
+def _buffer_experts(s: _Sizes, room: float, buffers: int, tokens: int) -> int:
+    """The most experts a staging buffer holds in `room` bytes in a step of `tokens` tokens."""
+    return next((g for g in range(s.layer_experts, 0, -1) if _staging(s, g, buffers, tokens) <= room), 0)
 
 
-def _screen(ctx_for, placed: Graph, sizes: _Sizes, chunk: int, prompts: list[int], answer: int, slots: int,
+def _screen(ctx_for, placed: Graph, sizes: _Sizes, chunk: int, prompts: list[int], answer: int, buffers: int,
             decode_loss: Callable[[list[float]], list[float]], resident: float, opts: CompileOptions, limit: float,
             ws: float, cap: float, floor: float) -> int | None:
-    """The staging slot size (experts) for prefill steps of `chunk` tokens, from the halvings of a
+    """The staging buffer size (experts) for prefill steps of `chunk` tokens, from the halvings of a
     layer's experts (0 where none streams or prefill_experts='cpu'): the fastest by the prefill
     pass's layer time over the streamed layers and chunks, plus the answer's decode time the
     reservation costs (`decode_loss`: the placement's savings lost, per step). The streamed
@@ -353,20 +353,20 @@ def _screen(ctx_for, placed: Graph, sizes: _Sizes, chunk: int, prompts: list[int
         ladder = sorted({0, *(max(1, -(-full // 2 ** i)) for i in range(HALVINGS + 1))}, reverse=True)
     if opts.prefill_experts in ("stream", "split") and full:  # forced to stream: some staging
         ladder = [g for g in ladder if g] or [1]
-    fits = [g for g in ladder if min(cap, limit - ws - sizes.act(chunk) - _staging(sizes, g, slots, chunk)) > 0]
+    fits = [g for g in ladder if min(cap, limit - ws - sizes.act(chunk) - _staging(sizes, g, buffers, chunk)) > 0]
     if len(fits) <= 1:
         return fits[0] if fits else None
     moe = [n for n in placed.nodes if n.op == Op.ROUTED_EXPERTS]
     h, i, act, _ = sizes.expert_bytes
     layer = full * 3 * h * i * act
-    reserved = [max(floor, sizes.act(chunk) + _staging(sizes, k, slots, chunk)) for k in fits]
+    reserved = [max(floor, sizes.act(chunk) + _staging(sizes, k, buffers, chunk)) for k in fits]
     losses = decode_loss(reserved)
-    streamed = {}  # layers streamed under each slot size: decode first's CPU layers and those a reservation evicts
+    streamed = {}  # layers streamed under each buffer size: decode first's CPU layers and those a reservation evicts
     for k, r in zip(fits, reserved):
         evicted = max(0.0, resident - min(cap, limit - ws - r))
         streamed[k] = min(len(moe), len(streamable(placed)) + math.ceil(evicted / max(layer, 1.0)))
     score = {k: answer * loss for k, loss in zip(fits, losses)}
-    for p in prompts:  # each prompt's chunks, its layers priced by the prefill pass at this slot size
+    for p in prompts:  # each prompt's chunks, its layers priced by the prefill pass at this buffer size
         ctx = ctx_for("prefill", min(chunk, p))
         if p > chunk:
             ctx = replace(ctx, context=p // 2)
@@ -381,7 +381,7 @@ def _screen(ctx_for, placed: Graph, sizes: _Sizes, chunk: int, prompts: list[int
             return 0
         node = max(cpu, key=lambda n: len(n.attrs.ids))
         for k in fits:
-            score[k] += math.ceil(p / chunk) * streamed[k] * layer_seconds(g, ctx, node, k, slots) / len(prompts)
+            score[k] += math.ceil(p / chunk) * streamed[k] * layer_seconds(g, ctx, node, k, buffers) / len(prompts)
     return min(score, key=lambda k: (score[k], k))
 
 
@@ -406,7 +406,7 @@ def _record(chosen: VramCandidate, none: VramCandidate, cands: list[VramCandidat
     lengths = "/".join(map(str, prompts))
     cause = (f"VRAM limit {gb(limit)} ({limit_why}); workload {work_note}: chose {chosen.name}{forced}: "
              f"reserve {gb(chosen.reserved_bytes)} for prefill (activations of steps up to {chosen.chunk_tokens} "
-             f"tokens, staging {chosen.stage_experts} experts a slot), decode residency {gb(chosen.residency_bytes)}, "
+             f"tokens, staging {chosen.stage_experts} experts a buffer), decode residency {gb(chosen.residency_bytes)}, "
              f"workspaces {gb(ws)}; decode {cost:+.1f}% against decode first, prefill of {lengths} tokens "
              f"{rates(chosen)} tok/s against {rates(none)}. Candidates (a request: the prompts' mean prefill and "
              "the answer's decode steps): " + "; ".join(line(c) for c in cands))

@@ -65,7 +65,7 @@ class MemoryEstimate(BaseModel):
     kv_cache_bytes: float  # for max_seq_len x max_batch, both devices
     activation_bytes: float  # largest live activation set of one step
     workspace_bytes: float = 0.0  # BLAS workspaces: one per GPU compute stream (prefill's, decode's)
-    staging_bytes: float = 0.0  # streamed experts: GPU staging slots and the landing buffer
+    staging_bytes: float = 0.0  # streamed experts: GPU staging buffers and the landing buffer
     #: predicted peak VRAM the run allocates: GPU weights + GPU KV caches + activations + staging + workspaces
     gpu_bytes: float
     host_bytes: float  # predicted host RAM: CPU weights + CPU KV caches + activations
@@ -78,7 +78,7 @@ class VramCandidate(BaseModel):
     name: str
     design: Literal["none", "reserve", "time-share"]  # decode first; (a) reserved; (b) time-shared
     chunk_tokens: int  # the largest prefill step
-    stage_experts: int  # experts a staging slot holds (0: no staging)
+    stage_experts: int  # experts a staging buffer holds (0: no staging)
     reserved_bytes: float  # the prefill reservation: activations of the largest step + staging
     residency_bytes: float  # decode residency budget (GPU weights + KV caches)
     decode_us: float  # predicted decode step
@@ -133,7 +133,7 @@ class VramPlan(BaseModel):
             if chosen is not None and self.reserved_bytes < chosen.reserved_bytes else ""
         lines = [f"VRAM plan: limit {gb(self.limit_bytes)} GB ({self.limit_cause}); workload {self.workload}",
                  f"  chose {self.chosen}: prefill reservation {gb(self.reserved_bytes)} GB{refined} (staging "
-                 f"{self.stage_experts} experts a slot, steps up to {self.chunk_tokens} tokens), decode residency "
+                 f"{self.stage_experts} experts a staging buffer, steps up to {self.chunk_tokens} tokens), decode residency "
                  f"{gb(self.residency_bytes)} GB, workspaces {gb(self.workspace_bytes)} GB",
                  f"  decode step {self.decode_us / 1e3:.2f} ms against {self.decode_us_without / 1e3:.2f} ms decode "
                  f"first ({self.decode_cost:+.1%}, the compiled plans); prefill of {lengths} tokens "
@@ -195,9 +195,9 @@ class Plan(BaseModel):
         """Bytes of each arena in a step of `tokens` tokens (default: the plan's step_tokens)."""
         t = self.step_tokens if tokens is None else tokens
         out: dict[str, int] = {}
-        for slot in self.buffers.values():
-            off, size = slot.span(t)
-            out[slot.arena] = max(out.get(slot.arena, 0), off + size)
+        for buf in self.buffers.values():
+            off, size = buf.span(t)
+            out[buf.arena] = max(out.get(buf.arena, 0), off + size)
         return out
 
     @cached_property

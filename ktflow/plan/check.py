@@ -10,7 +10,7 @@ K3  every node has exactly one step that runs it
 K4  a node runs after the nodes it reads
 K5  every wait follows the record of its event; events are recorded once
 K6  lanes are gpu, copy, fetch, cpu or cpu<k>; CPU nodes run on cpu lanes, GPU nodes on the others
-K7  every value's buffer (the graph's slots: rules B1, B2) is live over the steps that write and
+K7  every value's buffer (rules B1, B2) is live over the steps that write and
     read it, inside the plan
 K8  captured step ranges lie inside the plan
 K9  (the file) every plan has the file's max_seq_len, prefill steps fit it, the decode step is
@@ -106,8 +106,8 @@ def _schedule_problems(plan: "Plan", g) -> list[str]:
 
 
 def _buffer_problems(plan: "Plan", g) -> list[str]:
-    """K7: each slot (rules B1, B2 checked its shape and overlaps) is live over the plan's steps
-    that write and read its value: a slot freed before a reader would let another value
+    """K7: each buffer (rules B1, B2 checked its shape and overlaps) is live over the plan's steps
+    that write and read its value: a buffer freed before a reader would let another value
     overwrite it."""
     out: list[str] = []
     steps = len(plan.steps)
@@ -129,7 +129,7 @@ def _buffer_problems(plan: "Plan", g) -> list[str]:
 #: attrs fields passes rewrite (which experts and rows a node computes, which its layer holds in
 #: host memory, whether its experts are a cache or stand in for one): left out of the comparison
 #: with the model's spec
-_PLACED_FIELDS = ("subset", "inter_slice", "ranks", "skip", "refill_every", "cache_slots", "running", "host")
+_PLACED_FIELDS = ("subset", "inter_slice", "ranks", "skip", "refill_every", "cache_size", "running", "host")
 
 
 def spec_mismatches(plan: "Plan", spec) -> list[str]:

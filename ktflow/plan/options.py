@@ -75,7 +75,7 @@ class CompileOptions(BaseModel):
                                 "activations room for (prefill_reserve='none' reserves this and nothing more)")
     prefill_reserve: Literal["auto", "none"] = Field(
         "auto", description="how VRAM is shared between decode residency and prefill (ktflow.passes.vram_plan): auto = the "
-        "cost model reserves staging slots and a bucket's activations where that shortens the declared workload's "
+        "cost model reserves staging buffers and a bucket's activations where that shortens the declared workload's "
         "requests; none = decode residency first, prefill gets what is left (long prompts may stay on the CPU)")
     workload: Literal["agent", "chat"] = Field(
         "agent", description="the requests the VRAM plan is priced for: agent = prompts of 8k, 16k and 32k tokens "
@@ -90,14 +90,14 @@ class CompileOptions(BaseModel):
         "decisions change, over powers of two up to max_seq_len")
     prefill_experts: Literal["auto", "cpu", "stream", "split"] = Field(
         "auto", description="where prefill computes the routed experts the decode placement left on the CPU: cpu, "
-        "stream (weights copied to GPU staging slots, computed there), split (some streamed, the rest on the "
+        "stream (weights copied to GPU staging buffers, computed there), split (some streamed, the rest on the "
         "CPU, sized to finish together) or auto (per layer and bucket, the fastest by the cost model)")
     prefill_chunk: int | None = Field(
         None, gt=0, description="most tokens one prefill step processes (longer prompts run as chunks); None: the "
         "most whose activations fit the GPU")
-    staging_slots: int = Field(2, ge=1, le=8, description="GPU staging slots for streamed experts: with 2 or more "
+    staging_buffers: int = Field(2, ge=1, le=8, description="GPU staging buffers for streamed experts: with 2 or more "
                                "the copy of layer j+1's experts overlaps layer j's compute")
-    staging_experts: int | None = Field(None, gt=0, description="most experts one staging slot holds (a layer with "
+    staging_experts: int | None = Field(None, gt=0, description="most experts one staging buffer holds (a layer with "
                                         "more streams as several fetches); None: the VRAM plan's choice")
     routing_profile: str | None = Field(None, description="routing profile JSON (per-layer expert frequencies)")
     expert_cache: bool = Field(False, description="a split layer's GPU experts are a cache: the runtime refills "
@@ -122,7 +122,7 @@ WORKLOADS = {"agent": ((8192, 16384, 32768), 500), "chat": ((1024,), 300)}
 @dataclass(frozen=True)
 class VramShare:
     """The VRAM plan's decision as the passes read it: the limit every plan fits in, the bytes of
-    it decode residency (GPU weights and KV caches) may take, the most experts one staging slot
+    it decode residency (GPU weights and KV caches) may take, the most experts one staging buffer
     holds (None: no cap) and the most tokens one prefill step takes."""
 
     limit: float

@@ -40,7 +40,7 @@ code { background: #f4f4f4; padding: 0 3px }
 <h2>VRAM plan: decode residency against prefill</h2>
 <p>Limit {{ gb(v.limit_bytes) }} ({{ v.limit_cause }}); workload {{ v.workload }}. Chose <b>{{ v.chosen }}</b>:
 prefill reservation {{ gb(v.reserved_bytes) }} (steps up to {{ v.chunk_tokens }} tokens, staging {{ v.stage_experts }}
-experts a slot), decode residency {{ gb(v.residency_bytes) }}, BLAS workspaces {{ gb(v.workspace_bytes) }}.
+experts a staging buffer), decode residency {{ gb(v.residency_bytes) }}, BLAS workspaces {{ gb(v.workspace_bytes) }}.
 Decode step {{ "%.2f"|format(v.decode_us / 1000) }} ms against {{ "%.2f"|format(v.decode_us_without / 1000) }} ms
 decode first ({{ "%+.1f"|format(100 * v.decode_cost) }}%); prefill of {{ v.prompts|join("/") }} tokens
 {{ v.rates(v.prefill_s) }} tokens/s against {{ v.rates(v.prefill_s_without) }}. Predicted; <code>benchmarks/vram_plan.py</code> measures

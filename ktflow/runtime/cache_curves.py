@@ -1,10 +1,10 @@
 """What a GPU expert cache would serve, per MoE layer and cache size, measured from recorded routing.
 
-`cache_curves` replays `runtime.expert_cache`'s refill policy (S slots a layer, refilled after the
+`cache_curves` replays `runtime.expert_cache`'s refill policy (S rows a layer, refilled after the
 prompt and every N decoded tokens with the S experts picked most since the last refill) on the
 conversations `ktflow profile` recorded, for every S and for N in `INTERVALS`:
-- `hits[S - 1]`: the share of the decode steps' expert reads the S slots served (causal: a
-  stretch's reads are served by the slots chosen from the stretch before it, as at run time);
+- `hits[S - 1]`: the share of the decode steps' expert reads the S rows served (causal: a
+  stretch's reads are served by the rows chosen from the stretch before it, as at run time);
 - `copies[S - 1]`: experts copied in per decoded token (the refill after the prompt included).
 For B in `BATCHES` the conversations are also taken B at a time in lockstep (`spread`), one read
 per expert a step whichever rows picked it: `RoutingProfile.cache_batched`. Ties keep the previous
@@ -26,7 +26,7 @@ BATCHES = (2, 4, 8)
 
 def next_order(order: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """The refill policy's order after a window: the previous order stably sorted by the window's
-    counts, most first. Its first S experts are an S-slot cache's (ties keep the earlier place, so
+    counts, most first. Its first S experts are an S-row cache's (ties keep the earlier place, so
     a resident expert stays resident), for every S at once; `ExpertCache.refill_from` orders the
     same way."""
     return order[torch.sort(counts[order], descending=True, stable=True).indices]

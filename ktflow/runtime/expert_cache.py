@@ -4,7 +4,7 @@ the experts recent tokens picked most (plans compiled with `expert_cache=True`).
 `ExpertCache(compiled).refill(layer, ids)` makes `ids` (S experts) the layer's GPU experts, waiting
 for the copies unless wait=False; `follow()` refills each cached layer after each prefill step and
 every `refill_every` decoded tokens from the picks since its last refill; `refill_from(recorder)` is
-one such refill. What holds: each step computes every expert once, on the CPU until its slot is
+one such refill. What holds: each step computes every expert once, on the CPU until its row is
 filled, on the GPU after; decode steps do not wait for a copy (a graph capture synchronizes the
 device, and experts the driver would not page-lock copy synchronously); refills write in place, so
 captured CUDA graphs stay valid; a refilled expert computes with the CPU side's weights. A prefill
@@ -37,15 +37,15 @@ STAGE_BYTES = 256 << 20
 class CachedLayer:
     """One cached layer: its GPU parts' stacked weights (one per distinct copy, with the node it
     was loaded for), its CPU parts' masks with the experts each one computes when they are not in
-    the cache, and the expert in each slot."""
+    the cache, and the expert in each row."""
 
     layer: int
     experts: int
     stacks: list[tuple[Node, dict]] = field(default_factory=list)
     masks: list[tuple[torch.Tensor, set[int]]] = field(default_factory=list)
-    resident: list[int] = field(default_factory=list)  # slot -> expert (-1: emptied: its copy under way, or failed)
+    resident: list[int] = field(default_factory=list)  # row -> expert (-1: emptied: its copy under way, or failed)
     every: int = 0  # the plan's refill interval (decoded tokens)
-    order: list[int] = field(default_factory=list)  # every expert, the slots' first (ties at a refill keep it)
+    order: list[int] = field(default_factory=list)  # every expert, the rows' first (ties at a refill keep it)
 
 
 class ExpertCache:
@@ -78,7 +78,7 @@ class ExpertCache:
                                       f"({n.name}), fixed at compile time, but its GPU experts are a cache: a pass of "
                                       "this pipeline streamed them (place_prefill_experts streams such a layer whole "
                                       "or not at all)")
-                if n.op != Op.ROUTED_EXPERTS or n.attrs.cache_slots:
+                if n.op != Op.ROUTED_EXPERTS or n.attrs.cache_size:
                     continue  # (a prefill step streaming the layer whole: every expert from its fetch, no cache)
                 c = self.layers.setdefault(layer, CachedLayer(layer, n.attrs.experts))
                 if n.place.device == Device.GPU:
@@ -116,15 +116,15 @@ class ExpertCache:
                 notices.warn(f"expert cache: the driver would not page-lock layer {layer}'s CPU experts; its "
                              "refills copy from pageable memory, and each refill holds the decode loop until its "
                              "copies land", key=f"expert-cache-unpinned-{layer}")
-        # (layer, slot, expert, the event its copy ends at (None: done), `tokens` when it was issued)
+        # (layer, row, expert, the event its copy ends at (None: done), `tokens` when it was issued)
         self.pending: list[tuple[CachedLayer, int, int, torch.cuda.Event | None, int]] = []
         self.copied = 0  # experts copied in since this cache was made
         self.copied_bytes = 0  # their bytes over PCIe, every stack of the layer
-        # decoded picks counted at follow()'s refills, and those the GPU slots held at the time
+        # decoded picks counted at follow()'s refills, and those the GPU rows held at the time
         self.served = self.picked = 0
         # where the cache's time goes: the host's seconds at follow()'s step ends (copies taken in,
         # counters read, refills begun and their copies issued: the decode loop waits for them), and
-        # the tokens run between a copy's issue and its expert taking the slot (the slot empty all the while)
+        # the tokens run between a copy's issue and its expert taking the row (the row empty all the while)
         self.host_seconds = 0.0
         self.tokens = 0  # tokens of the decode steps `follow` saw (prompts not counted)
         self.lag_tokens = 0  # summed over the copies finished
@@ -141,7 +141,7 @@ class ExpertCache:
             c.masks += parts
 
     def resident(self, layer: int) -> tuple[int, ...]:
-        """The experts layer `layer`'s GPU slots hold, sorted."""
+        """The experts layer `layer`'s GPU rows hold, sorted."""
         return tuple(sorted(self._layer(layer).resident))
 
     def _layer(self, layer: int) -> CachedLayer:
@@ -150,14 +150,14 @@ class ExpertCache:
         return self.layers[layer]
 
     def refill(self, layer: int, ids, wait: bool = True) -> int:
-        """Make `ids` (as many experts as the layer has slots) the ones layer `layer`'s GPU parts
+        """Make `ids` (as many experts as the layer has rows) the ones layer `layer`'s GPU parts
         compute (module doc); returns how many experts are copied in. Call it between steps. With
-        `wait`, returns once they are on the GPU; else after emptying the outgoing slots (the copies
+        `wait`, returns once they are on the GPU; else after emptying the outgoing rows (the copies
         go on behind the next steps; `poll` finishes them)."""
         c = self._layer(layer)
         want = [int(e) for e in ids]
         if len(set(want)) != len(want) or len(want) != len(c.resident) or not all(0 <= e < c.experts for e in want):
-            raise InputError(f"layer {layer}'s cache has {len(c.resident)} slots for distinct experts of "
+            raise InputError(f"layer {layer}'s cache has {len(c.resident)} rows for distinct experts of "
                              f"0..{c.experts - 1}; got {want}")
         self.poll(wait=True, layer=layer)  # this layer's previous copies done first
         c.order = want + [e for e in c.order if e not in want]
@@ -172,7 +172,7 @@ class ExpertCache:
         return len(incoming)
 
     def _after_steps(self):
-        """On CUDA, an event after the work issued so far (the steps that read a slot before it is
+        """On CUDA, an event after the work issued so far (the steps that read a row before it is
         overwritten): on the current stream and the backend's decode and copy streams."""
         if not self._cuda:
             return None
@@ -186,13 +186,13 @@ class ExpertCache:
             events.append(ev)
         return events
 
-    def _begin(self, c: CachedLayer, slots: list[int]) -> None:
-        """Empty `slots`: their experts computed on the CPU from the next step on."""
+    def _begin(self, c: CachedLayer, rows: list[int]) -> None:
+        """Empty `rows`: their experts computed on the CPU from the next step on."""
         from ..backends.native import binding as native
 
         native.sync()  # no CPU task (a deferred one included) reads the masks while they change
-        out = [c.resident[s] for s in slots if c.resident[s] >= 0]  # (a slot whose copy failed is empty)
-        for s in slots:
+        out = [c.resident[s] for s in rows if c.resident[s] >= 0]  # (a row whose copy failed is empty)
+        for s in rows:
             c.resident[s] = -1
         if not out:
             return
@@ -204,18 +204,18 @@ class ExpertCache:
                 mask[back] = 1
         self._stream_sync()
 
-    def _copy(self, c: CachedLayer, slots: list[int], experts: list[int]) -> None:
-        """Issue the copies of `experts` into `slots` of every stack of the layer (module doc);
-        `poll` finishes them. A copy that fails to issue warns: its slots stay empty, the experts
+    def _copy(self, c: CachedLayer, rows: list[int], experts: list[int]) -> None:
+        """Issue the copies of `experts` into `rows` of every stack of the layer (module doc);
+        `poll` finishes them. A copy that fails to issue warns: its rows stay empty, the experts
         on the CPU, and a later refill copies them again."""
         from ..util import notices
 
         stream = self.copy_stream
         try:
-            # the slot indices copied to the device here, on the current stream (idle between steps):
+            # the row indices copied to the device here, on the current stream (idle between steps):
             # a copy from pageable memory first waits for its stream's earlier work, so made on the
             # copy stream it would hold the host until the copies issued before it had landed
-            index = torch.tensor(slots, device=c.stacks[0][1]["gate"].device)
+            index = torch.tensor(rows, device=c.stacks[0][1]["gate"].device)
             after = self._after_steps()  # (recorded on the streams current here: index included)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 if stream is not None:
@@ -245,11 +245,11 @@ class ExpertCache:
             notices.warn(f"expert cache: copying experts {experts} of layer {c.layer} to the GPU failed ({err}); "
                          "they stay on the CPU until a later refill copies them", key=f"expert-cache-copy-{c.layer}")
             return
-        self.pending += [(c, slot, e, done, self.tokens) for slot, e in zip(slots, experts, strict=True)]
+        self.pending += [(c, row, e, done, self.tokens) for row, e in zip(rows, experts, strict=True)]
 
     def poll(self, wait: bool = False, layer: int | None = None) -> int:
         """Finish the refills whose copies are done (with `wait`, all of them, or all of `layer`'s,
-        waiting): each expert's slot named in the map and the expert taken off the CPU masks. Call
+        waiting): each expert's row named in the map and the expert taken off the CPU masks. Call
         it between steps (`follow` does, at every step's end); returns how many experts it finished."""
         ready, rest = [], []
         for job in self.pending:
@@ -268,7 +268,7 @@ class ExpertCache:
         from ..backends.native import binding as native
 
         native.sync()
-        if self.recorder is not None:  # the picks counted before the slot was filled were the CPU's
+        if self.recorder is not None:  # the picks counted before the row was filled were the CPU's
             counts = self.recorder.read({c.layer for c, *_ in ready})
             for c, _, e, *_ in ready:
                 if c.layer in counts:
@@ -278,19 +278,19 @@ class ExpertCache:
             by_layer.setdefault(job[0].layer, []).append(job)
         for jobs in by_layer.values():
             c = jobs[0][0]
-            for _, slot, e, _, queued in jobs:
+            for _, row, e, _, queued in jobs:
                 self.lag_tokens += self.tokens - queued
-                c.resident[slot] = e
+                c.resident[row] = e
                 for mask, own in c.masks:
                     if e in own:
                         mask[e] = 0
             # the layer's finished experts take their rows: one write of each stack's map
             for node, _ in c.stacks:
-                self.backend.place_experts(node, {e: slot for _, slot, e, *_ in jobs})
+                self.backend.place_experts(node, {e: row for _, row, e, *_ in jobs})
         self._stream_sync()
         self.copied += len(ready)
-        for c, slot, *_ in ready:
-            self.copied_bytes += sum(stacked[role][slot].numel() * stacked[role].element_size()
+        for c, row, *_ in ready:
+            self.copied_bytes += sum(stacked[role][row].numel() * stacked[role].element_size()
                                      for _, stacked in c.stacks for role in ("gate", "up", "down"))
         return len(ready)
 
@@ -308,7 +308,7 @@ class ExpertCache:
         taken in at every step's end; after a decode step, a layer whose last copies are still under
         way waits for a later step's end instead of blocking this one (after a prefill step the
         refill waits for them: the prompt's picks must not stay counted). `served / picked` is the share of decoded
-        picks (prompts' left out) that GPU slots held, each slot from when its copy landed.
+        picks (prompts' left out) that GPU rows held, each row from when its copy landed.
         Refills happen between calls of a plan, so with greedy runs
         of K steps a launch an interval rounds up to a multiple of K; in a ragged batch (`SlotPool`)
         each listed row's token counts toward it, the padding rows' do not (nor their picks). Returns the recorder; `stop()`
@@ -361,7 +361,7 @@ class ExpertCache:
                 due.append(layer)
         if due:
             counts = self.recorder.read(due)
-            if not prefill:  # what the slots served since the last refill (a prompt's picks not counted)
+            if not prefill:  # what the rows served since the last refill (a prompt's picks not counted)
                 for layer, (picks, _) in counts.items():
                     held = [e for e in self.layers[layer].resident if e >= 0]
                     since = self._filled.get(layer, {})  # an expert filled in the window: its picks from then

@@ -143,7 +143,7 @@ def _follow_routing(a: argparse.Namespace, compiled):
     cache = ExpertCache(compiled)
     cache.follow(a.refill_every)
     print(f"expert cache: layers {', '.join(map(str, sorted(cache.layers)))}, "
-          f"{', '.join(str(len(c.resident)) for _, c in sorted(cache.layers.items()))} GPU slots; refilled after "
+          f"{', '.join(str(len(c.resident)) for _, c in sorted(cache.layers.items()))} GPU rows; refilled after "
           f"each prompt and every {', '.join(str(cache.every[layer]) for layer in sorted(cache.layers))} decoded "
           "tokens", flush=True)
     return cache
@@ -153,7 +153,7 @@ def _cache_summary(cache) -> None:
     """What the expert cache did in a run: its hit share, bytes copied and host time a token."""
     cache.stop()
     tokens = max(cache.tokens, 1)
-    hits = f"{100 * cache.served / cache.picked:.0f}% of the decoded picks on GPU slots" if cache.picked else \
+    hits = f"{100 * cache.served / cache.picked:.0f}% of the decoded picks on GPU rows" if cache.picked else \
         "no refill after a decode step yet (no hit share)"
     print(f"expert cache: {hits}, {cache.copied} experts copied in ({cache.copied_bytes / tokens / 1e6:.2f} MB a "
           f"decoded token), the host {1e3 * cache.host_seconds / tokens:.2f} ms a decoded token at step ends", flush=True)
@@ -369,7 +369,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
     if prof.cache:
         every = 32 if 32 in prof.cache else min(prof.cache)
 
-        def quarter_hit(c) -> float:  # what a quarter of the layer's experts as slots served
+        def quarter_hit(c) -> float:  # what a quarter of the layer's experts as GPU rows served
             return c.hits[max(1, round(0.25 * (len(c.hits) + 1))) - 1]
 
         quarter = {layer: quarter_hit(c) for layer, c in prof.cache[every].items()}

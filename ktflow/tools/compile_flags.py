@@ -14,7 +14,7 @@ def options(a: argparse.Namespace) -> dict:
                 vram_reserve_gb=a.vram_reserve_gb, workload=a.workload, workload_prompt_tokens=a.workload_prompt_tokens,
                 workload_output_tokens=a.workload_output_tokens, prefill_reserve=a.prefill_reserve,
                 numa=a.numa, numa_nodes=a.numa_nodes,
-                prefill_experts=a.prefill_experts, prefill_chunk=a.prefill_chunk, staging_slots=a.staging_slots,
+                prefill_experts=a.prefill_experts, prefill_chunk=a.prefill_chunk, staging_buffers=a.staging_buffers,
                 staging_experts=a.staging_experts,
                 greedy_steps=a.greedy_steps, allow_oversize=a.allow_oversize)
     if a.prefill_buckets:
@@ -128,13 +128,13 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
                    "get what is left")
     g.add_argument("--prefill-experts", choices=["auto", "cpu", "stream", "split"], default="auto",
                    help="prefill: where the routed experts the decode placement left on the CPU compute: cpu, stream "
-                   "(copied to GPU staging slots), split (both, sized to finish together) or auto (the fastest per "
+                   "(copied to GPU staging buffers), split (both, sized to finish together) or auto (the fastest per "
                    "layer and prompt-length bucket by the cost model; default)")
     g.add_argument("--expert-cache", action="store_true",
                    help="the GPU experts of each layer the placement splits may be a cache that follows the routing "
                    "(run, serve): refilled after each prompt and every few decoded tokens with the experts picked "
                    "most since the last refill, the copies behind the decode steps. The placement pass prices it "
-                   "per layer from the routing profile's cache curves (`ktflow profile`): how many slots each layer "
+                   "per layer from the routing profile's cache curves (`ktflow profile`): how many GPU rows each layer "
                    "gets, whether a cache beats static experts there, and the refill interval. The CPU holds every "
                    "expert of a cached layer; a long prompt streams such a layer whole to the GPU where the prefill pass "
                    "prices it faster. `run` ends with what the "
@@ -148,11 +148,11 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="most tokens one prefill step runs; longer prompts run as chunks (default: the most whose "
                    "activations and staging fit the GPU)")
-    g.add_argument("--staging-slots", type=int, default=2,
-                   help="GPU staging slots for streamed experts (2 or more: the next layer's copy overlaps this one)")
+    g.add_argument("--staging-buffers", type=int, default=2,
+                   help="GPU staging buffers for streamed experts (2 or more: the next layer's copy overlaps this one)")
     g.add_argument("--staging-experts", type=int, default=None, metavar="N",
-                   help="most experts one staging slot holds; a layer with more streams as several fetches through "
-                   "the slots (default: the VRAM plan's choice)")
+                   help="most experts one staging buffer holds; a layer with more streams as several fetches through "
+                   "the staging buffers (default: the VRAM plan's choice)")
     g.add_argument("--greedy-steps", type=int, default=8, metavar="K",
                    help="greedy decoding runs K steps per call of the decode plan: one CUDA graph launch for K "
                    "tokens on the cuda_graph backend, each step's argmax fed to the next on the GPU (up to K - 1 "

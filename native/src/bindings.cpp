@@ -334,7 +334,7 @@ PYBIND11_MODULE(_native, m) {
              return py::make_tuple(reinterpret_cast<uintptr_t>(s.arena), s.arena_bytes, s.expert_stride);
            },
            "(address, bytes, expert stride) of a slice's arena: held experts in id order, one block each")
-      .def("arena_slot", &MoE::arena_slot, "an expert's block index in every slice's arena (-1: not held)")
+      .def("arena_block", &MoE::arena_block, "an expert's block index in every slice's arena (-1: not held)")
       .def("layout",
            [](MoE& self, int slice, int which) {
              if (slice < 0 || slice >= int(self.slices().size()) || which < 0 || which > 2)

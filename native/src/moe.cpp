@@ -233,10 +233,10 @@ MoE::MoE(std::shared_ptr<ThreadPool> pool, MoEShape shape, std::vector<int> grou
     sl.down.resize(shape_.experts);
     slices_.push_back(std::move(sl));
   }
-  slot_.assign(shape_.experts, -1);
+  block_.assign(shape_.experts, -1);
   int held = 0;
   for (int e = 0; e < shape_.experts; ++e)
-    if (present_[e]) slot_[e] = held++;
+    if (present_[e]) block_[e] = held++;
   // one arena per slice: gate/up rows padded to the down product's padded K (their output is its input)
   for (Slice& sl : slices_) {
     const int n = sl.i1 - sl.i0, H = shape_.hidden;
@@ -306,7 +306,7 @@ void MoE::allocate_expert(int e) {
   if (e < 0 || e >= shape_.experts || !present_[e])
     throw std::invalid_argument("expert " + std::to_string(e) + " is not held by this operator");
   for (Slice& s : slices_) {
-    uint8_t* block = s.arena + size_t(slot_[e]) * s.expert_stride;
+    uint8_t* block = s.arena + size_t(block_[e]) * s.expert_stride;
     std::memset(block, 0, s.expert_stride);
     PackedMatrix* mats[3] = {&s.gate[e], &s.up[e], &s.down[e]};
     for (int w = 0; w < 3; ++w) {
@@ -453,7 +453,7 @@ void route(JobState& st) {
       const int64_t id = j.ids[size_t(t) * j.ldr + s];
       if (id == -1) continue;
       if (id < 0 || id >= E)
-        throw std::out_of_range("expert id " + std::to_string(id) + " at token " + std::to_string(t) + ", slot " +
+        throw std::out_of_range("expert id " + std::to_string(id) + " at token " + std::to_string(t) + ", pick " +
                                 std::to_string(s) + " is outside [0, " + std::to_string(E) + ")");
       if (present[id] && (!j.mask || j.mask[id])) ++count[id];
     }

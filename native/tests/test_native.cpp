@@ -236,15 +236,15 @@ static void test_moe(std::shared_ptr<ThreadPool> pool, int T, int k, int E, Path
           format_name(fmt));
     j.path = path;
   }
-  // every held expert's matrices lie in its slice's arena: block arena_slot(e), at the layout's offsets
+  // every held expert's matrices lie in its slice's arena: block arena_block(e), at the layout's offsets
   for (const MoE::Slice& sl : moe.slices()) {
     CHECK(reinterpret_cast<uintptr_t>(sl.arena) % 4096 == 0 && sl.arena_bytes % 4096 == 0, "arena is page aligned");
     for (int e = 0; e < E; ++e) {
       if (!present[e]) {
-        CHECK(moe.arena_slot(e) == -1, "expert %d is not held but has a slot", e);
+        CHECK(moe.arena_block(e) == -1, "expert %d is not held but has a block", e);
         continue;
       }
-      const uint8_t* block = sl.arena + size_t(moe.arena_slot(e)) * sl.expert_stride;
+      const uint8_t* block = sl.arena + size_t(moe.arena_block(e)) * sl.expert_stride;
       const PackedMatrix* mats[3] = {&sl.gate[e], &sl.up[e], &sl.down[e]};
       for (int w = 0; w < 3; ++w) {
         const MoE::MatrixLayout& L = sl.layout[w];

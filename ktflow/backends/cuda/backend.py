@@ -106,7 +106,7 @@ class CudaGraphBackend(StaticRules, NativeBackend):
 
     def staging_buffers(self, staging: int, landing: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """GPU buffers every prefill plan's streamed experts share (grown to the largest asked
-        for): the staging slots, and the landing buffer packed experts are copied into. A prefill
+        for): the staging buffers, and the landing buffer packed experts are copied into. A prefill
         step ends with its streams synchronized, so a buffer replaced here is no longer read."""
         if self._staging is None or self._staging.numel() < staging:
             self._staging = None

@@ -34,6 +34,7 @@ from .lanes import Lanes
 from .trace import StepTimer
 
 
+@dataclass
 class Bound:
     """Everything one batch size's decode step is bound to: pinned inputs, the exchange arena
     and its views, the native tasks, the graph and its outputs."""
@@ -43,7 +44,7 @@ class Bound:
     position: torch.Tensor  # pinned int64 [1], or [batch] for a ragged step (a position per row)
     position_dev: torch.Tensor  # the same on the GPU
     arena: torch.Tensor  # pinned uint8
-    slots: dict[str, Any]  # value -> pinned view (routings: (ids, weights))
+    views: dict[str, Any]  # value -> pinned view (routings: (ids, weights))
     #: task root -> its native batches, run in order (one per NUMA shard: shards after the first add
     #: into the same output); none for a prologue node, computed before the launch
     tasks: dict[str, list[native.Batch]]
@@ -124,16 +125,16 @@ class DecodeGraph:
         ctx = StepContext(batch=bound.batch, seq=1, position=state.position, state=state, token_ids=bound.tokens)
         for n in self.prologue:
             values[n.name] = self.be.run(n, [values[i] for i in n.inputs], ctx)
-            if n.name in bound.slots:
-                bound.slots[n.name].copy_(values[n.name])
+            if n.name in bound.views:
+                bound.views[n.name].copy_(values[n.name])
 
     # ------------------------------------------------------------------------------ binding
     def _bind(self, b: int, positions: int) -> Bound:
         plan, g = self.plan, self.g
         # the plan's buffer plan is per token: the same layout for any batch
         arena = torch.zeros(max(plan.arena_bytes(b).get("pinned", 0), 1), dtype=torch.uint8, pin_memory=True)
-        slots = exchange_views(g, plan.buffers, arena, b)
-        tasks = {n.attrs.task: native_batches(self.be, g, n, slots, self.home) for n in g.nodes if n.op == Op.SUBMIT}
+        views = exchange_views(g, plan.buffers, arena, b)
+        tasks = {n.attrs.task: native_batches(self.be, g, n, views, self.home) for n in g.nodes if n.op == Op.SUBMIT}
         done_at, flag_at, flags = done_flags(self.driver, tasks)
         bells, ring, words = {}, None, None
         if self.be.submit == "doorbell" and self.be.wait == "flag":  # a host wait counts host submits
@@ -141,7 +142,7 @@ class DecodeGraph:
         pin = dict(pin_memory=True)
         return Bound(batch=b, tokens=torch.zeros(b, dtype=torch.int64, **pin),
                      position=torch.zeros(positions, dtype=torch.int64, **pin),
-                     position_dev=torch.zeros(positions, dtype=torch.int64, device="cuda"), arena=arena, slots=slots,
+                     position_dev=torch.zeros(positions, dtype=torch.int64, device="cuda"), arena=arena, views=views,
                      tasks=tasks, done_at=done_at, bells=bells, ring=ring, doorbells=words, done_words=flags,
                      next_ids=torch.zeros(b, dtype=torch.int64, **pin))
 
@@ -277,7 +278,7 @@ class DecodeGraph:
 
     def _lookups(self, b: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """The host prologue as lookups a step can make on the GPU from the ids it computed: (its
-        pinned slot [b, width], the page-locked table) per prologue node; None where a node is not
+        pinned view [b, width], the page-locked table) per prologue node; None where a node is not
         an embedding of the token ids whose table can be page-locked and gathered from."""
         if b not in self.bound:
             return None if self.prologue else []  # (a first step binds; runs follow it)
@@ -289,16 +290,16 @@ class DecodeGraph:
         out = []
         for n in self.prologue:
             table = self.be.weights.get(node_key(n), {}).get("weight") if n.op == Op.EMBED else None
-            slot = bound.slots.get(n.name)
-            if table is None or slot is None:
+            view = bound.views.get(n.name)
+            if table is None or view is None:
                 return None
-            slot = slot.view(b, -1)
+            view = view.view(b, -1)
             # the kernel's other conditions first: page-locking a table that then is not gathered from
             # would cost its registration (and, for a private mapping, a copy of every page)
-            if not (pinned_copy.can_gather(table, slot, pinned=False) and pin_tensor(table)
-                    and pinned_copy.can_gather(table, slot)):
+            if not (pinned_copy.can_gather(table, view, pinned=False) and pin_tensor(table)
+                    and pinned_copy.can_gather(table, view)):
                 return None
-            out.append((slot, table))
+            out.append((view, table))
         return out
 
     def _capture_run(self, bound: Bound, state, run: TokenRun, sampler: Sampler | None) -> None:
@@ -433,8 +434,8 @@ class DecodeGraph:
             pinned_copy.copy(run.ids[k], ids)
             if k + 1 < steps:
                 pinned_copy.copy(bound.tokens, ids)  # the next step's input, read where the first step's was
-                for slot, table in self._lookups(bound.batch):  # the host prologue's lookups, made here
-                    pinned_copy.gather_rows(slot, table, ids)
+                for view, table in self._lookups(bound.batch):  # the host prologue's lookups, made here
+                    pinned_copy.gather_rows(view, table, ids)
         self.current = ""
         return kept, out
 
@@ -448,7 +449,7 @@ class DecodeGraph:
             node = g.by_name(step.node)
             self.current = node.name
             if node.place.device == Device.CPU:  # input, prologue or a task's part
-                values[node.name] = bound.tokens if node.op == Op.INPUT else bound.slots.get(node.name)
+                values[node.name] = bound.tokens if node.op == Op.INPUT else bound.views.get(node.name)
             elif node.op == Op.INPUT:  # token ids read on the GPU: copied from their pinned buffer in the graph
                 values[node.name] = pinned_copy.copy(torch.empty_like(bound.tokens, device="cuda"), bound.tokens)
             else:
@@ -479,7 +480,7 @@ class DecodeGraph:
                     self.driver.wait_value(lanes.stream(step), bound.done_at[root], 1)
                 else:
                     self.driver.launch_host(lanes.stream(step), self.driver.wait_fn, bound.tasks[root][-1].handle)
-            values[node.name] = bound.slots[root]
+            values[node.name] = bound.views[root]
 
         lanes.events.clear()
         # fork the copy stream from the step's stream (under capture this makes it part of the graph;
@@ -493,7 +494,7 @@ class DecodeGraph:
 
     def _copy(self, node: Node, src: Any, bound: Bound, stream: torch.cuda.Stream) -> Any:
         if node.attrs.dst == "cpu":
-            dst = bound.slots[node.name]
+            dst = bound.views[node.name]
             with torch.cuda.stream(stream):
                 for d, s in zip(dst, src, strict=True) if isinstance(dst, tuple) else ((dst, src),):
                     pinned_copy.copy(d, s.reshape(d.shape))

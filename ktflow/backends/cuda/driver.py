@@ -1,6 +1,6 @@
 """The CUDA backend's hand-off to the CPU: the driver calls a captured graph makes (host launches,
 stream memory writes and waits), and what both runners read from a plan's graph to bind CPU tasks
-(the host prologue, the exchange slots, native batches, the done flags).
+(the host prologue, the exchange views, native batches, the done flags).
 
 A task's inputs and outputs are views of the pinned exchange arena. Each native batch has a pinned
 done flag the native dispatcher sets once its outputs are written; a sync waits on its task's last
@@ -158,7 +158,7 @@ def host_prologue(g: Graph, be, where: str) -> list[Node]:
 def exchange_views(g: Graph, buffers, arena: torch.Tensor, tokens: int) -> dict[str, Any]:
     """Views of the pinned exchange arena for every value the buffer plan put there, shaped for
     `tokens` tokens (a routing is an (ids int64, weights float32) pair, ids first)."""
-    slots: dict[str, Any] = {}
+    views: dict[str, Any] = {}
     for value, buf in buffers.items():
         if buf.arena != "pinned":
             continue
@@ -167,24 +167,24 @@ def exchange_views(g: Graph, buffers, arena: torch.Tensor, tokens: int) -> dict[
             k = t.shape[1]
             ids = arena[offset:offset + tokens * k * 8].view(torch.int64).view(tokens, k)
             wts = arena[offset + tokens * k * 8:offset + tokens * k * 12].view(torch.float32).view(tokens, k)
-            slots[value] = (ids, wts)
+            views[value] = (ids, wts)
         else:
             dt = _TORCH_DTYPE[t.dtype]
             n = t.numel(tokens) * dt.itemsize
-            slots[value] = arena[offset:offset + n].view(dt).view(t.concrete(tokens))
-    return slots
+            views[value] = arena[offset:offset + n].view(dt).view(t.concrete(tokens))
+    return views
 
 
-def native_batches(be, g: Graph, sub: Node, slots: dict, home: dict[str, str],
+def native_batches(be, g: Graph, sub: Node, views: dict, home: dict[str, str],
                    tokens: torch.Tensor | None = None) -> list[native.Batch]:
     """The native batches of the task `sub` submits, run in order (one per NUMA shard: shards
-    after the first add into the same output), over their pinned slots. `tokens`: a pinned int32
-    holding the rows to compute at each run (default: the slots' rows)."""
-    out = slots[sub.attrs.task]
+    after the first add into the same output), over their pinned views. `tokens`: a pinned int32
+    holding the rows to compute at each run (default: the views' rows)."""
+    out = views[sub.attrs.task]
     shards = [g.by_name(m) for m in sub.attrs.members if node_key(g.by_name(m)) in be.ops]
     batches = []
     for i, node in enumerate(shards):
-        x, routing = (slots[home.get(v, v)] for v in node.inputs)
+        x, routing = (views[home.get(v, v)] for v in node.inputs)
         batch = native.Batch()
         batch.add(be.ops[node_key(node)], x, routing[0], routing[1], out, accumulate=i > 0,
                   ranks=node.attrs.rank_range, mask=be.masks.get(node_key(node)), tokens=tokens)

@@ -5,7 +5,7 @@ The plan's lanes map to CUDA streams (`gpu`: compute and the host functions that
 `copy`: activations across PCIe; `fetch`: streamed expert weights, their copy and conversion),
 ordered by the plan's record/wait events, so the steps overlap as the plan's schedule predicts.
 Nothing is captured (prompts vary in length). Buffers come from the plan: the pinned exchange arena
-(laid out for the bucket's step_tokens; a shorter step uses each slot's first rows) and the
+(laid out for the bucket's step_tokens; a shorter step uses each view's first rows) and the
 fetches' staging arena. Host sources are pinned. Other values are torch tensors freed after their
 last reader; one read on another stream than it was made on is recorded there (record_stream), so
 its memory is not reused under the reader. How the lanes overlap: docs/design-notes.md.
@@ -35,11 +35,11 @@ from .trace import StepTimer
 
 @dataclass
 class PrefillBound:
-    """What a prefill plan's steps run on, made once per plan: pinned slots, native tasks, the
-    token-count word they read, staging slots and the landing buffer of the fetches."""
+    """What a prefill plan's steps run on, made once per plan: pinned views, native tasks, the
+    token-count word they read, staging buffers and the landing buffer of the fetches."""
 
     arena: torch.Tensor  # pinned uint8: the exchange arena
-    slots: dict[str, Any]  # value -> pinned view with step_tokens rows
+    views: dict[str, Any]  # value -> pinned view with step_tokens rows
     tokens: torch.Tensor  # pinned int32 [1]: rows of the step being run
     tasks: dict[str, list[native.Batch]]  # task root -> its native batches
     done_at: dict[str, int]  # task root -> device address of its last batch's done flag
@@ -49,7 +49,7 @@ class PrefillBound:
 
 
 def _rows(v: Any, n: int) -> Any:
-    """The first n rows of a pinned slot (a routing: of both its tensors)."""
+    """The first n rows of a pinned view (a routing: of both its tensors)."""
     return tuple(t[:n] for t in v) if isinstance(v, tuple) else v[:n]
 
 
@@ -97,9 +97,9 @@ class PrefillRunner:
         plan, g, be = self.plan, self.g, self.be
         arenas = plan.arena_bytes()
         arena = torch.zeros(max(arenas.get("pinned", 0), 1), dtype=torch.uint8, pin_memory=True)
-        slots = exchange_views(g, plan.buffers, arena, plan.step_tokens)
+        views = exchange_views(g, plan.buffers, arena, plan.step_tokens)
         tokens = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        tasks = {n.attrs.task: native_batches(be, g, n, slots, self.home, tokens=tokens)
+        tasks = {n.attrs.task: native_batches(be, g, n, views, self.home, tokens=tokens)
                  for n in g.nodes if n.op == Op.SUBMIT}
         done_at, _, _ = done_flags(be.driver, tasks)
         staged, landing = {}, 0
@@ -108,11 +108,11 @@ class PrefillRunner:
                 n = g.by_name(value)
                 staged[n.name] = (buf.offset, buf.bytes, n.out.concrete(0))
                 landing = max(landing, be.stagers[node_key(n)].landing_bytes(len(n.attrs.subset)))
-        return PrefillBound(arena=arena, slots=slots, tokens=tokens, tasks=tasks, done_at=done_at, staged=staged,
+        return PrefillBound(arena=arena, views=views, tokens=tokens, tasks=tasks, done_at=done_at, staged=staged,
                             staging_bytes=arenas.get("staging", 0), landing_bytes=landing)
 
     def _staging(self, bound: PrefillBound) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-        """This step's staging slots and landing buffer: views of the backend's GPU buffers,
+        """This step's staging buffers and landing buffer: views of the backend's GPU buffers,
         which every prefill plan shares (they never run at once), so the memory is the largest
         plan's, not the sum."""
         if not bound.staged:
@@ -177,20 +177,20 @@ class PrefillRunner:
             if node.op == Op.INPUT:
                 values[node.name] = ctx.token_ids
             elif node.name in self.prologue:  # from the token ids alone, on the host now
-                slot = _rows(bound.slots[node.name], rows) if node.name in bound.slots else None
+                view = _rows(bound.views[node.name], rows) if node.name in bound.views else None
                 table = be.weights.get(node_key(node), {}).get("weight") if node.op == Op.EMBED else None
-                if slot is not None and table is not None and table.dtype == slot.dtype:
-                    # gathered straight into its pinned slot (a new tensor first would cost its page
+                if view is not None and table is not None and table.dtype == view.dtype:
+                    # gathered straight into its pinned view (a new tensor first would cost its page
                     # faults and a second pass: 3x the time for a 32k-token prompt)
-                    torch.index_select(table, 0, ins[0], out=slot)
-                    values[node.name] = slot
+                    torch.index_select(table, 0, ins[0], out=view)
+                    values[node.name] = view
                     return
                 values[node.name] = be.run(node, ins, ctx)
-                if slot is not None:  # into its pinned slot: the copy to the GPU reads it from there
-                    slot.copy_(values[node.name])
-                    values[node.name] = slot
-            else:  # a task's member: the task computes it into its slot
-                values[node.name] = _rows(bound.slots[node.name], rows) if node.name in bound.slots else None
+                if view is not None:  # into its pinned view: the copy to the GPU reads it from there
+                    view.copy_(values[node.name])
+                    values[node.name] = view
+            else:  # a task's member: the task computes it into its view
+                values[node.name] = _rows(bound.views[node.name], rows) if node.name in bound.views else None
             return
         with torch.cuda.stream(stream):
             if step.kind == "launch":
@@ -213,13 +213,13 @@ class PrefillRunner:
                         be.driver.wait_value(stream, bound.done_at[root], 1)
                     else:
                         be.driver.launch_host(stream, be.driver.wait_fn, bound.tasks[root][-1].handle)
-                values[node.name] = _rows(bound.slots[root], rows)
+                values[node.name] = _rows(bound.views[root], rows)
 
     def _copy(self, node: Node, src: Any, bound: PrefillBound, rows: int) -> Any:
-        """On the current (copy) stream: into the value's pinned slot (to the CPU), or from a
-        pinned slot into new GPU memory (to the GPU)."""
+        """On the current (copy) stream: into the value's pinned view (to the CPU), or from a
+        pinned view into new GPU memory (to the GPU)."""
         if node.attrs.dst == "cpu":
-            dst = _rows(bound.slots[node.name], rows)
+            dst = _rows(bound.views[node.name], rows)
             for d, s in zip(_tensors(dst), _tensors(src), strict=True):
                 d.copy_(s.view(d.shape), non_blocking=True)
             return dst

@@ -196,13 +196,13 @@ def attention(be, node, w, ins, ctx, dev):
     return (mla if node.attrs.kind == "mla" else gqa)(be, node.attrs, w, ins[0], ctx, dev)
 
 
-def _picked(stack, slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The picks' matrices of one stacked projection: its rows `slot`, gathered; from a stack held
+def _picked(stack, stack_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The picks' matrices of one stacked projection: its rows `stack_rows`, gathered; from a stack held
     in FP8 (fp8_gpu.Fp8Weight) their bytes and scales gathered and dequantized to `dtype` (a
     temporary each projection in turn: memory.fp8_experts_dequant_bytes)."""
     if isinstance(stack, Fp8Weight):
-        return dequantize_experts(stack, dtype, slot)
-    return stack[slot]
+        return dequantize_experts(stack, dtype, stack_rows)
+    return stack[stack_rows]
 
 
 def routed_experts(be, node, w, ins, ctx, dev):
@@ -215,18 +215,18 @@ def routed_experts(be, node, w, ins, ctx, dev):
     st = be.stacked(node)
     lo, hi = node.attrs.rank_range
     ids, wts = ids[:, lo:hi], wts[:, lo:hi]
-    slot = st["local"][ids]
-    held = slot >= 0
-    slot = slot.clamp(min=0).reshape(-1)
+    stack_rows = st["local"][ids]
+    held = stack_rows >= 0
+    stack_rows = stack_rows.clamp(min=0).reshape(-1)
     t, k = ids.shape
     if isinstance(st["gate"], Fp8Weight) and picks_fused(x):  # one kernel per projection reads the picks' bytes
-        h = F.silu(picked_linear(x, st["gate"], slot, k)) * picked_linear(x, st["up"], slot, k)  # [t*k, I]
-        y = picked_linear(h, st["down"], slot, 1).float()  # [t*k, H]
+        h = F.silu(picked_linear(x, st["gate"], stack_rows, k)) * picked_linear(x, st["up"], stack_rows, k)  # [t*k, I]
+        y = picked_linear(h, st["down"], stack_rows, 1).float()  # [t*k, H]
     else:
         xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [t*k, H, 1]
-        h = F.silu(torch.bmm(_picked(st["gate"], slot, x.dtype), xs))  # [t*k, I, 1]
-        h = h * torch.bmm(_picked(st["up"], slot, x.dtype), xs)
-        y = torch.bmm(_picked(st["down"], slot, x.dtype), h)[:, :, 0].float()  # [t*k, H]
+        h = F.silu(torch.bmm(_picked(st["gate"], stack_rows, x.dtype), xs))  # [t*k, I, 1]
+        h = h * torch.bmm(_picked(st["up"], stack_rows, x.dtype), xs)
+        y = torch.bmm(_picked(st["down"], stack_rows, x.dtype), h)[:, :, 0].float()  # [t*k, H]
     return (y * (wts * held).reshape(-1, 1)).view(t, k, -1).sum(dim=1).to(x.dtype)
 
 

@@ -128,13 +128,13 @@ def _kernels():
         tl.store(out + rn[:, None].to(tl.int64) * so + kk[None, :], val.to(out.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def fp8_pick_gemv(x, xdiv, w, s, slot, y, n, k, sx, swe, swn, sse, ssn, sy, bn: tl.constexpr, bk: tl.constexpr):
-        """y[r] = x[r // xdiv] @ (expert slot[r]'s matrix)^T for one [bn] slice of row r per
+    def fp8_pick_gemv(x, xdiv, w, s, stack_rows, y, n, k, sx, swe, swn, sse, ssn, sy, bn: tl.constexpr, bk: tl.constexpr):
+        """y[r] = x[r // xdiv] @ (the matrix in stack row stack_rows[r])^T for one [bn] slice of row r per
         program, k in steps of one scale block (bk); each weight rounded to y's dtype after its
         scale (what a dequantized matrix holds), the products summed in float32."""
         pn = tl.program_id(0)
         r = tl.program_id(1)
-        e = tl.load(slot + r).to(tl.int64)
+        e = tl.load(stack_rows + r).to(tl.int64)
         rn = pn * bn + tl.arange(0, bn)
         rk = tl.arange(0, bk)
         xrow = x + (r // xdiv).to(tl.int64) * sx
@@ -195,11 +195,11 @@ def picks_fused(x: torch.Tensor) -> bool:
     return triton_on(x.device) and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def picked_linear(x: torch.Tensor, w: Fp8Weight, slot: torch.Tensor, xdiv: int) -> torch.Tensor:
-    """Row r: x[r // xdiv] [k] times the matrix of expert `slot[r]` of the FP8 stack `w` (data
-    [E, n, k]) -> [len(slot), n] in x's dtype, in one kernel (`fp8_pick_gemv`) that reads each
+def picked_linear(x: torch.Tensor, w: Fp8Weight, stack_rows: torch.Tensor, xdiv: int) -> torch.Tensor:
+    """Row r: x[r // xdiv] [k] times the matrix in row `stack_rows[r]` of the FP8 stack `w` (data
+    [E, n, k]) -> [len(stack_rows), n] in x's dtype, in one kernel (`fp8_pick_gemv`) that reads each
     picked expert's bytes once and builds no dequantized matrix (`picks_fused(x)` must hold).
-    Equal to `dequantize_experts(w, x.dtype, slot)` multiplied in float32, up to the order of
+    Equal to `dequantize_experts(w, x.dtype, stack_rows)` multiplied in float32, up to the order of
     the sums; static shapes and no host sync (a CUDA graph captures it)."""
     triton, *_, gemv = _kernels()
     e, n, k = w.data.shape
@@ -208,10 +208,10 @@ def picked_linear(x: torch.Tensor, w: Fp8Weight, slot: torch.Tensor, xdiv: int) 
     data, scale = w.data.view(torch.uint8), w.scale_inv
     if data.stride(2) != 1 or scale.stride(2) != 1:
         raise ValueError("picked_linear: the FP8 stack's rows must be contiguous")
-    rows = slot.shape[0]
+    rows = stack_rows.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:  # a program per 16 output rows of a pick (tile and warps: benchmarks/fp8_experts_decode.py)
-        gemv[(triton.cdiv(n, 16), rows)](x, xdiv, data, scale, slot, y, n, k, x.stride(0), data.stride(0),
+        gemv[(triton.cdiv(n, 16), rows)](x, xdiv, data, scale, stack_rows, y, n, k, x.stride(0), data.stride(0),
                                          data.stride(1), scale.stride(0), scale.stride(1), y.stride(0), 16, BLOCK,
                                          num_warps=8 if k > 1024 else 2)
     return y

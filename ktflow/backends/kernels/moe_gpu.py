@@ -63,8 +63,8 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
     sum (a streamed group's partial sum) rather than x's dtype."""
     t, k = ids.shape
     n = stack_rows(gate)
-    slot = local[ids].reshape(-1)
-    key = torch.where(slot < 0, n, slot)
+    row = local[ids].reshape(-1)
+    key = torch.where(row < 0, n, row)
     order = torch.argsort(key, stable=True)
     counts = torch.bincount(key, minlength=n + 1)[:n]
     offs = torch.cumsum(counts, 0).to(torch.int32)

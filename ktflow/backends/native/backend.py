@@ -125,7 +125,7 @@ class NativeBackend(TorchRefBackend):
     def cpu_expert_stager(self, parts: list[Node], weights: WeightSource, device) -> ExpertStager:
         """A stager over the packed CPU copy of every expert of a cached layer, from the plan's CPU
         parts of that layer (`parts`: a cached layer's CPU side holds them all), landing on
-        `device`: the expert cache refills its GPU slots from it, a copy over PCIe and an unpack on
+        `device`: the expert cache refills its GPU rows from it, a copy over PCIe and an unpack on
         the GPU, no CPU work."""
         n = parts[0]
         packs = host_packs(parts, n.attrs.inter)

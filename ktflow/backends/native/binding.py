@@ -354,12 +354,12 @@ class ExpertOp:
     def expert_stride(self, slice_: int = 0) -> int:
         return self.op.arena(slice_)[2]
 
-    def arena_slot(self, expert: int) -> int:
+    def arena_block(self, expert: int) -> int:
         """The block index of a held expert in every slice's arena."""
-        slot = self.op.arena_slot(expert)
-        if slot < 0:
+        block = self.op.arena_block(expert)
+        if block < 0:
             raise ConfigError(f"expert {expert} is not held by this operator")
-        return slot
+        return block
 
     def layout(self, slice_: int, which: int) -> dict:
         """Where packed matrix `which` (0 gate, 1 up, 2 down) lies in an expert's block, and its

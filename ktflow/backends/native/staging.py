@@ -40,10 +40,10 @@ def pieces_of(ops: list[native.ExpertOp], row_offsets: list[int]) -> list[Piece]
     return sorted(out, key=lambda p: p.rows)
 
 
-def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
-    """(first index, first slot, length) of each run of consecutive slots."""
+def _runs(blocks: list[int]) -> list[tuple[int, int, int]]:
+    """(first index, first block, length) of each run of consecutive blocks."""
     out: list[list[int]] = []
-    for i, s in enumerate(slots):
+    for i, s in enumerate(blocks):
         if out and s == out[-1][1] + out[-1][2]:
             out[-1][2] += 1
         else:
@@ -62,7 +62,7 @@ class ExpertStager:
         self.pieces, self.fmt, self.hidden, self.inter, self.device = pieces, fmt, hidden, inter, device
         self.dtype = dtype
         # what every step reads, looked up once: each piece's arena view and matrix layouts, and the
-        # runs of consecutive arena slots a subset copies (a fetch stages the same subset each step)
+        # runs of consecutive arena blocks a subset copies (a fetch stages the same subset each step)
         self._arenas = [p.op.arena(p.slice) for p in pieces]
         self._layouts = [[p.op.layout(p.slice, which) for which in range(3)] for p in pieces]
         self._runs: dict[tuple[int, ...], list[list[tuple[int, int, int]]]] = {}
@@ -91,7 +91,7 @@ class ExpertStager:
         gate, up, down = staged(out, self.hidden, self.inter)
         runs_per_piece = self._runs.get(subset)
         if runs_per_piece is None:
-            runs_per_piece = [_runs([p.op.arena_slot(e) for e in subset]) for p in self.pieces]
+            runs_per_piece = [_runs([p.op.arena_block(e) for e in subset]) for p in self.pieces]
             if remember:
                 self._runs[subset] = runs_per_piece
         at = 0
@@ -99,8 +99,8 @@ class ExpertStager:
             stride = p.stride
             dst = landing[at:at + n * stride].view(n, stride)
             at += n * stride
-            for first, slot, length in runs:
-                dst[first:first + length].view(-1).copy_(arena[slot * stride:(slot + length) * stride], non_blocking=True)
+            for first, block, length in runs:
+                dst[first:first + length].view(-1).copy_(arena[block * stride:(block + length) * stride], non_blocking=True)
             lo, hi = p.rows
             for L, target in zip(layouts, (gate[:, lo:hi], up[:, lo:hi], down[:, :, lo:hi]), strict=True):
                 data = dst[:, L["data_offset"]:L["data_offset"] + L["data_bytes"]]

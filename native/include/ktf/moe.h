@@ -115,7 +115,7 @@ class MoE {
   const std::vector<uint8_t>& present() const { return present_; }
   PackedMatrix& matrix(int slice, int expert, int which);  // which: 0 gate, 1 up, 2 down
   // Position of expert e's block in each slice's arena (its rank among the held experts), -1 if not held.
-  int arena_slot(int expert) const { return slot_[expert]; }
+  int arena_block(int expert) const { return block_[expert]; }
   bool packed(int expert) const { return packed_[expert] != 0; }
   void mark_packed(int expert) { packed_[expert] = 1; }
   ThreadPool& pool() { return *pool_; }
@@ -128,7 +128,7 @@ class MoE {
   std::shared_ptr<Workspace> workspace_;
   MoEShape shape_;
   std::vector<uint8_t> present_, packed_;
-  std::vector<int> slot_;
+  std::vector<int> block_;
   std::vector<Slice> slices_;
 };
 
