@@ -1,7 +1,7 @@
 """How much longer a decode step takes beside copies to the GPU: a bare DMA of B MB from page-locked
 host memory, and the expert cache's own refills of N experts (their DMA, the unpacking on the GPU
 and the host's work at the step end together). What a refill costs the decode steps is what the
-placement pass prices each copy at (`passes/place.py`, `slot_choices`); the bare DMA of the same
+placement pass prices each copy at (`passes/place.py`, `residency_choices`); the bare DMA of the same
 bytes says how much of that the link itself is.
 
 One plan decodes held-out conversations one step a token: the model compiled with
@@ -18,7 +18,7 @@ but by this benchmark. After every decode step, where the cache issues its refil
 The variants take turns conversation by conversation, the first moving on by one each
 conversation and round, so a machine's drift falls on all alike. Reported per variant: ms a
 decoded token, the host's ms a token at the step end (issuing the copies; for refills also
-emptying and naming slots: the decode loop waits for that part whatever the link does), MB copied
+emptying and naming rows: the decode loop waits for that part whatever the link does), MB copied
 a token, the ms a token it adds over the baseline per MB copied, one copy's ms per MB with the GPU
 otherwise idle (the link's own time), and their ratio, the stall: 1 means a step waits out the
 whole copy, 0 that the copy hides beside it entirely. A copy issued while the one before is still
@@ -165,8 +165,8 @@ def profile_step_ends(c, side: SideCopies, conv, decode: int, steps: int, top: i
 
 
 def swapped(resident: list[int], experts: int, n: int, rng: random.Random) -> list[int]:
-    """`resident` (a cached layer's expert a slot, -1: empty) with `n` of its experts, and every
-    empty slot, given random experts it does not hold."""
+    """`resident` (a cached layer's expert a row, -1: empty) with `n` of its experts, and every
+    empty row, given random experts it does not hold."""
     outside = [e for e in range(experts) if e not in resident]
     held = [s for s, e in enumerate(resident) if e >= 0]
     empty = {s for s, e in enumerate(resident) if e < 0}

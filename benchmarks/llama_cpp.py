@@ -74,11 +74,18 @@ def convert(ckpt: Path, gguf: Path, outtype: str, converter_src: Path, tools: Pa
     if outtype == "q8_0" and quantize is not None and quantize.exists() and room:
         convert(ckpt, bf16, "bf16", converter_src, tools)
         tmp = gguf.with_name(gguf.name + ".part")
-        subprocess.run([str(quantize), str(bf16), str(tmp), "Q8_0", str(len(os.sched_getaffinity(0)))], check=True,
-                       capture_output=True)
-        tmp.rename(gguf)
-        os.sync()
-        return time.perf_counter() - t0
+        r = subprocess.run([str(quantize), str(bf16), str(tmp), "Q8_0", str(len(os.sched_getaffinity(0)))],
+                           capture_output=True, text=True)
+        if r.returncode == 0:
+            tmp.rename(gguf)
+            os.sync()
+            return time.perf_counter() - t0
+        # llama-quantize reads the model's hyperparameters, which some architectures refuse at a
+        # depth other than a released one (a shallow deepseek2 template): the converter quantizes
+        tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+        print(f"  llama-quantize refused {bf16.name} ({r.returncode}): {' | '.join(tail)}; converting to Q8_0 "
+              "with llama.cpp's converter instead", flush=True)
+        tmp.unlink(missing_ok=True)
     src = Path("/tmp/llama-src")
     if not (src / "convert_hf_to_gguf.py").exists():
         src.mkdir(parents=True, exist_ok=True)

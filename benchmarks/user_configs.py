@@ -271,12 +271,30 @@ def traced_prefill(c, vocab: int, tokens: int, path: Path) -> dict:
             busy[st.lane] = busy.get(st.lane, 0.0) + st.end_us - st.start_us
         return {k: round(v, 1) for k, v in sorted(busy.items())}
 
+    def kind(st) -> str:  # lane:op, routed experts told apart by where their weights come from
+        n = plan.ir.by_name(st.node)
+        what = n.op.value
+        if what == "routed_experts":
+            what += ".streamed" if len(n.inputs) >= 3 else (".gpu" if n.place.device.value == "gpu" else ".cpu")
+        return f"{st.lane}:{what}"
+
+    def by_kind(ss) -> dict:
+        busy: dict[str, float] = {}
+        for st in ss:
+            if st.kind not in ("record", "wait") and st.lane in ("gpu", "fetch"):
+                busy[kind(st)] = busy.get(kind(st), 0.0) + st.end_us - st.start_us
+        return busy
+
     write_chrome_trace(with_measured_plans(c.plans, lambda p: steps if p is plan else None), str(path),
                        label="measured")
     span = (max(st.end_us for st in steps) - min(st.start_us for st in steps)) if steps else 0.0
+    measured, predicted = by_kind(steps), by_kind(plan.steps)
+    # the GPU-side kinds, most measured time first: [measured us, predicted us]
+    gpu_kinds = {k: [round(measured.get(k, 0.0), 1), round(predicted.get(k, 0.0), 1)]
+                 for k in sorted(set(measured) | set(predicted), key=lambda k: -measured.get(k, 0.0))}
     return dict(table="prefill_trace", prompt=tokens, bucket=plan.step_tokens, trace=str(path),
                 span_us=round(span, 1), predicted_us=round(plan.predicted_step_us, 1),
-                busy_us=lanes(steps), predicted_busy_us=lanes(plan.steps))
+                busy_us=lanes(steps), predicted_busy_us=lanes(plan.steps), gpu_kinds_us=gpu_kinds)
 
 
 def decode_rate(c, vocab: int, new: int, seed: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -375,6 +393,8 @@ def phase_user(run: Run) -> None:
                   f"{row['predicted_us'] / 1e3:.1f} ms predicted; busy ms by lane, measured / predicted: "
                   + ", ".join(f"{k} {v / 1e3:.1f} / {row['predicted_busy_us'].get(k, 0) / 1e3:.1f}"
                               for k, v in row["busy_us"].items()), flush=True)
+            print("    GPU-side kinds, ms measured / predicted: " + ", ".join(
+                f"{k} {m / 1e3:.1f} / {p / 1e3:.1f}" for k, (m, p) in list(row["gpu_kinds_us"].items())[:8]), flush=True)
             run.emit([row])
     kw = dict(temperature=a.temperature, top_p=a.top_p)
     for extra in ({}, kw):  # the user's decode graphs captured: greedy runs, single steps, logits for sampling

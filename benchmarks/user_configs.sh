@@ -17,7 +17,8 @@
 # device call may copy over), MODELS ("qwen3 dsv2lite"), FIT=1 (also llama.cpp's own fitter),
 # DEPTH (decode also after a prompt this long, both sides; default 32768, "" for none), DS_CKPT
 # (DeepSeek-V2-Lite's checkpoint arguments, default --fp8), KTFLOW_COMMIT (the rows' commit where
-# the tree has no .git).
+# the tree has no .git), LLAMA=0 (ktflow only: no llama.cpp rows), CPU_EXPERTS=0 (no experts-on-CPU
+# prefill rows).
 # Estimates (H100 host; disk and packing rates guessed, see the report): setup 1.5 min; per
 # model: Qwen3 GGUF 2.5 + llama.cpp 4 + checkpoint 2.5 + ktflow 4 + experts-on-CPU 1.5 = ~15 min;
 # DeepSeek-V2-Lite about 9 min.
@@ -35,10 +36,10 @@ E2E=/tmp/ktflow-e2e
 mkdir -p /tmp/uc "$E2E"
 status() { echo "$(date +%T) $*" | tee -a /tmp/uc/status; }
 step() {  # step NAME COMMAND...: run it, note how it went and how long it took, go on either way
-  local name=$1 t0=$SECONDS; shift
+  local name=$1 step_started=$SECONDS; shift
   status "start $name (disk free $(df -BG --output=avail "$E2E" | tail -1 | tr -d ' '))"
   "$@"; local rc=$?
-  status "end $name rc=$rc in $((SECONDS - t0)) s"
+  status "end $name rc=$rc in $((SECONDS - step_started)) s"
   return $rc
 }
 LL=(--llama "$CARRY/llama" --llama-src "$CARRY/llama-src.tgz" --tools "$CARRY" --run-id "$RUN_ID" --out "$JSONL")
@@ -58,7 +59,7 @@ for m in $MODELS; do
   # llama.cpp: the GGUF (template converted, then synthesized: Qwen3 ~2.5 min, DeepSeek ~1.5), then
   # prompt processing at 8192 / 32768 tokens at -ub 512 (8192 only) / 2048 / 4096 and tg128 at 14-16
   # threads, each test's -ncmoe chosen for the limit (Qwen3 ~4 min, DeepSeek ~3)
-  step "$m llama.cpp" python3 benchmarks/llama_user.py --model "$m" --vram-gb $V --decode-depth "$DEPTH" \
+  [ "${LLAMA:-1}" = 1 ] && step "$m llama.cpp" python3 benchmarks/llama_user.py --model "$m" --vram-gb $V --decode-depth "$DEPTH" \
       "${LL[@]}" "${fit[@]}"
   rm -f "$E2E/$m.q8_0-random.gguf"; sync
   # ktflow: the FP8 checkpoint (Qwen3 31 GB ~2.5 min, DeepSeek 16 GB ~1.5), then at the limit:
@@ -67,7 +68,7 @@ for m in $MODELS; do
   step "$m ktflow at $V GB" python3 benchmarks/user_configs.py --model "$m" $FP8 --vram-gb $V \
       --decode-depth "$DEPTH" --phases user,decode-only --trace-dir /tmp/uc "${UC[@]}"
   # the same prefill with every expert in CPU memory and VRAM free, its own process (~1.5 min)
-  step "$m ktflow experts on CPU" python3 benchmarks/user_configs.py --model "$m" $FP8 --vram-gb $V \
+  [ "${CPU_EXPERTS:-1}" = 1 ] && step "$m ktflow experts on CPU" python3 benchmarks/user_configs.py --model "$m" $FP8 --vram-gb $V \
       --phases cpu-experts "${UC[@]}"
   rm -rf "$E2E/$m-fp8" "${E2E:?}/$m"; sync
 done

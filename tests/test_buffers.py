@@ -37,7 +37,7 @@ def _no_overlap(plan):
 
 
 def test_the_buffer_plan_is_a_verified_pass(hybrid):
-    """The buffer pass ends the pipeline: the graph's nodes carry their slots, the plan reads them
+    """The buffer pass ends the pipeline: the graph's nodes carry their buffers, the plan reads them
     there, and the verifier's buffer rules hold the pass (an overlap is caught, naming B2)."""
     from dataclasses import replace
 
@@ -70,7 +70,7 @@ def test_a_larger_batch_scales_the_arenas(hybrid):
 def test_arenas_reuse_memory_across_layers(hybrid):
     plan = hybrid.decode
     total = sum(b.bytes for b in plan.buffers.values())
-    assert sum(plan.arena_bytes().values()) < total / 2  # liveness reuse, not one slot per value
+    assert sum(plan.arena_bytes().values()) < total / 2  # liveness reuse, not one buffer per value
     pinned = {v for v, b in plan.buffers.items() if b.arena == "pinned"}
     assert "L2.experts" in pinned and "L2.ffn_norm.to_cpu" in pinned  # what crosses PCIe on the host side
     assert not any(v.endswith(".sync") for v in plan.buffers)  # a sync aliases its task's buffer

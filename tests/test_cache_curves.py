@@ -70,7 +70,7 @@ def test_a_batch_spreads_over_the_prompt_list():
 
 
 def test_a_batch_that_keeps_to_different_experts_is_served_less():
-    """Two conversations, each always on its own two experts: two slots serve each alone fully,
+    """Two conversations, each always on its own two experts: two rows serve each alone fully,
     the pair together half of its reads (four experts read a step)."""
     def conv(hot):
         steps = torch.zeros(24, 8, dtype=torch.uint8)
@@ -100,7 +100,7 @@ def test_sticky_routing_is_served_and_shifting_routing_is_not():
     sticky = conv([(0, 1)] * 9)  # the same two experts every 8 steps
     moving = conv([(2 * i % experts, (2 * i + 1) % experts) for i in range(9)])  # two new experts every 8 steps
     c = cache_curves([sticky], 2, intervals=(8,))[8][1]
-    assert c.hits[1] == 1.0 and c.copies[1] == 0.0  # two slots serve every pick; nothing copied after the prompt
+    assert c.hits[1] == 1.0 and c.copies[1] == 0.0  # two rows serve every pick; nothing copied after the prompt
     m = cache_curves([moving], 2, intervals=(8,))[8][1]
     assert m.hits[1] == 0.0 and m.copies[1] > 0  # last stretch's experts never come back
 

@@ -20,16 +20,16 @@ def run(demo_dir, out, *extra):
                           capture_output=True, text=True, timeout=600)
 
 
-def test_a_refill_variant_swaps_n_experts_and_fills_empty_slots():
+def test_a_refill_variant_swaps_n_experts_and_fills_empty_rows():
     from copy_stall import swapped
 
     rng = random.Random(1)
     resident = [3, 7, -1, 0]
     new = swapped(resident, 10, 1, rng)
     assert len(new) == 4 and len(set(new)) == 4 and all(0 <= e < 10 for e in new)
-    assert new[2] not in resident  # the empty slot filled from outside
+    assert new[2] not in resident  # the empty row filled from outside
     kept = [s for s in (0, 1, 3) if new[s] == resident[s]]
-    assert len(kept) == 2  # one held expert swapped, the other two kept in their slots
+    assert len(kept) == 2  # one held expert swapped, the other two kept in their rows
     assert all(new[s] not in resident for s in (0, 1, 3) if s not in kept)
 
 
@@ -64,7 +64,7 @@ def test_each_variant_gets_a_row_against_the_baseline(demo_dir, tmp_path, device
 def test_profile_says_where_a_step_ends_host_time_goes(demo_dir, tmp_path):
     """--profile K: each variant but the baseline gets a profile row, the step end's whole time
     first, then what no op took, then the ops by host time; a refill's ops include the copies
-    into its slots."""
+    into its rows."""
     out = tmp_path / "s.jsonl"
     p = run(demo_dir, out, "--mb", "1", "--refill", "1", "--seqs", "1", "--prompt", "4", "--decode", "6",
             "--rounds", "1", "--profile", "2", "--device", "cpu", "--backend", "native")

@@ -78,8 +78,8 @@ def broken_stage(*args, **kwargs):
 
 
 def assert_each_expert_computed_once(cache):
-    """Every expert of every cached layer, in every plan's CPU part: either in a GPU slot that holds
-    it (the map names the slot) or on that CPU part's mask, never both, never neither."""
+    """Every expert of every cached layer, in every plan's CPU part: either in a GPU row that holds
+    it (the map names the row) or on that CPU part's mask, never both, never neither."""
     for c in cache.layers.values():
         for _, stacked in c.stacks:
             local = stacked["local"].cpu()
@@ -91,22 +91,22 @@ def assert_each_expert_computed_once(cache):
                         assert bool(mask[e]) != bool(local[e] >= 0), f"layer {c.layer} expert {e}"
 
 
-def slots_hold_their_experts(c, cache):
-    """Every filled slot of every cached layer holds its expert's checkpoint weights (rounded to the
+def rows_hold_their_experts(c, cache):
+    """Every filled row of every cached layer holds its expert's checkpoint weights (rounded to the
     stack's dtype)."""
     weights = c.model.weights
     for cl in cache.layers.values():
         for node, stacked in cl.stacks:
             lo, hi = node.attrs.rows
             refs = {r.role: r for r in node.weights if r.experts}
-            for slot, e in enumerate(cl.resident):
+            for row, e in enumerate(cl.resident):
                 if e < 0:
                     continue
-                assert int(stacked["local"][e]) == slot
+                assert int(stacked["local"][e]) == row
                 for role in ("gate", "up", "down"):
                     want = weights.load_expert(refs[role], e)
                     want = want[:, lo:hi] if role == "down" else want[lo:hi]
-                    assert torch.equal(stacked[role][slot].cpu(), want.to(stacked[role].dtype)), (e, role)
+                    assert torch.equal(stacked[role][row].cpu(), want.to(stacked[role].dtype)), (e, role)
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -114,11 +114,11 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @pytest.mark.parametrize("device,stage", [("cpu", 1), pytest.param("cuda", 1, marks=CUDA),
                                           pytest.param("cuda", None, marks=CUDA)])
-def test_refilled_slots_hold_their_experts_weights(demo_dir, device, stage, monkeypatch, capsys):
+def test_refilled_rows_hold_their_experts_weights(demo_dir, device, stage, monkeypatch, capsys):
     """A refill's copies (from the CPU side's packed experts, unpacked on the device, a bounded
     number of experts at a time: one, or as many as STAGE_BYTES holds) put each expert's own
-    weights in its slot. On CUDA the copies wait behind a busy copy stream while the host goes on
-    allocating and writing device memory of the slot index's size, which must not reach the
+    weights in its row. On CUDA the copies wait behind a busy copy stream while the host goes on
+    allocating and writing device memory of the row index's size, which must not reach the
     copies."""
     import ktflow.runtime.expert_cache as expert_cache
 
@@ -158,7 +158,7 @@ def test_refilled_slots_hold_their_experts_weights(demo_dir, device, stage, monk
              f"CPU experts page-locked: {pinned}; messages: {capsys.readouterr().err[-500:]!r}")
     cache.poll(wait=True)
     assert sorted(cache.resident(n.attrs.layer)) == sorted(outside)
-    slots_hold_their_experts(c, cache)
+    rows_hold_their_experts(c, cache)
     assert_each_expert_computed_once(cache)
 
 
@@ -178,14 +178,14 @@ def test_refilled_cache_gives_the_no_cache_plans_logits(demo_dir, tmp_path):
     assert torch.equal(got[:2], ref[:2])  # before the refill: the same arithmetic
     scale = ref.abs().max()
     assert (got - ref).abs().max() <= 0.01 * scale  # after it: the moved experts' other kernel (bf16 rounding)
-    # the check can fail: a slot's expert also computed on the CPU (its mask bit left on) is counted twice
+    # the check can fail: a row's expert also computed on the CPU (its mask bit left on) is counted twice
     cache.layers[layer].masks[0][0][outside[0]] = 1
     wrong = decode_logits(c)
     assert (wrong - ref).abs().max() > 0.05 * scale
 
 
 def test_a_refill_that_does_not_wait_moves_experts_to_the_cpu_first(demo_dir, tmp_path):
-    """refill(wait=False) empties the outgoing slots at once (their experts computed on the CPU
+    """refill(wait=False) empties the outgoing rows at once (their experts computed on the CPU
     from the next step), copies behind the steps, and poll() puts the incoming experts on the GPU:
     every step in between computes each expert exactly once."""
     model = ktflow.load(amplified(demo_dir, tmp_path / "amplified"))
@@ -205,7 +205,7 @@ def test_a_refill_that_does_not_wait_moves_experts_to_the_cpu_first(demo_dir, tm
         seen["cpu"] = {e for e in range(n.attrs.experts) if mask[e]}
 
     got = decode_logits(c, begin, steps=5, later=lambda: seen.setdefault("finished", cache.poll()))
-    assert seen["during"] == [-1] * len(first)  # every slot emptied, its copy under way
+    assert seen["during"] == [-1] * len(first)  # every row emptied, its copy under way
     assert seen["cpu"] == set(range(n.attrs.experts))  # meanwhile the CPU computes the whole layer
     assert seen["finished"] == len(outside) and cache.resident(layer) == tuple(sorted(outside))
     assert (got - ref).abs().max() <= 0.01 * ref.abs().max()
@@ -287,7 +287,7 @@ def test_a_ragged_batchs_padding_rows_do_not_count_toward_the_refill_interval(de
 def test_a_cached_layers_prefill_streams_the_layer_whole_or_keeps_it(demo_dir):
     """place_prefill_experts streams a split layer's CPU experts for a long prompt; a cached layer
     it streams whole (one GPU node over every expert, from a fetch of them all, standing in for the
-    cache part, whose slots the plan still counts in VRAM) or keeps as placed: never a subset,
+    cache part, whose rows the plan still counts in VRAM) or keeps as placed: never a subset,
     which the runtime's refills would contradict."""
     model = ktflow.load(demo_dir)
     kw = split_options(model)
@@ -299,15 +299,15 @@ def test_a_cached_layers_prefill_streams_the_layer_whole_or_keeps_it(demo_dir):
     plain = ktflow.compile(model, **kw)
     assert any(n.op == Op.FETCH for p in plain.prefill for n in layer_nodes(p))  # streamed without the cache
     c = ktflow.compile(model, expert_cache=True, prefill_experts="stream", **kw)
-    slots = len(cached_node(c).attrs.ids)
+    rows = len(cached_node(c).attrs.ids)
     for p in c.prefill:
         fetch, experts = ([n for n in layer_nodes(p) if n.op == op] for op in (Op.FETCH, Op.ROUTED_EXPERTS))
         assert [len(f.attrs.ids) for f in fetch] == [fetch[0].attrs.experts]  # every expert of the layer
         (whole,) = experts  # the cache part and the CPU part replaced by one streamed node
         assert whole.place.device.value == "gpu" and whole.attrs.ids == tuple(range(whole.attrs.experts))
-        assert whole.attrs.cache_size == slots and not whole.attrs.cached
+        assert whole.attrs.cache_size == rows and not whole.attrs.cached
         assert "a cache of" in whole.place.cause
-    # the slots still resident: the plan's VRAM is the kept plan's and the staging (the weights the same)
+    # the rows still resident: the plan's VRAM is the kept plan's and the staging (the weights the same)
     for p, kept in zip(c.prefill, ktflow.compile(model, expert_cache=True, prefill_experts="cpu", **kw).prefill):
         assert p.memory.weight_bytes == pytest.approx(kept.memory.weight_bytes, rel=1e-9)
         assert p.memory.staging_bytes > 0 and p.memory.gpu_bytes - p.memory.staging_bytes == \
@@ -323,7 +323,7 @@ def test_a_cached_layers_prefill_streams_the_layer_whole_or_keeps_it(demo_dir):
 
 
 def test_the_pass_streams_a_cached_layer_whole_for_a_long_prompt_only(demo_dir):
-    """auto: a prefill of 64 tokens keeps the cached layer as placed (the resident slots do part
+    """auto: a prefill of 64 tokens keeps the cached layer as placed (the resident rows do part
     of the work, the rest is little CPU work), one of 1024 streams it whole (the CPU part's work
     grows with the tokens, the fetch does not); each cause says which and why."""
     model = ktflow.load(demo_dir)
@@ -377,7 +377,7 @@ def test_a_plan_streaming_a_cached_layer_whole_saves_loads_and_is_checked(demo_d
     assert n.attrs == next(m for m in c.prefill[0].ir.nodes if m.name == n.name).attrs
     verify(g, "placed")
     bad = g.replace_nodes([replace(m, attrs=replace(m.attrs, cache_size=m.attrs.experts)) if m.name == n.name else m
-                           for m in g.nodes])  # as many slots as experts: no cache
+                           for m in g.nodes])  # as many rows as experts: no cache
     with pytest.raises(VerifyError, match="cache_size"):
         verify(bad, "placed")
 
@@ -429,8 +429,8 @@ def test_the_cache_refills_with_the_most_recorded_experts(demo_dir):
     counts = rec.counts[n.attrs.layer].tolist()
     cache = ExpertCache(c)
     cache.refill_from(rec)
-    slots = len(n.attrs.ids)
-    want = sorted(range(n.attrs.experts), key=lambda e: (-counts[e], e))[:slots]
+    rows = len(n.attrs.ids)
+    want = sorted(range(n.attrs.experts), key=lambda e: (-counts[e], e))[:rows]
     assert cache.resident(n.attrs.layer) == tuple(sorted(want))
     assert cache.refill_from(rec) == {n.attrs.layer: 0}  # already resident: nothing copied
 
@@ -443,9 +443,9 @@ def test_bad_cache_requests_are_one_error(demo_dir):
     c = ktflow.compile(model, expert_cache=True, **kw)
     cache = ExpertCache(c)
     n = cached_node(c)
-    with pytest.raises(InputError, match="slots"):
+    with pytest.raises(InputError, match="rows"):
         cache.refill(n.attrs.layer, [0])
-    with pytest.raises(InputError, match="slots"):
+    with pytest.raises(InputError, match="rows"):
         cache.refill(n.attrs.layer, [0] * len(n.attrs.ids))
     with pytest.raises(InputError, match="no expert cache"):
         cache.refill(-1, [0])
@@ -516,7 +516,7 @@ def test_ktflow_run_follows_the_routing_with_expert_cache(demo_dir, capsys):
     out = capsys.readouterr().out
     assert "expert cache: layers" in out and "every 2 decoded tokens" in out
     # after the text, what the cache did: its hit share, copies and host time
-    summary = re.search(r"expert cache: (\d+)% of the decoded picks on GPU slots, (\d+) experts copied in "
+    summary = re.search(r"expert cache: (\d+)% of the decoded picks on GPU rows, (\d+) experts copied in "
                         r"\(([\d.]+) MB a decoded token\), the host ([\d.]+) ms a decoded token", out)
     assert summary and 0 <= int(summary[1]) <= 100 and int(summary[2]) > 0 and float(summary[3]) > 0
     assert main([*args, "--expert-cache", "--refill-every", "2", "--prefill-experts", "stream"]) == 0  # cached layers whole
@@ -529,8 +529,8 @@ def test_ktflow_run_follows_the_routing_with_expert_cache(demo_dir, capsys):
 
 def curves_profile(path, experts=32, top_k=4, sticky=(3,), flat=(1, 2), intervals=(16, 32), batched=None):
     """A routing profile with uniform frequencies and cache curves: in `sticky` layers a cache of
-    S slots serves 4 S / experts of the picks (more at the first interval, for fewer copies); in
-    `flat` layers only S / experts (what static slots serve) and copies cost extra. `batched`:
+    S rows serves 4 S / experts of the picks (more at the first interval, for fewer copies); in
+    `flat` layers only S / experts (what static rows serve) and copies cost extra. `batched`:
     {B: (sticky, flat)} the same for batches of B conversations."""
     from ktflow.costmodel.routing import CacheCurve, RoutingProfile
 
@@ -556,10 +556,10 @@ def curves_profile(path, experts=32, top_k=4, sticky=(3,), flat=(1, 2), interval
 
 
 def test_the_placement_pass_prices_the_cache_and_sizes_it_per_layer(demo_dir, tmp_path):
-    """With cache curves in the routing profile, slots go where a cache serves most: the sticky
-    layer 3 takes, as a cache refilled at the interval worth most, the slots its curve gains by
+    """With cache curves in the routing profile, rows go where a cache serves most: the sticky
+    layer 3 takes, as a cache refilled at the interval worth most, the rows its curve gains by
     (8: there it serves every pick), the rest of the budget stays with layer 1's static experts;
-    a layer whose curve serves no more than static slots stays static."""
+    a layer whose curve serves no more than static rows stays static."""
     model = ktflow.load(demo_dir)
     kw = dict(hw="rtx4090-desktop", device="cpu", allow_oversize=True, backend="native", max_seq_len=64,
               vram_budget_gb=0.008, routing_profile=curves_profile(tmp_path / "r.json"))
@@ -572,7 +572,7 @@ def test_the_placement_pass_prices_the_cache_and_sizes_it_per_layer(demo_dir, tm
     n = cached[3]
     assert n.attrs.refill_every == 16  # the first interval serves more for fewer copies
     assert "refills every 16 decoded tokens" in n.place.cause and "cache curves" in n.place.cause
-    assert len(n.attrs.ids) == 8  # the pool's size: a ninth slot would serve nothing more
+    assert len(n.attrs.ids) == 8  # the pool's size: a ninth row would serve nothing more
     assert len(n.attrs.ids) + len(cached[1].attrs.ids) == len(static[1].attrs.ids)  # the same budget
     assert cached[1].attrs.refill_every == 0 and "no cache" in cached[1].place.cause
     assert "one conversation" not in n.place.cause
@@ -594,7 +594,7 @@ def test_the_placement_pass_prices_the_cache_and_sizes_it_per_layer(demo_dir, tm
     partial = curves_profile(tmp_path / "p.json", batched={4: ((), (1,))})
     some = gpu_experts(ktflow.compile(model, expert_cache=True, **dict(kw, max_batch=4, routing_profile=partial)))
     assert some[3].attrs.refill_every and "priced for one conversation" in some[3].place.cause
-    # curves that serve no more than static slots: the cache is off
+    # curves that serve no more than static rows: the cache is off
     flat = dict(kw, routing_profile=curves_profile(tmp_path / "f.json", sticky=(), flat=(1, 2, 3)))
     c = ktflow.compile(model, expert_cache=True, **flat)
     parts = [n for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "gpu"]
@@ -626,7 +626,7 @@ def test_the_pass_prices_each_copy_at_its_time_over_pcie(demo_dir, tmp_path):
 
 
 def test_a_failed_copy_leaves_the_expert_on_the_cpu_and_decoding_goes_on(demo_dir, tmp_path, capsys):
-    """A copy that fails warns once; its slots stay empty and the experts are computed on the CPU,
+    """A copy that fails warns once; its rows stay empty and the experts are computed on the CPU,
     so the logits stay the no-cache plan's; the next refill copies them."""
     model = ktflow.load(amplified(demo_dir, tmp_path / "amplified"))
     kw = split_options(model)
@@ -647,37 +647,37 @@ def test_a_failed_copy_leaves_the_expert_on_the_cpu_and_decoding_goes_on(demo_di
     cache.stop()
     assert -1 not in cache.layers[layer].resident
     assert_each_expert_computed_once(cache)
-    slots_hold_their_experts(c, cache)
+    rows_hold_their_experts(c, cache)
     assert (got - ref).abs().max() <= 0.01 * ref.abs().max()
 
 
 def test_a_refill_after_a_failed_copy_keeps_the_other_experts_where_they_are(demo_dir):
-    """A failed copy leaves its slots empty (-1); the next refill reuses them without touching the
-    experts that stay (an empty slot names no expert: taken as an index, -1 would be the last
+    """A failed copy leaves its rows empty (-1); the next refill reuses them without touching the
+    experts that stay (an empty row names no expert: taken as an index, -1 would be the last
     expert's entry in the map)."""
     model = ktflow.load(demo_dir)
     c = ktflow.compile(model, expert_cache=True, **split_options(model))
     cache = ExpertCache(c)
     n = cached_node(c)
-    layer, experts, slots = n.attrs.layer, n.attrs.experts, len(n.attrs.ids)
+    layer, experts, rows = n.attrs.layer, n.attrs.experts, len(n.attrs.ids)
     last = experts - 1
     others = [e for e in range(experts) if e != last]
-    cache.refill(layer, [last, *others[:slots - 1]])  # the last expert resident
+    cache.refill(layer, [last, *others[:rows - 1]])  # the last expert resident
     stager = cache.stagers[layer]
     stager.stage = broken_stage
-    cache.refill(layer, [last, *others[slots - 1:2 * slots - 2]])  # its copies fail: empty slots
+    cache.refill(layer, [last, *others[rows - 1:2 * rows - 2]])  # its copies fail: empty rows
     assert -1 in cache.layers[layer].resident
     del stager.stage
-    cache.refill(layer, [last, *others[:slots - 1]])  # the first ones again, into the empty slots
-    assert sorted(cache.resident(layer)) == sorted([last, *others[:slots - 1]])
+    cache.refill(layer, [last, *others[:rows - 1]])  # the first ones again, into the empty rows
+    assert sorted(cache.resident(layer)) == sorted([last, *others[:rows - 1]])
     assert_each_expert_computed_once(cache)
-    slots_hold_their_experts(c, cache)
+    rows_hold_their_experts(c, cache)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])  # (int4 experts: this model's plan puts none on the GPU)
 def test_a_refilled_quantized_expert_computes_with_the_cpus_weights(demo_dir, fmt):
     """With int8 or FP8 CPU experts (quantized here from the bf16 checkpoint), an expert refilled
-    into a slot is copied from the CPU's packed (quantized) copy: its slot holds the dequantized
+    into a row is copied from the CPU's packed (quantized) copy: its row holds the dequantized
     weights the CPU computes it with, not the checkpoint's, and each expert is still computed once."""
     model = ktflow.load(demo_dir)
     c = ktflow.compile(model, expert_cache=True, **split_options(model, expert_format=fmt))
@@ -699,7 +699,7 @@ def test_a_refilled_quantized_expert_computes_with_the_cpus_weights(demo_dir, fm
 
 def test_a_refill_copies_its_experts_in_arena_order(demo_dir):
     """The incoming experts are staged in id order (the CPU arena's), whatever order the refill
-    ranks them in, so neighbours go as one copy; each still lands in a slot of its own."""
+    ranks them in, so neighbours go as one copy; each still lands in a row of its own."""
     model = ktflow.load(demo_dir)
     c = ktflow.compile(model, expert_cache=True, **split_options(model))
     cache = ExpertCache(c)
@@ -718,11 +718,11 @@ def test_a_refill_copies_its_experts_in_arena_order(demo_dir):
     assert cache.refill(n.attrs.layer, ranked) == len(ranked)
     assert staged_subsets and [e for s in staged_subsets for e in s] == sorted(ranked)
     assert sorted(cache.resident(n.attrs.layer)) == sorted(ranked)
-    slots_hold_their_experts(c, cache)
+    rows_hold_their_experts(c, cache)
 
 
 def test_the_hit_share_counts_each_decoded_pick_on_a_filled_slot(demo_dir):
-    """`served / picked` replayed step by step: a decoded pick is served when its expert's slot
+    """`served / picked` replayed step by step: a decoded pick is served when its expert's row
     was filled during that step (a copy lands at the step end after its refill, so for one step
     the expert is the CPU's), counted when a later decode step's refill closes its window (a
     prefill's refill drops the window's picks)."""
@@ -733,7 +733,7 @@ def test_the_hit_share_counts_each_decoded_pick_on_a_filled_slot(demo_dir):
     layers = sorted(cache.layers)
     state = dict(after={}, open={layer: [0, 0] for layer in layers}, served=0, picked=0)
 
-    def before(executor, tokens):  # the step just run: its picks, and the slots filled during it
+    def before(executor, tokens):  # the step just run: its picks, and the rows filled during it
         counts = {layer: rec.counts[layer].cpu().clone() for layer in layers if layer in rec.counts}
         for layer, now in counts.items():
             picks = now - state["after"].get(layer, torch.zeros_like(now))

@@ -104,7 +104,12 @@ def test_a_traced_prompt_writes_its_trace_and_busy_time_per_lane(tiny_qwen3, tmp
         assert trace["traceEvents"] if isinstance(trace, dict) else trace
         assert r["span_us"] > 0 and r["predicted_us"] > 0
         assert r["busy_us"] and set(r["busy_us"]) <= set(r["predicted_busy_us"]) | {"host"}
-    assert "traced prefill 64" in p.stdout
+        # the GPU side by kind (lane:op), measured beside predicted, the most measured first
+        kinds = r["gpu_kinds_us"]
+        assert kinds and all(k.split(":")[0] in ("gpu", "fetch") for k in kinds)
+        measured = [m for m, _ in kinds.values()]
+        assert measured == sorted(measured, reverse=True) and any(p > 0 for _, p in kinds.values())
+    assert "traced prefill 64" in p.stdout and "GPU-side kinds" in p.stdout
 
 
 def test_deepseek_v2_lite_shape_runs_the_user_phase(tmp_path):
