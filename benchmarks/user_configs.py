@@ -27,9 +27,7 @@ measured, so a run cut short keeps them):
     python benchmarks/user_configs.py --model qwen3 --fp8 --vram-gb 24 --prefill 8192,32768
     python benchmarks/user_configs.py --model qwen3-tiny --device cpu --hw rtx4090-desktop ...   # dry run
 
-Until the `vram_gb` compile option exists, the limit is met by the benchmark itself: compiled
-with `vram_budget_gb` lowered until the plans' predicted peak fits (`vram_option` in every row
-says which). llama.cpp at the same VRAM: `llama_user.py`; the joined table: `user_report.py`.
+llama.cpp at the same VRAM: `llama_user.py`; the joined table: `user_report.py`.
 """
 
 from __future__ import annotations
@@ -62,10 +60,6 @@ TINY = {  # dry-run shapes: the families of the real ones, small enough for a CP
 MODELS = {**FULL, **TINY}
 DEFAULT_VRAM_GB = {"qwen3": 24.0, "dsv2lite": 16.0}
 
-# TODO-to-confirm (issue 42): the compile options of the VRAM plan built beside this benchmark.
-# The whole run's GPU memory bound, and what makes a decode-only placement (nothing reserved for
-# prefill) under the same bound. Each is used only where CompileOptions has it; else the fallback.
-VRAM_OPTION = "vram_gb"
 DECODE_ONLY_OPTIONS = {"prefill_reserve": "none"}  # decode first: nothing reserved for prefill
 PROMPT = 32  # decode runs start after a prompt of this many tokens
 
@@ -145,12 +139,6 @@ def vram_row(c, plans, vram: Vram, variant: str) -> dict:
 # ------------------------------------------------------------------------------------ compiling
 
 
-def has_options(*names: str) -> bool:
-    from ktflow.plan.options import CompileOptions
-
-    return all(n in CompileOptions.model_fields for n in names)
-
-
 def plans_run(c, lengths: list[int]) -> list:
     """The plans a phase runs: decode, and the prefill plans of its prompt lengths and PROMPT."""
     return list({id(p): p for p in [c.decode] + [c.prefill_plan(n) for n in {*lengths, PROMPT}]}.values())
@@ -161,48 +149,13 @@ def peak_gb(plans) -> float:
 
 
 def compile_limited(model, base: dict, vram_gb: float, decode_only: bool):
-    """Compiled under the VRAM limit (decode_only: nothing reserved for prefill), its options and
-    how: the compile options where ktflow has them; else `vram_budget_gb` searched (lowered by the
-    excess, then bisected) for a placement whose plans that must fit (every plan; decode-only: the
-    decode plan) have a predicted peak within the limit and within 1% of it (or of the last one
-    over it). The search compiles one prefill bucket, the largest (where staging and activations
-    peak); the last compile has the buckets asked for, and is checked again."""
+    """Compiled under the VRAM limit (compile option vram_gb; decode_only: nothing reserved for
+    prefill, DECODE_ONLY_OPTIONS): the compiled model, its options and how the limit was given."""
     import ktflow
 
     extra = DECODE_ONLY_OPTIONS if decode_only else {}
-    if has_options(VRAM_OPTION, *extra):
-        opts = dict(base, **{VRAM_OPTION: vram_gb}, **extra)
-        return ktflow.compile(model, **opts), opts, VRAM_OPTION + "".join(f"+{k}={v}" for k, v in extra.items())
-    limit = vram_gb * 1.0005
-
-    def attempt(budget: float, search: bool):
-        opts = dict(base, vram_budget_gb=max(budget, 1e-6))
-        if search and "prefill_buckets" not in base:
-            opts["prefill_buckets"] = [base["max_seq_len"]]
-        c = ktflow.compile(model, **opts)
-        return c, opts, peak_gb([c.decode] if decode_only else [c.decode, *c.prefill])
-
-    lo, hi, budget, fit = 0.0, vram_gb, vram_gb, None
-    for i in range(12):
-        c, opts, need = attempt(budget, True)
-        if need <= limit:
-            lo, fit = budget, budget
-            if need >= 0.99 * vram_gb or hi - lo <= 0.01 * vram_gb:
-                break
-        else:
-            hi = budget
-            if budget <= 0:
-                break
-        budget = max(lo, budget - (need - vram_gb)) if need > limit and i < 2 else (lo + hi) / 2
-    for _ in range(3):
-        if fit is None:
-            break
-        c, opts, need = attempt(fit, False)
-        if need <= limit:
-            return c, opts, "vram_budget_gb fitted by the benchmark" + (" (decode plan only)" if decode_only else "")
-        fit -= need - vram_gb
-        fit = fit if fit > 0 else None
-    raise SystemExit(f"no vram_budget_gb fits the plans in {vram_gb} GB (last: {need:.3f} GB predicted)")
+    opts = dict(base, vram_gb=vram_gb, **extra)
+    return ktflow.compile(model, **opts), opts, "vram_gb" + "".join(f"+{k}={v}" for k, v in extra.items())
 
 
 def resident(plan) -> dict:
