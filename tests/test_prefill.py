@@ -342,10 +342,12 @@ def test_one_pass_dequant_kernel_matches_the_torch_unpack(fmt, inter, monkeypatc
         assert (want_buf[:, 1:n + 1, 2:k + 2] != 7.0).any()
 
 
+@pytest.mark.parametrize("read_count", [True, False])
 @pytest.mark.parametrize("block", [16384, 7, 1])
-def test_grouped_experts_match_the_reference_loop(block, monkeypatch):
-    """Held picks only, in blocks of GROUPED_ROWS (here also 7 and 1: blocks that cut an
-    expert's picks), equal the per-pick loop; added to a running sum, returned as its float32."""
+def test_grouped_experts_match_the_reference_loop(block, read_count, monkeypatch):
+    """In blocks of GROUPED_ROWS (here also 7 and 1: blocks that cut an expert's picks), the held
+    picks only (their count read on the host) or every pick with the others' rows masked (a GPU's
+    way: no host wait), equal the per-pick loop; added to a running sum, returned as its float32."""
     from ktflow.backends.kernels import moe_gpu
     from ktflow.backends.kernels.layers import swiglu
     from ktflow.backends.kernels.moe_gpu import expert_map, grouped_experts
@@ -361,7 +363,7 @@ def test_grouped_experts_match_the_reference_loop(block, monkeypatch):
     wts = torch.rand(T, k, generator=g)
     held = (1, 2, 5, 6)  # the others are held elsewhere: they add nothing here
     got = grouped_experts(x, ids, wts, expert_map(held, E, "cpu"), gate[list(held)], up[list(held)],
-                          down[list(held)])
+                          down[list(held)], read_count=read_count)
     want = torch.zeros(T, H)
     for t in range(T):
         for s in range(k):
@@ -371,9 +373,9 @@ def test_grouped_experts_match_the_reference_loop(block, monkeypatch):
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     before = torch.randn(T, H, generator=g)
     running = grouped_experts(x, ids, wts, expert_map(held, E, "cpu"), gate[list(held)], up[list(held)],
-                              down[list(held)], addend=before, running=True)
+                              down[list(held)], addend=before, running=True, read_count=read_count)
     assert running.dtype == torch.float32 and torch.allclose(running, before + want, atol=1e-4, rtol=1e-4)
-    none = grouped_experts(x, ids, wts, expert_map((), E, "cpu"), gate[:0], up[:0], down[:0])
+    none = grouped_experts(x, ids, wts, expert_map((), E, "cpu"), gate[:0], up[:0], down[:0], read_count=read_count)
     assert torch.equal(none, torch.zeros_like(x))
 
 

@@ -145,14 +145,18 @@ def _blocks(shape: tuple[int, ...]) -> tuple[int, int]:
 def fp8_experts_dequant_bytes(n: Node, tokens: int, act: int, decode: bool = False) -> float:
     """Temporaries of the GPU rules of a routed-experts node whose experts are held in FP8, one
     projection at a time (each freed after its product), the largest, its matrices padded to
-    whole FP8_BLOCK blocks (backends.fp8_gpu.dequantize_experts): in a `decode` step (the captured
-    rule) every pick's FP8 bytes and scales gathered and its matrix in the activation dtype; in
-    any other step (the grouped rule) the node's every expert's matrix in the activation dtype."""
+    whole FP8_BLOCK blocks (backends.fp8_gpu.dequantize_experts). In a `decode` step (the captured
+    rule): with 2-byte activations none (the fused kernel, fp8_gpu.picked_linear, reads each
+    pick's FP8 bytes in place, as the dense fused kernel does up to FP8_FUSED_ROWS rows); else
+    every pick's FP8 bytes and scales gathered and its matrix in the activation dtype. In any
+    other step (the grouped rule) the node's every expert's matrix in the activation dtype."""
     held = [w for w in n.weights if fp8_expert_weight(w)]
     if not held or n.op != Op.ROUTED_EXPERTS:
         return 0.0
     blocks = max(_blocks(w.shape)[0] * _blocks(w.shape)[1] for w in held)
     padded = blocks * FP8_BLOCK * FP8_BLOCK
+    if decode and act == 2:
+        return 0.0
     if decode:
         lo, hi = n.attrs.rank_range
         picks = tokens * (hi - lo)

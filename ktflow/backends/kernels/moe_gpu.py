@@ -48,19 +48,21 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: tor
 
 
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local: torch.Tensor, gate, up, down,
-                    addend: torch.Tensor | None = None, running: bool = False) -> torch.Tensor:
+                    addend: torch.Tensor | None = None, running: bool = False,
+                    read_count: bool | None = None) -> torch.Tensor:
     """sum over each token's picks of weight * down(silu(gate x) * up x), for the picks whose
     expert has a row in the stacked weights (`local[id]` >= 0; others add nothing). x [T, H];
     ids, wts [T, k]; gate, up [n, I, H]; down [n, H, I] (tensors, or fp8_gpu.Fp8Weight stacks:
     each dequantized to x's dtype for its product) -> [T, H] in x's dtype (summed in fp32).
-    Picks are sorted by expert, those held elsewhere last; outside a CUDA graph capture the
-    count of held picks is read on the host (one sync, where the node holds only some of the
-    layer's experts) and only those rows are gathered,
-    multiplied and summed, GROUPED_ROWS at a time, so a part holding few of the layer's experts
-    (a streamed group) costs in proportion to its picks and a long step's temporaries stay
-    bounded; while capturing, every pick's row is (masked).
+    Picks are sorted by expert, those held elsewhere last, and multiplied and summed
+    GROUPED_ROWS at a time, so a long step's temporaries stay bounded. On a GPU no count is read
+    on the host: every pick's row goes through (the grouped products skip rows past the held
+    picks; those rows are masked), so a prefill's lanes are issued ahead of the GPU. On the CPU
+    the count of held picks is read and only their rows go through, so a part holding few of the
+    layer's experts costs in proportion to its picks.
     `addend` (float32 [T, H]): a running sum the picks are added to; `running`: return the float32
-    sum (a streamed group's partial sum) rather than x's dtype."""
+    sum (a streamed group's partial sum) rather than x's dtype. `read_count` (default: on the
+    CPU) chooses between the two ways; both give the same sums."""
     t, k = ids.shape
     n = stack_rows(gate)
     row = local[ids].reshape(-1)
@@ -75,15 +77,21 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
         # weight is 0 and they are zeroed
         weight = torch.where(key[order] < n, wts.reshape(-1)[order], 0.0)
         _rows(x, order // k, weight, gate, up, down, offs, counts, out, masked=True)
-    else:  # the held picks only, GROUPED_ROWS at a time (memory.SCRATCH bounds the temporaries so)
-        # every expert of the layer held (a resident layer): every pick, no need to read the count
-        held = t * k if n == local.numel() else int(offs[-1]) if n else 0
-        for lo in range(0, held, GROUPED_ROWS):
-            hi = min(lo + GROUPED_ROWS, held)
-            block = order[lo:hi]
-            offs_b = (offs - lo).clamp_(0, hi - lo)
-            counts_b = torch.diff(offs_b, prepend=offs_b.new_zeros(1))
-            _rows(x, block // k, wts.reshape(-1)[block], gate, up, down, offs_b, counts_b, out, masked=False)
+        return out if running else out.to(x.dtype)
+    # GROUPED_ROWS picks at a time (memory.SCRATCH bounds the temporaries so): on a GPU every
+    # pick's row, the blocks past the held ones masked, so the host never waits for the count (a
+    # prefill issues its lanes ahead of the GPU); on the CPU only the held picks
+    read_count = not x.is_cuda if read_count is None else read_count
+    whole = n == local.numel()  # every expert of the layer held (a resident layer): every pick
+    held = 0 if n == 0 else t * k if whole or not read_count else int(offs[-1])
+    masked = not (whole or read_count)
+    weight = torch.where(key[order] < n, wts.reshape(-1)[order], 0.0) if masked else wts.reshape(-1)[order]
+    for lo in range(0, held, GROUPED_ROWS):
+        hi = min(lo + GROUPED_ROWS, held)
+        block = order[lo:hi]
+        offs_b = (offs - lo).clamp_(0, hi - lo)
+        counts_b = torch.diff(offs_b, prepend=offs_b.new_zeros(1))
+        _rows(x, block // k, weight[lo:hi], gate, up, down, offs_b, counts_b, out, masked=masked)
     return out if running else out.to(x.dtype)
 
 
