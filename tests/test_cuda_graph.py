@@ -524,3 +524,45 @@ def test_the_runners_bindings_take_what_their_bind_gives_them():
         assert len(calls) == 1, cls.__name__
         made = cls(**{k.arg: None for k in calls[0].keywords})
         assert all(getattr(made, k.arg) is None for k in calls[0].keywords)
+
+
+def test_what_the_cuda_runners_read_off_their_backend_it_has():
+    """Runs without a GPU: every attribute the CUDA runners and the driver read off their backend
+    (`be.X`, `self.be.X`, `be.experts.X`) is one the composed CudaGraphBackend has (a method, a
+    property, or set in its __init__; the experts' on NativeExperts; the static rules' `be` is the
+    reference engine they are composed into): a renamed or moved part would otherwise fail only on
+    a GPU."""
+    import ast
+    import inspect
+    from pathlib import Path
+
+    from ktflow.backends.cuda import backend as cuda_backend
+    from ktflow.backends.native.experts import NativeExperts
+    from ktflow.backends.torch_ref import TorchRefBackend
+
+    def members(cls) -> set[str]:
+        tree = ast.parse(inspect.getsource(cls))
+        assigned = {t.attr for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
+                    for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                    for t in (t.elts if isinstance(t, ast.Tuple) else [t])
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+        return assigned | {n for n in dir(cls) if not n.startswith("__")}
+
+    has = {"be": members(cuda_backend.CudaGraphBackend), "experts": members(NativeExperts),
+           "engine": members(TorchRefBackend)}
+    read: set[tuple[str, str, str]] = set()
+    for path in Path(cuda_backend.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Attribute) and owner.attr == "experts" and (
+                    isinstance(owner.value, ast.Name) and owner.value.id == "be" or
+                    isinstance(owner.value, ast.Attribute) and owner.value.attr == "be"):
+                read.add(("experts", node.attr, path.name))
+            elif isinstance(owner, ast.Name) and owner.id == "be" or \
+                    isinstance(owner, ast.Attribute) and owner.attr == "be" and isinstance(owner.value, ast.Name):
+                read.add(("engine" if path.name == "static_rules.py" else "be", node.attr, path.name))
+    assert len(read) > 10  # the scan sees the runners' reads
+    missing = sorted(r for r in read if r[1] not in has[r[0]])
+    assert not missing, missing

@@ -354,7 +354,7 @@ def test_a_prefill_fetch_copies_from_the_decode_plans_packed_experts(demo_dir, f
         ktflow.execute(c, PROMPT)
     ExpertCache(c)  # every plan prepared
     layer = cached_node(c).attrs.layer
-    packs = [key for key in c._backend._packed if key[1] == tuple(range(cached_node(c).attrs.experts))]
+    packs = [key for key in c._backend.experts._packed if key[1] == tuple(range(cached_node(c).attrs.experts))]
     assert sorted(key[2] for key in packs) == sorted({n.attrs.rows for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS
                                                       and n.attrs.layer == layer and n.place.device.value == "cpu"})
 

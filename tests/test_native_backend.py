@@ -44,7 +44,7 @@ def compare(d, fmt="bf16", **options):
     a32, _ = logits(ref32, ids, fed)
     b, _ = logits(nat, ids, fed)  # the same decode tokens on all
     assert nat.executor("decode").backend.name == "native"
-    assert nat.executor("decode").backend.ops, "no node ran natively"
+    assert nat.executor("decode").backend.experts.ops, "no node ran natively"
     return b, closer_reference(b, [a, a32])
 
 
@@ -75,7 +75,7 @@ def test_native_with_numa_shards_and_deferral(tiny_dirs):
     deferred = [n for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.rank_range[0] > 0]
     immediate = {(n.attrs.layer, n.place.numa): n for n in g.nodes if n.op == Op.ROUTED_EXPERTS
                  and n.attrs.rank_range[0] == 0}
-    assert deferred and all(be.ops[node_key(n)] is be.ops[node_key(immediate[n.attrs.layer, n.place.numa])]
+    assert deferred and all(be.experts.ops[node_key(n)] is be.experts.ops[node_key(immediate[n.attrs.layer, n.place.numa])]
                             for n in deferred)  # packed once
     assert {be.loaded[n.name] for n in deferred} == {"shared"}
 

@@ -208,7 +208,7 @@ def test_the_landing_buffer_the_runtime_makes_is_the_one_planned(demo_dir):
     from ktflow.backends.base import node_key
 
     for f in (n for n in plan.ir.nodes if n.op == Op.FETCH):
-        assert ex.backend.stagers[node_key(f)].landing_bytes(len(f.attrs.subset)) <= f.attrs.link_bytes + 4096
+        assert ex.backend.experts.stagers[node_key(f)].landing_bytes(len(f.attrs.subset)) <= f.attrs.link_bytes + 4096
 
 
 # ------------------------------------------------------------------------------- logits

@@ -23,7 +23,7 @@ from ..ir.ops import AttentionAttrs, GateAttrs, Op
 from ..ir.types import Device
 from ..frontend.quant import scale_key
 from ..frontend.weights import WeightSource, check_finite
-from .kv import cache_of
+from .kv import StaticCaches, cache_of
 from .kernels import fused_gpu
 from .base import StepContext, node_key
 from .kernels.dequant_gpu import available as triton_on
@@ -37,13 +37,19 @@ Weights = dict[str, Any]
 class TorchRefBackend:
     name = "torch_ref"
 
-    def __init__(self, gpu_device: str = "cpu", dtype: torch.dtype = torch.float32, options: Any = None):
+    def __init__(self, gpu_device: str = "cpu", dtype: torch.dtype = torch.float32, options: Any = None, *,
+                 static_kv: StaticCaches | None = None):
+        """`static_kv`: the KV caches are lent from it (a captured graph's) instead of owned by
+        each sequence's state."""
         self.devices = {Device.CPU: torch.device("cpu"), Device.GPU: torch.device(gpu_device)}
         self.dtype = dtype
         self.weights: dict[str, Weights] = {}
         self._inv_freq: dict[Any, torch.Tensor] = {}
-        self.rules: dict[Op, Callable] = dict(RULES)  # subclasses swap in their own rules per op
+        #: op -> rule(engine, node, weights, inputs, ctx, device); a backend composed over this
+        #: engine puts its own rules in (the native side's, the CUDA backend's static ones)
+        self.rules: dict[Op, Callable] = dict(RULES)
         self._stacked: dict[tuple, dict] = {}
+        self.static_kv = static_kv
 
     def device_of(self, node: Node) -> torch.device:
         return self.devices[node.place.device] if node.place is not None else self.devices[Device.CPU]
@@ -145,7 +151,10 @@ class TorchRefBackend:
         return rope_mod.cos_sin(attrs.rope, self._inv_freq[key], pos, self.dtype)
 
     def cache(self, ctx: StepContext, attrs: AttentionAttrs, dev: torch.device) -> tuple[torch.Tensor, ...]:
-        """This layer's KV cache: the sequence state's own (backends/kv.py)."""
+        """This layer's KV cache (backends/kv.py): the sequence state's own, or lent from the
+        static caches."""
+        if self.static_kv is not None:
+            return self.static_kv.lend(ctx.state, attrs, ctx.batch, dev)
         return cache_of(ctx.state, attrs, ctx.batch, self.dtype, dev)
 
 

@@ -145,9 +145,9 @@ def host_prologue(g: Graph, be, where: str) -> list[Node]:
     for n in g.nodes:
         if n.place.device != Device.CPU or n.name in on_host or n.op in (Op.INPUT, Op.SUBMIT, Op.SYNC, Op.COPY):
             continue
-        if n.op == Op.ROUTED_EXPERTS and node_key(n) in be.ops:
+        if n.op == Op.ROUTED_EXPERTS and be.experts.runs(n):
             continue
-        if n.op == Op.REDUCE and all(node_key(g.by_name(i)) in be.ops for i in n.inputs):
+        if n.op == Op.REDUCE and all(be.experts.runs(g.by_name(i)) for i in n.inputs):
             continue
         raise ConfigError(f"node {n.name} ({n.op.value}) is placed on the CPU, but {where} only routed experts "
                           "(with their NUMA reduce) and tasks on the host (from the token ids alone) run there; "
@@ -181,13 +181,13 @@ def native_batches(be, g: Graph, sub: Node, views: dict, home: dict[str, str],
     after the first add into the same output), over their pinned views. `tokens`: a pinned int32
     holding the rows to compute at each run (default: the views' rows)."""
     out = views[sub.attrs.task]
-    shards = [g.by_name(m) for m in sub.attrs.members if node_key(g.by_name(m)) in be.ops]
+    shards = [g.by_name(m) for m in sub.attrs.members if be.experts.runs(g.by_name(m))]
     batches = []
     for i, node in enumerate(shards):
         x, routing = (views[home.get(v, v)] for v in node.inputs)
         batch = native.Batch()
-        batch.add(be.ops[node_key(node)], x, routing[0], routing[1], out, accumulate=i > 0,
-                  ranks=node.attrs.rank_range, mask=be.masks.get(node_key(node)), tokens=tokens)
+        batch.add(be.experts.ops[node_key(node)], x, routing[0], routing[1], out, accumulate=i > 0,
+                  ranks=node.attrs.rank_range, mask=be.experts.masks.get(node_key(node)), tokens=tokens)
         batches.append(batch)
     return batches
 

@@ -107,7 +107,7 @@ class PrefillRunner:
             if buf.arena == "staging":
                 n = g.by_name(value)
                 staged[n.name] = (buf.offset, buf.bytes, n.out.concrete(0))
-                landing = max(landing, be.stagers[node_key(n)].landing_bytes(len(n.attrs.subset)))
+                landing = max(landing, be.experts.stagers[node_key(n)].landing_bytes(len(n.attrs.subset)))
         return PrefillBound(arena=arena, views=views, tokens=tokens, tasks=tasks, done_at=done_at, staged=staged,
                             staging_bytes=arenas.get("staging", 0), landing_bytes=landing)
 
@@ -199,7 +199,7 @@ class PrefillRunner:
                 if self.recorder is not None and node.name in self.gate_layer:
                     self.recorder.add(self.gate_layer[node.name], values[node.name][0], node.attrs.experts)
             elif step.kind == "fetch":
-                values[node.name] = be.stagers[node_key(node)].stage(node.attrs.subset, out=staged[node.name],
+                values[node.name] = be.experts.stagers[node_key(node)].stage(node.attrs.subset, out=staged[node.name],
                                                                      landing=landing)
             elif step.kind == "copy":
                 values[node.name] = self._copy(node, ins[0], bound, rows)

@@ -80,10 +80,15 @@ def _write(cache: torch.Tensor, dim: int, new: torch.Tensor, ctx: StepContext) -
     cache[(rows,) + (slice(None),) * (dim - 1) + (ctx.position_t,)] = new.select(dim, 0)
 
 
+#: the tables of each dtype (kept for the process: captured graphs read them)
+_TABLES: dict[torch.dtype, RopeTables] = {}
+
+
 def _rope_rows(be, a: AttentionAttrs, ctx: StepContext):
     """cos/sin at the step's positions (once per step and rope)."""
     pos, s, length = ctx.position_t, ctx.seq, ctx.state.max_seq_len
-    return ctx.once(("rope", a.rope, pos.device, length), lambda: be.rope.at(a.rope, pos, s, length))
+    tables = _TABLES.setdefault(be.dtype, RopeTables(be.dtype))
+    return ctx.once(("rope", a.rope, pos.device, length), lambda: tables.at(a.rope, pos, s, length))
 
 
 def _new_rows(ctx: StepContext) -> torch.Tensor:
@@ -234,24 +239,29 @@ def routed_experts(be, node, w, ins, ctx, dev):
 STATIC_RULES: dict[Op, Callable] = {Op.ATTENTION: attention, Op.ROUTED_EXPERTS: routed_experts}
 
 
-class StaticRules:
-    """Mixin for a TorchRefBackend subclass: GPU-placed nodes of a step with `ctx.position_t` set
-    run the rules above; everything else runs as the base class runs it."""
+def static_rules(fallback: dict[Op, Callable]) -> dict[Op, Callable]:
+    """Rules for an engine's rule table (torch_ref.TorchRefBackend.rules): a GPU-placed node of
+    an op in STATIC_RULES, in a step with the position as a tensor (`ctx.position_t`), runs the
+    static-shape rule; any other node `fallback`'s rule for its op."""
 
-    def static_setup(self) -> None:
-        self.rope = RopeTables(self.dtype)
+    def rule_for(op: Op) -> Callable:
+        static, other = STATIC_RULES[op], fallback[op]
 
-    def fuse_weights(self, graph: Graph) -> None:
-        """The layouts the fused decode rules read, made once the weights are ready: each
-        GPU-placed attention layer's input projections as one matrix (attention_gpu.fuse_qkv)."""
-        for n in graph.nodes:
-            if n.op == Op.ATTENTION and n.place is not None and n.place.device == Device.GPU \
-                    and node_key(n) in self.weights:
-                attention_gpu.fuse_qkv(self.weights[node_key(n)], n.attrs.kind)
+        def rule(be, node, w, ins, ctx, dev):
+            if ctx.position_t is not None and node.place is not None and node.place.device == Device.GPU:
+                return static(be, node, w, ins, ctx, dev)
+            return other(be, node, w, ins, ctx, dev)
 
-    def run(self, node, inputs: list, ctx: StepContext):
-        rule = STATIC_RULES.get(node.op)
-        if rule is not None and ctx.position_t is not None and node.place is not None \
-                and node.place.device == Device.GPU:
-            return rule(self, node, self.weights.get(node_key(node), {}), inputs, ctx, self.device_of(node))
-        return super().run(node, inputs, ctx)
+        return rule
+
+    return {op: rule_for(op) for op in STATIC_RULES}
+
+
+def fuse_weights(graph: Graph, weights: dict) -> None:
+    """The layouts the fused decode rules read, made once the weights are ready: each GPU-placed
+    attention layer's input projections as one matrix (attention_gpu.fuse_qkv), in `weights`
+    (an engine's, by node_key)."""
+    for n in graph.nodes:
+        if n.op == Op.ATTENTION and n.place is not None and n.place.device == Device.GPU \
+                and node_key(n) in weights:
+            attention_gpu.fuse_qkv(weights[node_key(n)], n.attrs.kind)

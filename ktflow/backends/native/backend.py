@@ -1,198 +1,78 @@
-"""The native backend: the plan's CPU routed-expert nodes (NUMA shards included) run on the C++
-fused MoE operator (ktflow.backends.native.binding); every other node runs as in torch_ref.
-
-Each CPU routed-experts node runs on an `ExpertOp` holding the layer's experts that live in host
-memory (GPU-resident experts are never packed) and the node's intermediate rows (its NUMA slice),
-on the pool group of its NUMA index (or split over every group when the plan did not split it);
-a node over fewer experts (the CPU part of a split prefill layer) computes its own through a
-mask. A fetch streams experts from the same packed copy to the GPU (backends.staging). Packed
-weights are cached on disk (KTFLOW_CACHE_DIR, default ~/.cache/ktflow/packed) keyed by the
-checkpoint files, the node's tensors and rows, the format and the split, so a second load only
-reads them back. The expert weight format is the compile option `expert_format`.
-
-GPU routed experts run as grouped matmuls over stacked or streamed weights (backends.moe_gpu).
+"""The native backend ("native"): the plan's CPU routed experts on the native pool
+(experts.py's `NativeExperts`), every other node by the reference rules (torch_ref.py's
+`TorchRefBackend`), composed: the reference engine takes the native side's rules for GPU routed
+experts and fetches, and a node the native side prepared runs there. The expert weight format is
+the compile option `expert_format`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import binding as native
-from ...errors import WeightError
-from ...ir.graph import Graph, Node
-from ...ir.ops import Op, host_packs
-from ...ir.types import Device
 from ...frontend.weights import WeightSource
-from ..kernels import moe_gpu
+from ...ir.graph import Graph, Node
+from ...ir.types import Device
 from ..base import StepContext, node_key
-from .staging import ExpertStager, pieces_of
-from ..torch_ref import TorchRefBackend, staged
-from ...util import env
+from ..kv import StaticCaches
+from ..torch_ref import TorchRefBackend
+from .experts import NativeExperts
+from .staging import ExpertStager
 
 
-def cache_dir() -> Path | None:
-    """Where packed experts are cached: KTFLOW_CACHE_DIR (default ~/.cache/ktflow/packed); 'off':
-    nowhere (pack at every load; for disks without room for a second copy of the experts)."""
-    where = env.get("KTFLOW_CACHE_DIR")
-    if where == "off":
-        return None
-    return Path(where or Path.home() / ".cache" / "ktflow" / "packed")
-
-
-def _checkpoint_digest(weights: WeightSource) -> str:
-    """The checkpoint files' identity (name, size, mtime)."""
-    h = hashlib.sha256()
-    for name, f in sorted(weights.files.items()):
-        st = os.stat(f.path)
-        h.update(f"{name}:{st.st_size}:{st.st_mtime_ns};".encode())
-    return h.hexdigest()
-
-
-def _fingerprint(checkpoint: str, refs, ids: tuple[int, ...], rows: tuple[int, int]) -> str:
-    """What packed weights depend on: the checkpoint, the tensor keys, the experts and rows."""
-    h = hashlib.sha256(checkpoint.encode())
-    h.update(repr([r.key for r in refs]).encode())
-    h.update(repr((ids, rows)).encode())
-    return h.hexdigest()
-
-
-class NativeBackend(TorchRefBackend):
+class NativeBackend:
     name = "native"
 
-    def __init__(self, gpu_device: str = "cpu", dtype: torch.dtype = torch.bfloat16, options: Any = None):
-        native.module()  # a clear error now if the module is not built
-        super().__init__(gpu_device, dtype)
-        self.expert_format = getattr(options, "expert_format", "bf16")
-        # prepared state per node (keyed by node_key: plans reuse node names for different work)
-        self.ops: dict[tuple, native.ExpertOp] = {}
-        self.masks: dict[tuple, torch.Tensor] = {}  # its experts, where its operator holds more
-        self.stagers: dict[tuple, ExpertStager] = {}  # fetch -> where its experts are packed
-        self.loaded: dict[str, str] = {}  # node name -> 'cache', 'packed' or 'shared'
-        # one operator per (tensors, the layer's CPU-side experts, rows, NUMA node): the nodes of every
-        # plan over the same weights share its packed copy (a deferred `.def` node, the CPU part of a
-        # split prefill layer, a fetch that streams them to the GPU), each computing its own experts
-        self._packed: dict[tuple, native.ExpertOp] = {}
-        self._local_maps: dict[tuple, torch.Tensor] = {}  # streamed experts node -> its ids' rows
-        self.rules[Op.ROUTED_EXPERTS] = _routed_experts
-        self.rules[Op.FETCH] = _fetch
+    def __init__(self, gpu_device: str = "cpu", dtype: torch.dtype = torch.bfloat16, options: Any = None, *,
+                 static_kv: StaticCaches | None = None):
+        """`static_kv`: the KV caches are lent from it (the CUDA backend's)."""
+        self.ref = TorchRefBackend(gpu_device, dtype, static_kv=static_kv)
+        self.experts = NativeExperts(dtype, getattr(options, "expert_format", "bf16"), self.ref.device_of)
+        self.ref.rules.update(self.experts.rules())
         # the step's other ops run in torch on the CPU between the pool's runs: the pool sleeps
         # between them rather than spin on those cores (native.set_spinning)
-        self.torch_on_cpu = self.devices[Device.GPU].type == "cpu"
+        self.torch_on_cpu = self.ref.devices[Device.GPU].type == "cpu"
 
-    def runs_natively(self, node: Node) -> bool:
-        return node.op == Op.ROUTED_EXPERTS and node.place is not None and node.place.device == Device.CPU
+    # the reference engine's state, read by the runners and the expert cache
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.ref.dtype
+
+    @property
+    def devices(self) -> dict:
+        return self.ref.devices
+
+    @property
+    def weights(self) -> dict:
+        return self.ref.weights
+
+    @property
+    def loaded(self) -> dict[str, str]:
+        return self.experts.loaded
+
+    def device_of(self, node: Node) -> torch.device:
+        return self.ref.device_of(node)
 
     def prepare(self, graph: Graph, weights: WeightSource | None) -> None:
-        todo = [n for n in graph.nodes if (self.runs_natively(n) or n.op == Op.FETCH)
-                and node_key(n) not in self.ops and node_key(n) not in self.stagers]
-        if todo and weights is not None:
-            checkpoint = _checkpoint_digest(weights)
-            from ...util.progress import bar
-
-            for n in bar(todo, "packing experts", "node", show=len(todo) > 1):
-                ids = n.attrs.host  # the layer's experts in host memory: set by the plan's lowering
-                if n.op == Op.FETCH:  # the packs the plan names (one over every row in a plan made without them)
-                    packs = n.attrs.packs or ((0, n.attrs.inter, None),)
-                    self.stagers[node_key(n)] = self._stager(n, ids, packs, weights, checkpoint)
-                else:
-                    self.ops[node_key(n)] = self._operator(n, ids, n.attrs.rows, n.place.numa, weights, checkpoint)
-                    if n.attrs.ids != ids:
-                        mask = torch.zeros(n.attrs.experts, dtype=torch.uint8)
-                        mask[list(n.attrs.ids)] = 1
-                        self.masks[node_key(n)] = mask
-                self.weights[node_key(n)] = {}  # nothing for torch_ref to load
-        super().prepare(graph, weights)
-
-    def _operator(self, n: Node, ids: tuple[int, ...], rows: tuple[int, int], numa: int | None,
-                  weights: WeightSource, checkpoint: str) -> native.ExpertOp:
-        key = (tuple(r.key for r in n.weights), ids, rows, numa)
-        if key in self._packed:
-            self.loaded[n.name] = "shared"
-        else:
-            self._packed[key] = self._pack(n, ids, rows, numa, weights, checkpoint)
-        return self._packed[key]
-
-    def cpu_expert_mask(self, node: Node) -> torch.Tensor | None:
-        """See TorchRefBackend.cpu_expert_mask: the uint8 mask the native operator reads (writes to
-        it take effect at the next task; `native.sync()` first while tasks may run)."""
-        return self.masks.get(node_key(node))
-
-    def cpu_expert_stager(self, parts: list[Node], weights: WeightSource, device) -> ExpertStager:
-        """A stager over the packed CPU copy of every expert of a cached layer, from the plan's CPU
-        parts of that layer (`parts`: a cached layer's CPU side holds them all), landing on
-        `device`: the expert cache refills its GPU rows from it, a copy over PCIe and an unpack on
-        the GPU, no CPU work."""
-        n = parts[0]
-        packs = host_packs(parts, n.attrs.inter)
-        return self._stager(n, tuple(range(n.attrs.experts)), packs, weights, _checkpoint_digest(weights), device)
-
-    def _stager(self, n: Node, ids: tuple[int, ...], packs, weights: WeightSource, checkpoint: str,
-                device=None) -> ExpertStager:
-        """Where a fetch's experts are copied from: the packs `packs` ((first row, end row, NUMA
-        node) tiling the rows) of experts `ids`, each shared with the CPU part that computes on it
-        or packed here, landing on `device` (default: the node's)."""
-        a = n.attrs
-        chosen = [(lo, self._operator(n, ids, (lo, hi), numa, weights, checkpoint)) for lo, hi, numa in packs]
-        pieces = pieces_of([op for _, op in chosen], [lo for lo, _ in chosen])
-        return ExpertStager(pieces, self.expert_format, a.hidden, a.inter, device or self.device_of(n), self.dtype)
-
-    def _pack(self, n: Node, ids: tuple[int, ...], rows: tuple[int, int], numa: int | None, weights: WeightSource,
-              checkpoint: str) -> native.ExpertOp:
-        a = n.attrs
-        lo, hi = rows
-        pool = native.pool()
-        groups = [numa % pool.groups] if numa is not None else None
-        op = native.ExpertOp(a.experts, a.hidden, hi - lo, held=ids, fmt=self.expert_format, groups=groups,
-                             group_size=native.fp8_group(self.expert_format, weights.quant))
-        refs = {r.role: r for r in n.weights}
-
-        def tensors(e: int):  # FP8 ones as stored: packed from the checkpoint's bytes
-            g, u, d = (weights.load_expert_stored(refs[role], e) for role in ("gate", "up", "down"))
-            return native.rows_of(g, lo, hi), native.rows_of(u, lo, hi), native.cols_of(d, lo, hi)
-
-        try:
-            self.loaded[n.name] = op.pack(tensors, cache=cache_dir(),
-                                          fingerprint=_fingerprint(checkpoint, n.weights, ids, rows))
-        except WeightError as e:
-            keys = ", ".join(refs[role].key for role in ("gate", "up", "down"))
-            raise WeightError(f"layer {a.layer} ({keys}): {e}") from None
-        return op
+        for n in self.experts.prepare(graph, weights):
+            self.ref.weights[node_key(n)] = {}  # packed by the native side: nothing for the engine to load
+        self.ref.prepare(graph, weights)
 
     def run(self, node: Node, inputs: list[Any], ctx: StepContext) -> Any:
-        op = self.ops.get(node_key(node))
-        if op is None:
-            return super().run(node, inputs, ctx)
-        native.set_spinning(not self.torch_on_cpu)
-        x, (ids, wts) = inputs
-        xb = x.to(torch.bfloat16).contiguous()
-        out = torch.empty(xb.shape, dtype=torch.bfloat16)
-        op.forward(xb, ids.contiguous(), wts.float().contiguous(), out=out, ranks=node.attrs.rank_range,
-                   mask=self.masks.get(node_key(node)))
-        return out.to(x.dtype)
+        if self.experts.runs(node):
+            return self.experts.run(node, inputs, spin=not self.torch_on_cpu)
+        return self.ref.run(node, inputs, ctx)
 
+    # the experts interface (runtime.expert_cache's)
+    def stacked(self, node: Node) -> dict:
+        return self.ref.stacked(node)
 
-def _routed_experts(be: NativeBackend, node: Node, w, ins, ctx, dev):
-    """GPU routed experts (CPU ones run natively): grouped over the fetched or the stacked weights."""
-    x, (ids, wts) = ins[:2]
-    a = node.attrs
-    lo, hi = a.rank_range
-    if len(ins) >= 3:
-        gate, up, down = staged(ins[2], a.hidden, a.inter)
-        key = node_key(node)
-        if key not in be._local_maps:
-            be._local_maps[key] = moe_gpu.expert_map(a.ids, a.experts, dev)
-        local = be._local_maps[key]
-    else:
-        st = be.stacked(node)
-        gate, up, down, local = st["gate"], st["up"], st["down"], st["local"]
-    return moe_gpu.grouped_experts(x, ids[:, lo:hi], wts[:, lo:hi], local, gate, up, down,
-                                   addend=ins[3] if len(ins) == 4 else None, running=a.running)
+    def place_experts(self, node: Node, moves: dict[int, int | None]) -> None:
+        self.ref.place_experts(node, moves)
 
+    def cpu_expert_mask(self, node: Node) -> torch.Tensor | None:
+        return self.experts.cpu_expert_mask(node)
 
-def _fetch(be: NativeBackend, node: Node, w, ins, ctx, dev):
-    return be.stagers[node_key(node)].stage(node.attrs.subset)
+    def cpu_expert_stager(self, parts: list[Node], weights: WeightSource, device) -> ExpertStager:
+        return self.experts.cpu_expert_stager(parts, weights, device)
