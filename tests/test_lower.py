@@ -150,3 +150,33 @@ def test_a_task_that_reads_an_earlier_tasks_result_runs_after_it(tiny_dirs):
         nxt, _ = ktflow.execute(c, out[:, -1:].argmax(-1), state)
         outs[budget] = torch.cat([out, nxt], 1)
     assert torch.allclose(outs[1e-5], outs[1.0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_task_holding_experts_is_not_one_the_host_computes(tiny_dirs):
+    """With the embedding and all of layer 0 on the CPU, one task reads only the token ids but
+    holds layer 0's routed experts: lowering does not mark it on_host (the native pool runs them,
+    not the host before the step), and marking it so breaks rule L4."""
+    from dataclasses import replace
+
+    from ktflow.ir.types import Device, Placement
+
+    def layer0_on_cpu(g, ctx):  # every node before layer 1's first
+        first = next(i for i, n in enumerate(g.nodes) if getattr(n.attrs, "layer", None) == 1)
+        before = {n.name for n in g.nodes[:first]}
+        return g.map(lambda n: replace(n, place=Placement(Device.CPU, cause="test: layer 0 on the CPU"))
+                     if n.name in before else n)
+
+    d, _ = tiny_dirs("qwen3_moe")
+    c = ktflow.compile(ktflow.load(d), hw="paper-a100", device="cpu", backend="torch_ref", max_seq_len=32,
+                       passes=[("after:place_by_intensity", layer0_on_cpu)])
+    g = c.decode.ir
+    subs = [n for n in g.nodes if n.op == Op.SUBMIT]
+    holding = [s for s in subs if any(g.by_name(m).op == Op.ROUTED_EXPERTS for m in s.attrs.members)]
+    reads_ids = [s for s in holding if all(g.by_name(i).op == Op.INPUT for i in s.inputs)]
+    assert reads_ids, "the test needs a task of layer 0 that reads only the token ids"
+    assert not any(s.attrs.on_host for s in holding)
+    assert "L4" not in {r for r, _, _ in violations(g, "lowered")}
+    sub = reads_ids[0]
+    marked = dataclasses.replace(sub, attrs=dataclasses.replace(sub.attrs, on_host=True))
+    g2 = g.replace_nodes(marked if n.name == sub.name else n for n in g.nodes)
+    assert any(r == "L4" and "runs no routed experts" in m for r, _, m in violations(g2, "lowered"))

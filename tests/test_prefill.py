@@ -342,15 +342,16 @@ def test_one_pass_dequant_kernel_matches_the_torch_unpack(fmt, inter, monkeypatc
         assert (want_buf[:, 1:n + 1, 2:k + 2] != 7.0).any()
 
 
-@pytest.mark.parametrize("read_count", [True, False])
+@pytest.mark.parametrize("told", [False, True])
 @pytest.mark.parametrize("block", [16384, 7, 1])
-def test_grouped_experts_match_the_reference_loop(block, read_count, monkeypatch):
-    """In blocks of GROUPED_ROWS (here also 7 and 1: blocks that cut an expert's picks), the held
-    picks only (their count read on the host) or every pick with the others' rows masked (a GPU's
-    way: no host wait), equal the per-pick loop; added to a running sum, returned as its float32."""
+def test_grouped_experts_match_the_reference_loop(block, told, monkeypatch):
+    """Held picks only, in blocks of GROUPED_ROWS (here also 7 and 1: blocks that cut an
+    expert's picks), equal the per-pick loop, whether the node reads its count of held picks or
+    is told it (`pick_counts`, read once a layer); added to a running sum, returned as its
+    float32."""
     from ktflow.backends.kernels import moe_gpu
     from ktflow.backends.kernels.layers import swiglu
-    from ktflow.backends.kernels.moe_gpu import expert_map, grouped_experts
+    from ktflow.backends.kernels.moe_gpu import expert_map, grouped_experts, pick_counts
 
     monkeypatch.setattr(moe_gpu, "GROUPED_ROWS", block)
 
@@ -362,8 +363,11 @@ def test_grouped_experts_match_the_reference_loop(block, read_count, monkeypatch
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     wts = torch.rand(T, k, generator=g)
     held = (1, 2, 5, 6)  # the others are held elsewhere: they add nothing here
+    counts = pick_counts(ids, E)
+    assert sum(counts) == T * k
+    told_held = sum(counts[e] for e in held) if told else None
     got = grouped_experts(x, ids, wts, expert_map(held, E, "cpu"), gate[list(held)], up[list(held)],
-                          down[list(held)], read_count=read_count)
+                          down[list(held)], held=told_held)
     want = torch.zeros(T, H)
     for t in range(T):
         for s in range(k):
@@ -373,9 +377,10 @@ def test_grouped_experts_match_the_reference_loop(block, read_count, monkeypatch
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     before = torch.randn(T, H, generator=g)
     running = grouped_experts(x, ids, wts, expert_map(held, E, "cpu"), gate[list(held)], up[list(held)],
-                              down[list(held)], addend=before, running=True, read_count=read_count)
+                              down[list(held)], addend=before, running=True, held=told_held)
     assert running.dtype == torch.float32 and torch.allclose(running, before + want, atol=1e-4, rtol=1e-4)
-    none = grouped_experts(x, ids, wts, expert_map((), E, "cpu"), gate[:0], up[:0], down[:0], read_count=read_count)
+    none = grouped_experts(x, ids, wts, expert_map((), E, "cpu"), gate[:0], up[:0], down[:0],
+                           held=0 if told else None)
     assert torch.equal(none, torch.zeros_like(x))
 
 

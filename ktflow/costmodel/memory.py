@@ -147,7 +147,8 @@ def fp8_experts_dequant_bytes(n: Node, tokens: int, act: int, decode: bool = Fal
     projection at a time (each freed after its product), the largest, its matrices padded to
     whole FP8_BLOCK blocks (backends.fp8_gpu.dequantize_experts). In a `decode` step (the captured
     rule): with 2-byte activations none (the fused kernel, fp8_gpu.picked_linear, reads each
-    pick's FP8 bytes in place, as the dense fused kernel does up to FP8_FUSED_ROWS rows); else
+    pick's FP8 bytes in place, as the dense fused kernel does up to FP8_FUSED_ROWS rows; this
+    assumes the cuda_graph backend's rule with Triton, which a GPU decode plan runs); else
     every pick's FP8 bytes and scales gathered and its matrix in the activation dtype. In any
     other step (the grouped rule) the node's every expert's matrix in the activation dtype."""
     held = [w for w in n.weights if fp8_expert_weight(w)]

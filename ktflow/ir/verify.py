@@ -375,6 +375,9 @@ def _l4_host_tasks_read_token_ids(g: Graph):
             other = [i for i in n.inputs if i not in g or g.by_name(i).op != Op.INPUT]
             if other or not n.inputs:
                 yield n.name, f"a task on the host reads the token ids alone, but this one reads {other or 'nothing'}"
+            native = [m for m in n.attrs.members if m in g and g.by_name(m).op in (Op.ROUTED_EXPERTS, Op.REDUCE)]
+            if native:
+                yield n.name, f"a task on the host runs no routed experts, but this one holds {native}"
 
 
 def _l2_submit_sync_pairs(g: Graph):
@@ -517,7 +520,8 @@ RULES: dict[str, Rule] = {r.id: r for r in [
     Rule("L2", "lowered", "submit/sync pairs wrap a CPU task", _l2_submit_sync_pairs),
     Rule("L3", "lowered", "CPU and streamed expert nodes and fetches name their layer's host experts",
          _l3_host_experts_recorded),
-    Rule("L4", "lowered", "a task the host computes before the step reads only token ids", _l4_host_tasks_read_token_ids),
+    Rule("L4", "lowered", "a task the host computes before the step reads only token ids and runs no experts",
+         _l4_host_tasks_read_token_ids),
     Rule("T1", "scheduled", "every node is timed, starting after its inputs end", _t1_timed_after_inputs),
     Rule("T2", "scheduled", "a lane runs one node at a time", _t2_one_node_per_lane_at_a_time),
     Rule("B1", "buffered", "every value has one well-formed buffer of the right arena", _b1_buffers_well_formed),

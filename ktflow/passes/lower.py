@@ -24,7 +24,8 @@ def lower(g: Graph, ctx: CompileContext) -> Graph:
     GPU stream: wait for the task); GPU readers take the sync's value through a copy. GPU work
     that does not depend on the task (the shared expert) sits between the two in graph order, so
     it runs while the CPU computes. A task that reads another task's result is submitted after
-    that task's sync. A task that reads the token ids alone is marked `on_host` on its submit.
+    that task's sync. A task that reads the token ids alone, with no routed experts among its members, is marked
+    `on_host` on its submit.
     Plans with one device get no copies or tasks.
     First, per MoE layer, the experts held in host memory (`host_experts`) go into the `host`
     attr of the layer's CPU parts, streamed parts and fetches: the native backend packs those.
@@ -87,14 +88,20 @@ def lower(g: Graph, ctx: CompileContext) -> Graph:
                     settle(i)
                     waited.add(i)  # the task's nodes read it through the sync
             sub = emit(Node(f"{root}.submit", Op.SUBMIT, tuple(on(i, Device.CPU) for i in ext),
-                            SubmitAttrs(root, tuple(members[root]),
-                                        on_host=all(g.by_name(i).op == Op.INPUT for i in ext)),
+                            SubmitAttrs(root, tuple(members[root]), on_host=_on_host(g, members[root], ext)),
                             FACTS[Op.SUBMIT].shape(None, [], g.act_dtype),
                             place=Placement(Device.CPU, cause="enqueue CPU work from the GPU stream", stream="gpu")))
             pending[root] = sub
         ins = tuple(on(i, dev) for i in n.inputs)
         emit(replace(n, inputs=ins))
     return recost_changed(g, g.replace_nodes(out), ctx)
+
+
+def _on_host(g: Graph, members: list[str], ext: tuple[str, ...]) -> bool:
+    """Whether a task is one the host computes before the step: it reads the token ids alone
+    and none of its members is routed experts or their reduce (those run on the native pool)."""
+    return bool(ext) and all(g.by_name(i).op == Op.INPUT for i in ext) and \
+        not any(g.by_name(m).op in (Op.ROUTED_EXPERTS, Op.REDUCE) for m in members)
 
 
 def host_experts(g: Graph) -> dict[int, tuple[int, ...]]:

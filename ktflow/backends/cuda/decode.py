@@ -463,6 +463,7 @@ class DecodeGraph:
             values[node.name] = self._copy(node, values[node.inputs[0]], bound, lanes.stream(step))
 
         def submit(i, step, values):
+            self.current = step.node
             stream = lanes.stream(step)
             for batch in bound.tasks[g.by_name(step.node).attrs.task]:
                 if bound.ring is not None:  # clear its done flag, then ring: the dispatcher runs it
@@ -474,6 +475,7 @@ class DecodeGraph:
 
         def sync(i, step, values):  # a task without batches is a prologue node, computed before the launch
             node = g.by_name(step.node)
+            self.current = node.name
             root = node.inputs[1]
             if bound.tasks[root]:
                 if be.wait == "flag":

@@ -49,20 +49,20 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: tor
 
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local: torch.Tensor, gate, up, down,
                     addend: torch.Tensor | None = None, running: bool = False,
-                    read_count: bool | None = None) -> torch.Tensor:
+                    held: int | None = None) -> torch.Tensor:
     """sum over each token's picks of weight * down(silu(gate x) * up x), for the picks whose
     expert has a row in the stacked weights (`local[id]` >= 0; others add nothing). x [T, H];
     ids, wts [T, k]; gate, up [n, I, H]; down [n, H, I] (tensors, or fp8_gpu.Fp8Weight stacks:
     each dequantized to x's dtype for its product) -> [T, H] in x's dtype (summed in fp32).
-    Picks are sorted by expert, those held elsewhere last, and multiplied and summed
-    GROUPED_ROWS at a time, so a long step's temporaries stay bounded. On a GPU no count is read
-    on the host: every pick's row goes through (the grouped products skip rows past the held
-    picks; those rows are masked), so a prefill's lanes are issued ahead of the GPU. On the CPU
-    the count of held picks is read and only their rows go through, so a part holding few of the
-    layer's experts costs in proportion to its picks.
-    `addend` (float32 [T, H]): a running sum the picks are added to; `running`: return the float32
-    sum (a streamed group's partial sum) rather than x's dtype. `read_count` (default: on the
-    CPU) chooses between the two ways; both give the same sums."""
+    Picks are sorted by expert, those held elsewhere last; outside a CUDA graph capture only the
+    held picks' rows are gathered, multiplied and summed, GROUPED_ROWS at a time, so a part
+    holding few of the layer's experts (a streamed group) costs in proportion to its picks and a
+    long step's temporaries stay bounded; while capturing, every pick's row is (masked).
+    `held`: how many picks the node holds, where the caller knows it on the host (`pick_counts`:
+    one read a layer for all its parts); otherwise it is read here (a sync, where the node holds
+    only some of the layer's experts). `addend` (float32 [T, H]): a running sum the picks are
+    added to; `running`: return the float32 sum (a streamed group's partial sum) rather than x's
+    dtype."""
     t, k = ids.shape
     n = stack_rows(gate)
     row = local[ids].reshape(-1)
@@ -78,21 +78,25 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
         weight = torch.where(key[order] < n, wts.reshape(-1)[order], 0.0)
         _rows(x, order // k, weight, gate, up, down, offs, counts, out, masked=True)
         return out if running else out.to(x.dtype)
-    # GROUPED_ROWS picks at a time (memory.SCRATCH bounds the temporaries so): on a GPU every
-    # pick's row, the blocks past the held ones masked, so the host never waits for the count (a
-    # prefill issues its lanes ahead of the GPU); on the CPU only the held picks
-    read_count = not x.is_cuda if read_count is None else read_count
-    whole = n == local.numel()  # every expert of the layer held (a resident layer): every pick
-    held = 0 if n == 0 else t * k if whole or not read_count else int(offs[-1])
-    masked = not (whole or read_count)
-    weight = torch.where(key[order] < n, wts.reshape(-1)[order], 0.0) if masked else wts.reshape(-1)[order]
+    # the held picks only, GROUPED_ROWS at a time (memory.SCRATCH bounds the temporaries so); every
+    # expert of the layer held (a resident layer): every pick, no need to know the count
+    if n == local.numel():
+        held = t * k
+    elif held is None:
+        held = int(offs[-1]) if n else 0
     for lo in range(0, held, GROUPED_ROWS):
         hi = min(lo + GROUPED_ROWS, held)
         block = order[lo:hi]
         offs_b = (offs - lo).clamp_(0, hi - lo)
         counts_b = torch.diff(offs_b, prepend=offs_b.new_zeros(1))
-        _rows(x, block // k, weight[lo:hi], gate, up, down, offs_b, counts_b, out, masked=masked)
+        _rows(x, block // k, wts.reshape(-1)[block], gate, up, down, offs_b, counts_b, out, masked=False)
     return out if running else out.to(x.dtype)
+
+
+def pick_counts(ids: torch.Tensor, experts: int) -> list[int]:
+    """How many of the picks `ids` [T, k] went to each of `experts` experts, on the host (one
+    read of the device: the parts of a layer streamed as several groups share it)."""
+    return torch.bincount(ids.reshape(-1), minlength=experts).tolist()
 
 
 def _rows(x: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,

@@ -141,8 +141,13 @@ class NativeExperts:
         else:
             st = be.stacked(node)
             gate, up, down, local = st["gate"], st["up"], st["down"], st["local"]
+        held = None
+        if len(ins) >= 3:  # a streamed group: the layer's pick counts read once for all its groups
+            counts = ctx.once(("pick counts", a.layer, lo, hi),
+                              lambda: moe_gpu.pick_counts(ids[:, lo:hi], a.experts))
+            held = sum(counts[e] for e in a.ids)
         return moe_gpu.grouped_experts(x, ids[:, lo:hi], wts[:, lo:hi], local, gate, up, down,
-                                       addend=ins[3] if len(ins) == 4 else None, running=a.running)
+                                       addend=ins[3] if len(ins) == 4 else None, running=a.running, held=held)
 
     def _fetch(self, be, node: Node, w, ins, ctx, dev):
         return self.stagers[node_key(node)].stage(node.attrs.subset)
