@@ -144,10 +144,6 @@ def plans_run(c, lengths: list[int]) -> list:
     return list({id(p): p for p in [c.decode] + [c.prefill_plan(n) for n in {*lengths, PROMPT}]}.values())
 
 
-def peak_gb(plans) -> float:
-    return max(p.memory.gpu_bytes for p in plans) / 1e9
-
-
 def compile_limited(model, base: dict, vram_gb: float, decode_only: bool):
     """Compiled under the VRAM limit (compile option vram_gb; decode_only: nothing reserved for
     prefill, DECODE_ONLY_OPTIONS): the compiled model, its options and how the limit was given."""

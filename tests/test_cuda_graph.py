@@ -534,18 +534,21 @@ def test_what_the_cuda_runners_read_off_their_backend_it_has():
     a GPU."""
     import ast
     import inspect
+    import textwrap
     from pathlib import Path
 
     from ktflow.backends.cuda import backend as cuda_backend
     from ktflow.backends.native.experts import NativeExperts
     from ktflow.backends.torch_ref import TorchRefBackend
 
-    def members(cls) -> set[str]:
-        tree = ast.parse(inspect.getsource(cls))
-        assigned = {t.attr for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
-                    for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
-                    for t in (t.elts if isinstance(t, ast.Tuple) else [t])
-                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    def members(cls) -> set[str]:  # its own and its bases' (a native backend's, for the CUDA one)
+        assigned = set()
+        for c in cls.__mro__[:-1]:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(c)))
+            assigned |= {t.attr for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
+                         for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                         for t in (t.elts if isinstance(t, ast.Tuple) else [t])
+                         if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
         return assigned | {n for n in dir(cls) if not n.startswith("__")}
 
     has = {"be": members(cuda_backend.CudaGraphBackend), "experts": members(NativeExperts),

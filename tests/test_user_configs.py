@@ -125,7 +125,10 @@ def test_the_limit_is_met_by_the_plans_that_must_fit(tiny_qwen3):
     """Under vram_gb the plans that must fit do, and a decode-only placement fills the limit with
     at least the experts of the one that may reserve room for prefill."""
     import ktflow
-    from user_configs import compile_limited, peak_gb, resident
+    from user_configs import compile_limited, resident
+
+    def peak_gb(plans) -> float:
+        return max(p.memory.gpu_bytes for p in plans) / 1e9
 
     model = ktflow.load(tiny_qwen3)
     base = dict(hw="rtx4090-desktop", device="cpu", backend="native", max_seq_len=132, vram_reserve_gb=0)

@@ -21,22 +21,20 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError
-from ...ir.graph import Graph, Node
+from ...ir.graph import Graph
 from ...ir.types import Device
 from ...plan.artifact import Plan
-from ...frontend.weights import WeightSource
-from ..base import StepContext
 from ..kv import StaticCaches
 from ..native import binding as native
 from ..native.backend import NativeBackend
-from ..native.staging import ExpertStager, pin
+from ..native.staging import pin
 from .decode import DecodeGraph
 from .driver import Driver, expandable_segments, keep_off_workers
 from .prefill import PrefillRunner
 from .static_rules import fuse_weights, static_rules
 
 
-class CudaGraphBackend:
+class CudaGraphBackend(NativeBackend):
     name = "cuda_graph"
 
     #: how a captured step waits for a CPU task: "flag" (the stream waits on the task's done flag,
@@ -70,13 +68,12 @@ class CudaGraphBackend:
         keep_off_workers(native.pool(spare=2))
         torch.set_num_threads(1)
         expandable_segments()
-        # composed: the native backend (the reference engine with the native side's rules) with the
+        # the native backend (the reference engine with the native side's rules) with the
         # static-shape rules put into the engine, and its KV caches lent from static ones (the
         # captured graphs read their addresses), one set per batch size
         self.static_kv = StaticCaches(dtype)
-        self.hybrid = NativeBackend(gpu_device, dtype, options, static_kv=self.static_kv)
-        self.hybrid.ref.rules.update(static_rules(self.hybrid.ref.rules))
-        self.experts = self.hybrid.experts
+        super().__init__(gpu_device, dtype, options, static_kv=self.static_kv)
+        self.ref.rules.update(static_rules(self.ref.rules))
         self.driver = Driver()
         if wait == "auto":
             wait = "flag" if self.driver.can_wait_value() else "host"
@@ -97,43 +94,8 @@ class CudaGraphBackend:
         self._staging: torch.Tensor | None = None
         self._landing: torch.Tensor | None = None
 
-    # the composed native backend's face, read by the runners and the expert cache
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.hybrid.dtype
-
-    @property
-    def devices(self) -> dict:
-        return self.hybrid.devices
-
-    @property
-    def weights(self) -> dict:
-        return self.hybrid.weights
-
-    @property
-    def loaded(self) -> dict[str, str]:
-        return self.hybrid.loaded
-
-    def device_of(self, node: Node) -> torch.device:
-        return self.hybrid.device_of(node)
-
-    def run(self, node: Node, inputs: list[Any], ctx: StepContext) -> Any:
-        return self.hybrid.run(node, inputs, ctx)
-
-    def stacked(self, node: Node) -> dict:
-        return self.hybrid.stacked(node)
-
-    def place_experts(self, node: Node, moves: dict[int, int | None]) -> None:
-        self.hybrid.place_experts(node, moves)
-
-    def cpu_expert_mask(self, node: Node) -> torch.Tensor | None:
-        return self.hybrid.cpu_expert_mask(node)
-
-    def cpu_expert_stager(self, parts: list[Node], weights: WeightSource, device) -> ExpertStager:
-        return self.hybrid.cpu_expert_stager(parts, weights, device)
-
     def prepare(self, graph: Graph, weights) -> None:
-        self.hybrid.prepare(graph, weights)
+        super().prepare(graph, weights)
         fuse_weights(graph, self.weights)
         for stager in self.experts.stagers.values():  # host memory experts are streamed from: page-locked, once
             for piece in stager.pieces:

@@ -26,23 +26,28 @@ class StepTimer:
         self.anchor.record(runner.gpu)
         self.anchor_ns = native.module().now_ns()
 
+    def _mark(self, step: Step) -> torch.cuda.Event | None:
+        """A timing event recorded on the step's lane stream (None: a lane without one)."""
+        stream = self.lanes.stream(step)
+        if stream is None:
+            return None
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(stream)
+        return e
+
     def before(self, i: int, step: Step) -> None:
         if step.kind in ("record", "wait"):
             return
-        stream = self.lanes.stream(step)
-        if stream is not None:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record(stream)
+        e = self._mark(step)
+        if e is not None:
             self.events[i] = (e, e)
         self._host_ns = native.module().now_ns()
 
     def after(self, i: int, step: Step, values: dict) -> None:
         if step.kind in ("record", "wait"):
             return
-        stream = self.lanes.stream(step)
-        if stream is not None:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record(stream)
+        e = self._mark(step)
+        if e is not None:
             self.events[i] = (self.events[i][0], e)
         if step.node in self.host_nodes:  # it ran on the host itself
             self.host_us[i] = ((self._host_ns - self.anchor_ns) / 1e3, (native.module().now_ns() - self.anchor_ns) / 1e3)
