@@ -15,6 +15,11 @@ since the checkpoint and a converted GGUF do not fit the disk together. Then, fo
   run      llama-bench -ncmoe N, the test timed (`-r`), the log's buffers and (prompt tests) the
            card's peak polled: a row per test with both, and whether they kept to the limit; a test
            over it is run once more with N raised by the excess.
+  server   then one -ncmoe for every test, as one llama-server configuration holds it (`-c` the
+           longest prompt, `-ub` the largest, the KV cache and compute buffer that size through
+           prefill and decode alike): the longest prompt's N, each shorter prompt and decode timed
+           at it (rows marked placement "server"; `--no-server` skips them). The targets' ratios
+           are against the best per test; the report shows these beside them.
 
 `--fit` adds llama.cpp's own fitter at the largest -ub and thread count: `-fitt M` with M the
 card's free MiB less the limit (it leaves M free: it fills the limit, partial blocks included).
@@ -221,11 +226,22 @@ class Llama:
         return dict(rc=rc, probe_buffers_gb=round(held / 1e9, 3), probe_process_gb=round(process / 1e9, 3),
                     overhead_gb=round((process - held) / 1e9, 3), room_gb=round((self.budget - process) / 1e9, 3))
 
-    def run(self, kind: str, n: int, ub: int, threads: str, placement: str, depth: int = 0) -> list[dict]:
+    def server_ncmoe(self, n: int, ub: int, threads: str) -> int | None:
+        """-ncmoe of one server configuration that runs every test: the probe of the longest prompt
+        at the largest -ub (its KV cache holds that prompt, its compute buffer that -ub), as
+        llama-server with `-c n -ub ub` holds them through prefill and decode alike."""
+        pr = self.probe("prefill", n, ub, threads)
+        return None if pr["rc"] else choose_ncmoe(self.per_block, self.blocks, self.budget - pr["probe_process_gb"] * 1e9)
+
+    def run(self, kind: str, n: int, ub: int, threads: str, placement: str, depth: int = 0,
+            ncmoe: int | None = None) -> list[dict]:
         """One test at the limit: probe, choose N (or llama.cpp's fitter), run; rows. `depth`: a
-        decode test after that many tokens of context (llama-bench -d: its KV cache that full)."""
+        decode test after that many tokens of context (llama-bench -d: its KV cache that full).
+        `ncmoe` (placement "server"): N given, no probe (the server configuration's)."""
         reps = self.a.reps
-        if placement == "fit":
+        if ncmoe is not None:
+            args, pr = ["-ncmoe", str(ncmoe)], dict(server_ncmoe=ncmoe)
+        elif placement == "fit":
             free = card("memory.free")
             margin = int(free - self.budget / MIB) if free is not None else 0
             args, pr, ncmoe = ["-fitt", str(margin)], dict(fit_margin_mib=margin), None
@@ -245,7 +261,7 @@ class Llama:
             gpu_experts = sum(v for i, v in self.per_block.items() if ncmoe is not None and i >= ncmoe)
             process = used * MIB if used else sum(b.values()) * MIB + pr.get("overhead_gb", 0.0) * 1e9
             over = process - self.budget
-            if placement == "fit" or over <= 0.005 * self.budget or attempt or rc:
+            if placement in ("fit", "server") or over <= 0.005 * self.budget or attempt or rc:
                 break
             per = max(self.per_block.values())
             ncmoe = min(self.blocks, ncmoe + -(-int(over) // per))
@@ -266,7 +282,8 @@ class Llama:
         out = []
         where = f"-ncmoe {ncmoe}" if ncmoe is not None else f"-fitt {pr['fit_margin_mib']}"
         for d in rows:
-            system = f"llama.cpp {where}" + (f", -ub {ub}" if kind == "prefill" else "")
+            system = (f"llama.cpp {where}" + (f", -ub {ub}" if kind == "prefill" else "")
+                      + (" (one server configuration)" if placement == "server" else ""))
             row = dict(table=f"llama_{kind}", system=system,
                        tok_s=round(float(d["avg_ts"]), 2), sd=round(float(d["stddev_ts"]), 2),
                        threads=int(d["n_threads"]), llama_commit=d.get("build_commit"), **common)
@@ -320,6 +337,8 @@ def main(argv=None) -> int:
                     "comma list), at the best decode thread count")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--fit", action="store_true", help="also llama.cpp's fitter (-fitt) at the largest -ub and threads")
+    ap.add_argument("--no-server", dest="server", action="store_false",
+                    help="skip the tests at one server configuration's -ncmoe (the longest prompt's at the largest -ub)")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--prepare-only", action="store_true", help="write the GGUF and stop")
@@ -364,6 +383,18 @@ def main(argv=None) -> int:
     for depth in [int(x) for x in a.decode_depth.split(",") if x and int(x) > 0]:
         if best:
             ll.run("decode", a.decode, 0, str(best["threads"]), "ncmoe", depth)
+    # one server configuration for every test (llama-server -c <longest> -ub <largest>): the -ncmoe
+    # of the longest prompt's test, held for the shorter prompts and for decode, as ktflow's one plan
+    longest = max((int(x) for x in a.prefill.split(",") if x), default=0)
+    if a.server and longest and best:
+        n_srv = ll.server_ncmoe(longest, max(ubs), str(cpus))
+        if n_srv is not None:
+            print(f"llama.cpp as one server configuration (-c {longest} -ub {max(ubs)}): -ncmoe {n_srv}", flush=True)
+            for n in sorted(int(x) for x in a.prefill.split(",") if x):
+                ll.run("prefill", n, max(ubs), str(cpus), "server", ncmoe=n_srv)
+            ll.run("decode", a.decode, 0, str(best["threads"]), "server", ncmoe=n_srv)
+            for depth in [int(x) for x in a.decode_depth.split(",") if x and int(x) > 0]:
+                ll.run("decode", a.decode, 0, str(best["threads"]), "server", depth, ncmoe=n_srv)
     info["dram_gbps_after"] = dram_read()
     from user_configs import MODELS
 

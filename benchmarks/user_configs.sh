@@ -58,7 +58,8 @@ for m in $MODELS; do
   fit=(); [ "$FIT" = 1 ] && fit=(--fit)
   # llama.cpp: the GGUF (template converted, then synthesized: Qwen3 ~2.5 min, DeepSeek ~1.5), then
   # prompt processing at 8192 / 32768 tokens at -ub 512 (8192 only) / 2048 / 4096 and tg128 at 14-16
-  # threads, each test's -ncmoe chosen for the limit (Qwen3 ~4 min, DeepSeek ~3)
+  # threads, each test's -ncmoe chosen for the limit (Qwen3 ~4 min, DeepSeek ~3); then the tests again at
+  # one server configuration's -ncmoe (the longest prompt's at the largest -ub: ~2 min)
   [ "${LLAMA:-1}" = 1 ] && step "$m llama.cpp" python3 benchmarks/llama_user.py --model "$m" --vram-gb $V --decode-depth "$DEPTH" \
       "${LL[@]}" "${fit[@]}"
   rm -f "$E2E/$m.q8_0-random.gguf"; sync

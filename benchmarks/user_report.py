@@ -35,6 +35,42 @@ def load(path: Path, run_id: str | None) -> tuple[str, list[dict]]:
     return run_id, [r for r in rows if r.get("run_id") == run_id]
 
 
+def _ratio(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}x"
+
+
+def _server(r: dict) -> bool:
+    """A llama.cpp row run at one server configuration's -ncmoe (not chosen for its own test)."""
+    return r.get("placement") == "server"
+
+
+def server_table(rs: list[dict], pre: dict, dec: dict, t: dict, out) -> None:
+    """ktflow's one plan against llama.cpp as one server configuration (every test at the -ncmoe
+    of the longest prompt at the largest -ub, as llama-server -c/-ub holds it for prefill and
+    decode alike); the targets' ratios stay against llama.cpp's best per test above."""
+    srv = [r for r in rs if _server(r) and "tok_s" in r]
+    if not srv:
+        return
+    out(f"\nllama.cpp as one server configuration ({srv[0]['system']}; each test above chose its own -ncmoe):")
+    out("\n| test | llama.cpp, one configuration | ktflow at the limit | ratio |")
+    out("|---|---|---|---|")
+    for r in sorted((r for r in srv if r["table"] == "llama_prefill"), key=lambda r: r["prompt"]):
+        u = pre.get(("user", r["prompt"]))
+        vs = t[f"prefill{r['prompt']}_vs_llama_server"] = u["tok_s"] / r["tok_s"] if u else None
+        mine = f"{u['tok_s']:.0f} +- {u['sd']:.0f}" if u else "—"
+        out(f"| prefill {r['prompt']} | {r['tok_s']:.0f} +- {r['sd']:.0f} | {mine} | {_ratio(vs)} |")
+    for r in (r for r in srv if r["table"] == "llama_decode"):
+        depth = r.get("decode_depth") or 0
+        for name in ("greedy", "sampled"):
+            k = next((x for x in rs if x.get("table") == "decode" and x.get("variant") == name
+                      and (x.get("decode_depth") or 0) == depth), None) if depth else dec.get(name)
+            vs = k["decode_tok_s"] / r["tok_s"] if k else None
+            t[f"{name}_vs_llama_server" + (f"_at_{depth}" if depth else "")] = vs
+            mine = f"{k['decode_tok_s']:.2f} +- {k['decode_sd']:.2f}" if k else "—"
+            after = f" after {depth} tokens" if depth else ""
+            out(f"| decode{after}, ktflow {name} | {r['tok_s']:.2f} +- {r['sd']:.2f} | {mine} | {_ratio(vs)} |")
+
+
 def report(rows: list[dict], out=print) -> dict:
     """Print the tables; returns {(model, vram_gb): {target: ratio}} for tests and callers."""
     got = {}
@@ -48,7 +84,7 @@ def report(rows: list[dict], out=print) -> dict:
         if opt:
             out(f"ktflow's limit through: {opt}")
         pre = {(r["variant"], r["prompt"]): r for r in rs if r.get("table") == "prefill"}
-        llama = [r for r in rs if r.get("table") == "llama_prefill" and "tok_s" in r]
+        llama = [r for r in rs if r.get("table") == "llama_prefill" and "tok_s" in r and not _server(r)]
         out("\n| prompt | ktflow at the limit | ktflow, experts on CPU, VRAM free | llama.cpp best at the limit "
             "| vs llama.cpp (>= 3x) | vs own free-VRAM rate (>= 0.7) |")
         out("|---|---|---|---|---|---|")
@@ -64,7 +100,8 @@ def report(rows: list[dict], out=print) -> dict:
             out(f"| {n} | {cell(u)}{how} | {cell(f)} | {cell(best)}{mode} | {verdict(vs_l, 3.0)} | "
                 f"{verdict(vs_f, 0.7)} |")
         dec = {r["variant"]: r for r in rs if r.get("table") == "decode" and not r.get("decode_depth")}
-        tg = max((r for r in rs if r.get("table") == "llama_decode" and "tok_s" in r and not r.get("decode_depth")),
+        tg = max((r for r in rs if r.get("table") == "llama_decode" and "tok_s" in r and not r.get("decode_depth")
+                  and not _server(r)),
                  key=lambda r: r["tok_s"], default=None)
         smp = next((r for r in rs if r.get("table") == "llama_sampler"), None)
         ab = {r["variant"]: r for r in rs if r.get("table") == "decode_ab"}
@@ -95,7 +132,7 @@ def report(rows: list[dict], out=print) -> dict:
                     f"| {other} |")
             for depth in sorted({r["decode_depth"] for r in rs if r.get("decode_depth")}):
                 at = [r for r in rs if r.get("decode_depth") == depth]
-                ltg = max((r for r in at if r.get("table") == "llama_decode" and "tok_s" in r),
+                ltg = max((r for r in at if r.get("table") == "llama_decode" and "tok_s" in r and not _server(r)),
                           key=lambda r: r["tok_s"], default=None)
                 if ltg:
                     out(f"| llama.cpp tg after {depth} tokens (-d), {ltg['system']}, {ltg['threads']} threads | "
@@ -117,6 +154,7 @@ def report(rows: list[dict], out=print) -> dict:
                     f"{'**met**' if t['reservation_cost'] <= 0.03 else 'not met'} "
                     f"({100 * t['reservation_cost']:.1f}%"
                     + (f" ± {100 * spread:.1f}% standard error of {len(ratios)} rounds" if spread else "") + ") |")
+        server_table(rs, pre, dec, t, out)
         vr = [r for r in rs if r.get("table") == "vram"]
         lv = [r for r in rs if r.get("table", "").startswith("llama_") and "process_gb" in r]
         if vr or lv:

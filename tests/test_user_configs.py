@@ -166,7 +166,8 @@ blocks, grow = 4, float(sys.argv[0].endswith("grow"))
 gpu = 0 if "-ot" in a else blocks - int(val("-ncmoe", 0))
 compute = 200 + (600 * grow if gpu else 0)  # (grow: more compute buffer once any experts are on the GPU)
 print(f"load_tensors: CUDA0 model buffer size = {1000 + 500 * gpu:.2f} MiB", file=sys.stderr)
-print(f"llama_kv_cache: CUDA0 KV buffer size = {100 + int(val('-d', 0)) / 64:.2f} MiB", file=sys.stderr)
+print(f"llama_kv_cache: CUDA0 KV buffer size = {100 + (int(val('-p', 0)) + int(val('-d', 0))) / 64:.2f} MiB",
+      file=sys.stderr)
 print(f"llama_context: CUDA0 compute buffer size = {compute:.2f} MiB", file=sys.stderr)
 if val("-r") != "0":
     for t in val("-t").split(","):
@@ -202,6 +203,31 @@ def test_llama_side_probes_chooses_and_keeps_to_the_limit(tmp_path, monkeypatch,
     assert deep["decode_depth"] == 65536 and deep["n_cpu_moe"] > dec["n_cpu_moe"] and deep["within_limit"]
     written = [json.loads(line) for line in Path(a.out).read_text().splitlines()]
     assert [r["table"] for r in written] == ["llama_prefill", "llama_decode", "llama_decode"]
+
+
+def test_llama_side_as_one_server_configuration_holds_the_longest_prompts_ncmoe(tmp_path, monkeypatch):
+    """The server configuration's -ncmoe is the longest prompt's at the largest -ub (its KV cache
+    that long), and a test run at it keeps that N (no probe of its own), marked as such."""
+    import llama_user
+
+    monkeypatch.setattr(llama_user, "card", lambda field="memory.used": None)
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_BENCH)
+    calls = tmp_path / "calls"
+    binary = tmp_path / "run"
+    binary.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nexec {sys.executable} {fake} \"$@\"\n")
+    binary.chmod(0o755)
+    sizes = [(f"blk.{b}.ffn_{k}_exps.weight", 500 * 2**20 // 3) for b in range(4) for k in ("gate", "up", "down")]
+    a = types.SimpleNamespace(vram_gb=3.5, reps=1, out=str(tmp_path / "l.jsonl"))
+    ll = llama_user.Llama(a, binary, Path("model.gguf"), sizes, dict(run_id="t"))
+    (own,) = ll.run("decode", 16, 0, "16", "ncmoe")
+    n = ll.server_ncmoe(32768, 2048, "16")  # its KV cache another 512 MiB: a block fewer on the GPU
+    assert n == own["n_cpu_moe"] + 1
+    calls.unlink()
+    (dec,) = ll.run("decode", 16, 0, "16", "server", ncmoe=n)
+    assert dec["n_cpu_moe"] == n and dec["placement"] == "server" and "one server configuration" in dec["system"]
+    assert dec["tok_s"] < own["tok_s"]  # fewer experts on the GPU than its own test chose
+    assert len(calls.read_text().splitlines()) == 1  # timed at N, no probe
 
 
 def test_gguf_synth_repeats_the_last_block_with_random_q8_0(tmp_path):
@@ -263,8 +289,15 @@ def test_report_reads_each_target_off_the_rows():
             dict(info, table="decode_ab", variant="decode-only greedy", decode_tok_s=133.7, gpu_experts=3300),
             dict(info, table="vram", variant="user", plans=["decode"], predicted_gb=23.9, max_allocated_gb=22.0,
                  err_allocated=-0.04, process_gb=23.0, err_process=-0.038)]
+    # llama.cpp as one server configuration (-ncmoe of the longest prompt); a row's noise above the
+    # per-test best must not become the targets' denominator
+    server = dict(placement="server", system="llama.cpp -ncmoe 23, -ub 4096 (one server configuration)")
+    rows += [dict(info, table="llama_prefill", prompt=8192, tok_s=3100.0, sd=1.0, **server),
+             dict(info, table="llama_decode", threads=16, tok_s=65.5, sd=1.0, **server)]
     lines = []
     got = report(rows, out=lines.append)[("qwen3", 24.0)]
+    assert got["prefill8192_vs_llama_server"] == pytest.approx(9000 / 3100)
+    assert got["greedy_vs_llama_server"] == pytest.approx(2.0) and got["sampled_vs_llama_server"] == pytest.approx(114 / 65.5)
     assert got["prefill8192_vs_llama"] == pytest.approx(3.0) and got["prefill8192_vs_free"] == pytest.approx(0.75)
     assert got["greedy_vs_llama"] == pytest.approx(1.31) and got["sampled_vs_llama"] == pytest.approx(1.14)
     assert got["sampled_vs_one_step"] == pytest.approx(0.95)
