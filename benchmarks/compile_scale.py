@@ -27,13 +27,13 @@ def measure(cfg: dict, hw: str, repeats: int, **options) -> tuple[list[float], i
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(cfg))
         model = ktflow.load(d)
-        times, steps = [], 0
+        times, instrs = [], 0
         for _ in range(repeats):
             t0 = time.perf_counter()
             c = ktflow.compile(model, hw=hw, **options)
             times.append(time.perf_counter() - t0)
-            steps = len(c.prefill.steps) + len(c.decode.steps)
-    return times, steps
+            instrs = len(c.prefill.instructions) + len(c.decode.instructions)
+    return times, instrs
 
 
 def main() -> None:
@@ -48,13 +48,14 @@ def main() -> None:
     cases = [(name, cfg, {}) for name, cfg in cases]
     cases += [("deepseek-v3, defer=auto", V3, {"defer": "auto"}), ("kimi-k2, defer=auto", KIMI, {"defer": "auto"})]
     rows = []
-    print(f"{'model':28s} {'layers':>6s} {'experts':>7s} {'steps':>6s} {'compile s (mean +- sd)':>24s}")
+    print(f"{'model':28s} {'layers':>6s} {'experts':>7s} {'instrs':>6s} {'compile s (mean +- sd)':>24s}")
     for name, cfg, options in cases:
-        times, steps = measure(cfg, a.hw, a.repeats, **options)
+        times, instrs = measure(cfg, a.hw, a.repeats, **options)
         mean, sd = statistics.mean(times), statistics.stdev(times) if len(times) > 1 else 0.0
-        print(f"{name:28s} {cfg['num_hidden_layers']:6d} {cfg['n_routed_experts']:7d} {steps:6d} {mean:16.3f} +- {sd:.3f}")
+        print(f"{name:28s} {cfg['num_hidden_layers']:6d} {cfg['n_routed_experts']:7d} {instrs:6d} {mean:16.3f} +- {sd:.3f}")
+        # the plans' instructions, in the field `steps` the recorded rows (and results.py's table) name
         rows.append(dict(bench="compile_scale", model=name, options=options, layers=cfg["num_hidden_layers"],
-                         experts=cfg["n_routed_experts"], steps=steps, hw=a.hw, seconds_mean=mean, seconds_sd=sd,
+                         experts=cfg["n_routed_experts"], steps=instrs, hw=a.hw, seconds_mean=mean, seconds_sd=sd,
                          repeats=a.repeats, **machine(), commit=commit(), ktflow=ktflow.__version__))
     append_jsonl(a.out, rows)
 

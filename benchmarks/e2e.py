@@ -477,10 +477,10 @@ def gpu_chain(kernels: list[tuple[float, float, str]], idle_us: float = 30.0) ->
 
 def traced_handoffs(compiled, vocab: int) -> dict:
     """Median hand-off per layer's CPU task, each way (timeline.handoffs), from one decode step
-    run with the trace (issued eagerly with CUDA events around each GPU step: the launches add to
+    run with the trace (issued eagerly with CUDA events around each GPU instruction: the launches add to
     what a replayed graph spends), beside the plan's prediction."""
     import ktflow
-    from ktflow.plan.timeline import handoffs, with_measured_steps
+    from ktflow.plan.timeline import handoffs, with_measured_instructions
 
     logits, state = ktflow.execute(compiled, torch.randint(0, vocab, (1, 32)))
     nxt = logits[:, -1:].argmax(-1)
@@ -493,7 +493,7 @@ def traced_handoffs(compiled, vocab: int) -> dict:
         h = [getattr(x, way) for x in handoffs(plan) if x.layer is not None]
         return round(statistics.median(h), 1) if h else None
 
-    measured = with_measured_steps(compiled.decode, ex.measured)
+    measured = with_measured_instructions(compiled.decode, ex.measured)
     return dict(handoff_to_cpu_us=med(measured, "to_cpu_us"), handoff_to_gpu_us=med(measured, "to_gpu_us"),
                 predicted_handoff_to_cpu_us=med(compiled.decode, "to_cpu_us"),
                 predicted_handoff_to_gpu_us=med(compiled.decode, "to_gpu_us"))
@@ -858,10 +858,10 @@ def run_prefill(a, model, base: dict, budget: float, lengths: list[int], info: d
               flush=True)
         for n in lengths:
             row = dict(info, table="prefill", system=f"ktflow {v}", **measure(c, vocab, n, a.prefill_reps, hw, layers))
-            steps = row.pop("steps")
+            instrs = row.pop("instructions")
             if a.trace_dir:  # the traced step, for reading the timeline
                 Path(a.trace_dir).mkdir(parents=True, exist_ok=True)
-                (Path(a.trace_dir) / f"prefill-{v}-{n}.json").write_text(json.dumps(steps))
+                (Path(a.trace_dir) / f"prefill-{v}-{n}.json").write_text(json.dumps(instrs))
             rows.append(row)
             print(f"  ktflow {v:6s} prefill {n:6d}: {row['tok_s']:9.1f} +- {row['sd']:6.1f} tok/s (bucket "
                   f"{row['bucket']}, {row['decisions']}); predicted {row['predicted_tok_s']}; PCIe bound "
@@ -919,7 +919,7 @@ def main() -> int:
                     "conversion/ and gguf-py/")
     ap.add_argument("--tools", default="", help="dir with gguf-convert.py and tiny-tokenizer.py")
     ap.add_argument("--gguf-type", default="bf16")
-    ap.add_argument("--trace-dir", default="", help="write each traced prefill step's measured steps here")
+    ap.add_argument("--trace-dir", default="", help="write each traced prefill step's measured instructions here")
     ap.add_argument("--variants",
                     default="cpu,eager,graph,graph+hostwait,graph+d1,graph+d2,graph+d3,graph+d4,graph+dauto")
     ap.add_argument("--expert-format", default="auto", choices=["auto", "bf16", "int8", "int4", "fp8"],

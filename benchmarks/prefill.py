@@ -27,16 +27,16 @@ def _busy(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def lane_busy(steps) -> dict[str, float]:
+def lane_busy(instrs) -> dict[str, float]:
     """Fraction of the measured step each lane (gpu, fetch, copy, cpu) is busy; a sync (the GPU
     stream waiting for a CPU task) and a submit are not GPU work."""
     lanes: dict[str, list] = {}
-    for s in steps:
+    for s in instrs:
         if s.kind in ("record", "wait", "sync", "submit"):
             continue
         lane = "cpu" if s.lane.startswith("cpu") else s.lane
         lanes.setdefault(lane, []).append((s.start_us, s.end_us))
-    span = max((s.end_us for s in steps), default=0.0) or 1.0
+    span = max((s.end_us for s in instrs), default=0.0) or 1.0
     return {k: round(_busy(v) / span, 3) for k, v in lanes.items()}
 
 
@@ -48,7 +48,7 @@ def pcie_bound(plan, hw, chunks: int) -> tuple[float, float]:
 
     fetches = [n for n in plan.ir.nodes if n.op == Op.FETCH]
     nbytes = sum(n.attrs.link_bytes for n in fetches)
-    ends = [s.end_us for s in plan.steps if s.kind == "fetch"]
+    ends = [s.end_us for s in plan.instructions if s.kind == "fetch"]
     tail = (plan.predicted_step_us - max(ends)) * 1e-6 if ends else plan.predicted_step_us * 1e-6
     per_chunk = nbytes / (hw.gpus[0].pcie_h2d_gbps * 1e9) + tail
     return nbytes * chunks, per_chunk * chunks
@@ -58,7 +58,7 @@ def measure(compiled, vocab: int, tokens: int, reps: int, hw, layers: int) -> di
     """One variant at one prompt length."""
     import ktflow
     from ktflow.plan.artifact import prefill_decisions
-    from ktflow.plan.timeline import layer_times, with_measured_steps
+    from ktflow.plan.timeline import layer_times, with_measured_instructions
 
     g = torch.Generator().manual_seed(tokens)
     plan = compiled.prefill_plan(tokens)
@@ -85,7 +85,7 @@ def measure(compiled, vocab: int, tokens: int, reps: int, hw, layers: int) -> di
     ktflow.execute(compiled, torch.randint(0, vocab, (1, min(tokens, compiled.chunk_tokens)), generator=g),
                    logits="last")
     busy = lane_busy(ex.measured) if ex.measured else {}
-    measured_plan = with_measured_steps(plan, ex.measured) if ex.measured else None
+    measured_plan = with_measured_instructions(plan, ex.measured) if ex.measured else None
     def mean_layer(p) -> float | None:
         spans = [t.span_us for t in layer_times(p) if t.layer is not None] if p is not None else []
         return statistics.mean(spans) if spans else None
@@ -105,4 +105,4 @@ def measure(compiled, vocab: int, tokens: int, reps: int, hw, layers: int) -> di
         measured_layer_us=round(measured_layer, 1) if measured_layer else None,  # the traced step's layer windows
         peak_vram_gb=round(max(peaks) / 1e9, 3), planned_vram_gb=round(plan.memory.gpu_bytes / 1e9, 3),
         planned_staging_gb=round(plan.memory.staging_bytes / 1e9, 3), layers=layers,
-        steps=[(s.kind, s.node, s.lane, s.start_us, s.end_us) for s in ex.measured or []])
+        instructions=[(s.kind, s.node, s.lane, s.start_us, s.end_us) for s in ex.measured or []])

@@ -201,8 +201,8 @@ def prefill_row(c, vocab: int, tokens: int, reps: int, cuda: bool) -> dict:
 
 
 def traced_prefill(c, vocab: int, tokens: int, path: Path) -> dict:
-    """One prompt of `tokens` with its prefill plan's (last) step instrumented: the measured steps
-    written as a Chrome trace to `path` (beside the plan's predicted ones: `ktflow compile
+    """One prompt of `tokens` with its prefill plan's (last) step instrumented: the measured
+    instructions written as a Chrome trace to `path` (beside the plan's predicted ones: `ktflow compile
     --trace`), and per lane the measured busy time against the predicted, with the step's span."""
     import ktflow
     from ktflow.plan.timeline import with_measured_plans, write_chrome_trace
@@ -212,7 +212,7 @@ def traced_prefill(c, vocab: int, tokens: int, path: Path) -> dict:
     ex.trace = 1
     g = torch.Generator().manual_seed(tokens + 1)
     ktflow.execute(c, torch.randint(0, vocab, (1, tokens), generator=g), logits="last")
-    steps = ex.measured or []
+    instrs = ex.measured or []
 
     def lanes(ss) -> dict:
         busy: dict[str, float] = {}
@@ -234,16 +234,16 @@ def traced_prefill(c, vocab: int, tokens: int, path: Path) -> dict:
                 busy[kind(st)] = busy.get(kind(st), 0.0) + st.end_us - st.start_us
         return busy
 
-    write_chrome_trace(with_measured_plans(c.plans, lambda p: steps if p is plan else None), str(path),
+    write_chrome_trace(with_measured_plans(c.plans, lambda p: instrs if p is plan else None), str(path),
                        label="measured")
-    span = (max(st.end_us for st in steps) - min(st.start_us for st in steps)) if steps else 0.0
-    measured, predicted = by_kind(steps), by_kind(plan.steps)
+    span = (max(st.end_us for st in instrs) - min(st.start_us for st in instrs)) if instrs else 0.0
+    measured, predicted = by_kind(instrs), by_kind(plan.instructions)
     # the GPU-side kinds, most measured time first: [measured us, predicted us]
     gpu_kinds = {k: [round(measured.get(k, 0.0), 1), round(predicted.get(k, 0.0), 1)]
                  for k in sorted(set(measured) | set(predicted), key=lambda k: -measured.get(k, 0.0))}
     return dict(table="prefill_trace", prompt=tokens, bucket=plan.step_tokens, trace=str(path),
                 span_us=round(span, 1), predicted_us=round(plan.predicted_step_us, 1),
-                busy_us=lanes(steps), predicted_busy_us=lanes(plan.steps), gpu_kinds_us=gpu_kinds)
+                busy_us=lanes(instrs), predicted_busy_us=lanes(plan.instructions), gpu_kinds_us=gpu_kinds)
 
 
 def decode_rate(c, vocab: int, new: int, seed: int, temperature: float = 0.0, top_p: float = 1.0,

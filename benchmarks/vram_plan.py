@@ -122,7 +122,7 @@ def main() -> int:
             row.update(decode_tok_s=round(rate, 2), decode_sd=round(sd, 2), decode_peak_vram_gb=round(peak / 1e9, 3))
             row["prefill"] = [measure(c, vocab, n, a.reps, hw, cfg["num_hidden_layers"]) for n in prompts]
             for p in row["prefill"]:
-                p.pop("steps", None)
+                p.pop("instructions", None)
         except torch.cuda.OutOfMemoryError as e:
             row["oom"] = str(e).splitlines()[0]
             print(f"{name}: out of memory: {row['oom']}", flush=True)

@@ -24,7 +24,7 @@ def _no_overlap(plan):
         by_arena = {}
         for value, b in plan.buffers.items():
             offset, size = b.span(tokens)
-            by_arena.setdefault(b.arena, []).append((offset, size, b.first_step, b.last_step, value))
+            by_arena.setdefault(b.arena, []).append((offset, size, b.first_instruction, b.last_instruction, value))
             if b.per_token:
                 assert offset % (64 * tokens) == 0 and size >= plan.ir.by_name(value).out.numel(tokens) * \
                     plan.ir.by_name(value).out.dtype.itemsize
@@ -51,7 +51,8 @@ def test_the_buffer_plan_is_a_verified_pass(hybrid):
     verify(g, "buffered")
     pinned = [n for n in g.nodes if n.buffer is not None and n.buffer.arena == "pinned"]
     a, b = next((a, b) for a in pinned for b in pinned if a.name < b.name  # two exchange values live at once
-                and a.buffer.first_step <= b.buffer.last_step and b.buffer.first_step <= a.buffer.last_step)
+                and a.buffer.first_instruction <= b.buffer.last_instruction
+                and b.buffer.first_instruction <= a.buffer.last_instruction)
     moved = replace(b, buffer=replace(b.buffer, offset=a.buffer.offset))
     with pytest.raises(VerifyError, match="B2"):
         verify(g.replace_nodes(moved if n.name == b.name else n for n in g.nodes), "buffered")
@@ -75,8 +76,8 @@ def test_arenas_reuse_memory_across_layers(hybrid):
     assert "L2.experts" in pinned and "L2.ffn_norm.to_cpu" in pinned  # what crosses PCIe on the host side
     assert not any(v.endswith(".sync") for v in plan.buffers)  # a sync aliases its task's buffer
     task = plan.buffers["L2.experts"]
-    copy_step = next(i for i, s in enumerate(plan.steps) if s.node == "L2.experts.to_gpu" and s.kind == "copy")
-    assert task.last_step >= copy_step  # live until the copy has read it
+    copy_at = next(i for i, s in enumerate(plan.instructions) if s.node == "L2.experts.to_gpu" and s.kind == "copy")
+    assert task.last_instruction >= copy_at  # live until the copy has read it
     g = plan.ir
     for v, b in plan.buffers.items():  # unpinned buffers live on their node's device
         if b.arena != "pinned":
@@ -84,16 +85,16 @@ def test_arenas_reuse_memory_across_layers(hybrid):
 
 
 def test_events_pair_writers_with_readers_on_other_lanes(hybrid):
-    steps = hybrid.decode.steps
-    records = {s.event: i for i, s in enumerate(steps) if s.kind == "record"}
-    waits = {s.event: i for i, s in enumerate(steps) if s.kind == "wait"}
+    instrs = hybrid.decode.instructions
+    records = {s.event: i for i, s in enumerate(instrs) if s.kind == "record"}
+    waits = {s.event: i for i, s in enumerate(instrs) if s.kind == "wait"}
     assert records and set(records) == set(waits)
     for ev, i in waits.items():
         assert records[ev] < i
     # the GPU stream waits on the CPU task's result before the sync hands it over
     assert "L2.experts>gpu" in waits
-    lane_of = {s.node: s.lane for s in steps if s.kind not in ("record", "wait")}
-    for s in steps:
+    lane_of = {s.node: s.lane for s in instrs if s.kind not in ("record", "wait")}
+    for s in instrs:
         if s.kind in ("launch", "copy", "submit", "sync"):
             for r in s.reads:
                 if lane_of.get(r, s.lane) != s.lane:
@@ -101,10 +102,10 @@ def test_events_pair_writers_with_readers_on_other_lanes(hybrid):
 
 
 def test_capture_regions(hybrid, demo_dir):
-    assert hybrid.decode.capture == [(0, len(hybrid.decode.steps) - 1)]  # the whole decode step, one graph
+    assert hybrid.decode.capture == [(0, len(hybrid.decode.instructions) - 1)]  # the whole decode step, one graph
     assert all(p.capture == [] for p in hybrid.prefill)  # prefill runs eagerly
     cpu_only = ktflow.compile(ktflow.load(demo_dir), hw="cpu")
-    assert cpu_only.decode.capture == [] and not any(s.kind in ("record", "wait") for s in cpu_only.decode.steps)
+    assert cpu_only.decode.capture == [] and not any(s.kind in ("record", "wait") for s in cpu_only.decode.instructions)
 
 
 def test_cpu_task_values_live_from_submit_to_sync(hybrid):
@@ -113,7 +114,7 @@ def test_cpu_task_values_live_from_submit_to_sync(hybrid):
     share bytes with anything written after the submit (a deferred task's sync is a layer later)."""
     plan = hybrid.decode
     g = plan.ir
-    at = {(s.kind, s.node): i for i, s in enumerate(plan.steps)}
+    at = {(s.kind, s.node): i for i, s in enumerate(plan.instructions)}
     buf = plan.buffers
     sync_of = {n.inputs[1]: n.name for n in g.nodes if n.op.value == "sync"}
     checked = 0
@@ -122,9 +123,9 @@ def test_cpu_task_values_live_from_submit_to_sync(hybrid):
         s1 = max(at[("sync", sync_of[m])] for m in sub.attrs.members if m in sync_of)
         for m in sub.attrs.members:
             if m in buf:
-                assert buf[m].first_step <= s0, m
+                assert buf[m].first_instruction <= s0, m
             for i in g.by_name(m).inputs:
                 if i in buf:
-                    assert buf[i].last_step >= s1, (m, i)
+                    assert buf[i].last_instruction >= s1, (m, i)
                     checked += 1
     assert checked and any(n.name.endswith(".def") for n in g.nodes)

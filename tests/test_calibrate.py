@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ktflow
-from ktflow.tools.calibrate import (Replayed, _edge_syncs, median_steps, calibrate, deferred_tasks, fit,
+from ktflow.tools.calibrate import (Replayed, _edge_syncs, median_instructions, calibrate, deferred_tasks, fit,
     fit_replayed, measure, predicted_tasks)
 from ktflow.costmodel.hw import PRESETS, Overheads, resolve_hw
 from ktflow.ir.ops import Op
@@ -20,13 +20,13 @@ from ktflow.backends.native.binding import available as native_available
 
 
 def fabricate(plan, hw, gpu=None, cpu=None):
-    """The plan's steps with the durations a machine would give: GPU ops gpu(x) and CPU ops
+    """The plan's instructions with the durations a machine would give: GPU ops gpu(x) and CPU ops
     cpu(x) of their roofline seconds at peak (without the fixed cost) under profile `hw`; the
-    rest as predicted. Steps back to back."""
+    rest as predicted. Instructions back to back."""
     o = hw.overheads
     out, t = [], 0.0
     g = plan.ir
-    for s in plan.steps:
+    for s in plan.instructions:
         d = s.end_us - s.start_us
         if s.kind == "launch":
             n = g.by_name(s.node)
@@ -61,7 +61,7 @@ def test_fit_recovers_the_cpu_rate_and_fixed_time(demo_dir):
     assert profile.overheads.cpu_op_us == pytest.approx(10.0, rel=1e-6)
     again = ktflow.compile(ktflow.load(demo_dir), hw=profile, max_seq_len=64)  # the fitted profile prices it so
     want = sum(s.end_us - s.start_us for s in measured if s.kind == "launch")
-    got = sum(s.end_us - s.start_us for s in again.decode.steps if s.kind == "launch")
+    got = sum(s.end_us - s.start_us for s in again.decode.instructions if s.kind == "launch")
     assert got == pytest.approx(want, rel=1e-3)
 
 
@@ -77,7 +77,7 @@ def test_a_replayed_step_fits_the_cpu_rate_the_gpu_fixed_time_and_the_step_edges
     meas_tasks = [2 * t for t in tasks]
     meas_gaps = [g + 10.0 * k for g, k in zip(gaps, in_gap)]
     wall = plan.predicted_step_us + sum(tasks) + 10.0 * (sum(in_gap) + edge_ops) + 500.0
-    during = sum(1 for st in plan.steps if st.kind in ("launch", "copy") and not st.lane.startswith("cpu")) \
+    during = sum(1 for ins in plan.instructions if ins.kind in ("launch", "copy") and not ins.lane.startswith("cpu")) \
         - sum(in_gap) - edge_ops
     assert during > 0  # the shared experts run during the tasks: neither in a gap nor at an edge
     profile, fitted = fit_replayed(plan, Replayed(wall, meas_tasks, meas_gaps), c.plans.hw)
@@ -177,12 +177,12 @@ def test_calibrating_here_fits_the_measured_ops_and_reports_the_step(demo_dir):
     model = ktflow.load(demo_dir)
     c = ktflow.compile(model, hw="cpu", max_seq_len=64, backend="native")
     traced, walls = measure(c, steps=2)
-    med = median_steps(traced)
+    med = median_instructions(traced)
     profile, _ = fit(c.decode, med, c.plans.hw)
     again = ktflow.compile(model, hw=profile, max_seq_len=64, backend="native").decode
-    cpu_ops = lambda steps: sum(s.end_us - s.start_us for s in steps  # noqa: E731
+    cpu_ops = lambda instrs: sum(s.end_us - s.start_us for s in instrs  # noqa: E731
                                 if s.kind == "launch" and c.decode.ir.by_name(s.node).place.device == Device.CPU)
-    assert cpu_ops(again.steps) == pytest.approx(cpu_ops(med), rel=0.05)
+    assert cpu_ops(again.instructions) == pytest.approx(cpu_ops(med), rel=0.05)
     assert len(walls) >= 3 and all(w > 0 for w in walls)
     cal = calibrate(model, "cpu", steps=2, max_seq_len=64, backend="native")
     (s,) = cal.steps  # no GPU: no deferred plan to measure

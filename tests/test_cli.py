@@ -28,7 +28,7 @@ def test_compile_inspect_run(demo_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "prefill" in r.stdout and "decode" in r.stdout and f"wrote {plan}" in r.stdout
     r = ktflow("inspect", plan, "--text")
-    assert r.returncode == 0 and "L3.experts" in r.stdout and "steps:" in r.stdout
+    assert r.returncode == 0 and "L3.experts" in r.stdout and "instructions:" in r.stdout
     r = ktflow("run", demo_dir, "--plan", plan, "--input-ids", "1 2 3 4", "--max-new-tokens", 5, "--ignore-eos")
     assert r.returncode == 0, r.stderr
     gen = json.loads(r.stdout.split("generated ids")[1].splitlines()[0])
@@ -44,9 +44,9 @@ def test_greedy_steps_reach_the_plan_and_a_bad_value_is_one_line(demo_dir, tmp_p
     assert r.returncode == 2 and "greedy_steps" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_run_trace_writes_the_measured_steps_beside_the_predicted_format(demo_dir, tmp_path):
-    """`run --trace`: the prompt step and the first decode step, every plan step with a
-    measured time, as the Chrome trace `compile --trace` writes (here on the CPU, a hybrid plan
+def test_run_trace_writes_the_measured_instructions_beside_the_predicted_format(demo_dir, tmp_path):
+    """`run --trace`: the prompt step and the first decode step, every plan instruction with
+    a measured time, as the Chrome trace `compile --trace` writes (here on the CPU, a hybrid plan
     whose GPU nodes run on the CPU with deferral)."""
     measured, predicted = tmp_path / "m.json", tmp_path / "p.json"
     args = ["--hw", "paper-a100", "--vram-budget-gb", "0.004", "--defer", "1", "--device", "cpu", "--max-seq-len", 64]
@@ -59,7 +59,7 @@ def test_run_trace_writes_the_measured_steps_beside_the_predicted_format(demo_di
     ran = {e["pid"] for e in got if e["ph"] == "X"}
     assert len(ran) == 2  # the prompt's bucket and decode: every other plan left out
     names = lambda evs: [(e["pid"], e["name"], e["cat"]) for e in evs if e["ph"] == "X" and e["pid"] in ran]  # noqa: E731
-    assert names(got) == names(want)  # the same steps, side by side
+    assert names(got) == names(want)  # the same instructions, side by side
     assert any("(measured," in e["args"]["name"] for e in got if e["ph"] == "M")
     decode = [e for e in got if e["ph"] == "X" and e["pid"] == max(ran)]
     assert any(e["name"] == "L1.experts.def" for e in decode)

@@ -215,8 +215,8 @@ def test_a_step_failing_mid_issue_leaves_the_cpu_side_ready_for_the_next(tiny_di
     from ktflow.runtime.execute import decode_greedy
 
     bound = runner.bound[2]
-    per_step = sum(1 for st in c.decode.steps  # the waits a step issues: its syncs of tasks with batches
-                   if st.kind == "sync" and bound.tasks[c.decode.ir.by_name(st.node).inputs[1]])
+    per_step = sum(1 for ins in c.decode.instructions  # the waits a step issues: its syncs of tasks with batches
+                   if ins.kind == "sync" and bound.tasks[c.decode.ir.by_name(ins.node).inputs[1]])
     # the failure comes at the second step's second wait
     monkeypatch.setattr(runner.driver, "wait_value",
                         failing_wait(per_step + 2, "injected: a wait of the run's second step fails"))
@@ -483,7 +483,7 @@ def test_a_plan_for_this_machine_captures_replays_and_traces(demo_dir):
     assert out.shape == (1, 10)
     assert c.executor("decode").runner.bound[1].graph is not None
     measured = c.executor("decode").measured
-    assert measured and [s.node for s in measured] == [s.node for s in c.decode.steps]
+    assert measured and [s.node for s in measured] == [s.node for s in c.decode.instructions]
 
 
 def test_a_tie_excuses_a_token_a_broken_one_is_not_excused():

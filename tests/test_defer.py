@@ -96,7 +96,7 @@ def test_d0_is_exactly_the_plain_plan(demo_dir):
     model = ktflow.load(demo_dir)
     a = ktflow.compile(model, hw="paper-a100", defer=0)
     b = ktflow.compile(model, hw="paper-a100")
-    assert a.decode.ir == b.decode.ir and a.decode.steps == b.decode.steps
+    assert a.decode.ir == b.decode.ir and a.decode.instructions == b.decode.instructions
 
 
 def test_prefill_never_defers(demo_dir):

@@ -136,23 +136,23 @@ def test_an_edited_or_damaged_plan_is_refused_at_load(capsys, tmp_path, demo_dir
     def drop_node(p):
         del p["graph"]["nodes"][5]
 
-    def swap_steps(p):
-        s = p["steps"]
-        i = next(i for i, st in enumerate(s) if st["kind"] == "launch" and st["reads"])
+    def swap_instructions(p):
+        s = p["instructions"]
+        i = next(i for i, ins in enumerate(s) if ins["kind"] == "launch" and ins["reads"])
         j = next(j for j in range(i) if s[i]["reads"][0] in s[j]["writes"])
         s[i], s[j] = s[j], s[i]
 
     def bad_buffer(p):
         next(n for n in p["graph"]["nodes"] if "buffer" in n)["buffer"]["offset"] = 1 << 40
 
-    def short_lived(p):  # a buffer freed before the step that writes it
-        n = next(n for n in p["graph"]["nodes"] if "buffer" in n and n["buffer"]["first_step"] > 0)
-        n["buffer"]["first_step"] = n["buffer"]["last_step"] = 0
+    def short_lived(p):  # a buffer freed before the instruction that writes it
+        n = next(n for n in p["graph"]["nodes"] if "buffer" in n and n["buffer"]["first_instruction"] > 0)
+        n["buffer"]["first_instruction"] = n["buffer"]["last_instruction"] = 0
 
     def untimed(p):
         del next(n for n in p["graph"]["nodes"] if n["inputs"])["timing"]
 
-    for change, rule in ((drop_node, "V"), (swap_steps, "K4"), (bad_buffer, "B3"), (short_lived, "K7"),
+    for change, rule in ((drop_node, "V"), (swap_instructions, "K4"), (bad_buffer, "B3"), (short_lived, "K7"),
                          (untimed, "T1")):
         bad = edited(change, f"{rule}.json")
         for argv in (["inspect", bad], ["run", demo_dir, "--plan", bad, "--input-ids", "1 2"]):

@@ -114,11 +114,11 @@ def test_a_task_marked_on_host_reads_only_token_ids_or_l4_fires():
 def test_schedule_overlaps_cpu_experts_with_the_shared_expert(demo_dir):
     model = ktflow.load(demo_dir)
     c = ktflow.compile(model, hw="paper-a100", vram_budget_gb=0.004)  # dense on the GPU, experts on the CPU
-    steps = {s.node: s for s in c.decode.steps if s.kind not in ("record", "wait")}
-    assert {s.kind for s in c.decode.steps} == {"launch", "copy", "submit", "sync", "record", "wait"}
-    assert {s.lane for s in c.decode.steps} == {"gpu", "copy", "cpu", "cpu0", "cpu1"}  # two sockets
-    task, shared, sub, sync = (steps[n] for n in ("L2.experts", "L2.shared", "L2.experts.submit", "L2.experts.sync"))
-    s0, s1 = steps["L2.experts.numa0"], steps["L2.experts.numa1"]
+    instrs = {s.node: s for s in c.decode.instructions if s.kind not in ("record", "wait")}
+    assert {s.kind for s in c.decode.instructions} == {"launch", "copy", "submit", "sync", "record", "wait"}
+    assert {s.lane for s in c.decode.instructions} == {"gpu", "copy", "cpu", "cpu0", "cpu1"}  # two sockets
+    task, shared, sub, sync = (instrs[n] for n in ("L2.experts", "L2.shared", "L2.experts.submit", "L2.experts.sync"))
+    s0, s1 = instrs["L2.experts.numa0"], instrs["L2.experts.numa1"]
     assert (s0.lane, s1.lane, task.lane, shared.lane) == ("cpu0", "cpu1", "cpu", "gpu")
     assert min(s0.start_us, s1.start_us) >= sub.end_us and s0.start_us < s1.end_us  # both sockets at once
     assert task.start_us >= max(s0.end_us, s1.end_us) and sync.end_us >= task.end_us

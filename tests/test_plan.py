@@ -40,20 +40,20 @@ def test_pipeline_places_and_costs_every_node():
 
 def test_the_schedule_pass_times_every_node_and_t1_t2_catch_a_broken_schedule(capsys):
     """The pipeline ends scheduled: every node timed on its lane (printed with `t=`), the plan's
-    steps made from those times; T1 fires on a node timed before its input ends or not timed,
+    instructions made from those times; T1 fires on a node timed before its input ends or not timed,
     T2 on two nodes of one lane at once."""
     from dataclasses import replace
 
     from ktflow.ir.types import Timing
     from ktflow.ir.verify import violations
-    from ktflow.passes.schedule import steps_of
+    from ktflow.passes.schedule import instructions_of
 
     g = run_pipeline(graph_of("deepseek_v3"), ctx("decode"), instruments=default_instruments("schedule"))
     assert "graph after schedule" in capsys.readouterr().out
     assert all(n.timing is not None for n in g.nodes) and not violations(g, "scheduled")
-    steps = [s for s in steps_of(g) if s.kind not in ("record", "wait")]
-    assert [s.node for s in steps] == [n.name for n in g.nodes]
-    assert all((s.start_us, s.end_us) == (n.timing.start_us, n.timing.end_us) for s, n in zip(steps, g.nodes))
+    instrs = [s for s in instructions_of(g) if s.kind not in ("record", "wait")]
+    assert [s.node for s in instrs] == [n.name for n in g.nodes]
+    assert all((s.start_us, s.end_us) == (n.timing.start_us, n.timing.end_us) for s, n in zip(instrs, g.nodes))
 
     def fired(nodes):
         return {r for r, _, _ in violations(g.replace_nodes(nodes), "scheduled")}
@@ -168,10 +168,10 @@ def test_failed_save_leaves_the_old_file(compiled, tmp_path, monkeypatch):
 
 def test_schedule_orders_steps_and_predicts_times(compiled):
     for plan in compiled.plans.plans:
-        names = [s.node for s in plan.steps]
+        names = [s.node for s in plan.instructions]
         assert names == [n.name for n in plan.ir.nodes]
-        assert all(s.end_us >= s.start_us for s in plan.steps)
-        assert plan.predicted_step_us == plan.steps[-1].end_us
+        assert all(s.end_us >= s.start_us for s in plan.instructions)
+        assert plan.predicted_step_us == plan.instructions[-1].end_us
     assert compiled.prefill[0].predicted_step_us > compiled.decode.predicted_step_us
     text = compiled.decode.as_text()
     assert "plan decode (GPU nodes on cpu)" in text and "L1.experts" in text

@@ -76,11 +76,11 @@ def test_short_prompts_stay_on_the_cpu_long_ones_stream(demo_dir):
     fetches = [n for n in long.ir.nodes if n.op == Op.FETCH]
     assert [f.attrs.layer for f in fetches] == [1, 2, 3] and all(f.place.stream == "fetch" for f in fetches)
     assert [f.attrs.staging_buffer for f in fetches] == [0, 1, 0] and fetches[2].inputs == ("L1.experts",)
-    steps = {s.node: s for s in long.steps if s.kind != "record" and s.kind != "wait"}
-    assert steps["L2.experts.fetch"].kind == "fetch" and steps["L2.experts.fetch"].lane == "fetch"
+    instrs = {s.node: s for s in long.instructions if s.kind != "record" and s.kind != "wait"}
+    assert instrs["L2.experts.fetch"].kind == "fetch" and instrs["L2.experts.fetch"].lane == "fetch"
     # the copy of layer 2's experts runs while layer 1 computes (two slots), layer 3's waits for slot 0
-    assert steps["L2.experts.fetch"].start_us < steps["L1.experts"].end_us
-    assert steps["L3.experts.fetch"].start_us >= steps["L1.experts"].end_us
+    assert instrs["L2.experts.fetch"].start_us < instrs["L1.experts"].end_us
+    assert instrs["L3.experts.fetch"].start_us >= instrs["L1.experts"].end_us
     assert long.memory.staging_bytes > 0 and long.arena_bytes()["staging"] >= 2 * fetches[0].out.numel(0) * 2
 
 
@@ -150,7 +150,7 @@ def test_decode_plans_are_unchanged_by_the_prefill_pass(demo_dir):
     model = ktflow.load(demo_dir)
     a = hybrid(model, prefill_experts="cpu")
     b = hybrid(model, prefill_experts="stream")
-    assert a.decode.ir == b.decode.ir and a.decode.steps == b.decode.steps
+    assert a.decode.ir == b.decode.ir and a.decode.instructions == b.decode.instructions
     assert not any(n.op == Op.FETCH for n in b.decode.ir.nodes)
 
 
@@ -431,10 +431,10 @@ def test_prefill_runner_overlaps_the_next_layers_fetch(tiny_dirs):
     ex = c.executor(plan)
     ex.trace = 1
     ktflow.execute(c, torch.randint(0, model.config.vocab_size, (1, 64)))
-    steps = {s.node: s for s in ex.measured if s.kind not in ("record", "wait")}
+    instrs = {s.node: s for s in ex.measured if s.kind not in ("record", "wait")}
     fetches = [n.name for n in plan.ir.nodes if n.op == Op.FETCH]
     experts = [n.name for n in streamed(plan)]
-    assert steps[fetches[1]].start_us < steps[experts[0]].end_us
+    assert instrs[fetches[1]].start_us < instrs[experts[0]].end_us
 
 
 # ------------------------------------------------------------------------------- the runner's logic, on the CPU

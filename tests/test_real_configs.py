@@ -33,7 +33,7 @@ def test_real_config_compiles_without_weights(name):
     model = ktflow.load(DATA / name)
     c = ktflow.compile(model, hw="cpu", max_seq_len=4096, expert_format="bf16", allow_oversize=True)
     assert c.decode.memory.weight_bytes == model.graph().weight_elems() * 2  # every weight in bf16
-    assert c.decode.predicted_step_us > 0 and len(c.decode.steps) == len(c.decode.ir)
+    assert c.decode.predicted_step_us > 0 and len(c.decode.instructions) == len(c.decode.ir)
 
 
 def test_decode_reads_only_the_active_experts():

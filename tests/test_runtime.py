@@ -170,7 +170,7 @@ def test_null_backend_records_every_step(demo_dir):
     c = ktflow.compile(ktflow.load(demo_dir), hw="cpu", max_seq_len=16, backend="null")
     logits, st = ktflow.execute(c, ids([1, 2, 3]))
     be = c.executor("prefill").backend
-    assert [name for name, _, _ in be.calls] == [s.node for s in c.prefill[0].steps]
+    assert [name for name, _, _ in be.calls] == [s.node for s in c.prefill[0].instructions]
     assert logits.shape == (1, 3, 2048) and st.position == 3
     assert ("L1.gate", "gate", (3, 4)) in be.calls
 

@@ -1,5 +1,5 @@
-"""Backends run the steps of a plan. Each implements the small `Backend` protocol (base.py) and
-registers in BACKENDS, a plain dict from name to class."""
+"""Backends run the instructions of a plan. Each implements the small `Backend` protocol (base.py)
+and registers in BACKENDS, a plain dict from name to class."""
 
 from __future__ import annotations
 

@@ -202,7 +202,7 @@ def _copy(be, node, w, ins, ctx, dev):
 
 
 def _submit(be, node, w, ins, ctx, dev):
-    return None  # the task runs as its own step; an asynchronous backend enqueues it here
+    return None  # the task's members run as their own instructions; an asynchronous backend enqueues it here
 
 
 def _sync(be, node, w, ins, ctx, dev):

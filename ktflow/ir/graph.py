@@ -68,8 +68,9 @@ class Node:
             d["timing"] = {"start_us": self.timing.start_us, "end_us": self.timing.end_us}
         if self.buffer is not None:
             b = self.buffer
-            d["buffer"] = {"arena": b.arena, "offset": b.offset, "bytes": b.bytes, "first_step": b.first_step,
-                           "last_step": b.last_step, "per_token": b.per_token}
+            d["buffer"] = {"arena": b.arena, "offset": b.offset, "bytes": b.bytes,
+                           "first_instruction": b.first_instruction, "last_instruction": b.last_instruction,
+                           "per_token": b.per_token}
         return d
 
     @staticmethod

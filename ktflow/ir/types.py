@@ -108,8 +108,8 @@ ARENAS = ("gpu", "host", "pinned", "staging")
 @dataclass(frozen=True)
 class Buffer:
     """Where a node's value lives in its step (set by the buffer pass): bytes `offset` ..
-    `offset + bytes` of `arena`, live from plan step `first_step` (the writer, or its task's
-    submit) to `last_step` (its last reader) inclusive.
+    `offset + bytes` of `arena`, live from plan instruction `first_instruction` (the writer, or its
+    task's submit) to `last_instruction` (its last reader) inclusive.
 
     per_token: offset and bytes are per token of the step, so one layout serves every step size
     (a step of t tokens places the value at t x offset, t x bytes: scaling keeps disjoint ranges
@@ -119,8 +119,8 @@ class Buffer:
     arena: str
     offset: int
     bytes: int
-    first_step: int
-    last_step: int
+    first_instruction: int
+    last_instruction: int
     per_token: bool = True
 
     def span(self, tokens: int) -> tuple[int, int]:
@@ -129,7 +129,8 @@ class Buffer:
 
     def __str__(self) -> str:
         unit = "/token" if self.per_token else ""
-        return f"@{self.arena}+{self.offset}:{self.bytes}{unit} live {self.first_step}..{self.last_step}"
+        return (f"@{self.arena}+{self.offset}:{self.bytes}{unit} "
+                f"live {self.first_instruction}..{self.last_instruction}")
 
 
 @dataclass(frozen=True)

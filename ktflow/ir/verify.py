@@ -452,7 +452,7 @@ def _b1_buffers_well_formed(g: Graph) -> Iterator[tuple[str | None, str]]:
             yield n.name, f"arena {b.arena!r} is not one of {', '.join(ARENAS)}"
         elif (b.arena == "staging") != (n.op == Op.FETCH) or b.per_token == (b.arena == "staging"):
             yield n.name, "staging buffers (absolute) hold fetched expert weights, per-token buffers everything else"
-        elif b.offset < 0 or b.first_step < 0 or b.last_step < b.first_step:
+        elif b.offset < 0 or b.first_instruction < 0 or b.last_instruction < b.first_instruction:
             yield n.name, f"buffer {b} has a negative offset or ends before it starts"
         else:
             need = n.out.numel(0 if not b.per_token else 1) * n.out.dtype.itemsize
@@ -465,11 +465,11 @@ def _b2_live_buffers_disjoint(g: Graph) -> Iterator[tuple[str | None, str]]:
     for n in g.nodes:
         if n.buffer is not None:
             by_arena.setdefault(n.buffer.arena, []).append(n)
-    for arena, nodes in by_arena.items():  # a sweep over steps: the buffers live at once, by offset
+    for arena, nodes in by_arena.items():  # a sweep over instructions: the buffers live at once, by offset
         live: list[Node] = []
-        for n in sorted(nodes, key=lambda n: (n.buffer.first_step, n.buffer.offset)):
+        for n in sorted(nodes, key=lambda n: (n.buffer.first_instruction, n.buffer.offset)):
             b = n.buffer
-            live = [m for m in live if m.buffer.last_step >= b.first_step]
+            live = [m for m in live if m.buffer.last_instruction >= b.first_instruction]
             for m in live:
                 o = m.buffer
                 if b.bytes and o.bytes and b.offset < o.offset + o.bytes and o.offset < b.offset + b.bytes:

@@ -26,7 +26,7 @@ from ..plan.options import CompileContext, CompileOptions, VramShare
 from ..util import notices
 from ..util.progress import bar
 from . import PIPELINE, PassTimer, default_instruments, edit_pipeline, pass_id, run_pipeline
-from .schedule import steps_of
+from .schedule import instructions_of
 from .vram_plan import bucket_grid, decide
 
 
@@ -135,11 +135,11 @@ def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
 def _compile_plan(spec: Graph, ctx: CompileContext, instruments=(), pipeline=PIPELINE) -> Plan:
     timer = PassTimer()
     g = run_pipeline(spec, ctx, pipeline=pipeline, instruments=[timer, *instruments])
-    steps = steps_of(g)  # the scheduled graph's steps
+    instrs = instructions_of(g)  # the scheduled graph's instructions
     return Plan.of_graph(g, phase=ctx.phase, device=ctx.device, max_seq_len=ctx.max_seq_len, step_tokens=ctx.tokens,
-                steps=steps, predicted_step_us=_predicted_step_us(g, ctx),
+                instructions=instrs, predicted_step_us=_predicted_step_us(g, ctx),
                 memory=_memory(g, ctx), pass_seconds=timer.seconds,
-                capture=[(0, len(steps) - 1)] if _captured(g, ctx) else [])
+                capture=[(0, len(instrs) - 1)] if _captured(g, ctx) else [])
 
 
 def _captured(g: Graph, ctx: CompileContext) -> bool:

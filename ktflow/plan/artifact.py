@@ -1,7 +1,7 @@
 """The plan artifact: a versioned pydantic model, saved as JSON.
 
-A `Plan` is one phase (prefill or decode): the placed, costed graph, its ordered steps with
-predicted times, the hardware profile and options it was compiled for, and a memory estimate.
+A `Plan` is one phase (prefill or decode): the placed, costed graph, its ordered instructions
+with predicted times, the hardware profile and options it was compiled for, and a memory estimate.
 A plan file holds the prefill and the decode plan of one model. Loading checks the file format,
 the ktflow version and the model fingerprint, and verifies every plan (ktflow.plan.check: the
 graph's IR rules up to lowering, the schedule's and the buffers'), before anything runs it.
@@ -35,10 +35,10 @@ def lane_order(lane: str) -> tuple[int, str]:
     return ({"gpu": 0, "copy": 1, "fetch": 2, "cpu": 3}.get(lane, 4), lane)
 
 
-class Step(BaseModel):
-    """One step on one lane. launch/copy/fetch/submit/sync run their node; record marks `event` on its
-    lane after the node that produced a value another lane reads; wait holds its lane until
-    `event` is recorded, before the node that reads it."""
+class Instruction(BaseModel):
+    """One instruction on one lane. launch/copy/fetch/submit/sync run their node; record marks
+    `event` on its lane after the node that produced a value another lane reads; wait holds its
+    lane until `event` is recorded, before the node that reads it."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     kind: Literal["launch", "copy", "fetch", "submit", "sync", "record", "wait"]
@@ -159,12 +159,12 @@ class Plan(BaseModel):
     max_seq_len: int
     step_tokens: int  # tokens per step the predictions are for; a prefill plan runs steps of up to this many
     graph: dict
-    steps: list[Step]
+    instructions: list[Instruction]
     predicted_step_us: float
     memory: MemoryEstimate
     pass_seconds: dict[str, float]
-    #: (first, last) step indices captured as one CUDA graph each: decode, every step of a plan
-    #: with GPU work; prefill runs eagerly
+    #: (first, last) instruction indices captured as one CUDA graph each: decode, every instruction of
+    #: a plan with GPU work; prefill runs eagerly
     capture: list[tuple[int, int]]
 
     @cached_property
@@ -179,7 +179,7 @@ class Plan(BaseModel):
         return plan
 
     def with_graph(self, g: Graph) -> "Plan":
-        """This plan over graph `g` (the same nodes with other attrs: its steps still hold)."""
+        """This plan over graph `g` (the same nodes with other attrs: its instructions still hold)."""
         plan = self.model_copy(update=dict(graph=g.to_dict()))
         for cached in ("ir", "buffers", "frees"):
             plan.__dict__.pop(cached, None)
@@ -202,12 +202,13 @@ class Plan(BaseModel):
 
     @cached_property
     def frees(self) -> list[list[str]]:
-        """The values no step reads after step i (graph outputs are kept): what a runner drops then."""
+        """The values no instruction reads after instruction i (graph outputs are kept): what a runner
+        drops then."""
         last: dict[str, int] = {}
-        for i, s in enumerate(self.steps):
+        for i, s in enumerate(self.instructions):
             for r in s.reads:
                 last[r] = i
-        out: list[list[str]] = [[] for _ in self.steps]
+        out: list[list[str]] = [[] for _ in self.instructions]
         outputs = set(self.ir.outputs)
         for name, i in last.items():
             if name not in outputs:
@@ -215,11 +216,12 @@ class Plan(BaseModel):
         return out
 
     def as_text(self) -> str:
-        lines = [f"plan {self.phase} (GPU nodes on {self.device}): {len(self.steps)} steps, {self.step_tokens} tokens/step, "
-                 f"predicted {self.predicted_step_us:.1f} us/step, max_seq_len {self.max_seq_len}"]
+        lines = [f"plan {self.phase} (GPU nodes on {self.device}): {len(self.instructions)} instructions, "
+                 f"{self.step_tokens} tokens/step, predicted {self.predicted_step_us:.1f} us/step, "
+                 f"max_seq_len {self.max_seq_len}"]
         lines.append(print_graph(self.ir).rstrip("\n"))
-        lines.append("steps:")
-        for i, s in enumerate(self.steps):
+        lines.append("instructions:")
+        for i, s in enumerate(self.instructions):
             ev = f"  [{s.event}]" if s.event else ""
             lines.append(f"  {i:4d} {s.kind:6s} {s.lane:5s} {s.node:28s} {s.start_us:12.1f} .. {s.end_us:12.1f} us{ev}")
         lines.append("buffers: " + ", ".join(f"{a} {n / 1e6:.2f} MB" for a, n in sorted(self.arena_bytes().items()))
@@ -387,7 +389,8 @@ class PlanFile(BaseModel):
                 ops[n.op.value] = ops.get(n.op.value, 0) + 1
             mem = plan.memory
             on_gpu = sum(1 for n in g.nodes if n.place.device.value == "gpu")
-            out.append(f"{plan.phase:8s}  {len(plan.steps)} steps ({on_gpu} GPU, {len(plan.steps) - on_gpu} CPU; GPU nodes "
+            n_ins = len(plan.instructions)
+            out.append(f"{plan.phase:8s}  {n_ins} instructions ({on_gpu} GPU, {n_ins - on_gpu} CPU; GPU nodes "
                        f"run on {plan.device}), max_seq_len {plan.max_seq_len}, {plan.step_tokens} tokens/step, "
                        f"predicted {plan.predicted_step_us / 1e3:.3f} ms/step "
                        f"({plan.step_tokens / max(plan.predicted_step_us, 1e-9) * 1e6:.1f} tokens/s)")

@@ -3,16 +3,17 @@ and verified at its stage (ktflow.ir.verify), then its schedule and buffers (rul
 below), so that an edited or damaged plan is refused at load with the rule it breaks instead of
 failing midway through a run.
 
-K1  every step names a node of the graph; a step that runs it reads the node's inputs and writes
-    its value, a record or wait step neither
-K2  a step's kind fits its node's op (fetch/copy/submit/sync steps run those ops, launch the rest)
-K3  every node has exactly one step that runs it
+K1  every instruction names a node of the graph; an instruction that runs it reads the node's
+    inputs and writes its value, a record or wait instruction neither
+K2  an instruction's kind fits its node's op (fetch/copy/submit/sync instructions run those ops,
+    launch the rest)
+K3  every node has exactly one instruction that runs it
 K4  a node runs after the nodes it reads
 K5  every wait follows the record of its event; events are recorded once
 K6  lanes are gpu, copy, fetch, cpu or cpu<k>; CPU nodes run on cpu lanes, GPU nodes on the others
-K7  every value's buffer (rules B1, B2) is live over the steps that write and
+K7  every value's buffer (rules B1, B2) is live over the instructions that write and
     read it, inside the plan
-K8  captured step ranges lie inside the plan
+K8  captured instruction ranges lie inside the plan
 K9  (the file) every plan has the file's max_seq_len, prefill steps fit it, the decode step is
     max_batch tokens, and each plan's predicted KV-cache bytes are those of max_seq_len x max_batch
 """
@@ -56,8 +57,8 @@ def _schedule_problems(plan: "Plan", g) -> list[str]:
     names = {n.name for n in g.nodes}
     ran_at: dict[str, int] = {}
     recorded: set[str] = set()
-    for i, s in enumerate(plan.steps):
-        where = f"step {i} ({s.kind} {s.node} on {s.lane})"
+    for i, s in enumerate(plan.instructions):
+        where = f"instruction {i} ({s.kind} {s.node} on {s.lane})"
         if s.node not in names:
             out.append(f"K1: {where} names no node of the graph")
             continue
@@ -69,7 +70,7 @@ def _schedule_problems(plan: "Plan", g) -> list[str]:
         node = g.by_name(s.node)
         if s.kind in ("record", "wait"):
             if s.reads or s.writes:
-                out.append(f"K1: {where} reads or writes values; a {s.kind} step only orders lanes")
+                out.append(f"K1: {where} reads or writes values; a {s.kind} instruction only orders lanes")
             if not s.event:
                 out.append(f"K5: {where} has no event")
             elif s.kind == "record":
@@ -77,52 +78,53 @@ def _schedule_problems(plan: "Plan", g) -> list[str]:
                     out.append(f"K5: {where} records event {s.event!r} a second time")
                 recorded.add(s.event)
             elif s.event not in recorded:
-                out.append(f"K5: {where} waits for event {s.event!r} before any step records it")
+                out.append(f"K5: {where} waits for event {s.event!r} before any instruction records it")
             continue
         if s.reads != list(node.inputs) or s.writes != [node.name]:
             out.append(f"K1: {where} reads {s.reads} and writes {s.writes}; its node reads {list(node.inputs)} "
                        f"and writes [{node.name!r}]")
         want = _OP_OF_KIND.get(s.kind)
         if (want is not None and node.op != want) or (want is None and node.op in _OP_OF_KIND.values()):
-            out.append(f"K2: {where}: a {s.kind} step cannot run a {node.op.value} node")
+            out.append(f"K2: {where}: a {s.kind} instruction cannot run a {node.op.value} node")
         if s.node in ran_at:
-            out.append(f"K3: {where} runs node {s.node} again (step {ran_at[s.node]} ran it)")
+            out.append(f"K3: {where} runs node {s.node} again (instruction {ran_at[s.node]} ran it)")
             continue
         ran_at[s.node] = i
         missing = [v for v in node.inputs if v not in ran_at]
         if missing:
-            out.append(f"K4: {where} reads {missing} before the steps that compute them")
+            out.append(f"K4: {where} reads {missing} before the instructions that compute them")
         on_cpu = node.place is not None and node.place.device == Device.CPU
         if s.kind == "launch" and on_cpu != s.lane.startswith("cpu"):
             out.append(f"K6: {where}: a {'CPU' if on_cpu else 'GPU'} node on lane {s.lane}")
     not_run = sorted(names - ran_at.keys())
     if not_run:
-        out.append(f"K3: nodes {not_run[:5]}{' ...' if len(not_run) > 5 else ''} have no step that runs them")
+        out.append(f"K3: nodes {not_run[:5]}{' ...' if len(not_run) > 5 else ''} have no instruction that runs them")
     out += _buffer_problems(plan, g)
-    steps = len(plan.steps)
-    out += [f"K8: captured steps {a}..{b} are not inside the plan's {steps} steps" for a, b in plan.capture
-            if not 0 <= a <= b < steps]
+    count = len(plan.instructions)
+    out += [f"K8: captured instructions {a}..{b} are not inside the plan's {count} instructions"
+            for a, b in plan.capture if not 0 <= a <= b < count]
     return out
 
 
 def _buffer_problems(plan: "Plan", g) -> list[str]:
-    """K7: each buffer (rules B1, B2 checked its shape and overlaps) is live over the plan's steps
-    that write and read its value: a buffer freed before a reader would let another value
+    """K7: each buffer (rules B1, B2 checked its shape and overlaps) is live over the plan's
+    instructions that write and read its value: a buffer freed before a reader would let another value
     overwrite it."""
     out: list[str] = []
-    steps = len(plan.steps)
+    count = len(plan.instructions)
     home = {n.name: n.inputs[1] for n in g.nodes if n.op == Op.SYNC}
-    for i, s in enumerate(plan.steps):
+    for i, s in enumerate(plan.instructions):
         for v in s.writes + s.reads:
             while v in home:
                 v = home[v]
             b = plan.buffers.get(v)
-            if b is not None and not b.first_step <= i <= b.last_step:
-                out.append(f"K7: step {i} ({s.kind} {s.node}) uses {v}, whose buffer is live over steps "
-                           f"{b.first_step}..{b.last_step} only")
+            if b is not None and not b.first_instruction <= i <= b.last_instruction:
+                out.append(f"K7: instruction {i} ({s.kind} {s.node}) uses {v}, whose buffer is live over "
+                           f"instructions {b.first_instruction}..{b.last_instruction} only")
     for v, b in plan.buffers.items():
-        if b.last_step >= steps:
-            out.append(f"K7: buffer of {v} is live until step {b.last_step}, past the plan's {steps} steps")
+        if b.last_instruction >= count:
+            out.append(f"K7: buffer of {v} is live until instruction {b.last_instruction}, past the plan's "
+                       f"{count} instructions")
     return out
 
 

@@ -30,7 +30,7 @@ class CompileOptions(BaseModel):
                               "steps run past an end-of-sequence token); 1: one step per launch")
     dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
         None, description="activation/compute dtype; default the checkpoint's")
-    backend: str = Field("auto", description="backend that runs the plan's steps: torch_ref, native (CPU experts "
+    backend: str = Field("auto", description="backend that runs the plan's instructions: torch_ref, native (CPU experts "
                          "on the C++ kernels), cuda_graph (native experts, each decode step one CUDA graph) or null; "
                          "auto = cuda_graph (GPU on CUDA) or native (no GPU) for bfloat16 plans where the native "
                          "module is built, else torch_ref")

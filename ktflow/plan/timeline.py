@@ -59,11 +59,12 @@ def _clip(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tu
 
 def layer_times(plan: Plan) -> list[LayerTime]:
     lanes: dict[str, list] = {"gpu": [], "cpu": [], "copy": []}
-    for s in plan.steps:  # the CPU counts as busy while any of its NUMA lanes is; PCIe while either copy lane is
+    # the CPU counts as busy while any of its NUMA lanes is; PCIe while either copy lane is
+    for s in plan.instructions:
         lane = "cpu" if s.lane.startswith("cpu") else "copy" if s.lane == "fetch" else s.lane
         lanes[lane].append((s.start_us, s.end_us))
     g = plan.ir
-    ends = sorted((a.layer, s.end_us) for s in plan.steps
+    ends = sorted((a.layer, s.end_us) for s in plan.instructions
                   if s.kind not in ("record", "wait") and g.by_name(s.node).op == Op.ADD
                   and (a := g.by_name(s.node).attrs).residual == "ffn")
 
@@ -74,9 +75,9 @@ def layer_times(plan: Plan) -> list[LayerTime]:
     out, prev = [], None
     for layer, end in ends:
         if prev is None:
-            # the first layer starts with the first step of a node after the embedding
+            # the first layer starts with the first instruction of a node after the embedding
             embed = max((g.position(n.name) for n in g.nodes if n.op == Op.EMBED), default=-1)
-            prev = min(s.start_us for s in plan.steps if s.kind not in ("record", "wait")
+            prev = min(s.start_us for s in plan.instructions if s.kind not in ("record", "wait")
                        and g.position(s.node) > embed)
             first = prev
         out.append(window(layer, prev, end))
@@ -97,7 +98,7 @@ class Handoff:
     start: `to_cpu_us` from the later of the end of the last copy bringing its inputs to host
     memory and the end of the CPU's previous work, to the start of its first part on a CPU lane
     (the submit, the wake-up, the dispatch); `to_gpu_us` from the later of the end of its last
-    part and the end of the GPU lane's step before its sync, to the end of that sync (the done
+    part and the end of the GPU lane's instruction before its sync, to the end of that sync (the done
     flag seen by the stream, or the host wait returning). What a step loses per layer to
     handing work over and back."""
 
@@ -111,12 +112,12 @@ def handoffs(plan: Plan) -> list[Handoff]:
     """The hand-offs of every CPU task of `plan` (submit/sync pairs), in plan order."""
     g = plan.ir
     by_node: dict[str, list] = {}
-    for s in plan.steps:
+    for s in plan.instructions:
         by_node.setdefault(s.node, []).append(s)
-    timed = [(i, s) for i, s in enumerate(plan.steps) if s.kind not in ("record", "wait")]
+    timed = [(i, s) for i, s in enumerate(plan.instructions) if s.kind not in ("record", "wait")]
     syncs = {g.by_name(s.node).attrs.task: (i, s) for i, s in timed if s.kind == "sync"}
     out = []
-    for s in plan.steps:
+    for s in plan.instructions:
         if s.kind != "submit":
             continue
         sub = g.by_name(s.node)
@@ -159,7 +160,7 @@ def step_utilisation(plan: Plan) -> dict[str, float]:
     """Fraction of the predicted step each lane is busy."""
     total = plan.predicted_step_us or 1.0
     lanes: dict[str, list] = {}
-    for s in plan.steps:
+    for s in plan.instructions:
         lanes.setdefault(s.lane, []).append((s.start_us, s.end_us))
     return {lane: _busy(iv) / total for lane, iv in sorted(lanes.items())}
 
@@ -167,19 +168,19 @@ def step_utilisation(plan: Plan) -> dict[str, float]:
 def chrome_trace(pf: PlanFile, label: str = "predicted") -> dict:
     """The timelines of every plan (each prefill bucket, then decode) in Chrome trace format (open
     in Perfetto or chrome://tracing): one process per plan, one thread per lane, one complete event
-    per step. `label` names what the step times are (predicted by the cost model, or measured by
-    `ktflow run --trace`). A plan without steps (not measured) is left out."""
+    per instruction. `label` names what the instruction times are (predicted by the cost model, or
+    measured by `ktflow run --trace`). A plan without instructions (not measured) is left out."""
     events = []
     for pid, plan in enumerate(pf.plans):
-        if not plan.steps:
+        if not plan.instructions:
             continue
         events.append({"ph": "M", "name": "process_name", "pid": pid,
                        "args": {"name": f"{plan.phase} plan ({label}, {plan.step_tokens} tokens/step)"}})
-        lanes = sorted({s.lane for s in plan.steps}, key=lane_order)
+        lanes = sorted({s.lane for s in plan.instructions}, key=lane_order)
         for tid, lane in enumerate(lanes):
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": lane}})
         g = plan.ir
-        for s in plan.steps:
+        for s in plan.instructions:
             n = g.by_name(s.node)
             events.append({"name": s.node, "cat": s.kind, "ph": "X", "pid": pid, "tid": lanes.index(s.lane),
                            "ts": s.start_us, "dur": max(s.end_us - s.start_us, 0.001),
@@ -195,17 +196,17 @@ def write_chrome_trace(pf: PlanFile, path, label: str = "predicted") -> None:
     write_atomic(path, json.dumps(chrome_trace(pf, label)))
 
 
-def with_measured_steps(plan: Plan, steps) -> Plan:
-    """`plan` with its steps' times replaced by measured ones (same steps, same order)."""
-    return plan.model_copy(update={"steps": list(steps),
-                                   "predicted_step_us": max((s.end_us for s in steps), default=0.0)})
+def with_measured_instructions(plan: Plan, instrs) -> Plan:
+    """`plan` with its instructions' times replaced by measured ones (same instructions, same order)."""
+    return plan.model_copy(update={"instructions": list(instrs),
+                                   "predicted_step_us": max((s.end_us for s in instrs), default=0.0)})
 
 
 def with_measured_plans(pf: PlanFile, measured) -> PlanFile:
-    """`pf` with each plan's steps those `measured(plan)` gives (`with_measured_steps`), and no
-    steps where it gives none: a trace of it shows only what ran."""
+    """`pf` with each plan's instructions those `measured(plan)` gives (`with_measured_instructions`),
+    and no instructions where it gives none: a trace of it shows only what ran."""
     def one(plan: Plan) -> Plan:
-        steps = measured(plan)
-        return with_measured_steps(plan, steps) if steps else plan.model_copy(update={"steps": []})
+        instrs = measured(plan)
+        return with_measured_instructions(plan, instrs) if instrs else plan.model_copy(update={"instructions": []})
 
     return pf.model_copy(update=dict(prefill=[one(p) for p in pf.prefill], decode=one(pf.decode)))

@@ -1,7 +1,7 @@
 """The executor runs a plan on a backend: through the backend's own runner where it has one (the
-CUDA decode graph, the prefill on the GPU lanes), else eagerly through the one step loop
-(backends/steps.py), each node step handed to the backend. The sequence state (KV caches,
-position) lives in `State` and is advanced here.
+CUDA decode graph, the prefill on the GPU lanes), else eagerly through the one instruction loop
+(backends/instructions.py), each node's instruction handed to the backend. The sequence state (KV
+caches, position) lives in `State` and is advanced here.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import torch
 
 from ..backends import StepContext
 from ..backends.base import lm_head_rows, step_output
-from ..backends.steps import nothing, run_steps
+from ..backends.instructions import nothing, run_instructions
 from ..ir.graph import Graph
 from ..ir.ops import Op
-from ..plan.artifact import Plan, Step
+from ..plan.artifact import Plan, Instruction
 from .routing import gate_layers
 from .state import State
 from ..util import env
@@ -36,27 +36,28 @@ def _check_finite(v: Any, what: str) -> None:
 
 
 class _EagerWatcher:
-    """Around each step of an eager run: the finite-value check (KTFLOW_CHECK_FINITE) and, when
-    traced, the step's host time (GPU work synced: steps run one after another here)."""
+    """Around each instruction of an eager run: the finite-value check (KTFLOW_CHECK_FINITE) and,
+    when traced, the instruction's host time (GPU work synced: instructions run one after another
+    here)."""
 
     def __init__(self, ex: "Executor", ctx: StepContext, tracing: bool):
         self.ex, self.ctx, self.timed = ex, ctx, [] if tracing else None
         self.t0 = time.perf_counter()
 
-    def before(self, i: int, step: Step) -> None:
+    def before(self, i: int, ins: Instruction) -> None:
         pass
 
-    def after(self, i: int, step: Step, values: dict) -> None:
+    def after(self, i: int, ins: Instruction, values: dict) -> None:
         ex = self.ex
-        if ex.check_finite and step.writes:
-            _check_finite(values.get(step.writes[0]), f"node {step.node} ({ex.graph.by_name(step.node).op.value}, "
+        if ex.check_finite and ins.writes:
+            _check_finite(values.get(ins.writes[0]), f"node {ins.node} ({ex.graph.by_name(ins.node).op.value}, "
                           f"{ex.plan.phase} step at position {self.ctx.state.position})")
         if self.timed is not None:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             now = (time.perf_counter() - self.t0) * 1e6
             start = self.timed[-1].end_us if self.timed else 0.0
-            self.timed.append(step.model_copy(update={"start_us": round(start, 3), "end_us": round(now, 3)}))
+            self.timed.append(ins.model_copy(update={"start_us": round(start, 3), "end_us": round(now, 3)}))
 
 
 class Executor:
@@ -73,22 +74,22 @@ class Executor:
         # a backend may run a whole plan its own way (cuda_graph: decode captured as one graph)
         make_runner = getattr(backend, "step_runner", None)
         self.runner = make_runner(plan) if make_runner else None
-        #: runs left to trace: each traced run keeps its steps with measured times in `measured`
+        #: runs left to trace: each traced run keeps its instructions with measured times in `measured`
         self.trace = 0
-        #: check every value a step writes for NaN and infinity (the first bad node is named); a
+        #: check every value an instruction writes for NaN and infinity (the first bad node is named); a
         #: plan the backend runs as a whole (a captured graph) has its output checked
         self.check_finite = env.get("KTFLOW_CHECK_FINITE")
-        self.measured: list[Step] | None = None
+        self.measured: list[Instruction] | None = None
 
-    def _launch(self, ctx: StepContext, i: int, step: Step, values: dict) -> None:
-        node = self.graph.by_name(step.node)
+    def _launch(self, ctx: StepContext, i: int, ins: Instruction, values: dict) -> None:
+        node = self.graph.by_name(ins.node)
         inputs = [values[i] for i in node.inputs]
         if node.op == Op.LM_HEAD:
-            values[step.writes[0]] = lm_head_rows(self.backend, node, inputs[0], ctx)
+            values[ins.writes[0]] = lm_head_rows(self.backend, node, inputs[0], ctx)
             return
-        values[step.writes[0]] = self.backend.run(node, inputs, ctx)
+        values[ins.writes[0]] = self.backend.run(node, inputs, ctx)
         if self.recorder is not None and node.op == Op.GATE and node.name in self.gate_layer:
-            self.recorder.add(self.gate_layer[node.name], values[step.writes[0]][0], node.attrs.experts)
+            self.recorder.add(self.gate_layer[node.name], values[ins.writes[0]][0], node.attrs.experts)
 
     def _hand_recorder(self) -> None:
         """A runner that runs the plan as a whole counts the routing itself (inside its graph);
@@ -181,14 +182,14 @@ class Executor:
         ctx = StepContext(batch=b, seq=s, position=0 if extra else state.position, state=state,
                           token_ids=input_ids.reshape(-1), position_t=position_t, logits=logits, positions=positions,
                           segments=segments)
-        # every node step goes to the backend (a copy moves the value, submit is a no-op, sync
-        # passes the task's value); steps run one after another on this thread, so record/wait
-        # have nothing to order
+        # every node's instruction goes to the backend (a copy moves the value, submit is a no-op,
+        # sync passes the task's value); instructions run one after another on this thread, so
+        # record/wait have nothing to order
         launch = functools.partial(self._launch, ctx)
         handlers = {**dict.fromkeys(("launch", "copy", "fetch", "submit", "sync"), launch),
                     "record": nothing, "wait": nothing}
         watcher = _EagerWatcher(self, ctx, tracing) if tracing or self.check_finite else None
-        values = run_steps(self.plan, handlers, watcher=watcher)
+        values = run_instructions(self.plan, handlers, watcher=watcher)
         if tracing:
             self.measured = watcher.timed
         if not extra:

@@ -25,8 +25,8 @@ from ..errors import ConfigError
 from ..costmodel.hw import HwProfile
 from ..ir.ops import Op
 from ..ir.types import Device
-from ..plan.artifact import Plan, Step
-from ..plan.timeline import handoffs, with_measured_steps
+from ..plan.artifact import Plan, Instruction
+from ..plan.timeline import handoffs, with_measured_instructions
 
 
 @dataclass
@@ -87,8 +87,8 @@ def _warm(compiled, prompt: int, seed: int):
     return nxt, state
 
 
-def measure(compiled, steps: int = 3, prompt: int = 16, seed: int = 0) -> tuple[list[list[Step]], list[float]]:
-    """`steps` traced decode steps of `compiled` (each the plan's steps with measured times),
+def measure(compiled, steps: int = 3, prompt: int = 16, seed: int = 0) -> tuple[list[list[Instruction]], list[float]]:
+    """`steps` traced decode steps of `compiled` (each the plan's instructions with measured times),
     and the times of as many untraced decode steps (at least 3), in us."""
     import ktflow
 
@@ -107,8 +107,8 @@ def measure(compiled, steps: int = 3, prompt: int = 16, seed: int = 0) -> tuple[
     return traced, walls
 
 
-def median_steps(traced: list[list[Step]]) -> list[Step]:
-    """Per step of the plan, the median measured duration (its start kept from the first run)."""
+def median_instructions(traced: list[list[Instruction]]) -> list[Instruction]:
+    """Per instruction of the plan, the median measured duration (its start kept from the first run)."""
     out = []
     for i, s in enumerate(traced[0]):
         d = statistics.median(run[i].end_us - run[i].start_us for run in traced)
@@ -144,14 +144,14 @@ def _calibrated(hw: HwProfile, overheads: dict, cpu: dict, gpu: dict | None = No
     return HwProfile.model_validate(out.model_dump())
 
 
-def fit(plan: Plan, measured: list[Step], hw: HwProfile) -> tuple[HwProfile, list[Fitted]]:
-    """The profile `plan` was compiled for with the terms the measured steps fit (module doc)."""
+def fit(plan: Plan, measured: list[Instruction], hw: HwProfile) -> tuple[HwProfile, list[Fitted]]:
+    """The profile `plan` was compiled for with the terms the measured instructions fit (module doc)."""
     g = plan.ir
     o = hw.overheads
     fitted: list[Fitted] = []
     upd_gpu, upd_cpu, upd_over = {}, {}, {}
     gpu_pts, cpu_pts = [], []  # (roofline seconds at the profile's peak without the fixed cost, measured)
-    for p, m in zip(plan.steps, measured, strict=True):
+    for p, m in zip(plan.instructions, measured, strict=True):
         if p.kind != "launch" or m.end_us <= m.start_us:
             continue
         n = g.by_name(p.node)
@@ -186,7 +186,7 @@ def fit(plan: Plan, measured: list[Step], hw: HwProfile) -> tuple[HwProfile, lis
                    Fitted("cpu.gemm_tflops", c.gemm_tflops, upd_cpu["gemm_tflops"], len(cpu_pts)),
                    Fitted("overheads.cpu_op_us", o.cpu_op_us, op_us, len(cpu_pts),
                           "intercept" if how == "1 / slope" else "kept")]
-    got, want = handoffs(with_measured_steps(plan, measured)), handoffs(plan)
+    got, want = handoffs(with_measured_instructions(plan, measured)), handoffs(plan)
     if got and want:
         for term, name, each in (("overheads.cpu_submit_us", "cpu_submit_us", "to_cpu_us"),
                                  ("overheads.cpu_sync_us", "cpu_sync_us", "to_gpu_us")):
@@ -265,11 +265,11 @@ def _task_spans(plan: Plan) -> list[tuple[float, float, bool]]:
     """The plan's native CPU tasks in order: (start, end, deferred), deferred where every routed
     expert node it runs is a deferred part (its ranks start past 0)."""
     g = plan.ir
-    by_node: dict[str, list[Step]] = {}
-    for s in plan.steps:
+    by_node: dict[str, list[Instruction]] = {}
+    for s in plan.instructions:
         by_node.setdefault(s.node, []).append(s)
     spans = []
-    for s in plan.steps:
+    for s in plan.instructions:
         members = g.by_name(s.node).attrs.members if s.kind == "submit" else ()
         routed = [g.by_name(m) for m in members if g.by_name(m).op == Op.ROUTED_EXPERTS]
         if routed:  # a native task (others run before the launch)
@@ -291,7 +291,7 @@ def predicted_tasks(plan: Plan) -> tuple[list[float], list[float], list[int], in
     between consecutive tasks, the GPU-lane ops (launches and copies) starting in each gap, and
     the GPU-lane ops outside every gap (the step's edges)."""
     spans = [(a, b) for a, b, _ in _task_spans(plan)]
-    gpu_ops = [s for s in plan.steps if not s.lane.startswith("cpu") and s.kind in ("launch", "copy")]
+    gpu_ops = [s for s in plan.instructions if not s.lane.startswith("cpu") and s.kind in ("launch", "copy")]
     gaps = [(a[1], b[0]) for a, b in zip(spans, spans[1:])]
     in_gap = [sum(1 for s in gpu_ops if lo <= s.start_us < hi) for lo, hi in gaps]
     # the edges: before the first task and after the last (GPU ops during a task, such as the
@@ -301,12 +301,13 @@ def predicted_tasks(plan: Plan) -> tuple[list[float], list[float], list[int], in
 
 
 def _edge_syncs(plan: Plan) -> int:
-    """The plan's sync steps (a wait for a CPU task's result) outside every gap between its
+    """The plan's sync instructions (a wait for a CPU task's result) outside every gap between its
     native tasks: before the first task ends or after the last (an embedding's, the last layer's)."""
     spans = [(a, b) for a, b, _ in _task_spans(plan)]
     if not spans:
         return 0
-    return sum(1 for s in plan.steps if s.kind == "sync" and (s.start_us < spans[0][1] or s.start_us >= spans[-1][1]))
+    return sum(1 for s in plan.instructions
+               if s.kind == "sync" and (s.start_us < spans[0][1] or s.start_us >= spans[-1][1]))
 
 
 def fit_replayed(plan: Plan, rep: Replayed, hw: HwProfile,
@@ -404,13 +405,13 @@ def _measure_and_fit(compiled, steps: int, keep_rate: bool = False) -> tuple[lis
     as a captured graph, `fit` from traced steps otherwise): (its measured untraced steps, the fit)."""
     plan = compiled.decode
     got = None
-    if getattr(compiled.executor(plan).runner, "capture", False) and any(s.kind == "submit" for s in plan.steps):
+    if getattr(compiled.executor(plan).runner, "capture", False) and any(s.kind == "submit" for s in plan.instructions):
         rep = measure_replayed(compiled, max(steps, 16))
         got = fit_replayed(plan, rep, compiled.plans.hw, keep_rate=keep_rate) if rep else None
         walls = rep.walls_us if rep else []
     if got is None:
         traced, walls = measure(compiled, steps)
-        got = fit(plan, median_steps(traced), compiled.plans.hw)
+        got = fit(plan, median_instructions(traced), compiled.plans.hw)
     return walls, got
 
 

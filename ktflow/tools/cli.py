@@ -88,14 +88,14 @@ def parser() -> argparse.ArgumentParser:
                    "name the first node that made one (slower; KTFLOW_CHECK_FINITE=1 does the same)")
     add_record_option(r)
     r.add_argument("--trace", metavar="JSON", help="run the prompt step and the first decode step instrumented "
-                   "(CUDA events per GPU step, the CPU queue's timestamps) and write their measured timelines "
+                   "(CUDA events per GPU instruction, the CPU queue's timestamps) and write their measured timelines "
                    "as a Chrome trace, in the format of `ktflow compile --trace`")
     add_compile_options(r)
     r.set_defaults(fn=cmd_run)
 
     i = sub.add_parser("inspect", help="print a plan file's summary", description="Print a plan file's summary.")
     i.add_argument("plan", help="plan JSON written by `ktflow compile -o`")
-    i.add_argument("--text", action="store_true", help="print both plans in full (graph and steps)")
+    i.add_argument("--text", action="store_true", help="print both plans in full (graph and instructions)")
     i.set_defaults(fn=cmd_inspect)
 
     df = sub.add_parser("diff", help="what changed between two plan files",

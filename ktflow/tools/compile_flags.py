@@ -85,7 +85,7 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="where GPU-placed nodes run: cuda, or cpu to run a hybrid plan without a GPU "
                    "(default auto: cuda when torch sees one)")
-    g.add_argument("--backend", default="auto", help="backend for the plan's steps: torch_ref, native, cuda_graph "
+    g.add_argument("--backend", default="auto", help="backend for the plan's instructions: torch_ref, native, cuda_graph "
                    "or null (default auto, for bfloat16 plans where the native module is built: cuda_graph when GPU "
                    "nodes run on CUDA, else native; torch_ref otherwise)")
     g.add_argument("--expert-format", default="auto", choices=["auto", "bf16", "int8", "int4", "fp8"],

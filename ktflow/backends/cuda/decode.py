@@ -29,9 +29,9 @@ from ..native import binding as native
 from ..native.staging import pin_tensor
 from ..sampling import Sampler
 from .driver import CAPTURE_MODE, done_flags, exchange_views, host_prologue, native_batches
-from ..steps import run_steps
+from ..instructions import run_instructions
 from .lanes import Lanes
-from .trace import StepTimer
+from .trace import InstructionTimer
 
 
 @dataclass
@@ -148,8 +148,8 @@ class DecodeGraph:
 
     def _doorbells(self, tasks: dict[str, list[native.Batch]], flag_at: dict[int, int]):
         """A pinned doorbell per batch, and the ring of every batch in the order the plan's submit
-        steps ring them (the one GPU lane issues them in plan order)."""
-        order = [b for s in self.plan.steps if s.kind == "submit"
+        instructions ring them (the one GPU lane issues them in plan order)."""
+        order = [b for s in self.plan.instructions if s.kind == "submit"
                  for b in tasks[self.g.by_name(s.node).attrs.task]]
         words = torch.zeros(max(len(order), 1), dtype=torch.int32, pin_memory=True)
         base = self.driver.device_address(words)
@@ -166,7 +166,7 @@ class DecodeGraph:
         (float32, CPU: one position, so 'all' and 'last' give the same), or with logits='argmax' the
         greedy next ids [batch, 1] (int64, CPU), taken on the GPU, or with logits='sample' the ids
         state.sampler selects (inside the step's graph: a run of one, `_launch_run`). With trace, also the
-        plan's steps with measured times. With `positions` (a ragged step, `Executor.run`), each
+        plan's instructions with measured times. With `positions` (a ragged step, `Executor.run`), each
         row at its own position over `state`'s own caches: bound and captured once per batch size
         and caches, and state.position is left as it is."""
         native.set_spinning(True)  # the GPU rings the pool every layer
@@ -347,15 +347,16 @@ class DecodeGraph:
                            token_ids=bound.tokens, position_t=bound.position_dev)
 
     def _eager(self, bound: Bound, state, trace: bool):
-        """One step issued on the streams, not captured: (its measured steps with trace, its logits)."""
+        """One step issued on the streams, not captured: (its measured instructions with trace, its
+        logits)."""
         if bound.ring is not None:
             bound.ring.arm()
         self.gpu.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.gpu):
-            timer = StepTimer(self, self.lanes) if trace else None
+            timer = InstructionTimer(self, self.lanes) if trace else None
             _, out = self._issue(bound, state, timer)
         self._wait()
-        return (timer.steps(bound) if timer else None), out
+        return (timer.instructions(bound) if timer else None), out
 
     @contextlib.contextmanager
     def _abandoned_on_failure(self, bound: Bound):
@@ -410,8 +411,8 @@ class DecodeGraph:
 
     def _issue(self, bound: Bound, state, timer, steps: int = 1, run: TokenRun | None = None,
                sampler: Sampler | None = None) -> tuple[list, torch.Tensor]:
-        """Issue the plan's steps in order on the streams; returns every value (kept alive with
-        the graph that reads them) and the logits [batch, vocab] on the GPU, which stay there
+        """Issue the plan's instructions in order on the streams; returns every value (kept alive
+        with the graph that reads them) and the logits [batch, vocab] on the GPU, which stay there
         unless the caller asks for them. Each step's token is selected on the GPU: the argmax, or
         with a `sampler` the token it selects (its every stage issued: a graph replays whatever
         the rows' parameters become). Without a `run`, one step whose token goes to the pinned
@@ -439,14 +440,14 @@ class DecodeGraph:
         self.current = ""
         return kept, out
 
-    def _issue_step(self, bound: Bound, ctx: StepContext, timer: StepTimer | None) -> tuple[list, torch.Tensor]:
-        """One decode step's plan steps in order on the streams (the position already on the GPU),
-        through the one step loop: every value (none freed: the graph keeps them), and the
-        logits [batch, vocab] on the GPU."""
+    def _issue_step(self, bound: Bound, ctx: StepContext, timer: InstructionTimer | None) -> tuple[list, torch.Tensor]:
+        """One decode step's plan instructions in order on the streams (the position already on the
+        GPU), through the one instruction loop: every value (none freed: the graph keeps them), and
+        the logits [batch, vocab] on the GPU."""
         be, g, lanes = self.be, self.g, self.lanes
 
-        def launch(i, step, values):
-            node = g.by_name(step.node)
+        def launch(i, ins, values):
+            node = g.by_name(ins.node)
             self.current = node.name
             if node.place.device == Device.CPU:  # input, prologue or a task's part
                 values[node.name] = bound.tokens if node.op == Op.INPUT else bound.views.get(node.name)
@@ -457,15 +458,15 @@ class DecodeGraph:
                 if self.recorder is not None and node.name in self.gate_layer:
                     self.recorder.add(self.gate_layer[node.name], values[node.name][0], node.attrs.experts)
 
-        def copy(i, step, values):
-            node = g.by_name(step.node)
+        def copy(i, ins, values):
+            node = g.by_name(ins.node)
             self.current = node.name
-            values[node.name] = self._copy(node, values[node.inputs[0]], bound, lanes.stream(step))
+            values[node.name] = self._copy(node, values[node.inputs[0]], bound, lanes.stream(ins))
 
-        def submit(i, step, values):
-            self.current = step.node
-            stream = lanes.stream(step)
-            for batch in bound.tasks[g.by_name(step.node).attrs.task]:
+        def submit(i, ins, values):
+            self.current = ins.node
+            stream = lanes.stream(ins)
+            for batch in bound.tasks[g.by_name(ins.node).attrs.task]:
                 if bound.ring is not None:  # clear its done flag, then ring: the dispatcher runs it
                     flag, bell = bound.bells[id(batch)]
                     self.driver.write_value(stream, flag, 0)
@@ -473,23 +474,23 @@ class DecodeGraph:
                 else:
                     self.driver.launch_host(stream, self.driver.submit_fn, batch.handle)
 
-        def sync(i, step, values):  # a task without batches is a prologue node, computed before the launch
-            node = g.by_name(step.node)
+        def sync(i, ins, values):  # a task without batches is a prologue node, computed before the launch
+            node = g.by_name(ins.node)
             self.current = node.name
             root = node.inputs[1]
             if bound.tasks[root]:
                 if be.wait == "flag":
-                    self.driver.wait_value(lanes.stream(step), bound.done_at[root], 1)
+                    self.driver.wait_value(lanes.stream(ins), bound.done_at[root], 1)
                 else:
-                    self.driver.launch_host(lanes.stream(step), self.driver.wait_fn, bound.tasks[root][-1].handle)
+                    self.driver.launch_host(lanes.stream(ins), self.driver.wait_fn, bound.tasks[root][-1].handle)
             values[node.name] = bound.views[root]
 
         lanes.events.clear()
         # fork the copy stream from the step's stream (under capture this makes it part of the graph;
         # a copy whose only ordering is a CPU-lane event, such as the token ids', would escape it)
         self.copy.wait_stream(self.gpu)
-        values = run_steps(self.plan, {"launch": launch, "copy": copy, "submit": submit, "sync": sync,
-                                       "record": lanes.record, "wait": lanes.wait}, free=False, watcher=timer)
+        values = run_instructions(self.plan, {"launch": launch, "copy": copy, "submit": submit, "sync": sync,
+                                              "record": lanes.record, "wait": lanes.wait}, free=False, watcher=timer)
         out = values[g.outputs[0]].view(bound.batch, -1)
         self.gpu.wait_stream(self.copy)  # join it back
         return list(values.values()), out

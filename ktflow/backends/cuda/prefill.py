@@ -1,9 +1,9 @@
-"""Running a prefill plan on the GPU lanes: every step issued in plan order on its lane's stream,
-nothing waited for on the host until the step's end.
+"""Running a prefill plan on the GPU lanes: every instruction issued in plan order on its lane's
+stream, nothing waited for on the host until the step's end.
 
 The plan's lanes map to CUDA streams (`gpu`: compute and the host functions that drive the CPU;
 `copy`: activations across PCIe; `fetch`: streamed expert weights, their copy and conversion),
-ordered by the plan's record/wait events, so the steps overlap as the plan's schedule predicts.
+ordered by the plan's record/wait events, so the instructions overlap as the plan's schedule predicts.
 Nothing is captured (prompts vary in length). Buffers come from the plan: the pinned exchange arena
 (laid out for the bucket's step_tokens; a shorter step uses each view's first rows) and the
 fetches' staging arena. Host sources are pinned. Other values are torch tensors freed after their
@@ -28,15 +28,15 @@ from ...plan.artifact import Plan
 from ...frontend.weights import TORCH_DTYPE
 from ..base import StepContext, lm_head_rows, node_key, step_output
 from .driver import done_flags, exchange_views, host_prologue, native_batches
-from ..steps import run_steps
+from ..instructions import run_instructions
 from .lanes import Lanes
-from .trace import StepTimer
+from .trace import InstructionTimer
 
 
 @dataclass
 class PrefillBound:
-    """What a prefill plan's steps run on, made once per plan: pinned views, native tasks, the
-    token-count word they read, staging buffers and the landing buffer of the fetches."""
+    """What a prefill plan's instructions run on, made once per plan: pinned views, native tasks,
+    the token-count word they read, staging buffers and the landing buffer of the fetches."""
 
     arena: torch.Tensor  # pinned uint8: the exchange arena
     views: dict[str, Any]  # value -> pinned view with step_tokens rows
@@ -84,8 +84,8 @@ class PrefillRunner:
         self.done = torch.cuda.Event(blocking=True)
         self.bound: PrefillBound | None = None
         self.prologue = {n.name for n in host_prologue(self.g, be, "a prefill on the GPU lanes")}
-        self.lane = {s.node: s.lane for s in plan.steps if s.kind not in ("record", "wait")}
-        self.streams_experts = any(s.kind == "fetch" for s in plan.steps)
+        self.lane = {s.node: s.lane for s in plan.instructions if s.kind not in ("record", "wait")}
+        self.streams_experts = any(s.kind == "fetch" for s in plan.instructions)
         self.recorder, self.gate_layer = None, {}  # routing counted as the GPU's routers run (`set_recorder`)
 
     def set_recorder(self, recorder, gate_layer: dict[str, int]) -> None:
@@ -127,7 +127,7 @@ class PrefillRunner:
     def run(self, input_ids: torch.Tensor, state, trace: bool = False, logits: str = "all", segments=None):
         """One prefill step of input_ids [batch, seq] at state.position (seq * batch at most the
         plan's step_tokens); returns logits as the executor does (with trace, also the plan's
-        steps with measured times). With `segments`, a packed step (`Executor.run`)."""
+        instructions with measured times). With `segments`, a packed step (`Executor.run`)."""
         b, s = input_ids.shape
         rows = b * s
         if rows > self.plan.step_tokens:
@@ -143,13 +143,13 @@ class PrefillRunner:
         for stream in self.streams.values():
             stream.wait_stream(torch.cuda.current_stream())
         lanes = Lanes(self.streams)
-        timer = StepTimer(self, lanes, self.prologue) if trace else None
+        timer = InstructionTimer(self, lanes, self.prologue) if trace else None
 
-        def issue(i, step, values):
-            self._issue(step, self.g.by_name(step.node), lanes.stream(step), values, bound, ctx, rows, staged, landing)
+        def issue(i, ins, values):
+            self._issue(ins, self.g.by_name(ins.node), lanes.stream(ins), values, bound, ctx, rows, staged, landing)
 
         handlers = dict.fromkeys(("launch", "copy", "fetch", "submit", "sync"), issue)
-        values = run_steps(self.plan, {**handlers, "record": lanes.record, "wait": lanes.wait}, watcher=timer)
+        values = run_instructions(self.plan, {**handlers, "record": lanes.record, "wait": lanes.wait}, watcher=timer)
         out = values[self.g.outputs[0]]
         for lane in ("copy", "fetch"):
             self.gpu.wait_stream(self.streams[lane])
@@ -160,20 +160,20 @@ class PrefillRunner:
         if not segments:
             state.position += s
         out = None if out is None else step_output(out, b, s, logits, segments)
-        return (out, timer.steps(bound)) if trace else out
+        return (out, timer.instructions(bound)) if trace else out
 
-    def _issue(self, step, node: Node, stream, values: dict, bound: PrefillBound, ctx: StepContext, rows: int,
+    def _issue(self, instr, node: Node, stream, values: dict, bound: PrefillBound, ctx: StepContext, rows: int,
                staged: dict[str, torch.Tensor], landing: torch.Tensor | None) -> None:
         be = self.be
         ins = []
         for v in node.inputs:  # a value another stream made, read here: keep its memory until this stream is done
             src = self.lane.get(v)
-            if stream is not None and src in self.streams and src != step.lane and values.get(v) is not None:
+            if stream is not None and src in self.streams and src != instr.lane and values.get(v) is not None:
                 for t in _tensors(values[v]):
                     if t.is_cuda:
                         t.record_stream(stream)
             ins.append(values.get(v))
-        if step.kind == "launch" and node.place.device == Device.CPU:
+        if instr.kind == "launch" and node.place.device == Device.CPU:
             if node.op == Op.INPUT:
                 values[node.name] = ctx.token_ids
             elif node.name in self.prologue:  # from the token ids alone, on the host now
@@ -193,20 +193,20 @@ class PrefillRunner:
                 values[node.name] = _rows(bound.views[node.name], rows) if node.name in bound.views else None
             return
         with torch.cuda.stream(stream):
-            if step.kind == "launch":
+            if instr.kind == "launch":
                 values[node.name] = (lm_head_rows(be, node, ins[0], ctx) if node.op == Op.LM_HEAD
                                      else be.run(node, ins, ctx))
                 if self.recorder is not None and node.name in self.gate_layer:
                     self.recorder.add(self.gate_layer[node.name], values[node.name][0], node.attrs.experts)
-            elif step.kind == "fetch":
+            elif instr.kind == "fetch":
                 values[node.name] = be.experts.stagers[node_key(node)].stage(node.attrs.subset, out=staged[node.name],
                                                                      landing=landing)
-            elif step.kind == "copy":
+            elif instr.kind == "copy":
                 values[node.name] = self._copy(node, ins[0], bound, rows)
-            elif step.kind == "submit":
+            elif instr.kind == "submit":
                 for batch in bound.tasks[node.attrs.task]:
                     be.driver.launch_host(stream, be.driver.submit_fn, batch.handle)
-            elif step.kind == "sync":
+            elif instr.kind == "sync":
                 root = node.inputs[1]
                 if bound.tasks[root]:
                     if be.wait == "flag":

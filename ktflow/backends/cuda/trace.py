@@ -1,20 +1,20 @@
-"""Measured step times of one eager step: CUDA events around every GPU step and the native queue's
-clock for the CPU tasks, returned as the plan's steps with their times."""
+"""Measured instruction times of one eager step: CUDA events around every GPU instruction and the
+native queue's clock for the CPU tasks, returned as the plan's instructions with their times."""
 
 from __future__ import annotations
 
 import torch
 
 from ...ir.ops import Op
-from ...plan.artifact import Step
+from ...plan.artifact import Instruction
 from ..native import binding as native
 
 
-class StepTimer:
-    """A watcher of the step loop (backends/steps.py): CUDA events around each GPU/copy-lane step
-    of one eager step, anchored to the native queue's clock; steps the host runs itself
-    (`host_nodes`: a prefill's prologue) timed on that clock; CPU tasks timed by the queue
-    (started/finished of each batch)."""
+class InstructionTimer:
+    """A watcher of the instruction loop (backends/instructions.py): CUDA events around each
+    GPU/copy-lane instruction of one eager step, anchored to the native queue's clock; instructions
+    the host runs itself (`host_nodes`: a prefill's prologue) timed on that clock; CPU tasks timed
+    by the queue (started/finished of each batch)."""
 
     def __init__(self, runner, lanes, host_nodes=frozenset()):
         self.runner, self.lanes, self.host_nodes = runner, lanes, host_nodes
@@ -26,34 +26,34 @@ class StepTimer:
         self.anchor.record(runner.gpu)
         self.anchor_ns = native.module().now_ns()
 
-    def _mark(self, step: Step) -> torch.cuda.Event | None:
-        """A timing event recorded on the step's lane stream (None: a lane without one)."""
-        stream = self.lanes.stream(step)
+    def _mark(self, ins: Instruction) -> torch.cuda.Event | None:
+        """A timing event recorded on the instruction's lane stream (None: a lane without one)."""
+        stream = self.lanes.stream(ins)
         if stream is None:
             return None
         e = torch.cuda.Event(enable_timing=True)
         e.record(stream)
         return e
 
-    def before(self, i: int, step: Step) -> None:
-        if step.kind in ("record", "wait"):
+    def before(self, i: int, ins: Instruction) -> None:
+        if ins.kind in ("record", "wait"):
             return
-        e = self._mark(step)
+        e = self._mark(ins)
         if e is not None:
             self.events[i] = (e, e)
         self._host_ns = native.module().now_ns()
 
-    def after(self, i: int, step: Step, values: dict) -> None:
-        if step.kind in ("record", "wait"):
+    def after(self, i: int, ins: Instruction, values: dict) -> None:
+        if ins.kind in ("record", "wait"):
             return
-        e = self._mark(step)
+        e = self._mark(ins)
         if e is not None:
             self.events[i] = (self.events[i][0], e)
-        if step.node in self.host_nodes:  # it ran on the host itself
+        if ins.node in self.host_nodes:  # it ran on the host itself
             self.host_us[i] = ((self._host_ns - self.anchor_ns) / 1e3, (native.module().now_ns() - self.anchor_ns) / 1e3)
 
-    def steps(self, bound) -> list[Step]:
-        """The plan's steps with measured start/end (us from the step's start)."""
+    def instructions(self, bound) -> list[Instruction]:
+        """The plan's instructions with measured start/end (us from the step's start)."""
         r = self.runner
 
         def us(e: torch.cuda.Event) -> float:
@@ -70,7 +70,7 @@ class StepTimer:
             for m in members:
                 task_time[m] = span
         out, last = [], 0.0
-        for i, s in enumerate(r.plan.steps):
+        for i, s in enumerate(r.plan.instructions):
             if i in self.events:
                 a, b = (us(e) for e in self.events[i])
             elif i in self.host_us:
