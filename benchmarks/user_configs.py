@@ -227,19 +227,22 @@ def traced_prefill(c, vocab: int, tokens: int, path: Path) -> dict:
             what += ".streamed" if len(n.inputs) >= 3 else (".gpu" if n.place.device.value == "gpu" else ".cpu")
         return f"{st.lane}:{what}"
 
-    def by_kind(ss) -> dict:
+    def by_kind(ss, field=lambda st: st.end_us - st.start_us) -> dict:
         busy: dict[str, float] = {}
         for st in ss:
-            if st.kind not in ("record", "wait") and st.lane in ("gpu", "fetch"):
-                busy[kind(st)] = busy.get(kind(st), 0.0) + st.end_us - st.start_us
+            if st.kind not in ("record", "wait") and st.lane in ("gpu", "fetch") and field(st) is not None:
+                busy[kind(st)] = busy.get(kind(st), 0.0) + field(st)
         return busy
 
     write_chrome_trace(with_measured_plans(c.plans, lambda p: instrs if p is plan else None), str(path),
                        label="measured")
     span = (max(st.end_us for st in instrs) - min(st.start_us for st in instrs)) if instrs else 0.0
     measured, predicted = by_kind(instrs), by_kind(plan.instructions)
-    # the GPU-side kinds, most measured time first: [measured us, predicted us]
-    gpu_kinds = {k: [round(measured.get(k, 0.0), 1), round(predicted.get(k, 0.0), 1)]
+    issued = by_kind(instrs, lambda st: st.issue_us)
+    # the GPU-side kinds, most measured time first: [measured us, predicted us, host issue us (None:
+    # not timed, an eager run)]; issue near measured: the host's issue held the lane back
+    gpu_kinds = {k: [round(measured.get(k, 0.0), 1), round(predicted.get(k, 0.0), 1),
+                     round(issued[k], 1) if k in issued else None]
                  for k in sorted(set(measured) | set(predicted), key=lambda k: -measured.get(k, 0.0))}
     return dict(table="prefill_trace", prompt=tokens, bucket=plan.step_tokens, trace=str(path),
                 span_us=round(span, 1), predicted_us=round(plan.predicted_step_us, 1),
@@ -342,8 +345,9 @@ def phase_user(run: Run) -> None:
                   f"{row['predicted_us'] / 1e3:.1f} ms predicted; busy ms by lane, measured / predicted: "
                   + ", ".join(f"{k} {v / 1e3:.1f} / {row['predicted_busy_us'].get(k, 0) / 1e3:.1f}"
                               for k, v in row["busy_us"].items()), flush=True)
-            print("    GPU-side kinds, ms measured / predicted: " + ", ".join(
-                f"{k} {m / 1e3:.1f} / {p / 1e3:.1f}" for k, (m, p) in list(row["gpu_kinds_us"].items())[:8]), flush=True)
+            print("    GPU-side kinds, ms measured / predicted / host issue: " + ", ".join(
+                f"{k} {m / 1e3:.1f} / {p / 1e3:.1f} / {'—' if h is None else f'{h / 1e3:.1f}'}"
+                for k, (m, p, h) in list(row["gpu_kinds_us"].items())[:8]), flush=True)
             run.emit([row])
     kw = dict(temperature=a.temperature, top_p=a.top_p)
     for extra in ({}, kw):  # the user's decode graphs captured: greedy runs, single steps, logits for sampling

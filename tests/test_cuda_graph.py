@@ -484,6 +484,9 @@ def test_a_plan_for_this_machine_captures_replays_and_traces(demo_dir):
     assert c.executor("decode").runner.bound[1].graph is not None
     measured = c.executor("decode").measured
     assert measured and [s.node for s in measured] == [s.node for s in c.decode.instructions]
+    # the host's time issuing each instruction, beside the lanes' measured times
+    assert all(s.issue_us is not None and s.issue_us >= 0 for s in measured if s.kind not in ("record", "wait"))
+    assert all(s.issue_us is None for s in c.decode.instructions)  # a compiled plan has none
 
 
 def test_a_tie_excuses_a_token_a_broken_one_is_not_excused():

@@ -107,8 +107,8 @@ def test_a_traced_prompt_writes_its_trace_and_busy_time_per_lane(tiny_qwen3, tmp
         # the GPU side by kind (lane:op), measured beside predicted, the most measured first
         kinds = r["gpu_kinds_us"]
         assert kinds and all(k.split(":")[0] in ("gpu", "fetch") for k in kinds)
-        measured = [m for m, _ in kinds.values()]
-        assert measured == sorted(measured, reverse=True) and any(p > 0 for _, p in kinds.values())
+        measured = [m for m, _, _ in kinds.values()]
+        assert measured == sorted(measured, reverse=True) and any(p > 0 for _, p, _ in kinds.values())
     assert "traced prefill 64" in p.stdout and "GPU-side kinds" in p.stdout
 
 

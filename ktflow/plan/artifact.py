@@ -49,6 +49,9 @@ class Instruction(BaseModel):
     start_us: float
     end_us: float
     event: str | None = None
+    #: a measured run's (GPU lane runners): the host's time issuing it, us; the lane's work cannot
+    #: start before its issue ends, so issue near the measured span means the host held it back
+    issue_us: float | None = None
 
 
 class ModelInfo(BaseModel):

@@ -12,14 +12,15 @@ from ..native import binding as native
 
 class InstructionTimer:
     """A watcher of the instruction loop (backends/instructions.py): CUDA events around each
-    GPU/copy-lane instruction of one eager step, anchored to the native queue's clock; instructions
-    the host runs itself (`host_nodes`: a prefill's prologue) timed on that clock; CPU tasks timed
-    by the queue (started/finished of each batch)."""
+    GPU/copy-lane instruction of one eager step, anchored to the native queue's clock; the host's
+    time issuing each (`issue_us`); instructions the host runs itself (`host_nodes`: a prefill's
+    prologue) timed on that clock; CPU tasks timed by the queue (started/finished of each batch)."""
 
     def __init__(self, runner, lanes, host_nodes=frozenset()):
         self.runner, self.lanes, self.host_nodes = runner, lanes, host_nodes
         self.events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
         self.host_us: dict[int, tuple[float, float]] = {}
+        self.issue_ns: dict[int, int] = {}  # the host's time issuing each instruction
         self._host_ns = 0
         torch.cuda.synchronize()
         self.anchor = torch.cuda.Event(enable_timing=True)
@@ -49,6 +50,7 @@ class InstructionTimer:
         e = self._mark(ins)
         if e is not None:
             self.events[i] = (self.events[i][0], e)
+        self.issue_ns[i] = native.module().now_ns() - self._host_ns
         if ins.node in self.host_nodes:  # it ran on the host itself
             self.host_us[i] = ((self._host_ns - self.anchor_ns) / 1e3, (native.module().now_ns() - self.anchor_ns) / 1e3)
 
@@ -80,5 +82,6 @@ class InstructionTimer:
             else:
                 a = b = last
             last = max(last, b) if s.kind not in ("record", "wait") else last
-            out.append(s.model_copy(update={"start_us": round(a, 3), "end_us": round(b, 3)}))
+            issue = round(self.issue_ns[i] / 1e3, 3) if i in self.issue_ns else None
+            out.append(s.model_copy(update={"start_us": round(a, 3), "end_us": round(b, 3), "issue_us": issue}))
         return out
