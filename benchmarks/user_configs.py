@@ -249,6 +249,23 @@ def traced_prefill(c, vocab: int, tokens: int, path: Path) -> dict:
                 busy_us=lanes(instrs), predicted_busy_us=lanes(plan.instructions), gpu_kinds_us=gpu_kinds)
 
 
+def profiled_prefill(c, vocab: int, tokens: int, path: Path, rows: int = 40) -> None:
+    """One prompt of `tokens` under torch.profiler (CUDA and host activity): the ops and kernels
+    with the most GPU time, then those with the most host time, as text tables to `path`."""
+    import ktflow
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(tokens + 2)
+    ids = torch.randint(0, vocab, (1, tokens), generator=g)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        ktflow.execute(c, ids, logits="last")
+        torch.cuda.synchronize()
+    avg = prof.key_averages()
+    text = (f"prefill of {tokens} tokens, by GPU time\n{avg.table(sort_by='cuda_time_total', row_limit=rows)}\n\n"
+            f"by host time\n{avg.table(sort_by='self_cpu_time_total', row_limit=rows)}\n")
+    path.write_text(text)
+
+
 def decode_rate(c, vocab: int, new: int, seed: int, temperature: float = 0.0, top_p: float = 1.0,
                 prompt: int = PROMPT) -> float:
     """Decode tokens/s of `new` tokens after a random prompt of `prompt` tokens (its prefill not timed)."""
@@ -349,6 +366,11 @@ def phase_user(run: Run) -> None:
                 f"{k} {m / 1e3:.1f} / {p / 1e3:.1f} / {'—' if h is None else f'{h / 1e3:.1f}'}"
                 for k, (m, p, h) in list(row["gpu_kinds_us"].items())[:8]), flush=True)
             run.emit([row])
+        if run.cuda:  # the shortest prompt under torch.profiler: which kernels and host calls its time goes to
+            n = min(run.lengths)
+            path = Path(a.trace_dir) / f"{a.model}-prefill{n}.profile.txt"
+            profiled_prefill(c, run.vocab, n, path)
+            print(f"  profiled prefill {n}: {path}", flush=True)
     kw = dict(temperature=a.temperature, top_p=a.top_p)
     for extra in ({}, kw):  # the user's decode graphs captured: greedy runs, single steps, logits for sampling
         decode_rate(c, run.vocab, 2 * c.plans.options.greedy_steps + 2, 98, **extra)
@@ -448,7 +470,8 @@ def parse(argv=None):
     ap.add_argument("--ab-rounds", type=int, default=6, help="rounds of the user plan against the decode-only one "
                     "(a 3%% difference needs more than the spread of three: one round was 40 tok/s against 55)")
     ap.add_argument("--trace-dir", default="", help="also trace one prompt of each length at the limit: a Chrome "
-                    "trace per length in this folder, and a row of busy time per lane against the plan's")
+                    "trace per length in this folder, and a row of busy time per lane against the plan's; on CUDA "
+                    "also the shortest prompt under torch.profiler (<model>-prefill<n>.profile.txt)")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--expert-format", default="auto", choices=["auto", "bf16", "int8", "int4", "fp8"])
