@@ -142,7 +142,7 @@ def test_decode_rule_runs_the_kernels_and_matches_the_torch_form(monkeypatch):
     kc0 = torch.randn(1, a.kv_heads, 64, a.head_dim, generator=g, device="cuda").to(torch.bfloat16)
 
     class Be:
-        rope = static_rules.RopeTables(torch.bfloat16)
+        dtype = torch.bfloat16  # the rope tables are kept per dtype (static_rules._rope_rows)
 
         def __init__(self):
             self.caches = (kc0.clone(), kc0.clone() * 0.5)
