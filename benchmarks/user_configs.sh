@@ -18,7 +18,7 @@
 # DEPTH (decode also after a prompt this long, both sides; default 32768, "" for none), DS_CKPT
 # (DeepSeek-V2-Lite's checkpoint arguments, default --fp8), KTFLOW_COMMIT (the rows' commit where
 # the tree has no .git), LLAMA=0 (ktflow only: no llama.cpp rows), CPU_EXPERTS=0 (no experts-on-CPU
-# prefill rows).
+# prefill rows), RESERVES ("1.5 1.0": the user phase again at each vram_reserve_gb, its own run id).
 # Estimates (H100 host; disk and packing rates guessed, see the report): setup 1.5 min; per
 # model: Qwen3 GGUF 2.5 + llama.cpp 4 + checkpoint 2.5 + ktflow 4 + experts-on-CPU 1.5 = ~15 min;
 # DeepSeek-V2-Lite about 9 min.
@@ -68,6 +68,13 @@ for m in $MODELS; do
   # sampled decode, VRAM; the decode-only placement beside it (~4 min)
   step "$m ktflow at $V GB" python3 benchmarks/user_configs.py --model "$m" $FP8 --vram-gb $V \
       --decode-depth "$DEPTH" --phases user,decode-only --trace-dir /tmp/uc "${UC[@]}"
+  # the user phase again at each of $RESERVES (vram_reserve_gb, e.g. "1.5 1.0"): what a smaller reserve
+  # gives decode and whether the run still keeps to the limit (run id <run>-reserve<r>; ~2.5 min each)
+  for r in ${RESERVES:-}; do
+    step "$m ktflow at $V GB, reserve $r GB" python3 benchmarks/user_configs.py --model "$m" $FP8 --vram-gb $V \
+        --phases user --options "{\"vram_reserve_gb\": $r}" --run-id "$RUN_ID-reserve$r" --out "$JSONL"
+    python3 benchmarks/user_report.py --run-id "$RUN_ID-reserve$r" --jsonl "$JSONL" > "/tmp/uc/report-reserve$r.md"
+  done
   # the same prefill with every expert in CPU memory and VRAM free, its own process (~1.5 min)
   [ "${CPU_EXPERTS:-1}" = 1 ] && step "$m ktflow experts on CPU" python3 benchmarks/user_configs.py --model "$m" $FP8 --vram-gb $V \
       --phases cpu-experts "${UC[@]}"
