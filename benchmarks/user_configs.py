@@ -244,7 +244,11 @@ def traced_prefill(c, vocab: int, tokens: int, path: Path) -> dict:
     gpu_kinds = {k: [round(measured.get(k, 0.0), 1), round(predicted.get(k, 0.0), 1),
                      round(issued[k], 1) if k in issued else None]
                  for k in sorted(set(measured) | set(predicted), key=lambda k: -measured.get(k, 0.0))}
+    from ktflow.backends.kernels import moe_gpu
+
+    how = moe_gpu.GROUPED_FALLBACK.get("cuda" if torch.cuda.is_available() else "cpu")
     return dict(table="prefill_trace", prompt=tokens, bucket=plan.step_tokens, trace=str(path),
+                grouped_matmul="torch" if how is None else f"loop over experts ({how})",
                 span_us=round(span, 1), predicted_us=round(plan.predicted_step_us, 1),
                 busy_us=lanes(instrs), predicted_busy_us=lanes(plan.instructions), gpu_kinds_us=gpu_kinds)
 
@@ -362,6 +366,7 @@ def phase_user(run: Run) -> None:
                   f"{row['predicted_us'] / 1e3:.1f} ms predicted; busy ms by lane, measured / predicted: "
                   + ", ".join(f"{k} {v / 1e3:.1f} / {row['predicted_busy_us'].get(k, 0) / 1e3:.1f}"
                               for k, v in row["busy_us"].items()), flush=True)
+            print(f"    grouped experts through: {row['grouped_matmul']}", flush=True)
             print("    GPU-side kinds, ms measured / predicted / host issue: " + ", ".join(
                 f"{k} {m / 1e3:.1f} / {p / 1e3:.1f} / {'—' if h is None else f'{h / 1e3:.1f}'}"
                 for k, (m, p, h) in list(row["gpu_kinds_us"].items())[:8]), flush=True)

@@ -342,18 +342,22 @@ def test_one_pass_dequant_kernel_matches_the_torch_unpack(fmt, inter, monkeypatc
         assert (want_buf[:, 1:n + 1, 2:k + 2] != 7.0).any()
 
 
+@pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("told", [False, True])
 @pytest.mark.parametrize("block", [16384, 7, 1])
-def test_grouped_experts_match_the_reference_loop(block, told, monkeypatch):
+def test_grouped_experts_match_the_reference_loop(block, told, grouped, monkeypatch):
     """Held picks only, in blocks of GROUPED_ROWS (here also 7 and 1: blocks that cut an
-    expert's picks), equal the per-pick loop, whether the node reads its count of held picks or
-    is told it (`pick_counts`, read once a layer); added to a running sum, returned as its
-    float32."""
+    expert's picks), equal the per-pick loop, whether the node counts its held picks or is told
+    each expert's count (`pick_counts`, read once a layer), through torch's grouped matmul or the
+    loop over experts that stands in where it does not run; added to a running sum, returned as
+    its float32."""
     from ktflow.backends.kernels import moe_gpu
     from ktflow.backends.kernels.layers import swiglu
     from ktflow.backends.kernels.moe_gpu import expert_map, grouped_experts, pick_counts
 
     monkeypatch.setattr(moe_gpu, "GROUPED_ROWS", block)
+    if not grouped:
+        monkeypatch.setitem(moe_gpu._GROUPED_OK, "cpu", False)
 
     g = torch.Generator().manual_seed(2)
     E, H, I, T, k = 8, 32, 48, 40, 3
@@ -365,9 +369,11 @@ def test_grouped_experts_match_the_reference_loop(block, told, monkeypatch):
     held = (1, 2, 5, 6)  # the others are held elsewhere: they add nothing here
     counts = pick_counts(ids, E)
     assert sum(counts) == T * k
-    told_held = sum(counts[e] for e in held) if told else None
+    told_counts = [counts[e] for e in held] if told else None
+    if told and not grouped:  # the loop, told the counts on the host: it must not read the device for them
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda t: pytest.fail("read counts off the device"))
     got = grouped_experts(x, ids, wts, expert_map(held, E, "cpu"), gate[list(held)], up[list(held)],
-                          down[list(held)], held=told_held)
+                          down[list(held)], counts=told_counts)
     want = torch.zeros(T, H)
     for t in range(T):
         for s in range(k):
@@ -377,10 +383,10 @@ def test_grouped_experts_match_the_reference_loop(block, told, monkeypatch):
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     before = torch.randn(T, H, generator=g)
     running = grouped_experts(x, ids, wts, expert_map(held, E, "cpu"), gate[list(held)], up[list(held)],
-                              down[list(held)], addend=before, running=True, held=told_held)
+                              down[list(held)], addend=before, running=True, counts=told_counts)
     assert running.dtype == torch.float32 and torch.allclose(running, before + want, atol=1e-4, rtol=1e-4)
     none = grouped_experts(x, ids, wts, expert_map((), E, "cpu"), gate[:0], up[:0], down[:0],
-                           held=0 if told else None)
+                           counts=[] if told else None)
     assert torch.equal(none, torch.zeros_like(x))
 
 
@@ -388,6 +394,38 @@ def test_grouped_experts_match_the_reference_loop(block, told, monkeypatch):
 
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and native.available()),
                          reason="needs a CUDA GPU and the native module")
+
+
+@gpu
+def test_torch_grouped_matmul_runs_over_stacked_and_staged_experts():
+    """On this GPU the grouped experts go through torch's grouped matmul, not the loop over
+    experts that stands in where it refuses (a launch an expert, and a sync without host counts):
+    over a resident layer's stacked weights and over a fetch's staged rows (views into one buffer
+    an expert), both against the loop."""
+    from ktflow.backends.kernels import moe_gpu
+    from ktflow.backends.kernels.moe_gpu import expert_map, grouped_experts, pick_counts
+    from ktflow.backends.torch_ref import staged
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    E, H, I, T, k, bf = 16, 256, 128, 512, 4, torch.bfloat16
+    x = torch.randn(T, H, generator=g, device="cuda").to(bf)
+    ids = torch.rand(T, E, generator=g, device="cuda").argsort(dim=1)[:, :k]
+    wts = torch.rand(T, k, generator=g, device="cuda")
+    stacked = [(torch.randn(E, *s, generator=g, device="cuda") * 0.05).to(bf) for s in ((I, H), (I, H), (H, I))]
+    held = tuple(range(3, 11))  # a fetch of 8 experts, in the layout a stager writes them
+    buf = torch.cat([w[list(held)].reshape(len(held), -1) for w in stacked], dim=1).contiguous()
+    counts = pick_counts(ids, E)
+    cases = [(expert_map(tuple(range(E)), E, "cuda"), stacked, None),
+             (expert_map(held, E, "cuda"), list(staged(buf, H, I)), [counts[e] for e in held])]
+    for local, (gate, up, down), told in cases:
+        moe_gpu._GROUPED_OK.pop("cuda", None)
+        moe_gpu.GROUPED_FALLBACK.pop("cuda", None)
+        got = grouped_experts(x, ids, wts, local, gate, up, down, counts=told)
+        assert moe_gpu._GROUPED_OK.get("cuda") is True, moe_gpu.GROUPED_FALLBACK.get("cuda")
+        moe_gpu._GROUPED_OK["cuda"] = False  # the loop, for the reference
+        want = grouped_experts(x, ids, wts, local, gate, up, down, counts=told)
+        moe_gpu._GROUPED_OK.pop("cuda", None)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 def _gpu_machine():

@@ -109,7 +109,8 @@ def test_a_traced_prompt_writes_its_trace_and_busy_time_per_lane(tiny_qwen3, tmp
         assert kinds and all(k.split(":")[0] in ("gpu", "fetch") for k in kinds)
         measured = [m for m, _, _ in kinds.values()]
         assert measured == sorted(measured, reverse=True) and any(p > 0 for _, p, _ in kinds.values())
-    assert "traced prefill 64" in p.stdout and "GPU-side kinds" in p.stdout
+    assert "traced prefill 64" in p.stdout and "GPU-side kinds" in p.stdout and "grouped experts through" in p.stdout
+    assert all(r["grouped_matmul"] for r in rows)
 
 
 def test_deepseek_v2_lite_shape_runs_the_user_phase(tmp_path):

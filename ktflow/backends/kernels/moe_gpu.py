@@ -14,21 +14,27 @@ memory.SCRATCH mirrors the temporaries of `grouped_experts`; change them togethe
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
 from ...costmodel.memory import GROUPED_ROWS, SCATTER_ROWS
+from ...util.notices import warn
 from . import dequant_gpu
 from .fp8_gpu import Fp8Weight, dequantize_experts, stack_rows
 
 
 _GROUPED_OK: dict[str, bool] = {}  # device type -> whether torch's grouped matmul runs there
+#: device type -> why torch's grouped matmul did not run there (the loop runs instead)
+GROUPED_FALLBACK: dict[str, str] = {}
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
     """Rows offs[g-1]..offs[g] of a [R, K] times b[g] [K, N] -> [R, N] (rows past offs[-1]
     undefined): torch's grouped matmul where this torch and device run it, else a loop over the
-    groups (reads `counts` on the host)."""
+    groups (`counts`: a list on the host, or a tensor read there, one sync). The first refusal on
+    a device type is warned about once and kept in GROUPED_FALLBACK."""
     fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
     kind = a.device.type
     if fn is not None and _GROUPED_OK.get(kind, True):
@@ -36,11 +42,17 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: tor
             out = fn(a, b, offs=offs)
             _GROUPED_OK[kind] = True
             return out
-        except (RuntimeError, NotImplementedError):
+        except (RuntimeError, NotImplementedError) as e:
             _GROUPED_OK[kind] = False
+            GROUPED_FALLBACK[kind] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            if kind != "cpu":  # on a GPU the loop costs a launch a group (and a sync without host counts)
+                warn(f"torch's grouped matmul refused a {kind} product ({GROUPED_FALLBACK[kind]}); routed experts "
+                     "run as a loop over their experts instead", key=f"grouped_mm {kind}")
+    elif fn is None:
+        GROUPED_FALLBACK.setdefault(kind, f"torch {torch.__version__} has no grouped matmul")
     out = torch.empty(a.shape[0], b.shape[-1], dtype=a.dtype, device=a.device)
     lo = 0
-    for g, n in enumerate(counts.tolist()):
+    for g, n in enumerate(counts if isinstance(counts, list) else counts.tolist()):
         if n:
             out[lo:lo + n] = a[lo:lo + n] @ b[g]
         lo += n
@@ -49,7 +61,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: tor
 
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local: torch.Tensor, gate, up, down,
                     addend: torch.Tensor | None = None, running: bool = False,
-                    held: int | None = None) -> torch.Tensor:
+                    counts: list[int] | None = None) -> torch.Tensor:
     """sum over each token's picks of weight * down(silu(gate x) * up x), for the picks whose
     expert has a row in the stacked weights (`local[id]` >= 0; others add nothing). x [T, H];
     ids, wts [T, k]; gate, up [n, I, H]; down [n, H, I] (tensors, or fp8_gpu.Fp8Weight stacks:
@@ -58,8 +70,9 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
     held picks' rows are gathered, multiplied and summed, GROUPED_ROWS at a time, so a part
     holding few of the layer's experts (a streamed group) costs in proportion to its picks and a
     long step's temporaries stay bounded; while capturing, every pick's row is (masked).
-    `held`: how many picks the node holds, where the caller knows it on the host (`pick_counts`:
-    one read a layer for all its parts); otherwise it is read here (a sync, where the node holds
+    `counts`: each stacked expert's pick count, where the caller knows them on the host
+    (`pick_counts`: one read a layer for all its parts): no sync here, even where torch's grouped
+    matmul does not run; otherwise the held picks are counted here (a sync, where the node holds
     only some of the layer's experts). `addend` (float32 [T, H]): a running sum the picks are
     added to; `running`: return the float32 sum (a streamed group's partial sum) rather than x's
     dtype."""
@@ -80,15 +93,21 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
         return out if running else out.to(x.dtype)
     # the held picks only, GROUPED_ROWS at a time (memory.SCRATCH bounds the temporaries so); every
     # expert of the layer held (a resident layer): every pick, no need to know the count
-    if n == local.numel():
+    if counts is not None:
+        held = sum(counts)
+        ends = list(itertools.accumulate(counts))
+    elif n == local.numel():
         held = t * k
-    elif held is None:
+    else:
         held = int(offs[-1]) if n else 0
     for lo in range(0, held, GROUPED_ROWS):
         hi = min(lo + GROUPED_ROWS, held)
         block = order[lo:hi]
         offs_b = (offs - lo).clamp_(0, hi - lo)
-        counts_b = torch.diff(offs_b, prepend=offs_b.new_zeros(1))
+        if counts is not None:  # this block's count of each expert, on the host
+            counts_b = [min(max(e - lo, 0), hi - lo) - min(max(e - c - lo, 0), hi - lo) for e, c in zip(ends, counts)]
+        else:
+            counts_b = torch.diff(offs_b, prepend=offs_b.new_zeros(1))
         _rows(x, block // k, wts.reshape(-1)[block], gate, up, down, offs_b, counts_b, out, masked=False)
     return out if running else out.to(x.dtype)
 
@@ -100,7 +119,8 @@ def pick_counts(ids: torch.Tensor, experts: int) -> list[int]:
 
 
 def _rows(x: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-          down: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, masked: bool) -> None:
+          down: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor | list[int], out: torch.Tensor,
+          masked: bool) -> None:
     """Picks (their tokens and routing weights, sorted by expert: offs/counts) through the grouped
     SwiGLU, weighted and added into `out` (fp32) a block of SCATTER_ROWS rows at a time; `masked`:
     rows of weight 0 (held elsewhere) zeroed first (they come out undefined)."""

@@ -141,13 +141,13 @@ class NativeExperts:
         else:
             st = be.stacked(node)
             gate, up, down, local = st["gate"], st["up"], st["down"], st["local"]
-        held = None
+        counts = None
         if len(ins) >= 3:  # a streamed group: the layer's pick counts read once for all its groups
-            counts = ctx.once(("pick counts", a.layer, lo, hi),
-                              lambda: moe_gpu.pick_counts(ids[:, lo:hi], a.experts))
-            held = sum(counts[e] for e in a.ids)
+            layer = ctx.once(("pick counts", a.layer, lo, hi),
+                             lambda: moe_gpu.pick_counts(ids[:, lo:hi], a.experts))
+            counts = [layer[e] for e in a.ids]  # in the staged rows' order
         return moe_gpu.grouped_experts(x, ids[:, lo:hi], wts[:, lo:hi], local, gate, up, down,
-                                       addend=ins[3] if len(ins) == 4 else None, running=a.running, held=held)
+                                       addend=ins[3] if len(ins) == 4 else None, running=a.running, counts=counts)
 
     def _fetch(self, be, node: Node, w, ins, ctx, dev):
         return self.stagers[node_key(node)].stage(node.attrs.subset)
