@@ -383,8 +383,11 @@ def test_grouped_experts_match_the_reference_loop(block, told, grouped, monkeypa
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     before = torch.randn(T, H, generator=g)
     running = grouped_experts(x, ids, wts, expert_map(held, E, "cpu"), gate[list(held)], up[list(held)],
-                              down[list(held)], addend=before, running=True, counts=told_counts)
+                              down[list(held)], addend=before.clone(), running=True, counts=told_counts)
     assert running.dtype == torch.float32 and torch.allclose(running, before + want, atol=1e-4, rtol=1e-4)
+    handed = before.clone()  # the addend is the running sum, added to in place (its one reader is this node)
+    assert grouped_experts(x, ids, wts, expert_map(held, E, "cpu"), gate[list(held)], up[list(held)],
+                           down[list(held)], addend=handed, running=True, counts=told_counts) is handed
     none = grouped_experts(x, ids, wts, expert_map((), E, "cpu"), gate[:0], up[:0], down[:0],
                            counts=[] if told else None)
     assert torch.equal(none, torch.zeros_like(x))

@@ -74,8 +74,8 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
     (`pick_counts`: one read a layer for all its parts): no sync here, even where torch's grouped
     matmul does not run; otherwise the held picks are counted here (a sync, where the node holds
     only some of the layer's experts). `addend` (float32 [T, H]): a running sum the picks are
-    added to; `running`: return the float32 sum (a streamed group's partial sum) rather than x's
-    dtype."""
+    added to, in place (the caller hands it over); `running`: return the float32 sum (a streamed
+    group's partial sum) rather than x's dtype."""
     t, k = ids.shape
     n = stack_rows(gate)
     row = local[ids].reshape(-1)
@@ -83,8 +83,9 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
     order = torch.argsort(key, stable=True)
     counts = torch.bincount(key, minlength=n + 1)[:n]
     offs = torch.cumsum(counts, 0).to(torch.int32)
-    out = addend.float().clone() if addend is not None else torch.zeros(t, x.shape[1], dtype=torch.float32,
-                                                                          device=x.device)
+    # a float32 addend is added to in place: a running sum has one reader, the layer's next group
+    # (verifier rule S1), so no copy of [T, H] float32 a group
+    out = addend.float() if addend is not None else torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         # every pick's row; rows past the groups (picks held elsewhere) come out undefined: their
         # weight is 0 and they are zeroed
