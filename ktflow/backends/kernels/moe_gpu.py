@@ -81,8 +81,8 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
     row = local[ids].reshape(-1)
     key = torch.where(row < 0, n, row)
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=n + 1)[:n]
-    offs = torch.cumsum(counts, 0).to(torch.int32)
+    per_row = torch.bincount(key, minlength=n + 1)[:n]  # picks a stacked expert, on the device
+    offs = torch.cumsum(per_row, 0).to(torch.int32)
     # a float32 addend is added to in place: a running sum has one reader, the layer's next group
     # (verifier rule S1), so no copy of [T, H] float32 a group
     out = addend.float() if addend is not None else torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
@@ -90,7 +90,7 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
         # every pick's row; rows past the groups (picks held elsewhere) come out undefined: their
         # weight is 0 and they are zeroed
         weight = torch.where(key[order] < n, wts.reshape(-1)[order], 0.0)
-        _rows(x, order // k, weight, gate, up, down, offs, counts, out, masked=True)
+        _rows(x, order // k, weight, gate, up, down, offs, per_row, out, masked=True)
         return out if running else out.to(x.dtype)
     # the held picks only, GROUPED_ROWS at a time (memory.SCRATCH bounds the temporaries so); every
     # expert of the layer held (a resident layer): every pick, no need to know the count
