@@ -42,6 +42,73 @@ def test_prefill_expert_layer_is_compute_bound_on_the_cpu(v3):
     assert c.cpu_s == pytest.approx(flops / 1.5e12 + 2e-6, rel=1e-6)
 
 
+def test_grouped_experts_on_the_gpu_pay_a_launch_an_op_per_block_of_picks(v3):
+    """A prefill step's GPU routed experts are priced with a launch for each op of the grouped
+    rule: GROUPED_NODE_OPS a node and GROUPED_BLOCK_OPS a block of GROUPED_ROWS picks."""
+    from ktflow.costmodel.memory import GROUPED_ROWS
+    from ktflow.costmodel.roofline import GROUPED_BLOCK_OPS, GROUPED_NODE_OPS
+
+    n = v3.by_name("L10.experts")
+    launch = A100.overheads.gpu_launch_us * 1e-6
+    gpu = roof(A100, Device.GPU, DType.BF16)
+    for tokens in (512, 4096):  # 4096 and 32768 picks: one block, then two
+        c = node_cost(n, v3, Work(tokens=tokens, context=0), A100, weight_itemsize=2)
+        blocks = -(-tokens * 8 // GROUPED_ROWS)
+        assert c.gpu_s >= c.flops / gpu.flops + (GROUPED_NODE_OPS + GROUPED_BLOCK_OPS * blocks) * launch
+    one = node_cost(n, v3, Work(tokens=2048, context=0), A100, weight_itemsize=2)  # 16384 picks: one block
+    two = node_cost(n, v3, Work(tokens=2049, context=0), A100, weight_itemsize=2)  # 16392: two
+    assert two.gpu_s - one.gpu_s == pytest.approx(GROUPED_BLOCK_OPS * launch, rel=0.05)
+    # a decode step (captured per-pick rule) pays one launch
+    d = node_cost(n, v3, Work(tokens=1, context=1024), A100, weight_itemsize=2)
+    assert d.gpu_s == pytest.approx(d.bytes / gpu.bandwidth + launch, rel=1e-3)
+
+
+def test_the_grouped_rules_ops_are_what_the_cost_model_counts(monkeypatch):
+    """GROUPED_NODE_OPS / GROUPED_BLOCK_OPS hold the ops moe_gpu.grouped_experts issues (counted
+    with torch.profiler on the CPU, views aside, torch's grouped matmul as one op a product),
+    told its counts or not: change them together."""
+    import torch
+    import torch.nn.functional as F
+
+    from ktflow.backends.kernels import moe_gpu
+    from ktflow.backends.torch_ref import staged
+    from ktflow.costmodel.roofline import GROUPED_BLOCK_OPS, GROUPED_NODE_OPS
+
+    products = []
+    monkeypatch.setattr(F, "grouped_mm", lambda a, b, offs: products.append(1) or torch.empty(a.shape[0], b.shape[-1],
+                                                                                              dtype=a.dtype))
+    views = {"aten::slice", "aten::reshape", "aten::transpose", "aten::unsqueeze", "aten::view", "aten::select",
+             "aten::unbind", "aten::alias", "aten::detach", "aten::expand", "aten::as_strided", "aten::empty",
+             "aten::_reshape_alias", "aten::lift_fresh"}
+    g = torch.Generator().manual_seed(0)
+    E, H, I, T, k = 32, 16, 8, 64, 4
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :k]
+    wts = torch.rand(T, k, generator=g)
+    held = tuple(range(8))
+    gate, up, down = staged(torch.randn(len(held), 3 * H * I, generator=g).to(torch.bfloat16), H, I)
+    counts = moe_gpu.pick_counts(ids, E)
+    picks = sum(counts[e] for e in held)
+
+    local = moe_gpu.expert_map(held, E, "cpu")
+
+    def ops(rows: int, told: bool) -> int:
+        monkeypatch.setattr(moe_gpu, "GROUPED_ROWS", rows)
+        products.clear()
+        addend, told_counts = torch.zeros(T, H), [counts[e] for e in held] if told else None
+        with torch.profiler.profile() as prof:
+            moe_gpu.grouped_experts(x, ids, wts, local, gate, up, down, addend=addend, running=True,
+                                    counts=told_counts)
+        top = [e.name for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+        return len([n for n in top if n not in views]) + len(products)
+
+    for told in (True, False):
+        one, two = ops(picks, told), ops(-(-picks // 2), told)
+        block = two - one
+        assert GROUPED_BLOCK_OPS - 3 <= block <= GROUPED_BLOCK_OPS, (told, block)
+        assert GROUPED_NODE_OPS - 3 <= one - block <= GROUPED_NODE_OPS, (told, one - block)
+
+
 def test_routing_profile_skew_reads_fewer_experts(v3):
     n = v3.by_name("L10.experts")
     hot = [0.9] * 8 + [0.0] * 248  # every token picks among the same 8 hot experts... almost

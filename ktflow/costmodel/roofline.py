@@ -5,7 +5,8 @@ turns it into seconds with one roofline per device:
 
     seconds = max(flops / peak, bytes / bandwidth) + fixed overhead
 
-GPU: bf16 tensor throughput, HBM bandwidth, one kernel launch. CPU: bf16 GEMM throughput (half
+GPU: bf16 tensor throughput, HBM bandwidth, one kernel launch (the grouped routed-experts rule of a
+prefill step: a launch for each of its ops). CPU: bf16 GEMM throughput (half
 for float32), the bandwidth a GEMV streams weights at, one task submit. On N > 1 sockets a node
 that is not NUMA-split reads (N-1)/N of its bytes across the socket link (which bounds it when
 slower); a NUMA shard gets its own node's share of throughput and bandwidth, all local. Routed experts read only
@@ -16,6 +17,7 @@ times one expert's bytes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -23,6 +25,13 @@ from ..ir.graph import Graph, Node
 from ..ir.ops import FACTS, FetchAttrs, Op, Work, expert_weight_bytes, experts_hit_fraction
 from ..ir.types import Cost, Device, DType
 from .hw import HwProfile
+from .memory import GROUPED_ROWS
+
+#: GPU ops the grouped routed-experts rule issues (backends.kernels.moe_gpu.grouped_experts, outside
+#: a capture): per node (map, sort and count the picks) and per block of GROUPED_ROWS picks
+#: (gather, three grouped products, SiLU, weighting, scatter); each costs a launch from the host,
+#: so a layer streamed as many small groups pays them many times (tests/test_cost.py counts them)
+GROUPED_NODE_OPS, GROUPED_BLOCK_OPS = 10, 15
 
 
 @dataclass(frozen=True)
@@ -158,5 +167,10 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
     # step by the captured per-pick rule, which this does not price
     grouped = n.op == Op.ROUTED_EXPERTS and work.tokens > work.batch
     gpu_bytes = nbytes + (grouped_pick_bytes(n, work, g.act_dtype.itemsize) if grouped else 0.0)
+    if gpu is not None and grouped:  # its launches: one a GPU op, per node and per block of picks
+        a = n.attrs
+        picks = flops / (6.0 * a.hidden * a.inter * a.slice_fraction) if a.hidden and a.inter else 0.0
+        ops = GROUPED_NODE_OPS + GROUPED_BLOCK_OPS * max(1, math.ceil(picks / GROUPED_ROWS))
+        gpu = Roof(gpu.flops, gpu.bandwidth, gpu.overhead * ops)
     return Cost(tokens=work.tokens, flops=flops, bytes=nbytes, cpu_s=cpu.seconds(flops, cpu_bytes),
                 gpu_s=gpu.seconds(flops, gpu_bytes) if gpu else None)
