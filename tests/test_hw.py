@@ -29,6 +29,70 @@ def test_profile_json_round_trip(tmp_path):
     assert resolve_hw(str(p)) == PRESETS["paper-a100"]
 
 
+def test_several_gpus_are_numbered_placed_on_numa_nodes_and_linked(tmp_path):
+    """Presets with 2 and 4 GPUs: gpu:0..N-1 each on a NUMA node, the link between them, through
+    JSON unchanged and in the summary."""
+    for name, n in (("2x-rtx4090-workstation", 2), ("h100-x2", 2), ("h100-x4", 4)):
+        hw = PRESETS[name]
+        assert len(hw.gpus) == n and hw.gpu_link is not None and all(g.numa_node == 0 for g in hw.gpus)
+        p = tmp_path / f"{name}.json"
+        p.write_text(hw.model_dump_json())
+        assert resolve_hw(p) == hw
+        text = hw.summary()
+        assert f"(gpu:{n - 1}, NUMA node 0)" in text and f"link  {hw.gpu_link.kind} between the GPUs" in text
+    assert PRESETS["2x-rtx4090-workstation"].gpu_link.kind == "pcie" and PRESETS["h100-x4"].gpu_link.kind == "nvlink"
+    assert PRESETS["h100"].gpu_link is None and "gpu:0" not in PRESETS["h100"].summary()
+
+
+def test_a_profile_with_several_gpus_needs_their_link_and_real_numa_nodes(tmp_path):
+    p = tmp_path / "hw.json"
+    raw = json.loads(PRESETS["h100-x2"].model_dump_json())
+    raw["gpu_link"] = None
+    p.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="2 GPUs need gpu_link.*ktflow hw probe"):
+        resolve_hw(p)
+    raw = json.loads(PRESETS["h100-x2"].model_dump_json())
+    raw["gpus"][1]["numa_node"] = 1
+    p.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"gpus\[1\] \(NVIDIA H100 80GB HBM3\) hangs off NUMA node 1, but the CPU "
+                                          r"has 1 node"):
+        resolve_hw(p)
+
+
+def test_collectives_cost_their_ring_traffic_at_the_links_bus_bandwidth():
+    from ktflow.costmodel.collectives import collective_seconds
+
+    hw = PRESETS["h100-x4"]  # 350 GB/s bus, 20 us
+    mb = 64e6
+    assert collective_seconds("all_reduce", mb, 4, hw) == pytest.approx(20e-6 + 1.5 * mb / 350e9)
+    assert collective_seconds("all_gather", mb, 4, hw) == pytest.approx(20e-6 + 0.75 * mb / 350e9)
+    assert collective_seconds("reduce_scatter", mb, 2, hw) == pytest.approx(20e-6 + 0.5 * mb / 350e9)
+    assert collective_seconds("send_recv", mb, 2, hw) == pytest.approx(20e-6 + mb / 350e9)
+    assert collective_seconds("all_reduce", mb, 1, PRESETS["h100"]) == 0.0  # one rank moves nothing
+    with pytest.raises(ConfigError, match="no gpu_link to price a all_reduce over 2 GPUs"):
+        collective_seconds("all_reduce", mb, 2, PRESETS["h100"])
+    with pytest.raises(ConfigError, match="unknown collective 'broadcast'"):
+        collective_seconds("broadcast", mb, 2, hw)
+
+
+def test_a_plan_for_several_gpus_places_on_the_first_and_says_so(demo_dir, capsys):
+    """Until placement spreads over GPUs, a profile with two compiles as its first GPU alone."""
+    one = ktflow.compile(ktflow.load(demo_dir), hw=PRESETS["h100"], device="cpu", max_seq_len=256)
+    two = ktflow.compile(ktflow.load(demo_dir), hw=PRESETS["h100-x2"].model_copy(update={"cpu": PRESETS["h100"].cpu}),
+                         device="cpu", max_seq_len=256)
+    assert "plans place on gpu:0 only" in capsys.readouterr().err
+    assert [n.place.device for n in one.decode.ir.nodes] == [n.place.device for n in two.decode.ir.nodes]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_the_probe_measures_every_gpu_and_the_link_between_them():
+    hw = probe(quick=True)
+    assert len(hw.gpus) == torch.cuda.device_count() and all(g.pcie_h2d_gbps > 1 for g in hw.gpus)
+    k = hw.gpu_link
+    assert k is not None and k.allreduce_busbw_gbps > 1 and k.allreduce_latency_us > 0 and k.p2p_gbps > 1
+    assert "gpu_link" in hw.measured
+
+
 def test_unknown_preset_names_the_value():
     with pytest.raises(ConfigError, match="unknown hardware profile 'a100-typo'.*paper-a100"):
         resolve_hw("a100-typo")

@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import ConfigError
 
@@ -41,6 +43,20 @@ class GpuSpec(_Frozen):
     # flash attention over a long prompt, and routed experts as one grouped matrix product
     attention_tflops: float | None = Field(None, gt=0)
     grouped_tflops: float | None = Field(None, gt=0)
+    #: the NUMA node the GPU's PCIe link hangs off: host memory there reaches it without crossing
+    #: the socket link
+    numa_node: int = Field(0, ge=0)
+
+
+class GpuLink(_Frozen):
+    """How the GPUs of one host reach each other, as NCCL measures it: the bus bandwidth of a
+    large all-reduce (each link's rate under the ring: time = 2 (n - 1) / n x bytes / busbw), the
+    time of a tiny one, and one GPU's send to another."""
+
+    kind: Literal["nvlink", "pcie"]
+    allreduce_busbw_gbps: float = Field(gt=0)
+    allreduce_latency_us: float = Field(ge=0)
+    p2p_gbps: float = Field(gt=0)
 
 
 class NumaNode(_Frozen):
@@ -121,12 +137,27 @@ class Overheads(_Frozen):
 
 
 class HwProfile(_Frozen):
+    """A machine: its CPU (NUMA nodes), its GPUs (gpu:0..N-1, each on a NUMA node) and, with
+    more than one, the link between them (`gpu_link`)."""
+
     name: str
     description: str = ""
     cpu: CpuSpec
     gpus: list[GpuSpec] = []
+    gpu_link: GpuLink | None = None
     overheads: Overheads = Overheads()
     measured: list[str] = []  # fields `probe` measured on this machine; the rest are quoted or guessed
+
+    @model_validator(mode="after")
+    def _gpus_fit_the_machine(self) -> "HwProfile":
+        for i, g in enumerate(self.gpus):
+            if g.numa_node >= len(self.cpu.numa):
+                raise ValueError(f"gpus[{i}] ({g.name}) hangs off NUMA node {g.numa_node}, but the CPU has "
+                                 f"{len(self.cpu.numa)} node(s)")
+        if len(self.gpus) > 1 and self.gpu_link is None:
+            raise ValueError(f"{len(self.gpus)} GPUs need gpu_link (their all-reduce bus bandwidth and latency, "
+                             "GPU-to-GPU rate): `ktflow hw probe` measures it")
+        return self
 
     @property
     def has_gpu(self) -> bool:
@@ -143,14 +174,19 @@ class HwProfile(_Frozen):
         if c.expert_tflops:
             lines.append("        routed experts: " + ", ".join(f"{r:.0f} rows/expert {t:.2f} TFLOPS"
                                                              for r, t in c.expert_tflops))
-        for g in self.gpus:
-            lines.append(f"  gpu   {g.name}: {g.memory_bytes / GiB:.0f} GiB, HBM {g.hbm_gbps:.0f} GB/s, "
+        for i, g in enumerate(self.gpus):
+            where = f" (gpu:{i}, NUMA node {g.numa_node})" if len(self.gpus) > 1 or len(c.numa) > 1 else ""
+            lines.append(f"  gpu   {g.name}{where}: {g.memory_bytes / GiB:.0f} GiB, HBM {g.hbm_gbps:.0f} GB/s, "
                          f"bf16 {g.bf16_tflops:.0f} TFLOPS, PCIe {g.pcie_h2d_gbps:.0f}/{g.pcie_d2h_gbps:.0f} GB/s h2d/d2h"
                          + (f", kernels at {g.efficiency:.0%} of roofline" if g.efficiency < 1 else "")
                          + (f"; prefill: attention {g.attention_tflops:.0f}, grouped experts {g.grouped_tflops:.0f} TFLOPS"
                             if g.attention_tflops and g.grouped_tflops else ""))
         if not self.gpus:
             lines.append("  gpu   none")
+        if self.gpu_link is not None:
+            k = self.gpu_link
+            lines.append(f"  link  {k.kind} between the GPUs: all-reduce bus {k.allreduce_busbw_gbps:.0f} GB/s, "
+                         f"{k.allreduce_latency_us:.0f} us a tiny one; GPU to GPU {k.p2p_gbps:.0f} GB/s")
         o = self.overheads
         lines.append(f"  fixed launch {o.gpu_launch_us:.1f} us, CPU op {o.cpu_op_us:.1f} us, CPU submit "
                      f"{o.cpu_submit_us:.1f} us, sync {o.cpu_sync_us:.1f} us, captured launch {o.graph_step_us:.0f} us "
@@ -172,6 +208,10 @@ _XEON_8452Y = CpuSpec(
 _PCIE4 = dict(pcie_h2d_gbps=32, pcie_d2h_gbps=32, efficiency=0.45)
 _PAPER = "the KTransformers paper's machine (SOSP'25 section 6.1): 220 GB/s per socket, 125 GB/s cross-socket, PCIe 4.0"
 
+_AMX = IsaFlags(avx512f=True, avx512_bf16=True, avx512_vnni=True, amx_bf16=True, amx_int8=True)
+_H100 = GpuSpec(name="NVIDIA H100 80GB HBM3", memory_bytes=80 * GiB, hbm_gbps=3350, bf16_tflops=780,
+                pcie_h2d_gbps=55, pcie_d2h_gbps=55, efficiency=0.45)
+
 PRESETS: dict[str, HwProfile] = {
     "paper-a100": HwProfile(name="paper-a100", description=_PAPER + ", A100 40GB", cpu=_XEON_8452Y,
                             gpus=[GpuSpec(name="NVIDIA A100 40GB", memory_bytes=40 * GiB, hbm_gbps=1555,
@@ -191,10 +231,33 @@ PRESETS: dict[str, HwProfile] = {
     "h100": HwProfile(
         name="h100", description="16 Xeon cores (AMX) + NVIDIA H100 80GB over PCIe 5.0, like the benchmarks' GPU machine",
         cpu=CpuSpec(name="16 Xeon cores (AMX)", numa=[NumaNode(cores=16, memory_bytes=128 * GiB, dram_gbps=116)],
-                    isa=IsaFlags(avx512f=True, avx512_bf16=True, avx512_vnni=True, amx_bf16=True, amx_int8=True),
-                    gemm_tflops=4.86, gemv_gbps=110),
-        gpus=[GpuSpec(name="NVIDIA H100 80GB HBM3", memory_bytes=80 * GiB, hbm_gbps=3350, bf16_tflops=780,
-                      pcie_h2d_gbps=55, pcie_d2h_gbps=55, efficiency=0.45)]),
+                    isa=_AMX, gemm_tflops=4.86, gemv_gbps=110),
+        gpus=[_H100]),
+    # several GPUs (issue 44): links quoted, not measured (`ktflow hw probe` measures them). Consumer
+    # RTX 4090s have no peer-to-peer path: NCCL goes through host memory.
+    "2x-rtx4090-workstation": HwProfile(
+        name="2x-rtx4090-workstation",
+        description="two RTX 4090s (PCIe 4.0 x16 each, no peer-to-peer) beside a 32-core single-socket workstation "
+                    "with 512 GB of 8-channel DDR5; link rates quoted",
+        cpu=CpuSpec(name="32-core workstation CPU", numa=[NumaNode(cores=32, memory_bytes=512 * GiB, dram_gbps=250)],
+                    isa=IsaFlags(avx512f=True, avx512_bf16=True, avx512_vnni=True), gemm_tflops=3.0, gemv_gbps=200),
+        gpus=[GpuSpec(name="NVIDIA RTX 4090", memory_bytes=24 * GiB, hbm_gbps=1008, bf16_tflops=165,
+                      pcie_h2d_gbps=25, pcie_d2h_gbps=25)] * 2,
+        gpu_link=GpuLink(kind="pcie", allreduce_busbw_gbps=10, allreduce_latency_us=30, p2p_gbps=12)),
+    "h100-x2": HwProfile(
+        name="h100-x2", description="32 Xeon cores (AMX) + two NVIDIA H100 80GB (NVLink), like the 2-GPU machine "
+                                    "kind; link rates quoted",
+        cpu=CpuSpec(name="32 Xeon cores (AMX)", numa=[NumaNode(cores=32, memory_bytes=256 * GiB, dram_gbps=200)],
+                    isa=_AMX, gemm_tflops=9.7, gemv_gbps=190),
+        gpus=[_H100] * 2, gpu_link=GpuLink(kind="nvlink", allreduce_busbw_gbps=350, allreduce_latency_us=15,
+                                            p2p_gbps=350)),
+    "h100-x4": HwProfile(
+        name="h100-x4", description="64 Xeon cores (AMX) + four NVIDIA H100 80GB (NVLink), like the 4-GPU machine "
+                                    "kind; link rates quoted",
+        cpu=CpuSpec(name="64 Xeon cores (AMX)", numa=[NumaNode(cores=64, memory_bytes=512 * GiB, dram_gbps=300)],
+                    isa=_AMX, gemm_tflops=19.4, gemv_gbps=280),
+        gpus=[_H100] * 4, gpu_link=GpuLink(kind="nvlink", allreduce_busbw_gbps=350, allreduce_latency_us=20,
+                                            p2p_gbps=350)),
     "cpu": HwProfile(
         name="cpu", description="a generic 16-core x86-64 server CPU, no GPU",
         cpu=CpuSpec(name="generic 16-core x86-64", numa=[NumaNode(cores=16, memory_bytes=128 * GiB, dram_gbps=80)],
@@ -279,14 +342,15 @@ def this_machine() -> HwProfile:
     gpus = []
     try:
         import torch
-        if torch.cuda.is_available():
-            p = torch.cuda.get_device_properties(0)
+        for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+            p = torch.cuda.get_device_properties(i)
             gpus.append(GpuSpec(name=p.name, memory_bytes=float(p.total_memory), hbm_gbps=1000, bf16_tflops=100,
                                 pcie_h2d_gbps=20, pcie_d2h_gbps=20))
     except Exception:
         pass
+    link = GpuLink(kind="pcie", allreduce_busbw_gbps=10, allreduce_latency_us=30, p2p_gbps=10) if len(gpus) > 1 else None
     return HwProfile(name="this", description="this machine, throughputs guessed (run `ktflow hw probe` to measure)",
-                     cpu=cpu, gpus=gpus)
+                     cpu=cpu, gpus=gpus, gpu_link=link)
 
 
 def with_this_gpus_memory(profile: HwProfile) -> HwProfile:

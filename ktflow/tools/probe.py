@@ -2,7 +2,8 @@
 
 `probe()` times DRAM read bandwidth with all cores, the CPU's bf16 GEMM and the native expert
 kernel, and, with a GPU, its HBM bandwidth, bf16 GEMM, grouped products, PCIe both ways, the
-launch overhead and the CPU hand-off inside a replayed graph. It runs backend kernels, so it
+launch overhead and the CPU hand-off inside a replayed graph; with several GPUs, each one's PCIe
+and NUMA node and the NCCL link between them. It runs backend kernels, so it
 lives here, above the profile module (`ktflow.costmodel.hw`), which only describes machines.
 """
 
@@ -12,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..costmodel.hw import GB, GpuSpec, HwProfile, NumaNode, Overheads, this_machine
+from ..costmodel.hw import GB, GpuLink, GpuSpec, HwProfile, NumaNode, Overheads, this_machine
+
 
 def _best_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
     fn()
@@ -89,11 +91,11 @@ def probe(quick: bool = False, log: Callable[[str], None] = lambda s: None) -> H
     numa = [NumaNode(cores=node.cores, memory_bytes=node.memory_bytes, dram_gbps=dram / len(base.cpu.numa))
             for node in base.cpu.numa]
     cpu = base.cpu.model_copy(update=dict(numa=numa, gemm_tflops=gemm, gemv_gbps=gemv, expert_tflops=table))
-    gpus, overheads = [], base.overheads
+    gpus, link, overheads = [], None, base.overheads
     if torch.cuda.is_available():
-        gpus, overheads = _probe_gpu(torch, quick, reps, overheads, log)
+        gpus, link, overheads = _probe_gpus(torch, quick, reps, overheads, len(base.cpu.numa), log)
         measured += ["hbm_gbps", "bf16_tflops", "pcie_h2d_gbps", "pcie_d2h_gbps", "gpu_launch_us", "attention_tflops",
-                     "grouped_tflops"]
+                     "grouped_tflops"] + (["gpu_link"] if link is not None else [])
         from .handoff_probe import round_trip_us
 
         trip = round_trip_us(n=8 if quick else 32, reps=reps)
@@ -103,7 +105,7 @@ def probe(quick: bool = False, log: Callable[[str], None] = lambda s: None) -> H
             log(f"CPU task hand-off in a replayed graph (doorbell, dispatcher, done flag; empty task): {trip:.1f} us "
                 "round trip")
     return HwProfile(name="probed", description=f"measured on this machine{' (quick)' if quick else ''}",
-                     cpu=cpu, gpus=gpus, overheads=overheads, measured=measured)
+                     cpu=cpu, gpus=gpus, gpu_link=link, overheads=overheads, measured=measured)
 
 
 def last_level_cache_bytes() -> int:
@@ -191,13 +193,79 @@ def _native_expert_tflops(quick: bool) -> list[tuple[float, float]]:
     return out
 
 
-def _probe_gpu(torch, quick: bool, reps: int, overheads: Overheads, log) -> tuple[list[GpuSpec], Overheads]:
-    """GPU 0: device copy (read + write bytes), bf16 GEMM, pinned copies both ways, launch time.
-    Each takes milliseconds at full size, so quick only repeats less (a quick 2048 GEMM ran at 230
-    TFLOPS on an H100 whose 8192 one ran at 780)."""
+def _probe_gpus(torch, quick: bool, reps: int, overheads: Overheads, numa_nodes: int,
+                log) -> tuple[list[GpuSpec], GpuLink | None, Overheads]:
+    """Every CUDA device: the first in full (`_probe_gpu`), each other one's PCIe copies both ways
+    (its rates copied from the first where it is the same model, else probed in full too), each
+    one's NUMA node from sysfs; with several, the link between them (`_probe_link`)."""
+    first, overheads = _probe_gpu(torch, quick, reps, overheads, log)
+    gpus = [first.model_copy(update={"numa_node": _numa_node(torch, 0, numa_nodes)})]
+    for i in range(1, torch.cuda.device_count()):
+        with torch.cuda.device(i):
+            p = torch.cuda.get_device_properties(i)
+            if p.name == first.name:
+                h2d, d2h = _pcie(torch, reps)
+                g = first.model_copy(update=dict(memory_bytes=float(p.total_memory), pcie_h2d_gbps=h2d,
+                                                 pcie_d2h_gbps=d2h))
+                log(f"GPU {i} {p.name}: PCIe {h2d:.1f}/{d2h:.1f} GB/s h2d/d2h (the rest as GPU 0's)")
+            else:
+                g, _ = _probe_gpu(torch, quick, reps, overheads, log)
+        gpus.append(g.model_copy(update={"numa_node": _numa_node(torch, i, numa_nodes)}))
+    link = _probe_link(torch, len(gpus), reps, log) if len(gpus) > 1 else None
+    return gpus, link, overheads
+
+
+def _numa_node(torch, index: int, numa_nodes: int) -> int:
+    """The NUMA node CUDA device `index`'s PCIe link hangs off (sysfs; 0 where unknown)."""
+    p = torch.cuda.get_device_properties(index)
+    bus = f"{getattr(p, 'pci_domain_id', 0):04x}:{getattr(p, 'pci_bus_id', 0):02x}:{getattr(p, 'pci_device_id', 0):02x}.0"
+    try:
+        node = int(Path(f"/sys/bus/pci/devices/{bus}/numa_node").read_text().strip())
+    except (OSError, ValueError):
+        return 0
+    return node if 0 <= node < numa_nodes else 0
+
+
+def _pcie(torch, reps: int, size: int = 1 << 28) -> tuple[float, float]:
+    """Pinned host <-> current device copies of `size` bytes: (h2d, d2h) GB/s."""
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    dev_buf = torch.empty(size, dtype=torch.uint8, device="cuda")
+    sync = torch.cuda.synchronize
+    h2d = size / _best_seconds(lambda: dev_buf.copy_(host, non_blocking=True), reps, sync) / GB
+    d2h = size / _best_seconds(lambda: host.copy_(dev_buf, non_blocking=True), reps, sync) / GB
+    return h2d, d2h
+
+
+def _probe_link(torch, n: int, reps: int, log) -> GpuLink:
+    """The link between `n` CUDA devices, through NCCL in this process (torch.cuda.nccl): a 256
+    MiB all-reduce's bus bandwidth (2 (n - 1) / n x bytes / time), a 8-byte one's time, and a copy
+    from GPU 0 to GPU 1. NVLink where that copy outruns PCIe 5.0 x16 (more than 100 GB/s)."""
+    from torch.cuda import nccl
+
+    def sync_all():
+        for i in range(n):
+            torch.cuda.synchronize(i)
+
+    big = [torch.ones(64 << 20, dtype=torch.float32, device=f"cuda:{i}") for i in range(n)]
+    nbytes = big[0].numel() * 4
+    busbw = 2 * (n - 1) / n * nbytes / _best_seconds(lambda: nccl.all_reduce(big), reps, sync_all) / GB
+    tiny = [torch.ones(2, dtype=torch.float32, device=f"cuda:{i}") for i in range(n)]
+    latency_us = _best_seconds(lambda: nccl.all_reduce(tiny), 4 * reps, sync_all) * 1e6
+    dst = torch.empty_like(big[1])
+    p2p = nbytes / _best_seconds(lambda: dst.copy_(big[0], non_blocking=True), reps, sync_all) / GB
+    kind = "nvlink" if p2p > 100 else "pcie"
+    log(f"GPU link ({n} GPUs, {kind}): all-reduce bus {busbw:.0f} GB/s, {latency_us:.1f} us an 8-byte one; "
+        f"GPU 0 -> 1 {p2p:.0f} GB/s")
+    return GpuLink(kind=kind, allreduce_busbw_gbps=busbw, allreduce_latency_us=latency_us, p2p_gbps=p2p)
+
+
+def _probe_gpu(torch, quick: bool, reps: int, overheads: Overheads, log) -> tuple[GpuSpec, Overheads]:
+    """The current CUDA device: device copy (read + write bytes), bf16 GEMM, pinned copies both
+    ways, launch time. Each takes milliseconds at full size, so quick only repeats less (a quick
+    2048 GEMM ran at 230 TFLOPS on an H100 whose 8192 one ran at 780)."""
     dev = torch.device("cuda")
     sync = torch.cuda.synchronize
-    p = torch.cuda.get_device_properties(0)
+    p = torch.cuda.get_device_properties(torch.cuda.current_device())
     size = 1 << 30
     src = torch.empty(size, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
@@ -227,9 +295,9 @@ def _probe_gpu(torch, quick: bool, reps: int, overheads: Overheads, log) -> tupl
     log(f"GPU {p.name}: HBM {hbm:.0f} GB/s, bf16 {tflops:.0f} TFLOPS, PCIe {h2d:.1f}/{d2h:.1f} GB/s h2d/d2h, "
         f"launch {launch_us:.1f} us, BLAS workspace {workspace / 2**20:.0f} MiB per stream; prefill: causal attention "
         f"{attention:.0f} TFLOPS, grouped experts {grouped:.0f} TFLOPS")
-    return ([GpuSpec(name=p.name, memory_bytes=float(p.total_memory), hbm_gbps=hbm, bf16_tflops=tflops,
-                     pcie_h2d_gbps=h2d, pcie_d2h_gbps=d2h, workspace_bytes=float(max(workspace, 0)),
-                     attention_tflops=attention, grouped_tflops=grouped)],
+    return (GpuSpec(name=p.name, memory_bytes=float(p.total_memory), hbm_gbps=hbm, bf16_tflops=tflops,
+                    pcie_h2d_gbps=h2d, pcie_d2h_gbps=d2h, workspace_bytes=float(max(workspace, 0)),
+                    attention_tflops=attention, grouped_tflops=grouped),
             overheads.model_copy(update=dict(gpu_launch_us=launch_us)))
 
 
