@@ -42,25 +42,31 @@ def test_prefill_expert_layer_is_compute_bound_on_the_cpu(v3):
     assert c.cpu_s == pytest.approx(flops / 1.5e12 + 2e-6, rel=1e-6)
 
 
-def test_grouped_experts_on_the_gpu_pay_a_launch_an_op_per_block_of_picks(v3):
-    """A prefill step's GPU routed experts are priced with a launch for each op of the grouped
-    rule: GROUPED_NODE_OPS a node and GROUPED_BLOCK_OPS a block of GROUPED_ROWS picks."""
+def test_grouped_experts_on_the_gpu_take_the_longer_of_their_work_and_launches(v3):
+    """A prefill step's GPU routed experts take the longer of their work and a launch for each op
+    of the grouped rule (GROUPED_NODE_OPS a node, GROUPED_BLOCK_OPS a block of GROUPED_ROWS picks):
+    a large node is bound by its work, a few picks (or slow launches) by the launches."""
     from ktflow.costmodel.memory import GROUPED_ROWS
     from ktflow.costmodel.roofline import GROUPED_BLOCK_OPS, GROUPED_NODE_OPS
 
     n = v3.by_name("L10.experts")
-    launch = A100.overheads.gpu_launch_us * 1e-6
-    gpu = roof(A100, Device.GPU, DType.BF16)
-    for tokens in (512, 4096):  # 4096 and 32768 picks: one block, then two
-        c = node_cost(n, v3, Work(tokens=tokens, context=0), A100, weight_itemsize=2)
-        blocks = -(-tokens * 8 // GROUPED_ROWS)
-        assert c.gpu_s >= c.flops / gpu.flops + (GROUPED_NODE_OPS + GROUPED_BLOCK_OPS * blocks) * launch
-    one = node_cost(n, v3, Work(tokens=2048, context=0), A100, weight_itemsize=2)  # 16384 picks: one block
-    two = node_cost(n, v3, Work(tokens=2049, context=0), A100, weight_itemsize=2)  # 16392: two
-    assert two.gpu_s - one.gpu_s == pytest.approx(GROUPED_BLOCK_OPS * launch, rel=0.05)
+
+    def with_launch(us):
+        return A100.model_copy(update={"overheads": A100.overheads.model_copy(update={"gpu_launch_us": us})})
+
+    bound = {"work": 0, "launches": 0}
+    for us in (5.0, 200.0):
+        for tokens in (2, 512, 2048, 2049, 4096):  # 16384 picks: one block; 16392: two
+            launches = (GROUPED_NODE_OPS + GROUPED_BLOCK_OPS * -(-tokens * 8 // GROUPED_ROWS)) * us * 1e-6
+            work = node_cost(n, v3, Work(tokens=tokens, context=0), with_launch(0.0), weight_itemsize=2).gpu_s
+            got = node_cost(n, v3, Work(tokens=tokens, context=0), with_launch(us), weight_itemsize=2).gpu_s
+            assert got == pytest.approx(max(work, launches))
+            bound["work" if work > launches else "launches"] += 1
+    assert bound["work"] and bound["launches"]  # both sides of the max are exercised
     # a decode step (captured per-pick rule) pays one launch
     d = node_cost(n, v3, Work(tokens=1, context=1024), A100, weight_itemsize=2)
-    assert d.gpu_s == pytest.approx(d.bytes / gpu.bandwidth + launch, rel=1e-3)
+    gpu = roof(A100, Device.GPU, DType.BF16)
+    assert d.gpu_s == pytest.approx(d.bytes / gpu.bandwidth + A100.overheads.gpu_launch_us * 1e-6, rel=1e-3)
 
 
 def test_the_grouped_rules_ops_are_what_the_cost_model_counts(monkeypatch):

@@ -342,6 +342,16 @@ def test_one_pass_dequant_kernel_matches_the_torch_unpack(fmt, inter, monkeypatc
         assert (want_buf[:, 1:n + 1, 2:k + 2] != 7.0).any()
 
 
+def test_counts_of_equals_bincount():
+    """moe_gpu.counts_of, the device count of each value that reads nothing back (CUDA's bincount
+    reads the values' min and max): bincount's answer, also for values that never occur."""
+    from ktflow.backends.kernels.moe_gpu import counts_of, pick_counts
+
+    ids = torch.tensor([[3, 1, 3], [0, 3, 7]])
+    assert torch.equal(counts_of(ids, 9), torch.bincount(ids.reshape(-1), minlength=9))
+    assert pick_counts(ids, 8) == [1, 1, 0, 3, 0, 0, 0, 1]
+
+
 @pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("told", [False, True])
 @pytest.mark.parametrize("block", [16384, 7, 1])
@@ -409,7 +419,8 @@ def test_torch_grouped_matmul_runs_over_stacked_and_staged_experts():
     """On this GPU the grouped experts go through torch's grouped matmul, not the loop over
     experts that stands in where it refuses (a launch an expert, and a sync without host counts):
     over a resident layer's stacked weights and over a fetch's staged rows (views into one buffer
-    an expert), both against the loop."""
+    an expert), both against the loop; a group told its counts syncs nowhere (torch's sync debug
+    mode raises on any)."""
     from ktflow.backends.kernels import moe_gpu
     from ktflow.backends.kernels.moe_gpu import expert_map, grouped_experts, pick_counts
     from ktflow.backends.torch_ref import staged
@@ -428,7 +439,14 @@ def test_torch_grouped_matmul_runs_over_stacked_and_staged_experts():
     for local, (gate, up, down), told in cases:
         moe_gpu._GROUPED_OK.pop("cuda", None)
         moe_gpu.GROUPED_FALLBACK.pop("cuda", None)
-        got = grouped_experts(x, ids, wts, local, gate, up, down, counts=told)
+        grouped_experts(x, ids, wts, local, gate, up, down, counts=told)  # first call: may probe the product
+        torch.cuda.synchronize()
+        if told is not None:  # told its counts, a group reads nothing back: no sync stops the host
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = grouped_experts(x, ids, wts, local, gate, up, down, counts=told)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
         assert moe_gpu._GROUPED_OK.get("cuda") is True, moe_gpu.GROUPED_FALLBACK.get("cuda")
         moe_gpu._GROUPED_OK["cuda"] = False  # the loop, for the reference
         want = grouped_experts(x, ids, wts, local, gate, up, down, counts=told)

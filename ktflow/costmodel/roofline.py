@@ -6,7 +6,7 @@ turns it into seconds with one roofline per device:
     seconds = max(flops / peak, bytes / bandwidth) + fixed overhead
 
 GPU: bf16 tensor throughput, HBM bandwidth, one kernel launch (the grouped routed-experts rule of a
-prefill step: a launch for each of its ops). CPU: bf16 GEMM throughput (half
+prefill step: the longer of its work and a launch for each of its ops). CPU: bf16 GEMM throughput (half
 for float32), the bandwidth a GEMV streams weights at, one task submit. On N > 1 sockets a node
 that is not NUMA-split reads (N-1)/N of its bytes across the socket link (which bounds it when
 slower); a NUMA shard gets its own node's share of throughput and bandwidth, all local. Routed experts read only
@@ -30,8 +30,10 @@ from .memory import GROUPED_ROWS
 #: GPU ops the grouped routed-experts rule issues (backends.kernels.moe_gpu.grouped_experts, outside
 #: a capture): per node (map, sort and count the picks) and per block of GROUPED_ROWS picks
 #: (gather, three grouped products, SiLU, weighting, scatter); each costs a launch from the host,
-#: so a layer streamed as many small groups pays them many times (tests/test_cost.py counts them)
-GROUPED_NODE_OPS, GROUPED_BLOCK_OPS = 10, 15
+#: which overlaps the GPU's work on earlier ones, so a node takes the longer of its work and its
+#: launches: a layer streamed as many small groups is bound by the launches (tests/test_cost.py
+#: counts the ops)
+GROUPED_NODE_OPS, GROUPED_BLOCK_OPS = 12, 15
 
 
 @dataclass(frozen=True)
@@ -167,10 +169,10 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
     # step by the captured per-pick rule, which this does not price
     grouped = n.op == Op.ROUTED_EXPERTS and work.tokens > work.batch
     gpu_bytes = nbytes + (grouped_pick_bytes(n, work, g.act_dtype.itemsize) if grouped else 0.0)
-    if gpu is not None and grouped:  # its launches: one a GPU op, per node and per block of picks
+    gpu_s = gpu.seconds(flops, gpu_bytes) if gpu else None
+    if gpu is not None and grouped:  # the host issues its ops while the GPU runs earlier ones: the slower
         a = n.attrs
         picks = flops / (6.0 * a.hidden * a.inter * a.slice_fraction) if a.hidden and a.inter else 0.0
         ops = GROUPED_NODE_OPS + GROUPED_BLOCK_OPS * max(1, math.ceil(picks / GROUPED_ROWS))
-        gpu = Roof(gpu.flops, gpu.bandwidth, gpu.overhead * ops)
-    return Cost(tokens=work.tokens, flops=flops, bytes=nbytes, cpu_s=cpu.seconds(flops, cpu_bytes),
-                gpu_s=gpu.seconds(flops, gpu_bytes) if gpu else None)
+        gpu_s = max(gpu_s - gpu.overhead, ops * gpu.overhead)
+    return Cost(tokens=work.tokens, flops=flops, bytes=nbytes, cpu_s=cpu.seconds(flops, cpu_bytes), gpu_s=gpu_s)

@@ -142,10 +142,13 @@ class NativeExperts:
             st = be.stacked(node)
             gate, up, down, local = st["gate"], st["up"], st["down"], st["local"]
         counts = None
-        if len(ins) >= 3:  # a streamed group: the layer's pick counts read once for all its groups
+        if len(ins) >= 3 or (len(a.ids) < a.experts and not a.cached):
+            # a part of its layer (a streamed group, a split layer's GPU part; not a cache, whose rows
+            # the runtime refills): the layer's pick counts, read once for all its parts, in the
+            # staged or stacked rows' order (a.ids)
             layer = ctx.once(("pick counts", a.layer, lo, hi),
                              lambda: moe_gpu.pick_counts(ids[:, lo:hi], a.experts))
-            counts = [layer[e] for e in a.ids]  # in the staged rows' order
+            counts = [layer[e] for e in a.ids]
         return moe_gpu.grouped_experts(x, ids[:, lo:hi], wts[:, lo:hi], local, gate, up, down,
                                        addend=ins[3] if len(ins) == 4 else None, running=a.running, counts=counts)
 
