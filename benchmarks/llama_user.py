@@ -17,8 +17,8 @@ since the checkpoint and a converted GGUF do not fit the disk together. Then, fo
            over it is run once more with N raised by the excess.
   server   then one -ncmoe for every test, as one llama-server configuration holds it (`-c` the
            longest prompt, `-ub` the largest, the KV cache and compute buffer that size through
-           prefill and decode alike): the longest prompt's N, each shorter prompt and decode timed
-           at it (rows marked placement "server"; `--no-server` skips them). The targets' ratios
+           prefill and decode alike): the N the longest prompt's test ran at (raised where it went
+           over the limit), every prompt and decode timed at it (rows marked placement "server"; `--no-server` skips them). The targets' ratios
            are against the best per test; the report shows these beside them.
 
 `--fit` adds llama.cpp's own fitter at the largest -ub and thread count: `-fitt M` with M the
@@ -369,11 +369,12 @@ def main(argv=None) -> int:
           f"{sum(ll.per_block.values()) / 1e9:.1f} "
           f"GB ({max(ll.per_block.values()) / 1e9:.3f} GB a block); DRAM {info['dram_gbps']} GB/s", flush=True)
     ubs = [int(u) for u in a.ub.split(",") if u]
+    prefilled: list[dict] = []
     for n in [int(x) for x in a.prefill.split(",") if x]:
         for ub in ubs:
             if ub == 512 and n > a.ub512_max:
                 continue
-            ll.run("prefill", n, ub, str(cpus), "ncmoe")
+            prefilled += ll.run("prefill", n, ub, str(cpus), "ncmoe")
         if a.fit:
             ll.run("prefill", n, max(ubs), str(cpus), "fit")
     decode = ll.run("decode", a.decode, 0, threads, "ncmoe") if a.decode else []
@@ -386,15 +387,19 @@ def main(argv=None) -> int:
     # one server configuration for every test (llama-server -c <longest> -ub <largest>): the -ncmoe
     # of the longest prompt's test, held for the shorter prompts and for decode, as ktflow's one plan
     longest = max((int(x) for x in a.prefill.split(",") if x), default=0)
-    if a.server and longest and best:
-        n_srv = ll.server_ncmoe(longest, max(ubs), str(cpus))
+    if a.server and longest:
+        # the longest prompt's test at the largest -ub, as it ran (its -ncmoe raised where it went
+        # over the limit); a probe where that test did not run
+        ran = next((r for r in prefilled if r["prompt"] == longest and r["ub"] == max(ubs)), None)
+        n_srv = ran["n_cpu_moe"] if ran else ll.server_ncmoe(longest, max(ubs), str(cpus))
         if n_srv is not None:
             print(f"llama.cpp as one server configuration (-c {longest} -ub {max(ubs)}): -ncmoe {n_srv}", flush=True)
             for n in sorted(int(x) for x in a.prefill.split(",") if x):
                 ll.run("prefill", n, max(ubs), str(cpus), "server", ncmoe=n_srv)
-            ll.run("decode", a.decode, 0, str(best["threads"]), "server", ncmoe=n_srv)
-            for depth in [int(x) for x in a.decode_depth.split(",") if x and int(x) > 0]:
-                ll.run("decode", a.decode, 0, str(best["threads"]), "server", depth, ncmoe=n_srv)
+            if best:
+                ll.run("decode", a.decode, 0, str(best["threads"]), "server", ncmoe=n_srv)
+                for depth in [int(x) for x in a.decode_depth.split(",") if x and int(x) > 0]:
+                    ll.run("decode", a.decode, 0, str(best["threads"]), "server", depth, ncmoe=n_srv)
     info["dram_gbps_after"] = dram_read()
     from user_configs import MODELS
 

@@ -72,7 +72,8 @@ for m in $MODELS; do
   # gives decode and whether the run still keeps to the limit (run id <run>-reserve<r>; ~2.5 min each)
   for r in ${RESERVES:-}; do
     step "$m ktflow at $V GB, reserve $r GB" python3 benchmarks/user_configs.py --model "$m" $FP8 --vram-gb $V \
-        --phases user --options "{\"vram_reserve_gb\": $r}" --run-id "$RUN_ID-reserve$r" --out "$JSONL"
+        --decode-depth "$DEPTH" --phases user --options "{\"vram_reserve_gb\": $r}" --run-id "$RUN_ID-reserve$r" \
+        --out "$JSONL"
     python3 benchmarks/user_report.py --run-id "$RUN_ID-reserve$r" --jsonl "$JSONL" > "/tmp/uc/report-reserve$r.md"
   done
   # the same prefill with every expert in CPU memory and VRAM free, its own process (~1.5 min)

@@ -75,8 +75,11 @@ def test_collectives_cost_their_ring_traffic_at_the_links_bus_bandwidth():
         collective_seconds("broadcast", mb, 2, hw)
 
 
-def test_a_plan_for_several_gpus_places_on_the_first_and_says_so(demo_dir, capsys):
+def test_a_plan_for_several_gpus_places_on_the_first_and_says_so(demo_dir, capsys, monkeypatch):
     """Until placement spreads over GPUs, a profile with two compiles as its first GPU alone."""
+    from ktflow.util import notices
+
+    monkeypatch.setattr(notices, "_said", set())  # said once a process: not yet in this test
     one = ktflow.compile(ktflow.load(demo_dir), hw=PRESETS["h100"], device="cpu", max_seq_len=256)
     two = ktflow.compile(ktflow.load(demo_dir), hw=PRESETS["h100-x2"].model_copy(update={"cpu": PRESETS["h100"].cpu}),
                          device="cpu", max_seq_len=256)

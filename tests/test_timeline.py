@@ -104,6 +104,8 @@ def test_instruction_fields_round_trip():
     ins = Instruction(kind="sync", node="L1.experts.sync", lane="gpu", reads=["a"], writes=["b"], start_us=1.0,
                       end_us=2.0)
     assert Instruction.model_validate_json(ins.model_dump_json()) == ins
+    measured = ins.model_copy(update={"issue_us": 0.75})  # a measured run's host issue time
+    assert Instruction.model_validate_json(measured.model_dump_json()).issue_us == 0.75
 
 
 def test_handoffs_of_a_predicted_plan_are_the_profiles_overheads(hybrid):

@@ -293,12 +293,20 @@ def test_report_reads_each_target_off_the_rows():
     # llama.cpp as one server configuration (-ncmoe of the longest prompt); a row's noise above the
     # per-test best must not become the targets' denominator
     server = dict(placement="server", system="llama.cpp -ncmoe 23, -ub 4096 (one server configuration)")
+    # (the server rows faster than the per-test best, as noise can make them: the targets' ratios
+    # must stay against the per-test rows)
     rows += [dict(info, table="llama_prefill", prompt=8192, tok_s=3100.0, sd=1.0, **server),
-             dict(info, table="llama_decode", threads=16, tok_s=65.5, sd=1.0, **server)]
+             dict(info, table="llama_decode", threads=16, tok_s=131.0, sd=1.0, **server),
+             dict(info, table="llama_decode", threads=16, tok_s=60.0, sd=1.0, decode_depth=32768, **server),
+             dict(info, table="llama_decode", system="llama.cpp -ncmoe 20", threads=16, tok_s=50.0, sd=1.0,
+                  decode_depth=32768),
+             dict(info, table="decode", variant="greedy", decode_tok_s=90.0, decode_sd=1.0, decode_depth=32768)]
     lines = []
     got = report(rows, out=lines.append)[("qwen3", 24.0)]
     assert got["prefill8192_vs_llama_server"] == pytest.approx(9000 / 3100)
-    assert got["greedy_vs_llama_server"] == pytest.approx(2.0) and got["sampled_vs_llama_server"] == pytest.approx(114 / 65.5)
+    assert got["greedy_vs_llama_server"] == pytest.approx(1.0) and got["sampled_vs_llama_server"] == pytest.approx(114 / 131)
+    assert got["greedy_vs_llama_at_32768"] == pytest.approx(90 / 50)  # the per-test row at that depth
+    assert got["greedy_vs_llama_server_at_32768"] == pytest.approx(90 / 60)
     assert got["prefill8192_vs_llama"] == pytest.approx(3.0) and got["prefill8192_vs_free"] == pytest.approx(0.75)
     assert got["greedy_vs_llama"] == pytest.approx(1.31) and got["sampled_vs_llama"] == pytest.approx(1.14)
     assert got["sampled_vs_one_step"] == pytest.approx(0.95)

@@ -237,11 +237,11 @@ def stream_bytes(layer_experts: int, cap: int, buffers: int, tokens: int, hidden
     """GPU bytes a prefill step of `tokens` tokens needs, beyond `gpu_activation_peak(...,
     streamed=True)`, to stream a layer of `layer_experts` CPU experts through `buffers` staging
     buffers of `cap` experts: the staging (`staging_for`), and the layer's outputs beside its
-    activations: the running sum (float32) of the groups before the running one (whose own
-    sum is its scratch's), the last group's output, a split's CPU part come back. 0 caps: none."""
+    activations: the last group's output and a split's CPU part come back (the float32 running
+    sum is one tensor the groups add to in place, counted in the experts' scratch). 0 caps: none."""
     if cap <= 0 or layer_experts <= 0:
         return 0.0
-    outputs = tokens * hidden * (4 + 2 * act_itemsize)
+    outputs = tokens * hidden * 2 * act_itemsize
     return staging_for(cap, buffers, hidden, inter, act_itemsize, packed_per_weight) + outputs
 
 

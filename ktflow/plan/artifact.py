@@ -393,7 +393,8 @@ class PlanFile(BaseModel):
             mem = plan.memory
             on_gpu = sum(1 for n in g.nodes if n.place.device.value == "gpu")
             n_ins = len(plan.instructions)
-            out.append(f"{plan.phase:8s}  {n_ins} instructions ({on_gpu} GPU, {n_ins - on_gpu} CPU; GPU nodes "
+            out.append(f"{plan.phase:8s}  {n_ins} instructions, {len(g.nodes)} nodes ({on_gpu} GPU, "
+                       f"{len(g.nodes) - on_gpu} CPU; GPU nodes "
                        f"run on {plan.device}), max_seq_len {plan.max_seq_len}, {plan.step_tokens} tokens/step, "
                        f"predicted {plan.predicted_step_us / 1e3:.3f} ms/step "
                        f"({plan.step_tokens / max(plan.predicted_step_us, 1e-9) * 1e6:.1f} tokens/s)")

@@ -211,14 +211,23 @@ def _probe_gpus(torch, quick: bool, reps: int, overheads: Overheads, numa_nodes:
             else:
                 g, _ = _probe_gpu(torch, quick, reps, overheads, log)
         gpus.append(g.model_copy(update={"numa_node": _numa_node(torch, i, numa_nodes)}))
-    link = _probe_link(torch, len(gpus), reps, log) if len(gpus) > 1 else None
+    link = None
+    if len(gpus) > 1:
+        try:
+            link = _probe_link(torch, len(gpus), reps, log)
+        except (RuntimeError, ImportError) as e:  # a torch without NCCL: the guess `this` makes, said so
+            link = this_machine().gpu_link or GpuLink(kind="pcie", allreduce_busbw_gbps=10, allreduce_latency_us=30,
+                                                      p2p_gbps=10)
+            log(f"GPU link not measured ({type(e).__name__}: {e}); guessed: PCIe, {link.allreduce_busbw_gbps:.0f} GB/s")
     return gpus, link, overheads
 
 
 def _numa_node(torch, index: int, numa_nodes: int) -> int:
     """The NUMA node CUDA device `index`'s PCIe link hangs off (sysfs; 0 where unknown)."""
     p = torch.cuda.get_device_properties(index)
-    bus = f"{getattr(p, 'pci_domain_id', 0):04x}:{getattr(p, 'pci_bus_id', 0):02x}:{getattr(p, 'pci_device_id', 0):02x}.0"
+    if not all(hasattr(p, f) for f in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
+        return 0  # this torch does not say where the device sits
+    bus = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
     try:
         node = int(Path(f"/sys/bus/pci/devices/{bus}/numa_node").read_text().strip())
     except (OSError, ValueError):
@@ -238,8 +247,9 @@ def _pcie(torch, reps: int, size: int = 1 << 28) -> tuple[float, float]:
 
 def _probe_link(torch, n: int, reps: int, log) -> GpuLink:
     """The link between `n` CUDA devices, through NCCL in this process (torch.cuda.nccl): a 256
-    MiB all-reduce's bus bandwidth (2 (n - 1) / n x bytes / time), a 8-byte one's time, and a copy
-    from GPU 0 to GPU 1. NVLink where that copy outruns PCIe 5.0 x16 (more than 100 GB/s)."""
+    MiB all-reduce's bus bandwidth (2 (n - 1) / n x bytes / time), an 8-byte one's time (50 back
+    to back), and a copy from GPU 0 to GPU 1. NVLink where that copy outruns PCIe 5.0 x16 (more
+    than 100 GB/s)."""
     from torch.cuda import nccl
 
     def sync_all():
@@ -250,7 +260,13 @@ def _probe_link(torch, n: int, reps: int, log) -> GpuLink:
     nbytes = big[0].numel() * 4
     busbw = 2 * (n - 1) / n * nbytes / _best_seconds(lambda: nccl.all_reduce(big), reps, sync_all) / GB
     tiny = [torch.ones(2, dtype=torch.float32, device=f"cuda:{i}") for i in range(n)]
-    latency_us = _best_seconds(lambda: nccl.all_reduce(tiny), 4 * reps, sync_all) * 1e6
+    times = 50  # back to back, one sync: the all-reduce's own time, not the host's syncs
+
+    def tiny_ones():
+        for _ in range(times):
+            nccl.all_reduce(tiny)
+
+    latency_us = _best_seconds(tiny_ones, reps, sync_all) / times * 1e6
     dst = torch.empty_like(big[1])
     p2p = nbytes / _best_seconds(lambda: dst.copy_(big[0], non_blocking=True), reps, sync_all) / GB
     kind = "nvlink" if p2p > 100 else "pcie"

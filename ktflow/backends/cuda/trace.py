@@ -47,10 +47,10 @@ class InstructionTimer:
     def after(self, i: int, ins: Instruction, values: dict) -> None:
         if ins.kind in ("record", "wait"):
             return
+        self.issue_ns[i] = native.module().now_ns() - self._host_ns  # before the timer's own event
         e = self._mark(ins)
         if e is not None:
             self.events[i] = (self.events[i][0], e)
-        self.issue_ns[i] = native.module().now_ns() - self._host_ns
         if ins.node in self.host_nodes:  # it ran on the host itself
             self.host_us[i] = ((self._host_ns - self.anchor_ns) / 1e3, (native.module().now_ns() - self.anchor_ns) / 1e3)
 
