@@ -212,6 +212,7 @@ class Llama:
         self.per_block = expert_bytes_by_block(sizes)
         self.blocks = max(self.per_block) + 1
         self.budget = a.vram_gb * 1e9
+        self.pick_share = 0.0  # top-k / experts: a token's share of a block's expert bytes (main sets it)
 
     def emit(self, rows):
         append_jsonl(self.a.out, [dict(self.info, **r) for r in rows])
@@ -288,6 +289,14 @@ class Llama:
                        tok_s=round(float(d["avg_ts"]), 2), sd=round(float(d["stddev_ts"]), 2),
                        threads=int(d["n_threads"]), llama_commit=d.get("build_commit"), **common)
             row.update(prompt=n, ub=ub) if kind == "prefill" else row.update(decode_tokens=n, decode_depth=depth)
+            dram = self.info.get("dram_gbps")
+            if kind == "decode" and ncmoe is not None and self.pick_share and dram:
+                # the physical limit: the expert bytes a token reads on the CPU (blocks 0..N-1's, its
+                # share of each) at the DRAM read measured at the start
+                bpt = sum(v for i, v in self.per_block.items() if i < ncmoe) * self.pick_share
+                if bpt:
+                    row.update(cpu_expert_bytes_per_token=round(bpt), cpu_roofline_tok_s=round(dram * 1e9 / bpt, 2),
+                               cpu_roofline_fraction=round(row["tok_s"] * bpt / (dram * 1e9), 3))
             out.append(row)
             print(f"  {row['system']:34s} {kind} {n:6d} t{row['threads']}: {row['tok_s']:9.2f} +- {row['sd']:7.2f} "
                   f"tok/s; VRAM {row['process_gb']} GB ({'polled' if used else 'buffers + probe overhead'})",
@@ -365,6 +374,10 @@ def main(argv=None) -> int:
 
     ll = Llama(a, binary, gguf, tensor_sizes(gguf), info)
     info["layers"] = ll.blocks
+    from user_configs import MODELS
+
+    cfg = MODELS[a.model]
+    ll.pick_share = cfg["num_experts_per_tok"] / (cfg.get("num_experts") or cfg["n_routed_experts"])
     print(f"llama.cpp at {a.vram_gb} GB: {gguf.name}, {ll.blocks} blocks, experts "
           f"{sum(ll.per_block.values()) / 1e9:.1f} "
           f"GB ({max(ll.per_block.values()) / 1e9:.3f} GB a block); DRAM {info['dram_gbps']} GB/s", flush=True)
@@ -401,9 +414,7 @@ def main(argv=None) -> int:
                 for depth in [int(x) for x in a.decode_depth.split(",") if x and int(x) > 0]:
                     ll.run("decode", a.decode, 0, str(best["threads"]), "server", depth, ncmoe=n_srv)
     info["dram_gbps_after"] = dram_read()
-    from user_configs import MODELS
-
-    vocab = MODELS[a.model]["vocab_size"]
+    vocab = cfg["vocab_size"]
     s = sampler_ms(binary.parent / "libllama.so", vocab, a.temperature, a.top_p)
     if best:
         s.update(tg_tok_s=best["tok_s"], tg_system=best["system"], tg_threads=best["threads"],

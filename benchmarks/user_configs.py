@@ -166,6 +166,22 @@ def resident(plan) -> dict:
                 gpu_keys=sorted((n.attrs.layer, tuple(n.attrs.ids)) for n in gpu))
 
 
+def cpu_expert_bytes_per_token(plan, fmt: str) -> float:
+    """Routed-expert bytes one decode token reads on the CPU: each CPU part's picks (its rank
+    range) that land on its experts, routing taken as uniform (random weights route about so),
+    at the packed size of the plan's expert format."""
+    from ktflow.ir.ops import Op, expert_weight_bytes
+
+    total = 0.0
+    for n in plan.ir.nodes:
+        if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "cpu":
+            a = n.attrs
+            lo, hi = a.rank_range
+            rows = a.rows[1] - a.rows[0]
+            total += (hi - lo) * len(a.ids) / a.experts * 3 * a.hidden * rows * expert_weight_bytes(fmt, a.hidden, rows)
+    return total
+
+
 # ------------------------------------------------------------------------------------ measuring
 
 
@@ -298,7 +314,13 @@ def decode_rounds(variants: list[tuple[str, object, dict]], vocab: int, new: int
     rows = []
     for name, c, kw in variants:
         xs = got[name]
-        rows.append(dict(table="decode", variant=name, decode_tok_s=round(statistics.mean(xs), 2),
+        bpt = cpu_expert_bytes_per_token(c.decode, c.plans.options.expert_format)
+        roof = {}
+        if bpt:  # the physical limit: the CPU's expert bytes at each round's DRAM read
+            roof = dict(cpu_expert_bytes_per_token=round(bpt),
+                        cpu_roofline_tok_s=round(statistics.mean(reads) * 1e9 / bpt, 2),
+                        cpu_roofline_fraction=round(statistics.mean(x * bpt / (g * 1e9) for x, g in zip(xs, reads)), 3))
+        rows.append(dict(table="decode", variant=name, decode_tok_s=round(statistics.mean(xs), 2), **roof,
                          decode_sd=round(statistics.stdev(xs), 2) if len(xs) > 1 else 0.0, per_round=xs,
                          dram_gbps_rounds=reads, tokens=new, decode_depth=depth,
                          greedy_steps=c.plans.options.greedy_steps, **kw,

@@ -39,6 +39,14 @@ def _ratio(x: float | None) -> str:
     return "—" if x is None else f"{x:.2f}x"
 
 
+def _roof(r: dict) -> str:
+    """' (x% of its CPU roofline: y GB a token on the CPU)' where the row has it, else ''."""
+    if not r or r.get("cpu_roofline_fraction") is None:
+        return ""
+    return (f" ({100 * r['cpu_roofline_fraction']:.0f}% of its CPU roofline: "
+            f"{r['cpu_expert_bytes_per_token'] / 1e9:.2f} GB a token on the CPU)")
+
+
 def _server(r: dict) -> bool:
     """A llama.cpp row run at one server configuration's -ncmoe (not chosen for its own test)."""
     return r.get("placement") == "server"
@@ -110,7 +118,7 @@ def report(rows: list[dict], out=print) -> dict:
             out("|---|---|---|---|")
             if tg:
                 out(f"| llama.cpp tg (no sampler), {tg['system']}, {tg['threads']} threads | {tg['tok_s']:.2f} +- "
-                    f"{tg['sd']:.2f} | 1.00x | |")
+                    f"{tg['sd']:.2f}{_roof(tg)} | 1.00x | |")
             if smp and smp.get("sampled_estimate_tok_s"):
                 out(f"| llama.cpp + its default sampler ({smp['sampler_ms']} ms a token, timed apart) | "
                     f"{smp['sampled_estimate_tok_s']:.2f} (estimate) | | |")
@@ -127,7 +135,7 @@ def report(rows: list[dict], out=print) -> dict:
                     if smp and smp.get("sampled_estimate_tok_s"):
                         est = r["decode_tok_s"] / smp["sampled_estimate_tok_s"]
                         other += f"; vs llama.cpp sampled estimate {est:.2f}x"
-                out(f"| ktflow {name} | {r['decode_tok_s']:.2f} +- {r['decode_sd']:.2f} | "
+                out(f"| ktflow {name} | {r['decode_tok_s']:.2f} +- {r['decode_sd']:.2f}{_roof(r)} | "
                     f"{verdict(vs, 1.3) if name != 'greedy, one step a launch' else (f'{vs:.2f}x' if vs else '—')} "
                     f"| {other} |")
             for depth in sorted({r["decode_depth"] for r in rs if r.get("decode_depth")}):

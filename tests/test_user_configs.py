@@ -53,6 +53,8 @@ def test_every_phase_writes_its_rows_on_the_cpu(tiny_qwen3, tmp_path):
     assert (dec["sampled"]["temperature"], dec["sampled"]["top_p"]) == (0.7, 0.95)
     assert dec["greedy, one step a launch"]["same_placement_as_greedy"] is True
     assert all(r["decode_tok_s"] > 0 and len(r["dram_gbps_rounds"]) == 1 for r in dec.values())
+    # the physical limit beside each rate: the CPU's expert bytes a token at the round's DRAM read
+    assert all(r["cpu_expert_bytes_per_token"] > 0 and r["cpu_roofline_fraction"] > 0 for r in dec.values())
     ab = {r["variant"]: r for r in rows if r["table"] == "decode_ab"}
     assert sorted(ab) == ["decode-only greedy", "greedy"]
     # nothing reserved for prefill: the decode-only placement holds at least the experts of the
@@ -220,8 +222,12 @@ def test_llama_side_as_one_server_configuration_holds_the_longest_prompts_ncmoe(
     binary.chmod(0o755)
     sizes = [(f"blk.{b}.ffn_{k}_exps.weight", 500 * 2**20 // 3) for b in range(4) for k in ("gate", "up", "down")]
     a = types.SimpleNamespace(vram_gb=3.5, reps=1, out=str(tmp_path / "l.jsonl"))
-    ll = llama_user.Llama(a, binary, Path("model.gguf"), sizes, dict(run_id="t"))
+    ll = llama_user.Llama(a, binary, Path("model.gguf"), sizes, dict(run_id="t", dram_gbps=100.0))
+    ll.pick_share = 0.25
     (own,) = ll.run("decode", 16, 0, "16", "ncmoe")
+    # its CPU blocks' expert bytes, a token's share of each, at the DRAM read
+    assert own["cpu_expert_bytes_per_token"] == round(sum(ll.per_block[i] for i in range(own["n_cpu_moe"])) * 0.25)
+    assert own["cpu_roofline_fraction"] == round(own["tok_s"] * own["cpu_expert_bytes_per_token"] / 100e9, 3)
     n = ll.server_ncmoe(32768, 2048, "16")  # its KV cache another 512 MiB: a block fewer on the GPU
     assert n == own["n_cpu_moe"] + 1
     calls.unlink()
@@ -280,9 +286,11 @@ def test_report_reads_each_target_off_the_rows():
                  sd=1.0),
             dict(info, table="llama_prefill", system="llama.cpp -ncmoe 21, -ub 4096", prompt=8192, tok_s=3000.0,
                  sd=1.0),
-            dict(info, table="llama_decode", system="llama.cpp -ncmoe 14", threads=16, tok_s=100.0, sd=1.0),
+            dict(info, table="llama_decode", system="llama.cpp -ncmoe 14", threads=16, tok_s=100.0, sd=1.0,
+                 cpu_expert_bytes_per_token=5.6e8, cpu_roofline_fraction=0.53),
             dict(info, table="llama_sampler", sampler_ms=0.5, sampled_estimate_tok_s=95.24),
-            dict(info, table="decode", variant="greedy", decode_tok_s=131.0, decode_sd=1.0),
+            dict(info, table="decode", variant="greedy", decode_tok_s=131.0, decode_sd=1.0,
+                 cpu_expert_bytes_per_token=9.2e8, cpu_roofline_fraction=0.61),
             dict(info, table="decode", variant="greedy, one step a launch", decode_tok_s=120.0, decode_sd=1.0),
             dict(info, table="decode", variant="sampled", decode_tok_s=114.0, decode_sd=1.0),
             dict(info, table="decode_ab", variant="greedy", decode_tok_s=131.0, gpu_experts=3000,
@@ -313,6 +321,7 @@ def test_report_reads_each_target_off_the_rows():
     assert got["reservation_cost"] == pytest.approx(0.025) and got["vram_worst_error"] == pytest.approx(0.04)
     text = "\n".join(lines)
     assert "3.00x **met**" in text and "1.14x not met" in text and "-ub 4096" in text
+    assert "61% of its CPU roofline: 0.92 GB a token on the CPU" in text and "53% of its CPU roofline" in text
     got = report(rows + [dict(info, table="error", phase="user", error="OOM", message="CUDA out of memory")],
                  out=lambda s: None)
     assert got[("qwen3", 24.0)]["oom"] is True
