@@ -214,6 +214,13 @@ class Llama:
         self.budget = a.vram_gb * 1e9
         self.pick_share = 0.0  # top-k / experts: a token's share of a block's expert bytes (main sets it)
 
+    def commit(self, reported: str | None) -> str | None:
+        """The llama.cpp commit of a row: what llama-bench reports, or --llama-commit where it
+        reports none (the carried prebuilt says "unknown")."""
+        if reported and reported != "unknown":
+            return reported
+        return getattr(self.a, "llama_commit", "") or reported
+
     def emit(self, rows):
         append_jsonl(self.a.out, [dict(self.info, **r) for r in rows])
 
@@ -287,7 +294,7 @@ class Llama:
                       + (" (one server configuration)" if placement == "server" else ""))
             row = dict(table=f"llama_{kind}", system=system,
                        tok_s=round(float(d["avg_ts"]), 2), sd=round(float(d["stddev_ts"]), 2),
-                       threads=int(d["n_threads"]), llama_commit=d.get("build_commit"), **common)
+                       threads=int(d["n_threads"]), llama_commit=self.commit(d.get("build_commit")), **common)
             row.update(prompt=n, ub=ub) if kind == "prefill" else row.update(decode_tokens=n, decode_depth=depth)
             dram = self.info.get("dram_gbps")
             if kind == "decode" and ncmoe is not None and self.pick_share and dram:
@@ -337,6 +344,8 @@ def main(argv=None) -> int:
                     help="llama-bench: a build dir, or a dir with the prebuilt tarball's parts")
     ap.add_argument("--llama-src", default="", help="llama.cpp source .tgz (converter, gguf-py): to write the GGUF")
     ap.add_argument("--tools", default="", help="dir with gguf-convert.py and tiny-tokenizer.py")
+    ap.add_argument("--llama-commit", default=os.environ.get("LLAMA_COMMIT", ""),
+                    help="the llama.cpp commit to record where llama-bench reports none (env LLAMA_COMMIT)")
     ap.add_argument("--prefill", default="8192,32768")
     ap.add_argument("--ub", default="512,2048,4096")
     ap.add_argument("--ub512-max", type=int, default=8192, help="longest prompt timed at -ub 512 (its slowest mode)")

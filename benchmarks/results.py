@@ -190,7 +190,8 @@ SPECS: dict[str, Spec] = {
                               "prompt", "decode_depth"],
                              [first("tok/s", pm("tok_s", "sd"), pm("decode_tok_s", "decode_sd"),
                                     f("sampled_estimate_tok_s")),
-                              "gpu_experts", "predicted_gb", "max_allocated_gb", "process_gb", "error"]),
+                              "gpu_experts", "predicted_gb", "max_allocated_gb", "process_gb",
+                              f("llama_commit", "llama.cpp commit"), "error"]),
                          notes="One run id per session's run; `benchmarks/user_report.py --run-id ID` gives a "
                                "run's targets."),
 }

@@ -42,7 +42,9 @@ step() {  # step NAME COMMAND...: run it, note how it went and how long it took,
   status "end $name rc=$rc in $((SECONDS - step_started)) s"
   return $rc
 }
-LL=(--llama "$CARRY/llama" --llama-src "$CARRY/llama-src.tgz" --tools "$CARRY" --run-id "$RUN_ID" --out "$JSONL")
+# the carried prebuilt llama-bench is llama.cpp 0c1e5709 (../shared/ANCHORS.md) and reports "unknown"
+LL=(--llama "$CARRY/llama" --llama-src "$CARRY/llama-src.tgz" --tools "$CARRY" --run-id "$RUN_ID" --out "$JSONL"
+    --llama-commit "${LLAMA_COMMIT:-0c1e5709}")
 UC=(--run-id "$RUN_ID" --out "$JSONL")
 
 status "run $RUN_ID on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
