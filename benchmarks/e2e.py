@@ -500,15 +500,18 @@ def traced_handoffs(compiled, vocab: int) -> dict:
 
 
 def expert_bytes_per_token(plan, fmt: str) -> float:
-    """Routed-expert weight bytes one decode token reads on the CPU (its top-k picks)."""
+    """Routed-expert weight bytes one decode token reads on the CPU: each CPU part's picks (its
+    rank range) that land on its experts, routing taken as uniform (random weights route about
+    so; every pick where a part holds the whole layer), at the packed size of `fmt`."""
     from ktflow.ir.ops import Op, expert_weight_bytes
 
     total = 0.0
     for n in plan.ir.nodes:
         if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "cpu":
-            lo, hi = n.attrs.rank_range
-            rows = (n.attrs.rows[1] - n.attrs.rows[0])
-            total += (hi - lo) * 3 * n.attrs.hidden * rows * expert_weight_bytes(fmt, n.attrs.hidden, rows)
+            a = n.attrs
+            lo, hi = a.rank_range
+            rows = a.rows[1] - a.rows[0]
+            total += (hi - lo) * len(a.ids) / a.experts * 3 * a.hidden * rows * expert_weight_bytes(fmt, a.hidden, rows)
     return total
 
 

@@ -18,8 +18,9 @@ since the checkpoint and a converted GGUF do not fit the disk together. Then, fo
   server   then one -ncmoe for every test, as one llama-server configuration holds it (`-c` the
            longest prompt, `-ub` the largest, the KV cache and compute buffer that size through
            prefill and decode alike): the N the longest prompt's test ran at (raised where it went
-           over the limit), every prompt and decode timed at it (rows marked placement "server"; `--no-server` skips them). The targets' ratios
-           are against the best per test; the report shows these beside them.
+           over the limit), every prompt and decode timed at it (rows marked placement "server";
+           `--no-server` skips them). The targets' ratios are against the best per test; the
+           report shows these beside them.
 
 `--fit` adds llama.cpp's own fitter at the largest -ub and thread count: `-fitt M` with M the
 card's free MiB less the limit (it leaves M free: it fills the limit, partial blocks included).
@@ -219,7 +220,7 @@ class Llama:
         reports none (the carried prebuilt says "unknown")."""
         if reported and reported != "unknown":
             return reported
-        return getattr(self.a, "llama_commit", "") or reported
+        return self.a.llama_commit or reported
 
     def emit(self, rows):
         append_jsonl(self.a.out, [dict(self.info, **r) for r in rows])
@@ -233,13 +234,6 @@ class Llama:
         held = sum(b.values()) * MIB
         return dict(rc=rc, probe_buffers_gb=round(held / 1e9, 3), probe_process_gb=round(process / 1e9, 3),
                     overhead_gb=round((process - held) / 1e9, 3), room_gb=round((self.budget - process) / 1e9, 3))
-
-    def server_ncmoe(self, n: int, ub: int, threads: str) -> int | None:
-        """-ncmoe of one server configuration that runs every test: the probe of the longest prompt
-        at the largest -ub (its KV cache holds that prompt, its compute buffer that -ub), as
-        llama-server with `-c n -ub ub` holds them through prefill and decode alike."""
-        pr = self.probe("prefill", n, ub, threads)
-        return None if pr["rc"] else choose_ncmoe(self.per_block, self.blocks, self.budget - pr["probe_process_gb"] * 1e9)
 
     def run(self, kind: str, n: int, ub: int, threads: str, placement: str, depth: int = 0,
             ncmoe: int | None = None) -> list[dict]:
@@ -411,9 +405,9 @@ def main(argv=None) -> int:
     longest = max((int(x) for x in a.prefill.split(",") if x), default=0)
     if a.server and longest:
         # the longest prompt's test at the largest -ub, as it ran (its -ncmoe raised where it went
-        # over the limit); a probe where that test did not run
+        # over the limit); none where that test did not run (its probe failed)
         ran = next((r for r in prefilled if r["prompt"] == longest and r["ub"] == max(ubs)), None)
-        n_srv = ran["n_cpu_moe"] if ran else ll.server_ncmoe(longest, max(ubs), str(cpus))
+        n_srv = ran["n_cpu_moe"] if ran else None
         if n_srv is not None:
             print(f"llama.cpp as one server configuration (-c {longest} -ub {max(ubs)}): -ncmoe {n_srv}", flush=True)
             for n in sorted(int(x) for x in a.prefill.split(",") if x):

@@ -46,7 +46,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import HERE, append_jsonl, commit, machine  # noqa: E402
-from e2e import MODELS as FULL, budget_without_experts, compile_cpu_experts, ready_checkpoint  # noqa: E402
+from e2e import (MODELS as FULL, budget_without_experts, compile_cpu_experts, expert_bytes_per_token,  # noqa: E402
+                 ready_checkpoint)
 
 TINY = {  # dry-run shapes: the families of the real ones, small enough for a CPU test
     "qwen3-tiny": dict(FULL["qwen3"], vocab_size=1024, hidden_size=256, intermediate_size=512,
@@ -166,22 +167,6 @@ def resident(plan) -> dict:
                 gpu_keys=sorted((n.attrs.layer, tuple(n.attrs.ids)) for n in gpu))
 
 
-def cpu_expert_bytes_per_token(plan, fmt: str) -> float:
-    """Routed-expert bytes one decode token reads on the CPU: each CPU part's picks (its rank
-    range) that land on its experts, routing taken as uniform (random weights route about so),
-    at the packed size of the plan's expert format."""
-    from ktflow.ir.ops import Op, expert_weight_bytes
-
-    total = 0.0
-    for n in plan.ir.nodes:
-        if n.op == Op.ROUTED_EXPERTS and n.place.device.value == "cpu":
-            a = n.attrs
-            lo, hi = a.rank_range
-            rows = a.rows[1] - a.rows[0]
-            total += (hi - lo) * len(a.ids) / a.experts * 3 * a.hidden * rows * expert_weight_bytes(fmt, a.hidden, rows)
-    return total
-
-
 # ------------------------------------------------------------------------------------ measuring
 
 
@@ -273,6 +258,7 @@ def profiled_prefill(c, vocab: int, tokens: int, path: Path, rows: int = 40) -> 
     """One prompt of `tokens` under torch.profiler (CUDA and host activity): the ops and kernels
     with the most GPU time, then those with the most host time, as text tables to `path`."""
     import ktflow
+    from ktflow.util.fsutil import write_atomic
     from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator().manual_seed(tokens + 2)
@@ -283,7 +269,7 @@ def profiled_prefill(c, vocab: int, tokens: int, path: Path, rows: int = 40) -> 
     avg = prof.key_averages()
     text = (f"prefill of {tokens} tokens, by GPU time\n{avg.table(sort_by='cuda_time_total', row_limit=rows)}\n\n"
             f"by host time\n{avg.table(sort_by='self_cpu_time_total', row_limit=rows)}\n")
-    path.write_text(text)
+    write_atomic(path, text)
 
 
 def decode_rate(c, vocab: int, new: int, seed: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -314,7 +300,7 @@ def decode_rounds(variants: list[tuple[str, object, dict]], vocab: int, new: int
     rows = []
     for name, c, kw in variants:
         xs = got[name]
-        bpt = cpu_expert_bytes_per_token(c.decode, c.plans.options.expert_format)
+        bpt = expert_bytes_per_token(c.decode, c.plans.options.expert_format)
         roof = {}
         if bpt:  # the physical limit: the CPU's expert bytes at each round's DRAM read
             roof = dict(cpu_expert_bytes_per_token=round(bpt),

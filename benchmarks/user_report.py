@@ -52,7 +52,7 @@ def _server(r: dict) -> bool:
     return r.get("placement") == "server"
 
 
-def server_table(rs: list[dict], pre: dict, dec: dict, t: dict, out) -> None:
+def server_table(rs: list[dict], pre: dict, t: dict, out) -> None:
     """ktflow's one plan against llama.cpp as one server configuration (every test at the -ncmoe
     of the longest prompt at the largest -ub, as llama-server -c/-ub holds it for prefill and
     decode alike); the targets' ratios stay against llama.cpp's best per test above."""
@@ -71,7 +71,7 @@ def server_table(rs: list[dict], pre: dict, dec: dict, t: dict, out) -> None:
         depth = r.get("decode_depth") or 0
         for name in ("greedy", "sampled"):
             k = next((x for x in rs if x.get("table") == "decode" and x.get("variant") == name
-                      and (x.get("decode_depth") or 0) == depth), None) if depth else dec.get(name)
+                      and (x.get("decode_depth") or 0) == depth), None)
             vs = k["decode_tok_s"] / r["tok_s"] if k else None
             t[f"{name}_vs_llama_server" + (f"_at_{depth}" if depth else "")] = vs
             mine = f"{k['decode_tok_s']:.2f} +- {k['decode_sd']:.2f}" if k else "—"
@@ -162,7 +162,7 @@ def report(rows: list[dict], out=print) -> dict:
                     f"{'**met**' if t['reservation_cost'] <= 0.03 else 'not met'} "
                     f"({100 * t['reservation_cost']:.1f}%"
                     + (f" ± {100 * spread:.1f}% standard error of {len(ratios)} rounds" if spread else "") + ") |")
-        server_table(rs, pre, dec, t, out)
+        server_table(rs, pre, t, out)
         vr = [r for r in rs if r.get("table") == "vram"]
         lv = [r for r in rs if r.get("table", "").startswith("llama_") and "process_gb" in r]
         if vr or lv:

@@ -192,7 +192,7 @@ def test_llama_side_probes_chooses_and_keeps_to_the_limit(tmp_path, monkeypatch,
     binary.write_text(f"#!/bin/sh\nexec {sys.executable} {fake} \"$@\"\n")
     binary.chmod(0o755)
     sizes = [(f"blk.{b}.ffn_{k}_exps.weight", 500 * 2**20 // 3) for b in range(4) for k in ("gate", "up", "down")]
-    a = types.SimpleNamespace(vram_gb=3.5, reps=1, out=str(tmp_path / "l.jsonl"))
+    a = types.SimpleNamespace(vram_gb=3.5, reps=1, out=str(tmp_path / "l.jsonl"), llama_commit="")
     ll = llama_user.Llama(a, binary, Path("model.gguf"), sizes, dict(run_id="t"))
     rows = ll.run("prefill", 512, 2048, "16", "ncmoe")
     # probe: 1300 MiB of buffers + 0.6 GB guessed context = 1.96 GB; 1.54 GB left: two blocks' experts
@@ -209,8 +209,9 @@ def test_llama_side_probes_chooses_and_keeps_to_the_limit(tmp_path, monkeypatch,
 
 
 def test_llama_side_as_one_server_configuration_holds_the_longest_prompts_ncmoe(tmp_path, monkeypatch):
-    """The server configuration's -ncmoe is the longest prompt's at the largest -ub (its KV cache
-    that long), and a test run at it keeps that N (no probe of its own), marked as such."""
+    """The server configuration's -ncmoe, the longest prompt's test's (its KV cache that long), is
+    more than decode's own test chose, and a test run at it keeps that N (no probe of its own),
+    marked as such."""
     import llama_user
 
     monkeypatch.setattr(llama_user, "card", lambda field="memory.used": None)
@@ -221,15 +222,16 @@ def test_llama_side_as_one_server_configuration_holds_the_longest_prompts_ncmoe(
     binary.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nexec {sys.executable} {fake} \"$@\"\n")
     binary.chmod(0o755)
     sizes = [(f"blk.{b}.ffn_{k}_exps.weight", 500 * 2**20 // 3) for b in range(4) for k in ("gate", "up", "down")]
-    a = types.SimpleNamespace(vram_gb=3.5, reps=1, out=str(tmp_path / "l.jsonl"))
+    a = types.SimpleNamespace(vram_gb=3.5, reps=1, out=str(tmp_path / "l.jsonl"), llama_commit="")
     ll = llama_user.Llama(a, binary, Path("model.gguf"), sizes, dict(run_id="t", dram_gbps=100.0))
     ll.pick_share = 0.25
     (own,) = ll.run("decode", 16, 0, "16", "ncmoe")
     # its CPU blocks' expert bytes, a token's share of each, at the DRAM read
     assert own["cpu_expert_bytes_per_token"] == round(sum(ll.per_block[i] for i in range(own["n_cpu_moe"])) * 0.25)
     assert own["cpu_roofline_fraction"] == round(own["tok_s"] * own["cpu_expert_bytes_per_token"] / 100e9, 3)
-    n = ll.server_ncmoe(32768, 2048, "16")  # its KV cache another 512 MiB: a block fewer on the GPU
-    assert n == own["n_cpu_moe"] + 1
+    (longest,) = ll.run("prefill", 32768, 2048, "16", "ncmoe")  # the server's -ncmoe: this test's
+    n = longest["n_cpu_moe"]
+    assert n == own["n_cpu_moe"] + 1  # its KV cache another 512 MiB: a block fewer on the GPU
     calls.unlink()
     (dec,) = ll.run("decode", 16, 0, "16", "server", ncmoe=n)
     assert dec["n_cpu_moe"] == n and dec["placement"] == "server" and "one server configuration" in dec["system"]

@@ -212,6 +212,24 @@ _AMX = IsaFlags(avx512f=True, avx512_bf16=True, avx512_vnni=True, amx_bf16=True,
 _H100 = GpuSpec(name="NVIDIA H100 80GB HBM3", memory_bytes=80 * GiB, hbm_gbps=3350, bf16_tflops=780,
                 pcie_h2d_gbps=55, pcie_d2h_gbps=55, efficiency=0.45)
 
+#: the link `this` assumes between GPUs it has not measured (and the probe, where NCCL is missing)
+GUESSED_LINK = GpuLink(kind="pcie", allreduce_busbw_gbps=10, allreduce_latency_us=30, p2p_gbps=10)
+
+
+def _h100_server(n: int, cores: int, memory_gib: int, dram_gbps: float, gemm_tflops: float, gemv_gbps: float,
+                 latency_us: float) -> HwProfile:
+    """Xeon cores with AMX and `n` H100s over NVLink, like the n-GPU machine kinds (link rates quoted)."""
+    words = {2: "two", 4: "four"}.get(n, str(n))
+    return HwProfile(
+        name=f"h100-x{n}", description=f"{cores} Xeon cores (AMX) + {words} NVIDIA H100 80GB (NVLink), like the "
+                                       f"{n}-GPU machine kind; link rates quoted",
+        cpu=CpuSpec(name=f"{cores} Xeon cores (AMX)",
+                    numa=[NumaNode(cores=cores, memory_bytes=memory_gib * GiB, dram_gbps=dram_gbps)],
+                    isa=_AMX, gemm_tflops=gemm_tflops, gemv_gbps=gemv_gbps),
+        gpus=[_H100] * n,
+        gpu_link=GpuLink(kind="nvlink", allreduce_busbw_gbps=350, allreduce_latency_us=latency_us, p2p_gbps=350))
+
+
 PRESETS: dict[str, HwProfile] = {
     "paper-a100": HwProfile(name="paper-a100", description=_PAPER + ", A100 40GB", cpu=_XEON_8452Y,
                             gpus=[GpuSpec(name="NVIDIA A100 40GB", memory_bytes=40 * GiB, hbm_gbps=1555,
@@ -244,20 +262,10 @@ PRESETS: dict[str, HwProfile] = {
         gpus=[GpuSpec(name="NVIDIA RTX 4090", memory_bytes=24 * GiB, hbm_gbps=1008, bf16_tflops=165,
                       pcie_h2d_gbps=25, pcie_d2h_gbps=25)] * 2,
         gpu_link=GpuLink(kind="pcie", allreduce_busbw_gbps=10, allreduce_latency_us=30, p2p_gbps=12)),
-    "h100-x2": HwProfile(
-        name="h100-x2", description="32 Xeon cores (AMX) + two NVIDIA H100 80GB (NVLink), like the 2-GPU machine "
-                                    "kind; link rates quoted",
-        cpu=CpuSpec(name="32 Xeon cores (AMX)", numa=[NumaNode(cores=32, memory_bytes=256 * GiB, dram_gbps=200)],
-                    isa=_AMX, gemm_tflops=9.7, gemv_gbps=190),
-        gpus=[_H100] * 2, gpu_link=GpuLink(kind="nvlink", allreduce_busbw_gbps=350, allreduce_latency_us=15,
-                                            p2p_gbps=350)),
-    "h100-x4": HwProfile(
-        name="h100-x4", description="64 Xeon cores (AMX) + four NVIDIA H100 80GB (NVLink), like the 4-GPU machine "
-                                    "kind; link rates quoted",
-        cpu=CpuSpec(name="64 Xeon cores (AMX)", numa=[NumaNode(cores=64, memory_bytes=512 * GiB, dram_gbps=300)],
-                    isa=_AMX, gemm_tflops=19.4, gemv_gbps=280),
-        gpus=[_H100] * 4, gpu_link=GpuLink(kind="nvlink", allreduce_busbw_gbps=350, allreduce_latency_us=20,
-                                            p2p_gbps=350)),
+    "h100-x2": _h100_server(2, cores=32, memory_gib=256, dram_gbps=200, gemm_tflops=9.7, gemv_gbps=190,
+                            latency_us=15),
+    "h100-x4": _h100_server(4, cores=64, memory_gib=512, dram_gbps=300, gemm_tflops=19.4, gemv_gbps=280,
+                            latency_us=20),
     "cpu": HwProfile(
         name="cpu", description="a generic 16-core x86-64 server CPU, no GPU",
         cpu=CpuSpec(name="generic 16-core x86-64", numa=[NumaNode(cores=16, memory_bytes=128 * GiB, dram_gbps=80)],
@@ -348,7 +356,7 @@ def this_machine() -> HwProfile:
                                 pcie_h2d_gbps=20, pcie_d2h_gbps=20))
     except Exception:
         pass
-    link = GpuLink(kind="pcie", allreduce_busbw_gbps=10, allreduce_latency_us=30, p2p_gbps=10) if len(gpus) > 1 else None
+    link = GUESSED_LINK if len(gpus) > 1 else None
     return HwProfile(name="this", description="this machine, throughputs guessed (run `ktflow hw probe` to measure)",
                      cpu=cpu, gpus=gpus, gpu_link=link)
 

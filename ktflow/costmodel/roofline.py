@@ -33,7 +33,7 @@ from .memory import GROUPED_ROWS
 #: which overlaps the GPU's work on earlier ones, so a node takes the longer of its work and its
 #: launches: a layer streamed as many small groups is bound by the launches (tests/test_cost.py
 #: counts the ops)
-GROUPED_NODE_OPS, GROUPED_BLOCK_OPS = 12, 15
+GROUPED_NODE_OPS, GROUPED_BLOCK_OPS = 12, 13
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,8 @@ def compile_plans(model: Any, hw: HwProfile, opts: CompileOptions, device: str, 
     where a plan does not fit the machine (unless opts.allow_oversize)."""
     cfg = model.config
     if len(hw.gpus) > 1:
-        notices.warn(f"hardware profile {hw.name!r} has {len(hw.gpus)} GPUs; plans place on gpu:0 only (several GPUs: "
-             "not built yet)", key="gpus")
+        notices.warn(f"hardware profile {hw.name!r} has {len(hw.gpus)} GPUs; plans place on gpu:0 only "
+                     "(several GPUs: not built yet)", key="gpus")
     act = DTYPE_BY_NAME[opts.dtype] if opts.dtype else cfg.weight_dtype
     max_seq = opts.max_seq_len or min(4096, cfg.max_position_embeddings)
     spec = model.graph(act)

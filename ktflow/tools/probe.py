@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..costmodel.hw import GB, GpuLink, GpuSpec, HwProfile, NumaNode, Overheads, this_machine
+from ..costmodel.hw import GB, GUESSED_LINK, GpuLink, GpuSpec, HwProfile, NumaNode, Overheads, this_machine
 
 
 def _best_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
@@ -216,8 +216,7 @@ def _probe_gpus(torch, quick: bool, reps: int, overheads: Overheads, numa_nodes:
         try:
             link = _probe_link(torch, len(gpus), reps, log)
         except (RuntimeError, ImportError) as e:  # a torch without NCCL: the guess `this` makes, said so
-            link = this_machine().gpu_link or GpuLink(kind="pcie", allreduce_busbw_gbps=10, allreduce_latency_us=30,
-                                                      p2p_gbps=10)
+            link = GUESSED_LINK
             log(f"GPU link not measured ({type(e).__name__}: {e}); guessed: PCIe, {link.allreduce_busbw_gbps:.0f} GB/s")
     return gpus, link, overheads
 
@@ -289,10 +288,7 @@ def _probe_gpu(torch, quick: bool, reps: int, overheads: Overheads, log) -> tupl
     g = 8192
     ga, gb = torch.randn(g, g, device=dev, dtype=torch.bfloat16), torch.randn(g, g, device=dev, dtype=torch.bfloat16)
     tflops = 2 * g ** 3 / _best_seconds(lambda: ga @ gb, reps, sync) / 1e12
-    host = torch.empty(size // 4, dtype=torch.uint8, pin_memory=True)
-    dev_buf = torch.empty(size // 4, dtype=torch.uint8, device=dev)
-    h2d = host.numel() / _best_seconds(lambda: dev_buf.copy_(host, non_blocking=True), reps, sync) / GB
-    d2h = host.numel() / _best_seconds(lambda: host.copy_(dev_buf, non_blocking=True), reps, sync) / GB
+    h2d, d2h = _pcie(torch, reps, size // 4)
     tiny = torch.zeros(16, device=dev)
     launches = 200 if quick else 2000
 
@@ -306,7 +302,7 @@ def _probe_gpu(torch, quick: bool, reps: int, overheads: Overheads, log) -> tupl
         product = ga[:1] @ gb
     sync()
     workspace = torch.cuda.memory_allocated() - before - product.numel() * product.element_size()
-    del ga, gb, src, dst, host, dev_buf, product
+    del ga, gb, src, dst, product
     attention, grouped = _prefill_rates(torch, reps, sync)
     log(f"GPU {p.name}: HBM {hbm:.0f} GB/s, bf16 {tflops:.0f} TFLOPS, PCIe {h2d:.1f}/{d2h:.1f} GB/s h2d/d2h, "
         f"launch {launch_us:.1f} us, BLAS workspace {workspace / 2**20:.0f} MiB per stream; prefill: causal attention "

@@ -47,12 +47,13 @@ class InstructionTimer:
     def after(self, i: int, ins: Instruction, values: dict) -> None:
         if ins.kind in ("record", "wait"):
             return
-        self.issue_ns[i] = native.module().now_ns() - self._host_ns  # before the timer's own event
+        now = native.module().now_ns()  # before the timer's own event
+        self.issue_ns[i] = now - self._host_ns
         e = self._mark(ins)
         if e is not None:
             self.events[i] = (self.events[i][0], e)
         if ins.node in self.host_nodes:  # it ran on the host itself
-            self.host_us[i] = ((self._host_ns - self.anchor_ns) / 1e3, (native.module().now_ns() - self.anchor_ns) / 1e3)
+            self.host_us[i] = ((self._host_ns - self.anchor_ns) / 1e3, (now - self.anchor_ns) / 1e3)
 
     def instructions(self, bound) -> list[Instruction]:
         """The plan's instructions with measured start/end (us from the step's start)."""

@@ -30,11 +30,12 @@ _GROUPED_OK: dict[str, bool] = {}  # device type -> whether torch's grouped matm
 GROUPED_FALLBACK: dict[str, str] = {}
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
     """Rows offs[g-1]..offs[g] of a [R, K] times b[g] [K, N] -> [R, N] (rows past offs[-1]
     undefined): torch's grouped matmul where this torch and device run it, else a loop over the
-    groups (`counts`: a list on the host, or a tensor read there, one sync). The first refusal on
-    a device type is warned about once and kept in GROUPED_FALLBACK."""
+    groups (their sizes: `counts` where the caller has them on the host, else `offs` read there,
+    one sync). The first refusal on a device type is warned about once and kept in
+    GROUPED_FALLBACK."""
     fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
     kind = a.device.type
     if fn is not None and _GROUPED_OK.get(kind, True):
@@ -54,10 +55,10 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: tor
         GROUPED_FALLBACK.setdefault(kind, f"torch {torch.__version__} has no grouped matmul")
     out = torch.empty(a.shape[0], b.shape[-1], dtype=a.dtype, device=a.device)
     lo = 0
-    for g, n in enumerate(counts if isinstance(counts, list) else counts.tolist()):
-        if n:
-            out[lo:lo + n] = a[lo:lo + n] @ b[g]
-        lo += n
+    for g, end in enumerate(itertools.accumulate(counts) if counts is not None else offs.tolist()):
+        if end > lo:
+            out[lo:end] = a[lo:end] @ b[g]
+        lo = end
     return out
 
 
@@ -92,7 +93,7 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
         # every pick's row; rows past the groups (picks held elsewhere) come out undefined: their
         # weight is 0 and they are zeroed
         weight = torch.where(key[order] < n, wts.reshape(-1)[order], 0.0)
-        _rows(x, order // k, weight, gate, up, down, offs, per_row, out, masked=True)
+        _rows(x, order // k, weight, gate, up, down, offs, None, out, masked=True)
         return out if running else out.to(x.dtype)
     # the held picks only, GROUPED_ROWS at a time (memory.SCRATCH bounds the temporaries so); every
     # expert of the layer held (a resident layer): every pick, no need to know the count
@@ -107,10 +108,9 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
         hi = min(lo + GROUPED_ROWS, held)
         block = order[lo:hi]
         offs_b = (offs - lo).clamp_(0, hi - lo)
-        if counts is not None:  # this block's count of each expert, on the host
+        counts_b = None  # this block's count of each expert, where known on the host (for the loop)
+        if counts is not None:
             counts_b = [min(max(e - lo, 0), hi - lo) - min(max(e - c - lo, 0), hi - lo) for e, c in zip(ends, counts)]
-        else:
-            counts_b = torch.diff(offs_b, prepend=offs_b.new_zeros(1))
         _rows(x, block // k, wts.reshape(-1)[block], gate, up, down, offs_b, counts_b, out, masked=False)
     return out if running else out.to(x.dtype)
 
@@ -130,9 +130,10 @@ def pick_counts(ids: torch.Tensor, experts: int) -> list[int]:
 
 
 def _rows(x: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-          down: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor | list[int], out: torch.Tensor,
+          down: torch.Tensor, offs: torch.Tensor, counts: list[int] | None, out: torch.Tensor,
           masked: bool) -> None:
-    """Picks (their tokens and routing weights, sorted by expert: offs/counts) through the grouped
+    """Picks (their tokens and routing weights, sorted by expert: offs, and the host's counts where
+    known) through the grouped
     SwiGLU, weighted and added into `out` (fp32) a block of SCATTER_ROWS rows at a time; `masked`:
     rows of weight 0 (held elsewhere) zeroed first (they come out undefined)."""
     xs = x.index_select(0, token)
