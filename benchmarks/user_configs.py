@@ -272,6 +272,56 @@ def profiled_prefill(c, vocab: int, tokens: int, path: Path, rows: int = 40) -> 
     write_atomic(path, text)
 
 
+def profiled_decode(c, c1, vocab: int, path: Path, new: int = 32, rows: int = 40) -> dict:
+    """Where a decode token's time goes: one step of the one-step plan `c1` issued eagerly with
+    its instructions timed (busy time per lane and per kind, measured against predicted: the
+    lanes' sum beside the span shows what overlaps), then `new` greedy tokens of `c` (its
+    captured graphs, as users run) under torch.profiler: the kernels with the most GPU time and
+    the host calls with the most host time, as text tables to `path`."""
+    from ktflow.runtime.generate import generate_with_stats
+    from ktflow.util.fsutil import write_atomic
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(0, vocab, (1, PROMPT), generator=torch.Generator().manual_seed(7))
+    ex = c1.executor(c1.decode)
+    ex.trace = 3  # the first decode steps traced; the last one is kept
+    generate_with_stats(c1, ids, 3)
+    instrs = ex.measured or []
+    plan = c1.decode
+
+    def busy(ss) -> dict:
+        out: dict[str, float] = {}
+        for st in ss:
+            if st.kind in ("record", "wait"):
+                continue
+            n = plan.ir.by_name(st.node)
+            k = f"{st.lane}:{n.op.value}" + (".gpu" if n.op.value == "routed_experts" and
+                                              n.place.device.value == "gpu" else "")
+            out[k] = out.get(k, 0.0) + st.end_us - st.start_us
+        return out
+
+    measured, predicted = busy(instrs), busy(plan.instructions)
+    span = (max(st.end_us for st in instrs) - min(st.start_us for st in instrs)) if instrs else 0.0
+    kinds = {k: [round(measured.get(k, 0.0), 1), round(predicted.get(k, 0.0), 1)]
+             for k in sorted(set(measured) | set(predicted), key=lambda k: -measured.get(k, 0.0))}
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _, stats = generate_with_stats(c, ids, new)
+        torch.cuda.synchronize()
+    avg = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in avg if e.device_type == torch.autograd.DeviceType.CUDA)
+    head = (f"decode: {new} greedy tokens of {PROMPT}-token prompt under torch.profiler, "
+            f"{stats.decode_tokens_per_s:.2f} tok/s; GPU kernel time {gpu_us / max(new, 1):.0f} us a token\n"
+            f"one eager one-step decode step: span {span:.0f} us measured, {plan.predicted_step_us:.0f} us "
+            f"predicted; busy us by lane:kind, measured / predicted:\n"
+            + "".join(f"  {k}: {m} / {p}\n" for k, (m, p) in kinds.items()))
+    write_atomic(path, f"{head}\nby GPU time\n{avg.table(sort_by='cuda_time_total', row_limit=rows)}\n\n"
+                       f"by host time\n{avg.table(sort_by='self_cpu_time_total', row_limit=rows)}\n")
+    return dict(table="decode_trace", span_us=round(span, 1), predicted_us=round(plan.predicted_step_us, 1),
+                kinds_us=kinds, profiled_tok_s=round(stats.decode_tokens_per_s, 2),
+                gpu_kernel_us_per_token=round(gpu_us / max(new, 1), 1), profile=str(path))
+
+
 def decode_rate(c, vocab: int, new: int, seed: int, temperature: float = 0.0, top_p: float = 1.0,
                 prompt: int = PROMPT) -> float:
     """Decode tokens/s of `new` tokens after a random prompt of `prompt` tokens (its prefill not timed)."""
@@ -396,6 +446,15 @@ def phase_user(run: Run) -> None:
     beside = 2 * c1.decode.memory.activation_bytes / 1e9
     vram.cap(a.vram_gb + beside)
     share(c1, c)
+    if a.trace_dir and run.cuda:  # where a decode token's time goes (before the rounds: they are not disturbed)
+        path = Path(a.trace_dir) / f"{a.model}-decode.profile.txt"
+        row = profiled_decode(c, c1, run.vocab, path)
+        print(f"  profiled decode: one eager step {row['span_us'] / 1e3:.2f} ms measured, "
+              f"{row['predicted_us'] / 1e3:.2f} ms predicted; GPU kernels {row['gpu_kernel_us_per_token']:.0f} us a "
+              f"token at {row['profiled_tok_s']} tok/s; busy ms by lane:kind, measured / predicted: "
+              + ", ".join(f"{k} {m / 1e3:.2f} / {p / 1e3:.2f}" for k, (m, p) in list(row["kinds_us"].items())[:8])
+              + f"; {path}", flush=True)
+        run.emit([row])
     rows = decode_rounds([("greedy", c, {}), ("greedy, one step a launch", c1, {}), ("sampled", c, kw)],
                          run.vocab, a.decode, a.rounds, run.dram)
     for r in rows:
