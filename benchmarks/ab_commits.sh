@@ -20,6 +20,14 @@ RUN=ab-$(date +%Y%m%d-%H%M%S)  # this run's rows only, however full the file
 ROUNDS=${ROUNDS:-2}
 E2E_ARGS=${E2E_ARGS:-"--model qwen3 --layers 12 --variants graph --prompts 32 --prefill 8192 --prefill-variants auto --reps 3 --prefill-reps 3 --decode 128"}
 mkdir -p "$(dirname "$JSONL")"
+# pyproject maps the package ktflow.models to the top-level models/ folder: an editable install of
+# another tree would answer that import for a tree run from its folder, so each tree gets a link to
+# its own (removed at the end)
+links=()
+trap 'for l in "${links[@]}"; do rm -f "$l"; done' EXIT
+for t in "$A" "$B"; do
+  if [ -d "$t/models" ] && [ ! -e "$t/ktflow/models" ]; then ln -s ../models "$t/ktflow/models"; links+=("$t/ktflow/models"); fi
+done
 for t in "$A" "$B"; do  # each tree's own native module (a minute or so on 16 cores)
   (cd "$t" && python3 setup.py -q build_ext --inplace > /tmp/ab-build.log 2>&1) \
     || { echo "native build failed in $t: see /tmp/ab-build.log" >&2; exit 1; }

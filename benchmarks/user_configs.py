@@ -448,13 +448,18 @@ def phase_user(run: Run) -> None:
     share(c1, c)
     if a.trace_dir and run.cuda:  # where a decode token's time goes (before the rounds: they are not disturbed)
         path = Path(a.trace_dir) / f"{a.model}-decode.profile.txt"
-        row = profiled_decode(c, c1, run.vocab, path)
-        print(f"  profiled decode: one eager step {row['span_us'] / 1e3:.2f} ms measured, "
-              f"{row['predicted_us'] / 1e3:.2f} ms predicted; GPU kernels {row['gpu_kernel_us_per_token']:.0f} us a "
-              f"token at {row['profiled_tok_s']} tok/s; busy ms by lane:kind, measured / predicted: "
-              + ", ".join(f"{k} {m / 1e3:.2f} / {p / 1e3:.2f}" for k, (m, p) in list(row["kinds_us"].items())[:8])
+        try:
+            prof = profiled_decode(c, c1, run.vocab, path)
+        except Exception as e:  # noqa: BLE001 - a diagnostic: the rounds below are the measurement
+            print(f"  profiled decode failed: {type(e).__name__}: {e}", flush=True)
+            prof = None
+    if a.trace_dir and run.cuda and prof is not None:
+        print(f"  profiled decode: one eager step {prof['span_us'] / 1e3:.2f} ms measured, "
+              f"{prof['predicted_us'] / 1e3:.2f} ms predicted; GPU kernels {prof['gpu_kernel_us_per_token']:.0f} us a "
+              f"token at {prof['profiled_tok_s']} tok/s; busy ms by lane:kind, measured / predicted: "
+              + ", ".join(f"{k} {m / 1e3:.2f} / {p / 1e3:.2f}" for k, (m, p) in list(prof["kinds_us"].items())[:8])
               + f"; {path}", flush=True)
-        run.emit([row])
+        run.emit([prof])
     rows = decode_rounds([("greedy", c, {}), ("greedy, one step a launch", c1, {}), ("sampled", c, kw)],
                          run.vocab, a.decode, a.rounds, run.dram)
     for r in rows:
