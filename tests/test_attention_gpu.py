@@ -94,6 +94,7 @@ def reference(a, q, kc, vc, tokens):
     (attrs(heads=32, kv=4, dim=128, rdim=128, window=300), 1100, 1000, 2, 1, False),  # a window over splits
     (attrs(), 40, 30, 1, 3, False),                                    # three tokens a row, causal
     (attrs(heads=16, kv=16, dim=64), 2000, 1700, 3, 1, True),          # no grouping, ragged, splits
+    (attrs(heads=32, kv=4, dim=128, rdim=128), 8192, 100, 1, 1, False),  # a long cache early: 31 empty splits
 ])
 def test_attend_matches_float64_attention(a, length, pos, batch, seq, ragged):
     """The kernel's error against float64 attention is that of bf16 attention: no more than

@@ -48,8 +48,9 @@ def _attended(rows: int, width: int, splits: int, dtype: torch.dtype, device) ->
 
 def _combine(k, out, part_acc, part_m, part_l, width: int, splits: int) -> None:
     if splits > 1:
-        k.combine[(out.shape[0],)](part_acc, part_m, part_l, out, D=width, BLOCK_D=k.triton.next_power_of_2(width),
-                                   SPLITS=splits, BLOCK_S=k.triton.next_power_of_2(splits))
+        block_d = k.triton.next_power_of_2(width)
+        k.combine[(out.shape[0],)](part_acc, part_m, part_l, out, D=width, BLOCK_D=block_d, SPLITS=splits,
+                                   BLOCK_S=k.triton.next_power_of_2(splits), CHUNK=max(1, 4096 // block_d))
 
 
 #: the matrix `fuse_qkv` concatenates an attention kind's input projections into

@@ -50,9 +50,9 @@ def finish(acc, m_i, l_i, out, part_acc, part_m, part_l, rows, cols, live, split
         o = acc / l_i[:, None]
         tl.store(out + rows[:, None] * W + cols[None, :], o.to(out.dtype.element_ty, fp_downcast_rounding="rtne"),
                  mask=both)
-    else:
+    else:  # an empty split (past the position: most of a long cache early on) stores no sums
         at = rows * SPLITS + split
-        tl.store(part_acc + at[:, None] * W + cols[None, :], acc, mask=both)
+        tl.store(part_acc + at[:, None] * W + cols[None, :], acc, mask=both & (l_i[:, None] > 0))
         tl.store(part_m + at, m_i, mask=live)
         tl.store(part_l + at, l_i, mask=live)
 
@@ -144,7 +144,10 @@ def attend(q, k_cache, v_cache, c_b, c_h, c_l, pos, out, part_acc, part_m, part_
 
 @triton.jit
 def combine(part_acc, part_m, part_l, out, D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
-            BLOCK_S: tl.constexpr):
+            BLOCK_S: tl.constexpr, CHUNK: tl.constexpr):
+    """The splits' sums merged, CHUNK splits at a time (a [CHUNK, D] tile: a cache of 128 splits
+    and MLA's 512-wide latent in one tile would spill); the sums of an empty split (m = -inf,
+    stored by no one) are never read, so a long cache early in a sequence costs its live splits."""
     th = tl.program_id(0).to(tl.int64)  # token * heads + head
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -152,9 +155,15 @@ def combine(part_acc, part_m, part_l, out, D: tl.constexpr, BLOCK_D: tl.constexp
     top = tl.max(m, axis=0)  # split 0 always holds the first key: finite
     w = tl.exp(m - top)  # empty splits (m = -inf) weigh 0
     total = tl.sum(w * tl.load(part_l + th * SPLITS + s, mask=s < SPLITS, other=0.0), axis=0)
-    acc = tl.load(part_acc + (th * SPLITS + s)[:, None] * D + d[None, :],
-                  mask=(s[:, None] < SPLITS) & (d[None, :] < D), other=0.0)
-    o = tl.sum(acc * w[:, None], axis=0) / total
+    o = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, SPLITS, CHUNK):
+        c = s0 + tl.arange(0, CHUNK)
+        mc = tl.load(part_m + th * SPLITS + c, mask=c < SPLITS, other=float("-inf"))
+        full = (c < SPLITS) & (mc != float("-inf"))
+        acc = tl.load(part_acc + (th * SPLITS + c)[:, None] * D + d[None, :],
+                      mask=full[:, None] & (d[None, :] < D), other=0.0)
+        o += tl.sum(acc * tl.exp(mc - top)[:, None], axis=0)
+    o = o / total
     tl.store(out + th * D + d, o.to(out.dtype.element_ty, fp_downcast_rounding="rtne"), mask=d < D)
 
 
