@@ -75,15 +75,15 @@ def test_collectives_cost_their_ring_traffic_at_the_links_bus_bandwidth():
         collective_seconds("broadcast", mb, 2, hw)
 
 
-def test_a_plan_for_several_gpus_places_on_the_first_and_says_so(demo_dir, capsys, monkeypatch):
-    """Until placement spreads over GPUs, a profile with two compiles as its first GPU alone."""
+def test_a_profile_with_more_gpus_than_the_plans_use_places_on_the_first_and_says_so(demo_dir, capsys, monkeypatch):
+    """gpus=1 (the default) on a profile with two: the plans place on its first GPU alone."""
     from ktflow.util import notices
 
     monkeypatch.setattr(notices, "_said", set())  # said once a process: not yet in this test
     one = ktflow.compile(ktflow.load(demo_dir), hw=PRESETS["h100"], device="cpu", max_seq_len=256)
     two = ktflow.compile(ktflow.load(demo_dir), hw=PRESETS["h100-x2"].model_copy(update={"cpu": PRESETS["h100"].cpu}),
                          device="cpu", max_seq_len=256)
-    assert "plans place on gpu:0 only" in capsys.readouterr().err
+    assert "has 2 GPUs; the plans use 1 (gpus=1)" in capsys.readouterr().err
     assert [n.place.device for n in one.decode.ir.nodes] == [n.place.device for n in two.decode.ir.nodes]
 
 

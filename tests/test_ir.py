@@ -170,7 +170,7 @@ def test_stage_rules_only_apply_from_their_stage():
 
 def test_every_rule_has_a_test():
     tested = {"V1", "V2", "V3", "V4", "V5", "V6", "V7", "V8", "V9", "V10", "C1", "P1",
-              "L1", "L2", "L3", "L4", "D1", "D2", "S1", "S2", "P2", "T1", "T2", "B1", "B2", "B3"}  # L1-L4: test_lower.py;
-    # D1, D2: test_defer.py; S1, S2: test_prefill.py; P2: test_fp8.py; T1, T2: test_plan.py; B1, B2:
-    # test_buffers.py; B3: test_error_boundary.py
+              "L1", "L2", "L3", "L4", "D1", "D2", "S1", "S2", "P2", "T1", "T2", "B1", "B2", "B3", "R1"}  # L1-L4:
+    # test_lower.py; D1, D2: test_defer.py; S1, S2: test_prefill.py; P2: test_fp8.py; T1, T2: test_plan.py;
+    # B1, B2: test_buffers.py; B3: test_error_boundary.py; R1: test_multi_gpu.py
     assert set(RULES) == tested

@@ -308,6 +308,25 @@ def _reduce(be, node, w, ins, ctx, dev):
     return out.to(ins[0].dtype)
 
 
+def _collective(be, node, w, ins, ctx, dev):
+    """An all-reduce among the plan's ranks: this rank's parts summed in float32 (none: zeros),
+    summed over torch.distributed's default group (one process a rank: NCCL between GPUs, gloo
+    on the CPU), in the activation dtype."""
+    import torch.distributed as dist
+
+    a = node.attrs
+    ready = dist.is_available() and dist.is_initialized()
+    if not ready or dist.get_world_size() != a.ranks:
+        got = f"{dist.get_world_size()} rank(s) in the process group" if ready else "no process group"
+        raise KtflowError(f"{node.name}: the plan spreads over {a.ranks} GPU ranks and this process has {got}: run "
+                          f"each rank's plan in its own process, all {a.ranks} together (`ktflow run --gpus {a.ranks}`)")
+    out = torch.zeros(ctx.token_ids.numel(), a.hidden, dtype=torch.float32, device=dev)
+    for t in ins:
+        out += t.float()
+    dist.all_reduce(out)
+    return out.to(be.dtype)
+
+
 def _lm_head(be, node, w, ins, ctx, dev):
     return F.linear(ins[0], w["weight"]).float()
 
@@ -316,4 +335,5 @@ RULES: dict[Op, Callable] = {
     Op.INPUT: _input, Op.EMBED: _embed, Op.RMSNORM: _rmsnorm, Op.ATTENTION: attention, Op.GATE: _gate,
     Op.MLP: _mlp, Op.ROUTED_EXPERTS: _routed_experts, Op.ADD: _add, Op.LM_HEAD: _lm_head,
     Op.COPY: _copy, Op.SUBMIT: _submit, Op.SYNC: _sync, Op.REDUCE: _reduce, Op.DEFER: _reduce, Op.FETCH: _fetch,
+    Op.COLLECTIVE: _collective,
 }

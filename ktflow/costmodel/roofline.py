@@ -24,6 +24,7 @@ from ..errors import ConfigError
 from ..ir.graph import Graph, Node
 from ..ir.ops import FACTS, FetchAttrs, Op, Work, expert_weight_bytes, experts_hit_fraction
 from ..ir.types import Cost, Device, DType
+from .collectives import collective_seconds
 from .hw import HwProfile
 from .memory import GROUPED_ROWS
 
@@ -133,6 +134,10 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
     if pricing == "fetch":
         s = fetch_seconds(n.attrs, hw, g.act_dtype)
         return Cost(tokens=work.tokens, flops=0.0, bytes=n.attrs.link_bytes, cpu_s=s, gpu_s=s)
+    if pricing == "collective":  # the ranks' link, ring algorithms (a CPU rank: gloo, priced the same)
+        nbytes = n.out.numel(work.tokens) * n.out.dtype.itemsize
+        s = collective_seconds(n.attrs.kind, nbytes, n.attrs.ranks, hw)
+        return Cost(tokens=work.tokens, flops=0.0, bytes=nbytes, cpu_s=s, gpu_s=s)
     if pricing != "compute":
         nbytes = n.out.numel(work.tokens) * n.out.dtype.itemsize
         if pricing == "copy":

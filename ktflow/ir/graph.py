@@ -150,6 +150,15 @@ class Graph:
                 g.add_edge(i, n.name)
         return g
 
+    def without_unread(self) -> "Graph":
+        """The graph less the nodes no output depends on (a GPU rank that holds none of a layer's
+        experts has no reader for that layer's router)."""
+        live = set(o for o in self.outputs if o in self)
+        for n in reversed(self.nodes):
+            if n.name in live:
+                live.update(n.inputs)
+        return self.replace_nodes(n for n in self.nodes if n.name in live)
+
     def replace_nodes(self, nodes: Iterable[Node]) -> "Graph":
         return Graph(tuple(nodes), self.outputs, self.act_dtype)
 

@@ -31,6 +31,8 @@ class Op(str, Enum):
     SUBMIT = "submit"
     SYNC = "sync"
     FETCH = "fetch"
+    # several GPUs
+    COLLECTIVE = "collective"
 
 
 # ---------------------------------------------------------------------------------------- attrs
@@ -279,6 +281,25 @@ class SyncAttrs:
     task: str
 
 
+#: the collectives the runtime runs (costmodel.collectives prices these and others)
+COLLECTIVE_KINDS = ("all_reduce",)
+
+
+@dataclass(frozen=True)
+class CollectiveAttrs:
+    """A collective among the plan's `ranks` GPU ranks (one process each, torch.distributed):
+    `kind` all_reduce sums, over the ranks, each rank's sum of this node's inputs (none: zeros),
+    so every rank gets the total [T, hidden]. Placement puts one after each MoE layer's routed
+    experts when the plan spreads over several GPUs (`layer`): each rank's inputs are its own
+    parts of the layer (its GPU experts; on the driver rank, the CPU ones too). Every rank's
+    plan has the same collectives in the same order (`collective_signature`)."""
+
+    kind: str
+    hidden: int
+    ranks: int
+    layer: int | None = None
+
+
 def host_packs(parts, inter: int) -> tuple[tuple[int, int, int | None], ...]:
     """The packs a copy of a layer's host experts reads, from that layer's CPU routed-experts
     nodes `parts` (placed, all holding the same host experts): their (rows, NUMA node) in row
@@ -369,7 +390,7 @@ class OpFacts:
     #: fraction of the node's weight references it holds (a routed-expert subset holds its experts only)
     held_fraction: Callable[[Any], float] = lambda a: 1.0
     #: how the cost model prices it: compute (roofline), copy (PCIe), fetch (PCIe + conversion on the
-    #: GPU), submit / sync (fixed overheads)
+    #: GPU), submit / sync (fixed overheads), collective (the GPU link: costmodel.collectives)
     pricing: str = "compute"
 
 
@@ -459,6 +480,8 @@ FACTS: dict[Op, OpFacts] = {
     Op.SYNC: OpFacts(SyncAttrs, (2, 2), lambda a, ins, act: ins[1], lambda a, w: 0.0, pricing="sync"),
     Op.FETCH: OpFacts(FetchAttrs, (0, 1), lambda a, ins, act: TensorType((len(a.subset), 3 * a.hidden * a.inter), act),
                       lambda a, w: 0.0, held_fraction=lambda a: len(a.subset) / a.experts, pricing="fetch"),
+    Op.COLLECTIVE: OpFacts(CollectiveAttrs, (0, 16), _hidden, lambda a, w: float(w.tokens * a.hidden),
+                           pricing="collective"),
 }
 
 
@@ -519,6 +542,18 @@ EXPERT_ROLES = frozenset({"gate", "up", "down"})
 def fp8_expert_weight(w: WeightRef) -> bool:
     """Whether `w` is a routed expert's projection held in FP8."""
     return w.held == "fp8" and w.experts > 0
+
+
+def sums_parts(n) -> bool:
+    """Whether `n` sums the routed-expert parts it reads (a residual add, or an all-reduce over the
+    ranks): the node a pass that splits or replaces a part rewires to read the new parts."""
+    return n.op in (Op.ADD, Op.COLLECTIVE)
+
+
+def collective_signature(g) -> list[tuple[str, str, int, str]]:
+    """The collectives of a plan's graph in issue order, as every rank's plan must have them:
+    (name, kind, ranks, output type). Ranks that disagree here would wait on each other forever."""
+    return [(n.name, n.attrs.kind, n.attrs.ranks, str(n.out)) for n in g.nodes if n.op == Op.COLLECTIVE]
 
 
 def ffn_residual(g, layer: int):

@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 from ..errors import KtflowError
 from .graph import Graph, Node
-from .ops import FACTS, Op, fp8_holdable
+from .ops import COLLECTIVE_KINDS, FACTS, Op, fp8_holdable
 from .types import ARENAS, DType, Device, FLOAT_DTYPES, STORED_FORMATS, TOKENS
 
 STAGES = ("spec", "costed", "placed", "lowered", "scheduled", "buffered")
@@ -171,6 +171,8 @@ def _r10_expert_subsets_partition(g: Graph):
     for n in g.nodes:
         if n.op == Op.ROUTED_EXPERTS:
             by_layer.setdefault(n.attrs.layer, []).append(n)
+    # a layer spread over several GPU ranks: each rank's graph computes its own share of the experts
+    spread = {n.attrs.layer for n in g.nodes if n.op == Op.COLLECTIVE and n.attrs.ranks > 1}
     for layer, all_nodes in by_layer.items():
         by_ranks: dict[tuple[int, int], list] = {}
         for n in all_nodes:
@@ -188,13 +190,14 @@ def _r10_expert_subsets_partition(g: Graph):
         if edge != k:
             yield all_nodes[0].name, f"layer {layer}: ranks {edge}..{k} computed by no node"
         for nodes in by_ranks.values():
-            yield from _tile_experts(layer, nodes)
+            yield from _tile_experts(layer, nodes, layer in spread)
 
 
-def _tile_experts(layer: int, nodes: list):
-    """Within one rank range: each expert computed once, or by shards whose rows tile 0..inter."""
+def _tile_experts(layer: int, nodes: list, share: bool = False):
+    """Within one rank range: each expert computed once, or by shards whose rows tile 0..inter
+    (`share`: this GPU rank's share of the layer, so experts other ranks compute are absent)."""
     want = nodes[0].attrs.experts
-    if not any(n.attrs.inter_slice for n in nodes):  # whole experts only: a partition, counted (the common case)
+    if not any(n.attrs.inter_slice for n in nodes) and not share:  # whole experts only: a partition, counted (the common case)
         seen = [e for n in nodes for e in n.attrs.ids]
         if len(seen) == want and len(set(seen)) == want and min(seen) == 0 and max(seen) == want - 1 \
                 and all(list(n.attrs.subset) == sorted(set(n.attrs.subset)) for n in nodes):
@@ -211,7 +214,7 @@ def _tile_experts(layer: int, nodes: list):
             slices.setdefault(e, []).append((lo, hi, n.name))
     want, inter = nodes[0].attrs.experts, nodes[0].attrs.inter
     missing = sorted(set(range(want)) - set(slices))[:8]
-    if missing:
+    if missing and not share:
         yield nodes[0].name, f"layer {layer}: experts {missing} are computed by no node"
     for e, parts in slices.items():
         parts.sort()
@@ -478,6 +481,35 @@ def _b2_live_buffers_disjoint(g: Graph) -> Iterator[tuple[str | None, str]]:
             live.append(n)
 
 
+def _r1_collectives_well_formed(g: Graph) -> Iterator[tuple[str | None, str]]:
+    """A collective is a kind the runtime runs, among two or more ranks, for one MoE layer whose
+    routed-expert parts it sums; no add reads those parts (it would count them on one rank only).
+    (Across ranks the plans must list the same collectives in the same order:
+    `ops.collective_signature`, checked by the ranks when they start: no one graph sees the others.)"""
+    layers = {}
+    for n in g.nodes:
+        if n.op != Op.COLLECTIVE:
+            continue
+        a = n.attrs
+        if a.kind not in COLLECTIVE_KINDS:
+            yield n.name, f"collective kind {a.kind!r} is not one of {', '.join(COLLECTIVE_KINDS)}"
+        if a.ranks < 2:
+            yield n.name, f"a collective among {a.ranks} rank(s): needs 2 or more"
+        if a.layer is None:
+            yield n.name, "a collective names the MoE layer whose parts it sums (layer)"
+        elif a.layer in layers:
+            yield n.name, f"layer {a.layer} already has collective {layers[a.layer]}"
+        else:
+            layers[a.layer] = n.name
+    if layers:
+        for n in g.nodes:
+            if n.op == Op.ROUTED_EXPERTS and n.attrs.layer in layers:
+                for r in g.nodes:
+                    if n.name in r.inputs and r.op == Op.ADD:
+                        yield r.name, (f"adds {n.name}, a part of layer {n.attrs.layer}, which its all-reduce "
+                                       f"{layers[n.attrs.layer]} sums over the ranks: add the all-reduce")
+
+
 def _b3_arenas_without_gaps(g: Graph) -> Iterator[tuple[str | None, str]]:
     """A buffer ends within the sum of its arena's buffers (staging: within its staging buffers times
     the largest fetch): a layout never needs a gap larger than everything else in the arena (an
@@ -507,6 +539,7 @@ RULES: dict[str, Rule] = {r.id: r for r in [
     Rule("V8", "spec", "weight references are well formed", _r8_weights),
     Rule("V9", "spec", "one attention (KV cache) per layer", _r9_one_attention_per_layer),
     Rule("V10", "spec", "a layer's routed-expert nodes partition its experts", _r10_expert_subsets_partition),
+    Rule("R1", "spec", "a collective sums one MoE layer's parts over two or more ranks", _r1_collectives_well_formed),
     Rule("D1", "spec", "a deferred edge carries layer j's deferred experts into layer j+1's add", _d1_deferred_edges),
     Rule("D2", "spec", "nothing is deferred out of the last MoE layer", _d2_last_moe_layer_defers_nothing),
     Rule("C1", "costed", "every node has a cost", _c1_costed),

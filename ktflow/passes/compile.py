@@ -38,9 +38,19 @@ def compile_plans(model: Any, hw: HwProfile, opts: CompileOptions, device: str, 
     the largest prefill bucket's passes, as `print_after` and KTFLOW_DUMP do. Raises ConfigError
     where a plan does not fit the machine (unless opts.allow_oversize)."""
     cfg = model.config
-    if len(hw.gpus) > 1:
-        notices.warn(f"hardware profile {hw.name!r} has {len(hw.gpus)} GPUs; plans place on gpu:0 only "
-                     "(several GPUs: not built yet)", key="gpus")
+    if opts.gpus > max(len(hw.gpus), 1) or (opts.gpus > 1 and not hw.gpus):
+        raise ConfigError(f"gpus={opts.gpus} but hardware profile {hw.name!r} has {len(hw.gpus)} GPU(s); use a profile "
+                          "with that many (h100-x2, h100-x4, 2x-rtx4090-workstation, or `ktflow hw probe` on the "
+                          "machine) or lower gpus")
+    if opts.gpus > 1 and (opts.defer is not None or opts.expert_cache):
+        raise ConfigError("gpus > 1 does not take " + ("defer" if opts.defer is not None else "expert_cache")
+                          + " yet (each rank's parts of a layer meet in one all-reduce); leave it out")
+    if opts.gpus > 1 and device == "cuda":
+        raise ConfigError(f"gpus={opts.gpus} runs with device='cpu' for now: the ranks meet over gloo and their GPU "
+                          "work runs on the CPU (the correctness mode); CUDA ranks with NCCL are not built yet")
+    if len(hw.gpus) > opts.gpus:
+        notices.warn(f"hardware profile {hw.name!r} has {len(hw.gpus)} GPUs; the plans use {opts.gpus} "
+                     f"(gpus={opts.gpus})", key="gpus")
     act = DTYPE_BY_NAME[opts.dtype] if opts.dtype else cfg.weight_dtype
     max_seq = opts.max_seq_len or min(4096, cfg.max_position_embeddings)
     spec = model.graph(act)
@@ -52,21 +62,33 @@ def compile_plans(model: Any, hw: HwProfile, opts: CompileOptions, device: str, 
         routing = RoutingProfile.load(opts.routing_profile)
         routing.check_against(spec)
 
-    def context(phase: str, tokens: int, share: VramShare | None = None) -> CompileContext:
+    # the VRAM plan is rank 0's on every rank (the ranks must share it to agree on their experts)
+    lead = opts.model_copy(update=dict(rank=0))
+
+    def context(phase: str, tokens: int, share: VramShare | None = None, o: CompileOptions = opts) -> CompileContext:
         batch = tokens if phase == "decode" else 1
         attended = max_seq // 2 if phase == "decode" else (tokens + 1) // 2
-        return CompileContext(hw=hw, options=opts, phase=phase, tokens=tokens, batch=batch, context=attended,
+        return CompileContext(hw=hw, options=o, phase=phase, tokens=tokens, batch=batch, context=attended,
                               weight_itemsize=act.itemsize, max_seq_len=max_seq, device=device,
                               routing=routing, fp8_block=model.quant.block if model.quant is not None else None,
                               vram=share)
 
+    def leading(phase: str, tokens: int, share: VramShare | None = None) -> CompileContext:
+        return context(phase, tokens, share, lead)
+
     pipeline = edit_pipeline(passes)
     watching = [*default_instruments(print_after), *(instruments or ())]
-    decided = decide(context, opts, max_seq, _Pricer(spec, context, opts.max_batch, pipeline))
+    decided = decide(leading, lead, max_seq, _Pricer(spec, leading, opts.max_batch, pipeline))
     share, vram, first, estimated = decided if decided is not None else (None, None, None, None)
     decode = _decode_plan(spec, context("decode", opts.max_batch, share), watching, pipeline)
     prefill = _prefill_plans(spec, lambda t: context("prefill", t, share), opts, max_seq, share, watching, pipeline)
-    if share is not None and share != estimated and _over(share.limit, decode, prefill):
+    if share is not None and share != estimated and opts.rank > 0:  # as rank 0 decides below
+        lead_decode = _decode_plan(spec, leading("decode", opts.max_batch, share), (), pipeline)
+        lead_prefill = _prefill_plans(spec, lambda t: leading("prefill", t, share), lead, max_seq, share, (), pipeline)
+        over = _over(share.limit, lead_decode, lead_prefill)
+    else:
+        over = share is not None and share != estimated and _over(share.limit, decode, prefill)
+    if over:
         # the refined reservation was short for some bucket: the one the candidates were compared at
         share = estimated
         vram = vram.model_copy(update=dict(reserved_bytes=estimated.limit - estimated.residency - vram.workspace_bytes,

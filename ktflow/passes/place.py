@@ -8,7 +8,7 @@ from ..costmodel.roofline import transfer_seconds
 from ..costmodel.memory import activation_peak, gpu_workspace_bytes
 from ..errors import ConfigError
 from ..ir.graph import Graph, Node
-from ..ir.ops import FACTS, Op, Work, fp8_holdable
+from ..ir.ops import FACTS, CollectiveAttrs, Op, Work, fp8_holdable, sums_parts
 from ..ir.types import FP8_BLOCK, Cost, Device, Placement, _si
 from ..plan.options import CompileContext, vram_limit
 from .annotate_costs import cost_in, recost_changed
@@ -196,6 +196,29 @@ def concave_slopes(values: list[float]) -> list[float]:
     return out
 
 
+def take_units(units: list[Unit], budget: float, ranks: int = 1) -> dict[tuple[str, int | None], tuple[int, ...]]:
+    """The greedy choice: units by decode seconds saved per byte of VRAM (ties in graph order,
+    then a layer's order), each taken while it fits, with the ranks (GPUs) that hold it. Each of
+    `ranks` GPUs has `budget` bytes: a dense unit is replicated, taken only where every rank has
+    room for it; an expert goes to the one rank with the most room left (ties: the lowest), so a
+    layer's experts are dealt out over the ranks and the ranks fill alike."""
+    left = [budget] * ranks
+    held: dict[tuple[str, int | None], tuple[int, ...]] = {}
+    for u in sorted(units, key=lambda u: (-(u.saving / max(u.vram, 1.0)), u.order, u.rank)):
+        if u.saving <= 0:
+            continue
+        if u.expert is None:
+            if all(u.vram <= x for x in left):
+                held[(u.node, None)] = tuple(range(ranks))
+                left = [x - u.vram for x in left]
+            continue
+        r = max(range(ranks), key=lambda r: (left[r], -r))
+        if u.vram <= left[r]:
+            held[(u.node, u.expert)] = (r,)
+            left[r] -= u.vram
+    return held
+
+
 @compiler_pass(requires="costed", produces="placed")
 def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
     """Place every node on the GPU or the CPU.
@@ -210,6 +233,11 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
     then hot experts while VRAM lasts. A layer whose experts are split becomes two nodes:
     L<i>.experts.gpu (the experts taken) and L<i>.experts (the rest, CPU). Nodes without
     weights follow their neighbours.
+    Several GPUs (option gpus=N, this graph rank `rank`'s): the greedy runs over N budgets
+    (`take_units`: dense units replicated, each expert on the rank with the most room), the
+    rank keeps its own experts, rank 0 alone the CPU ones, and each MoE layer's parts on the
+    rank feed `L<i>.experts.all_reduce` (`all_reduce_of`), which the layer's readers read; a
+    router nothing reads on this rank is dropped.
     Option placement='cpu' / 'gpu' puts every node on that device instead (baselines).
     FP8 checkpoints (`_fp8_choices`): the dense weights the FP8 kernels can read are held in FP8
     on the GPU (WeightRef.held) when fp8_on_gpu='keep', or under 'auto' when the dense units
@@ -221,8 +249,8 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
     the GPU nodes holding them say why. A node placed on the CPU (a split layer's CPU part
     included) holds nothing in FP8.
     Requires: a costed graph. Guarantees: every node placed with a cause; GPU weights + KV
-    caches fit the budget; decisions use decode costs only, so the prefill and decode plans of
-    one compile place identically.
+    caches fit the budget (each rank's); decisions use decode costs only, so the prefill and
+    decode plans of one compile place identically, and every rank computes the same division.
     """
     mode = ctx.options.placement
     if mode == "cpu" or not ctx.hw.has_gpu:
@@ -247,19 +275,21 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
         raise ConfigError(f"nothing fits on the GPU: the smallest placement unit ({smallest.node}) needs "
                           f"{_si(smallest.vram)}B, the VRAM budget is {_si(budget)}B; lower max_seq_len "
                           "or max_batch, or raise vram_gb (vram_budget_gb where set)")
-    left = budget
-    taken: set[tuple[str, int | None]] = set()
-    for u in sorted(units, key=lambda u: (-(u.saving / max(u.vram, 1.0)), u.order, u.rank)):
-        if u.saving > 0 and u.vram <= left:
-            taken.add((u.node, u.expert))
-            left -= u.vram
+    ranks, rank = ctx.options.gpus, ctx.options.rank
+    held = take_units(units, budget, ranks)
+    taken = {k for k, rs in held.items() if rank in rs}
+    elsewhere = {k for k, rs in held.items() if rank not in rs}  # experts another rank holds
     ridge = ctx.hw.gpus[0].bf16_tflops * 1e12 / (ctx.hw.gpus[0].hbm_gbps * 1e9)
     placed: dict[str, Device] = {}
     split: dict[str, str] = {}  # a split layer's CPU part -> its GPU part
     nodes: list[Node] = []
     for n in g.nodes:
         if n.op == Op.ROUTED_EXPERTS:
-            nodes += _place_experts(n, g, ctx, taken, ridge, placed, split, experts_why)
+            parts = _place_experts(n, g, ctx, taken, ridge, placed, split, experts_why, elsewhere)
+            nodes += parts
+            if ranks > 1:  # the ranks' parts of the layer meet in one all-reduce
+                nodes.append(all_reduce_of(n, parts, ctx))
+                split.pop(n.name, None)
             continue
         if not n.weights:
             nodes.append(n)  # placed below, after its neighbours
@@ -275,7 +305,17 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
             why += "; " + fp8_why
         placed[n.name] = dev
         nodes.append(replace(n, place=Placement(dev, cause=why)))
-    return recost_changed(g, _rewire_split_experts(_place_weightless(g.replace_nodes(nodes), placed), split), ctx)
+    if ranks > 1:  # the layers' readers take the all-reduce instead of the parts
+        summed = {n.name: n.name for n in g.nodes if n.op == Op.ROUTED_EXPERTS}
+        nodes = [replace(n, inputs=tuple(f"{summed[i]}.all_reduce" if i in summed else i for i in n.inputs))
+                 if n.op != Op.COLLECTIVE else n for n in nodes]
+        for n in nodes:
+            if n.op == Op.COLLECTIVE:
+                placed[n.name] = Device.GPU
+    placed_g = _rewire_split_experts(_place_weightless(g.replace_nodes(nodes), placed), split)
+    if ranks > 1:  # a layer this rank holds none of: its router has no reader here
+        placed_g = placed_g.without_unread()
+    return recost_changed(g, placed_g, ctx)
 
 
 def decode_savings(g: Graph, ctx: CompileContext, budgets: list[float]) -> list[float]:
@@ -296,12 +336,8 @@ def decode_savings(g: Graph, ctx: CompileContext, budgets: list[float]) -> list[
         if keep not in orders:
             held = g.map(lambda n: _hold_fp8(n, dense, experts))
             orders[keep] = ranked(_units(recost_changed(g, held, ctx), ctx)[0])
-        left, saved = budget, 0.0
-        for u in orders[keep]:
-            if u.saving > 0 and u.vram <= left:
-                left -= u.vram
-                saved += u.saving
-        out.append(saved)
+        held = take_units(orders[keep], budget, ctx.options.gpus)
+        out.append(sum(u.saving for u in orders[keep] if (u.node, u.expert) in held))
     return out
 
 
@@ -412,9 +448,15 @@ def _drop_fp8(n: Node) -> Node:
 
 
 def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, placed, split,
-                   fp8_why: str = "") -> list[Node]:
+                   fp8_why: str = "", elsewhere=frozenset()) -> list[Node]:
+    """The parts of routed-experts node `n` on this rank: its GPU experts (`taken`), and the CPU
+    ones (neither taken nor held by another rank: `elsewhere`), which rank 0 alone computes; no
+    part where this rank has none."""
     gpu_ids = tuple(e for e in n.attrs.ids if (n.name, e) in taken)
-    cpu_ids = tuple(e for e in n.attrs.ids if (n.name, e) not in taken)
+    cpu_ids = tuple(e for e in n.attrs.ids if (n.name, e) not in taken and (n.name, e) not in elsewhere)
+    if ctx.options.rank > 0:  # rank 0 drives the CPU experts: computed once, one copy in host memory
+        cpu_ids = ()
+    whole = ctx.options.gpus == 1  # one GPU: a layer all on the GPU keeps its name (several: parts of an all-reduce)
     probs = ctx.routing.probs(n.attrs.layer) if ctx.routing is not None else None
     source = "routing profile" if probs else "uniform routing"
     # the share of the layer's picks its GPU experts are expected to take (the plan shows it)
@@ -423,7 +465,7 @@ def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, 
     share = sum(weights[e] for e in gpu_ids) / total if total > 0 else 0.0
     out = []  # a split layer: the CPU part keeps the name and comes first, its GPU part is <name>.gpu
     if cpu_ids:
-        attrs = replace(n.attrs, subset=cpu_ids if gpu_ids else n.attrs.subset)
+        attrs = replace(n.attrs, subset=cpu_ids if (gpu_ids or len(cpu_ids) < len(n.attrs.ids)) else n.attrs.subset)
         part = replace(n, attrs=attrs)
         w = _decode_work(ctx, part)
         flops = FACTS[n.op].flops(part.attrs, w)
@@ -433,9 +475,9 @@ def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, 
         out.append(replace(_drop_fp8(part), place=Placement(Device.CPU, cause=why)))
         placed[n.name] = Device.CPU
     if gpu_ids:
-        name = n.name if not cpu_ids else n.name + ".gpu"
+        name = n.name if not cpu_ids and whole else n.name + ".gpu"
         every, cache_why = _cache_choice(n, g, ctx, len(gpu_ids)) if cpu_ids else (0, "")
-        attrs = replace(n.attrs, subset=gpu_ids if cpu_ids else n.attrs.subset, refill_every=every)
+        attrs = replace(n.attrs, subset=gpu_ids if (cpu_ids or not whole) else n.attrs.subset, refill_every=every)
         why = (f"{len(gpu_ids)} of {n.attrs.experts} experts fit the VRAM budget: expected {share:.0%} of the "
                f"layer's picks ({source})" + cache_why + (f"; {fp8_why}" if fp8_why else ""))
         out.append(replace(n, name=name, attrs=attrs, place=Placement(Device.GPU, cause=why)))
@@ -443,6 +485,21 @@ def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, 
         if cpu_ids:
             split[n.name] = name
     return out
+
+
+def all_reduce_of(n: Node, parts: list[Node], ctx: CompileContext) -> Node:
+    """The all-reduce that sums routed-experts layer `n` over the ranks: it reads this rank's
+    `parts` of the layer (none: it adds zeros), runs on the GPU's communication lane, and every
+    reader of the layer reads it instead."""
+    gpu = sum(len(p.attrs.ids) for p in parts if p.place.device == Device.GPU)
+    cpu = sum(len(p.attrs.ids) for p in parts if p.place.device == Device.CPU)
+    r = ctx.options.gpus
+    why = (f"expert parallel over {r} GPUs: sums the ranks' parts of layer {n.attrs.layer} (rank {ctx.options.rank}: "
+           f"{gpu} of {n.attrs.experts} experts on its GPU" + (f", {cpu} on the CPU, which it drives" if cpu else "")
+           + ")")
+    return Node(f"{n.name}.all_reduce", Op.COLLECTIVE, tuple(p.name for p in parts),
+                CollectiveAttrs("all_reduce", n.attrs.hidden, r, n.attrs.layer), n.out,
+                place=Placement(Device.GPU, cause=why, stream="comm"))
 
 
 def _cache_choice(n: Node, g: Graph, ctx: CompileContext, rows: int) -> tuple[int, str]:
@@ -497,6 +554,6 @@ def _rewire_split_experts(g: Graph, split: dict[str, str]) -> Graph:
     part's name -> the GPU part's, as `_place_experts` made them)."""
     out = []
     for n in g.nodes:
-        extra = tuple(split[i] for i in n.inputs if i in split and n.op == Op.ADD)
+        extra = tuple(split[i] for i in n.inputs if i in split and sums_parts(n))
         out.append(replace(n, inputs=n.inputs + extra) if extra else n)
     return g.replace_nodes(out)

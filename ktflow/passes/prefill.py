@@ -9,7 +9,7 @@ from ..costmodel.roofline import fetch_seconds, transfer_seconds
 from ..errors import ConfigError
 from ..costmodel.hw import HwProfile
 from ..ir.graph import Graph, Node
-from ..ir.ops import FACTS, FetchAttrs, Op, expert_weight_bytes
+from ..ir.ops import FACTS, FetchAttrs, Op, expert_weight_bytes, sums_parts
 from ..ir.types import Device, Placement, _si
 from ..costmodel.memory import gpu_activation_peak, prefill_room, stream_bytes, streamed_step_bytes
 from ..plan.options import CompileContext, vram_limit
@@ -404,7 +404,7 @@ def _rewrite(g: Graph, ctx: CompileContext, choices: dict[str, LayerChoice], fmt
             renamed[n.name] = total
     out: list[Node] = []
     for n in nodes:
-        if n.op == Op.ADD:  # a layer's residual add reads its streamed parts' sum
+        if sums_parts(n):  # a layer's residual add (or all-reduce) reads its streamed parts' sum
             extra = tuple(extra_reads[i] for i in n.inputs if i in extra_reads)
             ins = tuple(renamed.get(i, i) for i in n.inputs if i not in whole) + extra
             n = replace(n, inputs=ins) if ins != n.inputs else n

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..costmodel.routing import RoutingProfile
 from ..costmodel.hw import HwProfile
@@ -103,9 +103,22 @@ class CompileOptions(BaseModel):
     expert_cache: bool = Field(False, description="a split layer's GPU experts are a cache: the runtime refills "
                                "them from recent routing (ktflow.runtime.expert_cache), so the layer's CPU part "
                                "holds every expert, computing those the cache does not")
+    gpus: int = Field(1, ge=1, description="GPUs the plans spread over (gpu:0..gpus-1 of the hardware profile, one "
+                      "process each: `ktflow run --gpus N` starts them): dense work replicated on every rank, the GPU "
+                      "routed experts divided between the ranks (expert parallel, the most valuable first, each on "
+                      "the rank with the most room), one all-reduce a MoE layer sums the ranks' parts; rank 0 drives "
+                      "the CPU experts (one copy in host memory). vram_gb and the budgets are per GPU")
+    rank: int = Field(0, ge=0, description="the rank (0..gpus-1) whose plans these are: every rank's plans are the "
+                      "same graph with its own experts and the same collectives")
     allow_oversize: bool = Field(False, description="compile even where a plan's predicted GPU or host memory "
                                  "exceeds the hardware profile's (a plan for another machine); default: an error "
                                  "with the numbers")
+
+    @model_validator(mode="after")
+    def _rank_in_range(self):
+        if self.rank >= self.gpus:
+            raise ValueError(f"rank={self.rank} is not one of the {self.gpus} ranks (0..{self.gpus - 1})")
+        return self
 
     @field_validator("backend")
     @classmethod

@@ -160,12 +160,55 @@ def _cache_summary(cache) -> None:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
+    if a.gpus > 1:
+        return _run_on_ranks(a)
+    return _run(a)
+
+
+def _run_on_ranks(a: argparse.Namespace) -> int:
+    """`run --gpus N`: under torchrun, this process is one rank (its rank from the environment);
+    else N processes are started here, one a rank, rank 0 printing. Where the plans' GPU nodes
+    run on the CPU (--device cpu), the ranks meet over gloo: the correctness mode."""
+    import os
+
+    from ktflow.errors import ConfigError
+    from ktflow.runtime import ranks
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun started this process
+        rank, world = ranks.join_from_env()
+        if world != a.gpus:
+            raise ConfigError(f"--gpus {a.gpus} but torchrun started {world} process(es): give the same number")
+        return _run_rank(rank, a)
+    import torch
+
+    cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+    ranks.run_ranks(a.gpus, _run_rank, a, backend="nccl" if cuda else "gloo")
+    return 0
+
+
+def _run_rank(rank: int, a: argparse.Namespace) -> int:
+    """One rank of `run --gpus N`: its plans compiled (checked against the other ranks'), the
+    prompt generated; rank 0 alone prints."""
+    import contextlib
+    import io
+
+    a = argparse.Namespace(**{**vars(a), "rank": rank})
+    quiet = contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext()
+    with quiet:
+        return _run(a)
+
+
+def _run(a: argparse.Namespace) -> int:
     import ktflow
     from ktflow.runtime.generate import generate_with_stats
 
     model = ktflow.load(a.model)
     ids, tok = _token_ids(a, model.path)
     compiled = _compiled(a, model)
+    if compiled.plans.options.gpus > 1:
+        from ktflow.runtime.ranks import check_plans_agree
+
+        check_plans_agree(compiled.plans.plans)
     compiled.check_finite = a.check_finite
     eos = None if a.ignore_eos else list(model.config.eos_ids) or None
     _print_ready(compiled)

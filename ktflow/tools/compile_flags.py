@@ -16,7 +16,7 @@ def options(a: argparse.Namespace) -> dict:
                 numa=a.numa, numa_nodes=a.numa_nodes,
                 prefill_experts=a.prefill_experts, prefill_chunk=a.prefill_chunk, staging_buffers=a.staging_buffers,
                 staging_experts=a.staging_experts,
-                greedy_steps=a.greedy_steps, allow_oversize=a.allow_oversize)
+                greedy_steps=a.greedy_steps, allow_oversize=a.allow_oversize, gpus=a.gpus, rank=a.rank)
     if a.prefill_buckets:
         from ktflow.errors import ConfigError
 
@@ -104,6 +104,12 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
                    help="split CPU experts over NUMA nodes: tp (slices of every expert), ep (whole experts), "
                    "auto (the cheaper by the cost model)")
     g.add_argument("--numa-nodes", type=int, default=None, help="NUMA node count (default: the profile's)")
+    g.add_argument("--gpus", type=int, default=1, metavar="N",
+                   help="spread the plans over N GPUs of the profile (default 1): dense work on every GPU, the GPU "
+                   "routed experts divided between them, one all-reduce a MoE layer; `run --gpus N` starts one process "
+                   "a GPU (without GPUs: two ranks over gloo on the CPU, with --device cpu and a profile of N GPUs)")
+    g.add_argument("--rank", type=int, default=0, metavar="R",
+                   help="with --gpus: which rank's plans to compile (default 0; `run` sets each process's)")
     g.add_argument("--vram-gb", type=float, default=None, metavar="GB",
                    help="GPU memory the whole run may use: resident experts and other weights, KV caches, prefill "
                    "staging, activations and BLAS workspaces of every plan fit in it (default: the GPU's memory less "

@@ -44,6 +44,8 @@ VARIABLES = {v.name: v for v in (
     EnvVar("KTFLOW_HUGEPAGES", "flag", "1", "ask for transparent huge pages over native arenas (read by the native "
                                             "library)"),
     EnvVar("KTFLOW_API_KEY", "text", "", "the key `ktflow serve` requires of clients (--api-key)"),
+    EnvVar("KTFLOW_RANK_TIMEOUT", "int", "600", "seconds a rank of a several-GPU run waits on the others (a "
+                                                "collective, the start) before it fails"),
 )}
 
 

@@ -1,0 +1,151 @@
+"""One process a GPU rank, over torch.distributed: starting the ranks, joining them under
+torchrun, and checking that their plans agree.
+
+`run_ranks(n, target, *args)` starts n processes on this host (spawned, each in the process group
+of all n: NCCL where the plans run on CUDA, gloo on the CPU), calls `target(rank, *args)` in each,
+and returns when all have; a rank that raises or dies ends the others, and the error names it.
+`join_from_env()` is the same group under torchrun (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the
+environment), so several machines join with `torchrun --nnodes`. `check_plans_agree(plans)`:
+every rank's plans must list the same collectives in the same order, or the ranks would wait on
+each other forever; a digest of them is compared across the group at the start.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+from ..errors import KtflowError
+from ..util import env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=env.get("KTFLOW_RANK_TIMEOUT"))
+
+
+def _rank_main(rank: int, world: int, port: int, backend: str, target: Callable, args: tuple, errors) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    failed = False
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=_timeout())
+        target(rank, *args)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which names the rank
+        # stamped before the group goes down: its peers' errors (a lost connection) come after
+        errors.put((time.time(), rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        failed = True
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if failed:
+        raise SystemExit(1)
+
+
+def run_ranks(n: int, target: Callable, *args: Any, backend: str = "gloo") -> None:
+    """Run `target(rank, *args)` in n processes of one process group (`backend`: gloo or nccl);
+    `target` and `args` must be importable and picklable (the processes are spawned). Raises
+    KtflowError naming the first rank that failed, with its error; the other ranks are stopped,
+    so nothing waits on a dead peer."""
+    import multiprocessing as mp
+
+    if backend == "nccl":
+        import torch
+
+        if torch.cuda.device_count() < n:
+            raise KtflowError(f"--gpus {n} but this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, n, port, backend, target, args, errors), name=f"ktflow-rank{r}")
+             for r in range(n)]
+    for p in procs:
+        p.start()
+    failed = None
+    while any(p.is_alive() for p in procs):
+        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if bad:
+            failed = bad[0]
+            break
+        time.sleep(0.05)
+    if failed is None:
+        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        failed = bad[0] if bad else None
+    if failed is not None:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(10)
+        reports = []  # the first error raised is the cause (its peers then lose their connections)
+        while not errors.empty():
+            reports.append(errors.get())
+        rank, code = failed
+        first, msg, tb = (rank, f"exited with code {code}", "")
+        if reports:
+            _, first, msg, tb = min(reports)
+        if env.get("KTFLOW_DEBUG") and tb:
+            msg += "\n" + tb
+        raise KtflowError(f"rank {first} of {n} failed: {msg} (the other ranks were stopped)")
+    for p in procs:
+        p.join()
+
+
+def join_from_env() -> tuple[int, int]:
+    """(rank, world size) of this process under torchrun, its process group joined (NCCL where
+    CUDA is available, else gloo; each rank on GPU `LOCAL_RANK`)."""
+    import torch
+    import torch.distributed as dist
+
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise KtflowError(f"joining the ranks from the environment needs {', '.join(missing)} (torchrun sets them)")
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=_timeout())
+    return dist.get_rank(), dist.get_world_size()
+
+
+def plans_digest(plans) -> int:
+    """A 63-bit digest of the collectives of `plans` (each plan's phase, step size and
+    `collective_signature`, in order)."""
+    from ..ir.ops import collective_signature
+
+    h = hashlib.sha256()
+    for p in plans:
+        h.update(repr((p.phase, p.step_tokens, collective_signature(p.ir))).encode())
+    return int.from_bytes(h.digest()[:8], "little") >> 1
+
+
+def check_plans_agree(plans) -> None:
+    """Raise KtflowError on every rank where the ranks' plans do not list the same collectives
+    in the same order (`plans_digest` gathered over the process group), naming the ranks."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor([plans_digest(plans)], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        mine = mine.cuda()
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    digests = [int(t.item()) for t in every]
+    odd = [r for r, d in enumerate(digests) if d != digests[0]]
+    if odd:
+        raise KtflowError(f"the ranks' plans disagree: rank(s) {odd} list other collectives than rank 0 (compile "
+                          "every rank from the same model, options and hardware profile)")

@@ -1,0 +1,198 @@
+"""Plans over several GPU ranks: expert-parallel placement, the all-reduce each MoE layer ends in,
+and the ranks run as processes over gloo (the correctness mode: GPU work on the CPU)."""
+
+import json
+
+import pytest
+import torch
+
+import ktflow
+from ktflow.costmodel.collectives import collective_seconds
+from ktflow.costmodel.hw import PRESETS
+from ktflow.errors import ConfigError, KtflowError
+from ktflow.ir.ops import Op, collective_signature
+from ktflow.ir.verify import violations
+from ktflow.runtime.ranks import plans_digest, run_ranks
+
+HW = "h100-x2"
+
+
+def _budget(case_dir) -> float:
+    """A per-GPU residency budget (GB) under which two ranks hold some of the experts and the CPU the rest."""
+    full = ktflow.compile(ktflow.load(case_dir), hw=HW, device="cpu", max_seq_len=128, placement="gpu",
+                          allow_oversize=True, vram_budget_gb=1000)
+    m = full.decode.memory
+    return (m.weight_bytes + m.kv_cache_bytes) / 1e9 * 0.45
+
+
+def small(model) -> dict:
+    return dict(vram_budget_gb=_budget(model.path), allow_oversize=True, device="cpu", max_seq_len=128)
+
+
+def ranked(model, gpus=2, **kw):
+    return [ktflow.compile(model, hw=HW, gpus=gpus, rank=r, **{**small(model), **kw}) for r in range(gpus)]
+
+
+def experts_of(plan, device=None):
+    """layer -> expert ids of the plan's routed-experts parts (on `device` where given)."""
+    out: dict[int, list[int]] = {}
+    for n in plan.ir.nodes:
+        if n.op == Op.ROUTED_EXPERTS and (device is None or n.place.device.value == device):
+            out.setdefault(n.attrs.layer, []).extend(n.attrs.ids)
+    return out
+
+
+def test_the_ranks_divide_the_gpu_experts_and_rank_0_drives_the_cpu_ones(demo_dir):
+    model = ktflow.load(demo_dir)
+    r0, r1 = (c.decode for c in ranked(model))
+    layers = sorted({n.attrs.layer for p in (r0, r1) for n in p.ir.nodes if n.op == Op.COLLECTIVE})
+    assert layers, "every MoE layer ends in an all-reduce"
+    experts = model.config.num_routed_experts if hasattr(model.config, "num_routed_experts") else None
+    some_cpu = False
+    for layer in layers:
+        g0, g1 = experts_of(r0, "gpu").get(layer, []), experts_of(r1, "gpu").get(layer, [])
+        cpu = experts_of(r0, "cpu").get(layer, [])
+        some_cpu |= bool(cpu)
+        every = sorted(g0 + g1 + cpu)
+        assert every == list(range(len(every))), f"layer {layer}: each expert computed once over the ranks"
+        if experts:
+            assert len(every) == experts
+    assert some_cpu, "at this VRAM some experts stay on the CPU (the test's premise)"
+    assert not experts_of(r1, "cpu"), "rank 1 drives no CPU experts"
+    assert collective_signature(r0.ir) == collective_signature(r1.ir)
+    # dense work replicated: the same non-expert nodes on the same devices
+    dense = lambda p: [(n.name, n.place.device) for n in p.ir.nodes if n.op in (Op.ATTENTION, Op.LM_HEAD)]  # noqa: E731
+    assert dense(r0) == dense(r1)
+
+
+def test_every_ranks_plans_list_the_same_collectives(demo_dir):
+    model = ktflow.load(demo_dir)
+    plans = [c.plans.plans for c in ranked(model)]
+    assert [p.phase for p in plans[0]] == [p.phase for p in plans[1]]
+    assert plans_digest(plans[0]) == plans_digest(plans[1])
+    one = ktflow.compile(model, hw=HW, **small(model)).plans.plans
+    assert plans_digest(one) != plans_digest(plans[0])
+
+
+def test_two_gpus_hold_about_twice_the_experts_and_the_plan_prices_the_all_reduce(demo_dir):
+    model = ktflow.load(demo_dir)
+    one = ktflow.compile(model, hw=HW, **small(model)).decode
+    two = ranked(model)
+    held_one = sum(len(v) for v in experts_of(one, "gpu").values())
+    held_two = sum(len(v) for c in two for v in experts_of(c.decode, "gpu").values())
+    assert held_one > 0 and held_two >= 1.8 * held_one
+    hw = PRESETS[HW]
+    for n in two[0].decode.ir.nodes:
+        if n.op == Op.COLLECTIVE:
+            nbytes = n.out.numel(1) * n.out.dtype.itemsize
+            assert n.cost.gpu_s == pytest.approx(collective_seconds("all_reduce", nbytes, 2, hw))
+            assert n.place.lane == "comm" and "expert parallel over 2 GPUs" in n.place.cause
+
+
+def test_bad_rank_options_name_the_problem(demo_dir):
+    model = ktflow.load(demo_dir)
+    with pytest.raises(ConfigError, match="gpus=4 but hardware profile 'h100-x2' has 2 GPU"):
+        ktflow.compile(model, hw=HW, gpus=4, **small(model))
+    with pytest.raises(ConfigError, match="rank=2 is not one of the 2 ranks"):
+        ktflow.compile(model, hw=HW, gpus=2, rank=2, **small(model))
+    with pytest.raises(ConfigError, match="does not take defer"):
+        ktflow.compile(model, hw=HW, gpus=2, defer=1, **small(model))
+
+
+def test_a_plan_for_two_ranks_in_one_process_says_how_to_run_it(demo_dir):
+    c = ranked(ktflow.load(demo_dir))[0]
+    with pytest.raises(KtflowError, match="spreads over 2 GPU ranks and this process has no process group"):
+        ktflow.generate(c, torch.tensor([[1, 2, 3]]), 2)
+
+
+def test_the_verifier_refuses_an_add_that_reads_a_spread_layers_part(demo_dir):
+    from dataclasses import replace
+
+    g = ranked(ktflow.load(demo_dir))[0].decode.ir
+    res = next(n for n in g.nodes if n.op == Op.ADD and n.attrs.residual == "ffn"
+               and any(g.by_name(i).op == Op.COLLECTIVE for i in n.inputs))
+    coll = next(g.by_name(i) for i in res.inputs if g.by_name(i).op == Op.COLLECTIVE)
+    part = coll.inputs[-1]
+    bad = g.replace_nodes(replace(n, inputs=n.inputs + (part,)) if n.name == res.name else n for n in g.nodes)
+    assert any(rule == "R1" and "add the all-reduce" in msg for rule, _, msg in violations(bad, "spec"))
+    one_rank = g.replace_nodes(replace(n, attrs=replace(n.attrs, ranks=1)) if n.name == coll.name else n
+                               for n in g.nodes)
+    assert any(rule == "R1" and "needs 2 or more" in msg for rule, _, msg in violations(one_rank, "spec"))
+
+
+# ------------------------------------------------------------------------- ranks as processes
+
+
+def _greedy_tokens(rank: int, path: str, case_dir: str, options: dict, prompt: list[int], new: int) -> None:
+    """One rank: compile its plans, check them against the others', greedy-decode; rank 0 writes the ids."""
+    from ktflow.runtime.ranks import check_plans_agree
+
+    c = ktflow.compile(ktflow.load(case_dir), hw=HW, rank=rank, **options)
+    check_plans_agree(c.plans.plans)
+    out = ktflow.generate(c, torch.tensor([prompt]), new)
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(out[0].tolist(), f)
+
+
+@pytest.mark.parametrize("case", ["demo", "deepseek_v3", "deepseek_v2_lite", "qwen2_moe", "qwen3_moe", "glm4_moe",
+                                  "mixtral"])
+def test_two_ranks_over_gloo_give_one_ranks_greedy_tokens(case, demo_dir, tiny_dirs, tmp_path):
+    d = demo_dir if case == "demo" else tiny_dirs(case)[0]
+    options = dict(device="cpu", max_seq_len=128, dtype="float32", vram_budget_gb=_budget(d), allow_oversize=True)
+    prompt, new = [1, 5, 9, 33, 7, 2], 10
+    one = ktflow.generate(ktflow.compile(ktflow.load(d), hw=HW, **options), torch.tensor([prompt]), new)[0].tolist()
+    path = tmp_path / "ids.json"
+    run_ranks(2, _greedy_tokens, str(path), str(d), dict(options, gpus=2), prompt, new)
+    assert json.loads(path.read_text()) == one
+
+
+def _fails_on_rank_1(rank: int) -> None:
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("rank 1 broke")
+    dist.barrier()  # rank 0 would wait here forever without the parent stopping it
+
+
+def test_a_rank_that_fails_stops_the_others_and_is_named():
+    with pytest.raises(KtflowError, match=r"rank 1 of 2 failed: ValueError: rank 1 broke \(the other ranks were stopped\)"):
+        run_ranks(2, _fails_on_rank_1)
+
+
+def test_run_with_two_gpus_on_the_cpu_prints_one_ranks_tokens(demo_dir, capfd):
+    from ktflow.tools.cli import main
+
+    args = [str(demo_dir), "--hw", HW, "--device", "cpu", "--dtype", "float32", "--max-seq-len", "128",
+            "--vram-budget-gb", f"{_budget(demo_dir):.6f}", "--allow-oversize", "--max-new-tokens", "6",
+            "--input-ids", "1,5,9,33"]
+    assert main(["run", *args]) == 0
+    one = [ln for ln in capfd.readouterr().out.splitlines() if ln.startswith("generated ids")]
+    assert main(["run", *args, "--gpus", "2"]) == 0
+    two = [ln for ln in capfd.readouterr().out.splitlines() if ln.startswith("generated ids")]
+    assert one and two == one  # rank 0 alone prints
+
+
+def test_two_simulated_nodes_under_torchrun_give_one_ranks_tokens(demo_dir, tmp_path):
+    """`torchrun --nnodes 2` on this host, one rank a node: each joins from the environment."""
+    import os
+    import subprocess
+    import sys
+
+    from ktflow.runtime.ranks import _free_port
+
+    args = ["-m", "ktflow", "run", str(demo_dir), "--hw", HW, "--device", "cpu", "--dtype", "float32",
+            "--max-seq-len", "128", "--vram-budget-gb", f"{_budget(demo_dir):.6f}", "--allow-oversize",
+            "--max-new-tokens", "6", "--input-ids", "1,5,9,33"]
+    one = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    port = str(_free_port())
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--node-rank", str(r), "--master-addr", "127.0.0.1", "--master-port", port,
+                               *args, "--gpus", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], [o[1][-2000:] for o in outs]
+    ids = lambda text: [ln for ln in text.splitlines() if ln.startswith("generated ids")]  # noqa: E731
+    assert ids(outs[0][0]) == ids(one.stdout) and ids(one.stdout) and not ids(outs[1][0])
