@@ -20,6 +20,12 @@ import torch
 #: caches longer than this are attended in splits of SPLIT_KEYS positions, merged by `combine`
 ONE_SPLIT_MAX = 512
 SPLIT_KEYS = 256
+#: `combine` loads every split's float32 sums as one tile up to COMBINE_ONE_TILE of them (GQA's
+#: 128-wide heads over a 32k cache), else COMBINE_TILE at a time (MLA's 512-wide latent: 8 splits,
+#: where one tile spills); the splits past a token's position are not read (timings:
+#: docs/results-history.md, session 47)
+COMBINE_ONE_TILE = 32768
+COMBINE_TILE = 4096
 
 
 def _kernels():
@@ -48,9 +54,10 @@ def _attended(rows: int, width: int, splits: int, dtype: torch.dtype, device) ->
 
 def _combine(k, out, part_acc, part_m, part_l, width: int, splits: int) -> None:
     if splits > 1:
-        block_d = k.triton.next_power_of_2(width)
+        block_d, block_s = k.triton.next_power_of_2(width), k.triton.next_power_of_2(splits)
+        chunk = block_s if block_s * block_d <= COMBINE_ONE_TILE else max(1, COMBINE_TILE // block_d)
         k.combine[(out.shape[0],)](part_acc, part_m, part_l, out, D=width, BLOCK_D=block_d, SPLITS=splits,
-                                   BLOCK_S=k.triton.next_power_of_2(splits), CHUNK=max(1, 4096 // block_d))
+                                   BLOCK_S=block_s, CHUNK=chunk)
 
 
 #: the matrix `fuse_qkv` concatenates an attention kind's input projections into
