@@ -115,6 +115,52 @@ def test_the_grouped_rules_ops_are_what_the_cost_model_counts(monkeypatch):
         assert GROUPED_NODE_OPS - 3 <= one - block <= GROUPED_NODE_OPS, (told, one - block)
 
 
+def test_a_parts_ops_are_what_the_cost_model_counts(monkeypatch):
+    """GROUPED_LAYER_OPS / GROUPED_PART_OPS / GROUPED_PART_BLOCK_OPS hold the ops of a layer's one
+    sort and count (moe_gpu.LayerPicks) and of each part's sum (`part` and `grouped_part`),
+    counted as the test above counts: change them together."""
+    import torch
+    import torch.nn.functional as F
+
+    from ktflow.backends.kernels import moe_gpu
+    from ktflow.backends.torch_ref import staged
+    from ktflow.costmodel.roofline import GROUPED_CUT_OPS, GROUPED_LAYER_OPS, GROUPED_PART_BLOCK_OPS, GROUPED_PART_OPS
+
+    products = []
+    monkeypatch.setattr(F, "grouped_mm", lambda a, b, offs: products.append(1) or torch.empty(a.shape[0], b.shape[-1],
+                                                                                              dtype=a.dtype))
+    views = {"aten::slice", "aten::reshape", "aten::transpose", "aten::unsqueeze", "aten::view", "aten::select",
+             "aten::unbind", "aten::alias", "aten::detach", "aten::expand", "aten::as_strided", "aten::empty",
+             "aten::_reshape_alias", "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg"}
+    g = torch.Generator().manual_seed(0)
+    E, H, I, T, k = 32, 16, 8, 64, 4
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :k]
+    wts = torch.rand(T, k, generator=g)
+    held = tuple(range(8))
+    gate, up, down = staged(torch.randn(len(held), 3 * H * I, generator=g).to(torch.bfloat16), H, I)
+
+    def ops(fn) -> int:
+        products.clear()
+        with torch.profiler.profile() as prof:
+            fn()
+        top = [e.name for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+        return len([n for n in top if n not in views]) + len(products)
+
+    assert ops(lambda: moe_gpu.LayerPicks(ids, E)) == GROUPED_LAYER_OPS
+    layer = moe_gpu.LayerPicks(ids, E)
+    addend, held_ids = torch.zeros(T, H), torch.tensor(held)
+
+    def part(rows: int) -> int:
+        monkeypatch.setattr(moe_gpu, "GROUPED_ROWS", rows)
+        return ops(lambda: moe_gpu.grouped_part(x, layer.k, wts, *layer.part(held, held_ids), gate, up, down,
+                                                addend=addend, running=True))
+
+    picks = sum(layer.counts[e] for e in held)
+    assert part(picks) == GROUPED_PART_OPS + GROUPED_PART_BLOCK_OPS
+    assert part(-(-picks // 2)) == GROUPED_PART_OPS + 2 * (GROUPED_PART_BLOCK_OPS + GROUPED_CUT_OPS)
+
+
 def test_routing_profile_skew_reads_fewer_experts(v3):
     n = v3.by_name("L10.experts")
     hot = [0.9] * 8 + [0.0] * 248  # every token picks among the same 8 hot experts... almost

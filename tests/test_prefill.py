@@ -408,6 +408,44 @@ def test_grouped_experts_match_the_reference_loop(block, told, grouped, monkeypa
     assert torch.equal(none, torch.zeros_like(x))
 
 
+@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("block", [16384, 7])
+def test_a_layers_parts_sorted_once_match_the_reference_loop(block, grouped, monkeypatch):
+    """A layer's picks sorted and counted once (LayerPicks: one host read), then each part (a
+    run of ids, two runs, one expert) summing its own from slices of that order: what
+    grouped_experts sums for the part, with no host read of the part's own, also in blocks that
+    cut an expert's picks and through the loop that stands in for torch's grouped matmul."""
+    from ktflow.backends.kernels import moe_gpu
+    from ktflow.backends.kernels.moe_gpu import LayerPicks, expert_map, grouped_experts, grouped_part
+
+    monkeypatch.setattr(moe_gpu, "GROUPED_ROWS", block)
+    if not grouped:
+        monkeypatch.setitem(moe_gpu._GROUPED_OK, "cpu", False)
+    g = torch.Generator().manual_seed(3)
+    E, H, I, T, k = 10, 16, 24, 50, 3
+    gate, up = torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g)
+    down = torch.randn(E, H, I, generator=g)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    wts = torch.rand(T, k, generator=g)
+    layer = LayerPicks(ids, E)
+    assert layer.counts == moe_gpu.pick_counts(ids, E)
+    total = torch.zeros(T, H)
+    for held in ((0, 1, 2), (4, 5, 8, 9), (7,), (3, 6)):
+        stack = [list(held)]
+        want = grouped_experts(x, ids, wts, expert_map(held, E, "cpu"), gate[stack[0]], up[stack[0]], down[stack[0]])
+        picks, offs, counts = layer.part(held, torch.tensor(held))
+        with monkeypatch.context() as m:
+            if not grouped:  # the loop over experts has the counts on the host: no read of the device
+                m.setattr(torch.Tensor, "tolist", lambda t: pytest.fail("read counts off the device"))
+            got = grouped_part(x, layer.k, wts, picks, offs, counts, gate[stack[0]], up[stack[0]], down[stack[0]])
+            total = grouped_part(x, layer.k, wts, picks, offs, counts, gate[stack[0]], up[stack[0]], down[stack[0]],
+                                 addend=total, running=True)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), held
+    whole = grouped_experts(x, ids, wts, expert_map(tuple(range(E)), E, "cpu"), gate, up, down, running=True)
+    assert torch.allclose(total, whole, atol=1e-4, rtol=1e-4)  # the parts add up to the layer
+
+
 # ------------------------------------------------------------------------------- on a GPU
 
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and native.available()),

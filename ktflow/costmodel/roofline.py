@@ -28,13 +28,24 @@ from .collectives import collective_seconds
 from .hw import HwProfile
 from .memory import GROUPED_ROWS
 
-#: GPU ops the grouped routed-experts rule issues (backends.kernels.moe_gpu.grouped_experts, outside
-#: a capture): per node (map, sort and count the picks) and per block of GROUPED_ROWS picks
-#: (gather, three grouped products, SiLU, weighting, scatter); each costs a launch from the host,
-#: which overlaps the GPU's work on earlier ones, so a node takes the longer of its work and its
-#: launches: a layer streamed as many small groups is bound by the launches (tests/test_cost.py
-#: counts the ops)
+#: GPU ops the grouped routed-experts rules issue outside a capture: a whole layer
+#: (backends.kernels.moe_gpu.grouped_experts) per node (map, sort and count the picks) and per block
+#: of GROUPED_ROWS picks (gather, three grouped products, SiLU, weighting, scatter); a part of a
+#: layer (a streamed group, a split layer's GPU part: `grouped_part`) per node (its offsets) and
+#: per block, beside its share of the layer's one sort and count (`LayerPicks`). Each costs a launch
+#: from the host, which overlaps the GPU's work on earlier ones, so a node takes the longer of its
+#: work and its launches: a layer streamed as many small groups is bound by the launches
+#: (tests/test_cost.py counts the ops)
 GROUPED_NODE_OPS, GROUPED_BLOCK_OPS = 12, 13
+GROUPED_PART_OPS, GROUPED_PART_BLOCK_OPS, GROUPED_LAYER_OPS = 4, 11, 4
+GROUPED_CUT_OPS = 2  # each block of a part cut in several shifts its offsets
+
+
+def is_part(n: Node) -> bool:
+    """A routed-experts node the GPU runs as a part of its layer (`grouped_part`): a streamed
+    group (it reads a fetch) or a split layer's fixed GPU part (not a cache's rows)."""
+    a = n.attrs
+    return len(n.inputs) >= 3 or (len(a.ids) < a.experts and not a.cached)
 
 
 @dataclass(frozen=True)
@@ -103,11 +114,11 @@ def node_work(n: Node, g: Graph, work: Work, weight_itemsize: int) -> tuple[floa
 def grouped_pick_bytes(n: Node, work: Work, act_itemsize: int) -> float:
     """GPU memory traffic of routed experts on the GPU beyond their weights and products
     (backends.moe_gpu.grouped_experts): every pick of the step in the node's rank range sorted
-    by expert, then the node's own picks gathered, SiLU'd, masked and summed in fp32. A layer
-    streamed as several parts pays the sort once a part."""
+    by expert, then the node's own picks gathered, SiLU'd, masked and summed in fp32. The parts
+    of a layer (`is_part`) sort its picks once between them: each pays its share."""
     a = n.attrs
     lo, hi = a.rank_range
-    picks = work.tokens * (hi - lo)
+    picks = work.tokens * (hi - lo) * (len(a.ids) / a.experts if is_part(n) else 1.0)
     own = FACTS[n.op].flops(a, work) / (6.0 * a.hidden * a.inter * a.slice_fraction) if a.hidden and a.inter else 0.0
     rows = a.rows[1] - a.rows[0]
     return picks * 32 + own * (a.hidden * (4 * act_itemsize + 20) + 5 * rows * act_itemsize)
@@ -178,6 +189,11 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
     if gpu is not None and grouped:  # the host issues its ops while the GPU runs earlier ones: the slower
         a = n.attrs
         picks = flops / (6.0 * a.hidden * a.inter * a.slice_fraction) if a.hidden and a.inter else 0.0
-        ops = GROUPED_NODE_OPS + GROUPED_BLOCK_OPS * max(1, math.ceil(picks / GROUPED_ROWS))
+        blocks = max(1, math.ceil(picks / GROUPED_ROWS))
+        if is_part(n):
+            ops = (GROUPED_PART_OPS + (GROUPED_PART_BLOCK_OPS + (GROUPED_CUT_OPS if blocks > 1 else 0)) * blocks
+                   + GROUPED_LAYER_OPS * len(a.ids) / a.experts)
+        else:
+            ops = GROUPED_NODE_OPS + GROUPED_BLOCK_OPS * blocks
         gpu_s = max(gpu_s - gpu.overhead, ops * gpu.overhead)
     return Cost(tokens=work.tokens, flops=flops, bytes=nbytes, cpu_s=cpu.seconds(flops, cpu_bytes), gpu_s=gpu_s)

@@ -115,6 +115,58 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
     return out if running else out.to(x.dtype)
 
 
+class LayerPicks:
+    """One step's picks of a MoE layer sorted by expert once, for all the layer's parts on the
+    GPU (a split layer's resident part, its streamed groups): `order` [T * k] (the flat pick
+    indices by expert, stable), `counts` each expert's picks (host), `starts` where each
+    expert's picks begin in `order` (host), `device_counts` the same counts on the device. A
+    part then takes its picks as slices of `order` (one for each run of consecutive expert ids
+    it holds) with no sort and no host read of its own."""
+
+    def __init__(self, ids: torch.Tensor, experts: int):
+        self.k = ids.shape[1]
+        self.order = torch.argsort(ids.reshape(-1), stable=True)
+        self.device_counts = counts_of(ids, experts)
+        self.counts = self.device_counts.tolist()  # the layer's one read of the device
+        self.starts = [0, *itertools.accumulate(self.counts)][:-1]
+
+    def part(self, held: tuple[int, ...], held_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(the picks of experts `held` (sorted; `held_ids` the same ids on the device), in their
+        stacked rows' order; their offsets for grouped_mm, int32 on the device; their counts on
+        the host)."""
+        runs, first = [], 0
+        for i in range(1, len(held) + 1):  # runs of consecutive ids: one slice of `order` each
+            if i == len(held) or held[i] != held[i - 1] + 1:
+                lo, last = self.starts[held[first]], held[i - 1]
+                runs.append(self.order[lo:self.starts[last] + self.counts[last]])
+                first = i
+        picks = runs[0] if len(runs) == 1 else torch.cat(runs)
+        offs = torch.cumsum(self.device_counts[held_ids], 0).to(torch.int32)
+        return picks, offs, [self.counts[e] for e in held]
+
+
+def grouped_part(x: torch.Tensor, k: int, wts: torch.Tensor, picks: torch.Tensor, offs: torch.Tensor,
+                 counts: list[int], gate, up, down, addend: torch.Tensor | None = None,
+                 running: bool = False) -> torch.Tensor:
+    """`grouped_experts` for a part of a layer whose picks are sorted already (`LayerPicks.part`:
+    `picks` the flat pick indices of its experts in stacked-row order, `offs` / `counts` per row):
+    the same sums, GROUPED_ROWS picks at a time, without the part's own sort and counts."""
+    out = addend.float() if addend is not None else torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32,
+                                                                 device=x.device)
+    held = sum(counts)
+    ends = list(itertools.accumulate(counts))
+    flat = wts.reshape(-1)
+    for lo in range(0, held, GROUPED_ROWS):
+        hi = min(lo + GROUPED_ROWS, held)
+        block = picks[lo:hi]
+        whole = lo == 0 and hi == held
+        offs_b = offs if whole else (offs - lo).clamp_(0, hi - lo)
+        counts_b = counts if whole else [min(max(e - lo, 0), hi - lo) - min(max(e - c - lo, 0), hi - lo)
+                                         for e, c in zip(ends, counts)]
+        _rows(x, block // k, flat[block], gate, up, down, offs_b, counts_b, out, masked=False)
+    return out if running else out.to(x.dtype)
+
+
 def counts_of(values: torch.Tensor, size: int) -> torch.Tensor:
     """How often each of 0..size-1 occurs in `values` (int64, every value < size), on their device
     with no host read: torch.bincount reads the values' min and max back on CUDA (two syncs)."""

@@ -78,6 +78,7 @@ class NativeExperts:
         # split prefill layer, a fetch that streams them to the GPU), each computing its own experts
         self._packed: dict[tuple, native.ExpertOp] = {}
         self._local_maps: dict[tuple, torch.Tensor] = {}  # streamed experts node -> its ids' rows
+        self._held_ids: dict[tuple, torch.Tensor] = {}  # a part of a layer -> its expert ids on its device
 
     @staticmethod
     def takes(node: Node) -> bool:
@@ -141,16 +142,22 @@ class NativeExperts:
         else:
             st = be.stacked(node)
             gate, up, down, local = st["gate"], st["up"], st["down"], st["local"]
-        counts = None
+        addend = ins[3] if len(ins) == 4 else None
         if len(ins) >= 3 or (len(a.ids) < a.experts and not a.cached):
             # a part of its layer (a streamed group, a split layer's GPU part; not a cache, whose rows
-            # the runtime refills): the layer's pick counts, read once for all its parts, in the
-            # staged or stacked rows' order (a.ids)
-            layer = ctx.once(("pick counts", a.layer, lo, hi),
-                             lambda: moe_gpu.pick_counts(ids[:, lo:hi], a.experts))
-            counts = [layer[e] for e in a.ids]
+            # the runtime refills): the layer's picks sorted by expert and counted (one host read)
+            # once for all its parts; each takes its own as slices, in the staged or stacked rows'
+            # order (a.ids)
+            if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+                picks = ctx.once(("layer picks", a.layer, lo, hi), lambda: moe_gpu.LayerPicks(ids[:, lo:hi], a.experts))
+                key = node_key(node)
+                if key not in self._held_ids:
+                    self._held_ids[key] = torch.tensor(a.ids, dtype=torch.int64, device=dev)
+                chosen, offs, counts = picks.part(a.ids, self._held_ids[key])
+                return moe_gpu.grouped_part(x, picks.k, wts[:, lo:hi], chosen, offs, counts, gate, up, down,
+                                            addend=addend, running=a.running)
         return moe_gpu.grouped_experts(x, ids[:, lo:hi], wts[:, lo:hi], local, gate, up, down,
-                                       addend=ins[3] if len(ins) == 4 else None, running=a.running, counts=counts)
+                                       addend=addend, running=a.running)
 
     def _fetch(self, be, node: Node, w, ins, ctx, dev):
         return self.stagers[node_key(node)].stage(node.attrs.subset)
