@@ -86,7 +86,7 @@ def test_two_gpus_hold_about_twice_the_experts_and_the_plan_prices_the_all_reduc
         if n.op == Op.COLLECTIVE:
             nbytes = n.out.numel(1) * n.out.dtype.itemsize
             assert n.cost.gpu_s == pytest.approx(collective_seconds("all_reduce", nbytes, 2, hw))
-            assert n.place.lane == "comm" and "expert parallel over 2 GPUs" in n.place.cause
+            assert n.place.lane == "gpu" and "expert parallel over 2 GPUs" in n.place.cause
 
 
 def test_bad_rank_options_name_the_problem(demo_dir):
