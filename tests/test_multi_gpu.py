@@ -196,3 +196,56 @@ def test_two_simulated_nodes_under_torchrun_give_one_ranks_tokens(demo_dir, tmp_
     assert [p.returncode for p in nodes] == [0, 0], [o[1][-2000:] for o in outs]
     ids = lambda text: [ln for ln in text.splitlines() if ln.startswith("generated ids")]  # noqa: E731
     assert ids(outs[0][0]) == ids(one.stdout) and ids(one.stdout) and not ids(outs[1][0])
+
+
+def test_serve_with_two_ranks_answers_as_one_rank_and_stops_on_sigterm(demo_dir, tmp_path):
+    """`serve --gpus 2` over gloo: one HTTP front on rank 0, rank 1 following its steps; greedy and
+    seeded sampled completions, two at once, equal one rank's server's; SIGTERM stops both ranks
+    and the launcher exits 0."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ktflow.serve.demo_tokenizer import write_demo_tokenizer
+
+    d = tmp_path / "demo"
+    shutil.copytree(demo_dir, d)
+    write_demo_tokenizer(d)
+    base_args = ["serve", str(d), "--hw", HW, "--device", "cpu", "--dtype", "float32", "--max-seq-len", "128",
+                 "--vram-budget-gb", f"{_budget(demo_dir):.6f}", "--allow-oversize", "--port", "0",
+                 "--model-name", "demo", "--max-batch", "2"]
+    requests = [dict(prompt="the ranks", max_tokens=8, temperature=0), dict(prompt="step together", max_tokens=8,
+                                                                             temperature=0.8, top_p=0.9, seed=5)]
+
+    def served(extra: list[str]) -> tuple[list[str], int, str]:
+        p = subprocess.Popen([sys.executable, "-m", "ktflow", *base_args, *extra], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "KTFLOW_QUIET": "1"})
+        try:
+            line = ""
+            while "serving demo on " not in line:
+                line = p.stdout.readline()
+                assert line, f"ktflow serve ended before serving: {p.communicate()[1][-3000:]}"
+            base = line.split(" on ")[1].split("/v1")[0]
+            post = lambda body: httpx.post(base + "/v1/completions", json=dict(model="demo", **body),  # noqa: E731
+                                           timeout=120).json()["choices"][0]["text"]
+            with ThreadPoolExecutor(2) as pool:  # at once: one batched decode step for both
+                texts = list(pool.map(post, requests))
+            p.send_signal(signal.SIGTERM)
+            out, err = p.communicate(timeout=120)
+            return texts, p.returncode, out + err
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+    one, code1, _ = served([])
+    two, code2, log = served(["--gpus", "2"])
+    assert code1 == 0 and code2 == 0, log[-3000:]
+    assert two == one and all(one)
+    assert "stopped" in log

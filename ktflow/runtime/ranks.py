@@ -15,7 +15,9 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import signal
 import socket
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -38,22 +40,27 @@ def _rank_main(rank: int, world: int, port: int, backend: str, target: Callable,
     import torch
     import torch.distributed as dist
 
+    if rank > 0:  # Ctrl-C and SIGTERM are rank 0's to act on: it ends the others (or the parent does)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    failed = False
+    code = 0
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=_timeout())
         target(rank, *args)
+    except KeyboardInterrupt:
+        code = 130
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which names the rank
         # stamped before the group goes down: its peers' errors (a lost connection) come after
         errors.put((time.time(), rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
-        failed = True
+        code = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    if failed:
-        raise SystemExit(1)
+    if code:
+        raise SystemExit(code)
 
 
 def run_ranks(n: int, target: Callable, *args: Any, backend: str = "gloo") -> None:
@@ -75,22 +82,33 @@ def run_ranks(n: int, target: Callable, *args: Any, backend: str = "gloo") -> No
              for r in range(n)]
     for p in procs:
         p.start()
-    failed = None
-    while any(p.is_alive() for p in procs):
-        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-        if bad:
-            failed = bad[0]
-            break
-        time.sleep(0.05)
-    if failed is None:
-        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-        failed = bad[0] if bad else None
+    # this process waits: Ctrl-C reaches the ranks themselves (rank 0 acts on it), SIGTERM goes on to rank 0
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+                    signal.SIGTERM: signal.signal(signal.SIGTERM, lambda sig, frame: procs[0].terminate())}
+    try:
+        failed = None
+        while any(p.is_alive() for p in procs):
+            bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if bad:
+                failed = bad[0]
+                break
+            time.sleep(0.05)
+        if failed is None:
+            bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+            failed = bad[0] if bad else None
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
     if failed is not None:
-        for p in procs:
+        for p in procs:  # the other ranks ignore SIGTERM: stopped outright
             if p.is_alive():
-                p.terminate()
+                p.kill()
         for p in procs:
             p.join(10)
+        if failed[1] == 130:
+            raise KeyboardInterrupt
         reports = []  # the first error raised is the cause (its peers then lose their connections)
         while not errors.empty():
             reports.append(errors.get())

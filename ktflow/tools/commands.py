@@ -161,14 +161,15 @@ def _cache_summary(cache) -> None:
 
 def cmd_run(a: argparse.Namespace) -> int:
     if a.gpus > 1:
-        return _run_on_ranks(a)
+        return _on_ranks(a, _run_rank)
     return _run(a)
 
 
-def _run_on_ranks(a: argparse.Namespace) -> int:
-    """`run --gpus N`: under torchrun, this process is one rank (its rank from the environment);
-    else N processes are started here, one a rank, rank 0 printing. Where the plans' GPU nodes
-    run on the CPU (--device cpu), the ranks meet over gloo: the correctness mode."""
+def _on_ranks(a: argparse.Namespace, target) -> int:
+    """`run` / `serve` with --gpus N: under torchrun, this process is one rank (its rank from the
+    environment); else N processes are started here, one a rank, `target(rank, a)` in each. Where
+    the plans' GPU nodes run on the CPU (--device cpu), the ranks meet over gloo: the correctness
+    mode."""
     import os
 
     from ktflow.errors import ConfigError
@@ -178,11 +179,11 @@ def _run_on_ranks(a: argparse.Namespace) -> int:
         rank, world = ranks.join_from_env()
         if world != a.gpus:
             raise ConfigError(f"--gpus {a.gpus} but torchrun started {world} process(es): give the same number")
-        return _run_rank(rank, a)
+        return target(rank, a)
     import torch
 
     cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
-    ranks.run_ranks(a.gpus, _run_rank, a, backend="nccl" if cuda else "gloo")
+    ranks.run_ranks(a.gpus, target, a, backend="nccl" if cuda else "gloo")
     return 0
 
 
@@ -431,7 +432,6 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    import ktflow
     from ktflow.errors import ConfigError, ResourceError
 
     try:
@@ -440,9 +440,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise ResourceError(f"ktflow serve needs {e.name}, which is not installed: pip install 'ktflow[serve]'") from None
-    from ktflow.serve.server import build, run
-    from ktflow.serve.tokenizer import ServeTokenizer
-
     for flag, v, least in (("--port", a.port, 0), ("--max-batch", a.max_batch, 1), ("--max-queue", a.max_queue, 0)):
         if v < least:
             raise ConfigError(f"{flag} must be at least {least}, got {v}")
@@ -452,6 +449,40 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if not model_dir.is_dir():
         raise ConfigError(f"{model_dir} is not a directory (give the checkpoint dir with config.json, the weights "
                           "and tokenizer.json)")
+    if a.gpus > 1:
+        return _on_ranks(a, _serve_rank)
+    return _serve(a)
+
+
+def _serve_rank(rank: int, a: argparse.Namespace) -> int:
+    """One rank of `serve --gpus N`: rank 0 serves (its Runner calls sent to the others), every
+    other rank follows them (serve/ranks.py)."""
+    from ktflow.serve.ranks import Channel
+
+    a = argparse.Namespace(**{**vars(a), "rank": rank})
+    channel = Channel()  # every rank makes the group, in the same order
+    if rank == 0:
+        return _serve(a, channel)
+    import ktflow
+    from ktflow.runtime.ranks import check_plans_agree
+    from ktflow.serve.ranks import follow
+    from ktflow.serve.runner import PoolRunner
+
+    compiled = _compiled(a, ktflow.load(Path(a.model)), allowed=("--max-batch",))
+    check_plans_agree(compiled.plans.plans)
+    compiled.prepare()
+    follow(PoolRunner(compiled, a.max_batch), channel)
+    return 0
+
+
+def _serve(a: argparse.Namespace, channel=None) -> int:
+    """Serve on this process (with `channel`: rank 0 of several, the others following it)."""
+    import ktflow
+    from ktflow.errors import ConfigError
+    from ktflow.serve.server import build, run
+    from ktflow.serve.tokenizer import ServeTokenizer
+
+    model_dir = Path(a.model)
     tok = ServeTokenizer.from_dir(model_dir)  # first: a dir without a tokenizer fails before any loading
     model = ktflow.load(model_dir)
     if model.weights is None:
@@ -461,18 +492,32 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if tok.vocab_size > compiled.vocab_size:
         raise ConfigError(f"{model_dir}/tokenizer.json has {tok.vocab_size} tokens but the model's vocabulary has "
                           f"{compiled.vocab_size}: the tokenizer belongs to another model")
+    runner = None
+    if channel is not None:
+        from ktflow.runtime.ranks import check_plans_agree
+        from ktflow.serve.ranks import RanksRunner
+        from ktflow.serve.runner import PoolRunner
+
+        check_plans_agree(compiled.plans.plans)
     _print_ready(compiled)
     _follow_routing(a, compiled)
     rec = _record_routing(a, compiled)
-    served = build(compiled, tok, a.model_name or model_dir.resolve().name, max_batch=a.max_batch,
-                   max_queue=a.max_queue, api_key=a.api_key or None, prefill_tokens=a.prefill_step)
-    if tok.chat_template is None:
-        print("note: tokenizer_config.json has no chat_template: /v1/chat/completions answers 400, "
-              "/v1/completions works", flush=True)
+    if channel is not None:
+        runner = RanksRunner(PoolRunner(compiled, a.max_batch), channel)
+        runner.warm()
     try:
-        run(served, a.host, a.port, shutdown_timeout=a.shutdown_timeout)
+        served = build(compiled, tok, a.model_name or model_dir.resolve().name, max_batch=a.max_batch,
+                       max_queue=a.max_queue, api_key=a.api_key or None, prefill_tokens=a.prefill_step, runner=runner)
+        if tok.chat_template is None:
+            print("note: tokenizer_config.json has no chat_template: /v1/chat/completions answers 400, "
+                  "/v1/completions works", flush=True)
+        try:
+            run(served, a.host, a.port, shutdown_timeout=a.shutdown_timeout)
+        finally:
+            _write_recorded(a, compiled, rec)
     finally:
-        _write_recorded(a, compiled, rec)
+        if runner is not None:
+            runner.stop()
     return 0
 
 
