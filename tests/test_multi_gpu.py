@@ -97,6 +97,8 @@ def test_bad_rank_options_name_the_problem(demo_dir):
         ktflow.compile(model, hw=HW, gpus=2, rank=2, **small(model))
     with pytest.raises(ConfigError, match="does not take defer"):
         ktflow.compile(model, hw=HW, gpus=2, defer=1, **small(model))
+    with pytest.raises(ConfigError, match="placement='cpu' would put every node on every rank"):
+        ktflow.compile(model, hw=HW, gpus=2, placement="cpu", **small(model))
 
 
 def test_a_plan_for_two_ranks_in_one_process_says_how_to_run_it(demo_dir):

@@ -42,6 +42,9 @@ def compile_plans(model: Any, hw: HwProfile, opts: CompileOptions, device: str, 
         raise ConfigError(f"gpus={opts.gpus} but hardware profile {hw.name!r} has {len(hw.gpus)} GPU(s); use a profile "
                           "with that many (h100-x2, h100-x4, 2x-rtx4090-workstation, or `ktflow hw probe` on the "
                           "machine) or lower gpus")
+    if opts.gpus > 1 and opts.placement != "auto":
+        raise ConfigError(f"gpus={opts.gpus} divides the experts between the ranks by the cost model: placement="
+                          f"{opts.placement!r} would put every node on every rank; leave placement='auto'")
     if opts.gpus > 1 and (opts.defer is not None or opts.expert_cache):
         raise ConfigError("gpus > 1 does not take " + ("defer" if opts.defer is not None else "expert_cache")
                           + " yet (each rank's parts of a layer meet in one all-reduce); leave it out")

@@ -306,8 +306,8 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
         placed[n.name] = dev
         nodes.append(replace(n, place=Placement(dev, cause=why)))
     if ranks > 1:  # the layers' readers take the all-reduce instead of the parts
-        summed = {n.name: n.name for n in g.nodes if n.op == Op.ROUTED_EXPERTS}
-        nodes = [replace(n, inputs=tuple(f"{summed[i]}.all_reduce" if i in summed else i for i in n.inputs))
+        layers = {n.name for n in g.nodes if n.op == Op.ROUTED_EXPERTS}
+        nodes = [replace(n, inputs=tuple(f"{i}.all_reduce" if i in layers else i for i in n.inputs))
                  if n.op != Op.COLLECTIVE else n for n in nodes]
         for n in nodes:
             if n.op == Op.COLLECTIVE:
@@ -336,8 +336,8 @@ def decode_savings(g: Graph, ctx: CompileContext, budgets: list[float]) -> list[
         if keep not in orders:
             held = g.map(lambda n: _hold_fp8(n, dense, experts))
             orders[keep] = ranked(_units(recost_changed(g, held, ctx), ctx)[0])
-        held = take_units(orders[keep], budget, ctx.options.gpus)
-        out.append(sum(u.saving for u in orders[keep] if (u.node, u.expert) in held))
+        taken = take_units(orders[keep], budget, ctx.options.gpus)
+        out.append(sum(u.saving for u in orders[keep] if (u.node, u.expert) in taken))
     return out
 
 
