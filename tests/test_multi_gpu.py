@@ -251,3 +251,18 @@ def test_serve_with_two_ranks_answers_as_one_rank_and_stops_on_sigterm(demo_dir,
     assert code1 == 0 and code2 == 0, log[-3000:]
     assert two == one and all(one)
     assert "stopped" in log
+
+
+def _compile_and_check(rank: int, case_dir: str, options: dict, odd: dict) -> None:
+    from ktflow.runtime.ranks import check_plans_agree
+
+    c = ktflow.compile(ktflow.load(case_dir), hw=HW, rank=rank, **{**options, **(odd if rank == 1 else {})})
+    check_plans_agree(c.plans.plans)
+
+
+def test_ranks_whose_plans_disagree_fail_at_the_start_and_name_the_rank(demo_dir):
+    """Rank 1 compiled with another max_seq_len (other prefill buckets): every rank refuses before
+    a step runs, and the error names rank 1."""
+    options = dict(small(ktflow.load(demo_dir)), gpus=2)
+    with pytest.raises(KtflowError, match=r"the ranks' plans disagree: rank\(s\) \[1\]"):
+        run_ranks(2, _compile_and_check, str(demo_dir), options, dict(max_seq_len=512))
