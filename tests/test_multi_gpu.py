@@ -84,7 +84,7 @@ def test_two_gpus_hold_about_twice_the_experts_and_the_plan_prices_the_all_reduc
     hw = PRESETS[HW]
     for n in two[0].decode.ir.nodes:
         if n.op == Op.COLLECTIVE:
-            nbytes = n.out.numel(1) * n.out.dtype.itemsize
+            nbytes = n.out.numel(1) * 4  # the parts are summed in float32
             assert n.cost.gpu_s == pytest.approx(collective_seconds("all_reduce", nbytes, 2, hw))
             assert n.place.lane == "gpu" and "expert parallel over 2 GPUs" in n.place.cause
 
@@ -266,3 +266,36 @@ def test_ranks_whose_plans_disagree_fail_at_the_start_and_name_the_rank(demo_dir
     options = dict(small(ktflow.load(demo_dir)), gpus=2)
     with pytest.raises(KtflowError, match=r"the ranks' plans disagree: rank\(s\) \[1\]"):
         run_ranks(2, _compile_and_check, str(demo_dir), options, dict(max_seq_len=512))
+
+
+def _sampled_tokens(rank: int, path: str, case_dir: str, options: dict) -> None:
+    from ktflow.runtime.ranks import all_ready, common_seed
+
+    c = ktflow.compile(ktflow.load(case_dir), hw=HW, rank=rank, **options)
+    c.prepare()
+    all_ready()
+    out = ktflow.generate(c, torch.tensor([[1, 5, 9]]), 8, temperature=0.9, top_p=0.95, seed=common_seed(None))
+    with open(f"{path}.{rank}", "w") as f:
+        json.dump(out[0].tolist(), f)
+
+
+def test_sampled_decoding_over_ranks_takes_one_seed_for_all(demo_dir, tmp_path):
+    """Sampling with no seed given: the ranks share rank 0's random seed, so every rank selects the
+    same tokens (a rank feeding other tokens would sum other experts' outputs); generate refuses an
+    unseeded sampled run of a plan over several ranks."""
+    options = dict(small(ktflow.load(demo_dir)), gpus=2, dtype="float32")
+    path = str(tmp_path / "ids")
+    run_ranks(2, _sampled_tokens, path, str(demo_dir), options)
+    assert json.loads(open(path + ".0").read()) == json.loads(open(path + ".1").read())
+    c = ktflow.compile(ktflow.load(demo_dir), hw=HW, **options)
+    with pytest.raises(ktflow.errors.InputError, match="only with a seed"):
+        ktflow.generate(c, torch.tensor([[1, 2]]), 2, temperature=0.7)
+
+
+def test_every_rank_keeps_the_same_prefill_buckets(demo_dir):
+    """At a max_seq_len of several buckets the ranks' plans list the same steps (a rank without CPU
+    experts would otherwise merge buckets rank 0 keeps apart)."""
+    model = ktflow.load(demo_dir)
+    plans = [c.plans.plans for c in ranked(model, max_seq_len=1024)]
+    assert len(plans[0]) > 2 and [p.step_tokens for p in plans[0]] == [p.step_tokens for p in plans[1]]
+    assert plans_digest(plans[0]) == plans_digest(plans[1])

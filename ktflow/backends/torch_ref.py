@@ -310,8 +310,8 @@ def _reduce(be, node, w, ins, ctx, dev):
 
 def _collective(be, node, w, ins, ctx, dev):
     """An all-reduce among the plan's ranks: this rank's parts summed in float32 (none: zeros),
-    summed over torch.distributed's default group (one process a rank: NCCL between GPUs, gloo
-    on the CPU), in the activation dtype."""
+    summed over torch.distributed's default group (one process a rank; gloo for now: CUDA ranks
+    are not built), in the activation dtype."""
     import torch.distributed as dist
 
     a = node.attrs

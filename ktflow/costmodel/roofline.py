@@ -146,7 +146,7 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
         s = fetch_seconds(n.attrs, hw, g.act_dtype)
         return Cost(tokens=work.tokens, flops=0.0, bytes=n.attrs.link_bytes, cpu_s=s, gpu_s=s)
     if pricing == "collective":  # the ranks' link, ring algorithms (a CPU rank: gloo, priced the same)
-        nbytes = n.out.numel(work.tokens) * n.out.dtype.itemsize
+        nbytes = n.out.numel(work.tokens) * 4  # summed in float32 (torch_ref._collective)
         s = collective_seconds(n.attrs.kind, nbytes, n.attrs.ranks, hw)
         return Cost(tokens=work.tokens, flops=0.0, bytes=nbytes, cpu_s=s, gpu_s=s)
     if pricing != "compute":

@@ -243,7 +243,9 @@ def _prefill_plans(spec: Graph, ctx_for, opts: CompileOptions, max_seq: int, sha
     plans: list[Plan] = []
     for t in bar(cands, "compile: prefill buckets", "plan", show=len(cands) > 1):
         plan = _compile_plan(spec, ctx_for(t), instruments if t == cands[-1] else (), pipeline)
-        if auto and plans and _signature(plans[-1]) == _signature(plan):
+        # several ranks keep every bucket: a rank past 0 (no CPU experts) would merge buckets rank 0
+        # keeps apart, and the ranks must run the same steps
+        if auto and opts.gpus == 1 and plans and _signature(plans[-1]) == _signature(plan):
             plans[-1] = plan  # same decisions: the larger bucket covers both
         else:
             plans.append(plan)

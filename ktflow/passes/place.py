@@ -489,9 +489,9 @@ def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, 
 
 def all_reduce_of(n: Node, parts: list[Node], ctx: CompileContext) -> Node:
     """The all-reduce that sums routed-experts layer `n` over the ranks: it reads this rank's
-    `parts` of the layer (none: it adds zeros), runs on the GPU lane (NCCL on the compute stream:
-    its reader waits for it at once, so a lane of its own would overlap nothing), and every reader
-    of the layer reads it instead."""
+    `parts` of the layer (none: it adds zeros), runs on the GPU lane (its reader waits for it at
+    once, so a lane of its own would overlap nothing), and every reader of the layer reads it
+    instead."""
     gpu = sum(len(p.attrs.ids) for p in parts if p.place.device == Device.GPU)
     cpu = sum(len(p.attrs.ids) for p in parts if p.place.device == Device.CPU)
     r = ctx.options.gpus

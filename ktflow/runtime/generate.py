@@ -48,6 +48,10 @@ def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, 
         sampling = SamplingParams.make(temperature=temperature, top_p=top_p, seed=seed, **params).check()
     elif params or temperature or top_p != 1.0 or seed is not None:
         raise InputError("give the sampling parameters either as sampling= or as keyword arguments, not both")
+    rows_params = [sampling] if isinstance(sampling, SamplingParams) else list(sampling)
+    if compiled.plans.options.gpus > 1 and any(not p.greedy and p.seed is None for p in rows_params):
+        raise InputError("a plan over several GPU ranks samples the same tokens on every rank only with a seed: "
+                         "pass seed= (every rank the same)")
     need = input_ids.shape[-1] + max_new_tokens - 1
     if state is None and need > compiled.max_seq_len:
         raise InputError(f"prompt ({input_ids.shape[-1]} tokens) + {max_new_tokens} new tokens needs {need} "

@@ -102,20 +102,31 @@ def run_ranks(n: int, target: Callable, *args: Any, backend: str = "gloo") -> No
         for sig, h in handlers.items():
             signal.signal(sig, h)
     if failed is not None:
+        deadline = time.monotonic() + 2  # the others' fates, briefly: a peer's lost connection follows a cause
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
         for p in procs:  # the other ranks ignore SIGTERM: stopped outright
             if p.is_alive():
                 p.kill()
         for p in procs:
             p.join(10)
-        if failed[1] == 130:
+        codes = [p.exitcode for p in procs]
+        if 130 in codes:  # Ctrl-C: rank 0 acted on it, its peers lost their connections
             raise KeyboardInterrupt
         reports = []  # the first error raised is the cause (its peers then lose their connections)
         while not errors.empty():
             reports.append(errors.get())
-        rank, code = failed
-        first, msg, tb = (rank, f"exited with code {code}", "")
-        if reports:
+        reported = {r for _, r, _, _ in reports}
+        # a rank that died with no report (a signal: the OOM killer, a crash) is the cause before any error
+        silent = [(r, c) for r, c in enumerate(codes) if c not in (0, None) and r not in reported]
+        if silent:
+            first, code = silent[0]
+            msg = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            tb = ""
+        elif reports:
             _, first, msg, tb = min(reports)
+        else:
+            first, msg, tb = failed[0], f"exited with code {failed[1]}", ""
         if env.get("KTFLOW_DEBUG") and tb:
             msg += "\n" + tb
         raise KtflowError(f"rank {first} of {n} failed: {msg} (the other ranks were stopped)")
@@ -123,9 +134,9 @@ def run_ranks(n: int, target: Callable, *args: Any, backend: str = "gloo") -> No
         p.join()
 
 
-def join_from_env() -> tuple[int, int]:
-    """(rank, world size) of this process under torchrun, its process group joined (NCCL where
-    CUDA is available, else gloo; each rank on GPU `LOCAL_RANK`)."""
+def join_from_env(backend: str = "gloo") -> tuple[int, int]:
+    """(rank, world size) of this process under torchrun, its process group joined over
+    `backend` (nccl: each rank on GPU `LOCAL_RANK`)."""
     import torch
     import torch.distributed as dist
 
@@ -133,11 +144,48 @@ def join_from_env() -> tuple[int, int]:
     if missing:
         raise KtflowError(f"joining the ranks from the environment needs {', '.join(missing)} (torchrun sets them)")
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=_timeout())
     return dist.get_rank(), dist.get_world_size()
+
+
+#: how long a rank waits on the others outside the steps (rank 0 packing its CPU experts, a
+#: server's followers between requests): the launcher ends every rank when one dies
+PATIENT = datetime.timedelta(days=365)
+
+
+def patient_group():
+    """A gloo group of every rank whose waits last PATIENT (made once; every rank must call this
+    at the same point, as for any group)."""
+    import torch.distributed as dist
+
+    global _patient
+    if _patient is None:
+        _patient = dist.new_group(backend="gloo", timeout=PATIENT)
+    return _patient
+
+
+_patient = None
+
+
+def all_ready() -> None:
+    """Wait until every rank got here (its weights prepared), however long that takes."""
+    import torch.distributed as dist
+
+    dist.barrier(group=patient_group())
+
+
+def common_seed(seed: int | None) -> int:
+    """`seed`, or where None rank 0's random one, the same on every rank (sampled tokens must be)."""
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([random.getrandbits(62) if seed is None else seed], dtype=torch.int64)
+    dist.broadcast(t, 0)
+    return int(t.item())
 
 
 def plans_digest(plans) -> int:

@@ -8,14 +8,18 @@ results are the ones the engine sees (the others compute the same logits: the al
 every rank the same sums; their own selections are dropped, as each step's ids come from rank 0).
 
 The calls travel as JSON messages over a gloo group (never pickled): the length, then the bytes,
-broadcast from rank 0. A follower fails loudly on a step error rank 0 would not share (anything but
-an input error, which every rank meets alike), so no rank runs on half-alive; `stop()` ends them.
+broadcast from rank 0. A step error other than an input error (which every rank meets alike, before
+any collective) may leave a collective unmet, so it ends the rank that met it, rank 0 included, and
+the launcher then ends every rank and exits non-zero: no rank runs on half-alive. `stop()` ends
+the followers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import sys
 import threading
 
 import torch
@@ -23,14 +27,19 @@ import torch.distributed as dist
 
 from ..backends.sampling import SamplingParams
 from ..errors import InputError, KtflowError
+from ..runtime.ranks import patient_group
 from .runner import PoolRunner
 
 
 class Channel:
-    """JSON messages from rank 0 to every rank, over a gloo group of all ranks."""
+    """JSON messages from rank 0 to every rank, over a gloo group of all ranks whose waits last
+    (followers wait on it between requests; the launcher ends them if rank 0 dies)."""
 
     def __init__(self):
-        self.group = dist.new_group(backend="gloo")
+        self.group = patient_group()
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
 
     def send(self, msg: dict) -> None:
         data = json.dumps(msg).encode()
@@ -63,7 +72,10 @@ class RanksRunner:
             if self._stopped:
                 raise KtflowError("the other ranks have stopped: this server is shutting down")
             self.channel.send(msg)
-            return fn(*args)
+            out = fn(*args)
+        if isinstance(out, list):
+            _fatal_unless_input(out)
+        return out
 
     def warm(self) -> None:
         self._call({"op": "warm"}, self.inner.warm)
@@ -91,10 +103,20 @@ class RanksRunner:
 
 
 def _check(results: list, what: str) -> None:
-    """A follower's step results: an error other than an input error is this rank's alone."""
+    """A follower's step results: an error other than an input error ends the follower."""
     for r in results:
         if isinstance(r, BaseException) and not isinstance(r, InputError):
             raise KtflowError(f"{what} failed on this rank: {type(r).__name__}: {r}") from r
+
+
+def _fatal_unless_input(results: list) -> None:
+    """Rank 0's step results: an error other than an input error may have left a collective
+    unmet, and the ranks out of step: the server ends (loudly: the launcher names rank 0)."""
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, InputError):
+            print(f"ktflow serve: rank 0's step failed ({type(r).__name__}: {r}); with several ranks that "
+                  "ends the server", file=sys.stderr, flush=True)
+            os._exit(1)
 
 
 def follow(inner: PoolRunner, channel: Channel) -> None:

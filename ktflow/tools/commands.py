@@ -175,15 +175,17 @@ def _on_ranks(a: argparse.Namespace, target) -> int:
     from ktflow.errors import ConfigError
     from ktflow.runtime import ranks
 
+    import torch
+
+    if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()):
+        raise ConfigError(f"--gpus {a.gpus} runs with --device cpu for now: the ranks meet over gloo and their GPU "
+                          "work runs on the CPU (the correctness mode); CUDA ranks with NCCL are not built yet")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun started this process
-        rank, world = ranks.join_from_env()
+        rank, world = ranks.join_from_env("gloo")
         if world != a.gpus:
             raise ConfigError(f"--gpus {a.gpus} but torchrun started {world} process(es): give the same number")
         return target(rank, a)
-    import torch
-
-    cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
-    ranks.run_ranks(a.gpus, target, a, backend="nccl" if cuda else "gloo")
+    ranks.run_ranks(a.gpus, target, a, backend="gloo")
     return 0
 
 
@@ -193,7 +195,12 @@ def _run_rank(rank: int, a: argparse.Namespace) -> int:
     import contextlib
     import io
 
-    a = argparse.Namespace(**{**vars(a), "rank": rank})
+    from ktflow.runtime.ranks import common_seed
+
+    # every rank must select the same tokens: one seed for all (rank 0's); rank 0 alone records and traces
+    seed = common_seed(a.seed)
+    a = argparse.Namespace(**{**vars(a), "rank": rank, "seed": seed,
+                              **({"record_routing": None, "trace": None} if rank else {})})
     quiet = contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext()
     with quiet:
         return _run(a)
@@ -206,13 +213,16 @@ def _run(a: argparse.Namespace) -> int:
     model = ktflow.load(a.model)
     ids, tok = _token_ids(a, model.path)
     compiled = _compiled(a, model)
-    if compiled.plans.options.gpus > 1:
-        from ktflow.runtime.ranks import check_plans_agree
+    ranked = compiled.plans.options.gpus > 1
+    if ranked:
+        from ktflow.runtime.ranks import all_ready, check_plans_agree
 
         check_plans_agree(compiled.plans.plans)
     compiled.check_finite = a.check_finite
     eos = None if a.ignore_eos else list(model.config.eos_ids) or None
     _print_ready(compiled)
+    if ranked:
+        all_ready()  # rank 0 may pack its CPU experts for long: the others wait here, not in a step
     cache = _follow_routing(a, compiled)
     rec = _record_routing(a, compiled)
     if a.trace:  # the prompt's (first) step and the first decode step run instrumented
@@ -459,7 +469,7 @@ def _serve_rank(rank: int, a: argparse.Namespace) -> int:
     other rank follows them (serve/ranks.py)."""
     from ktflow.serve.ranks import Channel
 
-    a = argparse.Namespace(**{**vars(a), "rank": rank})
+    a = argparse.Namespace(**{**vars(a), "rank": rank, **({"record_routing": None} if rank else {})})
     channel = Channel()  # every rank makes the group, in the same order
     if rank == 0:
         return _serve(a, channel)
@@ -471,6 +481,7 @@ def _serve_rank(rank: int, a: argparse.Namespace) -> int:
     compiled = _compiled(a, ktflow.load(Path(a.model)), allowed=("--max-batch",))
     check_plans_agree(compiled.plans.plans)
     compiled.prepare()
+    channel.barrier()  # rank 0 may pack its CPU experts for long
     follow(PoolRunner(compiled, a.max_batch), channel)
     return 0
 
@@ -503,6 +514,7 @@ def _serve(a: argparse.Namespace, channel=None) -> int:
     _follow_routing(a, compiled)
     rec = _record_routing(a, compiled)
     if channel is not None:
+        channel.barrier()
         runner = RanksRunner(PoolRunner(compiled, a.max_batch), channel)
         runner.warm()
     try:

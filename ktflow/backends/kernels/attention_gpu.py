@@ -20,10 +20,11 @@ import torch
 #: caches longer than this are attended in splits of SPLIT_KEYS positions, merged by `combine`
 ONE_SPLIT_MAX = 512
 SPLIT_KEYS = 256
-#: `combine` loads every split's float32 sums as one tile up to COMBINE_ONE_TILE of them (GQA's
-#: 128-wide heads over a 32k cache), else COMBINE_TILE at a time (MLA's 512-wide latent: 8 splits,
-#: where one tile spills); the splits past a token's position are not read (timings:
-#: docs/results-history.md, session 47)
+#: `combine` loads every split's float32 sums as one tile where splits x width (powers of two) is
+#: at most COMBINE_ONE_TILE values (GQA's 128-wide heads over a 32k cache; MLA's 512-wide latent up
+#: to 64 splits), else COMBINE_TILE values a chunk (MLA past 16k positions: 8 splits, where one
+#: tile spills); the splits past a token's position are not read (timings: docs/results-history.md,
+#: session 47)
 COMBINE_ONE_TILE = 32768
 COMBINE_TILE = 4096
 
