@@ -59,6 +59,14 @@ def test_the_ranks_divide_the_gpu_experts_and_rank_0_drives_the_cpu_ones(demo_di
             assert len(every) == experts
     assert some_cpu, "at this VRAM some experts stay on the CPU (the test's premise)"
     assert not experts_of(r1, "cpu"), "rank 1 drives no CPU experts"
+    for c, r in zip(ranked(model), (r0, r1)):  # the plan's summary says the rank's share and its all-reduces
+        held = sum(len(v) for v in experts_of(r, "gpu").values())
+        cpu = sum(len(v) for v in experts_of(r, "cpu").values())
+        lines = c.plans.summary().splitlines()
+        at = next(i for i, ln in enumerate(lines) if ln.startswith("decode"))
+        line = next(ln for ln in lines[at:] if "ranks:" in ln)
+        assert (f"rank {c.plans.options.rank} of 2: {held} routed experts on its GPU, {cpu} on the CPU" in line
+                and f" {len(layers)} all-reduces" in line), line
     assert collective_signature(r0.ir) == collective_signature(r1.ir)
     # dense work replicated: the same non-expert nodes on the same devices
     dense = lambda p: [(n.name, n.place.device) for n in p.ir.nodes if n.op in (Op.ATTENTION, Op.LM_HEAD)]  # noqa: E731

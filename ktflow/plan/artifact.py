@@ -232,6 +232,24 @@ class Plan(BaseModel):
         return "\n".join(lines) + "\n"
 
 
+def rank_summary(plan: "Plan", rank: int, ranks: int) -> str:
+    """One line: this rank's share of a plan over several GPU ranks (its routed experts on the GPU
+    and on the CPU, which it drives) and what its all-reduces cost the step, predicted."""
+    gpu = cpu = 0
+    reduces, us = 0, 0.0
+    for n in plan.ir.nodes:
+        if n.op.value == "routed_experts":
+            if n.place.device.value == "gpu":
+                gpu += len(n.attrs.ids)
+            elif n.place.numa in (None, 0) or not n.attrs.inter_slice:
+                cpu += len(n.attrs.ids)
+        elif n.op.value == "collective":
+            reduces += 1
+            us += n.timing.end_us - n.timing.start_us if n.timing else 0.0
+    return (f"ranks: rank {rank} of {ranks}: {gpu} routed experts on its GPU, {cpu} on the CPU (driven here); "
+            f"{reduces} all-reduces, {us / 1e3:.3f} ms of the {plan.predicted_step_us / 1e3:.3f} ms step")
+
+
 def prefill_decisions(plan: "Plan") -> str:
     """Where a prefill plan computes each MoE layer's CPU-side routed experts, compactly: runs of
     layers with the same decision (cpu, stream, split with n of N streamed, or gpu where every
@@ -404,5 +422,7 @@ class PlanFile(BaseModel):
                        + f"; peak VRAM {mem.gpu_bytes / 1e9:.2f} GB, host RAM {mem.host_bytes / 1e9:.2f} GB")
             if plan.phase == "prefill":
                 out.append("          experts: " + prefill_decisions(plan))
+            if self.options.gpus > 1:
+                out.append("          " + rank_summary(plan, self.options.rank, self.options.gpus))
             out.append("          ops: " + ", ".join(f"{k} {v}" for k, v in sorted(ops.items())))
         return "\n".join(out) + "\n"
