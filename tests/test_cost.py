@@ -69,62 +69,15 @@ def test_grouped_experts_on_the_gpu_take_the_longer_of_their_work_and_launches(v
     assert d.gpu_s == pytest.approx(d.bytes / gpu.bandwidth + A100.overheads.gpu_launch_us * 1e-6, rel=1e-3)
 
 
-def test_the_grouped_rules_ops_are_what_the_cost_model_counts(monkeypatch):
-    """GROUPED_NODE_OPS / GROUPED_BLOCK_OPS hold the ops moe_gpu.grouped_experts issues (counted
-    with torch.profiler on the CPU, views aside, torch's grouped matmul as one op a product),
-    told its counts or not: change them together."""
+@pytest.fixture
+def grouped_ops(monkeypatch):
+    """(ops, case): ops(fn) counts the ops fn issues as the grouped rules' launches are priced
+    (torch.profiler on the CPU, top-level aten ops, views aside, torch's grouped matmul one op a
+    product); case holds a small layer's inputs, 8 of its 32 experts stacked (staged rows)."""
     import torch
     import torch.nn.functional as F
 
-    from ktflow.backends.kernels import moe_gpu
     from ktflow.backends.torch_ref import staged
-    from ktflow.costmodel.roofline import GROUPED_BLOCK_OPS, GROUPED_NODE_OPS
-
-    products = []
-    monkeypatch.setattr(F, "grouped_mm", lambda a, b, offs: products.append(1) or torch.empty(a.shape[0], b.shape[-1],
-                                                                                              dtype=a.dtype))
-    views = {"aten::slice", "aten::reshape", "aten::transpose", "aten::unsqueeze", "aten::view", "aten::select",
-             "aten::unbind", "aten::alias", "aten::detach", "aten::expand", "aten::as_strided", "aten::empty",
-             "aten::_reshape_alias", "aten::lift_fresh"}
-    g = torch.Generator().manual_seed(0)
-    E, H, I, T, k = 32, 16, 8, 64, 4
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :k]
-    wts = torch.rand(T, k, generator=g)
-    held = tuple(range(8))
-    gate, up, down = staged(torch.randn(len(held), 3 * H * I, generator=g).to(torch.bfloat16), H, I)
-    counts = moe_gpu.pick_counts(ids, E)
-    picks = sum(counts[e] for e in held)
-
-    local = moe_gpu.expert_map(held, E, "cpu")
-
-    def ops(rows: int, told: bool) -> int:
-        monkeypatch.setattr(moe_gpu, "GROUPED_ROWS", rows)
-        products.clear()
-        addend, told_counts = torch.zeros(T, H), [counts[e] for e in held] if told else None
-        with torch.profiler.profile() as prof:
-            moe_gpu.grouped_experts(x, ids, wts, local, gate, up, down, addend=addend, running=True,
-                                    counts=told_counts)
-        top = [e.name for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
-        return len([n for n in top if n not in views]) + len(products)
-
-    for told in (True, False):
-        one, two = ops(picks, told), ops(-(-picks // 2), told)
-        block = two - one
-        assert GROUPED_BLOCK_OPS - 3 <= block <= GROUPED_BLOCK_OPS, (told, block)
-        assert GROUPED_NODE_OPS - 3 <= one - block <= GROUPED_NODE_OPS, (told, one - block)
-
-
-def test_a_parts_ops_are_what_the_cost_model_counts(monkeypatch):
-    """GROUPED_LAYER_OPS / GROUPED_PART_OPS / GROUPED_PART_BLOCK_OPS hold the ops of a layer's one
-    sort and count (moe_gpu.LayerPicks) and of each part's sum (`part` and `grouped_part`),
-    counted as the test above counts: change them together."""
-    import torch
-    import torch.nn.functional as F
-
-    from ktflow.backends.kernels import moe_gpu
-    from ktflow.backends.torch_ref import staged
-    from ktflow.costmodel.roofline import GROUPED_CUT_OPS, GROUPED_LAYER_OPS, GROUPED_PART_BLOCK_OPS, GROUPED_PART_OPS
 
     products = []
     monkeypatch.setattr(F, "grouped_mm", lambda a, b, offs: products.append(1) or torch.empty(a.shape[0], b.shape[-1],
@@ -134,11 +87,11 @@ def test_a_parts_ops_are_what_the_cost_model_counts(monkeypatch):
              "aten::_reshape_alias", "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg"}
     g = torch.Generator().manual_seed(0)
     E, H, I, T, k = 32, 16, 8, 64, 4
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :k]
-    wts = torch.rand(T, k, generator=g)
     held = tuple(range(8))
     gate, up, down = staged(torch.randn(len(held), 3 * H * I, generator=g).to(torch.bfloat16), H, I)
+    case = dict(E=E, T=T, H=H, held=held, x=torch.randn(T, H, generator=g).to(torch.bfloat16),
+                ids=torch.rand(T, E, generator=g).argsort(dim=1)[:, :k], wts=torch.rand(T, k, generator=g),
+                gate=gate, up=up, down=down)
 
     def ops(fn) -> int:
         products.clear()
@@ -147,18 +100,54 @@ def test_a_parts_ops_are_what_the_cost_model_counts(monkeypatch):
         top = [e.name for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
         return len([n for n in top if n not in views]) + len(products)
 
-    assert ops(lambda: moe_gpu.LayerPicks(ids, E)) == GROUPED_LAYER_OPS
-    layer = moe_gpu.LayerPicks(ids, E)
-    addend, held_ids = torch.zeros(T, H), torch.tensor(held)
+    return ops, case
+
+
+def test_the_grouped_rules_ops_are_what_the_cost_model_counts(grouped_ops, monkeypatch):
+    """GROUPED_NODE_OPS / GROUPED_BLOCK_OPS / GROUPED_CUT_OPS hold the ops moe_gpu.grouped_experts
+    issues for a node and a block of picks (a block that cuts the rows shifts its offsets): change
+    them together."""
+    import torch
+
+    from ktflow.backends.kernels import moe_gpu
+    from ktflow.costmodel.roofline import GROUPED_BLOCK_OPS, GROUPED_CUT_OPS, GROUPED_NODE_OPS
+
+    ops, c = grouped_ops
+    local = moe_gpu.expert_map(c["held"], c["E"], "cpu")
+    picks = sum(moe_gpu.LayerPicks(c["ids"], c["E"]).counts[e] for e in c["held"])
+
+    def node(rows: int) -> int:
+        monkeypatch.setattr(moe_gpu, "GROUPED_ROWS", rows)
+        addend = torch.zeros(c["T"], c["H"])
+        return ops(lambda: moe_gpu.grouped_experts(c["x"], c["ids"], c["wts"], local, c["gate"], c["up"], c["down"],
+                                                   addend=addend, running=True))
+
+    assert node(picks) == GROUPED_NODE_OPS + GROUPED_BLOCK_OPS
+    assert node(-(-picks // 2)) == GROUPED_NODE_OPS + 2 * (GROUPED_BLOCK_OPS + GROUPED_CUT_OPS)
+
+
+def test_a_parts_ops_are_what_the_cost_model_counts(grouped_ops, monkeypatch):
+    """GROUPED_LAYER_OPS / GROUPED_PART_OPS hold the ops of a layer's one sort and count
+    (moe_gpu.LayerPicks) and of a part's own (`part`, `grouped_part`), its blocks as a node's:
+    change them together."""
+    import torch
+
+    from ktflow.backends.kernels import moe_gpu
+    from ktflow.costmodel.roofline import GROUPED_BLOCK_OPS, GROUPED_CUT_OPS, GROUPED_LAYER_OPS, GROUPED_PART_OPS
+
+    ops, c = grouped_ops
+    assert ops(lambda: moe_gpu.LayerPicks(c["ids"], c["E"])) == GROUPED_LAYER_OPS
+    layer = moe_gpu.LayerPicks(c["ids"], c["E"])
+    addend, held_ids = torch.zeros(c["T"], c["H"]), torch.tensor(c["held"])
 
     def part(rows: int) -> int:
         monkeypatch.setattr(moe_gpu, "GROUPED_ROWS", rows)
-        return ops(lambda: moe_gpu.grouped_part(x, layer.k, wts, *layer.part(held, held_ids), gate, up, down,
-                                                addend=addend, running=True))
+        return ops(lambda: moe_gpu.grouped_part(c["x"], layer.k, c["wts"], *layer.part(c["held"], held_ids), c["gate"],
+                                                c["up"], c["down"], addend=addend, running=True))
 
-    picks = sum(layer.counts[e] for e in held)
-    assert part(picks) == GROUPED_PART_OPS + GROUPED_PART_BLOCK_OPS
-    assert part(-(-picks // 2)) == GROUPED_PART_OPS + 2 * (GROUPED_PART_BLOCK_OPS + GROUPED_CUT_OPS)
+    picks = sum(layer.counts[e] for e in c["held"])
+    assert part(picks) == GROUPED_PART_OPS + GROUPED_BLOCK_OPS
+    assert part(-(-picks // 2)) == GROUPED_PART_OPS + 2 * (GROUPED_BLOCK_OPS + GROUPED_CUT_OPS)
 
 
 def test_routing_profile_skew_reads_fewer_experts(v3):

@@ -345,50 +345,42 @@ def test_one_pass_dequant_kernel_matches_the_torch_unpack(fmt, inter, monkeypatc
 def test_counts_of_equals_bincount():
     """moe_gpu.counts_of, the device count of each value that reads nothing back (CUDA's bincount
     reads the values' min and max): bincount's answer, also for values that never occur."""
-    from ktflow.backends.kernels.moe_gpu import counts_of, pick_counts
+    from ktflow.backends.kernels.moe_gpu import LayerPicks, counts_of
 
     ids = torch.tensor([[3, 1, 3], [0, 3, 7]])
     assert torch.equal(counts_of(ids, 9), torch.bincount(ids.reshape(-1), minlength=9))
-    assert pick_counts(ids, 8) == [1, 1, 0, 3, 0, 0, 0, 1]
+    assert LayerPicks(ids, 8).counts == [1, 1, 0, 3, 0, 0, 0, 1]
+
+
+def _layer_case(seed: int, E: int, H: int, I: int, T: int, k: int):
+    """(generator, gate, up, down, x, ids, wts): a random MoE layer of E experts and T tokens' k picks each."""
+    g = torch.Generator().manual_seed(seed)
+    gate, up = torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g)
+    down = torch.randn(E, H, I, generator=g)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    return g, gate, up, down, x, ids, torch.rand(T, k, generator=g)
 
 
 @pytest.mark.parametrize("grouped", [True, False])
-@pytest.mark.parametrize("told", [False, True])
 @pytest.mark.parametrize("block", [16384, 7, 1])
-def test_grouped_experts_match_the_reference_loop(block, told, grouped, monkeypatch):
+def test_grouped_experts_match_the_reference_loop(block, grouped, monkeypatch):
     """Held picks only, in blocks of GROUPED_ROWS (here also 7 and 1: blocks that cut an
-    expert's picks), equal the per-pick loop, whether the node counts its held picks or is told
-    each expert's count (`pick_counts`, read once a layer), through torch's grouped matmul or the
-    loop over experts that stands in where it does not run; added to a running sum, returned as
-    its float32."""
+    expert's picks), equal the per-pick loop, through torch's grouped matmul or the loop over
+    experts that stands in where it does not run; added to a running sum, returned as its
+    float32."""
     from ktflow.backends.kernels import moe_gpu
     from ktflow.backends.kernels.layers import swiglu
-    from ktflow.backends.kernels.moe_gpu import expert_map, grouped_experts, pick_counts
+    from ktflow.backends.kernels.moe_gpu import expert_map, grouped_experts
 
     monkeypatch.setattr(moe_gpu, "GROUPED_ROWS", block)
     if not grouped:
         monkeypatch.setitem(moe_gpu._GROUPED_OK, "cpu", False)
 
-    g = torch.Generator().manual_seed(2)
-    E, H, I, T, k = 8, 32, 48, 40, 3
-    gate, up = torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g)
-    down = torch.randn(E, H, I, generator=g)
-    x = torch.randn(T, H, generator=g)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    wts = torch.rand(T, k, generator=g)
+    E, H, T, k = 8, 32, 40, 3
+    g, gate, up, down, x, ids, wts = _layer_case(2, E, H, 48, T, k)
     held = (1, 2, 5, 6)  # the others are held elsewhere: they add nothing here
-    counts = pick_counts(ids, E)
-    assert sum(counts) == T * k
-    told_counts = [counts[e] for e in held] if told else None
-    if told and not grouped:  # the loop, told the counts on the host: it must not read the device for them
-        monkeypatch.setattr(torch.Tensor, "tolist", lambda t: pytest.fail("read counts off the device"))
-    with torch.profiler.profile() as prof:
-        got = grouped_experts(x, ids, wts, expert_map(held, E, "cpu"), gate[list(held)], up[list(held)],
-                              down[list(held)], counts=told_counts)
-    if told and not grouped:  # the loop reads no value back to the host (on a GPU each would be a sync;
-        # torch's grouped matmul on the CPU reads its offsets, on a GPU it does not)
-        reads = [e.name for e in prof.events() if e.name in ("aten::item", "aten::_local_scalar_dense", "aten::is_nonzero")]
-        assert not reads, reads
+    got = grouped_experts(x, ids, wts, expert_map(held, E, "cpu"), gate[list(held)], up[list(held)], down[list(held)])
     want = torch.zeros(T, H)
     for t in range(T):
         for s in range(k):
@@ -398,13 +390,12 @@ def test_grouped_experts_match_the_reference_loop(block, told, grouped, monkeypa
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     before = torch.randn(T, H, generator=g)
     running = grouped_experts(x, ids, wts, expert_map(held, E, "cpu"), gate[list(held)], up[list(held)],
-                              down[list(held)], addend=before.clone(), running=True, counts=told_counts)
+                              down[list(held)], addend=before.clone(), running=True)
     assert running.dtype == torch.float32 and torch.allclose(running, before + want, atol=1e-4, rtol=1e-4)
     handed = before.clone()  # the addend is the running sum, added to in place (its one reader is this node)
     assert grouped_experts(x, ids, wts, expert_map(held, E, "cpu"), gate[list(held)], up[list(held)],
-                           down[list(held)], addend=handed, running=True, counts=told_counts) is handed
-    none = grouped_experts(x, ids, wts, expert_map((), E, "cpu"), gate[:0], up[:0], down[:0],
-                           counts=[] if told else None)
+                           down[list(held)], addend=handed, running=True) is handed
+    none = grouped_experts(x, ids, wts, expert_map((), E, "cpu"), gate[:0], up[:0], down[:0])
     assert torch.equal(none, torch.zeros_like(x))
 
 
@@ -421,26 +412,26 @@ def test_a_layers_parts_sorted_once_match_the_reference_loop(block, grouped, mon
     monkeypatch.setattr(moe_gpu, "GROUPED_ROWS", block)
     if not grouped:
         monkeypatch.setitem(moe_gpu._GROUPED_OK, "cpu", False)
-    g = torch.Generator().manual_seed(3)
-    E, H, I, T, k = 10, 16, 24, 50, 3
-    gate, up = torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g)
-    down = torch.randn(E, H, I, generator=g)
-    x = torch.randn(T, H, generator=g)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    wts = torch.rand(T, k, generator=g)
+    E, H, T, k = 10, 16, 50, 3
+    _, gate, up, down, x, ids, wts = _layer_case(3, E, H, 24, T, k)
     layer = LayerPicks(ids, E)
-    assert layer.counts == moe_gpu.pick_counts(ids, E)
+    assert layer.counts == torch.bincount(ids.reshape(-1), minlength=E).tolist()
     total = torch.zeros(T, H)
     for held in ((0, 1, 2), (4, 5, 8, 9), (7,), (3, 6)):
         stack = [list(held)]
         want = grouped_experts(x, ids, wts, expert_map(held, E, "cpu"), gate[stack[0]], up[stack[0]], down[stack[0]])
         picks, offs, counts = layer.part(held, torch.tensor(held))
-        with monkeypatch.context() as m:
+        with monkeypatch.context() as m, torch.profiler.profile() as prof:
             if not grouped:  # the loop over experts has the counts on the host: no read of the device
                 m.setattr(torch.Tensor, "tolist", lambda t: pytest.fail("read counts off the device"))
             got = grouped_part(x, layer.k, wts, picks, offs, counts, gate[stack[0]], up[stack[0]], down[stack[0]])
             total = grouped_part(x, layer.k, wts, picks, offs, counts, gate[stack[0]], up[stack[0]], down[stack[0]],
                                  addend=total, running=True)
+        if not grouped:  # no value read back to the host (on a GPU each would be a sync; torch's grouped
+            # matmul on the CPU reads its offsets, on a GPU it does not)
+            reads = [e.name for e in prof.events() if e.name in ("aten::item", "aten::_local_scalar_dense",
+                                                                 "aten::is_nonzero")]
+            assert not reads, reads
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), held
     whole = grouped_experts(x, ids, wts, expert_map(tuple(range(E)), E, "cpu"), gate, up, down, running=True)
     assert torch.allclose(total, whole, atol=1e-4, rtol=1e-4)  # the parts add up to the layer
@@ -457,10 +448,10 @@ def test_torch_grouped_matmul_runs_over_stacked_and_staged_experts():
     """On this GPU the grouped experts go through torch's grouped matmul, not the loop over
     experts that stands in where it refuses (a launch an expert, and a sync without host counts):
     over a resident layer's stacked weights and over a fetch's staged rows (views into one buffer
-    an expert), both against the loop; a group told its counts syncs nowhere (torch's sync debug
-    mode raises on any)."""
+    an expert), both against the loop; a group whose layer's picks were sorted and counted once
+    (`LayerPicks`, `grouped_part`) syncs nowhere (torch's sync debug mode raises on any)."""
     from ktflow.backends.kernels import moe_gpu
-    from ktflow.backends.kernels.moe_gpu import expert_map, grouped_experts, pick_counts
+    from ktflow.backends.kernels.moe_gpu import LayerPicks, expert_map, grouped_experts, grouped_part
     from ktflow.backends.torch_ref import staged
 
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -471,23 +462,25 @@ def test_torch_grouped_matmul_runs_over_stacked_and_staged_experts():
     stacked = [(torch.randn(E, *s, generator=g, device="cuda") * 0.05).to(bf) for s in ((I, H), (I, H), (H, I))]
     held = tuple(range(3, 11))  # a fetch of 8 experts, in the layout a stager writes them
     buf = torch.cat([w[list(held)].reshape(len(held), -1) for w in stacked], dim=1).contiguous()
-    counts = pick_counts(ids, E)
-    cases = [(expert_map(tuple(range(E)), E, "cuda"), stacked, None),
-             (expert_map(held, E, "cuda"), list(staged(buf, H, I)), [counts[e] for e in held])]
-    for local, (gate, up, down), told in cases:
+    layer = LayerPicks(ids, E)  # the layer's one read of its counts
+    part = layer.part(held, torch.tensor(held, device="cuda"))
+    whole = expert_map(tuple(range(E)), E, "cuda")
+    cases = [(lambda gate, up, down: grouped_experts(x, ids, wts, whole, gate, up, down), stacked, False),
+             (lambda gate, up, down: grouped_part(x, k, wts, *part, gate, up, down), list(staged(buf, H, I)), True)]
+    for run, (gate, up, down), quiet in cases:
         moe_gpu._GROUPED_OK.pop("cuda", None)
         moe_gpu.GROUPED_FALLBACK.pop("cuda", None)
-        grouped_experts(x, ids, wts, local, gate, up, down, counts=told)  # first call: may probe the product
+        run(gate, up, down)  # first call: may probe the product
         torch.cuda.synchronize()
-        if told is not None:  # told its counts, a group reads nothing back: no sync stops the host
+        if quiet:  # its counts on the host, a group reads nothing back: no sync stops the host
             torch.cuda.set_sync_debug_mode("error")
         try:
-            got = grouped_experts(x, ids, wts, local, gate, up, down, counts=told)
+            got = run(gate, up, down)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert moe_gpu._GROUPED_OK.get("cuda") is True, moe_gpu.GROUPED_FALLBACK.get("cuda")
         moe_gpu._GROUPED_OK["cuda"] = False  # the loop, for the reference
-        want = grouped_experts(x, ids, wts, local, gate, up, down, counts=told)
+        want = run(gate, up, down)
         moe_gpu._GROUPED_OK.pop("cuda", None)
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 

@@ -29,16 +29,15 @@ from .hw import HwProfile
 from .memory import GROUPED_ROWS
 
 #: GPU ops the grouped routed-experts rules issue outside a capture: a whole layer
-#: (backends.kernels.moe_gpu.grouped_experts) per node (map, sort and count the picks) and per block
-#: of GROUPED_ROWS picks (gather, three grouped products, SiLU, weighting, scatter); a part of a
+#: (backends.kernels.moe_gpu.grouped_experts) per node (map, sort and count the picks), a part of a
 #: layer (a streamed group, a split layer's GPU part: `grouped_part`) per node (its offsets) and
-#: per block, beside its share of the layer's one sort and count (`LayerPicks`). Each costs a launch
-#: from the host, which overlaps the GPU's work on earlier ones, so a node takes the longer of its
-#: work and its launches: a layer streamed as many small groups is bound by the launches
-#: (tests/test_cost.py counts the ops)
-GROUPED_NODE_OPS, GROUPED_BLOCK_OPS = 12, 13
-GROUPED_PART_OPS, GROUPED_PART_BLOCK_OPS, GROUPED_LAYER_OPS = 4, 11, 4
-GROUPED_CUT_OPS = 2  # each block of a part cut in several shifts its offsets
+#: its share of the layer's one sort and count (`LayerPicks`); both per block of GROUPED_ROWS
+#: picks (gather, three grouped products, SiLU, weighting, scatter), a block that cuts the rows
+#: shifting its offsets. Each costs a launch from the host, which overlaps the GPU's work on
+#: earlier ones, so a node takes the longer of its work and its launches: a layer streamed as many
+#: small groups is bound by the launches (tests/test_cost.py counts the ops)
+GROUPED_NODE_OPS, GROUPED_PART_OPS, GROUPED_LAYER_OPS = 11, 4, 4
+GROUPED_BLOCK_OPS, GROUPED_CUT_OPS = 11, 2
 
 
 def is_part(n: Node) -> bool:
@@ -190,10 +189,7 @@ def node_cost(n: Node, g: Graph, work: Work, hw: HwProfile, weight_itemsize: int
         a = n.attrs
         picks = flops / (6.0 * a.hidden * a.inter * a.slice_fraction) if a.hidden and a.inter else 0.0
         blocks = max(1, math.ceil(picks / GROUPED_ROWS))
-        if is_part(n):
-            ops = (GROUPED_PART_OPS + (GROUPED_PART_BLOCK_OPS + (GROUPED_CUT_OPS if blocks > 1 else 0)) * blocks
-                   + GROUPED_LAYER_OPS * len(a.ids) / a.experts)
-        else:
-            ops = GROUPED_NODE_OPS + GROUPED_BLOCK_OPS * blocks
+        ops = (GROUPED_PART_OPS + GROUPED_LAYER_OPS * len(a.ids) / a.experts if is_part(n) else GROUPED_NODE_OPS) \
+            + (GROUPED_BLOCK_OPS + (GROUPED_CUT_OPS if blocks > 1 else 0)) * blocks
         gpu_s = max(gpu_s - gpu.overhead, ops * gpu.overhead)
     return Cost(tokens=work.tokens, flops=flops, bytes=nbytes, cpu_s=cpu.seconds(flops, cpu_bytes), gpu_s=gpu_s)

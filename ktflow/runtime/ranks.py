@@ -1,8 +1,8 @@
 """One process a GPU rank, over torch.distributed: starting the ranks, joining them under
 torchrun, and checking that their plans agree.
 
-`run_ranks(n, target, *args)` starts n processes on this host (spawned, each in the process group
-of all n: NCCL where the plans run on CUDA, gloo on the CPU), calls `target(rank, *args)` in each,
+`run_ranks(n, target, *args)` starts n processes on this host (spawned, each in the gloo process
+group of all n: CUDA ranks with NCCL are not built yet), calls `target(rank, *args)` in each,
 and returns when all have; a rank that raises or dies ends the others, and the error names it.
 `join_from_env()` is the same group under torchrun (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the
 environment), so several machines join with `torchrun --nnodes`. `check_plans_agree(plans)`:
@@ -36,8 +36,7 @@ def _timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=env.get("KTFLOW_RANK_TIMEOUT"))
 
 
-def _rank_main(rank: int, world: int, port: int, backend: str, target: Callable, args: tuple, errors) -> None:
-    import torch
+def _rank_main(rank: int, world: int, port: int, target: Callable, args: tuple, errors) -> None:
     import torch.distributed as dist
 
     if rank > 0:  # Ctrl-C and SIGTERM are rank 0's to act on: it ends the others (or the parent does)
@@ -46,9 +45,7 @@ def _rank_main(rank: int, world: int, port: int, backend: str, target: Callable,
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     code = 0
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=_timeout())
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=_timeout())
         target(rank, *args)
     except KeyboardInterrupt:
         code = 130
@@ -63,22 +60,17 @@ def _rank_main(rank: int, world: int, port: int, backend: str, target: Callable,
         raise SystemExit(code)
 
 
-def run_ranks(n: int, target: Callable, *args: Any, backend: str = "gloo") -> None:
-    """Run `target(rank, *args)` in n processes of one process group (`backend`: gloo or nccl);
+def run_ranks(n: int, target: Callable, *args: Any) -> None:
+    """Run `target(rank, *args)` in n processes of one gloo process group;
     `target` and `args` must be importable and picklable (the processes are spawned). Raises
     KtflowError naming the first rank that failed, with its error; the other ranks are stopped,
     so nothing waits on a dead peer."""
     import multiprocessing as mp
 
-    if backend == "nccl":
-        import torch
-
-        if torch.cuda.device_count() < n:
-            raise KtflowError(f"--gpus {n} but this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, n, port, backend, target, args, errors), name=f"ktflow-rank{r}")
+    procs = [ctx.Process(target=_rank_main, args=(r, n, port, target, args, errors), name=f"ktflow-rank{r}")
              for r in range(n)]
     for p in procs:
         p.start()
@@ -134,19 +126,15 @@ def run_ranks(n: int, target: Callable, *args: Any, backend: str = "gloo") -> No
         p.join()
 
 
-def join_from_env(backend: str = "gloo") -> tuple[int, int]:
-    """(rank, world size) of this process under torchrun, its process group joined over
-    `backend` (nccl: each rank on GPU `LOCAL_RANK`)."""
-    import torch
+def join_from_env() -> tuple[int, int]:
+    """(rank, world size) of this process under torchrun, its gloo process group joined."""
     import torch.distributed as dist
 
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise KtflowError(f"joining the ranks from the environment needs {', '.join(missing)} (torchrun sets them)")
     if not dist.is_initialized():
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=_timeout())
+        dist.init_process_group("gloo", timeout=_timeout())
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -206,8 +194,6 @@ def check_plans_agree(plans) -> None:
     import torch.distributed as dist
 
     mine = torch.tensor([plans_digest(plans)], dtype=torch.int64)
-    if dist.get_backend() == "nccl":
-        mine = mine.cuda()
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     digests = [int(t.item()) for t in every]

@@ -73,8 +73,11 @@ class RanksRunner:
                 raise KtflowError("the other ranks have stopped: this server is shutting down")
             self.channel.send(msg)
             out = fn(*args)
-        if isinstance(out, list):
-            _fatal_unless_input(out)
+        error = _step_error(out) if isinstance(out, list) else None
+        if error is not None:  # a collective may be unmet, the ranks out of step: the server ends, loudly
+            print(f"ktflow serve: rank 0's step failed ({type(error).__name__}: {error}); with several ranks "
+                  "that ends the server", file=sys.stderr, flush=True)
+            os._exit(1)
         return out
 
     def warm(self) -> None:
@@ -102,21 +105,17 @@ class RanksRunner:
                 self.channel.send({"op": "stop"})
 
 
+def _step_error(results: list) -> BaseException | None:
+    """The first error of a step's results other than an input error (which every rank meets
+    alike, before any collective): one that may have left a collective unmet."""
+    return next((r for r in results if isinstance(r, BaseException) and not isinstance(r, InputError)), None)
+
+
 def _check(results: list, what: str) -> None:
     """A follower's step results: an error other than an input error ends the follower."""
-    for r in results:
-        if isinstance(r, BaseException) and not isinstance(r, InputError):
-            raise KtflowError(f"{what} failed on this rank: {type(r).__name__}: {r}") from r
-
-
-def _fatal_unless_input(results: list) -> None:
-    """Rank 0's step results: an error other than an input error may have left a collective
-    unmet, and the ranks out of step: the server ends (loudly: the launcher names rank 0)."""
-    for r in results:
-        if isinstance(r, BaseException) and not isinstance(r, InputError):
-            print(f"ktflow serve: rank 0's step failed ({type(r).__name__}: {r}); with several ranks that "
-                  "ends the server", file=sys.stderr, flush=True)
-            os._exit(1)
+    error = _step_error(results)
+    if error is not None:
+        raise KtflowError(f"{what} failed on this rank: {type(error).__name__}: {error}") from error
 
 
 def follow(inner: PoolRunner, channel: Channel) -> None:

@@ -181,11 +181,11 @@ def _on_ranks(a: argparse.Namespace, target) -> int:
         raise ConfigError(f"--gpus {a.gpus} runs with --device cpu for now: the ranks meet over gloo and their GPU "
                           "work runs on the CPU (the correctness mode); CUDA ranks with NCCL are not built yet")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun started this process
-        rank, world = ranks.join_from_env("gloo")
+        rank, world = ranks.join_from_env()
         if world != a.gpus:
             raise ConfigError(f"--gpus {a.gpus} but torchrun started {world} process(es): give the same number")
         return target(rank, a)
-    ranks.run_ranks(a.gpus, target, a, backend="gloo")
+    ranks.run_ranks(a.gpus, target, a)
     return 0
 
 

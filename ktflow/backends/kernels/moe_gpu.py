@@ -63,22 +63,18 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, counts: lis
 
 
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local: torch.Tensor, gate, up, down,
-                    addend: torch.Tensor | None = None, running: bool = False,
-                    counts: list[int] | None = None) -> torch.Tensor:
+                    addend: torch.Tensor | None = None, running: bool = False) -> torch.Tensor:
     """sum over each token's picks of weight * down(silu(gate x) * up x), for the picks whose
     expert has a row in the stacked weights (`local[id]` >= 0; others add nothing). x [T, H];
     ids, wts [T, k]; gate, up [n, I, H]; down [n, H, I] (tensors, or fp8_gpu.Fp8Weight stacks:
     each dequantized to x's dtype for its product) -> [T, H] in x's dtype (summed in fp32).
     Picks are sorted by expert, those held elsewhere last; outside a CUDA graph capture only the
-    held picks' rows are gathered, multiplied and summed, GROUPED_ROWS at a time, so a part
-    holding few of the layer's experts (a streamed group) costs in proportion to its picks and a
-    long step's temporaries stay bounded; while capturing, every pick's row is (masked).
-    `counts`: each stacked expert's pick count, where the caller knows them on the host
-    (`pick_counts`: one read a layer for all its parts): no sync here, even where torch's grouped
-    matmul does not run; otherwise the held picks are counted here (a sync, where the node holds
-    only some of the layer's experts). `addend` (float32 [T, H]): a running sum the picks are
-    added to, in place (the caller hands it over); `running`: return the float32 sum (a streamed
-    group's partial sum) rather than x's dtype."""
+    held picks' rows are gathered, multiplied and summed, GROUPED_ROWS at a time (`_sum_blocks`),
+    so a long step's temporaries stay bounded (where the node holds only some of the layer's
+    experts, their count is read here: a sync; a layer's parts use `LayerPicks` and
+    `grouped_part` instead); while capturing, every pick's row is (masked). `addend` (float32
+    [T, H]): a running sum the picks are added to, in place (the caller hands it over);
+    `running`: return the float32 sum (a streamed group's partial sum) rather than x's dtype."""
     t, k = ids.shape
     n = stack_rows(gate)
     row = local[ids].reshape(-1)
@@ -86,33 +82,42 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, local
     order = torch.argsort(key, stable=True)
     per_row = counts_of(key, n + 1)[:n]  # picks a stacked expert, on the device
     offs = torch.cumsum(per_row, 0).to(torch.int32)
-    # a float32 addend is added to in place: a running sum has one reader, the layer's next group
-    # (verifier rule S1), so no copy of [T, H] float32 a group
-    out = addend.float() if addend is not None else torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    out = _running_sum(x, addend)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         # every pick's row; rows past the groups (picks held elsewhere) come out undefined: their
         # weight is 0 and they are zeroed
         weight = torch.where(key[order] < n, wts.reshape(-1)[order], 0.0)
         _rows(x, order // k, weight, gate, up, down, offs, None, out, masked=True)
         return out if running else out.to(x.dtype)
-    # the held picks only, GROUPED_ROWS at a time (memory.SCRATCH bounds the temporaries so); every
-    # expert of the layer held (a resident layer): every pick, no need to know the count
-    if counts is not None:
-        held = sum(counts)
-        ends = list(itertools.accumulate(counts))
-    elif n == local.numel():
-        held = t * k
-    else:
-        held = int(offs[-1]) if n else 0
+    # every expert of the layer held (a resident layer): every pick, no need to read the count
+    held = t * k if n == local.numel() else (int(offs[-1]) if n else 0)
+    _sum_blocks(x, k, wts, order, offs, None, held, gate, up, down, out)
+    return out if running else out.to(x.dtype)
+
+
+def _running_sum(x: torch.Tensor, addend: torch.Tensor | None) -> torch.Tensor:
+    """The float32 [T, H] the picks are added into: `addend` itself (a running sum has one reader,
+    the layer's next group, verifier rule S1: no copy a group), else zeros."""
+    return addend.float() if addend is not None else torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32,
+                                                                 device=x.device)
+
+
+def _sum_blocks(x: torch.Tensor, k: int, wts: torch.Tensor, picks: torch.Tensor, offs: torch.Tensor,
+                counts: list[int] | None, held: int, gate, up, down, out: torch.Tensor) -> None:
+    """The first `held` of `picks` (flat pick indices sorted by stacked row; `offs` per row on the
+    device, `counts` on the host where known: the loop that stands in for torch's grouped matmul
+    then reads nothing back) through `_rows` into `out`, GROUPED_ROWS at a time (memory.SCRATCH
+    bounds the temporaries so); a block that cuts the rows shifts its offsets."""
+    ends = list(itertools.accumulate(counts)) if counts is not None else None
+    flat = wts.reshape(-1)
     for lo in range(0, held, GROUPED_ROWS):
         hi = min(lo + GROUPED_ROWS, held)
-        block = order[lo:hi]
-        offs_b = (offs - lo).clamp_(0, hi - lo)
-        counts_b = None  # this block's count of each expert, where known on the host (for the loop)
-        if counts is not None:
-            counts_b = [min(max(e - lo, 0), hi - lo) - min(max(e - c - lo, 0), hi - lo) for e, c in zip(ends, counts)]
-        _rows(x, block // k, wts.reshape(-1)[block], gate, up, down, offs_b, counts_b, out, masked=False)
-    return out if running else out.to(x.dtype)
+        whole = lo == 0 and hi == held
+        offs_b = offs if whole else (offs - lo).clamp_(0, hi - lo)
+        counts_b = counts if whole or counts is None else [
+            min(max(e - lo, 0), hi - lo) - min(max(e - c - lo, 0), hi - lo) for e, c in zip(ends, counts)]
+        block = picks[lo:hi]
+        _rows(x, block // k, flat[block], gate, up, down, offs_b, counts_b, out, masked=False)
 
 
 class LayerPicks:
@@ -151,19 +156,8 @@ def grouped_part(x: torch.Tensor, k: int, wts: torch.Tensor, picks: torch.Tensor
     """`grouped_experts` for a part of a layer whose picks are sorted already (`LayerPicks.part`:
     `picks` the flat pick indices of its experts in stacked-row order, `offs` / `counts` per row):
     the same sums, GROUPED_ROWS picks at a time, without the part's own sort and counts."""
-    out = addend.float() if addend is not None else torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32,
-                                                                 device=x.device)
-    held = sum(counts)
-    ends = list(itertools.accumulate(counts))
-    flat = wts.reshape(-1)
-    for lo in range(0, held, GROUPED_ROWS):
-        hi = min(lo + GROUPED_ROWS, held)
-        block = picks[lo:hi]
-        whole = lo == 0 and hi == held
-        offs_b = offs if whole else (offs - lo).clamp_(0, hi - lo)
-        counts_b = counts if whole else [min(max(e - lo, 0), hi - lo) - min(max(e - c - lo, 0), hi - lo)
-                                         for e, c in zip(ends, counts)]
-        _rows(x, block // k, flat[block], gate, up, down, offs_b, counts_b, out, masked=False)
+    out = _running_sum(x, addend)
+    _sum_blocks(x, k, wts, picks, offs, counts, sum(counts), gate, up, down, out)
     return out if running else out.to(x.dtype)
 
 
@@ -173,12 +167,6 @@ def counts_of(values: torch.Tensor, size: int) -> torch.Tensor:
     flat = values.reshape(-1)
     ones = torch.ones(flat.shape, dtype=torch.int64, device=flat.device)
     return torch.zeros(size, dtype=torch.int64, device=flat.device).index_add_(0, flat, ones)
-
-
-def pick_counts(ids: torch.Tensor, experts: int) -> list[int]:
-    """How many of the picks `ids` [T, k] went to each of `experts` experts, on the host (one
-    read of the device: the parts of a layer streamed as several groups share it)."""
-    return counts_of(ids, experts).tolist()
 
 
 def _rows(x: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
