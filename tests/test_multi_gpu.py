@@ -157,6 +157,22 @@ def test_two_ranks_over_gloo_give_one_ranks_greedy_tokens(case, demo_dir, tiny_d
     assert json.loads(path.read_text()) == one
 
 
+def _compile_own_budget(rank: int, case_dir: str, options: dict) -> None:
+    """One rank compiled with its own VRAM budget: the ranks divide the experts differently."""
+    from ktflow.runtime.ranks import check_plans_agree
+
+    c = ktflow.compile(ktflow.load(case_dir), hw=HW, rank=rank, **dict(options, vram_budget_gb=options["vram_budget_gb"]
+                                                                        * (1 + rank)))
+    check_plans_agree(c.plans.plans)
+
+
+def test_ranks_that_divide_the_experts_differently_fail_at_the_start(demo_dir):
+    options = dict(small(ktflow.load(demo_dir)), gpus=2)
+    with pytest.raises(KtflowError, match=r"divide the experts wrongly: .* expert \d+ of layer \d+ is computed [02] "
+                                          r"times over the ranks, not once"):
+        run_ranks(2, _compile_own_budget, str(demo_dir), options)
+
+
 def _fails_on_rank_1(rank: int) -> None:
     import torch.distributed as dist
 

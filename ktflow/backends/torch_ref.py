@@ -310,8 +310,8 @@ def _reduce(be, node, w, ins, ctx, dev):
 
 def _collective(be, node, w, ins, ctx, dev):
     """An all-reduce among the plan's ranks: this rank's parts summed in float32 (none: zeros),
-    summed over torch.distributed's default group (one process a rank; gloo for now: CUDA ranks
-    are not built), in the activation dtype."""
+    summed over torch.distributed's default group (one process a rank: NCCL for a CUDA rank, on the
+    step's stream, so a captured step holds it; gloo for CPU tensors), in the activation dtype."""
     import torch.distributed as dist
 
     a = node.attrs

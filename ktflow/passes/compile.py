@@ -48,9 +48,6 @@ def compile_plans(model: Any, hw: HwProfile, opts: CompileOptions, device: str, 
     if opts.gpus > 1 and (opts.defer is not None or opts.expert_cache):
         raise ConfigError("gpus > 1 does not take " + ("defer" if opts.defer is not None else "expert_cache")
                           + " yet (each rank's parts of a layer meet in one all-reduce); leave it out")
-    if opts.gpus > 1 and device == "cuda":
-        raise ConfigError(f"gpus={opts.gpus} runs with device='cpu' for now: the ranks meet over gloo and their GPU "
-                          "work runs on the CPU (the correctness mode); CUDA ranks with NCCL are not built yet")
     if len(hw.gpus) > opts.gpus:
         notices.warn(f"hardware profile {hw.name!r} has {len(hw.gpus)} GPUs; the plans use {opts.gpus} "
                      f"(gpus={opts.gpus})", key="gpus")

@@ -139,11 +139,12 @@ def check_gpu(pf: PlanFile) -> None:
                         "ktflow.compile) and run that plan")
     if not pf.hw.gpus:
         return
-    planned = pf.hw.gpus[0].memory_bytes
-    here = float(torch.cuda.get_device_properties(0).total_memory)
+    gpu = pf.hw.gpus[min(pf.options.rank, len(pf.hw.gpus) - 1)]  # this rank's GPU (rank r: the current device)
+    planned = gpu.memory_bytes
+    here = float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
     if abs(here - planned) > GPU_MEMORY_TOLERANCE * planned:
         raise PlanError(f"this {where} was placed for a GPU with {planned / 2**30:.1f} GiB of memory "
-                        f"({pf.hw.gpus[0].name}); this GPU ({torch.cuda.get_device_name(0)}) has {here / 2**30:.1f} GiB. "
+                        f"({gpu.name}); this GPU ({torch.cuda.get_device_name()}) has {here / 2**30:.1f} GiB. "
                         "Recompile it for this machine (`ktflow compile --hw this`, or `ktflow hw probe`)")
     # before anything is allocated: what the plans will take against what is free now (memory this
     # process's allocator already holds counts as free; the reserve is what the plan leaves unused)

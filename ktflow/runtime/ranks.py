@@ -1,13 +1,16 @@
 """One process a GPU rank, over torch.distributed: starting the ranks, joining them under
 torchrun, and checking that their plans agree.
 
-`run_ranks(n, target, *args)` starts n processes on this host (spawned, each in the gloo process
-group of all n: CUDA ranks with NCCL are not built yet), calls `target(rank, *args)` in each,
-and returns when all have; a rank that raises or dies ends the others, and the error names it.
-`join_from_env()` is the same group under torchrun (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the
-environment), so several machines join with `torchrun --nnodes`. `check_plans_agree(plans)`:
-every rank's plans must list the same collectives in the same order, or the ranks would wait on
-each other forever; a digest of them is compared across the group at the start.
+`run_ranks(n, target, *args, cuda=...)` starts n processes on this host (spawned), calls
+`target(rank, *args)` in each, and returns when all have; a rank that raises or dies ends the
+others, and the error names it. The process group: gloo alone (the correctness mode, GPU work on
+the CPU), or with `cuda` one GPU a rank (rank r's current device is cuda:r, its local rank under
+torchrun) and NCCL for CUDA tensors beside gloo for CPU ones; NCCL's communicator is made at the
+start, before any step is captured. `join_from_env(cuda)` is the same group under torchrun (RANK,
+WORLD_SIZE, MASTER_ADDR/PORT in the environment), so several machines join with `torchrun
+--nnodes`. `check_plans_agree(plans)`: every rank's plans must list the same collectives in the
+same order, or the ranks would wait on each other forever, and together compute each routed
+expert of each layer exactly once; both are checked across the group at the start.
 """
 
 from __future__ import annotations
@@ -36,7 +39,26 @@ def _timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=env.get("KTFLOW_RANK_TIMEOUT"))
 
 
-def _rank_main(rank: int, world: int, port: int, target: Callable, args: tuple, errors) -> None:
+def _init_group(cuda: bool, local_rank: int, **kw) -> None:
+    """This process's group: gloo, or with `cuda` NCCL for CUDA tensors too, on GPU `local_rank`
+    (its communicator made now by a first all-reduce: a CUDA graph cannot capture its making)."""
+    import torch
+    import torch.distributed as dist
+
+    if not cuda:
+        dist.init_process_group("gloo", timeout=_timeout(), **kw)
+        return
+    if local_rank >= torch.cuda.device_count():
+        raise KtflowError(f"rank with local rank {local_rank} has no GPU: torch sees {torch.cuda.device_count()} "
+                          "CUDA device(s) on this host; start at most that many ranks here")
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("cpu:gloo,cuda:nccl", timeout=_timeout(), **kw)
+    one = torch.ones(1, device="cuda")
+    dist.all_reduce(one)
+    torch.cuda.synchronize()
+
+
+def _rank_main(rank: int, world: int, port: int, target: Callable, args: tuple, errors, cuda: bool = False) -> None:
     import torch.distributed as dist
 
     if rank > 0:  # Ctrl-C and SIGTERM are rank 0's to act on: it ends the others (or the parent does)
@@ -45,7 +67,7 @@ def _rank_main(rank: int, world: int, port: int, target: Callable, args: tuple, 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     code = 0
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=_timeout())
+        _init_group(cuda, rank, rank=rank, world_size=world)
         target(rank, *args)
     except KeyboardInterrupt:
         code = 130
@@ -60,9 +82,10 @@ def _rank_main(rank: int, world: int, port: int, target: Callable, args: tuple, 
         raise SystemExit(code)
 
 
-def run_ranks(n: int, target: Callable, *args: Any) -> None:
-    """Run `target(rank, *args)` in n processes of one gloo process group;
-    `target` and `args` must be importable and picklable (the processes are spawned). Raises
+def run_ranks(n: int, target: Callable, *args: Any, cuda: bool = False) -> None:
+    """Run `target(rank, *args)` in n processes of one process group (`cuda`: rank r on GPU r,
+    NCCL beside gloo); `target` and `args` must be importable and picklable (the processes are
+    spawned). Raises
     KtflowError naming the first rank that failed, with its error; the other ranks are stopped,
     so nothing waits on a dead peer."""
     import multiprocessing as mp
@@ -70,7 +93,13 @@ def run_ranks(n: int, target: Callable, *args: Any) -> None:
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, n, port, target, args, errors), name=f"ktflow-rank{r}")
+    if cuda:
+        import torch
+
+        if torch.cuda.device_count() < n:
+            raise KtflowError(f"{n} CUDA ranks need {n} GPUs; torch sees {torch.cuda.device_count()} on this host "
+                              f"(lower --gpus, or run the correctness mode with --device cpu)")
+    procs = [ctx.Process(target=_rank_main, args=(r, n, port, target, args, errors, cuda), name=f"ktflow-rank{r}")
              for r in range(n)]
     for p in procs:
         p.start()
@@ -126,15 +155,16 @@ def run_ranks(n: int, target: Callable, *args: Any) -> None:
         p.join()
 
 
-def join_from_env() -> tuple[int, int]:
-    """(rank, world size) of this process under torchrun, its gloo process group joined."""
+def join_from_env(cuda: bool = False) -> tuple[int, int]:
+    """(rank, world size) of this process under torchrun, its process group joined (`cuda`: on
+    GPU LOCAL_RANK, NCCL beside gloo)."""
     import torch.distributed as dist
 
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise KtflowError(f"joining the ranks from the environment needs {', '.join(missing)} (torchrun sets them)")
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=_timeout())
+        _init_group(cuda, int(os.environ.get("LOCAL_RANK", 0)))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -187,9 +217,29 @@ def plans_digest(plans) -> int:
     return int.from_bytes(h.digest()[:8], "little") >> 1
 
 
+def expert_cover(plans, experts: int):
+    """(the spread MoE layers, [plans, layers, experts] int32): how many of each plan's
+    routed-experts nodes compute each expert of each layer whose parts a collective sums (a NUMA
+    shard of rows counted at its first slice only)."""
+    import torch
+
+    from ..ir.ops import Op
+
+    layers = sorted({n.attrs.layer for p in plans for n in p.ir.nodes if n.op == Op.COLLECTIVE})
+    row = {layer: i for i, layer in enumerate(layers)}
+    cover = torch.zeros(len(plans), len(layers), experts, dtype=torch.int32)
+    for i, p in enumerate(plans):
+        for n in p.ir.nodes:
+            if n.op == Op.ROUTED_EXPERTS and n.attrs.layer in row and n.attrs.rows[0] == 0:
+                cover[i, row[n.attrs.layer], list(n.attrs.ids)] += 1
+    return layers, cover
+
+
 def check_plans_agree(plans) -> None:
     """Raise KtflowError on every rank where the ranks' plans do not list the same collectives
-    in the same order (`plans_digest` gathered over the process group), naming the ranks."""
+    in the same order (`plans_digest` gathered over the process group), naming the ranks, or
+    where they do not compute each routed expert of each layer exactly once between them
+    (`expert_cover` summed over the group): a rank compiled from another profile or options."""
     import torch
     import torch.distributed as dist
 
@@ -201,3 +251,17 @@ def check_plans_agree(plans) -> None:
     if odd:
         raise KtflowError(f"the ranks' plans disagree: rank(s) {odd} list other collectives than rank 0 (compile "
                           "every rank from the same model, options and hardware profile)")
+    from ..ir.ops import Op
+
+    most = torch.tensor([max((n.attrs.experts for p in plans for n in p.ir.nodes if n.op == Op.ROUTED_EXPERTS),
+                             default=0)], dtype=torch.int64)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    layers, cover = expert_cover(plans, int(most.item()))
+    dist.all_reduce(cover)
+    bad = (cover != 1).nonzero()
+    if len(bad):
+        i, row, e = (int(x) for x in bad[0])
+        raise KtflowError(f"the ranks' plans divide the experts wrongly: {plans[i].phase} plan "
+                          f"({plans[i].step_tokens} tokens a step), expert {e} of layer {layers[row]} is computed "
+                          f"{int(cover[i, row, e])} times over the ranks, not once ({len(bad)} such); compile every "
+                          "rank from the same model, options and hardware profile")

@@ -167,9 +167,9 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 def _on_ranks(a: argparse.Namespace, target) -> int:
     """`run` / `serve` with --gpus N: under torchrun, this process is one rank (its rank from the
-    environment); else N processes are started here, one a rank, `target(rank, a)` in each. Where
-    the plans' GPU nodes run on the CPU (--device cpu), the ranks meet over gloo: the correctness
-    mode."""
+    environment); else N processes are started here, one a rank, `target(rank, a)` in each. With
+    CUDA, rank r runs on GPU r (under torchrun: LOCAL_RANK) and the ranks meet over NCCL; where the
+    plans' GPU nodes run on the CPU (--device cpu), over gloo: the correctness mode."""
     import os
 
     from ktflow.errors import ConfigError
@@ -177,15 +177,13 @@ def _on_ranks(a: argparse.Namespace, target) -> int:
 
     import torch
 
-    if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()):
-        raise ConfigError(f"--gpus {a.gpus} runs with --device cpu for now: the ranks meet over gloo and their GPU "
-                          "work runs on the CPU (the correctness mode); CUDA ranks with NCCL are not built yet")
+    cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun started this process
-        rank, world = ranks.join_from_env()
+        rank, world = ranks.join_from_env(cuda)
         if world != a.gpus:
             raise ConfigError(f"--gpus {a.gpus} but torchrun started {world} process(es): give the same number")
         return target(rank, a)
-    ranks.run_ranks(a.gpus, target, a)
+    ranks.run_ranks(a.gpus, target, a, cuda=cuda)
     return 0
 
 
