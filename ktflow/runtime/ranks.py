@@ -52,6 +52,9 @@ def _init_group(cuda: bool, local_rank: int, **kw) -> None:
         raise KtflowError(f"rank with local rank {local_rank} has no GPU: torch sees {torch.cuda.device_count()} "
                           "CUDA device(s) on this host; start at most that many ranks here")
     torch.cuda.set_device(local_rank)
+    # NCCL registers a captured collective's buffers, assuming one allocation each; the CUDA backend's
+    # expandable segments break that and replays then sum stale data: no registration under capture
+    os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
     dist.init_process_group("cpu:gloo,cuda:nccl", timeout=_timeout(), **kw)
     one = torch.ones(1, device="cuda")
     dist.all_reduce(one)
