@@ -166,14 +166,15 @@ SHARE = {"deepseek_v2_lite": 0.6}
 
 def _greedy_tokens(rank: int, path: str, case_dir: str, options: dict, prompt: list[int], new: int) -> None:
     """One rank: compile its plans, check them against the others', greedy-decode; each rank writes
-    its ids and the experts its decode plan holds on its GPU and CPU."""
+    its ids, the experts its decode plan holds on its GPU and CPU, and its native pool's size."""
+    from ktflow.backends.native import binding as native
     from ktflow.runtime.ranks import check_plans_agree
 
     c = ktflow.compile(ktflow.load(case_dir), rank=rank, **options)
     check_plans_agree(c.plans.plans)
     out = ktflow.generate(c, torch.tensor([prompt]), new)
     with open(f"{path}.{rank}", "w") as f:
-        json.dump({"ids": out[0].tolist(), "held": held(c.decode)}, f)
+        json.dump({"ids": out[0].tolist(), "held": held(c.decode), "threads": native.pool().threads}, f)
 
 
 @pytest.mark.parametrize("case", ["demo", "deepseek_v3", "deepseek_v2_lite", "qwen2_moe", "qwen3_moe", "glm4_moe",
@@ -191,6 +192,7 @@ def test_two_ranks_over_gloo_give_one_ranks_greedy_tokens(case, demo_dir, tiny_d
     assert [r["ids"] for r in ranks] == [one, one]
     (gpu0, cpu0), (gpu1, cpu1) = (r["held"] for r in ranks)
     assert gpu0 > 0 and gpu1 > 0 and cpu0 > 0 and cpu1 == 0, "the premise: experts on both GPUs and rank 0's CPU"
+    assert ranks[1]["threads"] == 1, "rank 1 drives no CPU experts: one worker, the cores left to rank 0's"
 
 
 def _compile_own_budget(rank: int, case_dir: str, options: dict) -> None:

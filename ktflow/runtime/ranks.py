@@ -39,11 +39,16 @@ def _timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=env.get("KTFLOW_RANK_TIMEOUT"))
 
 
-def _init_group(cuda: bool, local_rank: int, **kw) -> None:
+def _init_group(cuda: bool, local_rank: int, global_rank: int, **kw) -> None:
     """This process's group: gloo, or with `cuda` NCCL for CUDA tensors too, on GPU `local_rank`
-    (its communicator made now by a first all-reduce: a CUDA graph cannot capture its making)."""
+    (its communicator made now by a first all-reduce: a CUDA graph cannot capture its making). A
+    rank past 0 drives no CPU experts: its native pool gets one unpinned worker, leaving the
+    cores to rank 0's."""
     import torch
     import torch.distributed as dist
+
+    if global_rank > 0:
+        os.environ.update(KTFLOW_THREADS="1", KTFLOW_NUMA_GROUPS="1", KTFLOW_PIN="0")
 
     if not cuda:
         dist.init_process_group("gloo", timeout=_timeout(), **kw)
@@ -70,7 +75,7 @@ def _rank_main(rank: int, world: int, port: int, target: Callable, args: tuple, 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     code = 0
     try:
-        _init_group(cuda, rank, rank=rank, world_size=world)
+        _init_group(cuda, rank, rank, rank=rank, world_size=world)
         target(rank, *args)
     except KeyboardInterrupt:
         code = 130
@@ -167,7 +172,7 @@ def join_from_env(cuda: bool = False) -> tuple[int, int]:
     if missing:
         raise KtflowError(f"joining the ranks from the environment needs {', '.join(missing)} (torchrun sets them)")
     if not dist.is_initialized():
-        _init_group(cuda, int(os.environ.get("LOCAL_RANK", 0)))
+        _init_group(cuda, int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["RANK"]))
     return dist.get_rank(), dist.get_world_size()
 
 
