@@ -99,8 +99,12 @@ def test_prompt_with_tokenizer(demo_dir, tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["compile", "/nonexistent/dir"], "does not exist"),
-    (["run", "{demo}", "--input-ids", "1 99999"], "token id 99999 is out of range"),
-    (["run", "{demo}", "--input-ids", "1 x"], "--input-ids must be integers"),
+    (["run", "{demo}", "--input-ids", "1 99999"], "token id 99999, outside the model's vocabulary (ids 0..2047)"),
+    (["run", "{demo}", "--input-ids", "1,99999999999999999999999"], "token id 99999999999999999999999, outside"),
+    (["run", "{demo}", "--input-ids", "1 x"], "--input-ids must be token ids"),
+    (["run", "{demo}", "--input-ids", "1,,2"], "separated by one comma or spaces, got '1,,2'"),
+    (["run", "{demo}", "--input-ids", "1,2", "--temperature", "0.7", "--seed", str(2**64)],
+     "seed must be an integer in [-2**63, 2**64 - 1]"),
     (["run", "{demo}", "--prompt", "hi"], "tokenizer.json"),
     (["run", "{demo}", "--input-ids", "1 2", "--max-seq-len", "4", "--max-new-tokens", "10"], "max_seq_len 4"),
     (["inspect", "{demo}/config.json"], "not a ktflow plan"),

@@ -202,6 +202,7 @@ def test_uniform_is_uniform():
     ("top_p", 0.0, "top_p"), ("top_p", 1.5, "top_p"), ("top_k", -1, "top_k"),
     ("min_p", 1.2, "min_p"), ("min_p", -0.1, "min_p"), ("repetition_penalty", 0.0, "repetition_penalty"),
     ("presence_penalty", float("inf"), "presence_penalty"), ("frequency_penalty", float("nan"), "frequency_penalty"),
+    ("seed", 2**64, "seed"), ("seed", -2**63 - 1, "seed"), ("seed", True, "seed"),
 ])
 def test_bad_parameters_name_themselves(field, value, match):
     with pytest.raises(SamplingParamError, match=match) as e:

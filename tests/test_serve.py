@@ -68,6 +68,7 @@ class TestRunner(PoolRunner):
     def __init__(self, compiled, slots):
         super().__init__(compiled, slots)
         self.delay, self.widest, self.widest_prefill = 0.0, 0, 0
+        self.fail_decode = 0  # decode steps that raise as a whole (not per row) before working again
 
     def _prefill_step(self, items):
         self.widest_prefill = max(self.widest_prefill, len(items))
@@ -79,6 +80,9 @@ class TestRunner(PoolRunner):
         self.widest = max(self.widest, len(slots))
         if self.delay:
             time.sleep(self.delay)
+        if self.fail_decode:
+            self.fail_decode -= 1
+            raise RuntimeError("injected failure of a whole decode step")
         return super().decode(slots, ids)
 
 
@@ -385,6 +389,19 @@ def test_a_failing_request_fails_alone(srv, client):
     assert health(base)["status"] == "ok"
 
 
+def test_a_step_that_fails_as_a_whole_fails_its_requests_and_the_server_goes_on(srv, client):
+    base, served, runner = srv
+    runner.fail_decode = 1
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model="demo", prompt="Hello", max_tokens=8, temperature=0)
+    assert "injected failure of a whole decode step" in e.value.message
+    r = client.completions.create(model="demo", prompt="Hello", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens >= 1
+    h = health(base)
+    assert h["status"] == "ok" and not h["draining"] and served.engine.step_errors >= 1
+    assert served.engine.stats()["free_slots"] == served.engine.slots
+
+
 def test_validation_errors_are_400_and_name_the_field(srv, client, tok):
     base = srv[0]
 
@@ -559,3 +576,18 @@ def test_serve_help_teaches():
     assert out.returncode == 0
     for word in ("/v1/chat/completions", "--max-batch", "--max-queue", "--api-key", "127.0.0.1", "SIGTERM", "curl"):
         assert word in out.stdout, word
+
+
+@pytest.mark.parametrize("seed", [2**64 + 5, -2**63 - 1, 2**200])
+def test_a_seed_out_of_range_fails_its_request_and_the_server_goes_on(srv, client, seed):
+    """A seed past 64 bits is one request's bad input: a 400 naming it, never a stopped engine."""
+    base = srv[0]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       temperature=0.7, seed=seed)
+    assert "seed" in e.value.message
+    r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "ok?"}], max_tokens=4,
+                                       temperature=0.7, seed=3)
+    assert r.usage.completion_tokens >= 1
+    h = health(base)
+    assert h["status"] == "ok" and not h["draining"]

@@ -115,9 +115,14 @@ class SamplingParams:
                                          + (f" (ids 0..{vocab - 1})" if vocab is not None else " (ids are >= 0)"))
             if not math.isfinite(v):
                 raise SamplingParamError("logit_bias", f"logit_bias for token {tok} must be a finite number, got {v!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad("seed", "an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            bad("seed", "an integer in [-2**63, 2**64 - 1] (the random stream takes 64 bits)")
         return self
+
+
+#: the seeds the random stream takes: 64 bits, signed or not (a negative seed is its two's complement)
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
 def _token_id(k) -> int:

@@ -10,7 +10,9 @@ slots. A prompt is always cut at multiples of `prefill_tokens`. The model is rea
 a `Runner` (`runner.py`), which selects each row's tokens by its request's `SamplingParams` from
 its own random stream (seeded by `seed`, advanced only by its own steps). A request hears of its
 sequence through its `emit(event)`, called on the scheduler thread: `Delta`s, then one `Finished`
-or `Failed`. On batching and reproducibility: docs/design-notes.md.
+or `Failed`. A step that raises as a whole fails the sequences running then and frees their
+slots; the engine serves on (only an interrupt or `stop` ends it). On batching and
+reproducibility: docs/design-notes.md.
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.iterations = 0
-        self.error: BaseException | None = None  # a scheduler bug that stopped the thread
+        self.error: BaseException | None = None  # what stopped the thread (an interrupt, not a step's error)
+        self.step_errors = 0  # steps that raised as a whole: their sequences failed, the engine went on
 
     # ----------------------------------------------------------------------------- client side
     @property
@@ -190,11 +193,14 @@ class Engine:
                     if self._stopping and not self._running:
                         return
                     admitted = self._admit()
-                for s in admitted:
-                    self._start(s)
-                self._iterate()
+                try:
+                    for s in admitted:
+                        self._start(s)
+                    self._iterate()
+                except Exception as e:  # noqa: BLE001 - one step's failure is its requests', not the server's
+                    self._step_failed(e)
                 self.iterations += 1
-        except BaseException as e:  # noqa: BLE001 - a bug here must not hang every client
+        except BaseException as e:  # noqa: BLE001 - an interrupt: no client may hang on it
             self.error = e
             with self._cond:
                 self._draining = True
@@ -205,6 +211,20 @@ class Engine:
                 self._waiting.clear()
                 self._running.clear()
                 self._cond.notify_all()
+
+    def _step_failed(self, e: Exception) -> None:
+        """A step raised as a whole (not per sequence): every running sequence fails with it and
+        gives back its slot; the waiting ones and later requests are served."""
+        self.step_errors += 1
+        for s in list(self._running):
+            self._fail(s, e)
+            try:
+                self._release(s)
+            except Exception:  # noqa: BLE001 - the slot's state is reset when it starts again
+                with self._cond:
+                    if s in self._running:
+                        self._running.remove(s)
+                        heapq.heappush(self._free, s.slot)
 
     def _admit(self) -> list[_Seq]:
         """Waiting requests into free slots (under the lock)."""

@@ -43,7 +43,9 @@ def cmd_compile(a: argparse.Namespace) -> int:
     return 0
 
 
-def _token_ids(a: argparse.Namespace, model_dir: Path):
+def _token_ids(a: argparse.Namespace, model_dir: Path, vocab: int):
+    import re
+
     import torch
 
     from ktflow.errors import InputError
@@ -51,12 +53,15 @@ def _token_ids(a: argparse.Namespace, model_dir: Path):
     if (a.input_ids is None) == (a.prompt is None):
         raise InputError("give exactly one of --input-ids \"1 2 3\" or --prompt TEXT")
     if a.input_ids is not None:
-        try:
-            ids = [int(t) for t in a.input_ids.replace(",", " ").split()]
-        except ValueError:
-            raise InputError(f"--input-ids must be integers separated by spaces, got {a.input_ids!r}") from None
-        if not ids:
+        if not a.input_ids.strip():
             raise InputError("--input-ids is empty")
+        if not re.fullmatch(r"\s*\d+(\s*[,\s]\s*\d+)*\s*", a.input_ids):
+            raise InputError(f"--input-ids must be token ids (integers >= 0) separated by one comma or spaces, got "
+                             f"{a.input_ids!r}")
+        ids = [int(t) for t in re.split(r"[,\s]+", a.input_ids.strip())]
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise InputError(f"--input-ids has token id {bad}, outside the model's vocabulary (ids 0..{vocab - 1})")
         return torch.tensor([ids]), None
     tok_file = model_dir / "tokenizer.json"
     if not tok_file.exists():
@@ -209,7 +214,7 @@ def _run(a: argparse.Namespace) -> int:
     from ktflow.runtime.generate import generate_with_stats
 
     model = ktflow.load(a.model)
-    ids, tok = _token_ids(a, model.path)
+    ids, tok = _token_ids(a, model.path, model.config.vocab_size)
     compiled = _compiled(a, model)
     ranked = compiled.plans.options.gpus > 1
     if ranked:
