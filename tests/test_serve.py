@@ -436,6 +436,40 @@ def test_validation_errors_are_400_and_name_the_field(srv, client, tok):
     with pytest.raises(openai.BadRequestError) as ex:  # and as the openai client sees it
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], max_tokens=-5)
     assert ex.value.param == "max_tokens"
+    # JSON types as OpenAI's: no coercion of strings or booleans
+    for bad, param in ((dict(max_tokens="10"), "max_tokens"), (dict(max_tokens=True), "max_tokens"),
+                       (dict(stream="yes"), "stream"), (dict(ignore_eos="no"), "ignore_eos"),
+                       (dict(temperature="0.5"), "temperature"), (dict(seed="7"), "seed")):
+        assert err("/v1/completions", dict(model="demo", prompt="x", **bad))["param"] == param, bad
+    assert err("/v1/completions", dict(model="demo", prompt=""))["param"] == "prompt"
+    e = err("/v1/chat/completions", dict(model="demo", messages=[{"role": "user"}]))
+    assert e["param"] == "messages" and "content" in e["message"]
+    e = err("/v1/chat/completions", dict(model="demo", messages=[{"role": "user", "content": None}]))
+    assert "content is required in a 'user' message" in e["message"]
+    assert "nested too deeply" in err("/v1/completions", b'{"model": "demo", "prompt": ' + b"[" * 100000 + b"]" * 100000
+                                      + b"}")["message"]
+
+
+def test_models_retrieve_and_unknown_routes_answer_openai_error_json(srv, client):
+    base = srv[0]
+    assert client.models.retrieve("demo").id == "demo"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert "model 'gpt-4' is not served here" in e.value.message
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405),
+                                 ("DELETE", "/v1/models", 405)):
+        r = httpx.request(method, base + path, timeout=10)
+        assert r.status_code == status and r.json()["error"]["message"], (method, path, r.text)
+
+
+def test_explicit_nulls_mean_the_defaults(client):
+    """OpenAI's schema lets a client send null for temperature, top_p, n and stream: the defaults."""
+    r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                       temperature=None, top_p=None, n=None, stream=None, seed=None)
+    assert r.usage.completion_tokens >= 1
+    r = httpx.post(str(client.base_url) + "completions", timeout=30, json=dict(
+        model="demo", prompt="x", max_tokens=None, temperature=None, stream=None, ignore_eos=None, echo=None))
+    assert r.status_code == 200, r.text
 
 
 def test_metrics_have_the_named_series(srv, client):

@@ -61,10 +61,20 @@ class ServeApp:
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
         ]
-        return Starlette(routes=routes, lifespan=lifespan)
+
+        async def not_routed(request: Request, exc) -> JSONResponse:  # 404 / 405 as OpenAI error bodies
+            status = getattr(exc, "status_code", 404)
+            what = (f"no route {request.url.path}" if status == 404 else
+                    f"{request.method} is not allowed on {request.url.path}")
+            e = ApiError(status, f"{what} (the routes: /v1/chat/completions, /v1/completions, /v1/models, "
+                         "/health, /metrics)", type="invalid_request_error")
+            return JSONResponse(e.body(), status_code=status, headers=getattr(exc, "headers", None) or {})
+
+        return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_routed, 405: not_routed})
 
     # -------------------------------------------------------------------------------- helpers
     def _error(self, endpoint: str, e: ApiError) -> JSONResponse:
@@ -262,6 +272,20 @@ class ServeApp:
         return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
                                                          "created": self.created, "owned_by": "ktflow",
                                                          "max_model_len": self.max_seq_len}]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{model}: the served model, or a 404 naming the one asked for."""
+        name = request.path_params["model"]
+        try:
+            self._check_key(request)
+            if name != self.model_name:
+                raise ApiError(404, f"model {name!r} is not served here; this server serves {self.model_name!r}",
+                               param="model", type="not_found_error")
+        except ApiError as e:
+            return self._error("/v1/models/{model}", e)  # one metrics label, whatever the name asked for
+        self.metrics.request("/v1/models/{model}", 200)
+        return JSONResponse({"id": self.model_name, "object": "model", "created": self.created, "owned_by": "ktflow",
+                             "max_model_len": self.max_seq_len})
 
     async def health(self, request: Request) -> Response:
         stats = self.engine.stats()

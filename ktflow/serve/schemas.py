@@ -1,6 +1,8 @@
 """Request and response bodies of the OpenAI-compatible endpoints, as pydantic models.
 
-Requests are validated here (types, ranges, `n == 1`); what needs the model (the prompt's length
+Requests are validated here, strictly (JSON types as OpenAI's: no string for a number or a
+boolean, no number for a boolean; an explicit null where the field has a default means the
+default), with ranges and `n == 1`; what needs the model (the prompt's length
 against `max_seq_len`, the model name) is checked by the app. A failed validation becomes an
 `ApiError` whose `param` names the field, which the app answers with HTTP 400 and the OpenAI
 error body `{"error": {"message", "type", "param", "code"}}`.
@@ -11,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..backends.sampling import SamplingParamError, SamplingParams
 
@@ -35,7 +37,7 @@ class _Request(BaseModel):
     ...) are accepted and ignored; ones that would change the answer and are not supported
     (n > 1, logprobs, echo, best_of > 1) are refused."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -120,15 +122,23 @@ class _Request(BaseModel):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None  # required; null only where the role allows it
+
+    @model_validator(mode="after")
+    def _content_for_role(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is required in a {self.role!r} message")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -177,7 +187,7 @@ class CompletionRequest(_Request):
             if len(v) != 1:
                 raise ValueError(f"only one prompt per request is supported, got {len(v)}")
             v = v[0]
-        if isinstance(v, list) and not v:
+        if isinstance(v, (list, str)) and not v:
             raise ValueError("the prompt is empty")
         return v
 
@@ -198,8 +208,14 @@ def parse(cls: type[_Request], raw: bytes) -> Any:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    # an explicit null where the field has a default (OpenAI's clients send them) means the default
+    data = {k: v for k, v in data.items() if not (v is None and k in cls.model_fields
+                                                   and cls.model_fields[k].default is not None
+                                                   and not cls.model_fields[k].is_required())}
     try:
         return cls.model_validate(data)
     except ValidationError as e:
