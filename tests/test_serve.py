@@ -625,3 +625,56 @@ def test_a_seed_out_of_range_fails_its_request_and_the_server_goes_on(srv, clien
     assert r.usage.completion_tokens >= 1
     h = health(base)
     assert h["status"] == "ok" and not h["draining"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--host", "0.0.0.0"], "--host 0.0.0.0 serves beyond this machine, and no API key is set"),
+    (["--prefill-step", "0"], "--prefill-step must be at least 1 token"),
+    (["--prefill-step", "-5"], "--prefill-step must be at least 1 token"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a finite number of seconds >= 0"),
+    (["--shutdown-timeout", "nan"], "--shutdown-timeout must be a finite number of seconds >= 0"),
+    (["--max-connections", "0"], "--max-connections must be at least 1"),
+    (["--max-body-mb", "inf"], "--max-body-mb must be a finite number > 0"),
+])
+def test_serve_refuses_bad_limits_and_open_exposure_with_one_line(serve_dir, args, message):
+    p = _ktflow("serve", str(serve_dir), "--port", "0", *args)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and message in err and "Traceback" not in err, err
+
+
+def test_a_body_past_the_limit_is_413_however_it_arrives(compiled, tok):
+    with running(compiled, tok, slots=1, max_body_bytes=2000) as (base, served, runner):
+        big = json.dumps(dict(model="demo", prompt="x " * 2000, max_tokens=2)).encode()
+        r = httpx.post(base + "/v1/completions", content=big, headers={"Content-Type": "application/json"}, timeout=30)
+        assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+        chunked = httpx.post(base + "/v1/completions", content=iter([big[:1500], big[1500:]]), timeout=30,
+                             headers={"Content-Type": "application/json"})  # no length declared
+        assert chunked.status_code == 413
+        ok = httpx.post(base + "/v1/completions", json=dict(model="demo", prompt="hi", max_tokens=2), timeout=30)
+        assert ok.status_code == 200, ok.text
+
+
+def test_serve_answers_503_past_its_connection_limit(serve_dir):
+    p = _ktflow("serve", str(serve_dir), "--hw", "paper-a100", "--device", "cpu", "--max-seq-len", str(MAX_SEQ),
+                "--port", "0", "--model-name", "demo", "--max-batch", "1", "--max-connections", "2")
+    idle = []
+    try:
+        line = ""
+        while "serving demo on " not in line:
+            line = p.stdout.readline()
+            assert line, f"ktflow serve ended before serving: {p.communicate()[1]}"
+        base = line.split(" on ")[1].split("/v1")[0]
+        host, port = base.removeprefix("http://").split(":")
+        assert httpx.get(base + "/health", timeout=5).status_code == 200
+        for _ in range(2):  # two idle clients hold the two connections
+            idle.append(socket.create_connection((host, int(port))))
+        time.sleep(0.3)
+        assert httpx.get(base + "/health", timeout=5).status_code == 503
+        for s in idle:
+            s.close()
+        wait_for(lambda: httpx.get(base + "/health", timeout=5).status_code == 200, what="the connections freed")
+    finally:
+        for s in idle:
+            s.close()
+        p.kill()
+        p.communicate()

@@ -39,12 +39,18 @@ CLIENT_GONE = 499
 DISCONNECT_POLL_S = 0.25
 
 
+#: the largest request body read (--max-body-mb): an agent's 30k-token history is well under 1 MB
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+
+
 class ServeApp:
     """The routes and what they share: the engine, the tokenizer, the model's name and limits."""
 
     def __init__(self, engine: Engine, tokenizer: ServeTokenizer, model_name: str, *, api_key: str | None = None,
-                 metrics: ServerMetrics | None = None, vocab_size: int | None = None):
+                 metrics: ServerMetrics | None = None, vocab_size: int | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        self.max_body_bytes = max_body_bytes
         self.max_seq_len = engine.runner.max_seq_len
         self.vocab_size = vocab_size or engine.runner.vocab_size
         self.api_key = api_key
@@ -160,29 +166,47 @@ class ServeApp:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
 
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, read no further than max_body_bytes (413 past it, or at once where the
+        declared length says so)."""
+        limit = self.max_body_bytes
+        too_big = ApiError(413, f"the request body is larger than {limit / 2**20:g} MB (--max-body-mb)")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _prepare(self, raw: bytes, chat: bool):
+        """The request parsed and its prompt tokenized (run off the event loop: a large body or a
+        slow template never stalls the other clients): (body, prompt ids, the prompt's field)."""
+        body = parse(ChatCompletionRequest if chat else CompletionRequest, raw)
+        self._check_model(body.model)
+        if chat:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            try:
+                return body, self.tok.encode_chat(messages), "messages"
+            except TemplateError as e:
+                raise ApiError(400, f"messages: {e}", param="messages") from None
+        if isinstance(body.prompt, str):
+            return body, self.tok.encode(body.prompt), "prompt"
+        ids = list(body.prompt)
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                           param="prompt")
+        return body, ids, "prompt"
+
     async def _generate(self, request: Request, chat: bool) -> Response:
         endpoint = request.url.path
         try:
             self._check_key(request)
-            body = parse(ChatCompletionRequest if chat else CompletionRequest, await request.body())
-            self._check_model(body.model)
-            if chat:
-                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-                try:
-                    ids = self.tok.encode_chat(messages)
-                except TemplateError as e:
-                    raise ApiError(400, f"messages: {e}", param="messages") from None
-                field = "messages"
-            else:
-                field = "prompt"
-                if isinstance(body.prompt, str):
-                    ids = self.tok.encode(body.prompt)
-                else:
-                    ids = list(body.prompt)
-                    bad = [i for i in ids if not 0 <= i < self.vocab_size]
-                    if bad:
-                        raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary "
-                                       f"(0..{self.vocab_size - 1})", param="prompt")
+            body, ids, field = await asyncio.to_thread(self._prepare, await self._read_body(request), chat)
             max_tokens = self._limits(ids, body.limit(), field)
             req, queue = self._submit(body, ids, max_tokens)
         except ApiError as e:

@@ -14,7 +14,7 @@ import socket
 from dataclasses import dataclass
 
 from ..errors import ResourceError
-from .app import ServeApp
+from .app import DEFAULT_MAX_BODY_BYTES, ServeApp
 from .engine import Engine
 from .metrics import ServerMetrics
 from .runner import Runner, PoolRunner
@@ -33,7 +33,8 @@ class Served:
 
 
 def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: int = 4, max_queue: int = 64,
-          api_key: str | None = None, prefill_tokens: int | None = None, runner: Runner | None = None) -> Served:
+          api_key: str | None = None, prefill_tokens: int | None = None, runner: Runner | None = None,
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Served:
     """An engine over `runner` (default: a PoolRunner with `max_batch` slots, warmed: every
     slot's KV cache and every batch bucket's step made now) and the app."""
     if runner is None:
@@ -44,13 +45,28 @@ def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: in
     engine = Engine(runner, tokenizer.decode, eos_ids=eos, max_queue=max_queue, prefill_tokens=step)
     metrics = ServerMetrics(engine.stats)
     engine.metrics = metrics
-    app = ServeApp(engine, tokenizer, model_name, api_key=api_key, metrics=metrics, vocab_size=compiled.vocab_size)
+    app = ServeApp(engine, tokenizer, model_name, api_key=api_key, metrics=metrics, vocab_size=compiled.vocab_size,
+                   max_body_bytes=max_body_bytes)
     return Served(engine, app)
 
 
-def run(served: Served, host: str, port: int, *, shutdown_timeout: float = 30.0, log=print) -> None:
-    """Serve until SIGTERM (returns) or Ctrl-C (KeyboardInterrupt), draining as the module says."""
+def run(served: Served, host: str, port: int, *, shutdown_timeout: float = 30.0, max_connections: int = 512,
+        keep_alive_s: float = 5.0, log=print) -> None:
+    """Serve until SIGTERM (returns) or Ctrl-C (KeyboardInterrupt), draining as the module says.
+    At most `max_connections` connections are served at once (more get 503), an idle keep-alive
+    connection closes after `keep_alive_s`, and the process's soft limit on open files is raised
+    to its hard limit."""
+    import resource
+
     import uvicorn
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            pass  # the limit stays; max_connections still bounds the connections
 
     engine = served.engine
 
@@ -65,7 +81,8 @@ def run(served: Served, host: str, port: int, *, shutdown_timeout: float = 30.0,
         raise ResourceError(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port (or --host)") from None
     port = sock.getsockname()[1]
     config = uvicorn.Config(served.asgi, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
+                            timeout_graceful_shutdown=shutdown_timeout, lifespan="on",
+                            limit_concurrency=max_connections, timeout_keep_alive=keep_alive_s)
     server = _Server(config)
     terminated = []
     # uvicorn raises the signal it caught again once it has shut down; a handler of our own takes

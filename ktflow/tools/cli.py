@@ -178,7 +178,9 @@ MODEL must hold tokenizer.json (and tokenizer_config.json with a chat_template f
     sv.add_argument("model", help="HF checkpoint dir with weights and tokenizer.json")
     sv.add_argument("--plan", help="use this compiled plan file instead of compiling")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only; "
-                    "0.0.0.0 for every interface, with --api-key)")
+                    "0.0.0.0 for every interface, which needs --api-key or --insecure-no-auth)")
+    sv.add_argument("--insecure-no-auth", action="store_true",
+                    help="serve a non-loopback --host without an API key (anyone who reaches the port may use it)")
     sv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     sv.add_argument("--model-name", default=None, help="the model name clients send (default: MODEL's dir name)")
     sv.add_argument("--max-queue", type=int, default=64,
@@ -191,6 +193,13 @@ MODEL must hold tokenizer.json (and tokenizer_config.json with a chat_template f
                     "per token (default: min(256, the largest prefill bucket))")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                     help="on SIGTERM, seconds requests in flight get to finish before they are cancelled (default 30)")
+    sv.add_argument("--max-connections", type=int, default=512, metavar="N",
+                    help="connections served at once; more get HTTP 503 (default 512; the open-file limit is raised "
+                    "to its hard limit at start)")
+    sv.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
+                    help="seconds an idle keep-alive connection stays open (default 5)")
+    sv.add_argument("--max-body-mb", type=float, default=16.0, metavar="MB",
+                    help="largest request body read; a larger one gets HTTP 413 (default 16)")
     add_record_option(sv)
     add_compile_options(sv)
     sv.set_defaults(fn=cmd_serve, max_batch=4)

@@ -458,6 +458,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} must be at least {least}, got {v}")
     if a.port > 65535:
         raise ConfigError(f"--port must be at most 65535, got {a.port}")
+    _check_serve_limits(a)
     model_dir = Path(a.model)
     if not model_dir.is_dir():
         raise ConfigError(f"{model_dir} is not a directory (give the checkpoint dir with config.json, the weights "
@@ -465,6 +466,32 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.gpus > 1:
         return _on_ranks(a, _serve_rank)
     return _serve(a)
+
+
+def _check_serve_limits(a: argparse.Namespace) -> None:
+    """serve's numeric options in range, and a server reachable from other machines only with an
+    API key (or --insecure-no-auth)."""
+    import ipaddress
+    import math
+
+    from ktflow.errors import ConfigError
+
+    if a.prefill_step is not None and a.prefill_step < 1:
+        raise ConfigError(f"--prefill-step must be at least 1 token, got {a.prefill_step}")
+    for flag, v in (("--shutdown-timeout", a.shutdown_timeout), ("--keep-alive-timeout", a.keep_alive_timeout)):
+        if not (math.isfinite(v) and v >= 0):
+            raise ConfigError(f"{flag} must be a finite number of seconds >= 0, got {v}")
+    if a.max_connections < 1:
+        raise ConfigError(f"--max-connections must be at least 1, got {a.max_connections}")
+    if not (math.isfinite(a.max_body_mb) and a.max_body_mb > 0):
+        raise ConfigError(f"--max-body-mb must be a finite number > 0, got {a.max_body_mb}")
+    try:
+        loopback = a.host == "localhost" or ipaddress.ip_address(a.host).is_loopback
+    except ValueError:
+        loopback = False  # a host name: it may reach other machines
+    if not loopback and not a.api_key and not a.insecure_no_auth:
+        raise ConfigError(f"--host {a.host} serves beyond this machine, and no API key is set: give --api-key KEY (or "
+                          "KTFLOW_API_KEY), or --insecure-no-auth to serve it open to anyone who reaches the port")
 
 
 def _serve_rank(rank: int, a: argparse.Namespace) -> int:
@@ -522,12 +549,17 @@ def _serve(a: argparse.Namespace, channel=None) -> int:
         runner.warm()
     try:
         served = build(compiled, tok, a.model_name or model_dir.resolve().name, max_batch=a.max_batch,
-                       max_queue=a.max_queue, api_key=a.api_key or None, prefill_tokens=a.prefill_step, runner=runner)
+                       max_queue=a.max_queue, api_key=a.api_key or None, prefill_tokens=a.prefill_step, runner=runner,
+                       max_body_bytes=int(a.max_body_mb * 2**20))
         if tok.chat_template is None:
             print("note: tokenizer_config.json has no chat_template: /v1/chat/completions answers 400, "
                   "/v1/completions works", flush=True)
         try:
-            run(served, a.host, a.port, shutdown_timeout=a.shutdown_timeout)
+            if a.insecure_no_auth and not a.api_key:
+                print(f"warning: serving on {a.host} with no API key (--insecure-no-auth): anyone who reaches the "
+                      "port may use it", flush=True)
+            run(served, a.host, a.port, shutdown_timeout=a.shutdown_timeout, max_connections=a.max_connections,
+                keep_alive_s=a.keep_alive_timeout)
         finally:
             _write_recorded(a, compiled, rec)
     finally:
