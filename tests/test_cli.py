@@ -108,11 +108,22 @@ def test_prompt_with_tokenizer(demo_dir, tmp_path):
     (["run", "{demo}", "--prompt", "hi"], "tokenizer.json"),
     (["run", "{demo}", "--input-ids", "1 2", "--max-seq-len", "4", "--max-new-tokens", "10"], "max_seq_len 4"),
     (["inspect", "{demo}/config.json"], "not a ktflow plan"),
+    (["compile", "{demo}", "--hw", "cpu", "-o", ""], "--output is empty: give a file path to write"),
+    (["compile", "{demo}", "--hw", "cpu", "--trace", ""], "--trace is empty"),
 ])
 def test_bad_input_exits_nonzero_with_a_clear_message(demo_dir, args, message):
     r = ktflow(*[a.replace("{demo}", str(demo_dir)) for a in args])
     assert r.returncode != 0
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_plan_written_to_dev_null_leaves_the_device_in_place(demo_dir):
+    import stat
+
+    before = os.stat("/dev/null").st_ino
+    r = ktflow("compile", demo_dir, "--hw", "cpu", "-o", "/dev/null")
+    assert r.returncode == 0, r.stderr
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode) and os.stat("/dev/null").st_ino == before
 
 
 def test_failed_compile_writes_nothing(tmp_path):

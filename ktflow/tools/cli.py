@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 
         progress.QUIET = True
     try:
+        _check_paths(args)
         return args.fn(args)
     except BrokenPipeError:  # `ktflow inspect plan --text | head`: the reader is gone, say nothing
         _quiet_stdout()
@@ -242,6 +243,19 @@ def main(argv: list[str] | None = None) -> int:
         code, message = describe(e)
         print(f"{where}: error: {message}", file=sys.stderr)
         return code
+
+
+#: the options that name a file to write
+OUTPUT_OPTIONS = {"output": "--output", "trace": "--trace", "report": "--report", "record_routing": "--record-routing"}
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """An output option given as an empty string is bad input, not a request for no output."""
+    from ktflow.errors import ConfigError
+
+    for dest, flag in OUTPUT_OPTIONS.items():
+        if getattr(args, dest, None) == "":
+            raise ConfigError(f"{flag} is empty: give a file path to write")
 
 
 def describe(e: BaseException) -> tuple[int, str]:

@@ -33,14 +33,30 @@ def read_model_json(cls: type[M], path: str | os.PathLike, what: str) -> M:
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
-    """Write `data` to `path` whole or not at all (a temporary file beside it, fsynced, renamed)."""
+    """Write `data` to `path` whole or not at all (a temporary file beside it, named with this
+    process's id, fsynced, renamed). A path that names a character device or a FIFO (/dev/null,
+    /dev/stdout, a pipe) is written directly: renaming over it would replace the device node."""
+    import stat
+
     from ..errors import ConfigError
 
     p = Path(path)
+    if not str(path):
+        raise ConfigError("the output path is empty; give a file path to write")
     if p.is_dir():
         raise ConfigError(f"{p} is a directory; give a file path to write")
+    try:
+        mode = os.stat(p).st_mode
+    except OSError:
+        mode = None
+    if mode is not None and (stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
+        with open(p, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        return
+    if mode is not None and not stat.S_ISREG(mode):
+        raise ConfigError(f"{p} is not a regular file (a socket or a block device); give a file path to write")
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.{os.getpid()}.", suffix=".tmp", dir=p.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
