@@ -454,6 +454,7 @@ def test_gpu_memory_size_check(demo_dir, monkeypatch):
     from types import SimpleNamespace
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "a test GPU")
     c = _cuda_plan(demo_dir)
     planned = c.plans.hw.gpus[0].memory_bytes
