@@ -45,8 +45,24 @@ def test_values_parse_by_kind(monkeypatch):
     assert env.get("KTFLOW_PIN") is False
 
 
-@pytest.mark.parametrize("name,value", [("KTFLOW_THREADS", "many"), ("KTFLOW_DEBUG", "2")])
-def test_a_value_that_does_not_parse_names_the_variable(monkeypatch, name, value):
+@pytest.mark.parametrize("name,value", [("KTFLOW_THREADS", "many"), ("KTFLOW_DEBUG", "2"),
+                                        ("KTFLOW_THREADS", "100000"), ("KTFLOW_THREADS", "-3"),
+                                        ("KTFLOW_SPIN_US", "-5"), ("KTFLOW_SPIN_US", "abc"),
+                                        ("KTFLOW_NATIVE_ISA", "bogus"), ("KTFLOW_RANK_TIMEOUT", "0")])
+def test_a_value_that_does_not_parse_or_is_out_of_range_names_the_variable(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=name):
         env.get(name)
+
+
+def test_the_native_librarys_variables_are_checked_before_it_runs(demo_dir, tmp_path):
+    """The library reads these itself: a bad value is one line and exit 2 before it is used."""
+    import os
+    import subprocess
+    import sys
+
+    for name, value in (("KTFLOW_NATIVE_ISA", "bogus"), ("KTFLOW_SPIN_US", "-5")):
+        r = subprocess.run([sys.executable, "-m", "ktflow", "run", str(demo_dir), "--input-ids", "1,2",
+                            "--max-new-tokens", "2", "--hw", "cpu"], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, name: value})
+        assert r.returncode == 2 and f"environment variable {name}=" in r.stderr, r.stderr

@@ -48,7 +48,8 @@ def _init_group(cuda: bool, local_rank: int, global_rank: int, **kw) -> None:
     import torch.distributed as dist
 
     if global_rank > 0:
-        os.environ.update(KTFLOW_THREADS="1", KTFLOW_NUMA_GROUPS="1", KTFLOW_PIN="0")
+        for name, value in (("KTFLOW_THREADS", "1"), ("KTFLOW_NUMA_GROUPS", "1"), ("KTFLOW_PIN", "0")):
+            env.put(name, value)
 
     if not cuda:
         dist.init_process_group("gloo", timeout=_timeout(), **kw)

@@ -91,10 +91,17 @@ def available() -> bool:
     return _native is not None
 
 
+_ENV_CHECKED = False
+
+
 def module():
+    global _ENV_CHECKED
     if _native is None:
         raise KtflowError(f"the native CPU backend is not built ({_IMPORT_ERROR}); run `pip install -e .` "
                           "(or `make install`) in the ktflow checkout, which compiles native/")
+    if not _ENV_CHECKED:  # the variables the library reads itself: a clear error, not a silent default
+        env.check_native()
+        _ENV_CHECKED = True
     return _native
 
 
