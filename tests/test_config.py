@@ -17,6 +17,16 @@ def write(tmp_path, cfg):
     return tmp_path
 
 
+def test_a_config_nested_too_deeply_or_not_a_file_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        ktflow.load(tmp_path)
+    d = tmp_path / "dir"
+    (d / "config.json").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        ktflow.load(d)
+
+
 def test_not_a_directory(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
@@ -103,6 +113,14 @@ def test_mixtral_default_theta_is_1e6():
     ({"num_experts": 1 << 40}, "past any real model"),
     ({"mlp_only_layers": [5]}, "mlp_only_layers [5] are not layer indices 0..1"),
     ({"head_dim": None, "hidden_size": 1}, "hidden_size 1 over num_attention_heads 4 leaves a head dimension of 0"),
+    ({"num_hidden_layers": "2"}, "'num_hidden_layers' must be an integer, got '2'"),
+    ({"rms_norm_eps": -1e-6}, "'rms_norm_eps' must be a finite number > 0, got -1e-06"),
+    ({"rms_norm_eps": float("nan")}, "'rms_norm_eps' must be a finite number > 0, got nan"),
+    ({"rope_theta": 0}, "'rope_theta' must be a finite number > 0, got 0"),
+    ({"rope_theta": float("inf")}, "'rope_theta' must be a finite number > 0, got inf"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": -2.0}}, "'rope_scaling.factor' must be a finite number > 0"),
+    ({"eos_token_id": -1}, "eos_token_id -1 is not a token id in 0..63"),
+    ({"eos_token_id": [2, 1 << 70]}, f"eos_token_id {1 << 70} is not a token id in 0..63"),
 ])
 def test_configs_are_checked_semantically(tmp_path, edit, words):
     """A config that parses but cannot describe a model is refused, naming the field, the value

@@ -86,7 +86,7 @@ def parse_config(cls: type[C], raw: dict, where: str) -> C:
     if cfg.hidden_act != "silu":
         raise ConfigError(f"{where}: hidden_act {cfg.hidden_act!r} is not supported (only silu)")
     problems = [f"field {name!r} must be an integer, got {raw[name]!r}" for name in POSITIVE
-                if isinstance(raw.get(name), bool)]  # pydantic reads true as 1
+                if isinstance(raw.get(name), (bool, str, float))]  # pydantic reads true as 1, "4" and 4.0 as 4
     problems = problems or semantic_problems(cfg)
     if problems:
         raise ConfigError(f"{where}: {'; '.join(problems)} (model_type {raw.get('model_type')!r})")
@@ -163,6 +163,17 @@ def semantic_problems(cfg: HFConfig) -> list[str]:
         out.append(f"the {experts} experts do not divide into n_group {groups} groups")
     if groups and topk_group and topk_group > groups:
         out.append(f"topk_group {topk_group} is more than n_group {groups}")
+    scaling = cfg.rope_parameters or cfg.rope_scaling
+    for name, v in (("rms_norm_eps", cfg.rms_norm_eps), ("rope_theta", cfg.rope_theta),
+                    ("routed_scaling_factor", getattr(cfg, "routed_scaling_factor", None)),
+                    ("rope_scaling.factor", scaling.get("factor") if isinstance(scaling, dict) else None),
+                    ("rope_parameters.rope_theta", scaling.get("rope_theta") if isinstance(scaling, dict) else None)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+            out.append(f"field {name!r} must be a finite number > 0, got {v!r}")
+    vocab = val("vocab_size")
+    for e in cfg.eos_ids:
+        if not _is_count(e) or e < 0 or (vocab is not None and e >= vocab):
+            out.append(f"eos_token_id {e!r} is not a token id in 0..{vocab - 1 if vocab else '?'}")
     return out
 
 

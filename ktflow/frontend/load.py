@@ -76,10 +76,14 @@ def read_config(path: str | os.PathLike) -> tuple[Path, dict]:
     cfg = p / "config.json"
     if not cfg.exists():
         raise ConfigError(f"{p} has no config.json (an HF checkpoint dir holds config.json and *.safetensors)")
+    if not cfg.is_file():
+        raise ConfigError(f"{cfg} is not a regular file (a directory, FIFO or device): config.json must be a file")
     try:
         raw = json.loads(cfg.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{cfg}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{cfg}: nested too deeply to be a model config") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{cfg}: expected a JSON object")
     return p, raw
