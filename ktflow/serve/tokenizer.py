@@ -5,7 +5,9 @@ Chat templates render as in HF transformers: a sandboxed jinja2 environment with
 lstrip_blocks, the loop controls extension, `raise_exception(msg)`, a `tojson` filter that keeps
 non-ASCII text, and the variables `messages`, `add_generation_prompt=True`, `bos_token` and
 `eos_token`. The rendered text is encoded without adding special tokens (the template writes
-them); a plain completion prompt is encoded with them (the tokenizer's post-processor decides).
+them); special tokens come only from the template: a special token's string inside a message is
+encoded as plain text. A plain completion prompt is raw text, encoded as the tokenizer does (its
+post-processor and special tokens included).
 """
 
 from __future__ import annotations
@@ -33,16 +35,24 @@ class ServeTokenizer:
     """Encodes prompts, renders chat messages and decodes generated ids for one checkpoint dir."""
 
     def __init__(self, tokenizer, chat_template: str | None, bos_token: str | None, eos_token: str | None,
-                 extra_eos_ids: tuple[int, ...] = ()):
+                 extra_eos_ids: tuple[int, ...] = (), special_in_messages: bool = False):
         self.tok = tokenizer
         self.chat_template = chat_template
+        # message text is text: a copy of the tokenizer that never parses special tokens (a copy,
+        # so encoding stays thread-safe), and the special tokens' strings to look for
+        self.special_in_messages = special_in_messages
+        self._plain = type(tokenizer).from_str(tokenizer.to_str())
+        self._plain.encode_special_tokens = True
+        self._specials = sorted({t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special},
+                                key=len, reverse=True)
         self.bos_token, self.eos_token = bos_token, eos_token
         eos = {tokenizer.token_to_id(eos_token)} if eos_token else set()
         self.eos_ids = frozenset(i for i in eos | set(extra_eos_ids) if i is not None)
         self._template = self._compile(chat_template) if chat_template else None
 
     @staticmethod
-    def from_dir(path: str | Path, extra_eos_ids: tuple[int, ...] = ()) -> "ServeTokenizer":
+    def from_dir(path: str | Path, extra_eos_ids: tuple[int, ...] = (),
+                 special_in_messages: bool = False) -> "ServeTokenizer":
         """Load `path`/tokenizer.json and tokenizer_config.json (optional; chat_template.jinja is
         read when the config has no template). A ConfigError names the missing or broken file."""
         from tokenizers import Tokenizer
@@ -74,7 +84,7 @@ class ServeTokenizer:
         if template is not None and not isinstance(template, str):
             raise CheckpointError(f"{cfg_file}: chat_template must be a string, got {type(template).__name__}")
         return ServeTokenizer(tok, template, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")),
-                              extra_eos_ids)
+                              extra_eos_ids, special_in_messages)
 
     @staticmethod
     def _compile(source: str):
@@ -116,7 +126,26 @@ class ServeTokenizer:
             raise TemplateError(f"the chat template failed to render: {type(e).__name__}: {first_line(e)}") from None
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.tok.encode(self.render_chat(messages), add_special_tokens=False).ids
+        """The rendered prompt's ids. Special tokens come only from the template: a message whose
+        text holds a special token's string (`<|im_end|>` typed by a user) has that span encoded
+        as plain text, so it cannot end a turn or forge a role (unless special_in_messages). A
+        prompt whose messages hold none encodes exactly as the whole rendered string does."""
+        text = self.render_chat(messages)
+        risky = [] if self.special_in_messages else [
+            m["content"] for m in messages if isinstance(m.get("content"), str)
+            and any(sp in m["content"] for sp in self._specials)]
+        if not risky:
+            return self.tok.encode(text, add_special_tokens=False).ids
+        ids, pos = [], 0
+        for content in risky:  # each message's text where the template put it, in order
+            at = text.find(content, pos)
+            if at < 0:
+                raise TemplateError("a message holds a special token's text and the chat template changed that "
+                                    "message, so it cannot be encoded as plain text: remove the special token text")
+            ids += self.tok.encode(text[pos:at], add_special_tokens=False).ids
+            ids += self._plain.encode(content, add_special_tokens=False).ids
+            pos = at + len(content)
+        return ids + self.tok.encode(text[pos:], add_special_tokens=False).ids
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=True).ids

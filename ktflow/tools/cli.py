@@ -198,6 +198,9 @@ MODEL must hold tokenizer.json (and tokenizer_config.json with a chat_template f
                     "to its hard limit at start)")
     sv.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
                     help="seconds an idle keep-alive connection stays open (default 5)")
+    sv.add_argument("--special-tokens-in-messages", action="store_true",
+                    help="let a special token's text inside a chat message become that token (default: only the "
+                    "chat template makes special tokens; a user's '<|im_end|>' stays text)")
     sv.add_argument("--max-body-mb", type=float, default=16.0, metavar="MB",
                     help="largest request body read; a larger one gets HTTP 413 (default 16)")
     add_record_option(sv)
