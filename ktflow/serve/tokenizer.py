@@ -13,6 +13,8 @@ post-processor and special tokens included).
 from __future__ import annotations
 
 import json
+import threading
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,19 @@ def _token_text(v: Any) -> str | None:
     if isinstance(v, dict):
         v = v.get("content")
     return v if isinstance(v, str) else None
+
+
+#: a chat template's render gets this long and may write this much (a template comes with a
+#: download: one that loops for ever or renders gigabytes fails its request, not the server)
+RENDER_SECONDS = 2.0
+RENDER_CHARS = 16 << 20
+_budget = threading.local()  # the deadline of the render on this thread
+
+
+def _check_budget() -> None:
+    deadline = getattr(_budget, "deadline", None)
+    if deadline is not None and time.monotonic() > deadline:
+        raise TemplateError(f"the chat template took longer than {RENDER_SECONDS:g} s to render: refused")
 
 
 class ServeTokenizer:
@@ -92,13 +107,29 @@ class ServeTokenizer:
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+        class BoundedEnvironment(ImmutableSandboxedEnvironment):
+            """The sandbox, with the render's time budget checked at every call, attribute and item
+            the template reaches (a loop that reaches none is bounded by the sandbox's range cap)."""
+
+            def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja2's own signature
+                _check_budget()
+                return super().call(__context, __obj, *args, **kwargs)
+
+            def getattr(self, obj, attribute):
+                _check_budget()
+                return super().getattr(obj, attribute)
+
+            def getitem(self, obj, argument):
+                _check_budget()
+                return super().getitem(obj, argument)
+
         def raise_exception(message):
             raise TemplateError(str(message))
 
         def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -117,13 +148,24 @@ class ServeTokenizer:
         if self._template is None:
             raise TemplateError("this model has no chat template (tokenizer_config.json has no chat_template): "
                                 "use /v1/completions with a prompt instead")
+        _budget.deadline = time.monotonic() + RENDER_SECONDS
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
-                                         eos_token=self.eos_token or "", tools=None)
+            out, size = [], 0
+            for piece in self._template.generate(messages=messages, add_generation_prompt=True,
+                                                 bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                                 tools=None):
+                size += len(piece)
+                if size > RENDER_CHARS:
+                    raise TemplateError(f"the chat template's output passed {RENDER_CHARS} characters: refused")
+                _check_budget()
+                out.append(piece)
+            return "".join(out)
         except TemplateError:
             raise
         except Exception as e:  # noqa: BLE001 - any error inside the template fails this request only
             raise TemplateError(f"the chat template failed to render: {type(e).__name__}: {first_line(e)}") from None
+        finally:
+            _budget.deadline = None
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """The rendered prompt's ids. Special tokens come only from the template: a message whose
