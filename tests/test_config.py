@@ -132,3 +132,28 @@ def test_configs_are_checked_semantically(tmp_path, edit, words):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="config.json.*" + re.escape(words)):
         ktflow.load(tmp_path)
+
+
+def test_a_directory_where_a_weights_file_belongs_is_bad_input(tmp_path):
+    from ktflow.errors import WeightError
+
+    cfg = {"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64,
+           "moe_intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").mkdir()
+    with pytest.raises(WeightError, match="is not a regular file") as e:
+        ktflow.load(tmp_path).weights.names()
+    assert e.value.exit_code == 2
+
+
+def test_inspect_on_a_fifo_is_refused_not_a_hang(tmp_path):
+    import os
+
+    from ktflow.errors import PlanError
+    from ktflow.plan.artifact import PlanFile
+
+    fifo = tmp_path / "plan.json"
+    os.mkfifo(fifo)
+    with pytest.raises(PlanError, match="not a regular file"):
+        PlanFile.load(fifo)

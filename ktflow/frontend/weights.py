@@ -53,6 +53,9 @@ class SafetensorsFile:
     def __init__(self, path: Path):
         self.path = path
         self._mm: mmap.mmap | None = None
+        if not path.is_file():
+            raise WeightError(f"{path} is not a regular file (a directory, FIFO or device where a safetensors file "
+                              "belongs)")
         size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)

@@ -346,6 +346,9 @@ class PlanFile(BaseModel):
     @staticmethod
     def load(path: str | os.PathLike, fingerprint: str | None = None) -> "PlanFile":
         p = Path(path)
+        if p.exists() and not p.is_file() and not p.is_dir():
+            raise PlanError(f"plan file {p} is not a regular file (a FIFO or device); give the JSON file "
+                            "`ktflow compile -o` wrote")
         try:
             raw = json.loads(p.read_text())
         except FileNotFoundError:
