@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("KTFLOW_NUMA_GROUPS", "2")
 # every executed step's values checked for NaN and infinity (the first node that made one is named)
 os.environ.setdefault("KTFLOW_CHECK_FINITE", "1")
+# packed experts go to a cache of this session's own, removed at its end (never the user's)
+_PACKED = tempfile.mkdtemp(prefix="ktflow-test-packed-")
+os.environ.setdefault("KTFLOW_CACHE_DIR", _PACKED)
+atexit.register(shutil.rmtree, _PACKED, True)
 
 DATA = Path(__file__).parent / "data"
 

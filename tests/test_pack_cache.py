@@ -103,3 +103,34 @@ def test_a_non_finite_expert_weight_is_named(tmp_path, fmt, bad):
     with pytest.raises(WeightError, match=r"expert 1 down: non-finite value at \[60, 31\]"):
         packed(tmp_path, fmt=fmt, weights=w)
     assert not list(tmp_path.glob("*.safetensors"))  # nothing cached from a bad checkpoint
+
+
+def test_a_checkpoint_swapped_under_the_same_name_size_and_mtime_is_packed_again(tmp_path, monkeypatch):
+    """The cache's key is the files' identity (inode, ctime, header), not their names: another
+    checkpoint moved into place with the same file name, size and modification time never runs
+    with the first one's packed experts."""
+    import shutil
+
+    import hf_tiny
+    import ktflow
+
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("KTFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    hf_tiny.make("qwen3_moe", a, seed=0)
+    hf_tiny.make("qwen3_moe", b, seed=1)
+    ids = torch.tensor([[1, 5, 9, 33]])
+    opts = dict(hw="cpu", device="cpu", placement="cpu", max_seq_len=32, dtype="bfloat16", backend="native")
+    logits = lambda d: ktflow.execute(ktflow.compile(ktflow.load(d), **opts), ids)[0]  # noqa: E731
+    first = logits(a)
+    assert list((tmp_path / "cache").glob("*.safetensors")), "the first load packed into the cache"
+    (f,) = [p.name for p in a.glob("*.safetensors")]
+    st = os.stat(a / f)
+    assert os.stat(b / f).st_size == st.st_size
+    shutil.copyfile(b / f, a / (f + ".new"))
+    os.replace(a / (f + ".new"), a / f)
+    os.utime(a / f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    swapped = logits(a)
+    assert torch.equal(swapped, logits(b)) and not torch.equal(swapped, first)

@@ -45,11 +45,17 @@ def cache_dir() -> Path | None:
 
 
 def _checkpoint_digest(weights: WeightSource) -> str:
-    """The checkpoint files' identity (name, size, mtime)."""
+    """The checkpoint files' identity: each file's resolved path, device, inode, size, mtime and
+    ctime (a file replaced, rewritten or copied over gets another inode or ctime, which no
+    `touch` sets back), and a hash of its safetensors header (every tensor's name, dtype, shape and
+    offsets). Packed experts cached under another identity are never used."""
     h = hashlib.sha256()
     for name, f in sorted(weights.files.items()):
-        st = os.stat(f.path)
-        h.update(f"{name}:{st.st_size}:{st.st_mtime_ns};".encode())
+        path = Path(f.path).resolve()
+        st = os.stat(path)
+        h.update(f"{name}:{path}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns};".encode())
+        with open(path, "rb") as fh:
+            h.update(fh.read(min(f.data_start, 100_000_008)))
     return h.hexdigest()
 
 
