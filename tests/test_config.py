@@ -111,6 +111,7 @@ def test_mixtral_default_theta_is_1e6():
     ({"num_key_value_heads": 3}, "is not a multiple of num_key_value_heads 3"),
     ({"num_experts": -1}, "'num_experts' must be >= 1, got -1"),
     ({"num_experts": 1 << 40}, "past any real model"),
+    ({"num_experts": 60000}, "'num_experts' is 60000, past any real model (at most 4096)"),
     ({"mlp_only_layers": [5]}, "mlp_only_layers [5] are not layer indices 0..1"),
     ({"head_dim": None, "hidden_size": 1}, "hidden_size 1 over num_attention_heads 4 leaves a head dimension of 0"),
     ({"num_hidden_layers": "2"}, "'num_hidden_layers' must be an integer, got '2'"),

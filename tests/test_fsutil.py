@@ -52,3 +52,18 @@ def test_a_socket_path_is_refused(tmp_path):
             write_atomic(path, "x")
     finally:
         s.close()
+
+
+def test_a_dead_writers_temporary_file_is_swept_and_a_live_ones_kept(tmp_path):
+    import subprocess
+    import sys
+
+    p = tmp_path / "plan.json"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    stale = tmp_path / f".plan.json.{dead}.abc123.tmp"
+    live = tmp_path / f".plan.json.{os.getppid()}.def456.tmp"
+    stale.write_text("half")
+    live.write_text("in progress")
+    write_atomic(p, "whole")
+    assert p.read_text() == "whole" and not stale.exists() and live.exists()

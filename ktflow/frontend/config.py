@@ -103,9 +103,9 @@ _EXPERTS = ("num_experts", "n_routed_experts", "num_local_experts")
 #: upper bounds far past any real model: a config beyond them is damaged, not big
 MAXIMA = {"vocab_size": 1 << 24, "hidden_size": 1 << 20, "intermediate_size": 1 << 20,
           "moe_intermediate_size": 1 << 20, "shared_expert_intermediate_size": 1 << 20, "num_hidden_layers": 4096,
-          "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 4096, "num_experts": 1 << 16,
-          "n_routed_experts": 1 << 16, "num_local_experts": 1 << 16, "num_experts_per_tok": 1 << 16,
-          "n_group": 1 << 16, "topk_group": 1 << 16, "kv_lora_rank": 1 << 16, "qk_rope_head_dim": 4096,
+          "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 4096, "num_experts": 4096,
+          "n_routed_experts": 4096, "num_local_experts": 4096, "num_experts_per_tok": 4096,
+          "n_group": 4096, "topk_group": 4096, "kv_lora_rank": 1 << 16, "qk_rope_head_dim": 4096,
           "qk_nope_head_dim": 4096, "v_head_dim": 4096, "max_position_embeddings": 1 << 26,
           "decoder_sparse_step": 4096}
 

@@ -56,6 +56,7 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     if mode is not None and not stat.S_ISREG(mode):
         raise ConfigError(f"{p} is not a regular file (a socket or a block device); give a file path to write")
     p.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_stale(p)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.{os.getpid()}.", suffix=".tmp", dir=p.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())
@@ -70,6 +71,23 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
         except OSError:
             pass
         raise
+
+
+def _sweep_stale(p: Path) -> None:
+    """Remove temporary files of earlier writes to `p` whose writer is gone (killed mid-write)."""
+    for t in p.parent.glob(f".{p.name}.*.tmp"):
+        pid = t.name[len(p.name) + 2:].split(".", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # no such process: the write died with it
+            try:
+                t.unlink()
+            except OSError:
+                pass
+        except PermissionError:  # another user's live process
+            pass
 
 
 def _umask() -> int:
