@@ -13,10 +13,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("KTFLOW_NUMA_GROUPS", "2")
 # every executed step's values checked for NaN and infinity (the first node that made one is named)
 os.environ.setdefault("KTFLOW_CHECK_FINITE", "1")
-# packed experts go to a cache of this session's own, removed at its end (never the user's)
-_PACKED = tempfile.mkdtemp(prefix="ktflow-test-packed-")
-os.environ.setdefault("KTFLOW_CACHE_DIR", _PACKED)
-atexit.register(shutil.rmtree, _PACKED, True)
+# temporary files (a failed pass's input dump, ...) and packed experts go to a folder of this
+# session's own, removed at its end: the tests leave nothing in the system's temp dir or the user's cache
+_SESSION = tempfile.mkdtemp(prefix="ktflow-tests-")
+atexit.register(shutil.rmtree, _SESSION, True)
+os.environ["TMPDIR"] = tempfile.tempdir = _SESSION
+os.environ.setdefault("KTFLOW_CACHE_DIR", os.path.join(_SESSION, "packed"))
 
 DATA = Path(__file__).parent / "data"
 
