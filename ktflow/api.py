@@ -55,10 +55,12 @@ def _device(opts: CompileOptions, hw: HwProfile) -> str:
 
 
 def generate(compiled: Compiled, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int | None = None, eos_token_id: int | list[int] | None = None,
+             top_p: float = 1.0, seed: int | None = None, eos_token_id: int | list[int] | None | str = "model",
              **sampling: Any) -> torch.Tensor:
     """Prompt + up to `max_new_tokens` generated tokens per row, [batch, prompt + new] (greedy when
-    temperature is 0; rows that reach an eos token are padded with it until all rows have).
+    temperature is 0; rows that reach an eos token are padded with it until all rows have; the eos
+    ids are the checkpoint's, from config.json and generation_config.json, unless `eos_token_id`
+    names others, or None for none).
     `sampling`: the other token-selection parameters (top_k, min_p, repetition_penalty,
     presence_penalty, frequency_penalty, logit_bias; or sampling=SamplingParams, or a list with
     one per row), selected where the logits are (inside the captured decode step on a GPU).

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 
-from .config import HFConfig
 from ..errors import ConfigError
 from ..ir.graph import Graph, Node
 from ..ir.types import DType, WeightRef
 from ..ir.verify import verify
+from .config import HFConfig
+from .generation import GenerationDefaults
 from .quant import QuantConfig, stored_fp8
 from .weights import WeightSource
 
@@ -31,6 +32,7 @@ class Model:
     family: ModuleType
     weights: WeightSource | None
     quant: QuantConfig | None = None  # config.json's quantization_config (an FP8 release)
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)  # generation_config.json
     _graphs: dict = field(default_factory=dict, repr=False)  # act dtype -> verified spec graph
 
     @property
@@ -40,6 +42,11 @@ class Model:
     @property
     def fingerprint(self) -> str:
         return config_fingerprint(self.raw_config)
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every end-of-sequence id the checkpoint declares: config.json's, then generation_config.json's."""
+        return tuple(dict.fromkeys((*self.config.eos_ids, *self.generation.eos_ids)))
 
     def graph(self, act_dtype: DType | None = None) -> Graph:
         """The spec graph with activations in `act_dtype` (default: the checkpoint's dtype)."""
@@ -105,7 +112,7 @@ def load(path: str | os.PathLike) -> Model:
     cfg = fam.config(raw, where)
     quant = QuantConfig.parse(raw.get("quantization_config"), where)
     weights = WeightSource(p, quant) if WeightSource.present(p) else None
-    model = Model(p, raw, cfg, fam, weights, quant)
+    model = Model(p, raw, cfg, fam, weights, quant, GenerationDefaults.read(p, cfg.vocab_size))
     graph = model.graph()  # builds and verifies the spec: config errors surface here
     if weights is not None:
         weights.validate(graph)

@@ -30,8 +30,22 @@ class GenerationStats:
         return self.new_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
+#: generate's default eos_token_id: every end-of-sequence id the checkpoint declares
+MODEL_EOS = "model"
+
+
+def eos_set(compiled, eos_token_id) -> set[int]:
+    """The ids that end a row: the checkpoint's for MODEL_EOS (config.json and
+    generation_config.json), the given id or ids, or none for None / []."""
+    if eos_token_id == MODEL_EOS:
+        model = getattr(compiled, "model", None)
+        return set(model.eos_ids) if model is not None else set()
+    return set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+
+
 def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-                        top_p: float = 1.0, seed: int | None = None, eos_token_id: int | list[int] | None = None,
+                        top_p: float = 1.0, seed: int | None = None,
+                        eos_token_id: int | Sequence[int] | None | str = MODEL_EOS,
                         state=None, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                         **params) -> tuple[torch.Tensor, GenerationStats]:
     """Prompt + up to `max_new_tokens` new tokens per row, and the run's stats. Each row's tokens
@@ -41,7 +55,8 @@ def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, 
     repetition_penalty, presence_penalty, frequency_penalty, logit_bias). Decode steps run
     `greedy_steps` a call of the decode plan (one graph launch on the cuda_graph backend),
     greedy or sampled, where the rows' run may pass an end-of-sequence token unseen by the
-    caller (generate's own state, or no eos)."""
+    caller (generate's own state, or no eos). A row ends at any of `eos_token_id`'s ids (default:
+    the checkpoint's; None: none)."""
     if max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if sampling is None:
@@ -56,7 +71,7 @@ def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, 
     if state is None and need > compiled.max_seq_len:
         raise InputError(f"prompt ({input_ids.shape[-1]} tokens) + {max_new_tokens} new tokens needs {need} "
                          f"positions, more than max_seq_len {compiled.max_seq_len}; compile with a larger max_seq_len")
-    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    eos = eos_set(compiled, eos_token_id)
     rows = input_ids.shape[0]
     t0 = time.perf_counter()
     own_state = state is None  # generate's own state: steps past an end-of-sequence token harm nothing

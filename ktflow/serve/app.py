@@ -48,8 +48,9 @@ class ServeApp:
 
     def __init__(self, engine: Engine, tokenizer: ServeTokenizer, model_name: str, *, api_key: str | None = None,
                  metrics: ServerMetrics | None = None, vocab_size: int | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, sampling_defaults: dict | None = None):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        self.sampling_defaults = sampling_defaults or {}  # generation_config.json's, for fields a request leaves out
         self.max_body_bytes = max_body_bytes
         self.max_seq_len = engine.runner.max_seq_len
         self.vocab_size = vocab_size or engine.runner.vocab_size
@@ -125,7 +126,7 @@ class ServeApp:
         if bad:
             raise ApiError(400, f"stop: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
                            param="stop")
-        req = GenRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=body.sampling(self.vocab_size),
+        req = GenRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=body.sampling(self.vocab_size, self.sampling_defaults),
                          stops=body.stop_strings(), stop_ids=frozenset(stop_ids),
                          ignore_eos=body.ignore_eos,
                          emit=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))

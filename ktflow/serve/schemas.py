@@ -77,13 +77,18 @@ class _Request(BaseModel):
                 raise ValueError(f"logit_bias for token {key} must be in [-100, 100], got {bias}")
         return v
 
-    def sampling(self, vocab: int):
+    def sampling(self, vocab: int, defaults: dict[str, Any] | None = None):
         """The request's token selection as SamplingParams, checked against the vocabulary (an
-        ApiError naming the field otherwise)."""
+        ApiError naming the field otherwise); a field the request leaves out takes `defaults`'
+        value (the checkpoint's generation_config.json) where it names one."""
+        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        for k, v in (defaults or {}).items():
+            if k in given and k not in self.model_fields_set:
+                given[k] = v
         try:
-            return SamplingParams.make(temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                                       top_k=self.top_k, min_p=self.min_p,
-                                       repetition_penalty=self.repetition_penalty,
+            return SamplingParams.make(temperature=given["temperature"], top_p=given["top_p"], seed=self.seed,
+                                       top_k=given["top_k"], min_p=given["min_p"],
+                                       repetition_penalty=given["repetition_penalty"],
                                        presence_penalty=self.presence_penalty,
                                        frequency_penalty=self.frequency_penalty,
                                        logit_bias=self.logit_bias).check(vocab)

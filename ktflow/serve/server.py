@@ -41,12 +41,13 @@ def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: in
         runner = PoolRunner(compiled, max_batch)
         runner.warm()
     step = min(prefill_tokens or 256, compiled.chunk_tokens)  # one iteration's chunks are one prefill step
-    eos = tokenizer.eos_ids | set(compiled.model.config.eos_ids if compiled.model is not None else ())
+    eos = tokenizer.eos_ids | set(compiled.model.eos_ids if compiled.model is not None else ())
     engine = Engine(runner, tokenizer.decode, eos_ids=eos, max_queue=max_queue, prefill_tokens=step)
     metrics = ServerMetrics(engine.stats)
     engine.metrics = metrics
     app = ServeApp(engine, tokenizer, model_name, api_key=api_key, metrics=metrics, vocab_size=compiled.vocab_size,
-                   max_body_bytes=max_body_bytes)
+                   max_body_bytes=max_body_bytes,
+                   sampling_defaults=compiled.model.generation.sampling if compiled.model is not None else None)
     return Served(engine, app)
 
 

@@ -222,7 +222,7 @@ def _run(a: argparse.Namespace) -> int:
 
         check_plans_agree(compiled.plans.plans)
     compiled.check_finite = a.check_finite
-    eos = None if a.ignore_eos else list(model.config.eos_ids) or None
+    eos = None if a.ignore_eos else list(model.eos_ids) or None
     _print_ready(compiled)
     if ranked:
         all_ready()  # rank 0 may pack its CPU experts for long: the others wait here, not in a step
