@@ -141,6 +141,9 @@ def test_demo_writes_once_then_reuses(tmp_path):
     r = ktflow("demo", "--max-new-tokens", 4, "--prompt-tokens", 8, "--hw", "cpu", env=env)
     assert r.returncode == 0, r.stderr
     assert "wrote demo checkpoint" in r.stdout and "decode:" in r.stdout and "tokens/s" in r.stdout
+    assert "decode:  3 tokens" in r.stdout  # every token timed (random weights: no stop at eos)
+    d = tmp_path / "demo-deepseek-v3"  # a tokenizer beside it: `ktflow serve` takes the demo model
+    assert (d / "tokenizer.json").is_file() and f"serve it: ktflow serve {d} --hw cpu" in r.stdout
     r = ktflow("demo", "--max-new-tokens", 4, "--prompt-tokens", 8, "--hw", "cpu", env=env)
     assert "using demo checkpoint" in r.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-deepseek-v3"]

@@ -312,6 +312,10 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
     d, written = ensure_demo_checkpoint(Path(a.dir) if a.dir else None)
     print(f"{'wrote' if written else 'using'} demo checkpoint {d}")
+    if not (d / "tokenizer.json").exists():  # so `ktflow serve` takes the demo model too
+        from ktflow.serve.demo_tokenizer import write_demo_tokenizer
+
+        write_demo_tokenizer(d)
     model = ktflow.load(d)
     t0 = time.perf_counter()
     compiled = ktflow.compile(model, hw=a.hw, max_seq_len=256)
@@ -320,9 +324,11 @@ def cmd_demo(a: argparse.Namespace) -> int:
     ids = torch.randint(0, model.config.vocab_size, (1, a.prompt_tokens), generator=torch.Generator().manual_seed(0))
     _print_ready(compiled)
     # warm-up: first-call costs (a greedy run's capture too) stay out of the timings below
-    ktflow.generate(compiled, ids[:, :4], 2 + compiled.plans.options.greedy_steps)
-    out, st = generate_with_stats(compiled, ids, a.max_new_tokens)
+    ktflow.generate(compiled, ids[:, :4], 2 + compiled.plans.options.greedy_steps, eos_token_id=None)
+    out, st = generate_with_stats(compiled, ids, a.max_new_tokens, eos_token_id=None)  # timed: every token
     _print_generation(ids, out, st, note="  (random weights: the tokens mean nothing)")
+    hw = f" --hw {a.hw}" if a.hw else ""
+    print(f"serve it: ktflow serve {d}{hw}  (the OpenAI API on http://127.0.0.1:8000/v1)")
     return 0
 
 
