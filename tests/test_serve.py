@@ -708,3 +708,14 @@ def test_a_hostile_chat_template_fails_its_request_in_bounded_time(tok, template
     with pytest.raises(TemplateError, match=words):
         t.encode_chat([{"role": "user", "content": "hi"}])
     assert time.monotonic() - t0 < RENDER_SECONDS + 3
+
+
+def test_each_request_logs_one_line(srv, client, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="ktflow.serve")
+    r = client.completions.create(model="demo", prompt="Hello", max_tokens=5, temperature=0)
+    wait_for(lambda: any(r.id in m for m in caplog.messages), what="the request's log line")
+    (line,) = [m for m in caplog.messages if r.id in m]
+    assert f"completion {r.usage.completion_tokens}" in line and f"prompt {r.usage.prompt_tokens} tokens" in line
+    assert "first token" in line and r.choices[0].finish_reason in line

@@ -118,7 +118,7 @@ class ServeApp:
                            f"context of {ctx} tokens; ask for {ctx - n} at most", param="max_tokens")
         return limit
 
-    def _submit(self, body, ids: list[int], max_tokens: int) -> tuple[GenRequest, asyncio.Queue]:
+    def _submit(self, body, ids: list[int], max_tokens: int, rid: str = "") -> tuple[GenRequest, asyncio.Queue]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         stop_ids = body.stop_ids()
@@ -128,7 +128,7 @@ class ServeApp:
                            param="stop")
         req = GenRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=body.sampling(self.vocab_size, self.sampling_defaults),
                          stops=body.stop_strings(), stop_ids=frozenset(stop_ids),
-                         ignore_eos=body.ignore_eos,
+                         ignore_eos=body.ignore_eos, tag=rid,
                          emit=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
         try:
             self.engine.submit(req)
@@ -209,10 +209,10 @@ class ServeApp:
             self._check_key(request)
             body, ids, field = await asyncio.to_thread(self._prepare, await self._read_body(request), chat)
             max_tokens = self._limits(ids, body.limit(), field)
-            req, queue = self._submit(body, ids, max_tokens)
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+            req, queue = self._submit(body, ids, max_tokens, rid)
         except ApiError as e:
             return self._error(endpoint, e)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if body.stream:
             return StreamingResponse(self._stream(req, queue, body, rid, chat, endpoint), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})

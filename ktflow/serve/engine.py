@@ -18,6 +18,7 @@ reproducibility: docs/design-notes.md.
 from __future__ import annotations
 
 import heapq
+import logging
 import threading
 import time
 from collections import deque
@@ -28,6 +29,20 @@ from ..backends.sampling import SamplingParams
 from ..errors import first_line
 from .runner import Runner
 from .stops import TextStream
+
+
+log = logging.getLogger("ktflow.serve")
+
+
+def _log_request(s: "_Seq", status: str) -> None:
+    """One line a finished request: its id, outcome, tokens, time to first token and decode rate."""
+    now = time.monotonic()
+    r = s.req
+    ttft = f"{1e3 * (s.first_token - r.arrived):.0f} ms" if s.first_token is not None else "-"
+    rate = (f"{(len(s.generated) - 1) / (now - s.first_token):.1f} tok/s"
+            if s.first_token is not None and len(s.generated) > 1 and now > s.first_token else "-")
+    log.info(f"request {r.tag or '-'} {status}: prompt {len(r.prompt_ids)} tokens, completion {len(s.generated)}, "
+             f"first token {ttft}, decode {rate}, {now - r.arrived:.2f} s")
 
 
 class QueueFull(Exception):
@@ -75,6 +90,7 @@ class GenRequest:
     ignore_eos: bool = False
     arrived: float = field(default_factory=time.monotonic)
     cancelled: bool = False
+    tag: str = ""  # the request's id, named in its log line
 
 
 class Metrics:
@@ -97,6 +113,7 @@ class _Seq:
     generated: list[int] = field(default_factory=list)
     pending: int | None = None  # the sampled token the next decode step feeds
     last_token: float = 0.0
+    first_token: float | None = None
     done: bool = False
 
 
@@ -289,6 +306,7 @@ class Engine:
             self.metrics.inter_token(now - s.last_token)
         else:
             self.metrics.time_to_first_token(now - s.req.arrived)
+            s.first_token = now
         s.last_token = now
         s.generated.append(tok)
         s.pending = tok
@@ -316,12 +334,14 @@ class Engine:
         s.done = True
         self.metrics.tokens(len(s.req.prompt_ids), len(s.generated))
         self._emit(s.req, Finished(reason, s.text.text, len(s.req.prompt_ids), len(s.generated)))
+        _log_request(s, reason)
 
     def _fail(self, s: _Seq, e: BaseException) -> None:
         if s.done:
             return
         s.done = True
         self._emit(s.req, Failed(f"{type(e).__name__}: {first_line(e)}"))
+        _log_request(s, f"failed ({type(e).__name__}: {first_line(e)})")
 
     def _release(self, s: _Seq) -> None:
         try:

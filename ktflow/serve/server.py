@@ -51,6 +51,24 @@ def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: in
     return Served(engine, app)
 
 
+def _log_requests(out) -> None:
+    """The engine's one line a request (logger ktflow.serve), printed as the server's other lines
+    are, unless the application configured that logger itself."""
+    import logging
+
+    logger = logging.getLogger("ktflow.serve")
+    if logger.handlers:
+        return
+
+    class ToOut(logging.Handler):
+        def emit(self, record):
+            out(record.getMessage(), flush=True)
+
+    logger.addHandler(ToOut())
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def run(served: Served, host: str, port: int, *, shutdown_timeout: float = 30.0, max_connections: int = 512,
         keep_alive_s: float = 5.0, log=print) -> None:
     """Serve until SIGTERM (returns) or Ctrl-C (KeyboardInterrupt), draining as the module says.
@@ -61,6 +79,7 @@ def run(served: Served, host: str, port: int, *, shutdown_timeout: float = 30.0,
 
     import uvicorn
 
+    _log_requests(log)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
     if soft != resource.RLIM_INFINITY and soft < want:
