@@ -719,3 +719,19 @@ def test_each_request_logs_one_line(srv, client, caplog):
     (line,) = [m for m in caplog.messages if r.id in m]
     assert f"completion {r.usage.completion_tokens}" in line and f"prompt {r.usage.prompt_tokens} tokens" in line
     assert "first token" in line and r.choices[0].finish_reason in line
+
+
+def test_tokenize_and_detokenize_round_trip_as_the_endpoints_encode(srv, tok):
+    base = srv[0]
+    r = httpx.post(base + "/tokenize", json={"model": "demo", "prompt": "Hello there"}, timeout=10).json()
+    assert r["tokens"] == tok.encode("Hello there") and r["count"] == len(r["tokens"]) and r["max_model_len"] == MAX_SEQ
+    msgs = [{"role": "user", "content": "hi"}]
+    r2 = httpx.post(base + "/tokenize", json={"messages": msgs}, timeout=10).json()
+    assert r2["tokens"] == tok.encode_chat(msgs)
+    back = httpx.post(base + "/detokenize", json={"tokens": r["tokens"]}, timeout=10).json()
+    assert back["prompt"] == tok.decode(r["tokens"])
+    for path, body, param in (("/tokenize", {"prompt": "x", "messages": msgs}, None),
+                              ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+                              ("/detokenize", {"tokens": ["1"]}, "tokens")):
+        e = httpx.post(base + path, json=body, timeout=10)
+        assert e.status_code == 400 and (param is None or e.json()["error"]["param"] == param), e.text

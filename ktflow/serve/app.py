@@ -30,7 +30,7 @@ from starlette.routing import Route
 from .engine import Delta, Draining, Engine, Failed, Finished, GenRequest, QueueFull
 from .metrics import ServerMetrics
 from .schemas import (ApiError, ChatChoice, ChatChoiceMessage, ChatCompletion, ChatCompletionRequest, Completion,
-    CompletionChoice, CompletionRequest, Usage, parse)
+                      CompletionChoice, CompletionRequest, DetokenizeRequest, TokenizeRequest, Usage, parse)
 from .tokenizer import ServeTokenizer, TemplateError
 
 #: status recorded for a request whose client went away before its answer
@@ -69,6 +69,8 @@ class ServeApp:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
         ]
@@ -78,7 +80,7 @@ class ServeApp:
             what = (f"no route {request.url.path}" if status == 404 else
                     f"{request.method} is not allowed on {request.url.path}")
             e = ApiError(status, f"{what} (the routes: /v1/chat/completions, /v1/completions, /v1/models, "
-                         "/health, /metrics)", type="invalid_request_error")
+                         "/tokenize, /detokenize, /health, /metrics)", type="invalid_request_error")
             return JSONResponse(e.body(), status_code=status, headers=getattr(exc, "headers", None) or {})
 
         return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_routed, 405: not_routed})
@@ -297,6 +299,48 @@ class ServeApp:
         return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
                                                          "created": self.created, "owned_by": "ktflow",
                                                          "max_model_len": self.max_seq_len}]})
+
+    def _tokens(self, raw: bytes) -> dict:
+        body = parse(TokenizeRequest, raw)
+        if body.model is not None:
+            self._check_model(body.model)
+        if body.messages is not None:
+            try:
+                ids = self.tok.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+            except TemplateError as e:
+                raise ApiError(400, f"messages: {e}", param="messages") from None
+        else:
+            ids = self.tok.encode(body.prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.max_seq_len}
+
+    def _text(self, raw: bytes) -> dict:
+        body = parse(DetokenizeRequest, raw)
+        if body.model is not None:
+            self._check_model(body.model)
+        bad = [i for i in body.tokens if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ApiError(400, f"tokens: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                           param="tokens")
+        return {"prompt": self.tok.decode(body.tokens)}
+
+    async def tokenize(self, request: Request) -> Response:
+        """POST /tokenize: the ids of a prompt or of chat messages (as the generation endpoints
+        encode them), their count and the context length."""
+        return await self._offloop(request, self._tokens)
+
+    async def detokenize(self, request: Request) -> Response:
+        """POST /detokenize: the text of token ids."""
+        return await self._offloop(request, self._text)
+
+    async def _offloop(self, request: Request, work) -> Response:
+        endpoint = request.url.path
+        try:
+            self._check_key(request)
+            out = await asyncio.to_thread(work, await self._read_body(request))
+        except ApiError as e:
+            return self._error(endpoint, e)
+        self.metrics.request(endpoint, 200)
+        return JSONResponse(out)
 
     async def model(self, request: Request) -> Response:
         """GET /v1/models/{model}: the served model, or a 404 naming the one asked for."""

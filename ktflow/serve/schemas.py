@@ -207,7 +207,33 @@ class CompletionRequest(_Request):
         return self.max_tokens
 
 
-def parse(cls: type[_Request], raw: bytes) -> Any:
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: a prompt's ids as the completions endpoint encodes it, or messages' as the
+    chat endpoint renders and encodes them (one of the two)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize: the text of token ids."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse(cls: type[BaseModel], raw: bytes) -> Any:
     """The request body `raw` as `cls`, or an ApiError (400) naming the field that is wrong."""
     try:
         data = json.loads(raw)

@@ -164,6 +164,7 @@ def parser() -> argparse.ArgumentParser:
                         description="Compile MODEL (or load --plan) and serve it over HTTP with the OpenAI API:\n"
                         "  POST /v1/chat/completions, /v1/completions  (\"stream\": true for server-sent events)\n"
                         "  GET  /v1/models, /health, /metrics           (/metrics: Prometheus text format)\n"
+                        "  POST /tokenize, /detokenize                  (a prompt's or messages' ids; ids to text)\n"
                         "Up to --max-batch sequences run at once, each in its own slot, decoded together in one\n"
                         "batched step per token; new ones join between tokens (continuous batching), prompts that\n"
                         "arrive together are prefilled in one step, up to --max-queue wait, past that 429.\n"
