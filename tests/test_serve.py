@@ -421,7 +421,8 @@ def test_validation_errors_are_400_and_name_the_field(srv, client, tok):
     assert err("/v1/completions", dict(model="demo", prompt="x", max_tokens=-1))["param"] == "max_tokens"
     assert err("/v1/completions", dict(model="demo", prompt="x", max_tokens=MAX_SEQ))["param"] == "max_tokens"
     assert err("/v1/completions", dict(model="gpt-4", prompt="x"))["param"] == "model"
-    assert err("/v1/completions", dict(model="demo", prompt="x", n=2))["param"] == "n"
+    assert err("/v1/completions", dict(model="demo", prompt="x", n=17))["param"] == "n"
+    assert err("/v1/completions", dict(model="demo", prompt="x", n=0))["param"] == "n"
     assert err("/v1/completions", dict(model="demo", prompt=[1, 99999]))["param"] == "prompt"
     assert err("/v1/completions", dict(model="demo", prompt="x", temperature=-1))["param"] == "temperature"
     assert err("/v1/completions", dict(model="demo", prompt="x", stop=[1, "a"]))["param"] == "stop"
@@ -735,3 +736,28 @@ def test_tokenize_and_detokenize_round_trip_as_the_endpoints_encode(srv, tok):
                               ("/detokenize", {"tokens": ["1"]}, "tokens")):
         e = httpx.post(base + path, json=body, timeout=10)
         assert e.status_code == 400 and (param is None or e.json()["error"]["param"] == param), e.text
+
+
+def test_n_choices_are_independent_sequences_streamed_or_not(srv, client, compiled, tok):
+    """n > 1: each choice its own sequence (choice i sampled with seed + i), usage counting the
+    prompt once; greedy choices agree; the stream carries every choice's deltas by index."""
+    r = client.completions.create(model="demo", prompt="Hello", max_tokens=6, temperature=0, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    greedy = reference(compiled, tok.encode("Hello"), 6, tok)
+    assert all(c.text == greedy for c in r.choices)
+    single = client.completions.create(model="demo", prompt="Hello", max_tokens=6, temperature=0).usage
+    assert r.usage.completion_tokens == 3 * single.completion_tokens and r.usage.prompt_tokens == single.prompt_tokens
+    sampled = client.completions.create(model="demo", prompt="Hello", max_tokens=8, temperature=1.0, seed=11, n=3)
+    one = [client.completions.create(model="demo", prompt="Hello", max_tokens=8, temperature=1.0, seed=11 + i)
+           .choices[0].text for i in range(3)]
+    assert [c.text for c in sampled.choices] == one  # choice i is the request with seed + i
+    chunks = list(client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=5, temperature=0, n=2, stream=True))
+    text = {0: "", 1: ""}
+    finished = set()
+    for c in chunks:
+        for ch in c.choices:
+            text[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finished.add(ch.index)
+    assert finished == {0, 1} and text[0] == text[1]

@@ -15,6 +15,7 @@ cancels its sequence, which frees its slot at the scheduler's next iteration.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import time
@@ -120,7 +121,10 @@ class ServeApp:
                            f"context of {ctx} tokens; ask for {ctx - n} at most", param="max_tokens")
         return limit
 
-    def _submit(self, body, ids: list[int], max_tokens: int, rid: str = "") -> tuple[GenRequest, asyncio.Queue]:
+    def _submit(self, body, ids: list[int], max_tokens: int, rid: str = "") -> tuple[list[GenRequest], asyncio.Queue]:
+        """The request's `n` sequences queued (choice i sampled with seed + i where a seed is
+        given); their events arrive on one queue as (choice, event). All or none: a full queue
+        cancels the ones already queued."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         stop_ids = body.stop_ids()
@@ -128,39 +132,52 @@ class ServeApp:
         if bad:
             raise ApiError(400, f"stop: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
                            param="stop")
-        req = GenRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=body.sampling(self.vocab_size, self.sampling_defaults),
-                         stops=body.stop_strings(), stop_ids=frozenset(stop_ids),
-                         ignore_eos=body.ignore_eos, tag=rid,
-                         emit=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+        sampling = body.sampling(self.vocab_size, self.sampling_defaults)
+        reqs: list[GenRequest] = []
+        for i in range(body.n):
+            params = sampling if sampling.seed is None or i == 0 else \
+                dataclasses.replace(sampling, seed=(sampling.seed + i) % (1 << 64))
+            reqs.append(GenRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=params, stops=body.stop_strings(),
+                                   stop_ids=frozenset(stop_ids), ignore_eos=body.ignore_eos,
+                                   tag=rid if body.n == 1 else f"{rid}/{i}",
+                                   emit=lambda ev, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, ev))))
         try:
-            self.engine.submit(req)
-        except QueueFull as e:
+            for req in reqs:
+                self.engine.submit(req)
+        except (QueueFull, Draining) as e:
+            for req in reqs:
+                self.engine.cancel(req)
+            if isinstance(e, Draining):
+                raise ApiError(503, "the server is shutting down", type="server_error") from None
             raise ApiError(429, f"the server is busy: {e}; retry later", type="rate_limit_error",
                            headers={"Retry-After": "1"}) from None
-        except Draining:
-            raise ApiError(503, "the server is shutting down", type="server_error") from None
-        return req, queue
+        return reqs, queue
 
-    async def _wait(self, request: Request, req: GenRequest, queue: asyncio.Queue):
-        """The request's final event (Finished or Failed), or None when the client went away
-        (its sequence is cancelled)."""
+    async def _wait(self, request: Request, reqs: list[GenRequest], queue: asyncio.Queue):
+        """Every choice's final event (Finished or Failed), by choice, or None when the client
+        went away (its sequences are cancelled)."""
         loop = asyncio.get_running_loop()
         checked = loop.time()
-        while True:
+        final: dict[int, Any] = {}
+        while len(final) < len(reqs):
             try:
-                ev = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
+                item = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
             except TimeoutError:
-                ev = None
+                item = None
             except asyncio.CancelledError:
-                self.engine.cancel(req)
+                for req in reqs:
+                    self.engine.cancel(req)
                 raise
-            if isinstance(ev, (Finished, Failed)):
-                return ev
+            if item is not None and isinstance(item[1], (Finished, Failed)):
+                final[item[0]] = item[1]
+                continue
             if loop.time() - checked >= DISCONNECT_POLL_S:  # also while tokens keep coming
                 checked = loop.time()
                 if await request.is_disconnected():
-                    self.engine.cancel(req)
+                    for req in reqs:
+                        self.engine.cancel(req)
                     return None
+        return [final[i] for i in range(len(reqs))]
 
     # ------------------------------------------------------------------------------ endpoints
     async def chat(self, request: Request) -> Response:
@@ -212,82 +229,93 @@ class ServeApp:
             body, ids, field = await asyncio.to_thread(self._prepare, await self._read_body(request), chat)
             max_tokens = self._limits(ids, body.limit(), field)
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-            req, queue = self._submit(body, ids, max_tokens, rid)
+            reqs, queue = self._submit(body, ids, max_tokens, rid)
         except ApiError as e:
             return self._error(endpoint, e)
         if body.stream:
-            return StreamingResponse(self._stream(req, queue, body, rid, chat, endpoint), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        ev = await self._wait(request, req, queue)
-        if ev is None:
+            return StreamingResponse(self._stream(reqs, queue, body, rid, chat, endpoint),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        evs = await self._wait(request, reqs, queue)
+        if evs is None:
             self.metrics.request(endpoint, CLIENT_GONE)
             return Response(status_code=CLIENT_GONE)
-        if isinstance(ev, Failed):
-            return self._error(endpoint, ApiError(500, f"generation failed: {ev.message}", type="server_error"))
-        if ev.reason == "cancelled":
+        failed = next((ev for ev in evs if isinstance(ev, Failed)), None)
+        if failed is not None:
+            return self._error(endpoint, ApiError(500, f"generation failed: {failed.message}", type="server_error"))
+        if any(ev.reason == "cancelled" for ev in evs):
             return self._error(endpoint, ApiError(503, "the server shut down before this request finished",
                                                   type="server_error"))
         self.metrics.request(endpoint, 200)
-        usage = Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
-                      total_tokens=ev.prompt_tokens + ev.completion_tokens)
+        completion = sum(ev.completion_tokens for ev in evs)
+        usage = Usage(prompt_tokens=evs[0].prompt_tokens, completion_tokens=completion,
+                      total_tokens=evs[0].prompt_tokens + completion)
         if chat:
             out: Any = ChatCompletion(id=rid, created=int(time.time()), model=self.model_name, usage=usage,
-                                      choices=[ChatChoice(message=ChatChoiceMessage(content=ev.text),
-                                                          finish_reason=ev.reason)])
+                                      choices=[ChatChoice(index=i, message=ChatChoiceMessage(content=ev.text),
+                                                          finish_reason=ev.reason) for i, ev in enumerate(evs)])
         else:
             out = Completion(id=rid, created=int(time.time()), model=self.model_name, usage=usage,
-                             choices=[CompletionChoice(text=ev.text, finish_reason=ev.reason)])
+                             choices=[CompletionChoice(index=i, text=ev.text, finish_reason=ev.reason)
+                                      for i, ev in enumerate(evs)])
         return JSONResponse(out.model_dump())
 
-    async def _stream(self, req: GenRequest, queue: asyncio.Queue, body, rid: str, chat: bool, endpoint: str):
-        """Server-sent events: a chunk per delta of text, one with the finish reason, optionally
-        one with the usage, then [DONE]. A client that goes away cancels the sequence. The request
-        is counted when the stream ends, by its outcome: 200, 500 (failed after the 200 was sent)
-        or 499 (the client went away)."""
+    async def _stream(self, reqs: list[GenRequest], queue: asyncio.Queue, body, rid: str, chat: bool, endpoint: str):
+        """Server-sent events: a chunk per delta of text of each choice (its index in it), one with
+        each choice's finish reason, optionally one with the usage, then [DONE]. A client that goes
+        away cancels the sequences. The request is counted when the stream ends, by its outcome:
+        200, 500 (failed after the 200 was sent) or 499 (the client went away)."""
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+        def chunk(i: int, text: str | None, finish: str | None, first: bool = False) -> str:
             if chat:
                 delta: dict[str, Any] = {}
                 if first:
                     delta["role"] = "assistant"
                 if text is not None:
                     delta["content"] = text
-                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice: dict[str, Any] = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
             return _sse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]})
 
         ended = False
+        finals: dict[int, Any] = {}
         try:
             if chat:
-                yield chunk("", None, first=True)
-            while True:
-                ev = await queue.get()
+                for i in range(len(reqs)):
+                    yield chunk(i, "", None, first=True)
+            while len(finals) < len(reqs):
+                i, ev = await queue.get()
                 if isinstance(ev, Delta):
                     if ev.text:
-                        yield chunk(ev.text, None)
+                        yield chunk(i, ev.text, None)
                     continue
-                ended = True
+                finals[i] = ev
                 if isinstance(ev, Failed) or ev.reason == "cancelled":
+                    ended = True
                     msg = (f"generation failed: {ev.message}" if isinstance(ev, Failed)
                            else "the server shut down before this request finished")
+                    for req in reqs:
+                        self.engine.cancel(req)
                     self.metrics.request(endpoint, 500)
                     yield _sse(ApiError(500, msg, type="server_error").body())
-                else:
-                    self.metrics.request(endpoint, 200)
-                    yield chunk(None if chat else "", ev.reason)
-                    if body.include_usage():
-                        usage = {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
-                                 "total_tokens": ev.prompt_tokens + ev.completion_tokens}
-                        yield _sse({"id": rid, "object": kind, "created": created, "model": self.model_name,
-                                    "choices": [], "usage": usage})
-                yield "data: [DONE]\n\n"
-                return
+                    yield "data: [DONE]\n\n"
+                    return
+                yield chunk(i, None if chat else "", ev.reason)
+            ended = True
+            self.metrics.request(endpoint, 200)
+            if body.include_usage():
+                completion = sum(ev.completion_tokens for ev in finals.values())
+                prompt = finals[0].prompt_tokens
+                usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+                yield _sse({"id": rid, "object": kind, "created": created, "model": self.model_name,
+                            "choices": [], "usage": usage})
+            yield "data: [DONE]\n\n"
         finally:
-            if not ended:  # the client went away (the response was cancelled): free the slot
-                self.engine.cancel(req)
+            if not ended:  # the client went away (the response was cancelled): free the slots
+                for req in reqs:
+                    self.engine.cancel(req)
                 self.metrics.request(endpoint, CLIENT_GONE)
 
     async def models(self, request: Request) -> Response:

@@ -2,7 +2,7 @@
 
 Requests are validated here, strictly (JSON types as OpenAI's: no string for a number or a
 boolean, no number for a boolean; an explicit null where the field has a default means the
-default), with ranges and `n == 1`; what needs the model (the prompt's length
+default), with ranges and `n` up to MAX_CHOICES; what needs the model (the prompt's length
 against `max_seq_len`, the model name) is checked by the app. A failed validation becomes an
 `ApiError` whose `param` names the field, which the app answers with HTTP 400 and the OpenAI
 error body `{"error": {"message", "type", "param", "code"}}`.
@@ -32,10 +32,14 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": None}}
 
 
+#: the most choices (`n`) one request may ask for: each is a sequence of its own, in a slot of its own
+MAX_CHOICES = 16
+
+
 class _Request(BaseModel):
     """Fields the two generation endpoints share. Fields ktflow does not use (user, metadata,
     ...) are accepted and ignored; ones that would change the answer and are not supported
-    (n > 1, logprobs, echo, best_of > 1) are refused."""
+    (logprobs, echo, best_of > 1) are refused."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -60,9 +64,9 @@ class _Request(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"only n=1 is supported, got {v}")
+    def _choices(cls, v: int) -> int:
+        if not 1 <= v <= MAX_CHOICES:
+            raise ValueError(f"n must be in 1..{MAX_CHOICES}, got {v}")
         return v
 
     @field_validator("logit_bias")
