@@ -761,3 +761,23 @@ def test_n_choices_are_independent_sequences_streamed_or_not(srv, client, compil
             if ch.finish_reason:
                 finished.add(ch.index)
     assert finished == {0, 1} and text[0] == text[1]
+
+
+def test_chat_template_kwargs_and_a_template_file_reach_the_render(srv, client, serve_dir, tmp_path, tok):
+    from ktflow.errors import ConfigError
+    from ktflow.serve.tokenizer import ServeTokenizer
+
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}[{{ m.role }}|{{ flavour | default('plain') }}]{{ m.content }}{% endfor %}")
+    t = ServeTokenizer.from_dir(serve_dir, chat_template=f)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert t.render_chat(msgs) == "[user|plain]hi" and t.render_chat(msgs, {"flavour": "x"}) == "[user|x]hi"
+    with pytest.raises(ConfigError, match="--chat-template .* is not a file"):
+        ServeTokenizer.from_dir(serve_dir, chat_template=tmp_path / "none.jinja")
+    r = client.chat.completions.create(model="demo", messages=msgs, max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.usage.completion_tokens >= 1
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="demo", messages=msgs, max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"messages": []}})
+    assert e.value.param == "chat_template_kwargs"

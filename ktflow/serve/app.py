@@ -210,7 +210,7 @@ class ServeApp:
         if chat:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             try:
-                return body, self.tok.encode_chat(messages), "messages"
+                return body, self.tok.encode_chat(messages, body.chat_template_kwargs), "messages"
             except TemplateError as e:
                 raise ApiError(400, f"messages: {e}", param="messages") from None
         if isinstance(body.prompt, str):

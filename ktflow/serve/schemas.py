@@ -157,6 +157,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None  # further template variables (enable_thinking)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
     logprobs: bool | None = None
 
@@ -165,6 +166,14 @@ class ChatCompletionRequest(_Request):
     def _no_logprobs(cls, v):
         if v:
             raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _kwargs(cls, v):
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"} & set(v or {})
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)} (the server sets those)")
         return v
 
     def limit(self) -> int | None:

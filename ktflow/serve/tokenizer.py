@@ -66,10 +66,11 @@ class ServeTokenizer:
         self._template = self._compile(chat_template) if chat_template else None
 
     @staticmethod
-    def from_dir(path: str | Path, extra_eos_ids: tuple[int, ...] = (),
-                 special_in_messages: bool = False) -> "ServeTokenizer":
+    def from_dir(path: str | Path, extra_eos_ids: tuple[int, ...] = (), special_in_messages: bool = False,
+                 chat_template: str | Path | None = None) -> "ServeTokenizer":
         """Load `path`/tokenizer.json and tokenizer_config.json (optional; chat_template.jinja is
-        read when the config has no template). A ConfigError names the missing or broken file."""
+        read when the config has no template; a `chat_template` file given overrides both). A
+        ConfigError names the missing or broken file."""
         from tokenizers import Tokenizer
 
         d = Path(path)
@@ -98,6 +99,14 @@ class ServeTokenizer:
             template = (d / "chat_template.jinja").read_text()
         if template is not None and not isinstance(template, str):
             raise CheckpointError(f"{cfg_file}: chat_template must be a string, got {type(template).__name__}")
+        if chat_template is not None:
+            given = Path(chat_template)
+            if not given.is_file():
+                raise ConfigError(f"--chat-template {given} is not a file (give a jinja template file)")
+            try:
+                template = given.read_text()
+            except UnicodeDecodeError:
+                raise ConfigError(f"--chat-template {given} is not UTF-8 text") from None
         return ServeTokenizer(tok, template, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")),
                               extra_eos_ids, special_in_messages)
 
@@ -142,18 +151,19 @@ class ServeTokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text for `messages` ([{role, content}]); TemplateError when the template
-        refuses them or there is no template."""
+    def render_chat(self, messages: list[dict[str, str]], kwargs: dict | None = None) -> str:
+        """The prompt text for `messages` ([{role, content}]), with `kwargs` as further template
+        variables (a request's chat_template_kwargs: Qwen3's enable_thinking); TemplateError when
+        the template refuses them or there is no template."""
         if self._template is None:
             raise TemplateError("this model has no chat template (tokenizer_config.json has no chat_template): "
                                 "use /v1/completions with a prompt instead")
         _budget.deadline = time.monotonic() + RENDER_SECONDS
         try:
             out, size = [], 0
-            for piece in self._template.generate(messages=messages, add_generation_prompt=True,
-                                                 bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                                 tools=None):
+            variables = {**(kwargs or {}), "messages": messages, "add_generation_prompt": True,
+                         "bos_token": self.bos_token or "", "eos_token": self.eos_token or "", "tools": None}
+            for piece in self._template.generate(**variables):
                 size += len(piece)
                 if size > RENDER_CHARS:
                     raise TemplateError(f"the chat template's output passed {RENDER_CHARS} characters: refused")
@@ -167,12 +177,12 @@ class ServeTokenizer:
         finally:
             _budget.deadline = None
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], kwargs: dict | None = None) -> list[int]:
         """The rendered prompt's ids. Special tokens come only from the template: a message whose
         text holds a special token's string (`<|im_end|>` typed by a user) has that span encoded
         as plain text, so it cannot end a turn or forge a role (unless special_in_messages). A
         prompt whose messages hold none encodes exactly as the whole rendered string does."""
-        text = self.render_chat(messages)
+        text = self.render_chat(messages, kwargs)
         risky = [] if self.special_in_messages else [
             m["content"] for m in messages if isinstance(m.get("content"), str)
             and any(sp in m["content"] for sp in self._specials)]

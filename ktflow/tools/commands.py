@@ -531,7 +531,8 @@ def _serve(a: argparse.Namespace, channel=None) -> int:
 
     model_dir = Path(a.model)
     # first: a dir without a tokenizer fails before any loading
-    tok = ServeTokenizer.from_dir(model_dir, special_in_messages=a.special_tokens_in_messages)
+    tok = ServeTokenizer.from_dir(model_dir, special_in_messages=a.special_tokens_in_messages,
+                                  chat_template=a.chat_template)
     model = ktflow.load(model_dir)
     if model.weights is None:
         raise ConfigError(f"{model_dir} has no weights (config.json only): serving runs the model, so it needs the "
