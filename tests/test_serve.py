@@ -781,3 +781,93 @@ def test_chat_template_kwargs_and_a_template_file_reach_the_render(srv, client, 
         client.chat.completions.create(model="demo", messages=msgs, max_tokens=2,
                                        extra_body={"chat_template_kwargs": {"messages": []}})
     assert e.value.param == "chat_template_kwargs"
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}[tools]{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}"
+    "{% for m in messages %}[{{ m.role }}]{{ m.content }}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }}({{ c.function.arguments }})"
+    "</tool_call>{% endfor %}{% endif %}{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}{% endfor %}[assistant]")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+class ScriptedRunner(TestRunner):
+    """The pool runner, its selected tokens replaced by `script` (then eos): a model that answers
+    what the test wants, through the real prefill and decode steps."""
+
+    __test__ = False
+    script: list[int] = []
+
+    def prefill(self, items):
+        outs = super().prefill(items)
+        return [self.script[0] if isinstance(o, int) else o for o in outs]
+
+    def decode(self, slots, ids):
+        outs = super().decode(slots, ids)
+        made = {s: self.made.get(s, 0) + 1 for s in slots}
+        self.made.update(made)
+        return [self.script[made[s]] if made[s] < len(self.script) else self.eos for s in slots]
+
+    def start(self, slot, params=None, prompt_ids=None):
+        self.made = getattr(self, "made", {})
+        self.made[slot] = 0
+        return super().start(slot, params, prompt_ids) if params is not None else super().start(slot)
+
+
+def test_tool_calls_are_parsed_out_streamed_or_not_and_go_back_into_the_template(compiled, tok, serve_dir, tmp_path):
+    from ktflow.serve.tokenizer import ServeTokenizer
+
+    f = tmp_path / "tools.jinja"
+    f.write_text(TOOL_TEMPLATE)
+    t = ServeTokenizer.from_dir(serve_dir, chat_template=f)
+    answer = 'Let me look.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    runner = ScriptedRunner(compiled, 2)
+    runner.script, runner.eos = t.encode(answer), next(iter(t.eos_ids))
+    assert t.decode(runner.script) == answer and len(runner.script) < 90
+    served = build(compiled, t, "demo", runner=runner, tool_parser="hermes")
+    served.engine.start()
+    port = free_port()
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(served.asgi, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, what="the server")
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        msgs = [{"role": "user", "content": "weather in Paris?"}]
+        r = c.chat.completions.create(model="demo", messages=msgs, tools=[WEATHER], max_tokens=90)
+        m = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and m.content == "Let me look."
+        (call,) = m.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+        chunks = list(c.chat.completions.create(model="demo", messages=msgs, tools=[WEATHER], max_tokens=90,
+                                                stream=True))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        calls = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+        assert text == "Let me look." and "<tool_call" not in text  # the markup never streams as content
+        assert [tc.function.name for tc in calls] == ["get_weather"]
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+        # the call and its result go back into the template
+        back = msgs + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                       {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        ids = httpx.post(f"http://127.0.0.1:{port}/tokenize", json={"messages": back}, timeout=10).json()["tokens"]
+        assert f'get_weather({call.function.arguments})' in t.decode(ids) and f"({call.id})" in t.decode(ids)
+        # without tools the same text is content; required / named choices are refused, not ignored
+        plain = c.chat.completions.create(model="demo", messages=msgs, max_tokens=90)
+        assert plain.choices[0].message.content == answer and not plain.choices[0].message.tool_calls
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            with pytest.raises(openai.BadRequestError) as e:
+                c.chat.completions.create(model="demo", messages=msgs, tools=[WEATHER], tool_choice=choice)
+            assert e.value.param == "tool_choice"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+        served.engine.stop()
+
+
+def test_tools_for_a_model_whose_calls_are_not_parsed_are_refused(srv, client):
+    with pytest.raises(openai.BadRequestError) as e:  # the demo model (deepseek_v3): no parser yet
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], tools=[WEATHER])
+    assert e.value.param == "tools" and "not parsed yet" in e.value.message

@@ -33,6 +33,7 @@ from .metrics import ServerMetrics
 from .schemas import (ApiError, ChatChoice, ChatChoiceMessage, ChatCompletion, ChatCompletionRequest, Completion,
                       CompletionChoice, CompletionRequest, DetokenizeRequest, TokenizeRequest, Usage, parse)
 from .tokenizer import ServeTokenizer, TemplateError
+from .tool_parsers import PARSERS, ToolStream
 
 #: status recorded for a request whose client went away before its answer
 CLIENT_GONE = 499
@@ -49,9 +50,11 @@ class ServeApp:
 
     def __init__(self, engine: Engine, tokenizer: ServeTokenizer, model_name: str, *, api_key: str | None = None,
                  metrics: ServerMetrics | None = None, vocab_size: int | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, sampling_defaults: dict | None = None):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, sampling_defaults: dict | None = None,
+                 model_type: str = "", tool_parser=None):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
         self.sampling_defaults = sampling_defaults or {}  # generation_config.json's, for fields a request leaves out
+        self.model_type, self.tool_parser = model_type, tool_parser  # tool_parsers: this model's calls, or None
         self.max_body_bytes = max_body_bytes
         self.max_seq_len = engine.runner.max_seq_len
         self.vocab_size = vocab_size or engine.runner.vocab_size
@@ -208,9 +211,13 @@ class ServeApp:
         body = parse(ChatCompletionRequest if chat else CompletionRequest, raw)
         self._check_model(body.model)
         if chat:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            tools = None
+            if body.calls_tools():
+                self._check_tools(body)
+                tools = [t.model_dump(exclude_none=True) for t in body.tools]
+            messages = [m.for_template() for m in body.messages]
             try:
-                return body, self.tok.encode_chat(messages, body.chat_template_kwargs), "messages"
+                return body, self.tok.encode_chat(messages, body.chat_template_kwargs, tools), "messages"
             except TemplateError as e:
                 raise ApiError(400, f"messages: {e}", param="messages") from None
         if isinstance(body.prompt, str):
@@ -221,6 +228,23 @@ class ServeApp:
             raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
                            param="prompt")
         return body, ids, "prompt"
+
+    def _check_tools(self, body) -> None:
+        """Tools are answered only where this model's calls can be parsed, and only as 'auto'."""
+        if self.tool_parser is None:
+            raise ApiError(400, f"tools: tool calls of this model ({self.model_type}) are not parsed yet (parsers: "
+                           f"{', '.join(PARSERS)}; serve --tool-parser NAME picks one)", param="tools")
+        if body.tool_choice not in (None, "auto"):
+            raise ApiError(400, f"tool_choice {body.tool_choice!r} needs decoding constrained to a valid call, which "
+                           "is not built yet: use 'auto' (or 'none')", param="tool_choice")
+
+    def _message(self, body, text: str, reason: str) -> tuple[ChatChoiceMessage, str]:
+        """The answer's message: with tools, its calls parsed out (finish_reason 'tool_calls')."""
+        if body.calls_tools():
+            content, calls = self.tool_parser(text)
+            if calls:
+                return ChatChoiceMessage(content=content, tool_calls=[c.openai() for c in calls]), "tool_calls"
+        return ChatChoiceMessage(content=text), reason
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         endpoint = request.url.path
@@ -250,9 +274,10 @@ class ServeApp:
         usage = Usage(prompt_tokens=evs[0].prompt_tokens, completion_tokens=completion,
                       total_tokens=evs[0].prompt_tokens + completion)
         if chat:
+            answers = [self._message(body, ev.text, ev.reason) for ev in evs]
             out: Any = ChatCompletion(id=rid, created=int(time.time()), model=self.model_name, usage=usage,
-                                      choices=[ChatChoice(index=i, message=ChatChoiceMessage(content=ev.text),
-                                                          finish_reason=ev.reason) for i, ev in enumerate(evs)])
+                                      choices=[ChatChoice(index=i, message=m, finish_reason=reason)
+                                               for i, (m, reason) in enumerate(answers)])
         else:
             out = Completion(id=rid, created=int(time.time()), model=self.model_name, usage=usage,
                              choices=[CompletionChoice(index=i, text=ev.text, finish_reason=ev.reason)
@@ -267,13 +292,15 @@ class ServeApp:
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(i: int, text: str | None, finish: str | None, first: bool = False) -> str:
+        def chunk(i: int, text: str | None, finish: str | None, first: bool = False, calls=None) -> str:
             if chat:
                 delta: dict[str, Any] = {}
                 if first:
                     delta["role"] = "assistant"
                 if text is not None:
                     delta["content"] = text
+                if calls:
+                    delta["tool_calls"] = [dict(c.openai(), index=k) for k, c in enumerate(calls)]
                 choice: dict[str, Any] = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
@@ -281,6 +308,8 @@ class ServeApp:
 
         ended = False
         finals: dict[int, Any] = {}
+        held = [ToolStream(self.tool_parser) if chat and body.calls_tools() else None for _ in reqs]
+        sofar = ["" for _ in reqs]
         try:
             if chat:
                 for i in range(len(reqs)):
@@ -288,8 +317,10 @@ class ServeApp:
             while len(finals) < len(reqs):
                 i, ev = await queue.get()
                 if isinstance(ev, Delta):
-                    if ev.text:
-                        yield chunk(i, ev.text, None)
+                    sofar[i] += ev.text
+                    text = held[i].push(sofar[i]) if held[i] is not None else ev.text
+                    if text:
+                        yield chunk(i, text, None)
                     continue
                 finals[i] = ev
                 if isinstance(ev, Failed) or ev.reason == "cancelled":
@@ -302,6 +333,12 @@ class ServeApp:
                     yield _sse(ApiError(500, msg, type="server_error").body())
                     yield "data: [DONE]\n\n"
                     return
+                if held[i] is not None:  # the held-back text: its calls, or what was not sent yet
+                    rest, calls = held[i].finish(ev.text)
+                    if rest or calls:
+                        yield chunk(i, rest or None, None, calls=calls)
+                    yield chunk(i, None, "tool_calls" if calls else ev.reason)
+                    continue
                 yield chunk(i, None if chat else "", ev.reason)
             ended = True
             self.metrics.request(endpoint, 200)
@@ -334,7 +371,7 @@ class ServeApp:
             self._check_model(body.model)
         if body.messages is not None:
             try:
-                ids = self.tok.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+                ids = self.tok.encode_chat([m.for_template() for m in body.messages])
             except TemplateError as e:
                 raise ApiError(400, f"messages: {e}", param="messages") from None
         else:

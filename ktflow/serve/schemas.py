@@ -137,17 +137,62 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant turn made (sent back in the conversation)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: str
     content: str | list[TextPart] | None  # required; null only where the role allows it
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
     @model_validator(mode="after")
     def _content_for_role(self):
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content is required in a {self.role!r} message")
         return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as transformers passes it to a chat template."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -158,6 +203,9 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     chat_template_kwargs: dict[str, Any] | None = None  # further template variables (enable_thinking)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # none / auto (default with tools) / required / a function
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
     logprobs: bool | None = None
 
@@ -167,6 +215,20 @@ class ChatCompletionRequest(_Request):
         if v:
             raise ValueError("logprobs are not supported")
         return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v):
+        named = isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict) \
+            and isinstance(v["function"].get("name"), str)
+        if v is not None and v not in ("none", "auto", "required") and not named:
+            raise ValueError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
+                             "{'name': ...}}")
+        return v
+
+    def calls_tools(self) -> bool:
+        """Whether the tools reach the template (some given, tool_choice not 'none')."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -289,7 +351,8 @@ class Usage(BaseModel):
 
 class ChatChoiceMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -19,6 +19,7 @@ from .engine import Engine
 from .metrics import ServerMetrics
 from .runner import Runner, PoolRunner
 from .tokenizer import ServeTokenizer
+from .tool_parsers import parser_for
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Served:
 
 def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: int = 4, max_queue: int = 64,
           api_key: str | None = None, prefill_tokens: int | None = None, runner: Runner | None = None,
-          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Served:
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_parser: str | None = None) -> Served:
     """An engine over `runner` (default: a PoolRunner with `max_batch` slots, warmed: every
     slot's KV cache and every batch bucket's step made now) and the app."""
     if runner is None:
@@ -47,7 +48,9 @@ def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: in
     engine.metrics = metrics
     app = ServeApp(engine, tokenizer, model_name, api_key=api_key, metrics=metrics, vocab_size=compiled.vocab_size,
                    max_body_bytes=max_body_bytes,
-                   sampling_defaults=compiled.model.generation.sampling if compiled.model is not None else None)
+                   sampling_defaults=compiled.model.generation.sampling if compiled.model is not None else None,
+                   model_type=compiled.plans.model.model_type,
+                   tool_parser=parser_for(compiled.plans.model.model_type, tool_parser))
     return Served(engine, app)
 
 

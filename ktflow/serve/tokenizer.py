@@ -151,7 +151,8 @@ class ServeTokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
-    def render_chat(self, messages: list[dict[str, str]], kwargs: dict | None = None) -> str:
+    def render_chat(self, messages: list[dict[str, str]], kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> str:
         """The prompt text for `messages` ([{role, content}]), with `kwargs` as further template
         variables (a request's chat_template_kwargs: Qwen3's enable_thinking); TemplateError when
         the template refuses them or there is no template."""
@@ -162,7 +163,7 @@ class ServeTokenizer:
         try:
             out, size = [], 0
             variables = {**(kwargs or {}), "messages": messages, "add_generation_prompt": True,
-                         "bos_token": self.bos_token or "", "eos_token": self.eos_token or "", "tools": None}
+                         "bos_token": self.bos_token or "", "eos_token": self.eos_token or "", "tools": tools or None}
             for piece in self._template.generate(**variables):
                 size += len(piece)
                 if size > RENDER_CHARS:
@@ -177,12 +178,13 @@ class ServeTokenizer:
         finally:
             _budget.deadline = None
 
-    def encode_chat(self, messages: list[dict[str, str]], kwargs: dict | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
         """The rendered prompt's ids. Special tokens come only from the template: a message whose
         text holds a special token's string (`<|im_end|>` typed by a user) has that span encoded
         as plain text, so it cannot end a turn or forge a role (unless special_in_messages). A
         prompt whose messages hold none encodes exactly as the whole rendered string does."""
-        text = self.render_chat(messages, kwargs)
+        text = self.render_chat(messages, kwargs, tools)
         risky = [] if self.special_in_messages else [
             m["content"] for m in messages if isinstance(m.get("content"), str)
             and any(sp in m["content"] for sp in self._specials)]

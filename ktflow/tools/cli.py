@@ -199,6 +199,9 @@ MODEL must hold tokenizer.json (and tokenizer_config.json with a chat_template f
                     "to its hard limit at start)")
     sv.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
                     help="seconds an idle keep-alive connection stays open (default 5)")
+    sv.add_argument("--tool-parser", default=None, choices=["hermes"],
+                    help="how the model writes tool calls (default: its family's: hermes for Qwen2/Qwen3 MoE; "
+                    "families without one refuse requests with tools)")
     sv.add_argument("--chat-template", default=None, metavar="FILE",
                     help="a jinja chat template file to use instead of the checkpoint's")
     sv.add_argument("--special-tokens-in-messages", action="store_true",
