@@ -804,7 +804,7 @@ class ScriptedRunner(TestRunner):
         return [self.script[0] if isinstance(o, int) else o for o in outs]
 
     def decode(self, slots, ids):
-        outs = super().decode(slots, ids)
+        super().decode(slots, ids)  # the real step (its caches advance); its tokens replaced
         made = {s: self.made.get(s, 0) + 1 for s in slots}
         self.made.update(made)
         return [self.script[made[s]] if made[s] < len(self.script) else self.eos for s in slots]
