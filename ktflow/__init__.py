@@ -20,9 +20,11 @@ from .version import __version__
 #: the public names loaded on first use, and their modules
 _LAZY = {**dict.fromkeys(("Compiled", "compile", "decode_greedy", "decode_tokens", "execute", "generate",
                           "start_sampling"), ".api"),
-         "SamplingParams": ".backends.sampling", "Model": ".frontend.load", "load": ".frontend.load", "State": ".runtime.state"}
+         "SamplingParams": ".backends.sampling", "Model": ".frontend.load", "load": ".frontend.load", "State": ".runtime.state",
+         "stream": ".api", "chat": ".serve.chat"}
 
-__all__ = ["Compiled", "compile", "execute", "decode_greedy", "decode_tokens", "generate", "start_sampling",
+__all__ = ["Compiled", "compile", "execute", "decode_greedy", "decode_tokens", "generate", "stream", "chat",
+           "start_sampling",
            "SamplingParams", "load", "Model", "State", "HwProfile",
            "KtflowError", "ConfigError", "InputError", "PassError", "PlanError", "WeightError", "__version__"]
 

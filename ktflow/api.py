@@ -8,7 +8,7 @@ a runnable `Compiled`.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from pydantic import ValidationError
@@ -20,7 +20,7 @@ from .passes.compile import compile_plans
 from .plan.options import CompileOptions
 from .runtime.compiled import Compiled
 from .runtime.execute import decode_greedy, decode_tokens, execute, start_sampling  # noqa: F401 (the public API's)
-from .runtime.generate import generate_with_stats
+from .runtime.generate import generate_with_stats, stream_tokens
 
 
 def compile(model: Model, hw: HwProfile | str | os.PathLike | None = None, *, print_after: str | None = None,
@@ -52,6 +52,13 @@ def _device(opts: CompileOptions, hw: HwProfile) -> str:
         raise ConfigError("device='cuda' was asked for but " + (
             f"hardware profile {hw.name!r} lists no GPU" if not hw.has_gpu else "torch sees no CUDA device"))
     return "cuda" if usable else "cpu"
+
+
+def stream(compiled: Compiled, input_ids, max_new_tokens: int, **kwargs: Any) -> Iterator[int]:
+    """One prompt's new token ids as they are selected (`input_ids`: a list of ids or a [1, T]
+    tensor), up to `max_new_tokens`, ending before the first end-of-sequence id (the checkpoint's
+    unless eos_token_id= names others, or None). Sampling keywords as generate's."""
+    return stream_tokens(compiled, input_ids, max_new_tokens, **kwargs)
 
 
 def generate(compiled: Compiled, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -43,20 +43,14 @@ def eos_set(compiled, eos_token_id) -> set[int]:
     return set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
 
 
-def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-                        top_p: float = 1.0, seed: int | None = None,
-                        eos_token_id: int | Sequence[int] | None | str = MODEL_EOS,
-                        state=None, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                        **params) -> tuple[torch.Tensor, GenerationStats]:
-    """Prompt + up to `max_new_tokens` new tokens per row, and the run's stats. Each row's tokens
-    are selected on the device that makes the logits (in the captured decode step on the GPU)
-    by `sampling` (one SamplingParams for every row, or one per row), else by the keyword
-    parameters (temperature, top_p, seed and the other SamplingParams fields: top_k, min_p,
-    repetition_penalty, presence_penalty, frequency_penalty, logit_bias). Decode steps run
-    `greedy_steps` a call of the decode plan (one graph launch on the cuda_graph backend),
-    greedy or sampled, where the rows' run may pass an end-of-sequence token unseen by the
-    caller (generate's own state, or no eos). A row ends at any of `eos_token_id`'s ids (default:
-    the checkpoint's; None: none)."""
+def token_steps(compiled, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                top_p: float = 1.0, seed: int | None = None, eos_token_id: int | Sequence[int] | None | str = MODEL_EOS,
+                state=None, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                timing: dict | None = None, progress: bool = False, **params) -> Iterator[torch.Tensor]:
+    """Each new token of every row as it is selected: [rows] int64 (CPU) per step, up to
+    `max_new_tokens` steps or until every row has reached an end-of-sequence id (a row that has is
+    padded with it). The parameters are generate_with_stats'; `timing` (a dict) receives the
+    prompt's start, its first token's time and the end (perf_counter seconds) and the decode steps."""
     if max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if sampling is None:
@@ -71,38 +65,79 @@ def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, 
     if state is None and need > compiled.max_seq_len:
         raise InputError(f"prompt ({input_ids.shape[-1]} tokens) + {max_new_tokens} new tokens needs {need} "
                          f"positions, more than max_seq_len {compiled.max_seq_len}; compile with a larger max_seq_len")
+    timing = timing if timing is not None else {}
+    timing.update(start=time.perf_counter(), steps=0)
+    if max_new_tokens == 0:
+        timing.update(first=timing["start"], end=timing["start"])
+        return
     eos = eos_set(compiled, eos_token_id)
     rows = input_ids.shape[0]
-    t0 = time.perf_counter()
     own_state = state is None  # generate's own state: steps past an end-of-sequence token harm nothing
     step_out, state = execute(compiled, input_ids, state, logits="last")
     start_sampling(compiled, state, sampling, input_ids.cpu())
     nxt = state.sampler.select(step_out[:, -1].to(state.sampler.device)).cpu()
     sampled = not state.sampler.plain_greedy
-    t1 = time.perf_counter()
-    out = [input_ids.cpu()]
+    timing["first"] = time.perf_counter()
     done = torch.zeros(rows, dtype=torch.bool)
-    steps = 0
     # decode steps per call of the decode plan: a run may go past an end-of-sequence token, which a
     # caller's own state (continued after this call) must not see
     run = compiled.plans.options.greedy_steps if own_state or not eos else 1
     ahead: list[torch.Tensor] = []  # ids a multi-step call returned, not yet taken
     from ..util.progress import bar
 
-    for i in bar(range(max_new_tokens), "decode", "token", show=max_new_tokens > 1):
-        if i:
-            nxt = ahead.pop(0) if ahead else decode_tokens(compiled, nxt[:, None], state, 1, sampled=sampled)[:, 0]
-        if eos:
-            fill = next(iter(eos))
-            nxt = torch.where(done, torch.full_like(nxt, fill), nxt)
-            done |= torch.isin(nxt, torch.tensor(sorted(eos)))
+    try:
+        for i in bar(range(max_new_tokens), "decode", "token", show=progress and max_new_tokens > 1):
+            if i:
+                nxt = ahead.pop(0) if ahead else decode_tokens(compiled, nxt[:, None], state, 1, sampled=sampled)[:, 0]
+            if eos:
+                fill = next(iter(eos))
+                nxt = torch.where(done, torch.full_like(nxt, fill), nxt)
+                done |= torch.isin(nxt, torch.tensor(sorted(eos)))
+            yield nxt
+            if i == max_new_tokens - 1 or bool(done.all()):
+                break
+            if not ahead and run > 1 and max_new_tokens - 1 - i >= run:
+                ahead = list(decode_tokens(compiled, nxt[:, None], state, run, sampled=sampled).unbind(1))
+            timing["steps"] += 1
+    finally:
+        timing["end"] = time.perf_counter()
+
+
+def stream_tokens(compiled, input_ids, max_new_tokens: int, **kwargs) -> Iterator[int]:
+    """One prompt's new token ids as they are selected (a list of ids or a [1, T] tensor), ending
+    before the first end-of-sequence id (the checkpoint's by default; eos_token_id as in
+    generate) or after `max_new_tokens`. Sampling keywords as generate's."""
+    ids = torch.as_tensor(input_ids, dtype=torch.int64).reshape(1, -1)
+    eos = eos_set(compiled, kwargs.get("eos_token_id", MODEL_EOS))
+    for nxt in token_steps(compiled, ids, max_new_tokens, **kwargs):
+        t = int(nxt[0])
+        if t in eos:
+            return
+        yield t
+
+
+def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                        top_p: float = 1.0, seed: int | None = None,
+                        eos_token_id: int | Sequence[int] | None | str = MODEL_EOS,
+                        state=None, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                        **params) -> tuple[torch.Tensor, GenerationStats]:
+    """Prompt + up to `max_new_tokens` new tokens per row, and the run's stats. Each row's tokens
+    are selected on the device that makes the logits (in the captured decode step on the GPU)
+    by `sampling` (one SamplingParams for every row, or one per row), else by the keyword
+    parameters (temperature, top_p, seed and the other SamplingParams fields: top_k, min_p,
+    repetition_penalty, presence_penalty, frequency_penalty, logit_bias). Decode steps run
+    `greedy_steps` a call of the decode plan (one graph launch on the cuda_graph backend),
+    greedy or sampled, where the rows' run may pass an end-of-sequence token unseen by the
+    caller (generate's own state, or no eos). A row ends at any of `eos_token_id`'s ids (default:
+    the checkpoint's; None: none)."""
+    timing: dict = {}
+    out = [input_ids.cpu()]
+    for nxt in token_steps(compiled, input_ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                           eos_token_id=eos_token_id, state=state, sampling=sampling, timing=timing, progress=True,
+                           **params):
         out.append(nxt[:, None])
-        if i == max_new_tokens - 1 or bool(done.all()):
-            break
-        if not ahead and run > 1 and max_new_tokens - 1 - i >= run:
-            ahead = list(decode_tokens(compiled, nxt[:, None], state, run, sampled=sampled).unbind(1))
-        steps += 1
-    t2 = time.perf_counter()
-    stats = GenerationStats(prompt_tokens=input_ids.numel(), new_tokens=steps * rows,
-                            prefill_seconds=t1 - t0, decode_seconds=t2 - t1)
+    rows = input_ids.shape[0]
+    first = timing.get("first", timing["start"])
+    stats = GenerationStats(prompt_tokens=input_ids.numel(), new_tokens=timing["steps"] * rows,
+                            prefill_seconds=first - timing["start"], decode_seconds=timing["end"] - first)
     return torch.cat(out, dim=1).to(input_ids.device), stats
