@@ -871,3 +871,49 @@ def test_tools_for_a_model_whose_calls_are_not_parsed_are_refused(srv, client):
     with pytest.raises(openai.BadRequestError) as e:  # the demo model (deepseek_v3): no parser yet
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], tools=[WEATHER])
     assert e.value.param == "tools" and "not parsed yet" in e.value.message
+
+
+def _scripted_server(compiled, t, answer: str, **kw):
+    """A server in a thread whose model answers `answer` (then eos) through the real steps."""
+    import uvicorn
+
+    runner = ScriptedRunner(compiled, 2)
+    runner.script, runner.eos = t.encode(answer), next(iter(t.eos_ids))
+    served = build(compiled, t, "demo", runner=runner, **kw)
+    served.engine.start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(served.asgi, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, what="the server")
+
+    def stop():
+        server.should_exit = True
+        thread.join(timeout=20)
+        served.engine.stop()
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+def test_a_reasoning_parser_splits_the_thinking_from_the_answer_streamed_or_not(compiled, tok):
+    answer = "<think>\nweighing it</think>\n\nFour."
+    base, stop = _scripted_server(compiled, tok, answer, reasoning_parser="think")
+    try:
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+        msgs = [{"role": "user", "content": "2+2?"}]
+        m = c.chat.completions.create(model="demo", messages=msgs, max_tokens=60).choices[0].message
+        assert m.content == "Four." and m.model_extra["reasoning_content"] == "weighing it"
+        chunks = list(c.chat.completions.create(model="demo", messages=msgs, max_tokens=60, stream=True))
+        deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+        assert "".join(d.content or "" for d in deltas) == "Four."
+        assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas).strip() == "weighing it"
+    finally:
+        stop()
+    base, stop = _scripted_server(compiled, tok, answer)  # without the parser the thinking stays in content
+    try:
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+        m = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "2+2?"}],
+                                      max_tokens=60).choices[0].message
+        assert m.content == answer
+    finally:
+        stop()

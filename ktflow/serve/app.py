@@ -33,6 +33,8 @@ from .metrics import ServerMetrics
 from .schemas import (ApiError, ChatChoice, ChatChoiceMessage, ChatCompletion, ChatCompletionRequest, Completion,
                       CompletionChoice, CompletionRequest, DetokenizeRequest, TokenizeRequest, Usage, parse)
 from .tokenizer import ServeTokenizer, TemplateError
+from .reasoning import ThinkSplit, opens_thinking
+from .reasoning import split as split_thinking
 from .tool_parsers import PARSERS, ToolStream
 
 #: status recorded for a request whose client went away before its answer
@@ -51,10 +53,11 @@ class ServeApp:
     def __init__(self, engine: Engine, tokenizer: ServeTokenizer, model_name: str, *, api_key: str | None = None,
                  metrics: ServerMetrics | None = None, vocab_size: int | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, sampling_defaults: dict | None = None,
-                 model_type: str = "", tool_parser=None):
+                 model_type: str = "", tool_parser=None, reasoning: bool = False):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
         self.sampling_defaults = sampling_defaults or {}  # generation_config.json's, for fields a request leaves out
         self.model_type, self.tool_parser = model_type, tool_parser  # tool_parsers: this model's calls, or None
+        self.reasoning = reasoning  # split <think>...</think> into reasoning_content
         self.max_body_bytes = max_body_bytes
         self.max_seq_len = engine.runner.max_seq_len
         self.vocab_size = vocab_size or engine.runner.vocab_size
@@ -217,7 +220,9 @@ class ServeApp:
                 tools = [t.model_dump(exclude_none=True) for t in body.tools]
             messages = [m.for_template() for m in body.messages]
             try:
-                return body, self.tok.encode_chat(messages, body.chat_template_kwargs, tools), "messages"
+                text = self.tok.render_chat(messages, body.chat_template_kwargs, tools)
+                body._opened = self.reasoning and opens_thinking(text)  # the answer starts inside its thinking
+                return body, self.tok.encode_rendered(text, messages), "messages"
             except TemplateError as e:
                 raise ApiError(400, f"messages: {e}", param="messages") from None
         if isinstance(body.prompt, str):
@@ -239,12 +244,17 @@ class ServeApp:
                            "is not built yet: use 'auto' (or 'none')", param="tool_choice")
 
     def _message(self, body, text: str, reason: str) -> tuple[ChatChoiceMessage, str]:
-        """The answer's message: with tools, its calls parsed out (finish_reason 'tool_calls')."""
+        """The answer's message: with a reasoning parser its thinking apart (reasoning_content);
+        with tools, its calls parsed out (finish_reason 'tool_calls')."""
+        thinking = None
+        if self.reasoning:
+            thinking, text = split_thinking(text, body._opened)
         if body.calls_tools():
             content, calls = self.tool_parser(text)
             if calls:
-                return ChatChoiceMessage(content=content, tool_calls=[c.openai() for c in calls]), "tool_calls"
-        return ChatChoiceMessage(content=text), reason
+                return ChatChoiceMessage(content=content, reasoning_content=thinking,
+                                         tool_calls=[c.openai() for c in calls]), "tool_calls"
+        return ChatChoiceMessage(content=text, reasoning_content=thinking), reason
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         endpoint = request.url.path
@@ -292,11 +302,14 @@ class ServeApp:
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(i: int, text: str | None, finish: str | None, first: bool = False, calls=None) -> str:
+        def chunk(i: int, text: str | None, finish: str | None, first: bool = False, calls=None,
+                  thinking: str | None = None) -> str:
             if chat:
                 delta: dict[str, Any] = {}
                 if first:
                     delta["role"] = "assistant"
+                if thinking:
+                    delta["reasoning_content"] = thinking
                 if text is not None:
                     delta["content"] = text
                 if calls:
@@ -309,7 +322,8 @@ class ServeApp:
         ended = False
         finals: dict[int, Any] = {}
         held = [ToolStream(self.tool_parser) if chat and body.calls_tools() else None for _ in reqs]
-        sofar = ["" for _ in reqs]
+        thinks = [ThinkSplit(body._opened) if chat and self.reasoning else None for _ in reqs]
+        sofar = ["" for _ in reqs]  # each choice's answer so far (its thinking apart)
         try:
             if chat:
                 for i in range(len(reqs)):
@@ -317,8 +331,14 @@ class ServeApp:
             while len(finals) < len(reqs):
                 i, ev = await queue.get()
                 if isinstance(ev, Delta):
-                    sofar[i] += ev.text
-                    text = held[i].push(sofar[i]) if held[i] is not None else ev.text
+                    new = ev.text
+                    if thinks[i] is not None:
+                        thinks[i].whole += ev.text
+                        thinking, new = thinks[i].push(thinks[i].whole)
+                        if thinking:
+                            yield chunk(i, None, None, thinking=thinking)
+                    sofar[i] += new
+                    text = held[i].push(sofar[i]) if held[i] is not None else new
                     if text:
                         yield chunk(i, text, None)
                     continue
@@ -333,8 +353,15 @@ class ServeApp:
                     yield _sse(ApiError(500, msg, type="server_error").body())
                     yield "data: [DONE]\n\n"
                     return
+                if thinks[i] is not None:  # a tag's held-back part: flushed as what it was
+                    thinking, new = thinks[i].flush()
+                    if thinking:
+                        yield chunk(i, None, None, thinking=thinking)
+                    sofar[i] += new
+                    if new and held[i] is None:
+                        yield chunk(i, new, None)
                 if held[i] is not None:  # the held-back text: its calls, or what was not sent yet
-                    rest, calls = held[i].finish(ev.text)
+                    rest, calls = held[i].finish(sofar[i] if thinks[i] is not None else ev.text)
                     if rest or calls:
                         yield chunk(i, rest or None, None, calls=calls)
                     yield chunk(i, None, "tool_calls" if calls else ev.reason)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from ..backends.sampling import SamplingParamError, SamplingParams
 
@@ -177,6 +177,7 @@ class ChatMessage(BaseModel):
     tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool message: the call it answers
     name: str | None = None
+    reasoning_content: str | None = None  # an earlier assistant turn's thinking (templates may drop it)
 
     @model_validator(mode="after")
     def _content_for_role(self):
@@ -189,7 +190,7 @@ class ChatMessage(BaseModel):
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
-        for key in ("tool_call_id", "name"):
+        for key in ("tool_call_id", "name", "reasoning_content"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
@@ -204,6 +205,7 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     chat_template_kwargs: dict[str, Any] | None = None  # further template variables (enable_thinking)
     tools: list[Tool] | None = None
+    _opened: bool = PrivateAttr(default=False)  # the rendered prompt opens a thinking block (the app sets it)
     tool_choice: str | dict[str, Any] | None = None  # none / auto (default with tools) / required / a function
     parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
@@ -352,6 +354,7 @@ class Usage(BaseModel):
 class ChatChoiceMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
 

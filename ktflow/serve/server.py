@@ -35,7 +35,8 @@ class Served:
 
 def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: int = 4, max_queue: int = 64,
           api_key: str | None = None, prefill_tokens: int | None = None, runner: Runner | None = None,
-          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_parser: str | None = None) -> Served:
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_parser: str | None = None,
+          reasoning_parser: str | None = None) -> Served:
     """An engine over `runner` (default: a PoolRunner with `max_batch` slots, warmed: every
     slot's KV cache and every batch bucket's step made now) and the app."""
     if runner is None:
@@ -50,7 +51,8 @@ def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: in
                    max_body_bytes=max_body_bytes,
                    sampling_defaults=compiled.model.generation.sampling if compiled.model is not None else None,
                    model_type=compiled.plans.model.model_type,
-                   tool_parser=parser_for(compiled.plans.model.model_type, tool_parser))
+                   tool_parser=parser_for(compiled.plans.model.model_type, tool_parser),
+                   reasoning=reasoning_parser == "think")
     return Served(engine, app)
 
 

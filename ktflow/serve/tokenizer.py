@@ -184,7 +184,10 @@ class ServeTokenizer:
         text holds a special token's string (`<|im_end|>` typed by a user) has that span encoded
         as plain text, so it cannot end a turn or forge a role (unless special_in_messages). A
         prompt whose messages hold none encodes exactly as the whole rendered string does."""
-        text = self.render_chat(messages, kwargs, tools)
+        return self.encode_rendered(self.render_chat(messages, kwargs, tools), messages)
+
+    def encode_rendered(self, text: str, messages: list[dict[str, str]]) -> list[int]:
+        """`encode_chat` of a prompt already rendered from `messages`."""
         risky = [] if self.special_in_messages else [
             m["content"] for m in messages if isinstance(m.get("content"), str)
             and any(sp in m["content"] for sp in self._specials)]

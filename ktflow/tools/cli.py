@@ -202,6 +202,9 @@ MODEL must hold tokenizer.json (and tokenizer_config.json with a chat_template f
     sv.add_argument("--tool-parser", default=None, choices=["hermes"],
                     help="how the model writes tool calls (default: its family's: hermes for Qwen2/Qwen3 MoE; "
                     "families without one refuse requests with tools)")
+    sv.add_argument("--reasoning-parser", default=None, choices=["think"],
+                    help="split a reasoning model's <think>...</think> from its answer into reasoning_content "
+                    "(DeepSeek-R1, Qwen3 thinking; default: the thinking stays in content)")
     sv.add_argument("--chat-template", default=None, metavar="FILE",
                     help="a jinja chat template file to use instead of the checkpoint's")
     sv.add_argument("--special-tokens-in-messages", action="store_true",

@@ -558,7 +558,8 @@ def _serve(a: argparse.Namespace, channel=None) -> int:
     try:
         served = build(compiled, tok, a.model_name or model_dir.resolve().name, max_batch=a.max_batch,
                        max_queue=a.max_queue, api_key=a.api_key or None, prefill_tokens=a.prefill_step, runner=runner,
-                       max_body_bytes=int(a.max_body_mb * 2**20), tool_parser=a.tool_parser)
+                       max_body_bytes=int(a.max_body_mb * 2**20), tool_parser=a.tool_parser,
+                       reasoning_parser=a.reasoning_parser)
         if tok.chat_template is None:
             print("note: tokenizer_config.json has no chat_template: /v1/chat/completions answers 400, "
                   "/v1/completions works", flush=True)
