@@ -443,6 +443,11 @@ def test_validation_errors_are_400_and_name_the_field(srv, client, tok):
                        (dict(temperature="0.5"), "temperature"), (dict(seed="7"), "seed")):
         assert err("/v1/completions", dict(model="demo", prompt="x", **bad))["param"] == param, bad
     assert err("/v1/completions", dict(model="demo", prompt=""))["param"] == "prompt"
+    for bad, param in ((dict(response_format={"type": "json_object"}), "response_format"),
+                       (dict(top_logprobs=2), "top_logprobs"), (dict(logprobs=True), "logprobs"),
+                       (dict(functions=[{"name": "f"}]), "functions")):
+        e = err("/v1/chat/completions", dict(model="demo", messages=[{"role": "user", "content": "x"}], **bad))
+        assert e["param"] == param and "not" in e["message"], bad
     e = err("/v1/chat/completions", dict(model="demo", messages=[{"role": "user"}]))
     assert e["param"] == "messages" and "content" in e["message"]
     e = err("/v1/chat/completions", dict(model="demo", messages=[{"role": "user", "content": None}]))

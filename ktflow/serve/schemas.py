@@ -59,8 +59,18 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None  # an extension: stop at any of these token ids
     ignore_eos: bool = False  # an extension: generate past eos (fixed lengths for load tests)
     n: int = 1
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}: constrained output is not built
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        kind = (v or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(f"response_format {kind!r} needs decoding constrained to a grammar, which is not built "
+                             "yet: leave it out (or type 'text')")
+        return v
 
     @field_validator("n")
     @classmethod
@@ -210,12 +220,22 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
     logprobs: bool | None = None
+    top_logprobs: int | None = None
+    functions: list[Any] | None = None  # the legacy form of tools
+    function_call: Any = None
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "top_logprobs")
     @classmethod
-    def _no_logprobs(cls, v):
+    def _no_logprobs(cls, v, info):
         if v:
-            raise ValueError("logprobs are not supported")
+            raise ValueError(f"{info.field_name} are not supported yet")
+        return v
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_legacy_functions(cls, v, info):
+        if v:
+            raise ValueError(f"{info.field_name} (the legacy form) is not supported: send tools and tool_choice")
         return v
 
     @field_validator("tool_choice")
@@ -339,7 +359,7 @@ def parse(cls: type[BaseModel], raw: bytes) -> Any:
 
 def _is_union_branch(p: Any) -> bool:
     """pydantic names the branch of a union it tried in the error location ('str', 'list[int]')."""
-    return isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p or p.startswith("function"))
+    return isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p or p.startswith("function-"))
 
 
 # ------------------------------------------------------------------------------------- responses
