@@ -922,3 +922,18 @@ def test_a_reasoning_parser_splits_the_thinking_from_the_answer_streamed_or_not(
         assert m.content == answer
     finally:
         stop()
+
+
+def test_a_stuck_step_fails_its_requests_and_health_says_so_until_it_returns(compiled, tok):
+    with running(compiled, tok, slots=1, step_timeout=0.5) as (base, served, runner):
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+        runner.delay = 3.0  # every decode step hangs for 3 s: past the 0.5 s limit
+        t0 = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model="demo", prompt="Hello", max_tokens=4, temperature=0)
+        assert "stuck" in e.value.message and time.monotonic() - t0 < 3.0  # failed before the step returned
+        assert httpx.get(base + "/health", timeout=5).status_code == 503
+        runner.delay = 0.0
+        wait_for(lambda: httpx.get(base + "/health", timeout=5).status_code == 200, timeout=15, what="the step's end")
+        r = c.completions.create(model="demo", prompt="Hello", max_tokens=4, temperature=0)
+        assert r.usage.completion_tokens >= 1 and served.engine.stuck >= 1

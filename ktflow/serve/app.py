@@ -450,7 +450,7 @@ class ServeApp:
 
     async def health(self, request: Request) -> Response:
         stats = self.engine.stats()
-        ok = not stats["draining"] and self.engine.error is None
+        ok = not stats["draining"] and not stats["stuck"] and self.engine.error is None
         return JSONResponse({"status": "ok" if ok else "unavailable", **stats}, status_code=200 if ok else 503)
 
     async def metrics_text(self, request: Request) -> Response:

@@ -26,12 +26,15 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..backends.sampling import SamplingParams
-from ..errors import first_line
+from ..errors import KtflowError, first_line
 from .runner import Runner
 from .stops import TextStream
 
 
 log = logging.getLogger("ktflow.serve")
+#: a runner call longer than this is stuck, not slow (--step-timeout): a 32k-token prompt's chunk
+#: on the CPU takes seconds; a step that never returns would hold its requests for ever
+STEP_TIMEOUT_S = 600.0
 
 
 def _log_request(s: "_Seq", status: str) -> None:
@@ -121,7 +124,8 @@ class Engine:
     """The scheduler thread and its queue (see the module docstring)."""
 
     def __init__(self, runner: Runner, decode_text: Callable[[list[int]], str], *, eos_ids=frozenset(),
-                 max_queue: int = 64, prefill_tokens: int = 256, metrics: Metrics | None = None):
+                 max_queue: int = 64, prefill_tokens: int = 256, metrics: Metrics | None = None,
+                 step_timeout: float = STEP_TIMEOUT_S):
         if max_queue < 0 or prefill_tokens < 1:
             raise ValueError("max_queue must be >= 0 and prefill_tokens >= 1")
         self.runner, self.decode_text = runner, decode_text
@@ -137,6 +141,10 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.iterations = 0
         self.error: BaseException | None = None  # what stopped the thread (an interrupt, not a step's error)
+        self.step_timeout = step_timeout  # a runner call longer than this is stuck (the watchdog)
+        self._step: tuple[float, list] | None = None  # the runner call in progress: (its start, its sequences)
+        self.stuck = 0  # steps the watchdog gave up on (their requests failed); health says so while one runs
+        self._watchdog: threading.Thread | None = None
         self.step_errors = 0  # steps that raised as a whole: their sequences failed, the engine went on
 
     # ----------------------------------------------------------------------------- client side
@@ -147,7 +155,11 @@ class Engine:
     def stats(self) -> dict[str, int | bool]:
         with self._cond:
             return dict(waiting=len(self._waiting), running=len(self._running), slots=self.runner.slots,
-                        free_slots=len(self._free), draining=self._draining)
+                        free_slots=len(self._free), draining=self._draining, stuck=self._stuck_now())
+
+    def _stuck_now(self) -> bool:
+        step = self._step
+        return step is not None and time.monotonic() - step[0] > self.step_timeout
 
     def submit(self, req: GenRequest) -> None:
         """Queue `req`; QueueFull when max_queue requests wait already, Draining after shutdown began."""
@@ -172,6 +184,37 @@ class Engine:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="ktflow-serve-engine", daemon=True)
         self._thread.start()
+        self._watchdog = threading.Thread(target=self._watch, name="ktflow-serve-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _watch(self) -> None:
+        """Fail the requests of a runner call that has run past step_timeout (a stuck step, not a
+        slow one: the limit is far past any step's time); the engine thread stays in the call, and
+        the server answers health 503 until it returns."""
+        while self._thread is not None and self._thread.is_alive():
+            time.sleep(min(1.0, self.step_timeout / 4))
+            step = self._step
+            if step is None or time.monotonic() - step[0] <= self.step_timeout:
+                continue
+            with self._cond:
+                if self._step is not step:
+                    continue
+                self.stuck += 1
+                for s in step[1]:
+                    self._fail(s, KtflowError(f"the step held this request for more than {self.step_timeout:g} s "
+                                              "(--step-timeout): it is stuck; the request failed"))
+                while self._step is step:  # wait for the call to return (or the engine to end)
+                    self._cond.wait(1.0)
+
+    def _call(self, seqs: list, fn, *args):
+        """A runner call for `seqs`, watched (see _watch)."""
+        self._step = (time.monotonic(), list(seqs))
+        try:
+            return fn(*args)
+        finally:
+            with self._cond:
+                self._step = None
+                self._cond.notify_all()
 
     def drain(self) -> None:
         """Admit no new request (submit raises Draining); what is queued or running goes on."""
@@ -255,7 +298,7 @@ class Engine:
 
     def _start(self, s: _Seq) -> None:
         try:
-            self.runner.start(s.slot, s.req.sampling, s.req.prompt_ids)
+            self._call([s], self.runner.start, s.slot, s.req.sampling, s.req.prompt_ids)
         except Exception as e:  # noqa: BLE001
             self._fail(s, e)
 
@@ -278,7 +321,9 @@ class Engine:
             budget -= n
         if chunks:  # one step for all of them
             items = [(s.slot, s.req.prompt_ids[s.prefilled:s.prefilled + n], last) for s, n, last in chunks]
-            for (s, n, last), out in zip(chunks, self.runner.prefill(items)):
+            for (s, n, last), out in zip(chunks, self._call([c[0] for c in chunks], self.runner.prefill, items)):
+                if s.done:  # failed meanwhile (the watchdog)
+                    continue
                 if isinstance(out, BaseException):  # this sequence fails, the others go on
                     self._fail(s, out)
                     continue
@@ -287,8 +332,10 @@ class Engine:
                     self._accept(s, out)
         batch = [s for s in self._running if not s.done and s.pending is not None]
         if batch:
-            outs = self.runner.decode([s.slot for s in batch], [s.pending for s in batch])
+            outs = self._call(batch, self.runner.decode, [s.slot for s in batch], [s.pending for s in batch])
             for s, out in zip(batch, outs):
+                if s.done:  # failed meanwhile (the watchdog)
+                    continue
                 if isinstance(out, BaseException):
                     self._fail(s, out)
                 else:

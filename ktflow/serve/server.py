@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..errors import ResourceError
 from .app import DEFAULT_MAX_BODY_BYTES, ServeApp
-from .engine import Engine
+from .engine import STEP_TIMEOUT_S, Engine
 from .metrics import ServerMetrics
 from .runner import Runner, PoolRunner
 from .tokenizer import ServeTokenizer
@@ -36,7 +36,7 @@ class Served:
 def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: int = 4, max_queue: int = 64,
           api_key: str | None = None, prefill_tokens: int | None = None, runner: Runner | None = None,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_parser: str | None = None,
-          reasoning_parser: str | None = None) -> Served:
+          reasoning_parser: str | None = None, step_timeout: float = STEP_TIMEOUT_S) -> Served:
     """An engine over `runner` (default: a PoolRunner with `max_batch` slots, warmed: every
     slot's KV cache and every batch bucket's step made now) and the app."""
     if runner is None:
@@ -44,7 +44,8 @@ def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: in
         runner.warm()
     step = min(prefill_tokens or 256, compiled.chunk_tokens)  # one iteration's chunks are one prefill step
     eos = tokenizer.eos_ids | set(compiled.model.eos_ids if compiled.model is not None else ())
-    engine = Engine(runner, tokenizer.decode, eos_ids=eos, max_queue=max_queue, prefill_tokens=step)
+    engine = Engine(runner, tokenizer.decode, eos_ids=eos, max_queue=max_queue, prefill_tokens=step,
+                    step_timeout=step_timeout)
     metrics = ServerMetrics(engine.stats)
     engine.metrics = metrics
     app = ServeApp(engine, tokenizer, model_name, api_key=api_key, metrics=metrics, vocab_size=compiled.vocab_size,

@@ -194,6 +194,9 @@ MODEL must hold tokenizer.json (and tokenizer_config.json with a chat_template f
                     "per token (default: min(256, the largest prefill bucket))")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                     help="on SIGTERM, seconds requests in flight get to finish before they are cancelled (default 30)")
+    sv.add_argument("--step-timeout", type=float, default=600.0, metavar="S",
+                    help="a model step running longer than this is stuck: its requests fail and /health says 503 "
+                    "until it returns (default 600)")
     sv.add_argument("--max-connections", type=int, default=512, metavar="N",
                     help="connections served at once; more get HTTP 503 (default 512; the open-file limit is raised "
                     "to its hard limit at start)")

@@ -487,6 +487,8 @@ def _check_serve_limits(a: argparse.Namespace) -> None:
     for flag, v in (("--shutdown-timeout", a.shutdown_timeout), ("--keep-alive-timeout", a.keep_alive_timeout)):
         if not (math.isfinite(v) and v >= 0):
             raise ConfigError(f"{flag} must be a finite number of seconds >= 0, got {v}")
+    if not (math.isfinite(a.step_timeout) and a.step_timeout > 0):
+        raise ConfigError(f"--step-timeout must be a finite number of seconds > 0, got {a.step_timeout}")
     if a.max_connections < 1:
         raise ConfigError(f"--max-connections must be at least 1, got {a.max_connections}")
     if not (math.isfinite(a.max_body_mb) and a.max_body_mb > 0):
@@ -559,7 +561,7 @@ def _serve(a: argparse.Namespace, channel=None) -> int:
         served = build(compiled, tok, a.model_name or model_dir.resolve().name, max_batch=a.max_batch,
                        max_queue=a.max_queue, api_key=a.api_key or None, prefill_tokens=a.prefill_step, runner=runner,
                        max_body_bytes=int(a.max_body_mb * 2**20), tool_parser=a.tool_parser,
-                       reasoning_parser=a.reasoning_parser)
+                       reasoning_parser=a.reasoning_parser, step_timeout=a.step_timeout)
         if tok.chat_template is None:
             print("note: tokenizer_config.json has no chat_template: /v1/chat/completions answers 400, "
                   "/v1/completions works", flush=True)
