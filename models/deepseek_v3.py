@@ -47,9 +47,12 @@ class Config(V3FfnConfig):
 
 def config(raw: dict, where: str) -> Config:
     cfg = parse_config(Config, raw, where)
+    from ktflow.errors import ConfigError
+
     if cfg.scoring_func != "sigmoid":
-        from ktflow.errors import ConfigError
         raise ConfigError(f"{where}: scoring_func {cfg.scoring_func!r} is not supported for deepseek_v3 (sigmoid)")
+    if cfg.topk_method != "noaux_tc":  # the groups' top-2 sums with the correction bias: what the spec builds
+        raise ConfigError(f"{where}: topk_method {cfg.topk_method!r} is not supported for deepseek_v3 (noaux_tc)")
     return cfg
 
 

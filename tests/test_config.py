@@ -158,3 +158,14 @@ def test_inspect_on_a_fifo_is_refused_not_a_hang(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(PlanError, match="not a regular file"):
         PlanFile.load(fifo)
+
+
+def test_an_unknown_topk_method_is_refused(tmp_path):
+    cfg = {"model_type": "deepseek_v3", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 64, "moe_intermediate_size": 16,
+           "n_routed_experts": 8, "num_experts_per_tok": 2, "kv_lora_rank": 16, "q_lora_rank": None,
+           "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "topk_method": "mystery",
+           "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="topk_method 'mystery' is not supported for deepseek_v3"):
+        ktflow.load(tmp_path)
