@@ -14,14 +14,13 @@ from importlib import import_module
 from importlib.util import find_spec
 
 from .errors import ConfigError, InputError, KtflowError, PassError, PlanError, WeightError
-from .costmodel.hw import HwProfile
 from .version import __version__
 
 #: the public names loaded on first use, and their modules
 _LAZY = {**dict.fromkeys(("Compiled", "compile", "decode_greedy", "decode_tokens", "execute", "generate",
                           "start_sampling"), ".api"),
          "SamplingParams": ".backends.sampling", "Model": ".frontend.load", "load": ".frontend.load", "State": ".runtime.state",
-         "stream": ".api", "chat": ".serve.chat"}
+         "stream": ".api", "chat": ".serve.chat", "HwProfile": ".costmodel.hw"}
 
 __all__ = ["Compiled", "compile", "execute", "decode_greedy", "decode_tokens", "generate", "stream", "chat",
            "start_sampling",

@@ -147,3 +147,19 @@ def test_demo_writes_once_then_reuses(tmp_path):
     r = ktflow("demo", "--max-new-tokens", 4, "--prompt-tokens", 8, "--hw", "cpu", env=env)
     assert "using demo checkpoint" in r.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-deepseek-v3"]
+
+
+@pytest.mark.parametrize("delay", [0.3, 0.6, 1.0, 1.5])
+def test_ctrl_c_at_any_moment_is_one_line_and_exit_130(demo_dir, delay):
+    """Ctrl-C while the command's modules import (torch among them), compile or run: one line, 130."""
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "ktflow", "run", str(demo_dir), "--hw", "cpu", "--input-ids", "1,2",
+                          "--max-new-tokens", "200", "--ignore-eos", "--max-seq-len", "256"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, (p.returncode, err[-800:])
+    assert "Traceback" not in err and err.strip().endswith("interrupted"), err[-800:]

@@ -234,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     """The error boundary: every failure ends in one line on stderr and an exit code (see
     ktflow.errors): 2 bad input, 1 the environment or an internal error, 130 Ctrl-C, 141 a
     closed output pipe (quiet). --debug (or KTFLOW_DEBUG=1) re-raises for the traceback."""
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except KeyboardInterrupt:
+        return _interrupted("ktflow")
     debug = bool(getattr(args, "debug", False)) or env.get("KTFLOW_DEBUG")
     where = f"ktflow {args.command}"
     if getattr(args, "quiet", False):
@@ -250,14 +253,27 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        print(f"\n{where}: interrupted", file=sys.stderr)
-        return 130
+        return _interrupted(where)
     except Exception as e:  # noqa: BLE001 - the boundary: one line for anything, the traceback on request
         if debug:
             raise
         code, message = describe(e)
         print(f"{where}: error: {message}", file=sys.stderr)
         return code
+
+
+#: set by the console entry point: after an interrupt the process ends at once (its finally blocks
+#: have run; library teardown that a late signal could break does not)
+EXIT_AT_ONCE = False
+
+
+def _interrupted(where: str) -> int:
+    print(f"\n{where}: interrupted", file=sys.stderr)
+    if EXIT_AT_ONCE:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    return 130
 
 
 #: the options that name a file to write
