@@ -168,15 +168,78 @@ def _slope_per_minute(ts: list[float], ys: list[float]) -> float:
     return 60 * sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / var if var else float("nan")
 
 
+def hostile_requests(model: str) -> list[tuple[str, dict]]:
+    """(what, request) pairs a hostile client sends: each must get its own answer (4xx, or a
+    served answer) and leave the normal clients' requests unharmed."""
+    chat = lambda **kw: dict(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, **kw)  # noqa: E731
+    return [
+        ("seed past 64 bits", dict(path="/v1/chat/completions", json=chat(temperature=0.7, seed=2**64 + 5))),
+        ("negative seed past 64 bits", dict(path="/v1/chat/completions", json=chat(temperature=0.7, seed=-2**63 - 1))),
+        ("max_tokens as a string", dict(path="/v1/completions", json=dict(model=model, prompt="x", max_tokens="10"))),
+        ("stream as a string", dict(path="/v1/completions", json=dict(model=model, prompt="x", stream="yes"))),
+        ("a message without content", dict(path="/v1/chat/completions", json=dict(model=model, messages=[{"role": "user"}]))),
+        ("an empty prompt", dict(path="/v1/completions", json=dict(model=model, prompt=""))),
+        ("JSON nested 100k deep", dict(path="/v1/completions", content=b"[" * 100000 + b"]" * 100000)),
+        ("a 20 MB body", dict(path="/v1/completions", content=b'{"model": "x", "prompt": "' + b"a" * (20 << 20) + b'"}')),
+        ("the eos token's text in a message", dict(path="/v1/chat/completions", json=dict(
+            model=model, messages=[{"role": "user", "content": "hi<|eos|><|im_end|>"}], max_tokens=4))),
+        ("n past the limit", dict(path="/v1/completions", json=dict(model=model, prompt="x", n=1000))),
+        ("response_format json", dict(path="/v1/chat/completions", json=chat(response_format={"type": "json_object"}))),
+        ("an unknown route", dict(path="/v1/nothing", json={})),
+    ]
+
+
+def chaos_client(url: str, model: str, stop: float, out: dict) -> None:
+    """Until `stop`: the hostile requests one after another, a streamed request dropped after its
+    first chunk, and an idle connection left open a while; counts answers by status into `out`."""
+    import random
+    import socket as sk
+
+    rng = random.Random(0)
+    cases = hostile_requests(model)
+    host, port = url.removeprefix("http://").split(":")
+    idle: list = []
+    with httpx.Client(timeout=60.0) as c:
+        while time.monotonic() < stop:
+            what, req = cases[rng.randrange(len(cases))]
+            try:
+                r = c.post(url + req["path"], json=req.get("json"), content=req.get("content"),
+                           headers={"Content-Type": "application/json"})
+                out.setdefault(what, {}).setdefault(r.status_code, 0)
+                out[what][r.status_code] += 1
+            except httpx.HTTPError as e:
+                out.setdefault(what, {}).setdefault(type(e).__name__, 0)
+                out[what][type(e).__name__] += 1
+            if rng.random() < 0.3:  # a client that goes away mid-stream
+                try:
+                    with c.stream("POST", url + "/v1/completions", json=dict(
+                            model=model, prompt="x", max_tokens=64, stream=True, ignore_eos=True)) as r:
+                        next(r.iter_lines(), None)
+                except httpx.HTTPError:
+                    pass
+                out["dropped mid-stream"] = out.get("dropped mid-stream", 0) + 1
+            if rng.random() < 0.2 and len(idle) < 16:  # an idle connection, held
+                idle.append(sk.create_connection((host, int(port))))
+            if len(idle) >= 16 or (idle and rng.random() < 0.1):
+                idle.pop(0).close()
+    for s in idle:
+        s.close()
+
+
 def soak_phase(url: str, model: str, streams: int, seconds: float, every: float, prompt_tokens: int,
-               max_tokens: int, vocab: int) -> dict:
-    """`streams` clients sending requests back to back for `seconds`, the server's resident memory
-    and GPU memory (its /metrics) sampled every `every` seconds: first, last and the least-squares
-    slope over the second half of the samples (the first half includes warming up: caches,
-    allocator pools)."""
+               max_tokens: int, vocab: int, chaos: bool = False) -> dict:
+    """`streams` clients sending requests back to back for `seconds`, the server's resident memory,
+    GPU memory and open file descriptors (its /metrics) sampled every `every` seconds: first, last
+    and the least-squares slope over the second half of the samples (the first half includes
+    warming up: caches, allocator pools). With `chaos`, a hostile client (`chaos_client`) runs
+    beside them; the normal clients' errors, their time to first token and inter-token latency
+    percentiles, and the hostile answers by status are reported."""
     stop = time.monotonic() + seconds
     counts = [0] * streams
     errors: list[str] = []
+    ttft: list[float] = []
+    itl: list[float] = []
+    hostile: dict = {}
 
     def client(k: int) -> None:
         i = 0
@@ -186,12 +249,18 @@ def soak_phase(url: str, model: str, streams: int, seconds: float, every: float,
                 body = dict(model=model, prompt=ids, max_tokens=max_tokens, temperature=0, stream=True,
                             ignore_eos=True, stream_options={"include_usage": True})
                 try:
-                    counts[k] += one_request(c, url, body)["tokens"]
+                    got = one_request(c, url, body)
+                    counts[k] += got["tokens"]
+                    if got["chunks"]:
+                        ttft.append(1e3 * (got["chunks"][0] - got["start"]))
+                        itl.extend(1e3 * (b - a) for a, b in zip(got["chunks"], got["chunks"][1:]))
                 except Exception as e:  # noqa: BLE001
                     errors.append(str(e))
                 i += 1
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(streams)]
+    if chaos:
+        threads.append(threading.Thread(target=chaos_client, args=(url, model, stop, hostile)))
     for t in threads:
         t.start()
     t0 = time.monotonic()
@@ -200,7 +269,8 @@ def soak_phase(url: str, model: str, streams: int, seconds: float, every: float,
         text = httpx.get(url + "/metrics", timeout=30).text
         samples.append((time.monotonic() - t0, _metric(text, "process_resident_memory_bytes") / 1e6,
                         _metric(text, "ktflow_gpu_memory_reserved_bytes") / 1e6,
-                        _metric(text, "ktflow_gpu_memory_allocated_bytes") / 1e6))
+                        _metric(text, "ktflow_gpu_memory_allocated_bytes") / 1e6,
+                        _metric(text, "process_open_fds")))
         time.sleep(every)
     for t in threads:
         t.join()
@@ -213,7 +283,13 @@ def soak_phase(url: str, model: str, streams: int, seconds: float, every: float,
                 vram_reserved_first_mb=round(samples[0][2], 1), vram_reserved_last_mb=round(samples[-1][2], 1),
                 vram_reserved_slope_mb_per_min=round(_slope_per_minute(ts, [x[2] for x in late]), 3),
                 vram_allocated_last_mb=round(samples[-1][3], 1),
-                vram_allocated_slope_mb_per_min=round(_slope_per_minute(ts, [x[3] for x in late]), 3))
+                vram_allocated_slope_mb_per_min=round(_slope_per_minute(ts, [x[3] for x in late]), 3),
+                open_fds_first=samples[0][4], open_fds_last=samples[-1][4], open_fds_max=max(x[4] for x in samples),
+                ttft_p50_ms=round(pct(ttft, 0.5), 1), ttft_p99_ms=round(pct(ttft, 0.99), 1),
+                itl_p50_ms=round(pct(itl, 0.5), 1), itl_p99_ms=round(pct(itl, 0.99), 1),
+                chaos=chaos, hostile=hostile or None,
+                hostile_5xx=sum(n for by in hostile.values() if isinstance(by, dict)
+                                for code, n in by.items() if isinstance(code, int) and code >= 500))
 
 
 def expert_read_ceiling(d: Path, streams: int) -> float | None:
@@ -374,6 +450,10 @@ def main() -> None:
                          "memory sampled from /metrics, first, last and slope")
     ap.add_argument("--soak-streams", type=int, default=8)
     ap.add_argument("--soak-every", type=float, default=5.0, help="seconds between memory samples")
+    ap.add_argument("--chaos", action="store_true",
+                    help="with --soak: a hostile client beside the streams (bad inputs, a 20 MB body, deep JSON, "
+                    "dropped streams, idle connections); reports the normal requests' error rate, latency "
+                    "percentiles, memory and open-file slopes, and the hostile answers by status")
     ap.add_argument("--client-cpus", default="", help="comma list of CPUs the clients run on (default: any)")
     ap.add_argument("--out", default=str(HERE / "serve_load.jsonl"))
     a = ap.parse_args()
@@ -437,13 +517,19 @@ def main() -> None:
                              url=(a.checkpoint or "demo") if proc else url, model=a.model, prompt_tokens=a.prompt_tokens,
                              max_tokens=a.max_tokens, experts_on_cpu=a.experts_on_cpu, **r))
         if a.soak:
-            r = soak_phase(url, a.model, a.soak_streams, a.soak, a.soak_every, a.prompt_tokens, a.max_tokens, vocab)
+            r = soak_phase(url, a.model, a.soak_streams, a.soak, a.soak_every, a.prompt_tokens, a.max_tokens, vocab,
+                           chaos=a.chaos)
             print(f"soak: {r['soak_s']:.0f} s at {r['streams']} streams, {r['tokens']} tokens, {r['errors']} errors; "
                   f"RSS {r['rss_first_mb']:.0f} -> {r['rss_last_mb']:.0f} MB (slope {r['rss_slope_mb_per_min']:+.2f} "
                   f"MB/min over the second half); GPU reserved {r['vram_reserved_first_mb']:.0f} -> "
                   f"{r['vram_reserved_last_mb']:.0f} MB ({r['vram_reserved_slope_mb_per_min']:+.2f} MB/min), "
                   f"allocated {r['vram_allocated_last_mb']:.0f} MB ({r['vram_allocated_slope_mb_per_min']:+.2f} MB/min)",
                   flush=True)
+            print(f"      normal requests: {r['errors']} errors; TTFT p50 {r['ttft_p50_ms']:.0f} / p99 "
+                  f"{r['ttft_p99_ms']:.0f} ms, ITL p50 {r['itl_p50_ms']:.1f} / p99 {r['itl_p99_ms']:.1f} ms; open files "
+                  f"{r['open_fds_first']:.0f} -> {r['open_fds_last']:.0f} (max {r['open_fds_max']:.0f})", flush=True)
+            if a.chaos:
+                print(f"      hostile answers by status: {json.dumps(r['hostile'])}; 5xx: {r['hostile_5xx']}", flush=True)
             rows.append(dict(bench="serve_load_soak", commit=commit(), **machine(),
                              url=(a.checkpoint or "demo") if proc else url, model=a.model, prompt_tokens=a.prompt_tokens,
                              max_tokens=a.max_tokens, experts_on_cpu=a.experts_on_cpu, **r))
