@@ -271,3 +271,24 @@ def test_the_shared_plan_computes_what_the_decode_first_plan_computes(case, tiny
         upto = int(flips[0]) + 1 if len(flips) else len(row)
         counted += int((row[:upto] > TOL).sum())
     assert counted <= max(1, int(FLIPS * err.numel())), err.tolist()
+
+
+def test_a_plan_past_its_gpus_limit_is_refused_on_cuda_and_named_on_the_cpu(demo_dir, capsys, monkeypatch):
+    """The VRAM check holds for a GPU preset compiled on any machine: a plan whose GPU nodes run
+    on CUDA is refused past the limit; one whose GPU nodes run on the CPU here gets a warning."""
+    from ktflow.costmodel.hw import PRESETS
+    from ktflow.errors import ConfigError
+    from ktflow.passes.compile import _check_fits, compile_plans
+    from ktflow.plan.options import CompileOptions
+
+    monkeypatch.setattr("ktflow.util.notices._said", set())
+    model = ktflow.load(demo_dir)
+    for device in ("cpu", "cuda"):
+        pf = compile_plans(model, PRESETS["paper-a100"], CompileOptions(max_seq_len=128), device)
+        small = pf.model_copy(update={"vram": pf.vram.model_copy(update={"limit_bytes": 1e6})})
+        if device == "cuda":
+            with pytest.raises(ConfigError, match="needs .* GB of GPU memory; the VRAM limit is 0.00 GB"):
+                _check_fits(small, runnable=True)
+        else:
+            _check_fits(small, runnable=True)
+            assert "would not fit that GPU" in capsys.readouterr().err

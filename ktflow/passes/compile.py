@@ -350,7 +350,11 @@ def _check_fits(pf: PlanFile, runnable: bool) -> None:
         parts = (f"weights {m.weight_bytes / 1e9:.1f} GB, KV caches {m.kv_cache_bytes / 1e9:.1f} GB, activations "
                  f"{m.activation_bytes / 1e9:.2f} GB, both devices")
         problem = None
-        if plan.device == "cuda" and gpu and m.gpu_bytes > gpu:
+        if gpu and m.gpu_bytes > gpu and plan.device != "cuda":  # the GPU nodes run on the CPU here
+            notices.warn(f"{what} would need {m.gpu_bytes / 1e9:.2f} GB on {hw.gpus[0].name} ({gpu / 1e9:.2f} GB "
+                         f"VRAM limit): it runs here with its GPU nodes on the CPU, but would not fit that GPU "
+                         f"({parts})", key="oversize-gpu")
+        elif plan.device == "cuda" and gpu and m.gpu_bytes > gpu:
             problem = (f"{what} needs {m.gpu_bytes / 1e9:.2f} GB of GPU memory; the VRAM limit is {gpu / 1e9:.2f} GB "
                        f"({parts}). Lower --vram-budget-gb, --max-seq-len or --max-batch, or raise --vram-gb")
         elif host and m.host_bytes > host:
