@@ -480,7 +480,7 @@ def test_a_plan_for_this_machine_captures_replays_and_traces(demo_dir):
     c = ktflow.compile(ktflow.load(demo_dir), hw=None, device="cuda", vram_budget_gb=0.01, max_seq_len=64)
     assert any(n.op == Op.SUBMIT for n in c.decode.ir.nodes)
     c.executor("decode").trace = 1
-    out = ktflow.generate(c, torch.tensor([[1, 2, 3, 4]]), 6)
+    out = ktflow.generate(c, torch.tensor([[1, 2, 3, 4]]), 6, eos_token_id=None)  # all six steps
     assert out.shape == (1, 10)
     assert c.executor("decode").runner.bound[1].graph is not None
     measured = c.executor("decode").measured

@@ -33,7 +33,7 @@ def test_bf16_demo_on_gpu_close_to_cpu(demo_dir):
     assert ((a - b).norm() / b.norm()) < 5e-2
     on_gpu, _ = ktflow.execute(gpu, ids.cuda())
     assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), a)  # logits come back where input_ids live
-    out = ktflow.generate(gpu, ids, 8)
+    out = ktflow.generate(gpu, ids, 8, eos_token_id=None)  # all eight steps
     assert out.shape == (2, 24)
 
 
