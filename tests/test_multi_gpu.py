@@ -277,6 +277,7 @@ def test_serve_with_two_ranks_answers_as_one_rank_and_stops_on_sigterm(demo_dir,
     from concurrent.futures import ThreadPoolExecutor
 
     from ktflow.serve.demo_tokenizer import write_demo_tokenizer
+    from test_serve import served_base
 
     d = tmp_path / "demo"
     shutil.copytree(demo_dir, d)
@@ -291,11 +292,7 @@ def test_serve_with_two_ranks_answers_as_one_rank_and_stops_on_sigterm(demo_dir,
         p = subprocess.Popen([sys.executable, "-m", "ktflow", *base_args, *extra], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env={**os.environ, "KTFLOW_QUIET": "1"})
         try:
-            line = ""
-            while "serving demo on " not in line:
-                line = p.stdout.readline()
-                assert line, f"ktflow serve ended before serving: {p.communicate()[1][-3000:]}"
-            base = line.split(" on ")[1].split("/v1")[0]
+            base = served_base(p)
             post = lambda body: httpx.post(base + "/v1/completions", json=dict(model="demo", **body),  # noqa: E731
                                            timeout=120).json()["choices"][0]["text"]
             with ThreadPoolExecutor(2) as pool:  # at once: one batched decode step for both

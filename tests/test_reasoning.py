@@ -22,9 +22,11 @@ def test_split_whole(text, opened, want):
 @pytest.mark.parametrize("size", [1, 2, 3, 7])
 def test_a_stream_in_any_chunking_routes_the_same_text(text, opened, want, size):
     s, thinking, answer = ThinkSplit(opened), "", ""
-    for end in range(size, len(text) + size, size):
-        t, a = s.push(text[:end])
+    for at in range(0, len(text), size):
+        t, a = s.feed(text[at:at + size])
         thinking, answer = thinking + t, answer + a
+    t, a = s.flush()
+    thinking, answer = thinking + t, answer + a
     assert (thinking.strip() or None, answer) == want
 
 

@@ -93,11 +93,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running(compiled, tok, *, slots=4, **kw):
-    """A server in a thread of this process; yields (base url, Served, runner)."""
+def running(compiled, tok, *, slots=4, runner=None, **kw):
+    """A server in a thread of this process (over `runner`, default a TestRunner with `slots`);
+    yields (base url, Served, runner)."""
     import uvicorn
 
-    runner = TestRunner(compiled, slots)
+    runner = runner or TestRunner(compiled, slots)
     served = build(compiled, tok, "demo", runner=runner, **kw)
     served.engine.start()
     port = free_port()
@@ -551,6 +552,15 @@ def test_api_key_is_required_when_set(compiled, tok):
 # ------------------------------------------------------------------------------------ the command
 
 
+def served_base(p: subprocess.Popen) -> str:
+    """The base URL `ktflow serve` (started with --port 0 and --model-name demo) says it serves on."""
+    line = ""
+    while "serving demo on " not in line:  # --port 0: the line says which port it got
+        line = p.stdout.readline()
+        assert line, f"ktflow serve ended before serving: {p.communicate()[1][-3000:]}"
+    return line.split(" on ")[1].split("/v1")[0]
+
+
 def _ktflow(*args, **kw):
     env = {**os.environ, "KTFLOW_QUIET": "1"}
     return subprocess.Popen([sys.executable, "-m", "ktflow", *args], env=env, stdout=subprocess.PIPE,
@@ -564,11 +574,7 @@ def test_serve_exits_0_on_sigterm_after_finishing_what_runs(serve_dir, tmp_path)
     p = _ktflow("serve", str(serve_dir), "--hw", "paper-a100", "--device", "cpu", "--max-seq-len", str(MAX_SEQ),
                 "--port", "0", "--model-name", "demo", "--max-batch", "2", "--record-routing", str(recorded))
     try:
-        line = ""
-        while "serving demo on " not in line:  # --port 0: the line says which port it got
-            line = p.stdout.readline()
-            assert line, f"ktflow serve ended before serving: {p.communicate()[1]}"
-        base = line.split(" on ")[1].split("/v1")[0]
+        base = served_base(p)
         assert base.startswith("http://127.0.0.1:")
         assert httpx.get(base + "/health", timeout=5).json()["slots"] == 2
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
@@ -665,11 +671,7 @@ def test_serve_answers_503_past_its_connection_limit(serve_dir):
                 "--port", "0", "--model-name", "demo", "--max-batch", "1", "--max-connections", "2")
     idle = []
     try:
-        line = ""
-        while "serving demo on " not in line:
-            line = p.stdout.readline()
-            assert line, f"ktflow serve ended before serving: {p.communicate()[1]}"
-        base = line.split(" on ")[1].split("/v1")[0]
+        base = served_base(p)
         host, port = base.removeprefix("http://").split(":")
         assert httpx.get(base + "/health", timeout=5).status_code == 200
         for _ in range(2):  # two idle clients hold the two connections
@@ -804,6 +806,12 @@ class ScriptedRunner(TestRunner):
     __test__ = False
     script: list[int] = []
 
+    @classmethod
+    def answering(cls, compiled, t, answer: str, slots: int = 2) -> "ScriptedRunner":
+        runner = cls(compiled, slots)
+        runner.script, runner.eos = t.encode(answer), next(iter(t.eos_ids))
+        return runner
+
     def prefill(self, items):
         outs = super().prefill(items)
         return [self.script[0] if isinstance(o, int) else o for o in outs]
@@ -827,20 +835,10 @@ def test_tool_calls_are_parsed_out_streamed_or_not_and_go_back_into_the_template
     f.write_text(TOOL_TEMPLATE)
     t = ServeTokenizer.from_dir(serve_dir, chat_template=f)
     answer = 'Let me look.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-    runner = ScriptedRunner(compiled, 2)
-    runner.script, runner.eos = t.encode(answer), next(iter(t.eos_ids))
+    runner = ScriptedRunner.answering(compiled, t, answer)
     assert t.decode(runner.script) == answer and len(runner.script) < 90
-    served = build(compiled, t, "demo", runner=runner, tool_parser="hermes")
-    served.engine.start()
-    port = free_port()
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(served.asgi, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, what="the server")
-    try:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+    with running(compiled, t, runner=runner, tool_parser="hermes") as (base, _, _):
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
         msgs = [{"role": "user", "content": "weather in Paris?"}]
         r = c.chat.completions.create(model="demo", messages=msgs, tools=[WEATHER], max_tokens=90)
         m = r.choices[0].message
@@ -857,7 +855,7 @@ def test_tool_calls_are_parsed_out_streamed_or_not_and_go_back_into_the_template
         # the call and its result go back into the template
         back = msgs + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
-        ids = httpx.post(f"http://127.0.0.1:{port}/tokenize", json={"messages": back}, timeout=10).json()["tokens"]
+        ids = httpx.post(base + "/tokenize", json={"messages": back}, timeout=10).json()["tokens"]
         assert f'get_weather({call.function.arguments})' in t.decode(ids) and f"({call.id})" in t.decode(ids)
         # without tools the same text is content; required / named choices are refused, not ignored
         plain = c.chat.completions.create(model="demo", messages=msgs, max_tokens=90)
@@ -866,10 +864,6 @@ def test_tool_calls_are_parsed_out_streamed_or_not_and_go_back_into_the_template
             with pytest.raises(openai.BadRequestError) as e:
                 c.chat.completions.create(model="demo", messages=msgs, tools=[WEATHER], tool_choice=choice)
             assert e.value.param == "tool_choice"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=20)
-        served.engine.stop()
 
 
 def test_tools_for_a_model_whose_calls_are_not_parsed_are_refused(srv, client):
@@ -878,32 +872,10 @@ def test_tools_for_a_model_whose_calls_are_not_parsed_are_refused(srv, client):
     assert e.value.param == "tools" and "not parsed yet" in e.value.message
 
 
-def _scripted_server(compiled, t, answer: str, **kw):
-    """A server in a thread whose model answers `answer` (then eos) through the real steps."""
-    import uvicorn
-
-    runner = ScriptedRunner(compiled, 2)
-    runner.script, runner.eos = t.encode(answer), next(iter(t.eos_ids))
-    served = build(compiled, t, "demo", runner=runner, **kw)
-    served.engine.start()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(served.asgi, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, what="the server")
-
-    def stop():
-        server.should_exit = True
-        thread.join(timeout=20)
-        served.engine.stop()
-
-    return f"http://127.0.0.1:{port}", stop
-
-
 def test_a_reasoning_parser_splits_the_thinking_from_the_answer_streamed_or_not(compiled, tok):
     answer = "<think>\nweighing it</think>\n\nFour."
-    base, stop = _scripted_server(compiled, tok, answer, reasoning_parser="think")
-    try:
+    with running(compiled, tok, runner=ScriptedRunner.answering(compiled, tok, answer),
+                 reasoning_parser="think") as (base, _, _):
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
         msgs = [{"role": "user", "content": "2+2?"}]
         m = c.chat.completions.create(model="demo", messages=msgs, max_tokens=60).choices[0].message
@@ -912,16 +884,12 @@ def test_a_reasoning_parser_splits_the_thinking_from_the_answer_streamed_or_not(
         deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
         assert "".join(d.content or "" for d in deltas) == "Four."
         assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas).strip() == "weighing it"
-    finally:
-        stop()
-    base, stop = _scripted_server(compiled, tok, answer)  # without the parser the thinking stays in content
-    try:
+    # without the parser the thinking stays in content
+    with running(compiled, tok, runner=ScriptedRunner.answering(compiled, tok, answer)) as (base, _, _):
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
         m = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "2+2?"}],
                                       max_tokens=60).choices[0].message
         assert m.content == answer
-    finally:
-        stop()
 
 
 def test_a_stuck_step_fails_its_requests_and_health_says_so_until_it_returns(compiled, tok):

@@ -11,6 +11,7 @@ Tensors the model spec does not reference (e.g. DeepSeek-V3's MTP layer) are ign
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import mmap
@@ -72,6 +73,7 @@ class SafetensorsFile:
         if not isinstance(header, dict):
             raise WeightError(f"{path}: corrupt safetensors header: not a JSON object")
         self.data_start = 8 + n
+        self.header_digest = hashlib.sha256(raw).hexdigest()  # the file's identity beside its inode (packed caches)
         data_len = size - self.data_start
         self.entries: dict[str, Entry] = {}
         meta = header.get("__metadata__", {})

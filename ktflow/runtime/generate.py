@@ -71,6 +71,7 @@ def token_steps(compiled, input_ids: torch.Tensor, max_new_tokens: int, *, tempe
         timing.update(first=timing["start"], end=timing["start"])
         return
     eos = eos_set(compiled, eos_token_id)
+    eos_ids = torch.tensor(sorted(eos), dtype=torch.int64)  # made once: checked every step
     rows = input_ids.shape[0]
     own_state = state is None  # generate's own state: steps past an end-of-sequence token harm nothing
     step_out, state = execute(compiled, input_ids, state, logits="last")
@@ -90,9 +91,8 @@ def token_steps(compiled, input_ids: torch.Tensor, max_new_tokens: int, *, tempe
             if i:
                 nxt = ahead.pop(0) if ahead else decode_tokens(compiled, nxt[:, None], state, 1, sampled=sampled)[:, 0]
             if eos:
-                fill = next(iter(eos))
-                nxt = torch.where(done, torch.full_like(nxt, fill), nxt)
-                done |= torch.isin(nxt, torch.tensor(sorted(eos)))
+                nxt = torch.where(done, torch.full_like(nxt, int(eos_ids[0])), nxt)
+                done |= torch.isin(nxt, eos_ids)
             yield nxt
             if i == max_new_tokens - 1 or bool(done.all()):
                 break

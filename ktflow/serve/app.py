@@ -134,10 +134,7 @@ class ServeApp:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         stop_ids = body.stop_ids()
-        bad = [i for i in stop_ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ApiError(400, f"stop: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
-                           param="stop")
+        self._check_ids(stop_ids, "stop")
         sampling = body.sampling(self.vocab_size, self.sampling_defaults)
         reqs: list[GenRequest] = []
         for i in range(body.n):
@@ -218,21 +215,31 @@ class ServeApp:
             if body.calls_tools():
                 self._check_tools(body)
                 tools = [t.model_dump(exclude_none=True) for t in body.tools]
-            messages = [m.for_template() for m in body.messages]
-            try:
-                text = self.tok.render_chat(messages, body.chat_template_kwargs, tools)
-                body._opened = self.reasoning and opens_thinking(text)  # the answer starts inside its thinking
-                return body, self.tok.encode_rendered(text, messages), "messages"
-            except TemplateError as e:
-                raise ApiError(400, f"messages: {e}", param="messages") from None
+            text, ids = self._encode_chat(body.messages, body.chat_template_kwargs, tools)
+            body._opened = self.reasoning and opens_thinking(text)  # the answer starts inside its thinking
+            return body, ids, "messages"
         if isinstance(body.prompt, str):
             return body, self.tok.encode(body.prompt), "prompt"
         ids = list(body.prompt)
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
-                           param="prompt")
+        self._check_ids(ids, "prompt")
         return body, ids, "prompt"
+
+    def _check_ids(self, ids: list[int], field: str) -> None:
+        """A 400 naming `field` for the first id outside the vocabulary."""
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"{field}: token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})",
+                           param=field)
+
+    def _encode_chat(self, messages, kwargs=None, tools=None) -> tuple[str, list[int]]:
+        """Chat messages (request models) rendered with the template and encoded: (text, ids);
+        a template's refusal is a 400 naming messages."""
+        plain = [m.for_template() for m in messages]
+        try:
+            text = self.tok.render_chat(plain, kwargs, tools)
+            return text, self.tok.encode_rendered(text, plain)
+        except TemplateError as e:
+            raise ApiError(400, f"messages: {e}", param="messages") from None
 
     def _check_tools(self, body) -> None:
         """Tools are answered only where this model's calls can be parsed, and only as 'auto'."""
@@ -333,8 +340,7 @@ class ServeApp:
                 if isinstance(ev, Delta):
                     new = ev.text
                     if thinks[i] is not None:
-                        thinks[i].whole += ev.text
-                        thinking, new = thinks[i].push(thinks[i].whole)
+                        thinking, new = thinks[i].feed(ev.text)
                         if thinking:
                             yield chunk(i, None, None, thinking=thinking)
                     sofar[i] += new
@@ -388,31 +394,24 @@ class ServeApp:
         except ApiError as e:
             return self._error(request.url.path, e)
         self.metrics.request(request.url.path, 200)
-        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                                         "created": self.created, "owned_by": "ktflow",
-                                                         "max_model_len": self.max_seq_len}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "ktflow",
+                "max_model_len": self.max_seq_len}
 
     def _tokens(self, raw: bytes) -> dict:
         body = parse(TokenizeRequest, raw)
         if body.model is not None:
             self._check_model(body.model)
-        if body.messages is not None:
-            try:
-                ids = self.tok.encode_chat([m.for_template() for m in body.messages])
-            except TemplateError as e:
-                raise ApiError(400, f"messages: {e}", param="messages") from None
-        else:
-            ids = self.tok.encode(body.prompt)
+        ids = self._encode_chat(body.messages)[1] if body.messages is not None else self.tok.encode(body.prompt)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_seq_len}
 
     def _text(self, raw: bytes) -> dict:
         body = parse(DetokenizeRequest, raw)
         if body.model is not None:
             self._check_model(body.model)
-        bad = [i for i in body.tokens if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ApiError(400, f"tokens: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
-                           param="tokens")
+        self._check_ids(body.tokens, "tokens")
         return {"prompt": self.tok.decode(body.tokens)}
 
     async def tokenize(self, request: Request) -> Response:
@@ -445,8 +444,7 @@ class ServeApp:
         except ApiError as e:
             return self._error("/v1/models/{model}", e)  # one metrics label, whatever the name asked for
         self.metrics.request("/v1/models/{model}", 200)
-        return JSONResponse({"id": self.model_name, "object": "model", "created": self.created, "owned_by": "ktflow",
-                             "max_model_len": self.max_seq_len})
+        return JSONResponse(self._model_card())
 
     async def health(self, request: Request) -> Response:
         stats = self.engine.stats()

@@ -144,7 +144,6 @@ class Engine:
         self.step_timeout = step_timeout  # a runner call longer than this is stuck (the watchdog)
         self._step: tuple[float, list] | None = None  # the runner call in progress: (its start, its sequences)
         self.stuck = 0  # steps the watchdog gave up on (their requests failed); health says so while one runs
-        self._watchdog: threading.Thread | None = None
         self.step_errors = 0  # steps that raised as a whole: their sequences failed, the engine went on
 
     # ----------------------------------------------------------------------------- client side
@@ -184,8 +183,7 @@ class Engine:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="ktflow-serve-engine", daemon=True)
         self._thread.start()
-        self._watchdog = threading.Thread(target=self._watch, name="ktflow-serve-watchdog", daemon=True)
-        self._watchdog.start()
+        threading.Thread(target=self._watch, name="ktflow-serve-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
         """Fail the requests of a runner call that has run past step_timeout (a stuck step, not a
@@ -279,12 +277,9 @@ class Engine:
         for s in list(self._running):
             self._fail(s, e)
             try:
-                self._release(s)
+                self._release(s)  # the slot comes back even when the runner's free raises
             except Exception:  # noqa: BLE001 - the slot's state is reset when it starts again
-                with self._cond:
-                    if s in self._running:
-                        self._running.remove(s)
-                        heapq.heappush(self._free, s.slot)
+                pass
 
     def _admit(self) -> list[_Seq]:
         """Waiting requests into free slots (under the lock)."""

@@ -32,16 +32,21 @@ def split(text: str, opened: bool) -> tuple[str | None, str]:
 
 
 class ThinkSplit:
-    """Streamed text routed to thinking or answer: `push(whole)` gives (new thinking, new answer)."""
+    """Streamed text routed to thinking or answer: `feed(piece)` gives (new thinking, new answer);
+    `flush()` at the end gives what a partial tag held back."""
 
     def __init__(self, opened: bool):
         self.opened = opened
         self.sent = 0  # of the whole text, what has been routed
         self.state = "thinking" if opened else "start"  # start: not yet known whether a block opens
         self.closed = False  # a block closed: the answer's leading whitespace is dropped, as split does
-        self.whole = ""  # the text so far (the caller's to extend)
+        self.whole = ""  # the text so far
 
-    def push(self, whole: str) -> tuple[str, str]:
+    def feed(self, piece: str) -> tuple[str, str]:
+        self.whole += piece
+        return self._route(self.whole)
+
+    def _route(self, whole: str) -> tuple[str, str]:
         if self.state == "start":
             stripped = whole.lstrip()
             if len(stripped) < len(OPEN) and OPEN.startswith(stripped):

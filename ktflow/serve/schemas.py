@@ -36,12 +36,17 @@ class ApiError(Exception):
 MAX_CHOICES = 16
 
 
-class _Request(BaseModel):
+class _Body(BaseModel):
+    """A request body's part: JSON types as OpenAI's, no coercion (fields it does not know are
+    ignored, pydantic's default)."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class _Request(_Body):
     """Fields the two generation endpoints share. Fields ktflow does not use (user, metadata,
     ...) are accepted and ignored; ones that would change the answer and are not supported
     (logprobs, echo, best_of > 1) are refused."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -140,48 +145,36 @@ class _Request(BaseModel):
         return bool((self.stream_options or {}).get("include_usage"))
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True)
-
+class TextPart(_Body):
     type: Literal["text"]
     text: str
 
 
-class ToolFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class ToolFunction(_Body):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class Tool(_Body):
     type: Literal["function"]
     function: ToolFunction
 
 
-class CalledFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class CalledFunction(_Body):
     name: str
     arguments: str  # a JSON object's text
 
 
-class MessageToolCall(BaseModel):
+class MessageToolCall(_Body):
     """A call an earlier assistant turn made (sent back in the conversation)."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
 
     id: str | None = None
     type: Literal["function"] = "function"
     function: CalledFunction
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None  # required; null only where the role allows it
     tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
@@ -224,18 +217,13 @@ class ChatCompletionRequest(_Request):
     functions: list[Any] | None = None  # the legacy form of tools
     function_call: Any = None
 
-    @field_validator("logprobs", "top_logprobs")
+    @field_validator("logprobs", "top_logprobs", "functions", "function_call")
     @classmethod
-    def _no_logprobs(cls, v, info):
+    def _unsupported(cls, v, info):
         if v:
-            raise ValueError(f"{info.field_name} are not supported yet")
-        return v
-
-    @field_validator("functions", "function_call")
-    @classmethod
-    def _no_legacy_functions(cls, v, info):
-        if v:
-            raise ValueError(f"{info.field_name} (the legacy form) is not supported: send tools and tool_choice")
+            legacy = info.field_name.startswith("function")
+            raise ValueError(f"{info.field_name} (the legacy form) is not supported: send tools and tool_choice"
+                             if legacy else f"{info.field_name} are not supported yet")
         return v
 
     @field_validator("tool_choice")
@@ -304,11 +292,9 @@ class CompletionRequest(_Request):
         return self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     """POST /tokenize: a prompt's ids as the completions endpoint encodes it, or messages' as the
     chat endpoint renders and encodes them (one of the two)."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     prompt: str | None = None
@@ -321,10 +307,8 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     """POST /detokenize: the text of token ids."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     tokens: list[int]

@@ -12,6 +12,7 @@ post-processor and special tokens included).
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -53,11 +54,9 @@ class ServeTokenizer:
                  extra_eos_ids: tuple[int, ...] = (), special_in_messages: bool = False):
         self.tok = tokenizer
         self.chat_template = chat_template
-        # message text is text: a copy of the tokenizer that never parses special tokens (a copy,
-        # so encoding stays thread-safe), and the special tokens' strings to look for
+        # message text is text: the special tokens' strings to look for (and `_plain`, made when a
+        # message first holds one)
         self.special_in_messages = special_in_messages
-        self._plain = type(tokenizer).from_str(tokenizer.to_str())
-        self._plain.encode_special_tokens = True
         self._specials = sorted({t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special},
                                 key=len, reverse=True)
         self.bos_token, self.eos_token = bos_token, eos_token
@@ -185,6 +184,14 @@ class ServeTokenizer:
         as plain text, so it cannot end a turn or forge a role (unless special_in_messages). A
         prompt whose messages hold none encodes exactly as the whole rendered string does."""
         return self.encode_rendered(self.render_chat(messages, kwargs, tools), messages)
+
+    @functools.cached_property
+    def _plain(self):
+        """A copy of the tokenizer that never parses special tokens (a copy, so encoding stays
+        thread-safe)."""
+        plain = type(self.tok).from_str(self.tok.to_str())
+        plain.encode_special_tokens = True
+        return plain
 
     def encode_rendered(self, text: str, messages: list[dict[str, str]]) -> list[int]:
         """`encode_chat` of a prompt already rendered from `messages`."""

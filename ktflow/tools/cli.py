@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from ..serve.tool_parsers import PARSERS
 from ..util import env
 from .compile_flags import add_compile_options
 from .commands import (add_record_option, cmd_calibrate, cmd_compile, cmd_demo, cmd_diff,
@@ -202,7 +203,7 @@ MODEL must hold tokenizer.json (and tokenizer_config.json with a chat_template f
                     "to its hard limit at start)")
     sv.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
                     help="seconds an idle keep-alive connection stays open (default 5)")
-    sv.add_argument("--tool-parser", default=None, choices=["hermes"],
+    sv.add_argument("--tool-parser", default=None, choices=sorted(PARSERS),
                     help="how the model writes tool calls (default: its family's: hermes for Qwen2/Qwen3 MoE; "
                     "families without one refuse requests with tools)")
     sv.add_argument("--reasoning-parser", default=None, choices=["think"],

@@ -459,7 +459,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise ResourceError(f"ktflow serve needs {e.name}, which is not installed: pip install 'ktflow[serve]'") from None
-    for flag, v, least in (("--port", a.port, 0), ("--max-batch", a.max_batch, 1), ("--max-queue", a.max_queue, 0)):
+    for flag, v, least in (("--port", a.port, 0), ("--max-batch", a.max_batch, 1), ("--max-queue", a.max_queue, 0),
+                           ("--max-connections", a.max_connections, 1)):
         if v < least:
             raise ConfigError(f"{flag} must be at least {least}, got {v}")
     if a.port > 65535:
@@ -489,8 +490,6 @@ def _check_serve_limits(a: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} must be a finite number of seconds >= 0, got {v}")
     if not (math.isfinite(a.step_timeout) and a.step_timeout > 0):
         raise ConfigError(f"--step-timeout must be a finite number of seconds > 0, got {a.step_timeout}")
-    if a.max_connections < 1:
-        raise ConfigError(f"--max-connections must be at least 1, got {a.max_connections}")
     if not (math.isfinite(a.max_body_mb) and a.max_body_mb > 0):
         raise ConfigError(f"--max-body-mb must be a finite number > 0, got {a.max_body_mb}")
     try:

@@ -47,15 +47,14 @@ def cache_dir() -> Path | None:
 def _checkpoint_digest(weights: WeightSource) -> str:
     """The checkpoint files' identity: each file's resolved path, device, inode, size, mtime and
     ctime (a file replaced, rewritten or copied over gets another inode or ctime, which no
-    `touch` sets back), and a hash of its safetensors header (every tensor's name, dtype, shape and
-    offsets). Packed experts cached under another identity are never used."""
+    `touch` sets back), and the hash of its safetensors header taken when it was opened (every
+    tensor's name, dtype, shape and offsets). Packed experts cached under another identity are never used."""
     h = hashlib.sha256()
     for name, f in sorted(weights.files.items()):
         path = Path(f.path).resolve()
         st = os.stat(path)
-        h.update(f"{name}:{path}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns};".encode())
-        with open(path, "rb") as fh:
-            h.update(fh.read(min(f.data_start, 100_000_008)))
+        h.update(f"{name}:{path}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:"
+                 f"{f.header_digest};".encode())
     return h.hexdigest()
 
 
