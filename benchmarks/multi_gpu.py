@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -97,11 +96,6 @@ def main(argv=None) -> int:
         print(f"multi_gpu.py needs {max(counts)} CUDA GPUs; torch sees {torch.cuda.device_count()}", file=sys.stderr)
         return 2
     from ktflow.runtime.ranks import run_ranks
-
-    if max(counts) > 1 and not os.environ.get("KTFLOW_CUDA_RANKS"):
-        print("note: CUDA ranks are not yet verified equal to one rank (docs/multi-gpu.md); KTFLOW_CUDA_RANKS=1 "
-              "set for this run: its several-GPU rates are speed only", flush=True)
-        os.environ["KTFLOW_CUDA_RANKS"] = "1"
 
     cfg = dict(MODELS[a.model], **({"num_hidden_layers": a.layers} if a.layers else {}))
     ckpt = ready_checkpoint(a.model, cfg, a.layers, a.fp8, a.dir)

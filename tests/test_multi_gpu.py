@@ -122,20 +122,6 @@ def test_bad_rank_options_name_the_problem(demo_dir):
         ktflow.compile(model, hw=HW, gpus=2, placement="cpu", **small(model))
 
 
-def test_cuda_ranks_are_refused_until_asked_for(demo_dir, monkeypatch):
-    """Plans over CUDA ranks are not yet verified: compile refuses them unless KTFLOW_CUDA_RANKS=1."""
-    from ktflow.passes.compile import compile_plans
-    from ktflow.plan.options import CompileOptions
-
-    model = ktflow.load(demo_dir)
-    opts = CompileOptions(gpus=2, max_seq_len=128, allow_oversize=True, vram_budget_gb=_budget(demo_dir))
-    monkeypatch.delenv("KTFLOW_CUDA_RANKS", raising=False)
-    with pytest.raises(ConfigError, match="not yet verified equal to one rank's .* KTFLOW_CUDA_RANKS=1 runs them"):
-        compile_plans(model, PRESETS[HW], opts, "cuda")
-    monkeypatch.setenv("KTFLOW_CUDA_RANKS", "1")
-    assert compile_plans(model, PRESETS[HW], opts, "cuda").decode.device == "cuda"
-
-
 def test_a_plan_for_two_ranks_in_one_process_says_how_to_run_it(demo_dir):
     c = ranked(ktflow.load(demo_dir))[0]
     with pytest.raises(KtflowError, match="spreads over 2 GPU ranks and this process has no process group"):

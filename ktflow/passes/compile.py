@@ -23,7 +23,7 @@ from ..ir.ops import Op, host_packs
 from ..ir.types import DTYPE_BY_NAME, Device
 from ..plan.artifact import MemoryEstimate, ModelInfo, Plan, PlanFile
 from ..plan.options import CompileContext, CompileOptions, VramShare
-from ..util import env, notices
+from ..util import notices
 from ..util.progress import bar
 from . import PIPELINE, PassTimer, default_instruments, edit_pipeline, pass_id, run_pipeline
 from .schedule import instructions_of
@@ -48,10 +48,6 @@ def compile_plans(model: Any, hw: HwProfile, opts: CompileOptions, device: str, 
     if opts.gpus > 1 and (opts.defer is not None or opts.expert_cache):
         raise ConfigError("gpus > 1 does not take " + ("defer" if opts.defer is not None else "expert_cache")
                           + " yet (each rank's parts of a layer meet in one all-reduce); leave it out")
-    if opts.gpus > 1 and device == "cuda" and not env.get("KTFLOW_CUDA_RANKS"):
-        raise ConfigError(f"gpus={opts.gpus} runs with device='cpu' for now (the correctness mode: the ranks meet over "
-                          "gloo, their GPU work on the CPU): CUDA ranks run over NCCL but their decode logits are not "
-                          "yet verified equal to one rank's (docs/multi-gpu.md); KTFLOW_CUDA_RANKS=1 runs them anyway")
     if len(hw.gpus) > opts.gpus:
         notices.warn(f"hardware profile {hw.name!r} has {len(hw.gpus)} GPUs; the plans use {opts.gpus} "
                      f"(gpus={opts.gpus})", key="gpus")

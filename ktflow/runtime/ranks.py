@@ -58,8 +58,8 @@ def _init_group(cuda: bool, local_rank: int, global_rank: int, **kw) -> None:
         raise KtflowError(f"rank with local rank {local_rank} has no GPU: torch sees {torch.cuda.device_count()} "
                           "CUDA device(s) on this host; start at most that many ranks here")
     torch.cuda.set_device(local_rank)
-    # NCCL registers a captured collective's buffers, assuming one allocation each; the CUDA backend's
-    # expandable segments break that and replays then sum stale data: no registration under capture
+    # NCCL's registration of a captured collective's buffers assumes each stays one allocation, which
+    # the CUDA backend's expandable segments do not promise: left off (the all-reduces are latency-bound)
     os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
     dist.init_process_group("cpu:gloo,cuda:nccl", timeout=_timeout(), **kw)
     one = torch.ones(1, device="cuda")

@@ -52,8 +52,6 @@ VARIABLES = {v.name: v for v in (
     EnvVar("KTFLOW_API_KEY", "text", "", "the key `ktflow serve` requires of clients (--api-key)"),
     EnvVar("KTFLOW_RANK_TIMEOUT", "int", "600", "seconds a rank of a several-GPU run waits on the others (a "
                                                 "collective, the start) before it fails", lo=1, hi=10_000_000),
-    EnvVar("KTFLOW_CUDA_RANKS", "flag", "0", "let plans over several GPU ranks run on CUDA (NCCL): unverified, their "
-                                             "decode logits left one rank's on a 2-GPU test (docs/multi-gpu.md)"),
 )}
 
 
