@@ -72,6 +72,7 @@ class TestRunner(PoolRunner):
 
     def _prefill_step(self, items):
         self.widest_prefill = max(self.widest_prefill, len(items))
+        self.prefilled = getattr(self, "prefilled", 0) + sum(len(ids) for _, ids, _ in items)
         if any(FAIL_TOKEN in ids for _, ids, _ in items):
             raise RuntimeError("injected failure in this sequence's prefill")
         return super()._prefill_step(items)
@@ -335,6 +336,39 @@ def test_concurrent_requests_give_what_each_gives_alone(srv, client, tok):
     assert results[99] == seeded
     assert runner.widest >= 2  # sequences did share iterations
     assert health(base)["running"] == 0
+
+
+def test_a_prompt_that_continues_an_earlier_one_prefills_only_the_rest(srv, client, compiled, tok):
+    """An agent's next turn: the prompt repeats an earlier request's prompt and answer, then adds
+    to it. The slot that holds the earlier prompt's prefilled entries serves it: only the rest is
+    prefilled (the cached part cut to the 32-token chunks the server prefills in; the answer's
+    decoded entries are not reused), usage says how many tokens were cached, streamed or not, and
+    the answer is the one a server without prefix reuse gives."""
+    base, served, runner = srv
+    g = torch.Generator().manual_seed(44)
+    history = torch.randint(3, compiled.vocab_size, (75,), generator=g).tolist()
+    first = client.completions.create(model="demo", prompt=history, max_tokens=6, temperature=0,
+                                      extra_body=dict(ignore_eos=True))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    answer = tok.encode(first.choices[0].text)
+    turn = history + answer + torch.randint(3, compiled.vocab_size, (10,), generator=g).tolist()
+    runner.prefilled = 0
+    second = client.completions.create(model="demo", prompt=turn, max_tokens=8, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens == 64  # 75 prompt tokens held: two whole chunks
+    assert runner.prefilled == len(turn) - 64
+    streamed = list(client.completions.create(model="demo", prompt=turn, max_tokens=8, temperature=0, stream=True,
+                                              stream_options={"include_usage": True}))
+    # the same 96 tokens again: all but the last are held, cut to whole chunks
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == 64
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == second.choices[0].text
+    whole = TestRunner(compiled, 2)
+    whole.prefix_cache = False
+    with running(compiled, tok, runner=whole, prefill_tokens=32) as (base2, _, _):
+        c2 = openai.OpenAI(base_url=base2 + "/v1", api_key="x", max_retries=0, timeout=60)
+        c2.completions.create(model="demo", prompt=history, max_tokens=6, temperature=0)
+        again = c2.completions.create(model="demo", prompt=turn, max_tokens=8, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0 and whole.prefilled == len(history) + len(turn)
+    assert again.choices[0].text == second.choices[0].text
 
 
 def test_disconnecting_mid_stream_frees_the_slot(srv):
@@ -822,10 +856,10 @@ class ScriptedRunner(TestRunner):
         self.made.update(made)
         return [self.script[made[s]] if made[s] < len(self.script) else self.eos for s in slots]
 
-    def start(self, slot, params=None, prompt_ids=None):
+    def start(self, slot, params=None, prompt_ids=None, reuse=0):
         self.made = getattr(self, "made", {})
         self.made[slot] = 0
-        return super().start(slot, params, prompt_ids) if params is not None else super().start(slot)
+        return super().start(slot, params, prompt_ids, reuse) if params is not None else super().start(slot)
 
 
 def test_tool_calls_are_parsed_out_streamed_or_not_and_go_back_into_the_template(compiled, tok, serve_dir, tmp_path):

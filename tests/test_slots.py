@@ -188,6 +188,66 @@ def test_pool_refuses_what_it_cannot_do(tiny_dirs):
         pool.decode([0, 0], [1, 1])
 
 
+def _chunked(pool: SlotPool, slot: int, prompt: list[int], start: int, chunk: int) -> torch.Tensor:
+    """`prompt[start:]` prefilled into `slot` in chunks cut at multiples of `chunk`; the last logits."""
+    at, out = start, None
+    while at < len(prompt):
+        end = min((at // chunk + 1) * chunk, len(prompt))
+        out = pool.prefill_many([slot], [prompt[at:end]])
+        at = end
+    return out[0]
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral_sliding"])
+@torch.inference_mode()
+def test_a_sequence_reuses_the_prefilled_entries_its_slot_holds(case, tiny_dirs):
+    """A new prompt sharing its first tokens with what a slot's prefills held: `cached` counts
+    them (not the entries decode steps made, not past the prompt's last token), and starting
+    after a chunk-aligned part of them gives the logits a prefill from scratch gives, bit for
+    bit; more than `cached` is refused."""
+    d, _ = tiny_dirs(case)
+    c = ktflow.compile(ktflow.load(d), hw="paper-a100", device="cpu", dtype="float32", max_seq_len=64, max_batch=2,
+                       backend="torch_ref")
+    vocab = c.vocab_size
+    g = torch.Generator().manual_seed(5)
+    first = torch.randint(0, vocab, (21,), generator=g).tolist()
+    fed = torch.randint(0, vocab, (3,), generator=g).tolist()
+    pool = SlotPool(c, 2)
+    pool.start(1)
+    _chunked(pool, 1, first, 0, 8)
+    for t in fed:  # decode steps: their entries are held, but not reused
+        pool.decode([1], [t])
+    later = first + fed + torch.randint(0, vocab, (9,), generator=g).tolist()
+    assert pool.cached(1, later) == len(first)
+    assert pool.cached(1, first) == len(first) - 1  # the prompt's last token always runs
+    assert pool.cached(0, later) == 0
+    with pytest.raises(InputError, match="holds 21 of this prompt's first tokens; it cannot start after 22"):
+        pool.start(1, prompt=later, reuse=22)
+    pool.start(1, prompt=later, reuse=16)  # the chunks [0, 8) and [8, 16)
+    assert pool.position(1) == 16 and pool.cached(1, later) == 16
+    got = _chunked(pool, 1, later, 16, 8)
+    fresh = SlotPool(c, 2)
+    fresh.start(1)
+    assert torch.equal(got, _chunked(fresh, 1, later, 0, 8))
+
+
+@torch.inference_mode()
+def test_a_full_padding_row_gives_up_its_last_entry(tiny_dirs):
+    """A free slot at max_seq_len decoded over as padding writes at its last position: that
+    entry is no longer reusable."""
+    d, _ = tiny_dirs("qwen3_moe")
+    c = ktflow.compile(ktflow.load(d), hw="paper-a100", device="cpu", dtype="float32", max_seq_len=16, max_batch=2,
+                       backend="torch_ref")
+    pool = SlotPool(c, 2)
+    pool.start(0)
+    pool.prefill(0, torch.tensor([list(range(1, 17))]))
+    assert pool.cached(0, list(range(1, 17)) + [5]) == 16
+    pool.start(1)
+    pool.prefill(1, torch.tensor([[3, 4]]))
+    pool.decode([1], [7])  # bucket 2: row 0 pads, at its last position
+    assert pool.cached(0, list(range(1, 17)) + [5]) == 15
+
+
 @gpu
 @pytest.mark.parametrize("case", ["qwen3_moe", "deepseek_v3", "mixtral_sliding"])
 @torch.inference_mode()

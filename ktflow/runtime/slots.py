@@ -10,6 +10,13 @@ step over rows 0..b-1, b the smallest batch bucket (1, 2, 4, 8, ... capped at `s
 highest listed slot. Unlisted rows in it are padding: outputs dropped, nothing of theirs a later
 step reads changed. Take the lowest free slot and the buckets stay small. On the cuda_graph backend
 each bucket is bound and captured once, over rows 0..b-1. Padding rows: docs/design-notes.md.
+
+Prefix reuse: each slot knows the token ids whose KV entries its row holds (`held`: what its
+prefills and decode steps fed, in order) and how many of them prefill steps computed (`exact`;
+a decode step's entries differ from a prefill's in rounding). `cached(slot, prompt)` is how many of
+a prompt's first tokens the prefilled entries cover (at most all but its last, which must run to
+give logits), and `start(..., reuse=n)`, n up to that, begins the sequence after n of them: the
+caller prefills only the rest.
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ class SlotPool:
         self.buckets = buckets(slots)
         self.state = State(compiled.plans.model.fingerprint, slots, self.max_seq_len)
         self.positions = torch.zeros(slots, dtype=torch.int64)
+        self.held: list[list[int]] = [[] for _ in range(slots)]  # per slot: the ids its KV entries are of
+        self.exact = [0] * slots  # per slot: how many of those a prefill step computed
         self._make_caches()
         self.sampler = Sampler(slots, compiled.vocab_size, sampler_device(compiled))
         self.state.sampler = self.sampler
@@ -65,6 +74,12 @@ class SlotPool:
             if n.op == Op.ATTENTION:  # the pool's own caches, not a backend's static ones
                 cache_of(self.state, n.attrs, self.slots, ex.backend.dtype, ex.backend.device_of(n))
 
+    def _fed(self, slot: int, ids: list[int], prefilled: bool) -> None:
+        """`ids` ran at `slot`'s next positions: its entries hold them now."""
+        if prefilled and self.exact[slot] == len(self.held[slot]):
+            self.exact[slot] += len(ids)
+        self.held[slot] += ids
+
     def bucket(self, rows: int) -> int:
         """The smallest bucket of at least `rows` rows."""
         return next(b for b in self.buckets if b >= rows)
@@ -73,13 +88,32 @@ class SlotPool:
         if not 0 <= slot < self.slots:
             raise InputError(f"slot {slot} does not exist: the pool has slots 0..{self.slots - 1}")
 
-    @torch.inference_mode()
-    def start(self, slot: int, params: SamplingParams = SamplingParams(), prompt: list[int] | None = None) -> None:
-        """A new sequence in `slot`, selecting its tokens by `params` (checked: an InputError names
-        a bad one), `prompt` being what its repetition penalty counts as seen."""
+    def cached(self, slot: int, prompt: list[int]) -> int:
+        """How many of `prompt`'s first tokens `slot`'s prefilled KV entries already hold, at most
+        all but the last (a prefill of at least one token gives the first new token's logits)."""
         self._check_slot(slot)
+        held, n = self.held[slot][:self.exact[slot]], 0
+        for a, b in zip(held, prompt[:len(prompt) - 1]):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    @torch.inference_mode()
+    def start(self, slot: int, params: SamplingParams = SamplingParams(), prompt: list[int] | None = None,
+              reuse: int = 0) -> None:
+        """A new sequence in `slot`, selecting its tokens by `params` (checked: an InputError names
+        a bad one), `prompt` being what its repetition penalty counts as seen; it begins after the
+        first `reuse` tokens of `prompt` (at most `cached(slot, prompt)`: their entries are kept,
+        their prefill skipped), else at position 0."""
+        self._check_slot(slot)
+        if reuse and not 0 <= reuse <= self.cached(slot, prompt or []):
+            raise InputError(f"slot {slot} holds {self.cached(slot, prompt or [])} of this prompt's first tokens; "
+                             f"it cannot start after {reuse}")
         self.sampler.set_row(slot, params, prompt)
-        self.positions[slot] = 0
+        self.positions[slot] = reuse
+        del self.held[slot][reuse:]
+        self.exact[slot] = reuse
 
     @torch.inference_mode()
     def first_tokens(self, slots: list[int], logits: torch.Tensor) -> list[int]:
@@ -102,6 +136,7 @@ class SlotPool:
         ids = check_ids(self.compiled, ids, state)
         out, _ = prefill(self.compiled, ids, state, logits, ids.device)
         self.positions[slot] = state.position
+        self._fed(slot, ids[0].tolist(), prefilled=True)
         return out
 
     @torch.inference_mode()
@@ -127,6 +162,7 @@ class SlotPool:
                                                                            segments=segments)
         for s, c in zip(slots, chunks):
             self.positions[s] += len(c)
+            self._fed(s, c, prefilled=True)
         return None if out is None else out[:, 0].float().cpu()
 
     @torch.inference_mode()
@@ -152,8 +188,13 @@ class SlotPool:
         rows = torch.tensor(slots, dtype=torch.int64)
         tokens = torch.zeros(b, 1, dtype=torch.int64)
         tokens[rows, 0] = torch.tensor(ids, dtype=torch.int64)
-        # padding rows write at their own next position (full rows at their last: never read again)
+        # padding rows write at their own next position (full rows at their last, which then holds
+        # nothing a sequence may reuse)
         positions = self.positions[:b].clamp(max=self.max_seq_len - 1)
+        for r in range(b):
+            if r not in slots and len(self.held[r]) >= self.max_seq_len:
+                del self.held[r][self.max_seq_len - 1:]
+                self.exact[r] = min(self.exact[r], self.max_seq_len - 1)
         ex = self.compiled.executor(self.compiled.decode)
         if logits == "sample":  # the padding rows' sampler state stays as it is
             listed = set(slots)
@@ -168,5 +209,7 @@ class SlotPool:
             if ex.recorder is not None:
                 ex.recorder.set_rows(None)
         self.positions[rows] += 1
+        for s, t in zip(slots, ids):
+            self._fed(s, [t], prefilled=False)
         out = out.reshape(b, -1)[rows]
         return out[:, 0].cpu() if logits in ("argmax", "sample") else out.float()

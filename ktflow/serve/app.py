@@ -31,7 +31,8 @@ from starlette.routing import Route
 from .engine import Delta, Draining, Engine, Failed, Finished, GenRequest, QueueFull
 from .metrics import ServerMetrics
 from .schemas import (ApiError, ChatChoice, ChatChoiceMessage, ChatCompletion, ChatCompletionRequest, Completion,
-                      CompletionChoice, CompletionRequest, DetokenizeRequest, TokenizeRequest, Usage, parse)
+                      CompletionChoice, CompletionRequest, DetokenizeRequest, PromptTokensDetails, TokenizeRequest,
+                      Usage, parse)
 from .tokenizer import ServeTokenizer, TemplateError
 from .reasoning import ThinkSplit, opens_thinking
 from .reasoning import split as split_thinking
@@ -289,7 +290,8 @@ class ServeApp:
         self.metrics.request(endpoint, 200)
         completion = sum(ev.completion_tokens for ev in evs)
         usage = Usage(prompt_tokens=evs[0].prompt_tokens, completion_tokens=completion,
-                      total_tokens=evs[0].prompt_tokens + completion)
+                      total_tokens=evs[0].prompt_tokens + completion,
+                      prompt_tokens_details=PromptTokensDetails(cached_tokens=evs[0].cached_tokens))
         if chat:
             answers = [self._message(body, ev.text, ev.reason) for ev in evs]
             out: Any = ChatCompletion(id=rid, created=int(time.time()), model=self.model_name, usage=usage,
@@ -378,7 +380,8 @@ class ServeApp:
             if body.include_usage():
                 completion = sum(ev.completion_tokens for ev in finals.values())
                 prompt = finals[0].prompt_tokens
-                usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+                usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                         "prompt_tokens_details": {"cached_tokens": finals[0].cached_tokens}}
                 yield _sse({"id": rid, "object": kind, "created": created, "model": self.model_name,
                             "choices": [], "usage": usage})
             yield "data: [DONE]\n\n"

@@ -2,11 +2,15 @@
 
 Requests wait in a bounded queue (`submit` raises `QueueFull` when it is full, `Draining` once
 shutdown began). Each iteration: retires cancelled sequences and admits waiting requests into free
-slots (the runner's fixed number); prefills, in admission order, chunks of at most `prefill_tokens`
-prompt tokens, `prefill_tokens` in all (at least one chunk), as one step, the chunk that ends a
-prompt giving its first token; decodes one token for every sequence with one pending; retires
-finished sequences (a stop string, a stop token id or eos, max_tokens, cancelled), freeing their
-slots. A prompt is always cut at multiples of `prefill_tokens`. The model is reached only through
+slots (the runner's fixed number): the free slot whose KV cache holds the longest prefix of the
+prompt (the runner's `cached`, cut to a multiple of `prefill_tokens`; ties: the lowest slot), the
+sequence starting after that prefix (its entries are those a prefill from scratch makes, chunk for
+chunk);
+prefills, in admission order, chunks of at most `prefill_tokens` prompt tokens, `prefill_tokens`
+in all (at least one chunk), as one step, the chunk that ends a prompt giving its first token;
+decodes one token for every sequence with one pending; retires finished sequences (a stop string,
+a stop token id or eos, max_tokens, cancelled), freeing their slots. A prompt is always cut at
+multiples of `prefill_tokens`. The model is reached only through
 a `Runner` (`runner.py`), which selects each row's tokens by its request's `SamplingParams` from
 its own random stream (seeded by `seed`, advanced only by its own steps). A request hears of its
 sequence through its `emit(event)`, called on the scheduler thread: `Delta`s, then one `Finished`
@@ -17,7 +21,6 @@ reproducibility: docs/design-notes.md.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import threading
 import time
@@ -44,7 +47,8 @@ def _log_request(s: "_Seq", status: str) -> None:
     ttft = f"{1e3 * (s.first_token - r.arrived):.0f} ms" if s.first_token is not None else "-"
     rate = (f"{(len(s.generated) - 1) / (now - s.first_token):.1f} tok/s"
             if s.first_token is not None and len(s.generated) > 1 and now > s.first_token else "-")
-    log.info(f"request {r.tag or '-'} {status}: prompt {len(r.prompt_ids)} tokens, completion {len(s.generated)}, "
+    log.info(f"request {r.tag or '-'} {status}: prompt {len(r.prompt_ids)} tokens ({s.cached} cached), "
+             f"completion {len(s.generated)}, "
              f"first token {ttft}, decode {rate}, {now - r.arrived:.2f} s")
 
 
@@ -70,6 +74,7 @@ class Finished:
     text: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV entries a slot held from an earlier sequence
 
 
 @dataclass
@@ -113,6 +118,7 @@ class _Seq:
     slot: int
     text: TextStream
     prefilled: int = 0
+    cached: int = 0  # the prompt's first tokens the slot's KV cache held (not prefilled again)
     generated: list[int] = field(default_factory=list)
     pending: int | None = None  # the sampled token the next decode step feeds
     last_token: float = 0.0
@@ -134,7 +140,7 @@ class Engine:
         self.metrics = metrics or Metrics()
         self._cond = threading.Condition()
         self._waiting: deque[GenRequest] = deque()
-        self._free = list(range(runner.slots))  # a heap: the lowest free slot first (low rows: small buckets)
+        self._free = list(range(runner.slots))  # the lowest free slot first where no cache tells (small buckets)
         self._running: list[_Seq] = []
         self._draining = False
         self._stopping = False
@@ -286,15 +292,21 @@ class Engine:
         out = []
         while self._free and self._waiting:
             req = self._waiting.popleft()
-            s = _Seq(req, heapq.heappop(self._free), TextStream(self.decode_text, req.stops))
+            reuse = {k: self.runner.cached(k, req.prompt_ids) // self.prefill_tokens * self.prefill_tokens
+                     for k in self._free}
+            slot = max(self._free, key=lambda k: (reuse[k], -k))
+            self._free.remove(slot)
+            s = _Seq(req, slot, TextStream(self.decode_text, req.stops), cached=reuse[slot])
             self._running.append(s)
             out.append(s)
         return out
 
     def _start(self, s: _Seq) -> None:
         try:
-            self._call([s], self.runner.start, s.slot, s.req.sampling, s.req.prompt_ids)
+            self._call([s], self.runner.start, s.slot, s.req.sampling, s.req.prompt_ids, s.cached)
+            s.prefilled = s.cached
         except Exception as e:  # noqa: BLE001
+            s.cached = 0
             self._fail(s, e)
 
     def _iterate(self) -> None:
@@ -375,7 +387,7 @@ class Engine:
             return
         s.done = True
         self.metrics.tokens(len(s.req.prompt_ids), len(s.generated))
-        self._emit(s.req, Finished(reason, s.text.text, len(s.req.prompt_ids), len(s.generated)))
+        self._emit(s.req, Finished(reason, s.text.text, len(s.req.prompt_ids), len(s.generated), s.cached))
         _log_request(s, reason)
 
     def _fail(self, s: _Seq, e: BaseException) -> None:
@@ -391,7 +403,7 @@ class Engine:
         finally:
             with self._cond:
                 self._running.remove(s)
-                heapq.heappush(self._free, s.slot)
+                self._free.append(s.slot)
                 self._cond.notify_all()
 
     @staticmethod

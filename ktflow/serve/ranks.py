@@ -83,9 +83,13 @@ class RanksRunner:
     def warm(self) -> None:
         self._call({"op": "warm"}, self.inner.warm)
 
-    def start(self, slot: int, params: SamplingParams = SamplingParams(), prompt_ids: list[int] | None = None) -> None:
-        self._call({"op": "start", "slot": slot, "params": dataclasses.asdict(params), "prompt_ids": prompt_ids},
-                   self.inner.start, slot, params, prompt_ids)
+    def cached(self, slot: int, prompt_ids: list[int]) -> int:
+        return self.inner.cached(slot, prompt_ids)  # every rank's slots hold the same ids: a local question
+
+    def start(self, slot: int, params: SamplingParams = SamplingParams(), prompt_ids: list[int] | None = None,
+              reuse: int = 0) -> None:
+        self._call({"op": "start", "slot": slot, "params": dataclasses.asdict(params), "prompt_ids": prompt_ids,
+                    "reuse": reuse}, self.inner.start, slot, params, prompt_ids, reuse)
 
     def prefill(self, items: list[tuple[int, list[int], bool]]) -> list[int | None | BaseException]:
         return self._call({"op": "prefill", "items": [[s, list(ids), last] for s, ids, last in items]},
@@ -129,7 +133,7 @@ def follow(inner: PoolRunner, channel: Channel) -> None:
             inner.warm()
         elif op == "start":
             try:
-                inner.start(msg["slot"], _params(msg["params"]), msg["prompt_ids"])
+                inner.start(msg["slot"], _params(msg["params"]), msg["prompt_ids"], msg["reuse"])
             except InputError:
                 pass  # rank 0 met it too and answered the request
         elif op == "prefill":

@@ -1,9 +1,11 @@
 """How the serving engine runs the model: the `Runner` interface and the runner over a `SlotPool`.
 
 The scheduler (`engine.py`) speaks to the model only through a Runner, in slot numbers and ids:
-- `start(slot, params, prompt_ids)`: a new sequence at position 0 in `slot` (its KV cache reused),
-  selecting its tokens by `params` (a backends.sampling.SamplingParams; a bad one raises
-  InputError naming it);
+- `cached(slot, prompt_ids)`: how many of the prompt's first tokens `slot`'s KV cache holds from
+  its earlier sequences' prefills (0 with prefix reuse off);
+- `start(slot, params, prompt_ids, reuse)`: a new sequence in `slot`, selecting its tokens by
+  `params` (a backends.sampling.SamplingParams; a bad one raises InputError naming it), after the
+  prompt's first `reuse` tokens (at most `cached`): the scheduler prefills only the rest;
 - `prefill(items)`: per (slot, ids, last), the next chunk of that prompt; returns per item the
   first generated token (an int) where `last` is set, else None, or the exception that failed it;
 - `decode(slots, ids)`: one token per listed slot, each at its own position, selected where the
@@ -29,7 +31,10 @@ class Runner(Protocol):
     max_seq_len: int
     vocab_size: int
 
-    def start(self, slot: int, params: SamplingParams = SamplingParams(), prompt_ids: list[int] | None = None) -> None: ...
+    def cached(self, slot: int, prompt_ids: list[int]) -> int: ...
+
+    def start(self, slot: int, params: SamplingParams = SamplingParams(), prompt_ids: list[int] | None = None,
+              reuse: int = 0) -> None: ...
 
     def prefill(self, items: list[tuple[int, list[int], bool]]) -> list[int | None | BaseException]: ...
 
@@ -39,11 +44,12 @@ class Runner(Protocol):
 
 
 class PoolRunner:
-    """A Runner over a `SlotPool` of `slots` sequences (see the module docstring)."""
+    """A Runner over a `SlotPool` of `slots` sequences (see the module docstring); with
+    `prefix_cache`, a sequence reuses the KV entries its slot holds for its prompt's first tokens."""
 
-    def __init__(self, compiled, slots: int):
+    def __init__(self, compiled, slots: int, prefix_cache: bool = True):
         self.pool = SlotPool(compiled, slots)
-        self.slots = slots
+        self.slots, self.prefix_cache = slots, prefix_cache
         self.max_seq_len = compiled.max_seq_len
         self.vocab_size = compiled.vocab_size
 
@@ -60,8 +66,12 @@ class PoolRunner:
         for slot in range(self.slots):
             self.start(slot)
 
-    def start(self, slot: int, params: SamplingParams = SamplingParams(), prompt_ids: list[int] | None = None) -> None:
-        self.pool.start(slot, params, prompt_ids)
+    def cached(self, slot: int, prompt_ids: list[int]) -> int:
+        return self.pool.cached(slot, prompt_ids) if self.prefix_cache else 0
+
+    def start(self, slot: int, params: SamplingParams = SamplingParams(), prompt_ids: list[int] | None = None,
+              reuse: int = 0) -> None:
+        self.pool.start(slot, params, prompt_ids, reuse)
 
     def prefill(self, items: list[tuple[int, list[int], bool]]) -> list[int | None | BaseException]:
         try:

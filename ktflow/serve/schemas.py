@@ -349,10 +349,15 @@ def _is_union_branch(p: Any) -> bool:
 # ------------------------------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV entries a slot held from an earlier request (not prefilled again)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class ChatChoiceMessage(BaseModel):

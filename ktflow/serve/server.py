@@ -36,11 +36,13 @@ class Served:
 def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: int = 4, max_queue: int = 64,
           api_key: str | None = None, prefill_tokens: int | None = None, runner: Runner | None = None,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_parser: str | None = None,
-          reasoning_parser: str | None = None, step_timeout: float = STEP_TIMEOUT_S) -> Served:
-    """An engine over `runner` (default: a PoolRunner with `max_batch` slots, warmed: every
-    slot's KV cache and every batch bucket's step made now) and the app."""
+          reasoning_parser: str | None = None, step_timeout: float = STEP_TIMEOUT_S,
+          prefix_cache: bool = True) -> Served:
+    """An engine over `runner` (default: a PoolRunner with `max_batch` slots, reusing cached prompt
+    prefixes unless `prefix_cache` is off, warmed: every slot's KV cache and every batch bucket's
+    step made now) and the app."""
     if runner is None:
-        runner = PoolRunner(compiled, max_batch)
+        runner = PoolRunner(compiled, max_batch, prefix_cache=prefix_cache)
         runner.warm()
     step = min(prefill_tokens or 256, compiled.chunk_tokens)  # one iteration's chunks are one prefill step
     eos = tokenizer.eos_ids | set(compiled.model.eos_ids if compiled.model is not None else ())

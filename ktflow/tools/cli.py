@@ -214,6 +214,10 @@ MODEL must hold tokenizer.json (and tokenizer_config.json with a chat_template f
     sv.add_argument("--special-tokens-in-messages", action="store_true",
                     help="let a special token's text inside a chat message become that token (default: only the "
                     "chat template makes special tokens; a user's '<|im_end|>' stays text)")
+    sv.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                    help="prefill every prompt whole (default: a request reuses the KV entries a free slot holds "
+                    "for its prompt's first tokens, as an agent's or a chat's next turn does, and prefills the rest; "
+                    "the answers may differ from a whole prefill's in rounding)")
     sv.add_argument("--max-body-mb", type=float, default=16.0, metavar="MB",
                     help="largest request body read; a larger one gets HTTP 413 (default 16)")
     add_record_option(sv)

@@ -519,7 +519,7 @@ def _serve_rank(rank: int, a: argparse.Namespace) -> int:
     check_plans_agree(compiled.plans.plans)
     compiled.prepare()
     channel.barrier()  # rank 0 may pack its CPU experts for long
-    follow(PoolRunner(compiled, a.max_batch), channel)
+    follow(PoolRunner(compiled, a.max_batch, prefix_cache=a.prefix_cache), channel)
     return 0
 
 
@@ -554,13 +554,14 @@ def _serve(a: argparse.Namespace, channel=None) -> int:
     rec = _record_routing(a, compiled)
     if channel is not None:
         channel.barrier()
-        runner = RanksRunner(PoolRunner(compiled, a.max_batch), channel)
+        runner = RanksRunner(PoolRunner(compiled, a.max_batch, prefix_cache=a.prefix_cache), channel)
         runner.warm()
     try:
         served = build(compiled, tok, a.model_name or model_dir.resolve().name, max_batch=a.max_batch,
                        max_queue=a.max_queue, api_key=a.api_key or None, prefill_tokens=a.prefill_step, runner=runner,
                        max_body_bytes=int(a.max_body_mb * 2**20), tool_parser=a.tool_parser,
-                       reasoning_parser=a.reasoning_parser, step_timeout=a.step_timeout)
+                       reasoning_parser=a.reasoning_parser, step_timeout=a.step_timeout,
+                       prefix_cache=a.prefix_cache)
         if tok.chat_template is None:
             print("note: tokenizer_config.json has no chat_template: /v1/chat/completions answers 400, "
                   "/v1/completions works", flush=True)

@@ -1,0 +1,141 @@
+"""An agent-like conversation through the serving engine, with prefix reuse and without (issue 45).
+
+    python benchmarks/prefix_cache.py --model qwen3 --layers 12 --fp8 --vram-gb 24 --turns 16 --grow 2048
+    python benchmarks/prefix_cache.py --demo --turns 6 --grow 96          # the bundled demo model, on the CPU
+
+Each turn's prompt is the previous turn's prompt, the previous answer and `--grow` new tokens
+(random ids: a tool result or a user message); each turn answers `--answer` greedy tokens (the
+next prompt carries an answer of that length as random ids: a decoded answer's entries are never
+reused, so which ids it holds changes nothing measured). The same
+conversation runs twice in one process on one compiled model, on two fresh slot pools: every
+prompt prefilled whole (`prefix_cache=False`), then reusing what the slot's cache holds. Each turn's
+time to first token is measured from its submission to the engine (no HTTP), after a two-turn
+warm-up (the prefill steps' first uses). Prints a table per
+turn and the totals' ratio; appends one row per mode to --out. The target: total time to first
+token with reuse <= 0.2x without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import HERE, append_jsonl, commit, machine  # noqa: E402
+
+
+def conversation(compiled, slots: int, prefix_cache: bool, turns: int, grow: int, answer: int, step: int,
+                 seed: int) -> list[dict]:
+    """One conversation on a fresh pool: per turn, its prompt length, the tokens reused, the
+    time to first token and the whole turn's time."""
+    from ktflow.serve.engine import Delta, Engine, Failed, Finished, GenRequest
+    from ktflow.serve.runner import PoolRunner
+
+    runner = PoolRunner(compiled, slots, prefix_cache=prefix_cache)
+    runner.warm()
+    engine = Engine(runner, lambda ids: "", prefill_tokens=step)
+    engine.start()
+    g = torch.Generator().manual_seed(seed)
+    vocab = compiled.vocab_size
+    prompt: list[int] = []
+    rows = []
+    try:
+        for turn in range(turns):
+            prompt = prompt + torch.randint(0, vocab, (grow,), generator=g).tolist()
+            done, first, out = threading.Event(), [], {}
+
+            def emit(ev, first=first, out=out, done=done):
+                if isinstance(ev, Delta) and not first:
+                    first.append(time.perf_counter())
+                if isinstance(ev, (Finished, Failed)):
+                    out["ev"] = ev
+                    done.set()
+
+            t0 = time.perf_counter()
+            req = GenRequest(list(prompt), answer, emit, ignore_eos=True)
+            engine.submit(req)
+            done.wait()
+            ev = out["ev"]
+            if isinstance(ev, Failed):
+                raise RuntimeError(f"turn {turn} failed: {ev.message}")
+            t1 = time.perf_counter()
+            rows.append(dict(turn=turn, prompt=len(prompt), cached=ev.cached_tokens, ttft_s=first[0] - t0,
+                             turn_s=t1 - t0))
+            # the answer back into the conversation: ids of the answer's length (a decoded answer's
+            # entries are never reused, so which ids they are changes nothing measured here)
+            prompt = prompt + torch.randint(0, vocab, (answer,), generator=g).tolist()
+    finally:
+        engine.stop()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3", help="e2e.py's model shapes (qwen3, dsv3, ...)")
+    ap.add_argument("--demo", action="store_true", help="the bundled demo model instead (CPU-sized)")
+    ap.add_argument("--layers", type=int, default=12, help="cut the model to this many layers (0: all)")
+    ap.add_argument("--fp8", action="store_true", help="an FP8 checkpoint (experts kept in FP8)")
+    ap.add_argument("--vram-gb", type=float, default=None, help="the VRAM limit the plan fits")
+    ap.add_argument("--hw", default="this")
+    ap.add_argument("--turns", type=int, default=16)
+    ap.add_argument("--grow", type=int, default=2048, help="new tokens a turn")
+    ap.add_argument("--answer", type=int, default=32, help="tokens answered a turn")
+    ap.add_argument("--step", type=int, default=None, help="prefill tokens a scheduler iteration, as `ktflow serve "
+                    "--prefill-step` (default: the server's, min(256, the largest prefill bucket))")
+    ap.add_argument("--slots", type=int, default=2)
+    ap.add_argument("--dir", default=None, help="checkpoint dir (default under /tmp/ktflow-e2e)")
+    ap.add_argument("--out", default=str(HERE / "prefix_cache.jsonl"))
+    ap.add_argument("--run-id", default=time.strftime("%Y%m%d-%H%M%S"))
+    a = ap.parse_args(argv)
+    import ktflow
+
+    need = a.turns * (a.grow + a.answer) + 64
+    if a.demo:
+        import tempfile
+
+        from ktflow.tools.demo import ensure_demo_checkpoint
+
+        ckpt = ensure_demo_checkpoint(Path(tempfile.gettempdir()) / "ktflow-demo")[0]
+        name, layers = "demo", None
+    else:
+        from e2e import MODELS, ready_checkpoint
+
+        cfg = dict(MODELS[a.model], **({"num_hidden_layers": a.layers} if a.layers else {}))
+        ckpt, name, layers = ready_checkpoint(a.model, cfg, a.layers, a.fp8, a.dir), a.model, cfg["num_hidden_layers"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    opts = dict(hw=a.hw, device=device, max_seq_len=need, max_batch=a.slots)
+    if a.vram_gb:
+        opts["vram_gb"] = a.vram_gb
+    compiled = ktflow.compile(ktflow.load(ckpt), **opts)
+    step = min(a.step or 256, compiled.chunk_tokens)
+    info = dict(bench="prefix_cache", run_id=a.run_id, commit=commit(), **machine(),
+                gpu=torch.cuda.get_device_name(0) if device == "cuda" else None, model=name, layers=layers,
+                checkpoint="fp8" if a.fp8 else "bf16", vram_gb=a.vram_gb, turns=a.turns, grow=a.grow, answer=a.answer,
+                step=step, slots=a.slots)
+    conversation(compiled, a.slots, False, min(2, a.turns), a.grow, a.answer, step, seed=2)  # warm: first uses
+    runs = {}
+    for mode in (False, True):
+        runs[mode] = conversation(compiled, a.slots, mode, a.turns, a.grow, a.answer, step, seed=1)
+    off, on = runs[False], runs[True]
+    print(f"\n{name} ({layers or 'all'} layers), {device}, {a.turns} turns of +{a.grow} tokens, answers of {a.answer}, "
+          f"prefill step {step}, commit {info['commit']}")
+    print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'TTFT whole':>11} {'TTFT reuse':>11} {'ratio':>6}")
+    for x, y in zip(off, on):
+        print(f"{x['turn']:>4} {x['prompt']:>7} {y['cached']:>7} {x['ttft_s'] * 1e3:>9.1f}ms {y['ttft_s'] * 1e3:>9.1f}ms "
+              f"{y['ttft_s'] / x['ttft_s']:>6.3f}")
+    total = {m: sum(r["ttft_s"] for r in runs[m]) for m in runs}
+    print(f"total time to first token: {total[False]:.2f} s whole, {total[True]:.2f} s with reuse: "
+          f"{total[True] / total[False]:.3f}x (target <= 0.2x)")
+    append_jsonl(a.out, [dict(info, prefix_cache=m, total_ttft_s=round(total[m], 4),
+                              turns_detail=[{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
+                                            for r in runs[m]]) for m in runs])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
