@@ -51,6 +51,27 @@ class ResourceError(KtflowError):
 
 
 class NumericError(KtflowError):
-    """A step produced a NaN or an infinity (found by the check_finite run option)."""
+    """A step produced a NaN or an infinity: in the logits a token is selected from (checked at
+    every selection), or in any value with the check_finite run option. `rows`: the rows whose
+    logits were not finite; `ids`: the step's selected ids where the others' are still good
+    (-1 in those rows)."""
 
     exit_code = 1
+
+    def __init__(self, message: str, rows: tuple[int, ...] = (), ids=None):
+        super().__init__(message)
+        self.rows, self.ids = rows, ids
+
+
+def require_finite(ids, what: str):
+    """`ids` as selected (int64, -1 in a row whose logits held a NaN or an infinity: sampling's
+    `mark_nonfinite`), or a NumericError naming `what` and those rows, carrying the ids."""
+    import torch
+
+    bad = (ids.reshape(ids.shape[0], -1) < 0).any(-1)
+    if not bool(bad.any()):
+        return ids
+    rows = tuple(int(r) for r in torch.nonzero(bad.cpu()).flatten())
+    raise NumericError(f"{what}: the logits of row(s) {list(rows)} hold a NaN or an infinity, so no token can be "
+                       "selected (the model's values overflowed, or its weights hold non-finite values); run with "
+                       "--check-finite and backend='native' to find the first node that makes one", rows=rows, ids=ids)

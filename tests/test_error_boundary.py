@@ -209,7 +209,7 @@ def test_a_plan_past_the_profile_memory_is_an_error_with_the_numbers(demo_dir, t
 
 def test_check_finite_names_the_first_node_that_made_a_nan(demo_dir, capsys, monkeypatch):
     """A NaN made at run time (here an attention output forced to NaN) is named by node with
-    --check-finite; without it the run goes on."""
+    --check-finite; without it, the token selection refuses the NaN logits it reaches."""
     from ktflow.backends.torch_ref import TorchRefBackend
 
     real = TorchRefBackend.run
@@ -224,8 +224,8 @@ def test_check_finite_names_the_first_node_that_made_a_nan(demo_dir, capsys, mon
     code, _, err = run_cli(capsys, *argv, "--check-finite")
     assert code == 1 and one_line(err) and "node L1.attn (attention, prefill step at position 0) produced nan" in err
     monkeypatch.delenv("KTFLOW_CHECK_FINITE", raising=False)
-    code, _, _ = run_cli(capsys, *argv)
-    assert code == 0
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 1 and one_line(err) and "the prompt's last position" in err and "--check-finite" in err
 
 
 def test_progress_shows_on_a_terminal_only_and_not_when_quiet(monkeypatch):

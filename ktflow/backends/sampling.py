@@ -272,12 +272,13 @@ class Sampler:
     # --------------------------------------------------------------------------- selecting
     @torch.inference_mode()
     def select(self, logits: torch.Tensor, captured: bool = False) -> torch.Tensor:
-        """The next ids [rows] (int64) from logits [rows, vocab] on the sampler's device; every
-        active row's counts and stream advance. Tensor ops only (capturable). `captured`: the
+        """The next ids [rows] (int64) from logits [rows, vocab] on the sampler's device, -1 in
+        a row whose logits are not all finite (`mark_nonfinite`); every active row's counts and
+        stream advance. Tensor ops only (capturable). `captured`: the
         ops run in a graph replayed whatever the rows' parameters become, so every stage runs;
         else the stages no row needs are left out (the host knows the rows' parameters)."""
-        ids = select_ids(logits, self, *self._stages(captured))
-        self.counts.scatter_add_(1, ids[:, None], self.active[:, None])
+        ids = mark_nonfinite(logits, select_ids(logits, self, *self._stages(captured)))
+        self.counts.scatter_add_(1, ids.clamp(min=0)[:, None], self.active[:, None] * (ids >= 0)[:, None])
         self.counter.add_(self.active)
         return ids
 
@@ -304,6 +305,12 @@ class Sampler:
         self.counts.index_copy_(0, r, picked.counts)
         self.counter.index_copy_(0, r, picked.counter)
         return ids
+
+
+def mark_nonfinite(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`ids` [rows] selected from `logits` [rows, vocab], with -1 where a row's logits hold a NaN
+    or an infinity (tensor ops: capturable; errors.require_finite turns them into an error)."""
+    return torch.where(torch.isfinite(logits).all(-1), ids, torch.full_like(ids, -1))
 
 
 #: tokens a chunk of the vocabulary holds where prefix sums are taken in two levels (sums of

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import torch
 
 from ..backends.sampling import Sampler, SamplingParams
-from ..errors import InputError
+from ..errors import InputError, require_finite
 from .state import State
 
 
@@ -92,7 +92,7 @@ def execute(compiled, input_ids: torch.Tensor, state: State | None = None, *,
         return out.to(input_ids.device), state
     if logits == "sample":
         out, state = prefill(compiled, ids, state, "last")
-        chosen = state.sampler.select(out[:, -1].to(state.sampler.device))
+        chosen = require_finite(state.sampler.select(out[:, -1].to(state.sampler.device)), "the prompt's last position")
         return chosen.view(b, 1).to(input_ids.device), state
     return prefill(compiled, ids, state, logits, input_ids.device)
 

@@ -15,6 +15,8 @@ import torch
 from ..backends import StepContext
 from ..backends.base import lm_head_rows, step_output
 from ..backends.instructions import nothing, run_instructions
+from ..backends.sampling import mark_nonfinite
+from ..errors import require_finite
 from ..ir.graph import Graph
 from ..ir.ops import Op
 from ..plan.artifact import Plan, Instruction
@@ -114,7 +116,7 @@ class Executor:
             ids = run_tokens(input_ids, state, steps, sampled)
             if ids is not None:
                 self._finished(ids.numel())
-                return ids
+                return require_finite(ids, f"a run of {steps} {self.plan.phase} steps")
         out = []
         for _ in range(steps):
             input_ids = self.run(input_ids, state, logits="sample" if sampled else "argmax").reshape(-1, 1).cpu()
@@ -128,9 +130,12 @@ class Executor:
     def run(self, input_ids: torch.Tensor, state: State, position_t: torch.Tensor | None = None,
             logits: str = "all", positions: torch.Tensor | None = None,
             segments: tuple[tuple[int, int, int], ...] | None = None) -> torch.Tensor | None:
-        """One step (`_run`), then the `after_run` hooks."""
+        """One step (`_run`), then the `after_run` hooks; selected ids (logits 'argmax' or
+        'sample') are checked: a row whose logits were not finite is a NumericError."""
         out = self._run(input_ids, state, position_t, logits, positions, segments)
         self._finished(input_ids.numel())
+        if logits in ("argmax", "sample"):
+            require_finite(out, f"the {self.plan.phase} step")
         return out
 
     def _run(self, input_ids: torch.Tensor, state: State, position_t: torch.Tensor | None = None,
@@ -164,7 +169,7 @@ class Executor:
         if on_device and not (self.runner is not None and position_t is None and getattr(self.runner, on_device, False)):
             out = self._run(input_ids, state, position_t, "last", **extra)  # the last position's logits, then the ids
             if out is None or logits == "argmax":
-                return None if out is None else out.argmax(-1)
+                return None if out is None else mark_nonfinite(out[:, -1], out[:, -1].argmax(-1)).view(-1, 1)
             return state.sampler.select(out[:, -1].to(state.sampler.device)).view(-1, 1)
         tracing = self.trace > 0
         self.trace = max(self.trace - 1, 0)

@@ -10,7 +10,7 @@ from typing import Iterator, Sequence
 import torch
 
 from ..backends.sampling import SamplingParams
-from ..errors import InputError
+from ..errors import InputError, require_finite
 from .execute import decode_tokens, execute, start_sampling
 
 
@@ -76,7 +76,7 @@ def token_steps(compiled, input_ids: torch.Tensor, max_new_tokens: int, *, tempe
     own_state = state is None  # generate's own state: steps past an end-of-sequence token harm nothing
     step_out, state = execute(compiled, input_ids, state, logits="last")
     start_sampling(compiled, state, sampling, input_ids.cpu())
-    nxt = state.sampler.select(step_out[:, -1].to(state.sampler.device)).cpu()
+    nxt = require_finite(state.sampler.select(step_out[:, -1].to(state.sampler.device)), "the prompt's last position").cpu()
     sampled = not state.sampler.plain_greedy
     timing["first"] = time.perf_counter()
     done = torch.zeros(rows, dtype=torch.bool)

@@ -25,7 +25,7 @@ import torch
 
 from ..backends.kv import cache_of
 from ..backends.sampling import Sampler, SamplingParams
-from ..errors import ConfigError, InputError
+from ..errors import ConfigError, InputError, NumericError
 from ..ir.ops import Op
 from .execute import check_ids, prefill, sampler_device
 from .state import State
@@ -118,8 +118,18 @@ class SlotPool:
     @torch.inference_mode()
     def first_tokens(self, slots: list[int], logits: torch.Tensor) -> list[int]:
         """Each slot's next token from its logits (`prefill_many`'s [len(slots), vocab]), by its
-        sampling parameters (its counts and random stream advance)."""
-        return self.sampler.select_rows(logits, slots).tolist()
+        sampling parameters (its counts and random stream advance). Slots whose logits are not
+        finite: a NumericError naming them (`rows`), carrying the others' ids (-1 for them); their
+        entries are no longer reusable."""
+        ids = self.sampler.select_rows(logits, slots).tolist()
+        bad = tuple(s for s, t in zip(slots, ids) if t < 0)
+        for s in bad:
+            self.exact[s] = 0
+        if bad:
+            raise NumericError(f"the prompt's last position of slot(s) {list(bad)}: its logits hold a NaN or an "
+                               "infinity, so no token can be selected (the model's values overflowed, or its weights "
+                               "hold non-finite values)", rows=bad, ids=ids)
+        return ids
 
     def position(self, slot: int) -> int:
         return int(self.positions[slot])
@@ -171,7 +181,9 @@ class SlotPool:
         order, as one batched step; returns per listed slot, in order, the next-token logits
         [len(slots), vocab] (float32, host), or the next ids [len(slots)]: with logits='argmax'
         the greedy ones, with 'sample' those each slot's sampling parameters select (on the
-        GPU inside the step where the backend can)."""
+        GPU inside the step where the backend can). Listed slots whose logits were not finite: a
+        NumericError naming them (`rows`), carrying every listed slot's id (-1 for them); the
+        step ran for all."""
         if not slots or len(slots) != len(ids) or len(set(slots)) != len(slots):
             raise InputError(f"decode takes distinct slots and one token id each: got slots {slots}, ids {ids}")
         for s in slots:
@@ -203,8 +215,13 @@ class SlotPool:
             listed = torch.zeros(b, dtype=torch.int64)
             listed[rows] = 1
             ex.recorder.set_rows(listed)
+        bad: tuple[int, ...] = ()
         try:
             out = ex.run(tokens, self._views[b], positions=positions, logits=logits)
+        except NumericError as e:  # some rows' logits were not finite: the others' ids are good
+            if e.ids is None:
+                raise
+            out, bad = e.ids, tuple(s for s in slots if s in e.rows)
         finally:
             if ex.recorder is not None:
                 ex.recorder.set_rows(None)
@@ -212,4 +229,9 @@ class SlotPool:
         for s, t in zip(slots, ids):
             self._fed(s, [t], prefilled=False)
         out = out.reshape(b, -1)[rows]
-        return out[:, 0].cpu() if logits in ("argmax", "sample") else out.float()
+        out = out[:, 0].cpu() if logits in ("argmax", "sample") else out.float()
+        if bad:
+            raise NumericError(f"the decode step of slot(s) {list(bad)}: its logits hold a NaN or an infinity, so no "
+                               "token can be selected (the model's values overflowed, or its weights hold non-finite "
+                               "values)", rows=bad, ids=out.tolist())
+        return out

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..backends.sampling import SamplingParams
-from ..errors import InputError, KtflowError
+from ..errors import InputError, KtflowError, NumericError
 from ..runtime.ranks import patient_group
 from .runner import PoolRunner
 
@@ -111,8 +111,10 @@ class RanksRunner:
 
 def _step_error(results: list) -> BaseException | None:
     """The first error of a step's results other than an input error (which every rank meets
-    alike, before any collective): one that may have left a collective unmet."""
-    return next((r for r in results if isinstance(r, BaseException) and not isinstance(r, InputError)), None)
+    alike, before any collective) or a row's non-finite logits (every rank's alike, after the
+    step's last collective): one that may have left a collective unmet."""
+    return next((r for r in results if isinstance(r, BaseException) and not isinstance(r, (InputError, NumericError))),
+                None)
 
 
 def _check(results: list, what: str) -> None:

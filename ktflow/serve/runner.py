@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from ..backends.sampling import SamplingParams
+from ..errors import NumericError
 from ..runtime.slots import SlotPool
 
 
@@ -94,7 +95,13 @@ class PoolRunner:
         out = self.pool.prefill_many([s for s, _, _ in items], [ids for _, ids, _ in items],
                                      logits="last" if want else "none")
         ending = [i for i, (_, _, last) in enumerate(items) if last]
-        first = dict(zip(ending, self.pool.first_tokens([items[i][0] for i in ending], out[ending]))) if ending else {}
+        if not ending:
+            return [None] * len(items)
+        slots = [items[i][0] for i in ending]
+        try:
+            first: dict = dict(zip(ending, self.pool.first_tokens(slots, out[ending])))
+        except NumericError as e:  # those sequences fail, the others have their first token
+            first = {i: e if s in e.rows else t for i, s, t in zip(ending, slots, e.ids)}
         return [first.get(i) for i in range(len(items))]
 
     def decode(self, slots: list[int], ids: list[int]) -> list[int | BaseException]:
@@ -102,6 +109,8 @@ class PoolRunner:
         plain = all(self.pool.sampler.params[s].plain_greedy for s in slots)
         try:
             out = self.pool.decode(slots, ids, logits="argmax" if plain else "sample")
+        except NumericError as e:  # those sequences fail, the others have their token
+            return [e if s in e.rows else t for s, t in zip(slots, e.ids)]
         except Exception as e:  # noqa: BLE001 - the step's sequences fail, the server goes on
             return [e] * len(slots)
         return out.tolist()

@@ -27,7 +27,7 @@ from ..base import StepContext, node_key
 from ..kernels import pinned_copy
 from ..native import binding as native
 from ..native.staging import pin_tensor
-from ..sampling import Sampler
+from ..sampling import Sampler, mark_nonfinite
 from .driver import CAPTURE_MODE, done_flags, exchange_views, host_prologue, native_batches
 from ..instructions import run_instructions
 from .lanes import Lanes
@@ -428,15 +428,17 @@ class DecodeGraph:
                 bound.position_dev.add_(1)
             values, out = self._issue_step(bound, self._ctx(bound, state, k), timer)
             kept += values
-            ids = sampler.select(out, captured=True) if sampler is not None else out.argmax(-1)
+            # -1 in a row whose logits are not finite: the host refuses it (errors.require_finite)
+            ids = sampler.select(out, captured=True) if sampler is not None else mark_nonfinite(out, out.argmax(-1))
             if run is None:
                 pinned_copy.copy(bound.next_ids, ids)
                 break
             pinned_copy.copy(run.ids[k], ids)
             if k + 1 < steps:
-                pinned_copy.copy(bound.tokens, ids)  # the next step's input, read where the first step's was
+                fed = ids.clamp(min=0)  # a refused row's later steps read a real id (their ids are dropped)
+                pinned_copy.copy(bound.tokens, fed)  # the next step's input, read where the first step's was
                 for view, table in self._lookups(bound.batch):  # the host prologue's lookups, made here
-                    pinned_copy.gather_rows(view, table, ids)
+                    pinned_copy.gather_rows(view, table, fed)
         self.current = ""
         return kept, out
 
