@@ -95,15 +95,19 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running(compiled, tok, *, slots=4, runner=None, **kw):
-    """A server in a thread of this process (over `runner`, default a TestRunner with `slots`);
-    yields (base url, Served, runner)."""
+    """A server in a thread of this process (over `runner`, default a TestRunner with `slots`), on
+    the protocol `ktflow serve` runs (its request deadline kw's request_timeout_s); yields (base
+    url, Served, runner)."""
     import uvicorn
+
+    from ktflow.serve.server import header_deadline
 
     runner = runner or TestRunner(compiled, slots)
     served = build(compiled, tok, "demo", runner=runner, **kw)
     served.engine.start()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(served.asgi, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(served.asgi, host="127.0.0.1", port=port, log_level="warning",
+                                          http=header_deadline(kw.get("request_timeout_s", 30.0))))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -681,11 +685,54 @@ def test_a_seed_out_of_range_fails_its_request_and_the_server_goes_on(srv, clien
     (["--shutdown-timeout", "nan"], "--shutdown-timeout must be a finite number of seconds >= 0"),
     (["--max-connections", "0"], "--max-connections must be at least 1"),
     (["--max-body-mb", "inf"], "--max-body-mb must be a finite number > 0"),
+    (["--request-timeout", "0"], "--request-timeout must be a finite number of seconds > 0"),
 ])
 def test_serve_refuses_bad_limits_and_open_exposure_with_one_line(serve_dir, args, message):
     p = _ktflow("serve", str(serve_dir), "--port", "0", *args)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 2 and message in err and "Traceback" not in err, err
+
+
+def _answer(sock: socket.socket, within: float) -> bytes:
+    """What the server sends on `sock` until it closes it (at most `within` seconds)."""
+    sock.settimeout(within)
+    got = b""
+    while True:
+        part = sock.recv(4096)
+        if not part:
+            return got
+        got += part
+
+
+def test_a_client_that_sends_too_slowly_gets_408_and_is_closed(compiled, tok):
+    """A connection that sends nothing, one that trickles its headers, a keep-alive connection
+    whose next request stalls mid-headers, and a body that never arrives in full: each gets 408
+    and is closed after --request-timeout; a prompt client on the same server is served."""
+    with running(compiled, tok, slots=1, request_timeout_s=1.0) as (base, served, runner):
+        host, port = base.removeprefix("http://").split(":")
+        t0 = time.monotonic()
+        idle = socket.create_connection((host, int(port)))
+        trickle = socket.create_connection((host, int(port)))
+        for piece in (b"GET /health HTTP/1.1\r\n", b"Host: x\r\n"):
+            trickle.sendall(piece)
+            time.sleep(0.3)
+        assert _answer(idle, 5).startswith(b"HTTP/1.1 408") and _answer(trickle, 5).startswith(b"HTTP/1.1 408")
+        assert time.monotonic() - t0 < 4
+        kept = socket.create_connection((host, int(port)))
+        kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(1.5)  # longer than the deadline: an idle keep-alive connection is the keep-alive timeout's
+        kept.sendall(b"GET /health HTTP/1.1\r\n")
+        got = _answer(kept, 5)
+        assert got.startswith(b"HTTP/1.1 200") and got.split(b"}", 1)[1].startswith(b"HTTP/1.1 408"), got
+        body = socket.create_connection((host, int(port)))
+        body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": ")
+        got = _answer(body, 5)
+        assert got.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s (10 bytes came" in got, got
+        ok = httpx.post(base + "/v1/completions", json=dict(model="demo", prompt="hi", max_tokens=2), timeout=30)
+        assert ok.status_code == 200, ok.text
+        for s in (idle, trickle, kept, body):
+            s.close()
 
 
 def test_a_body_past_the_limit_is_413_however_it_arrives(compiled, tok):

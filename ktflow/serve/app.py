@@ -54,8 +54,9 @@ class ServeApp:
     def __init__(self, engine: Engine, tokenizer: ServeTokenizer, model_name: str, *, api_key: str | None = None,
                  metrics: ServerMetrics | None = None, vocab_size: int | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, sampling_defaults: dict | None = None,
-                 model_type: str = "", tool_parser=None, reasoning: bool = False):
+                 model_type: str = "", tool_parser=None, reasoning: bool = False, body_timeout_s: float = 30.0):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        self.body_timeout_s = body_timeout_s  # a request body must arrive within this (408)
         self.sampling_defaults = sampling_defaults or {}  # generation_config.json's, for fields a request leaves out
         self.model_type, self.tool_parser = model_type, tool_parser  # tool_parsers: this model's calls, or None
         self.reasoning = reasoning  # split <think>...</think> into reasoning_content
@@ -192,18 +193,23 @@ class ServeApp:
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, read no further than max_body_bytes (413 past it, or at once where the
-        declared length says so)."""
+        declared length says so), all of it within body_timeout_s (408 past it)."""
         limit = self.max_body_bytes
         too_big = ApiError(413, f"the request body is larger than {limit / 2**20:g} MB (--max-body-mb)")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise too_big
         chunks, n = [], 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > limit:
-                raise too_big
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                async for chunk in request.stream():
+                    n += len(chunk)
+                    if n > limit:
+                        raise too_big
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.body_timeout_s:g} s "
+                           f"({n} bytes came; --request-timeout)", headers={"Connection": "close"}) from None
         return b"".join(chunks)
 
     def _prepare(self, raw: bytes, chat: bool):

@@ -9,6 +9,7 @@ in flight to finish, then cancels what is left; `run` returns normally after SIG
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: in
           api_key: str | None = None, prefill_tokens: int | None = None, runner: Runner | None = None,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_parser: str | None = None,
           reasoning_parser: str | None = None, step_timeout: float = STEP_TIMEOUT_S,
-          prefix_cache: bool = True) -> Served:
+          prefix_cache: bool = True, request_timeout_s: float = 30.0) -> Served:
     """An engine over `runner` (default: a PoolRunner with `max_batch` slots, reusing cached prompt
     prefixes unless `prefix_cache` is off, warmed: every slot's KV cache and every batch bucket's
     step made now) and the app."""
@@ -55,7 +56,7 @@ def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: in
                    sampling_defaults=compiled.model.generation.sampling if compiled.model is not None else None,
                    model_type=compiled.plans.model.model_type,
                    tool_parser=parser_for(compiled.plans.model.model_type, tool_parser),
-                   reasoning=reasoning_parser == "think")
+                   reasoning=reasoning_parser == "think", body_timeout_s=request_timeout_s)
     return Served(engine, app)
 
 
@@ -77,12 +78,56 @@ def _log_requests(out) -> None:
     logger.propagate = False
 
 
+def header_deadline(seconds: float):
+    """uvicorn's HTTP/1.1 protocol (h11) with a deadline on each request's headers: a connection
+    that has not sent a whole request line and headers `seconds` after it opened, or after the
+    first byte of its next request, gets 408 and is closed (an idle or trickling client holds no
+    connection for long)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadline(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._deadline is None and self.conn.their_state is h11.IDLE:
+                self._arm()  # a keep-alive connection's next request begins
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:
+                self._disarm()  # its headers are in
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._deadline = self.loop.call_later(seconds, self._expired)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expired(self) -> None:
+            self._deadline = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                self.transport.close()
+
+    return HeaderDeadline
+
+
 def run(served: Served, host: str, port: int, *, shutdown_timeout: float = 30.0, max_connections: int = 512,
-        keep_alive_s: float = 5.0, log=print) -> None:
+        keep_alive_s: float = 5.0, request_timeout_s: float = 30.0, log=print) -> None:
     """Serve until SIGTERM (returns) or Ctrl-C (KeyboardInterrupt), draining as the module says.
     At most `max_connections` connections are served at once (more get 503), an idle keep-alive
-    connection closes after `keep_alive_s`, and the process's soft limit on open files is raised
-    to its hard limit."""
+    connection closes after `keep_alive_s`, a request's headers must arrive within
+    `request_timeout_s` (`header_deadline`; its body too: the app's 408), and the process's soft
+    limit on open files is raised to its hard limit."""
     import resource
 
     import uvicorn
@@ -110,7 +155,8 @@ def run(served: Served, host: str, port: int, *, shutdown_timeout: float = 30.0,
     port = sock.getsockname()[1]
     config = uvicorn.Config(served.asgi, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=shutdown_timeout, lifespan="on",
-                            limit_concurrency=max_connections, timeout_keep_alive=keep_alive_s)
+                            limit_concurrency=max_connections, timeout_keep_alive=keep_alive_s,
+                            http=header_deadline(request_timeout_s))
     server = _Server(config)
     terminated = []
     # uvicorn raises the signal it caught again once it has shut down; a handler of our own takes

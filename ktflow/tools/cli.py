@@ -203,6 +203,9 @@ MODEL must hold tokenizer.json (and tokenizer_config.json with a chat_template f
                     "to its hard limit at start)")
     sv.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
                     help="seconds an idle keep-alive connection stays open (default 5)")
+    sv.add_argument("--request-timeout", type=float, default=30.0, metavar="S",
+                    help="seconds a client gets to send a request's headers (from connecting, or from the first "
+                    "byte of its next request) and again its body; past either, HTTP 408 (default 30)")
     sv.add_argument("--tool-parser", default=None, choices=sorted(PARSERS),
                     help="how the model writes tool calls (default: its family's: hermes for Qwen2/Qwen3 MoE; "
                     "families without one refuse requests with tools)")

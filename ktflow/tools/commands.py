@@ -488,8 +488,9 @@ def _check_serve_limits(a: argparse.Namespace) -> None:
     for flag, v in (("--shutdown-timeout", a.shutdown_timeout), ("--keep-alive-timeout", a.keep_alive_timeout)):
         if not (math.isfinite(v) and v >= 0):
             raise ConfigError(f"{flag} must be a finite number of seconds >= 0, got {v}")
-    if not (math.isfinite(a.step_timeout) and a.step_timeout > 0):
-        raise ConfigError(f"--step-timeout must be a finite number of seconds > 0, got {a.step_timeout}")
+    for flag, v in (("--step-timeout", a.step_timeout), ("--request-timeout", a.request_timeout)):
+        if not (math.isfinite(v) and v > 0):
+            raise ConfigError(f"{flag} must be a finite number of seconds > 0, got {v}")
     if not (math.isfinite(a.max_body_mb) and a.max_body_mb > 0):
         raise ConfigError(f"--max-body-mb must be a finite number > 0, got {a.max_body_mb}")
     try:
@@ -561,7 +562,7 @@ def _serve(a: argparse.Namespace, channel=None) -> int:
                        max_queue=a.max_queue, api_key=a.api_key or None, prefill_tokens=a.prefill_step, runner=runner,
                        max_body_bytes=int(a.max_body_mb * 2**20), tool_parser=a.tool_parser,
                        reasoning_parser=a.reasoning_parser, step_timeout=a.step_timeout,
-                       prefix_cache=a.prefix_cache)
+                       prefix_cache=a.prefix_cache, request_timeout_s=a.request_timeout)
         if tok.chat_template is None:
             print("note: tokenizer_config.json has no chat_template: /v1/chat/completions answers 400, "
                   "/v1/completions works", flush=True)
@@ -570,7 +571,7 @@ def _serve(a: argparse.Namespace, channel=None) -> int:
                 print(f"warning: serving on {a.host} with no API key (--insecure-no-auth): anyone who reaches the "
                       "port may use it", flush=True)
             run(served, a.host, a.port, shutdown_timeout=a.shutdown_timeout, max_connections=a.max_connections,
-                keep_alive_s=a.keep_alive_timeout)
+                keep_alive_s=a.keep_alive_timeout, request_timeout_s=a.request_timeout)
         finally:
             _write_recorded(a, compiled, rec)
     finally:
