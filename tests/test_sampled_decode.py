@@ -204,7 +204,7 @@ def test_a_pools_ragged_sampled_step_selects_in_the_graph_what_the_sampler_selec
         for s in range(3):
             pool.start(s, params[s], prompts[s])
         logits = pool.prefill_many([0, 1, 2], prompts)
-        firsts.append(pool.first_tokens([0, 1, 2], logits))
+        firsts.append(pool.select_tokens([0, 1, 2], logits))
     assert firsts[0] == firsts[1]
     a, b = pools
     ids = [firsts[0][0], firsts[0][2]]

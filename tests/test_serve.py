@@ -375,6 +375,41 @@ def test_a_prompt_that_continues_an_earlier_one_prefills_only_the_rest(srv, clie
     assert again.choices[0].text == second.choices[0].text
 
 
+def test_logprobs_report_each_token_under_the_models_logits(srv, client, compiled, tok):
+    """completions logprobs=k and chat logprobs/top_logprobs: each selected token's
+    log-probability is log_softmax of the model's logits at its step (checked against execute),
+    the k most likely come beside it in order, streamed reports join to the whole one, and a
+    sampled answer is the same token for token with or without the report."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, compiled.vocab_size, (9,), generator=g).tolist()
+    r = client.completions.create(model="demo", prompt=ids, max_tokens=5, temperature=0, logprobs=3,
+                                  extra_body=dict(ignore_eos=True))
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    out, state = ktflow.execute(compiled, torch.tensor([ids]), logits="last")
+    for k in range(5):
+        want = torch.log_softmax(out[0, -1].float(), -1)
+        chosen = int(want.argmax())
+        assert lp.tokens[k] == tok.decode([chosen]) and abs(lp.token_logprobs[k] - float(want[chosen])) < 1e-4
+        top = list(lp.top_logprobs[k].values())
+        assert len(top) <= 3 and top == sorted(top, reverse=True) and abs(top[0] - lp.token_logprobs[k]) < 1e-6
+        out, state = ktflow.execute(compiled, torch.tensor([[chosen]]), state, logits="last")
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(5)]
+    msgs = [{"role": "user", "content": "tell me"}]
+    kw = dict(model="demo", messages=msgs, max_tokens=6, temperature=0.9, seed=5, extra_body=dict(ignore_eos=True))
+    plain = client.chat.completions.create(**kw)
+    rep = client.chat.completions.create(**kw, logprobs=True, top_logprobs=2)
+    assert rep.choices[0].message.content == plain.choices[0].message.content  # the same tokens selected
+    content = rep.choices[0].logprobs.content
+    assert len(content) == rep.usage.completion_tokens == 6
+    assert all(c.logprob <= 0 and len(c.top_logprobs) == 2 and bytes(c.bytes).decode() == c.token for c in content)
+    assert "".join(c.token for c in content) == rep.choices[0].message.content
+    streamed = [ch for ch in client.chat.completions.create(**kw, logprobs=True, top_logprobs=2, stream=True)
+                if ch.choices and ch.choices[0].logprobs is not None]
+    assert [c.token for ch in streamed for c in ch.choices[0].logprobs.content] == [c.token for c in content]
+    assert client.chat.completions.create(**kw, logprobs=False).choices[0].logprobs is None
+
+
 def test_disconnecting_mid_stream_frees_the_slot(srv):
     base, served, runner = srv
     runner.delay = 0.05  # 100 tokens would take 5 s
@@ -483,10 +518,13 @@ def test_validation_errors_are_400_and_name_the_field(srv, client, tok):
         assert err("/v1/completions", dict(model="demo", prompt="x", **bad))["param"] == param, bad
     assert err("/v1/completions", dict(model="demo", prompt=""))["param"] == "prompt"
     for bad, param in ((dict(response_format={"type": "json_object"}), "response_format"),
-                       (dict(top_logprobs=2), "top_logprobs"), (dict(logprobs=True), "logprobs"),
-                       (dict(functions=[{"name": "f"}]), "functions")):
+                       (dict(top_logprobs=2), "top_logprobs"), (dict(functions=[{"name": "f"}]), "functions")):
         e = err("/v1/chat/completions", dict(model="demo", messages=[{"role": "user", "content": "x"}], **bad))
-        assert e["param"] == param and "not" in e["message"], bad
+        assert e["param"] == param and ("not" in e["message"] or "needs" in e["message"]), bad
+    e = err("/v1/chat/completions", dict(model="demo", messages=[{"role": "user", "content": "x"}], logprobs=True,
+                                         top_logprobs=21))
+    assert e["param"] == "top_logprobs"
+    assert err("/v1/completions", dict(model="demo", prompt="x", logprobs=21))["param"] == "logprobs"
     e = err("/v1/chat/completions", dict(model="demo", messages=[{"role": "user"}]))
     assert e["param"] == "messages" and "content" in e["message"]
     e = err("/v1/chat/completions", dict(model="demo", messages=[{"role": "user", "content": None}]))

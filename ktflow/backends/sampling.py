@@ -55,6 +55,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
+    #: reported, not selected by: each selected token's log-probability and the `logprobs` most
+    #: likely tokens' (under the model's logits as they are, softmax at temperature 1); None: none
+    logprobs: int | None = None
 
     @staticmethod
     def make(*, logit_bias: dict | Sequence | None = None, **kw) -> "SamplingParams":
@@ -115,11 +118,17 @@ class SamplingParams:
                                          + (f" (ids 0..{vocab - 1})" if vocab is not None else " (ids are >= 0)"))
             if not math.isfinite(v):
                 raise SamplingParamError("logit_bias", f"logit_bias for token {tok} must be a finite number, got {v!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}] (the most likely tokens reported beside each one)")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not SEED_MIN <= self.seed <= SEED_MAX):
             bad("seed", "an integer in [-2**63, 2**64 - 1] (the random stream takes 64 bits)")
         return self
 
+
+#: the most likely tokens a selected token's report may list (OpenAI's top_logprobs limit)
+MAX_LOGPROBS = 20
 
 #: the seeds the random stream takes: 64 bits, signed or not (a negative seed is its two's complement)
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1

@@ -5,7 +5,7 @@ The pool owns one `State` of `slots` rows, its caches made once (no allocation l
 lives in a slot (a row) at its own position. `start(slot, params, prompt)` begins one at position
 0 (the row's old entries are never read again), selecting tokens by `params`; `prefill(slot, ids)`
 continues its prompt, `prefill_many(slots, chunks)` several prompts in ONE packed step;
-`first_tokens(slots, logits)` gives each slot's first token; `decode(slots, ids)` runs ONE ragged
+`select_tokens(slots, logits)` gives each slot's next token from host logits; `decode(slots, ids)` runs ONE ragged
 step over rows 0..b-1, b the smallest batch bucket (1, 2, 4, 8, ... capped at `slots`) holding the
 highest listed slot. Unlisted rows in it are padding: outputs dropped, nothing of theirs a later
 step reads changed. Take the lowest free slot and the buckets stay small. On the cuda_graph backend
@@ -116,9 +116,10 @@ class SlotPool:
         self.exact[slot] = reuse
 
     @torch.inference_mode()
-    def first_tokens(self, slots: list[int], logits: torch.Tensor) -> list[int]:
-        """Each slot's next token from its logits (`prefill_many`'s [len(slots), vocab]), by its
-        sampling parameters (its counts and random stream advance). Slots whose logits are not
+    def select_tokens(self, slots: list[int], logits: torch.Tensor) -> list[int]:
+        """Each slot's next token from its logits on the host (`prefill_many`'s or `decode`'s
+        with logits='last', [len(slots), vocab]), by its sampling parameters (its counts and
+        random stream advance, as a step that selects on the device advances them). Slots whose logits are not
         finite: a NumericError naming them (`rows`), carrying the others' ids (-1 for them); their
         entries are no longer reusable."""
         ids = self.sampler.select_rows(logits, slots).tolist()
@@ -126,7 +127,7 @@ class SlotPool:
         for s in bad:
             self.exact[s] = 0
         if bad:
-            raise NumericError(f"the prompt's last position of slot(s) {list(bad)}: its logits hold a NaN or an "
+            raise NumericError(f"the logits of slot(s) {list(bad)} hold a NaN or an "
                                "infinity, so no token can be selected (the model's values overflowed, or its weights "
                                "hold non-finite values)", rows=bad, ids=ids)
         return ids

@@ -301,13 +301,39 @@ class ServeApp:
         if chat:
             answers = [self._message(body, ev.text, ev.reason) for ev in evs]
             out: Any = ChatCompletion(id=rid, created=int(time.time()), model=self.model_name, usage=usage,
-                                      choices=[ChatChoice(index=i, message=m, finish_reason=reason)
-                                               for i, (m, reason) in enumerate(answers)])
+                                      choices=[ChatChoice(index=i, message=m, finish_reason=reason,
+                                                          logprobs=self._logprobs(ev.logprobs, chat))
+                                               for i, ((m, reason), ev) in enumerate(zip(answers, evs))])
         else:
             out = Completion(id=rid, created=int(time.time()), model=self.model_name, usage=usage,
-                             choices=[CompletionChoice(index=i, text=ev.text, finish_reason=ev.reason)
+                             choices=[CompletionChoice(index=i, text=ev.text, finish_reason=ev.reason,
+                                                       logprobs=self._logprobs(ev.logprobs, chat))
                                       for i, ev in enumerate(evs)])
         return JSONResponse(out.model_dump())
+
+    def _logprobs(self, entries: list | None, chat: bool, offset: int = 0) -> dict[str, Any] | None:
+        """Selected tokens' TokenLogprobs in OpenAI's form: chat's `content` list (each token's
+        text, logprob, UTF-8 bytes and top_logprobs), or the completions endpoint's parallel
+        lists (tokens, token_logprobs, top_logprobs, text_offset from `offset`). A token's text is
+        its id decoded alone."""
+        if entries is None:
+            return None
+        text = self.tok.decode
+
+        def one(i: int, lp: float) -> dict[str, Any]:
+            t = text([i])
+            return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+
+        if chat:
+            return {"content": [dict(one(e.id, e.logprob), top_logprobs=[one(i, v) for i, v in e.top])
+                                for e in entries]}
+        tokens = [text([e.id]) for e in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{text([i]): v for i, v in e.top} for e in entries], "text_offset": offsets}
 
     async def _stream(self, reqs: list[GenRequest], queue: asyncio.Queue, body, rid: str, chat: bool, endpoint: str):
         """Server-sent events: a chunk per delta of text of each choice (its index in it), one with
@@ -317,8 +343,22 @@ class ServeApp:
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
+        reports = body.reported() is not None
+        unsent: list[list] = [[] for _ in reqs]  # each choice's token reports not sent yet
+        offsets = [0 for _ in reqs]  # each choice's text sent so far (completions' text_offset)
+
+        def report(i: int, text: str | None) -> dict[str, Any] | None:
+            """The choice's token reports not sent yet (they go with its next chunk)."""
+            if not reports or not unsent[i]:
+                return None
+            out = self._logprobs(unsent[i], chat, offsets[i])
+            unsent[i] = []
+            offsets[i] += len(text or "")
+            return out
+
         def chunk(i: int, text: str | None, finish: str | None, first: bool = False, calls=None,
                   thinking: str | None = None) -> str:
+            logprobs = None if first else report(i, text)
             if chat:
                 delta: dict[str, Any] = {}
                 if first:
@@ -329,9 +369,9 @@ class ServeApp:
                     delta["content"] = text
                 if calls:
                     delta["tool_calls"] = [dict(c.openai(), index=k) for k, c in enumerate(calls)]
-                choice: dict[str, Any] = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice: dict[str, Any] = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             else:
-                choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
             return _sse({"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]})
 
         ended = False
@@ -346,6 +386,7 @@ class ServeApp:
             while len(finals) < len(reqs):
                 i, ev = await queue.get()
                 if isinstance(ev, Delta):
+                    unsent[i] += ev.logprobs or []
                     new = ev.text
                     if thinks[i] is not None:
                         thinking, new = thinks[i].feed(ev.text)

@@ -62,9 +62,11 @@ class Draining(Exception):
 
 @dataclass
 class Delta:
-    """New text of a sequence (may be empty when tokens are held back), and its token count so far."""
+    """New text of a sequence (may be empty when tokens are held back), and its token count so far;
+    with logprobs asked for, the `TokenLogprob`s of the tokens selected since the last Delta."""
     text: str
     completion_tokens: int
+    logprobs: list | None = None
 
 
 @dataclass
@@ -75,6 +77,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens whose KV entries a slot held from an earlier sequence
+    logprobs: list | None = None  # with logprobs asked for: every selected token's TokenLogprob
 
 
 @dataclass
@@ -120,6 +123,8 @@ class _Seq:
     prefilled: int = 0
     cached: int = 0  # the prompt's first tokens the slot's KV cache held (not prefilled again)
     generated: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # the selected tokens' TokenLogprobs (where asked for)
+    reported: int = 0  # how many of them a Delta carried
     pending: int | None = None  # the sampled token the next decode step feeds
     last_token: float = 0.0
     first_token: float | None = None
@@ -362,6 +367,9 @@ class Engine:
             self.metrics.time_to_first_token(now - s.req.arrived)
             s.first_token = now
         s.last_token = now
+        if hasattr(tok, "logprob"):  # a runner's Chosen
+            s.logprobs.append(tok.logprob)
+        tok = int(tok)
         s.generated.append(tok)
         s.pending = tok
         if tok in s.req.stop_ids or (tok in self.eos_ids and not s.req.ignore_eos):
@@ -380,14 +388,17 @@ class Engine:
             self._delta(s, delta)
 
     def _delta(self, s: _Seq, text: str) -> None:
-        self._emit(s.req, Delta(text, len(s.generated)))
+        new = s.logprobs[s.reported:] if s.req.sampling.logprobs is not None else None
+        s.reported = len(s.logprobs)
+        self._emit(s.req, Delta(text, len(s.generated), new))
 
     def _finish(self, s: _Seq, reason: str) -> None:
         if s.done:
             return
         s.done = True
         self.metrics.tokens(len(s.req.prompt_ids), len(s.generated))
-        self._emit(s.req, Finished(reason, s.text.text, len(s.req.prompt_ids), len(s.generated), s.cached))
+        self._emit(s.req, Finished(reason, s.text.text, len(s.req.prompt_ids), len(s.generated), s.cached,
+                                   list(s.logprobs) if s.req.sampling.logprobs is not None else None))
         _log_request(s, reason)
 
     def _fail(self, s: _Seq, e: BaseException) -> None:

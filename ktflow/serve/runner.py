@@ -11,18 +11,50 @@ The scheduler (`engine.py`) speaks to the model only through a Runner, in slot n
 - `decode(slots, ids)`: one token per listed slot, each at its own position, selected where the
   logits are; returns per slot its token (an int) or the exception that failed it;
 - `free(slot)`: the sequence in `slot` is finished.
+A token of a sequence whose params ask for `logprobs` is a `Chosen` (an int carrying its
+log-probability and the most likely alternatives').
 `PoolRunner` runs a decode as ONE batched step (a failure fails every slot in it) and an
 iteration's chunks as ONE packed prefill step, run again chunk by chunk if it fails, so only the
-chunks that fail alone fail.
+chunks that fail alone fail. A decode step with a slot that asks for logprobs brings the logits
+to the host and selects there (by the same rule and random streams as the device would).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
+
+import torch
 
 from ..backends.sampling import SamplingParams
 from ..errors import NumericError
 from ..runtime.slots import SlotPool
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A selected token's log-probability under the model's logits (softmax at temperature 1,
+    before any penalty, bias or truncation), and the `k` most likely tokens' as (id, logprob)."""
+
+    id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class Chosen(int):
+    """A selected token id that carries its `TokenLogprob` (`.logprob`)."""
+
+    logprob: TokenLogprob
+
+    @staticmethod
+    def of(logits: torch.Tensor, token: int, k: int) -> "Chosen":
+        """Token `token` selected from host `logits` [vocab], with the `k` most likely beside it."""
+        lp = torch.log_softmax(logits.float(), -1)
+        top = torch.topk(lp, k) if k else None
+        out = Chosen(token)
+        out.logprob = TokenLogprob(int(token), float(lp[token]), tuple(
+            (int(i), float(v)) for v, i in zip(top.values, top.indices)) if top is not None else ())
+        return out
 
 
 class Runner(Protocol):
@@ -98,15 +130,33 @@ class PoolRunner:
         if not ending:
             return [None] * len(items)
         slots = [items[i][0] for i in ending]
-        try:
-            first: dict = dict(zip(ending, self.pool.first_tokens(slots, out[ending])))
-        except NumericError as e:  # those sequences fail, the others have their first token
-            first = {i: e if s in e.rows else t for i, s, t in zip(ending, slots, e.ids)}
+        picked = self._select(slots, out[ending])
+        first = dict(zip(ending, picked))
         return [first.get(i) for i in range(len(items))]
 
+    def _select(self, slots: list[int], logits: torch.Tensor) -> list:
+        """Each slot's token from host logits [len(slots), vocab] (a `Chosen` where its params
+        ask for logprobs), or the NumericError of a slot whose logits are not finite."""
+        try:
+            ids: list = self.pool.select_tokens(slots, logits)
+        except NumericError as e:  # those sequences fail, the others have their token
+            ids = [e if s in e.rows else t for s, t in zip(slots, e.ids)]
+        params = self.pool.sampler.params
+        return [Chosen.of(logits[i], t, params[s].logprobs)
+                if params[s].logprobs is not None and not isinstance(t, BaseException) else t
+                for i, (s, t) in enumerate(zip(slots, ids))]
+
     def decode(self, slots: list[int], ids: list[int]) -> list[int | BaseException]:
-        # every listed sequence greedy on the logits as they are: the argmax, else each row's sampler
-        plain = all(self.pool.sampler.params[s].plain_greedy for s in slots)
+        # every listed sequence greedy on the logits as they are: the argmax, else each row's sampler;
+        # one that asks for logprobs: the logits on the host
+        params = self.pool.sampler.params
+        if any(params[s].logprobs is not None for s in slots):
+            try:
+                logits = self.pool.decode(slots, ids, logits="last")
+            except Exception as e:  # noqa: BLE001 - the step's sequences fail, the server goes on
+                return [e] * len(slots)
+            return self._select(slots, logits)
+        plain = all(params[s].plain_greedy for s in slots)
         try:
             out = self.pool.decode(slots, ids, logits="argmax" if plain else "sample")
         except NumericError as e:  # those sequences fail, the others have their token

@@ -46,7 +46,7 @@ class _Body(BaseModel):
 class _Request(_Body):
     """Fields the two generation endpoints share. Fields ktflow does not use (user, metadata,
     ...) are accepted and ignored; ones that would change the answer and are not supported
-    (logprobs, echo, best_of > 1) are refused."""
+    (echo, best_of > 1) are refused."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -96,6 +96,10 @@ class _Request(_Body):
                 raise ValueError(f"logit_bias for token {key} must be in [-100, 100], got {bias}")
         return v
 
+    def reported(self) -> int | None:
+        """How many most likely tokens each selected token's report lists (None: no report)."""
+        return None
+
     def sampling(self, vocab: int, defaults: dict[str, Any] | None = None):
         """The request's token selection as SamplingParams, checked against the vocabulary (an
         ApiError naming the field otherwise); a field the request leaves out takes `defaults`'
@@ -110,7 +114,7 @@ class _Request(_Body):
                                        repetition_penalty=given["repetition_penalty"],
                                        presence_penalty=self.presence_penalty,
                                        frequency_penalty=self.frequency_penalty,
-                                       logit_bias=self.logit_bias).check(vocab)
+                                       logit_bias=self.logit_bias, logprobs=self.reported()).check(vocab)
         except SamplingParamError as e:
             raise ApiError(400, str(e), param=e.param) from None
 
@@ -213,18 +217,26 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     functions: list[Any] | None = None  # the legacy form of tools
     function_call: Any = None
 
-    @field_validator("logprobs", "top_logprobs", "functions", "function_call")
+    @field_validator("functions", "function_call")
     @classmethod
     def _unsupported(cls, v, info):
         if v:
-            legacy = info.field_name.startswith("function")
-            raise ValueError(f"{info.field_name} (the legacy form) is not supported: send tools and tool_choice"
-                             if legacy else f"{info.field_name} are not supported yet")
+            raise ValueError(f"{info.field_name} (the legacy form) is not supported: send tools and tool_choice")
         return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v, info):
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    def reported(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("tool_choice")
     @classmethod
@@ -256,7 +268,7 @@ class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -281,12 +293,15 @@ class CompletionRequest(_Request):
             raise ValueError("the prompt is empty")
         return v
 
-    @field_validator("echo", "suffix", "best_of", "logprobs")
+    @field_validator("echo", "suffix", "best_of")
     @classmethod
     def _unsupported(cls, v, info):
         if v and not (info.field_name == "best_of" and v == 1):
             raise ValueError(f"{info.field_name} is not supported")
         return v
+
+    def reported(self) -> int | None:
+        return self.logprobs
 
     def limit(self) -> int | None:
         return self.max_tokens
@@ -371,7 +386,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: ChatChoiceMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -387,7 +402,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class Completion(BaseModel):
