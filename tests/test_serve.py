@@ -947,6 +947,37 @@ class ScriptedRunner(TestRunner):
         return super().start(slot, params, prompt_ids, reuse) if params is not None else super().start(slot)
 
 
+def test_a_parser_whose_marker_is_a_special_token_sees_it(compiled, tok, serve_dir, tmp_path, monkeypatch):
+    """Families whose call markers are special tokens (DeepSeek, GLM-4.5, Kimi-K2): with tools, the
+    answer is decoded keeping special tokens, so the parser finds its marker (here the demo
+    tokenizer's special <|bos|> opens a call); without tools it is dropped as before."""
+    from ktflow.serve.tokenizer import ServeTokenizer
+    from ktflow.serve.tool_parsers import PARSERS, ToolParser
+    from ktflow.serve.tool_parsers.base import call, object_of
+
+    def parse(text):
+        before, sep, after = text.partition("<|bos|>")
+        obj = object_of(after) if sep else None
+        return (text, []) if obj is None else (before or None, [call(obj["name"], obj["arguments"])])
+
+    monkeypatch.setitem(PARSERS, "bos", ToolParser("bos", "<|bos|>", parse, special=True))
+    f = tmp_path / "tools.jinja"
+    f.write_text(TOOL_TEMPLATE)
+    t = ServeTokenizer.from_dir(serve_dir, chat_template=f)
+    runner = ScriptedRunner(compiled, 2)
+    plain_ids = lambda text: t.tok.encode(text, add_special_tokens=False).ids  # noqa: E731
+    runner.script = plain_ids("Sure.") + [t.tok.token_to_id("<|bos|>")] + plain_ids('{"name": "f", "arguments": {}}')
+    runner.eos = next(iter(t.eos_ids))
+    with running(compiled, t, runner=runner, tool_parser="bos") as (base, _, _):
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+        msgs = [{"role": "user", "content": "go"}]
+        r = c.chat.completions.create(model="demo", messages=msgs, tools=[WEATHER], max_tokens=60)
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content == "Sure."
+        assert r.choices[0].message.tool_calls[0].function.name == "f"
+        plain = c.chat.completions.create(model="demo", messages=msgs, max_tokens=60)
+        assert "<|bos|>" not in plain.choices[0].message.content and plain.choices[0].message.tool_calls is None
+
+
 def test_tool_calls_are_parsed_out_streamed_or_not_and_go_back_into_the_template(compiled, tok, serve_dir, tmp_path):
     from ktflow.serve.tokenizer import ServeTokenizer
 
@@ -985,9 +1016,16 @@ def test_tool_calls_are_parsed_out_streamed_or_not_and_go_back_into_the_template
             assert e.value.param == "tool_choice"
 
 
-def test_tools_for_a_model_whose_calls_are_not_parsed_are_refused(srv, client):
-    with pytest.raises(openai.BadRequestError) as e:  # the demo model (deepseek_v3): no parser yet
-        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], tools=[WEATHER])
+def test_tools_for_a_model_whose_calls_are_not_parsed_are_refused(compiled, tok, monkeypatch):
+    """A family without a parser (here the demo model's, deepseek_v3, taken off the map) refuses
+    requests with tools rather than answering as if they were ignored."""
+    from ktflow.serve.tool_parsers import FAMILY_PARSER
+
+    monkeypatch.delitem(FAMILY_PARSER, "deepseek_v3")
+    with running(compiled, tok, slots=1) as (base, _, _):
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], tools=[WEATHER])
     assert e.value.param == "tools" and "not parsed yet" in e.value.message
 
 

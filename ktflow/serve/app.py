@@ -36,6 +36,7 @@ from .schemas import (ApiError, ChatChoice, ChatChoiceMessage, ChatCompletion, C
 from .tokenizer import ServeTokenizer, TemplateError
 from .reasoning import ThinkSplit, opens_thinking
 from .reasoning import split as split_thinking
+from . import anthropic
 from .tool_parsers import PARSERS, ToolStream
 
 #: status recorded for a request whose client went away before its answer
@@ -76,6 +77,7 @@ class ServeApp:
         routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/messages", self.messages, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
@@ -88,8 +90,8 @@ class ServeApp:
             status = getattr(exc, "status_code", 404)
             what = (f"no route {request.url.path}" if status == 404 else
                     f"{request.method} is not allowed on {request.url.path}")
-            e = ApiError(status, f"{what} (the routes: /v1/chat/completions, /v1/completions, /v1/models, "
-                         "/tokenize, /detokenize, /health, /metrics)", type="invalid_request_error")
+            e = ApiError(status, f"{what} (the routes: /v1/chat/completions, /v1/completions, /v1/messages, "
+                         "/v1/models, /tokenize, /detokenize, /health, /metrics)", type="invalid_request_error")
             return JSONResponse(e.body(), status_code=status, headers=getattr(exc, "headers", None) or {})
 
         return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_routed, 405: not_routed})
@@ -104,9 +106,11 @@ class ServeApp:
             return
         given = request.headers.get("authorization", "")
         scheme, _, key = given.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), self.api_key.encode()):
-            raise ApiError(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>'",
-                           type="authentication_error")
+        if scheme.lower() != "bearer":  # Anthropic's clients send x-api-key
+            key = request.headers.get("x-api-key", "") if not given else ""
+        if not key or not secrets.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>' (or "
+                           "'x-api-key: <key>')", type="authentication_error")
 
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -138,13 +142,15 @@ class ServeApp:
         stop_ids = body.stop_ids()
         self._check_ids(stop_ids, "stop")
         sampling = body.sampling(self.vocab_size, self.sampling_defaults)
+        # a parser whose markers are special tokens reads them: the answer keeps its special tokens
+        keep = isinstance(body, ChatCompletionRequest) and body.calls_tools() and self.tool_parser.special
         reqs: list[GenRequest] = []
         for i in range(body.n):
             params = sampling if sampling.seed is None or i == 0 else \
                 dataclasses.replace(sampling, seed=(sampling.seed + i) % (1 << 64))
             reqs.append(GenRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=params, stops=body.stop_strings(),
                                    stop_ids=frozenset(stop_ids), ignore_eos=body.ignore_eos,
-                                   tag=rid if body.n == 1 else f"{rid}/{i}",
+                                   tag=rid if body.n == 1 else f"{rid}/{i}", decode=self.tok.decode_all if keep else None,
                                    emit=lambda ev, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, ev))))
         try:
             for req in reqs:
@@ -215,7 +221,10 @@ class ServeApp:
     def _prepare(self, raw: bytes, chat: bool):
         """The request parsed and its prompt tokenized (run off the event loop: a large body or a
         slow template never stalls the other clients): (body, prompt ids, the prompt's field)."""
-        body = parse(ChatCompletionRequest if chat else CompletionRequest, raw)
+        return self._prepare_body(parse(ChatCompletionRequest if chat else CompletionRequest, raw), chat)
+
+    def _prepare_body(self, body, chat: bool):
+        """A parsed request's prompt tokenized: (body, prompt ids, the prompt's field)."""
         self._check_model(body.model)
         if chat:
             tools = None
@@ -334,6 +343,108 @@ class ServeApp:
             offset += len(t)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{text([i]): v for i, v in e.top} for e in entries], "text_offset": offsets}
+
+    # ----------------------------------------------------------------- the Anthropic Messages API
+    async def messages(self, request: Request) -> Response:
+        """POST /v1/messages (serve/anthropic.py): one answer, streamed or not."""
+        endpoint = request.url.path
+        try:
+            self._check_key(request)
+            raw = await self._read_body(request)
+
+            def prepare():
+                return self._prepare_body(anthropic.to_chat(parse(anthropic.MessagesRequest, raw)), True)
+
+            body, ids, field = await asyncio.to_thread(prepare)
+            max_tokens = self._limits(ids, body.limit(), field)
+            rid = f"msg_{uuid.uuid4().hex[:24]}"
+            reqs, queue = self._submit(body, ids, max_tokens, rid)
+        except ApiError as e:
+            self.metrics.request(endpoint, e.status)
+            return JSONResponse(anthropic.error_body(e), status_code=e.status, headers=e.headers)
+        if body.stream:
+            return StreamingResponse(self._message_events(reqs[0], queue, body, rid, endpoint),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        evs = await self._wait(request, reqs, queue)
+        if evs is None:
+            self.metrics.request(endpoint, CLIENT_GONE)
+            return Response(status_code=CLIENT_GONE)
+        ev = evs[0]
+        if isinstance(ev, Failed) or ev.reason == "cancelled":
+            e = ApiError(500, f"generation failed: {ev.message}" if isinstance(ev, Failed)
+                         else "the server shut down before this request finished", type="server_error")
+            self.metrics.request(endpoint, e.status)
+            return JSONResponse(anthropic.error_body(e), status_code=e.status)
+        self.metrics.request(endpoint, 200)
+        msg, reason = self._message(body, ev.text, ev.reason)
+        return JSONResponse(anthropic.message(rid, self.model_name, anthropic.content_blocks(msg.content, msg.tool_calls),
+                                              anthropic.stop_reason(reason, ev.stop_string), ev.stop_string,
+                                              ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens))
+
+    async def _message_events(self, req: GenRequest, queue: asyncio.Queue, body, rid: str, endpoint: str):
+        """The Messages API's server-sent events for one answer (serve/anthropic.py): a text block
+        as its text comes (calls held back where tools were given), then a tool_use block per
+        parsed call, the stop reason and the output tokens. A client that goes away cancels it."""
+        sse = anthropic.sse
+        held = ToolStream(self.tool_parser) if body.calls_tools() else None
+        blocks = 0  # content blocks opened so far
+        text_open, ended, sofar = False, False, ""
+        try:
+            yield sse("message_start", {"type": "message_start", "message": anthropic.message(
+                rid, self.model_name, [], None, None, len(req.prompt_ids), 0, 0)})
+            while True:
+                _, ev = await queue.get()
+                if isinstance(ev, Delta):
+                    sofar += ev.text
+                    text = held.push(sofar) if held is not None else ev.text
+                    if text:
+                        if not text_open:
+                            yield sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                                              "content_block": {"type": "text", "text": ""}})
+                            text_open, blocks = True, 1
+                        yield sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                          "delta": {"type": "text_delta", "text": text}})
+                    continue
+                ended = True
+                if isinstance(ev, Failed) or ev.reason == "cancelled":
+                    self.engine.cancel(req)
+                    e = ApiError(500, f"generation failed: {ev.message}" if isinstance(ev, Failed)
+                                 else "the server shut down before this request finished", type="server_error")
+                    self.metrics.request(endpoint, 500)
+                    yield sse("error", anthropic.error_body(e))
+                    return
+                calls, reason = [], ev.reason
+                if held is not None:
+                    rest, parsed = held.finish(ev.text)
+                    calls = [c.openai() for c in parsed]
+                    if rest:
+                        if not text_open:
+                            yield sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                                              "content_block": {"type": "text", "text": ""}})
+                            text_open, blocks = True, 1
+                        yield sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                          "delta": {"type": "text_delta", "text": rest}})
+                    reason = "tool_calls" if calls else reason
+                if text_open:
+                    yield sse("content_block_stop", {"type": "content_block_stop", "index": 0})
+                for c in calls:
+                    block = anthropic.content_blocks(None, [c])[0]
+                    yield sse("content_block_start", {"type": "content_block_start", "index": blocks,
+                                                      "content_block": dict(block, input={})})
+                    yield sse("content_block_delta", {"type": "content_block_delta", "index": blocks, "delta": {
+                        "type": "input_json_delta", "partial_json": c["function"]["arguments"]}})
+                    yield sse("content_block_stop", {"type": "content_block_stop", "index": blocks})
+                    blocks += 1
+                self.metrics.request(endpoint, 200)
+                yield sse("message_delta", {"type": "message_delta", "delta": {
+                    "stop_reason": anthropic.stop_reason(reason, ev.stop_string), "stop_sequence": ev.stop_string},
+                    "usage": {"output_tokens": ev.completion_tokens}})
+                yield sse("message_stop", {"type": "message_stop"})
+                return
+        finally:
+            if not ended:  # the client went away: free the slot
+                self.engine.cancel(req)
+                self.metrics.request(endpoint, CLIENT_GONE)
 
     async def _stream(self, reqs: list[GenRequest], queue: asyncio.Queue, body, rid: str, chat: bool, endpoint: str):
         """Server-sent events: a chunk per delta of text of each choice (its index in it), one with

@@ -78,6 +78,7 @@ class Finished:
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens whose KV entries a slot held from an earlier sequence
     logprobs: list | None = None  # with logprobs asked for: every selected token's TokenLogprob
+    stop_string: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass
@@ -102,6 +103,7 @@ class GenRequest:
     arrived: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     tag: str = ""  # the request's id, named in its log line
+    decode: Callable[[list[int]], str] | None = None  # its text from ids, where not the engine's
 
 
 class Metrics:
@@ -301,7 +303,7 @@ class Engine:
                      for k in self._free}
             slot = max(self._free, key=lambda k: (reuse[k], -k))
             self._free.remove(slot)
-            s = _Seq(req, slot, TextStream(self.decode_text, req.stops), cached=reuse[slot])
+            s = _Seq(req, slot, TextStream(req.decode or self.decode_text, req.stops), cached=reuse[slot])
             self._running.append(s)
             out.append(s)
         return out
@@ -398,7 +400,8 @@ class Engine:
         s.done = True
         self.metrics.tokens(len(s.req.prompt_ids), len(s.generated))
         self._emit(s.req, Finished(reason, s.text.text, len(s.req.prompt_ids), len(s.generated), s.cached,
-                                   list(s.logprobs) if s.req.sampling.logprobs is not None else None))
+                                   list(s.logprobs) if s.req.sampling.logprobs is not None else None,
+                                   s.text.matched))
         _log_request(s, reason)
 
     def _fail(self, s: _Seq, e: BaseException) -> None:

@@ -56,6 +56,7 @@ class TextStream:
         self.sent = 0  # characters of the text released so far
         self.text = ""  # the text released so far
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended it, if one did
 
     def push(self, ids: list[int]) -> str:
         """The new text that `ids` (every id generated so far) makes safe to release."""
@@ -94,8 +95,12 @@ class TextStream:
         """Where the earliest stop string starts in `full` (searched from a little before the text
         already released), or None."""
         start = max(0, self.sent - self.longest)
-        found = [i for i in (full.find(s, start) for s in self.stops) if i >= 0]
-        return min(found) if found else None
+        found = [(i, s) for i, s in ((full.find(s, start), s) for s in self.stops) if i >= 0]
+        if not found:
+            return None
+        at = min(i for i, _ in found)
+        self.matched = next(s for i, s in found if i == at)
+        return at
 
     def _partial_stop(self, full: str) -> int:
         """How many characters at the end of `full` are the start of some stop string."""

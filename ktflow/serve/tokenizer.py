@@ -216,3 +216,7 @@ class ServeTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+    def decode_all(self, ids: list[int]) -> str:
+        """The text of `ids` with special tokens written out (a tool parser reads its markers)."""
+        return self.tok.decode(ids, skip_special_tokens=False)

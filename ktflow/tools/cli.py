@@ -207,8 +207,9 @@ MODEL must hold tokenizer.json (and tokenizer_config.json with a chat_template f
                     help="seconds a client gets to send a request's headers (from connecting, or from the first "
                     "byte of its next request) and again its body; past either, HTTP 408 (default 30)")
     sv.add_argument("--tool-parser", default=None, choices=sorted(PARSERS),
-                    help="how the model writes tool calls (default: its family's: hermes for Qwen2/Qwen3 MoE; "
-                    "families without one refuse requests with tools)")
+                    help="how the model writes tool calls (default: its family's: hermes for Qwen2/Qwen3 MoE, "
+                    "deepseek_v3 for DeepSeek-V3/R1/V3.1, glm45 for GLM-4.5, kimi_k2 for Kimi-K2; families "
+                    "without one refuse requests with tools)")
     sv.add_argument("--reasoning-parser", default=None, choices=["think"],
                     help="split a reasoning model's <think>...</think> from its answer into reasoning_content "
                     "(DeepSeek-R1, Qwen3 thinking; default: the thinking stays in content)")
