@@ -58,6 +58,9 @@ class SamplingParams:
     #: reported, not selected by: each selected token's log-probability and the `logprobs` most
     #: likely tokens' (under the model's logits as they are, softmax at temperature 1); None: none
     logprobs: int | None = None
+    #: a grammar the selected tokens must follow (serve/grammar.py's text; the server masks the
+    #: logits by it before selecting); None: none
+    grammar: str | None = None
 
     @staticmethod
     def make(*, logit_bias: dict | Sequence | None = None, **kw) -> "SamplingParams":

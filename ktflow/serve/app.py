@@ -55,9 +55,11 @@ class ServeApp:
     def __init__(self, engine: Engine, tokenizer: ServeTokenizer, model_name: str, *, api_key: str | None = None,
                  metrics: ServerMetrics | None = None, vocab_size: int | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, sampling_defaults: dict | None = None,
-                 model_type: str = "", tool_parser=None, reasoning: bool = False, body_timeout_s: float = 30.0):
+                 model_type: str = "", tool_parser=None, reasoning: bool = False, body_timeout_s: float = 30.0,
+                 grammars=None):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
         self.body_timeout_s = body_timeout_s  # a request body must arrive within this (408)
+        self.grammars = grammars  # serve/grammar.Grammars: response_format's grammars (None: refused)
         self.sampling_defaults = sampling_defaults or {}  # generation_config.json's, for fields a request leaves out
         self.model_type, self.tool_parser = model_type, tool_parser  # tool_parsers: this model's calls, or None
         self.reasoning = reasoning  # split <think>...</think> into reasoning_content
@@ -142,6 +144,20 @@ class ServeApp:
         stop_ids = body.stop_ids()
         self._check_ids(stop_ids, "stop")
         sampling = body.sampling(self.vocab_size, self.sampling_defaults)
+        fmt = body.structured()
+        if fmt is not None:  # the output follows the format's grammar (serve/grammar.py)
+            if body.ignore_eos:
+                raise ApiError(400, "ignore_eos with response_format: a structured answer ends at its value's end",
+                               param="ignore_eos")
+            if self.grammars is None:
+                raise ApiError(400, "response_format: this server has no structured output", param="response_format")
+            try:
+                sampling = dataclasses.replace(sampling, grammar=self.grammars.compile(fmt))
+            except ImportError:
+                raise ApiError(400, "response_format needs the llguidance package on the server (pip install "
+                               "llguidance)", param="response_format") from None
+            except ValueError as e:
+                raise ApiError(400, str(e), param="response_format") from None
         # a parser whose markers are special tokens reads them: the answer keeps its special tokens
         keep = isinstance(body, ChatCompletionRequest) and body.calls_tools() and self.tool_parser.special
         reqs: list[GenRequest] = []

@@ -15,8 +15,9 @@ A token of a sequence whose params ask for `logprobs` is a `Chosen` (an int carr
 log-probability and the most likely alternatives').
 `PoolRunner` runs a decode as ONE batched step (a failure fails every slot in it) and an
 iteration's chunks as ONE packed prefill step, run again chunk by chunk if it fails, so only the
-chunks that fail alone fail. A decode step with a slot that asks for logprobs brings the logits
-to the host and selects there (by the same rule and random streams as the device would).
+chunks that fail alone fail. A decode step with a slot that asks for logprobs, or follows a
+grammar (`grammars`: structured output, serve/grammar.py), brings the logits to the host and
+selects there (by the same rule and random streams as the device would).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Protocol
 import torch
 
 from ..backends.sampling import SamplingParams
-from ..errors import NumericError
+from ..errors import InputError, NumericError
 from ..runtime.slots import SlotPool
 
 
@@ -80,9 +81,11 @@ class PoolRunner:
     """A Runner over a `SlotPool` of `slots` sequences (see the module docstring); with
     `prefix_cache`, a sequence reuses the KV entries its slot holds for its prompt's first tokens."""
 
-    def __init__(self, compiled, slots: int, prefix_cache: bool = True):
+    def __init__(self, compiled, slots: int, prefix_cache: bool = True, grammars=None):
         self.pool = SlotPool(compiled, slots)
         self.slots, self.prefix_cache = slots, prefix_cache
+        self.grammars = grammars  # serve/grammar.Grammars: a sequence whose params name a grammar follows it
+        self.matchers: dict = {}  # slot -> its sequence's grammar Matcher
         self.max_seq_len = compiled.max_seq_len
         self.vocab_size = compiled.vocab_size
 
@@ -105,6 +108,12 @@ class PoolRunner:
     def start(self, slot: int, params: SamplingParams = SamplingParams(), prompt_ids: list[int] | None = None,
               reuse: int = 0) -> None:
         self.pool.start(slot, params, prompt_ids, reuse)
+        self.matchers.pop(slot, None)
+        if params.grammar is not None and self.grammars is not None:
+            try:
+                self.matchers[slot] = self.grammars.matcher(params.grammar)
+            except ValueError as e:
+                raise InputError(str(e)) from None
 
     def prefill(self, items: list[tuple[int, list[int], bool]]) -> list[int | None | BaseException]:
         try:
@@ -135,12 +144,26 @@ class PoolRunner:
         return [first.get(i) for i in range(len(items))]
 
     def _select(self, slots: list[int], logits: torch.Tensor) -> list:
-        """Each slot's token from host logits [len(slots), vocab] (a `Chosen` where its params
-        ask for logprobs), or the NumericError of a slot whose logits are not finite."""
+        """Each slot's token from host logits [len(slots), vocab], masked first by its grammar
+        where it follows one (which then takes the token), a `Chosen` where its params ask for
+        logprobs (of the logits as the model made them); or the error of a slot whose logits
+        are not finite (NumericError) or whose grammar failed (InputError)."""
+        masked = logits
+        if any(s in self.matchers for s in slots):
+            masked = logits.clone()
+            for i, s in enumerate(slots):
+                if s in self.matchers:
+                    masked[i] = self.matchers[s].mask(logits[i])
         try:
-            ids: list = self.pool.select_tokens(slots, logits)
+            ids: list = self.pool.select_tokens(slots, masked)
         except NumericError as e:  # those sequences fail, the others have their token
             ids = [e if s in e.rows else t for s, t in zip(slots, e.ids)]
+        for i, (s, t) in enumerate(zip(slots, ids)):
+            if s in self.matchers and not isinstance(t, BaseException):
+                try:
+                    self.matchers[s].advance(t)
+                except ValueError as e:
+                    ids[i] = InputError(str(e))
         params = self.pool.sampler.params
         return [Chosen.of(logits[i], t, params[s].logprobs)
                 if params[s].logprobs is not None and not isinstance(t, BaseException) else t
@@ -150,7 +173,7 @@ class PoolRunner:
         # every listed sequence greedy on the logits as they are: the argmax, else each row's sampler;
         # one that asks for logprobs: the logits on the host
         params = self.pool.sampler.params
-        if any(params[s].logprobs is not None for s in slots):
+        if any(params[s].logprobs is not None or s in self.matchers for s in slots):
             try:
                 logits = self.pool.decode(slots, ids, logits="last")
             except Exception as e:  # noqa: BLE001 - the step's sequences fail, the server goes on

@@ -64,18 +64,21 @@ class _Request(_Body):
     stop_token_ids: list[int] | None = None  # an extension: stop at any of these token ids
     ignore_eos: bool = False  # an extension: generate past eos (fixed lengths for load tests)
     n: int = 1
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}: constrained output is not built
+    response_format: dict[str, Any] | None = None  # text, json_object or json_schema (serve/grammar.py)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, v):
+    def _format(cls, v):
         kind = (v or {}).get("type", "text")
-        if kind != "text":
-            raise ValueError(f"response_format {kind!r} needs decoding constrained to a grammar, which is not built "
-                             "yet: leave it out (or type 'text')")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"response_format type {kind!r}: send 'text', 'json_object' or 'json_schema'")
         return v
+
+    def structured(self) -> dict[str, Any] | None:
+        """The response_format that constrains the output (json_object, json_schema), or None."""
+        return self.response_format if (self.response_format or {}).get("type", "text") != "text" else None
 
     @field_validator("n")
     @classmethod

@@ -18,6 +18,7 @@ from ..errors import ResourceError
 from .app import DEFAULT_MAX_BODY_BYTES, ServeApp
 from .engine import STEP_TIMEOUT_S, Engine
 from .metrics import ServerMetrics
+from .grammar import Grammars
 from .runner import Runner, PoolRunner
 from .tokenizer import ServeTokenizer
 from .tool_parsers import parser_for
@@ -42,11 +43,15 @@ def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: in
     """An engine over `runner` (default: a PoolRunner with `max_batch` slots, reusing cached prompt
     prefixes unless `prefix_cache` is off, warmed: every slot's KV cache and every batch bucket's
     step made now) and the app."""
+    eos = tokenizer.eos_ids | set(compiled.model.eos_ids if compiled.model is not None else ())
+    grammars = Grammars(tokenizer, compiled.vocab_size, eos)
     if runner is None:
         runner = PoolRunner(compiled, max_batch, prefix_cache=prefix_cache)
         runner.warm()
+    pool_runner = getattr(runner, "inner", runner)  # (a RanksRunner's own)
+    if isinstance(pool_runner, PoolRunner) and pool_runner.grammars is None:
+        pool_runner.grammars = grammars
     step = min(prefill_tokens or 256, compiled.chunk_tokens)  # one iteration's chunks are one prefill step
-    eos = tokenizer.eos_ids | set(compiled.model.eos_ids if compiled.model is not None else ())
     engine = Engine(runner, tokenizer.decode, eos_ids=eos, max_queue=max_queue, prefill_tokens=step,
                     step_timeout=step_timeout)
     metrics = ServerMetrics(engine.stats)
@@ -56,7 +61,7 @@ def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: in
                    sampling_defaults=compiled.model.generation.sampling if compiled.model is not None else None,
                    model_type=compiled.plans.model.model_type,
                    tool_parser=parser_for(compiled.plans.model.model_type, tool_parser),
-                   reasoning=reasoning_parser == "think", body_timeout_s=request_timeout_s)
+                   reasoning=reasoning_parser == "think", body_timeout_s=request_timeout_s, grammars=grammars)
     return Served(engine, app)
 
 

@@ -1,0 +1,90 @@
+"""Structured output: a request's `response_format` as a grammar, and the per-sequence matcher that
+masks each step's logits to the tokens the grammar allows (llguidance).
+
+`Grammars(tokenizer, vocab, eos_ids)` holds the tokenizer as llguidance reads it (made on first
+use: about a second for a large vocabulary). `compile(response_format)` gives the grammar text of
+json_object (any JSON object) or json_schema (that schema), JSON written without free whitespace,
+or a ValueError naming what is wrong; `matcher(grammar)` a fresh `Matcher`. A Matcher's `mask(logits)`
+sets every token the grammar does not allow next to -1e30 (finite: the selection's non-finite check
+reads the model's logits, not this), `advance(token)` takes the selected token; once the value is
+complete the grammar allows only an eos token, so the sequence ends there.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import torch
+
+#: what a disallowed token's logit becomes (finite, so penalties and temperature keep it finite)
+MASKED = -1e30
+
+
+class Matcher:
+    """One sequence's place in its grammar (see the module docstring)."""
+
+    def __init__(self, matcher, vocab: int):
+        self.m, self.vocab = matcher, vocab
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [vocab] (host) with the tokens the grammar does not allow next set to MASKED."""
+        allowed = np.frombuffer(self.m.compute_logit_bias(), dtype=np.uint8)[:self.vocab] > 0
+        keep = torch.zeros(logits.shape[-1], dtype=torch.bool)
+        keep[:len(allowed)] = torch.from_numpy(allowed.copy())
+        return logits.masked_fill(~keep, MASKED)
+
+    def advance(self, token: int) -> None:
+        """Take the selected token; a ValueError where the grammar is in error."""
+        self.m.consume_token(int(token))
+        if self.m.is_error():
+            raise ValueError(f"structured output: {self.m.get_error()}")
+
+
+class Grammars:
+    """The grammar side of one served model (see the module docstring)."""
+
+    def __init__(self, tokenizer, vocab: int, eos_ids):
+        self.tokenizer, self.vocab, self.eos = tokenizer, vocab, sorted(eos_ids)
+        self._ll = None
+
+    def _llt(self):
+        if self._ll is None:
+            import llguidance
+
+            self._ll = llguidance.LLTokenizer(self.tokenizer.tok.to_str(), n_vocab=self.vocab, eos_token=self.eos)
+        return self._ll
+
+    def compile(self, response_format: dict[str, Any]) -> str:
+        """The grammar text of `response_format` (type json_object or json_schema); a ValueError
+        saying what is wrong with it."""
+        import llguidance
+
+        kind = response_format.get("type")
+        if kind == "json_object":
+            schema: Any = {"type": "object"}
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValueError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
+            schema = spec.get("schema", {})
+        else:
+            raise ValueError(f"response_format type {kind!r}: send 'text', 'json_object' or 'json_schema'")
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+                                                                      defaults={"whitespace_flexible": False})
+        except ValueError as e:
+            raise ValueError(f"response_format: the schema is not usable: {e}") from None
+        error = llguidance.LLMatcher.validate_grammar(grammar, self._llt())
+        if error:
+            raise ValueError(f"response_format: the schema is not usable: {error.splitlines()[0]}")
+        return grammar
+
+    def matcher(self, grammar: str) -> Matcher:
+        import llguidance
+
+        m = llguidance.LLMatcher(self._llt(), grammar, log_level=0)
+        if m.is_error():
+            raise ValueError(f"response_format: {m.get_error()}")
+        return Matcher(m, self.vocab)
