@@ -1022,6 +1022,52 @@ def test_a_parser_whose_marker_is_a_special_token_sees_it(compiled, tok, serve_d
         assert "<|bos|>" not in plain.choices[0].message.content and plain.choices[0].message.tool_calls is None
 
 
+def test_tool_choice_required_or_named_makes_every_answer_a_valid_call(compiled, serve_dir, tmp_path):
+    """A random model with tool_choice 'required' (or one function named): every answer is one
+    call of a declared function whose arguments follow its schema (finish_reason tool_calls),
+    streamed or not; a name that is not a tool is a 400."""
+    from ktflow.serve.tokenizer import ServeTokenizer
+
+    f = tmp_path / "tools.jinja"
+    f.write_text(TOOL_TEMPLATE)
+    t = ServeTokenizer.from_dir(serve_dir, chat_template=f)
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {
+                 "type": "object", "properties": {}, "additionalProperties": False}}}]
+    msgs = [{"role": "user", "content": "weather?"}]
+    with running(compiled, t, slots=2, tool_parser="hermes") as (base, _, _):
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+        for seed in range(6):
+            r = c.chat.completions.create(model="demo", messages=msgs, tools=tools, tool_choice="required",
+                                          max_tokens=70, temperature=1.0, seed=seed)
+            assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message.content
+            (got,) = r.choices[0].message.tool_calls
+            args = json.loads(got.function.arguments)
+            if got.function.name == "get_weather":
+                assert set(args) == {"city", "days"} and len(args["city"]) <= 8 and 1 <= args["days"] <= 7
+            else:
+                assert got.function.name == "get_time" and args == {}
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        chunks = list(c.chat.completions.create(model="demo", messages=msgs, tools=tools, tool_choice=named,
+                                                max_tokens=70, temperature=1.0, seed=3, stream=True))
+        calls = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+        assert [tc.function.name for tc in calls] == ["get_weather"] and chunks[-1].choices[0].finish_reason == \
+            "tool_calls"
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="demo", messages=msgs, tools=tools, max_tokens=8,
+                                      tool_choice={"type": "function", "function": {"name": "nope"}})
+        assert e.value.param == "tool_choice" and "not among the tools" in e.value.message
+    with running(compiled, t, slots=1, tool_parser="deepseek_v3") as (base, _, _):  # a format without a grammar
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            with pytest.raises(openai.BadRequestError) as e:
+                c.chat.completions.create(model="demo", messages=msgs, tools=tools, tool_choice=choice, max_tokens=8)
+            assert e.value.param == "tool_choice" and "cannot be yet" in e.value.message
+
+
 def test_tool_calls_are_parsed_out_streamed_or_not_and_go_back_into_the_template(compiled, tok, serve_dir, tmp_path):
     from ktflow.serve.tokenizer import ServeTokenizer
 
@@ -1051,13 +1097,9 @@ def test_tool_calls_are_parsed_out_streamed_or_not_and_go_back_into_the_template
                        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
         ids = httpx.post(base + "/tokenize", json={"messages": back}, timeout=10).json()["tokens"]
         assert f'get_weather({call.function.arguments})' in t.decode(ids) and f"({call.id})" in t.decode(ids)
-        # without tools the same text is content; required / named choices are refused, not ignored
+        # without tools the same text is content
         plain = c.chat.completions.create(model="demo", messages=msgs, max_tokens=90)
         assert plain.choices[0].message.content == answer and not plain.choices[0].message.tool_calls
-        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-            with pytest.raises(openai.BadRequestError) as e:
-                c.chat.completions.create(model="demo", messages=msgs, tools=[WEATHER], tool_choice=choice)
-            assert e.value.param == "tool_choice"
 
 
 def test_tools_for_a_model_whose_calls_are_not_parsed_are_refused(compiled, tok, monkeypatch):

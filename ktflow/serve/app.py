@@ -145,6 +145,20 @@ class ServeApp:
         self._check_ids(stop_ids, "stop")
         sampling = body.sampling(self.vocab_size, self.sampling_defaults)
         fmt = body.structured()
+        forced = isinstance(body, ChatCompletionRequest) and body.calls_tools() and body.tool_choice not in (None, "auto")
+        if forced:  # the answer is one call (serve/grammar.py)
+            if fmt is not None or body.ignore_eos:
+                raise ApiError(400, "tool_choice required or a named function makes the answer a call: leave out "
+                               "response_format and ignore_eos", param="tool_choice")
+            try:
+                tools = [t.model_dump(exclude_none=True) for t in body.tools]
+                sampling = dataclasses.replace(sampling, grammar=self.grammars.tool_call(tools, body.tool_choice,
+                                                                                        self.tool_parser))
+            except ImportError:
+                raise ApiError(400, "tool_choice required needs the llguidance package on the server (pip install "
+                               "llguidance)", param="tool_choice") from None
+            except ValueError as e:
+                raise ApiError(400, str(e), param="tool_choice") from None
         if fmt is not None:  # the output follows the format's grammar (serve/grammar.py)
             if body.ignore_eos:
                 raise ApiError(400, "ignore_eos with response_format: a structured answer ends at its value's end",
@@ -278,9 +292,10 @@ class ServeApp:
         if self.tool_parser is None:
             raise ApiError(400, f"tools: tool calls of this model ({self.model_type}) are not parsed yet (parsers: "
                            f"{', '.join(PARSERS)}; serve --tool-parser NAME picks one)", param="tools")
-        if body.tool_choice not in (None, "auto"):
-            raise ApiError(400, f"tool_choice {body.tool_choice!r} needs decoding constrained to a valid call, which "
-                           "is not built yet: use 'auto' (or 'none')", param="tool_choice")
+        if body.tool_choice not in (None, "auto") and (self.tool_parser.lark is None or self.grammars is None):
+            raise ApiError(400, f"tool_choice {body.tool_choice!r} constrains the answer to a call, which this "
+                           f"model's call format ({self.tool_parser.name}) cannot be yet: use 'auto' (or 'none')",
+                           param="tool_choice")
 
     def _message(self, body, text: str, reason: str) -> tuple[ChatChoiceMessage, str]:
         """The answer's message: with a reasoning parser its thinking apart (reasoning_content);

@@ -81,6 +81,26 @@ class Grammars:
             raise ValueError(f"response_format: the schema is not usable: {error.splitlines()[0]}")
         return grammar
 
+    def tool_call(self, tools: list[dict[str, Any]], choice, parser) -> str:
+        """The grammar of exactly one call in `parser`'s format: of any of `tools` (OpenAI function
+        tools) where `choice` is 'required', else of the function `choice` names; its arguments
+        follow the tool's parameters schema; JSON without free whitespace."""
+        import llguidance
+
+        named = None if choice == "required" else choice["function"]["name"]
+        calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                   "arguments": t["function"].get("parameters") or {"type": "object"}},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+                 for t in tools if named is None or t["function"]["name"] == named]
+        if not calls:
+            raise ValueError(f"tool_choice names function {named!r}, which is not among the tools")
+        schema = {"anyOf": calls, "x-guidance": {"whitespace_flexible": False}}
+        grammar = llguidance.LLMatcher.grammar_from_lark(parser.lark(json.dumps(schema)))
+        error = llguidance.LLMatcher.validate_grammar(grammar, self._llt())
+        if error:
+            raise ValueError(f"tools: a call of these tools cannot be constrained: {error.splitlines()[0]}")
+        return grammar
+
     def matcher(self, grammar: str) -> Matcher:
         import llguidance
 

@@ -29,12 +29,17 @@ class ToolParser:
     """One family's tool-call format: `parse(text)` gives (the content before the first call, or
     None when empty; the calls), all of `text` as content and no calls where the calls do not
     parse. `start` opens the calls (a stream holds text back from it on); `special`: its markers
-    are special tokens, so a request with tools decodes its answer keeping them."""
+    are special tokens, so a request with tools decodes its answer keeping them; `lark`: the
+    grammar of one call (see the field)."""
 
     name: str
     start: str
     parse: Callable[[str], tuple[str | None, list[ParsedCall]]]
     special: bool = False
+    #: a Lark grammar (llguidance's) of exactly one call, from the JSON schema text of the call
+    #: object {"name", "arguments"}: what tool_choice required / a named function constrains the
+    #: answer to; None where the format has none yet
+    lark: Callable[[str], str] | None = None
 
     def __call__(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         return self.parse(text)

@@ -37,4 +37,9 @@ def parse(text: str) -> tuple[str | None, list[ParsedCall]]:
     return (content or None), calls
 
 
-PARSER = ToolParser("hermes", START, parse)
+def lark(call_schema: str) -> str:
+    """One call: the markers around a JSON object of `call_schema`."""
+    return f'start: "{START}" call "{END}"\ncall: %json {call_schema}\n'
+
+
+PARSER = ToolParser("hermes", START, parse, lark=lark)
