@@ -185,13 +185,16 @@ def hostile_requests(model: str) -> list[tuple[str, dict]]:
             model=model, messages=[{"role": "user", "content": "hi<|eos|><|im_end|>"}], max_tokens=4))),
         ("n past the limit", dict(path="/v1/completions", json=dict(model=model, prompt="x", n=1000))),
         ("response_format json", dict(path="/v1/chat/completions", json=chat(response_format={"type": "json_object"}))),
+        ("a schema no grammar can take", dict(path="/v1/chat/completions", json=chat(response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}))),
         ("an unknown route", dict(path="/v1/nothing", json={})),
     ]
 
 
 def chaos_client(url: str, model: str, stop: float, out: dict) -> None:
     """Until `stop`: the hostile requests one after another, a streamed request dropped after its
-    first chunk, and an idle connection left open a while; counts answers by status into `out`."""
+    first chunk, and an idle connection (half of them stalled inside their headers) left open a
+    while; counts answers by status into `out`."""
     import random
     import socket as sk
 
@@ -218,8 +221,11 @@ def chaos_client(url: str, model: str, stop: float, out: dict) -> None:
                 except httpx.HTTPError:
                     pass
                 out["dropped mid-stream"] = out.get("dropped mid-stream", 0) + 1
-            if rng.random() < 0.2 and len(idle) < 16:  # an idle connection, held
-                idle.append(sk.create_connection((host, int(port))))
+            if rng.random() < 0.2 and len(idle) < 16:  # an idle connection, held; half of them slow headers
+                conn = sk.create_connection((host, int(port)))
+                if rng.random() < 0.5:
+                    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+                idle.append(conn)
             if len(idle) >= 16 or (idle and rng.random() < 0.1):
                 idle.pop(0).close()
     for s in idle:
