@@ -92,10 +92,9 @@ class SlotPool:
         """How many of `prompt`'s first tokens `slot`'s prefilled KV entries already hold, at most
         all but the last (a prefill of at least one token gives the first new token's logits)."""
         self._check_slot(slot)
-        held, n = self.held[slot][:self.exact[slot]], 0
-        for a, b in zip(held, prompt[:len(prompt) - 1]):
-            if a != b:
-                break
+        held, most = self.held[slot], min(self.exact[slot], len(prompt) - 1)
+        n = 0
+        while n < most and held[n] == prompt[n]:  # (no copies: the engine asks every free slot)
             n += 1
         return n
 

@@ -25,7 +25,7 @@ from .schemas import ApiError, ChatCompletionRequest, _Body, parse
 
 #: Anthropic's error type for an HTTP status
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 408: "request_too_large", 413: "request_too_large", 429: "rate_limit_error",
+               404: "not_found_error", 408: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
                500: "api_error", 503: "overloaded_error"}
 
 

@@ -327,12 +327,9 @@ class ServeApp:
         if evs is None:
             self.metrics.request(endpoint, CLIENT_GONE)
             return Response(status_code=CLIENT_GONE)
-        failed = next((ev for ev in evs if isinstance(ev, Failed)), None)
-        if failed is not None:
-            return self._error(endpoint, ApiError(500, f"generation failed: {failed.message}", type="server_error"))
-        if any(ev.reason == "cancelled" for ev in evs):
-            return self._error(endpoint, ApiError(503, "the server shut down before this request finished",
-                                                  type="server_error"))
+        errors = [e for e in map(_unfinished, evs) if e is not None]
+        if errors:  # a failure (500) before a shutdown (503)
+            return self._error(endpoint, min(errors, key=lambda e: e.status))
         self.metrics.request(endpoint, 200)
         completion = sum(ev.completion_tokens for ev in evs)
         usage = Usage(prompt_tokens=evs[0].prompt_tokens, completion_tokens=completion,
@@ -401,9 +398,8 @@ class ServeApp:
             self.metrics.request(endpoint, CLIENT_GONE)
             return Response(status_code=CLIENT_GONE)
         ev = evs[0]
-        if isinstance(ev, Failed) or ev.reason == "cancelled":
-            e = ApiError(500, f"generation failed: {ev.message}" if isinstance(ev, Failed)
-                         else "the server shut down before this request finished", type="server_error")
+        e = _unfinished(ev)
+        if e is not None:
             self.metrics.request(endpoint, e.status)
             return JSONResponse(anthropic.error_body(e), status_code=e.status)
         self.metrics.request(endpoint, 200)
@@ -418,8 +414,19 @@ class ServeApp:
         parsed call, the stop reason and the output tokens. A client that goes away cancels it."""
         sse = anthropic.sse
         held = ToolStream(self.tool_parser) if body.calls_tools() else None
-        blocks = 0  # content blocks opened so far
-        text_open, ended, sofar = False, False, ""
+        blocks = 0  # content blocks opened so far (the text block, where there is text, is block 0)
+        ended, sofar = False, ""
+
+        def text_events(text: str):
+            """The text block's delta of `text`, opening the block first where it is not open."""
+            nonlocal blocks
+            if not blocks:
+                blocks = 1
+                yield sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                                  "content_block": {"type": "text", "text": ""}})
+            yield sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                              "delta": {"type": "text_delta", "text": text}})
+
         try:
             yield sse("message_start", {"type": "message_start", "message": anthropic.message(
                 rid, self.model_name, [], None, None, len(req.prompt_ids), 0, 0)})
@@ -429,18 +436,13 @@ class ServeApp:
                     sofar += ev.text
                     text = held.push(sofar) if held is not None else ev.text
                     if text:
-                        if not text_open:
-                            yield sse("content_block_start", {"type": "content_block_start", "index": 0,
-                                                              "content_block": {"type": "text", "text": ""}})
-                            text_open, blocks = True, 1
-                        yield sse("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                          "delta": {"type": "text_delta", "text": text}})
+                        for out in text_events(text):
+                            yield out
                     continue
                 ended = True
-                if isinstance(ev, Failed) or ev.reason == "cancelled":
+                e = _unfinished(ev)
+                if e is not None:
                     self.engine.cancel(req)
-                    e = ApiError(500, f"generation failed: {ev.message}" if isinstance(ev, Failed)
-                                 else "the server shut down before this request finished", type="server_error")
                     self.metrics.request(endpoint, 500)
                     yield sse("error", anthropic.error_body(e))
                     return
@@ -449,14 +451,10 @@ class ServeApp:
                     rest, parsed = held.finish(ev.text)
                     calls = [c.openai() for c in parsed]
                     if rest:
-                        if not text_open:
-                            yield sse("content_block_start", {"type": "content_block_start", "index": 0,
-                                                              "content_block": {"type": "text", "text": ""}})
-                            text_open, blocks = True, 1
-                        yield sse("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                          "delta": {"type": "text_delta", "text": rest}})
+                        for out in text_events(rest):
+                            yield out
                     reason = "tool_calls" if calls else reason
-                if text_open:
+                if blocks:
                     yield sse("content_block_stop", {"type": "content_block_stop", "index": 0})
                 for c in calls:
                     block = anthropic.content_blocks(None, [c])[0]
@@ -540,14 +538,13 @@ class ServeApp:
                         yield chunk(i, text, None)
                     continue
                 finals[i] = ev
-                if isinstance(ev, Failed) or ev.reason == "cancelled":
+                e = _unfinished(ev)
+                if e is not None:
                     ended = True
-                    msg = (f"generation failed: {ev.message}" if isinstance(ev, Failed)
-                           else "the server shut down before this request finished")
                     for req in reqs:
                         self.engine.cancel(req)
                     self.metrics.request(endpoint, 500)
-                    yield _sse(ApiError(500, msg, type="server_error").body())
+                    yield _sse(ApiError(500, e.message, type="server_error").body())
                     yield "data: [DONE]\n\n"
                     return
                 if thinks[i] is not None:  # a tag's held-back part: flushed as what it was
@@ -645,6 +642,16 @@ class ServeApp:
 
     async def metrics_text(self, request: Request) -> Response:
         return Response(self.metrics.text(), media_type=self.metrics.content_type)
+
+
+def _unfinished(ev) -> ApiError | None:
+    """The error a sequence's final event answers with, where it did not finish: 500 when it
+    failed, 503 when the server shut down first; None when it finished."""
+    if isinstance(ev, Failed):
+        return ApiError(500, f"generation failed: {ev.message}", type="server_error")
+    if ev.reason == "cancelled":
+        return ApiError(503, "the server shut down before this request finished", type="server_error")
+    return None
 
 
 def _sse(obj: dict) -> str:

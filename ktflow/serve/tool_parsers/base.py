@@ -54,6 +54,27 @@ def object_of(text: str) -> dict | None:
     return obj if isinstance(obj, dict) else None
 
 
+def section_calls(text: str, begin: str, end: str, call_begin: str, call_end: str,
+                  one: Callable[[str], ParsedCall | None]) -> tuple[str | None, list[ParsedCall]]:
+    """A format whose calls sit in one section (`begin` ... `end`), each between `call_begin` and
+    `call_end`: (the content before the section, the calls `one` parses from each call's text);
+    all of `text` as content and no calls where the section is missing or a call does not parse.
+    A section or a call cut short (max_tokens) runs to the end of the text."""
+    at = text.find(begin)
+    if at < 0:
+        return text, []
+    calls = []
+    for piece in text[at + len(begin):].split(end, 1)[0].split(call_begin)[1:]:
+        parsed = one(piece.split(call_end, 1)[0])
+        if parsed is None:
+            return text, []
+        calls.append(parsed)
+    if not calls:
+        return text, []
+    content = text[:at].strip()
+    return (content or None), calls
+
+
 class ToolStream:
     """Streamed text with calls held back: `push(text)` gives what may be sent now (nothing from
     the parser's opening marker on, and not a trailing prefix of it); `finish(whole)` parses the

@@ -6,7 +6,7 @@ object. The text before the calls is the content. The markers are special tokens
 
 from __future__ import annotations
 
-from .base import ParsedCall, ToolParser, call, object_of
+from .base import ParsedCall, ToolParser, call, object_of, section_calls
 
 CALLS, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
@@ -32,20 +32,7 @@ def _one(body: str) -> ParsedCall | None:
 
 
 def parse(text: str) -> tuple[str | None, list[ParsedCall]]:
-    at = text.find(CALLS)
-    if at < 0:
-        return text, []
-    section = text[at + len(CALLS):].split(CALLS_END, 1)[0]
-    calls = []
-    for piece in section.split(CALL)[1:]:
-        parsed = _one(piece.split(CALL_END, 1)[0])
-        if parsed is None:
-            return text, []
-        calls.append(parsed)
-    if not calls:
-        return text, []
-    content = text[:at].strip()
-    return (content or None), calls
+    return section_calls(text, CALLS, CALLS_END, CALL, CALL_END, _one)
 
 
 PARSER = ToolParser("deepseek_v3", CALLS, parse, special=True)
