@@ -26,8 +26,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/ktflow demo
 
+# The suite in TEST_WORKERS processes (pytest-xdist), each test file on one of them (its module
+# fixtures made once); conftest.py gives each worker one OpenMP thread.
+TEST_WORKERS ?= 2
 test: $(STAMP) native-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The native tests (no Python) built with AddressSanitizer + UndefinedBehaviorSanitizer, each
 # file with the baseline flags (the ISA kernels name their instructions in a pragma), then run.

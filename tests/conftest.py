@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the workers (`make test` runs two) share the cores: one OpenMP thread each, set before torch
+    # loads (threads of two processes busy-waiting on the same cores slow both many times over);
+    # the subprocesses the tests start inherit it
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # the native pool in two groups (virtual on a one-node machine), so the NUMA split + reduce path
 # of the native operator runs in every test that uses it
 os.environ.setdefault("KTFLOW_NUMA_GROUPS", "2")
