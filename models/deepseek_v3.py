@@ -5,11 +5,14 @@ softmax mscale, interleaved rope pairs when `rope_interleave`). MoE from layer
 `first_k_dense_replace` on: sigmoid scores, `e_score_correction_bias` for the choice, groups
 ranked by the sum of their two best biased scores, `topk_group` groups kept, weights
 renormalised if `norm_topk_prob`, times `routed_scaling_factor`; shared experts of
-`n_shared_experts * moe_intermediate_size`. MTP layers (`model.layers.<num_hidden_layers>.*`)
-are not part of the graph and their tensors are ignored.
+`n_shared_experts * moe_intermediate_size`. The multi-token-prediction layer
+(`num_nextn_predict_layers`: 1, `model.layers.<num_hidden_layers>.*`) is a graph of its own
+(`build_mtp`, frontend/spec.py's `mtp`); the main graph reads none of its tensors.
 """
 
 from __future__ import annotations
+
+from pydantic import Field
 
 from ktflow.frontend.config import HFConfig, parse_config, resolve_rope, yarn_softmax_mscale
 from ktflow.ir.graph import Graph
@@ -32,6 +35,8 @@ class V3FfnConfig(HFConfig):
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
     attention_bias: bool = False
+    #: multi-token-prediction layers stored after the main ones (0 or 1: the releases have one)
+    num_nextn_predict_layers: int = Field(0, ge=0, le=1)
 
 
 class Config(V3FfnConfig):
@@ -75,11 +80,22 @@ def v3_ffn(cfg):
     return ffn
 
 
-def build(cfg: Config, act_dtype: DType) -> Graph:
+def _attention(cfg: Config):
     rope = resolve_rope(cfg, cfg.qk_rope_head_dim, "interleaved" if cfg.rope_interleave else "half")
     scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5 * yarn_softmax_mscale(cfg)
 
     def attention(b, i, x):
         return spec.mla_attention(b, f"L{i}.attn", x, cfg, i, rope=rope, softmax_scale=scale)
 
-    return spec.decoder(cfg, act_dtype, attention, v3_ffn(cfg))
+    return attention
+
+
+def build(cfg: Config, act_dtype: DType) -> Graph:
+    return spec.decoder(cfg, act_dtype, _attention(cfg), v3_ffn(cfg))
+
+
+def build_mtp(cfg: Config, act_dtype: DType, has) -> Graph | None:
+    """The MTP layer's graph (spec.mtp), or None where the config declares none."""
+    if not cfg.num_nextn_predict_layers:
+        return None
+    return spec.mtp(cfg, act_dtype, _attention(cfg), v3_ffn(cfg), has)

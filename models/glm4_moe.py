@@ -7,8 +7,8 @@ is 0.5, read from the top level of config.json or from `rope_parameters`). MoE f
 `first_k_dense_replace` on, routed as DeepSeek-V3: sigmoid scores, `e_score_correction_bias`
 for the choice, groups by the sum of their two best biased scores, weights renormalised if
 `norm_topk_prob`, times `routed_scaling_factor`; shared experts of `n_shared_experts *
-moe_intermediate_size`. The MTP layers (`model.layers.<num_hidden_layers>.*`) are not part of
-the graph and their tensors are ignored.
+moe_intermediate_size`. The multi-token-prediction layer (`num_nextn_predict_layers`: 1,
+`model.layers.<num_hidden_layers>.*`, DeepSeek-V3's layout) is a graph of its own (`build_mtp`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def config(raw: dict, where: str) -> Config:
     return cfg
 
 
-def build(cfg: Config, act_dtype: DType) -> Graph:
+def _attention(cfg: Config):
     hd = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
     rope = resolve_rope(cfg, int(hd * cfg.rotary_factor))
 
@@ -56,4 +56,15 @@ def build(cfg: Config, act_dtype: DType) -> Graph:
         return spec.gqa_attention(b, f"L{i}.attn", x, cfg, i, head_dim=hd, qkv_bias=cfg.attention_bias,
                                   o_bias=False, qk_norm=cfg.use_qk_norm, window=0, rope=rope)
 
-    return spec.decoder(cfg, act_dtype, attention, v3_ffn(cfg))
+    return attention
+
+
+def build(cfg: Config, act_dtype: DType) -> Graph:
+    return spec.decoder(cfg, act_dtype, _attention(cfg), v3_ffn(cfg))
+
+
+def build_mtp(cfg: Config, act_dtype: DType, has) -> Graph | None:
+    """The MTP layer's graph (spec.mtp), or None where the config declares none."""
+    if not cfg.num_nextn_predict_layers:
+        return None
+    return spec.mtp(cfg, act_dtype, _attention(cfg), v3_ffn(cfg), has)

@@ -34,6 +34,9 @@ class StepContext:
     segments: tuple[tuple[int, int, int], ...] | None = None
     #: which positions' logits the step computes: all, last (each sequence's last), none
     logits: str = "all"
+    #: a graph with a hidden-vector input (a multi-token-prediction layer's): the step's vectors,
+    #: [batch * seq, hidden], one a token
+    hidden: torch.Tensor | None = None
     #: values every layer of the step would compute alike (the rope rows at the position, the
     #: cache rows written, the mask of visible positions), made by the first rule that needs them
     #: and reused by the rest: in a captured graph their kernels run once per step, not per layer

@@ -6,7 +6,7 @@ around each instruction.
 Guarantees: instructions are handed over in plan order, each to `handlers[ins.kind]` (a kind
 without a handler is a KeyError naming it); after instruction i the values no later instruction
 reads (`plan.frees[i]`) are dropped from `values` unless `free=False` (a captured graph keeps every
-value alive).
+value alive) or they are named in `keep`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def nothing(i: int, ins: Instruction, values: dict) -> None:
 
 
 def run_instructions(plan: Plan, handlers: Mapping[str, Handler], values: dict[str, Any] | None = None, *,
-                     free: bool = True, watcher: Watcher | None = None) -> dict[str, Any]:
+                     free: bool = True, watcher: Watcher | None = None, keep: frozenset = frozenset()
+                     ) -> dict[str, Any]:
     """Hand every instruction of `plan` to its kind's handler in order; returns the values."""
     values = {} if values is None else values
     frees = plan.frees
@@ -44,5 +45,6 @@ def run_instructions(plan: Plan, handlers: Mapping[str, Handler], values: dict[s
             watcher.after(i, ins, values)
         if free:
             for name in frees[i]:
-                values.pop(name, None)
+                if name not in keep:
+                    values.pop(name, None)
     return values

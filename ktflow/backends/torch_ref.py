@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels import rope as rope_mod
-from ..errors import KtflowError, WeightError
+from ..errors import InputError, KtflowError, WeightError
 from ..ir.graph import Graph, Node
 from ..ir.ops import AttentionAttrs, GateAttrs, Op
 from ..ir.types import Device
@@ -210,7 +210,17 @@ def _sync(be, node, w, ins, ctx, dev):
 
 
 def _input(be, node, w, ins, ctx, dev):
+    if node.attrs.hidden:
+        if ctx.hidden is None or ctx.hidden.shape != (ctx.token_ids.numel(), node.attrs.hidden):
+            got = "none" if ctx.hidden is None else list(ctx.hidden.shape)
+            raise InputError(f"{node.name}: this graph reads {node.attrs.hidden}-wide hidden vectors, one a token "
+                              f"({ctx.token_ids.numel()}), and the step was given {got}")
+        return ctx.hidden.to(dev, be.dtype)
     return ctx.token_ids.to(dev)
+
+
+def _project(be, node, w, ins, ctx, dev):
+    return F.linear(torch.cat(ins, dim=-1), w["weight"])
 
 
 def _embed(be, node, w, ins, ctx, dev):
@@ -335,5 +345,5 @@ RULES: dict[Op, Callable] = {
     Op.INPUT: _input, Op.EMBED: _embed, Op.RMSNORM: _rmsnorm, Op.ATTENTION: attention, Op.GATE: _gate,
     Op.MLP: _mlp, Op.ROUTED_EXPERTS: _routed_experts, Op.ADD: _add, Op.LM_HEAD: _lm_head,
     Op.COPY: _copy, Op.SUBMIT: _submit, Op.SYNC: _sync, Op.REDUCE: _reduce, Op.DEFER: _reduce, Op.FETCH: _fetch,
-    Op.COLLECTIVE: _collective,
+    Op.COLLECTIVE: _collective, Op.PROJECT: _project,
 }

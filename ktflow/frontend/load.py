@@ -33,6 +33,9 @@ class Model:
     weights: WeightSource | None
     quant: QuantConfig | None = None  # config.json's quantization_config (an FP8 release)
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)  # generation_config.json
+    #: which graph of the checkpoint this is: "main" (the model), or "mtp" (its multi-token-prediction
+    #: layer: `mtp()`)
+    part: str = "main"
     _graphs: dict = field(default_factory=dict, repr=False)  # act dtype -> verified spec graph
 
     @property
@@ -41,7 +44,27 @@ class Model:
 
     @property
     def fingerprint(self) -> str:
-        return config_fingerprint(self.raw_config)
+        """The config's hash; the MTP part's is marked as its own (its plans and states are not the
+        main model's)."""
+        return config_fingerprint(self.raw_config) + ("" if self.part == "main" else f"-{self.part}")
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the config declares a multi-token-prediction layer this family builds."""
+        return hasattr(self.family, "build_mtp") and bool(getattr(self.config, "num_nextn_predict_layers", 0))
+
+    def mtp(self) -> "Model":
+        """The checkpoint's multi-token-prediction layer as a model of its own, to compile and run
+        beside this one (its graph: frontend/spec.py's `mtp`; its inputs: the next tokens and this
+        model's final normalised hidden states). A ConfigError where the checkpoint has none."""
+        if not self.has_mtp:
+            raise ConfigError(f"{self.path}: the config declares no multi-token-prediction layer "
+                              "(num_nextn_predict_layers is 0 or absent, or the family has none)")
+        m = replace(self, part="mtp", _graphs={})
+        g = m.graph()
+        if m.weights is not None:
+            m.weights.validate(g)
+        return m
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -52,7 +75,10 @@ class Model:
         """The spec graph with activations in `act_dtype` (default: the checkpoint's dtype)."""
         dt = act_dtype or self.config.weight_dtype
         if dt not in self._graphs:  # built once per dtype: load validates it, compile reuses it
-            g = self.family.build(self.config, dt)
+            if self.part == "mtp":
+                g = self.family.build_mtp(self.config, dt, lambda key: self.weights is None or key in self.weights)
+            else:
+                g = self.family.build(self.config, dt)
             if self.quant is not None:
                 g = g.map(self._stored_formats)
             verify(g, "spec")
@@ -71,7 +97,8 @@ class Model:
 
     def __repr__(self) -> str:
         w = "weights" if self.weights else "no weights"
-        return f"Model({self.model_type}, {self.path}, {self.config.num_hidden_layers} layers, {w})"
+        what = f"{self.config.num_hidden_layers} layers" if self.part == "main" else "its MTP layer"
+        return f"Model({self.model_type}, {self.path}, {what}, {w})"
 
 
 def read_config(path: str | os.PathLike) -> tuple[Path, dict]:

@@ -6,6 +6,10 @@ residual stream, lm_head, node names, checkpoint key names of the common parts) 
 
 Node names: tokens, embed, L<i>.attn_norm, L<i>.attn, L<i>.attn_res, L<i>.ffn_norm, then
 L<i>.mlp (dense) or L<i>.gate, L<i>.experts, L<i>.shared (MoE), L<i>.ffn_res, norm, lm_head.
+
+`mtp(...)` builds a family's multi-token-prediction layer (DeepSeek-V3, GLM-4.5) as a graph of its
+own: tokens, hidden (the main model's final normalised hidden state), embed, mtp.enorm,
+mtp.hnorm, mtp.proj, then layer L's nodes (L = num_hidden_layers), norm, lm_head.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Callable
 from .config import HFConfig
 from ..ir.graph import Graph, GraphBuilder
 from ..ir.ops import (AddAttrs, AttentionAttrs, EmbedAttrs, GateAttrs, InputAttrs, LMHeadAttrs, MLPAttrs, Op,
-    RMSNormAttrs, RoutedExpertsAttrs)
+    ProjectAttrs, RMSNormAttrs, RoutedExpertsAttrs)
 from ..ir.types import DType, WeightRef
 
 W = WeightRef
@@ -136,12 +140,50 @@ def decoder(cfg: HFConfig, act_dtype: DType, attention: AttnFn, ffn: FfnFn) -> G
     tokens = b.add("tokens", Op.INPUT, [], InputAttrs())
     x = b.add("embed", Op.EMBED, [tokens], EmbedAttrs(v, h), [W("weight", "model.embed_tokens.weight", (v, h))])
     for i in range(cfg.num_hidden_layers):
-        p = layer_prefix(i)
-        a = attention(b, i, norm(b, f"L{i}.attn_norm", x, h, eps, f"{p}.input_layernorm.weight"))
-        x = b.add(f"L{i}.attn_res", Op.ADD, [x, a], AddAttrs(i, "attn"))
-        parts = ffn(b, i, norm(b, f"L{i}.ffn_norm", x, h, eps, f"{p}.post_attention_layernorm.weight"))
-        x = b.add(f"L{i}.ffn_res", Op.ADD, [x, *parts], AddAttrs(i, "ffn"))
+        x = _layer(b, cfg, i, x, attention, ffn)
     x = norm(b, "norm", x, h, eps, "model.norm.weight")
-    head_key = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    out = b.add("lm_head", Op.LM_HEAD, [x], LMHeadAttrs(h, v), [W("weight", head_key, (v, h))])
+    out = b.add("lm_head", Op.LM_HEAD, [x], LMHeadAttrs(h, v), [W("weight", head_key(cfg), (v, h))])
+    return b.build([out])
+
+
+def head_key(cfg: HFConfig) -> str:
+    """The checkpoint key of the main model's output head."""
+    return "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+
+
+def _layer(b: GraphBuilder, cfg: HFConfig, i: int, x: str, attention: AttnFn, ffn: FfnFn) -> str:
+    """Decoder layer i over the residual stream `x` (pre-norm attention, then the feed-forward);
+    returns the stream after it."""
+    h, eps, p = cfg.hidden_size, cfg.rms_norm_eps, layer_prefix(i)
+    a = attention(b, i, norm(b, f"L{i}.attn_norm", x, h, eps, f"{p}.input_layernorm.weight"))
+    x = b.add(f"L{i}.attn_res", Op.ADD, [x, a], AddAttrs(i, "attn"))
+    parts = ffn(b, i, norm(b, f"L{i}.ffn_norm", x, h, eps, f"{p}.post_attention_layernorm.weight"))
+    return b.add(f"L{i}.ffn_res", Op.ADD, [x, *parts], AddAttrs(i, "ffn"))
+
+
+def mtp(cfg: HFConfig, act_dtype: DType, attention: AttnFn, ffn: FfnFn, has: Callable[[str], bool]) -> Graph:
+    """The multi-token-prediction layer L = num_hidden_layers as DeepSeek-V3 publishes it (GLM-4.5
+    shares the layout): at position i, from the main model's final normalised hidden state h_i
+    (the `hidden` input) and the next token t_{i+1} (the `tokens` input),
+    x = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]), then decoder layer L over x (its own KV
+    cache, router and experts), then shared_head.norm and the head: logits of token i + 2.
+
+    The embedding and head are the layer's own (`model.layers.L.embed_tokens`,
+    `.shared_head.head`) where the checkpoint stores them (`has(key)`), else the main model's,
+    which the published architecture shares."""
+    h, v, eps, i = cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps, cfg.num_hidden_layers
+    p = layer_prefix(i)
+    b = GraphBuilder(act_dtype)
+    tokens = b.add("tokens", Op.INPUT, [], InputAttrs())
+    hidden = b.add("hidden", Op.INPUT, [], InputAttrs(hidden=h))
+    embed_key = f"{p}.embed_tokens.weight" if has(f"{p}.embed_tokens.weight") else "model.embed_tokens.weight"
+    e = b.add("embed", Op.EMBED, [tokens], EmbedAttrs(v, h), [W("weight", embed_key, (v, h))])
+    en = norm(b, "mtp.enorm", e, h, eps, f"{p}.enorm.weight")
+    hn = norm(b, "mtp.hnorm", hidden, h, eps, f"{p}.hnorm.weight")
+    x = b.add("mtp.proj", Op.PROJECT, [en, hn], ProjectAttrs((h, h), h), [W("weight", f"{p}.eh_proj.weight", (h, 2 * h))])
+    x = _layer(b, cfg, i, x, attention, ffn)
+    x = norm(b, "norm", x, h, eps, f"{p}.shared_head.norm.weight")
+    own_head = f"{p}.shared_head.head.weight"
+    out = b.add("lm_head", Op.LM_HEAD, [x], LMHeadAttrs(h, v),
+                [W("weight", own_head if has(own_head) else head_key(cfg), (v, h))])
     return b.build([out])

@@ -33,6 +33,8 @@ class Op(str, Enum):
     FETCH = "fetch"
     # several GPUs
     COLLECTIVE = "collective"
+    # a linear map of its inputs concatenated (the MTP layer's eh_proj)
+    PROJECT = "project"
 
 
 # ---------------------------------------------------------------------------------------- attrs
@@ -40,7 +42,19 @@ class Op(str, Enum):
 
 @dataclass(frozen=True)
 class InputAttrs:
-    """The step's token ids, flattened over batch and sequence."""
+    """The step's token ids, flattened over batch and sequence; with `hidden` > 0, the step's
+    hidden vectors instead ([tokens, hidden] in the activation dtype: what a multi-token-prediction
+    graph reads of the main model, its final normalised hidden state at each position)."""
+
+    hidden: int = 0
+
+
+@dataclass(frozen=True)
+class ProjectAttrs:
+    """out = W . concat(inputs) with W [out, sum(parts)]: input i holds `parts[i]` features."""
+
+    parts: tuple[int, ...]
+    out: int
 
 
 @dataclass(frozen=True)
@@ -455,8 +469,8 @@ def _experts_flops(a: RoutedExpertsAttrs, w: Work) -> float:
 
 
 FACTS: dict[Op, OpFacts] = {
-    Op.INPUT: OpFacts(InputAttrs, (0, 0), lambda a, ins, act: TensorType((TOKENS,), DType.I64),
-                      lambda a, w: 0.0),
+    Op.INPUT: OpFacts(InputAttrs, (0, 0), lambda a, ins, act: TensorType((TOKENS, a.hidden), act) if a.hidden
+                      else TensorType((TOKENS,), DType.I64), lambda a, w: 0.0),
     Op.EMBED: OpFacts(EmbedAttrs, (1, 1), _hidden, lambda a, w: 0.0,
                       weight_fraction=lambda a, w: min(1.0, w.tokens / a.vocab)),
     Op.RMSNORM: OpFacts(RMSNormAttrs, (1, 1), _same_as_first, lambda a, w: 4.0 * w.tokens * a.dim),
@@ -482,6 +496,8 @@ FACTS: dict[Op, OpFacts] = {
                       lambda a, w: 0.0, held_fraction=lambda a: len(a.subset) / a.experts, pricing="fetch"),
     Op.COLLECTIVE: OpFacts(CollectiveAttrs, (0, 16), _hidden, lambda a, w: float(w.tokens * a.hidden),
                            pricing="collective"),
+    Op.PROJECT: OpFacts(ProjectAttrs, (1, 8), lambda a, ins, act: TensorType((TOKENS, a.out), act),
+                        lambda a, w: 2.0 * w.tokens * sum(a.parts) * a.out),
 }
 
 

@@ -92,6 +92,10 @@ def _r5_input_types(g: Graph):
             yield n.name, f"first input must be [T,{width}] float, got {x}"
         if n.op == Op.ADD and any(t != x for t in ins[1:]):
             yield n.name, "add inputs differ in type: " + ", ".join(map(str, ins))
+        if n.op == Op.PROJECT and (len(ins) != len(n.attrs.parts) or any(
+                t.shape != (TOKENS, w) or t.dtype not in FLOAT_DTYPES for t, w in zip(ins, n.attrs.parts))):
+            yield n.name, f"project takes [T,{'], [T,'.join(map(str, n.attrs.parts))}] floats, got " + \
+                ", ".join(map(str, ins))
 
 
 def _r6_outputs(g: Graph):
@@ -105,8 +109,11 @@ def _r6_outputs(g: Graph):
         yield None, f"expected exactly one lm_head, found {len(heads)}"
     elif heads[0] not in g.outputs:
         yield heads[0], "lm_head is not a graph output"
-    if sum(1 for n in g.nodes if n.op == Op.INPUT) != 1:
-        yield None, "expected exactly one input node"
+    inputs = [n for n in g.nodes if n.op == Op.INPUT]
+    if sum(1 for n in inputs if not n.attrs.hidden) != 1:
+        yield None, "expected exactly one input node of token ids"
+    if sum(1 for n in inputs if n.attrs.hidden) > 1:
+        yield None, "expected at most one input node of hidden vectors"
 
 
 def _r7_no_dead_nodes(g: Graph):
@@ -375,7 +382,7 @@ def _l3_host_experts_recorded(g: Graph):
 def _l4_host_tasks_read_token_ids(g: Graph):
     for n in g.nodes:
         if n.op == Op.SUBMIT and n.attrs.on_host:
-            other = [i for i in n.inputs if i not in g or g.by_name(i).op != Op.INPUT]
+            other = [i for i in n.inputs if i not in g or g.by_name(i).op != Op.INPUT or g.by_name(i).attrs.hidden]
             if other or not n.inputs:
                 yield n.name, f"a task on the host reads the token ids alone, but this one reads {other or 'nothing'}"
             native = [m for m in n.attrs.members if m in g and g.by_name(m).op in (Op.ROUTED_EXPERTS, Op.REDUCE)]
@@ -534,7 +541,7 @@ RULES: dict[str, Rule] = {r.id: r for r in [
     Rule("V3", "spec", "input count and attrs class match the op", _r3_arity),
     Rule("V4", "spec", "output types follow the shape rules", _r4_shapes),
     Rule("V5", "spec", "input types fit the op", _r5_input_types),
-    Rule("V6", "spec", "one input, one lm_head, outputs exist", _r6_outputs),
+    Rule("V6", "spec", "one token input (and at most one hidden input), one lm_head, outputs exist", _r6_outputs),
     Rule("V7", "spec", "every node feeds an output", _r7_no_dead_nodes),
     Rule("V8", "spec", "weight references are well formed", _r8_weights),
     Rule("V9", "spec", "one attention (KV cache) per layer", _r9_one_attention_per_layer),

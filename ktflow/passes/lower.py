@@ -100,7 +100,7 @@ def lower(g: Graph, ctx: CompileContext) -> Graph:
 def _on_host(g: Graph, members: list[str], ext: tuple[str, ...]) -> bool:
     """Whether a task is one the host computes before the step: it reads the token ids alone
     and none of its members is routed experts or their reduce (those run on the native pool)."""
-    return bool(ext) and all(g.by_name(i).op == Op.INPUT for i in ext) and \
+    return bool(ext) and all(g.by_name(i).op == Op.INPUT and not g.by_name(i).attrs.hidden for i in ext) and \
         not any(g.by_name(m).op in (Op.ROUTED_EXPERTS, Op.REDUCE) for m in members)
 
 

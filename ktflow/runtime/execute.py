@@ -68,7 +68,7 @@ def start_sampling(compiled, state: State, params: SamplingParams | Sequence[Sam
 
 @torch.inference_mode()
 def execute(compiled, input_ids: torch.Tensor, state: State | None = None, *,
-            logits: str = "all") -> tuple[torch.Tensor, State]:
+            logits: str = "all", hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
     """Run `input_ids` [batch, tokens] (int64 or int32, on the CPU or a GPU). With state=None:
     prefill from position 0; with a state: continue those sequences (one token = a decode step).
     Returns (logits float32 on the device of input_ids, state): [batch, tokens, vocab], or with
@@ -76,7 +76,11 @@ def execute(compiled, input_ids: torch.Tensor, state: State | None = None, *,
     (int64, on the device of input_ids): logits='argmax' the greedy ones, logits='sample' those
     the state's sampler selects (`start_sampling`). A CUDA-graph decode step selects them on the
     GPU inside its graph, and only the ids reach the host. A prompt longer than the largest
-    prefill bucket runs as chunks of it."""
+    prefill bucket runs as chunks of it.
+
+    `hidden` [batch, tokens, width]: the hidden vectors of a model that reads them, one a token
+    (a multi-token-prediction layer, `Model.mtp()`: the main model's final normalised hidden
+    states, `hidden_states`); required there, refused elsewhere."""
     if logits not in LOGITS:
         raise InputError(f"logits={logits!r}: ask for 'all' (every position), 'last' (the last position's), "
                          "'argmax' (the greedy next token ids) or 'sample' (the ids the state's sampler selects)")
@@ -84,17 +88,39 @@ def execute(compiled, input_ids: torch.Tensor, state: State | None = None, *,
         raise InputError("logits='sample' selects by the state's sampling parameters: start them with "
                          "ktflow.runtime.execute.start_sampling(compiled, state, params) (generate does)")
     ids = check_ids(compiled, input_ids, state)
+    hidden = check_hidden(compiled, ids, hidden)
     if state is None:
         state = State(compiled.plans.model.fingerprint, ids.shape[0], compiled.max_seq_len)
     b, s = ids.shape
     if s == 1 and state.position > 0:
-        out = compiled.executor(compiled.decode).run(ids, state, logits=logits)
+        out = compiled.executor(compiled.decode).run(ids, state, logits=logits, hidden=hidden)
         return out.to(input_ids.device), state
     if logits == "sample":
-        out, state = prefill(compiled, ids, state, "last")
+        out, state = prefill(compiled, ids, state, "last", hidden=hidden)
         chosen = require_finite(state.sampler.select(out[:, -1].to(state.sampler.device)), "the prompt's last position")
         return chosen.view(b, 1).to(input_ids.device), state
-    return prefill(compiled, ids, state, logits, input_ids.device)
+    return prefill(compiled, ids, state, logits, input_ids.device, hidden)
+
+
+def check_hidden(compiled, ids: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor | None:
+    """`hidden` as the compiled model reads it ([batch, tokens, width] floats, one vector a token of
+    `ids`), None for a model without a hidden input, or an InputError saying what does not fit."""
+    from ..ir.ops import Op
+
+    width = next((n.attrs.hidden for n in compiled.decode.ir.nodes if n.op == Op.INPUT and n.attrs.hidden), 0)
+    if not width:
+        if hidden is not None:
+            raise InputError("hidden= is for a model that reads hidden vectors (a multi-token-prediction layer, "
+                             "Model.mtp()); this one reads token ids only")
+        return None
+    if hidden is None:
+        raise InputError(f"this model (a multi-token-prediction layer) reads the main model's hidden states beside "
+                         f"the token ids: pass hidden= [batch, tokens, {width}]")
+    want = (*ids.shape, width)
+    if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or tuple(hidden.shape) != want:
+        got = list(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise InputError(f"hidden must be a float tensor {list(want)} (one {width}-wide vector a token), got {got}")
+    return hidden
 
 
 @torch.inference_mode()
@@ -129,21 +155,27 @@ def decode_greedy(compiled, input_ids: torch.Tensor, state: State, steps: int) -
     return decode_tokens(compiled, input_ids, state, steps, sampled=False)
 
 
-def prefill(compiled, ids: torch.Tensor, state: State, logits: str, device=None) -> tuple[torch.Tensor, State]:
+def prefill(compiled, ids: torch.Tensor, state: State, logits: str, device=None,
+            hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
     """Run the prompt `ids` [batch, tokens] (checked) through prefill plans, from state.position,
     in chunks of the largest prefill bucket (even a one-token chunk past position 0 runs a
     prefill plan); returns the logits `execute` describes (None for logits='none'), on `device`
     (default: where they are), and the state."""
     b, s = ids.shape
     rows = max(1, compiled.chunk_tokens // b)
-    pieces = []
+    pieces, hiddens = [], []
     for lo in range(0, s, rows):
         part = ids[:, lo:lo + rows]
         final = lo + rows >= s
         want = logits if final else ("all" if logits == "all" else "none")  # argmax: the final chunk's
-        out = compiled.executor(compiled.prefill_plan(part.numel())).run(part, state, logits=want)
+        out = compiled.executor(compiled.prefill_plan(part.numel())).run(
+            part, state, logits=want, hidden=None if hidden is None else hidden[:, lo:lo + rows])
         if out is not None:
             pieces.append(out if device is None else out.to(device))
+        if state.keep_hidden:
+            hiddens.append(state.hidden_out)
+    if len(hiddens) > 1:
+        state.hidden_out = torch.cat(hiddens, dim=1)
     if not pieces:  # logits='none'
         return None, state
     if logits == "argmax":

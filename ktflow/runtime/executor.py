@@ -129,10 +129,11 @@ class Executor:
 
     def run(self, input_ids: torch.Tensor, state: State, position_t: torch.Tensor | None = None,
             logits: str = "all", positions: torch.Tensor | None = None,
-            segments: tuple[tuple[int, int, int], ...] | None = None) -> torch.Tensor | None:
+            segments: tuple[tuple[int, int, int], ...] | None = None,
+            hidden: torch.Tensor | None = None) -> torch.Tensor | None:
         """One step (`_run`), then the `after_run` hooks; selected ids (logits 'argmax' or
         'sample') are checked: a row whose logits were not finite is a NumericError."""
-        out = self._run(input_ids, state, position_t, logits, positions, segments)
+        out = self._run(input_ids, state, position_t, logits, positions, segments, hidden)
         self._finished(input_ids.numel())
         if logits in ("argmax", "sample"):
             require_finite(out, f"the {self.plan.phase} step")
@@ -140,7 +141,8 @@ class Executor:
 
     def _run(self, input_ids: torch.Tensor, state: State, position_t: torch.Tensor | None = None,
              logits: str = "all", positions: torch.Tensor | None = None,
-             segments: tuple[tuple[int, int, int], ...] | None = None) -> torch.Tensor | None:
+             segments: tuple[tuple[int, int, int], ...] | None = None,
+             hidden: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run one step over input_ids [batch, seq] from state.position; returns logits [batch, seq,
         vocab], with logits='last' [batch, 1, vocab] (the last position's), with 'argmax' the last
         position's greedy next ids [batch, 1] (int64; on the device where the runner can), with
@@ -159,7 +161,18 @@ class Executor:
         With `segments` (a packed prefill step: input_ids [1, T] holding several sequences' prompt
         chunks one after another, each (row of `state`'s caches, its first position, its token
         count)), each segment continues its own row; logits='last' gives [segments, 1, vocab],
-        each segment's last position; state.position is left alone as with `positions`."""
+        each segment's last position; state.position is left alone as with `positions`.
+
+        With `hidden` ([batch, seq, width]): the hidden vectors of a graph that reads them (a
+        multi-token-prediction layer's), one a token; run eagerly, one instruction at a time."""
+        if hidden is not None:
+            if self.runner is not None:
+                from ..errors import ConfigError
+
+                raise ConfigError(f"the {self.backend.name} backend runs this {self.plan.phase} plan as a whole and "
+                                  "takes no hidden vectors yet: compile the multi-token-prediction layer with "
+                                  "backend='native' or 'torch_ref'")
+            hidden = hidden.reshape(-1, hidden.shape[-1])
         if positions is not None:
             _check_ragged(self.attention_layers, input_ids, state, positions)
         if segments is not None:
@@ -167,12 +180,17 @@ class Executor:
         extra = {k: v for k, v in (("positions", positions), ("segments", segments)) if v is not None}
         on_device = {"argmax": "argmax_on_device", "sample": "selects_on_device"}.get(logits)
         if on_device and not (self.runner is not None and position_t is None and getattr(self.runner, on_device, False)):
-            out = self._run(input_ids, state, position_t, "last", **extra)  # the last position's logits, then the ids
+            out = self._run(input_ids, state, position_t, "last", hidden=hidden, **extra)  # the last logits, then the ids
             if out is None or logits == "argmax":
                 return None if out is None else mark_nonfinite(out[:, -1], out[:, -1].argmax(-1)).view(-1, 1)
             return state.sampler.select(out[:, -1].to(state.sampler.device)).view(-1, 1)
         tracing = self.trace > 0
         self.trace = max(self.trace - 1, 0)
+        if self.runner is not None and position_t is None and state.keep_hidden:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"the {self.backend.name} backend runs this {self.plan.phase} plan as a whole and keeps "
+                              "no hidden states yet (state.keep_hidden): compile with backend='native' or 'torch_ref'")
         if self.runner is not None and position_t is None:
             self._hand_recorder()
             if tracing:
@@ -186,7 +204,7 @@ class Executor:
         b, s = input_ids.shape
         ctx = StepContext(batch=b, seq=s, position=0 if extra else state.position, state=state,
                           token_ids=input_ids.reshape(-1), position_t=position_t, logits=logits, positions=positions,
-                          segments=segments)
+                          segments=segments, hidden=hidden)
         # every node's instruction goes to the backend (a copy moves the value, submit is a no-op,
         # sync passes the task's value); instructions run one after another on this thread, so
         # record/wait have nothing to order
@@ -194,11 +212,15 @@ class Executor:
         handlers = {**dict.fromkeys(("launch", "copy", "fetch", "submit", "sync"), launch),
                     "record": nothing, "wait": nothing}
         watcher = _EagerWatcher(self, ctx, tracing) if tracing or self.check_finite else None
-        values = run_instructions(self.plan, handlers, watcher=watcher)
+        head = next(n for n in self.graph.nodes if n.op == Op.LM_HEAD) if state.keep_hidden else None
+        values = run_instructions(self.plan, handlers, watcher=watcher,
+                                  keep=frozenset(head.inputs[:1]) if head is not None else frozenset())
         if tracing:
             self.measured = watcher.timed
         if not extra:
             state.position += s
+        if head is not None:
+            state.hidden_out = values[head.inputs[0]].reshape(b, s, -1)
         out = values[self.graph.outputs[0]]
         return None if out is None else step_output(out, b, s, logits, segments)
 

@@ -30,10 +30,11 @@ class Matcher:
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` [vocab] (host) with the tokens the grammar does not allow next set to MASKED."""
-        allowed = np.frombuffer(self.m.compute_logit_bias(), dtype=np.uint8)[:self.vocab] > 0
-        keep = torch.zeros(logits.shape[-1], dtype=torch.bool)
-        keep[:len(allowed)] = torch.from_numpy(allowed.copy())
-        return logits.masked_fill(~keep, MASKED)
+        bits = np.frombuffer(self.m.compute_bitmask(), dtype=np.uint8)  # token i: bit i % 8 of byte i // 8
+        banned = np.ones(logits.shape[-1], dtype=bool)
+        n = min(self.vocab, logits.shape[-1])
+        banned[:n] = np.unpackbits(bits, bitorder="little")[:n] == 0
+        return logits.masked_fill(torch.from_numpy(banned), MASKED)
 
     def advance(self, token: int) -> None:
         """Take the selected token; a ValueError where the grammar is in error."""

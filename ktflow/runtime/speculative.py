@@ -1,0 +1,92 @@
+"""Greedy speculative decoding with a checkpoint's multi-token-prediction (MTP) layer: one draft
+token a step, verified exactly by the main model.
+
+The loop keeps one invariant: the main model's state and the MTP's state have both reached
+position p, and `pending` is the token at position p (selected, not yet run). A step:
+
+1. verify: the main model runs [pending, draft] at positions p, p + 1 (a two-token prefill step
+   over its state) and selects y0 (the token at p + 1) and y1 (the token at p + 2 were the draft
+   right), keeping its final hidden states h_p, h_{p+1};
+2. accept the draft where it equals y0: the step yields y0 and y1; else it yields y0 alone and the
+   main state goes back to position p + 1 (the draft's KV entry is overwritten later);
+3. draft: the MTP runs (h_p, y0), and on acceptance (h_{p+1}, y1), over its state; its last
+   position's argmax is the next draft.
+
+Every yielded token is the main model's argmax given the tokens before it, so the output is plain
+greedy decoding's wherever the two-token verification step and a one-token decode step give the
+same argmax (float rounding of different step shapes can flip a near tie, as in any speculative
+decoder). Runs eagerly (the backends that run a plan as a whole keep no hidden states yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError
+from .execute import execute
+from .state import State
+
+
+@dataclass
+class SpeculativeStats:
+    """What a speculative run did: verification steps, drafts accepted, tokens yielded."""
+
+    steps: int = 0
+    accepted: int = 0
+    tokens: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+
+@torch.inference_mode()
+def speculative_greedy(main, mtp, prompt: list[int], max_new_tokens: int, eos_ids=()) -> tuple[list[int], SpeculativeStats]:
+    """Up to `max_new_tokens` greedy tokens after `prompt` (ids), drafting with `mtp` (the compiled
+    `Model.mtp()` of the same checkpoint) and verifying with `main` (its compiled main model);
+    ends after the first token in `eos_ids`. Returns the tokens and the run's stats."""
+    if mtp.plans.model.fingerprint != main.plans.model.fingerprint + "-mtp":
+        raise InputError("the draft is not this model's multi-token-prediction layer: compile model.mtp() of the "
+                         "same checkpoint")
+    if not prompt or max_new_tokens < 1:
+        raise InputError("speculative decoding needs a prompt of at least one token and max_new_tokens >= 1")
+    if len(prompt) + max_new_tokens + 1 > min(main.max_seq_len, mtp.max_seq_len):
+        raise InputError(f"{len(prompt)} prompt tokens and {max_new_tokens} new ones (and one draft) pass max_seq_len "
+                         f"{min(main.max_seq_len, mtp.max_seq_len)}; compile both with a larger max_seq_len")
+    eos = frozenset(eos_ids)
+    stats = SpeculativeStats()
+    ids = torch.tensor([prompt])
+    state = State(main.plans.model.fingerprint, 1, main.max_seq_len, keep_hidden=True)
+    logits, state = execute(main, ids, state, logits="last")
+    pending = int(logits[0, -1].argmax())
+    out = [pending]
+    # the MTP over the prompt: position i pairs h_i with token i + 1 (the last with `pending`)
+    mids = torch.tensor([prompt[1:] + [pending]])
+    mlogits, mstate = execute(mtp, mids, None, logits="last", hidden=state.hidden_out)
+    draft = int(mlogits[0, -1].argmax())
+    while len(out) < max_new_tokens and pending not in eos:
+        p = state.position
+        logits, state = execute(main, torch.tensor([[pending, draft]]), state, logits="all")
+        h = state.hidden_out
+        y0, y1 = (int(t) for t in logits[0].argmax(-1))
+        stats.steps += 1
+        if y0 == draft and y0 not in eos and len(out) + 1 < max_new_tokens:
+            stats.accepted += 1
+            new, pairs = [y0, y1], h
+        else:
+            state.position = p + 1  # the draft's entry is dropped
+            new, pairs = [y0], h[:, :1]
+        out += new
+        pending = new[-1]
+        mlogits, mstate = execute(mtp, torch.tensor([new]), mstate, logits="last", hidden=pairs)
+        draft = int(mlogits[0, -1].argmax())
+    if any(t in eos for t in out):
+        out = out[:next(i for i, t in enumerate(out) if t in eos) + 1]
+    stats.tokens = len(out)
+    return out[:max_new_tokens], stats

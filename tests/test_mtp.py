@@ -1,0 +1,201 @@
+"""The multi-token-prediction (MTP) layer of DeepSeek-V3 and GLM-4.5 as a graph of its own
+(`Model.mtp()`): its logits against the reference written from the published architecture
+(hf_mtp.py) on tiny checkpoints that carry one, through a prefill and decode steps, on the
+reference and the native backends; the checkpoint's own embedding and head read where it stores
+them; the main model reads none of the MTP's tensors; bad inputs are refused naming what is wrong.
+"""
+
+import pytest
+import torch
+
+import hf_mtp
+import ktflow
+from ktflow.errors import ConfigError, InputError
+from ktflow.ir.ops import Op
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def mtp_dirs(tmp_path_factory):
+    pytest.importorskip("transformers")
+    made = {}
+
+    def get(case: str, own: bool = True):
+        if (case, own) not in made:
+            d = tmp_path_factory.mktemp(f"{case}-mtp")
+            made[case, own] = (d, *hf_mtp.make_mtp(case, d, own_embed_and_head=own))
+        return made[case, own]
+
+    return get
+
+
+def mtp_logits(model, ids: torch.Tensor, decode: int, backend: str = "torch_ref", dtype: str = "float32"):
+    """The MTP's logits for ids [T] through ktflow: the main model's hidden states of the prompt
+    ids[:T - decode] then one token at a time (state.keep_hidden), the MTP run over them the same
+    way (a prefill, then decode steps), each position i paired with token i + 1."""
+    main = ktflow.compile(model, hw="cpu", max_seq_len=64, dtype=dtype, backend=backend)
+    mtp = ktflow.compile(model.mtp(), hw="cpu", max_seq_len=64, dtype=dtype, backend=backend)
+    t = ids.numel()
+    prompt = t - decode
+    state = ktflow.runtime.state.State(main.plans.model.fingerprint, 1, main.max_seq_len, keep_hidden=True)
+    _, state = ktflow.execute(main, ids[:prompt].view(1, -1), state)
+    hidden = [state.hidden_out]
+    for i in range(prompt, t):
+        _, state = ktflow.execute(main, ids[i:i + 1].view(1, 1), state)
+        hidden.append(state.hidden_out)
+    hidden = torch.cat(hidden, dim=1)  # [1, T, h]: position i's final hidden state
+    # the MTP: position i reads hidden i and token i + 1 (positions 0 .. T - 2)
+    got, mstate = ktflow.execute(mtp, ids[1:prompt].view(1, -1), hidden=hidden[:, :prompt - 1])
+    rows = [got[0]]
+    for i in range(prompt - 1, t - 1):
+        logits, mstate = ktflow.execute(mtp, ids[i + 1:i + 2].view(1, 1), mstate, hidden=hidden[:, i:i + 1])
+        rows.append(logits[0])
+    return torch.cat(rows).float()
+
+
+def assert_close(ref, got, tol=TOL):
+    assert ref.shape == got.shape, (ref.shape, got.shape)
+    err, scale = (ref - got).abs().max().item(), ref.abs().max().item()
+    assert err <= tol * scale, f"max |diff| {err:.3e} > {tol} * max|logit| {scale:.3e}"
+
+
+@pytest.mark.parametrize("case,own", [("deepseek_v3", True), ("glm4_moe", False), ("deepseek_v3_plain_q_yarn", False)])
+def test_mtp_logits_match_the_reference(case, own, mtp_dirs):
+    d, main, mtp = mtp_dirs(case, own)
+    model = ktflow.load(d)
+    ids = torch.randint(0, model.config.vocab_size, (14,), generator=torch.Generator().manual_seed(5))
+    ref = hf_mtp.mtp_logits(main, mtp, ids)
+    assert_close(ref, mtp_logits(model, ids, decode=4))
+
+
+def test_the_native_backend_computes_the_same(mtp_dirs):
+    from ktflow.backends.native import binding as native
+
+    if not native.available():
+        pytest.skip("the native module is not built")
+    d, main, mtp = mtp_dirs("deepseek_v3", True)
+    model = ktflow.load(d)
+    ids = torch.randint(0, model.config.vocab_size, (10,), generator=torch.Generator().manual_seed(6))
+    ref = hf_mtp.mtp_logits(main, mtp, ids)
+    got = mtp_logits(model, ids, decode=2, backend="native", dtype="bfloat16")
+    assert (ref.argmax(-1) == got.argmax(-1)).float().mean() >= 0.75  # bf16 against float32
+    assert_close(ref, got, tol=5e-2)
+
+
+def test_the_layers_own_embedding_and_head_are_read_where_stored(mtp_dirs):
+    d, _, _ = mtp_dirs("deepseek_v3", True)
+    g = ktflow.load(d).mtp().graph()
+    keys = {w.key for n in g.nodes for w in n.weights}
+    assert "model.layers.3.embed_tokens.weight" in keys and "model.layers.3.shared_head.head.weight" in keys
+    d, _, _ = mtp_dirs("glm4_moe", False)
+    g = ktflow.load(d).mtp().graph()
+    keys = {w.key for n in g.nodes for w in n.weights}
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" in keys
+    proj = [n for n in g.nodes if n.op == Op.PROJECT]
+    assert len(proj) == 1 and proj[0].weights[0].key == "model.layers.3.eh_proj.weight"
+    hidden = [n for n in g.nodes if n.op == Op.INPUT and n.attrs.hidden]
+    assert len(hidden) == 1 and hidden[0].attrs.hidden == 64
+
+
+def test_the_main_graph_reads_no_mtp_tensor(mtp_dirs):
+    d, _, _ = mtp_dirs("deepseek_v3", True)
+    model = ktflow.load(d)
+    assert model.has_mtp and model.mtp().fingerprint != model.fingerprint
+    keys = {w.key for n in model.graph().nodes for w in n.weights}
+    assert not any(k.startswith("model.layers.3.") for k in keys)
+
+
+def test_full_size_configs_compile_their_mtp_layer():
+    """DeepSeek-V3's and GLM-4.5's published configs (no weights): the MTP graph compiles, its one
+    MoE layer placed as the main model's are (experts on the CPU of a 24 GB card)."""
+    for cfg in ("tests/data/deepseek-v3-config", "tests/data/glm-4.5-config"):
+        model = ktflow.load(cfg)
+        c = ktflow.compile(model.mtp(), hw="rtx4090-desktop", max_seq_len=4096, allow_oversize=True)
+        experts = [n for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS]
+        assert experts and all(n.attrs.layer == model.config.num_hidden_layers for n in experts)
+        assert "mtp.proj" in c.decode.as_text()
+
+
+def test_bad_inputs_are_refused_naming_what_is_wrong(mtp_dirs, demo_dir):
+    d, _, _ = mtp_dirs("deepseek_v3", True)
+    model = ktflow.load(d)
+    mtp = ktflow.compile(model.mtp(), hw="cpu", max_seq_len=32, dtype="float32")
+    main = ktflow.compile(model, hw="cpu", max_seq_len=32, dtype="float32")
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(InputError, match="hidden="):
+        ktflow.execute(mtp, ids)
+    with pytest.raises(InputError, match=r"\[1, 3, 64\]"):
+        ktflow.execute(mtp, ids, hidden=torch.zeros(1, 2, 64))
+    with pytest.raises(InputError, match="reads token ids only"):
+        ktflow.execute(main, ids, hidden=torch.zeros(1, 3, 64))
+    with pytest.raises(ConfigError, match="no multi-token-prediction layer"):
+        ktflow.load(demo_dir).mtp()
+
+
+@pytest.fixture(scope="module")
+def v3_pair(mtp_dirs):
+    d, _, _ = mtp_dirs("deepseek_v3", True)
+    model = ktflow.load(d)
+    main = ktflow.compile(model, hw="cpu", max_seq_len=64, dtype="float32")
+    mtp = ktflow.compile(model.mtp(), hw="cpu", max_seq_len=64, dtype="float32")
+    return model, main, mtp
+
+
+def plain_greedy(main, prompt: list[int], n: int) -> list[int]:
+    return ktflow.generate(main, torch.tensor([prompt]), n, eos_token_id=None)[0, len(prompt):].tolist()
+
+
+def test_speculative_greedy_gives_plain_greedys_tokens(v3_pair):
+    from ktflow.runtime.speculative import speculative_greedy
+
+    model, main, mtp = v3_pair
+    prompt = torch.randint(0, model.config.vocab_size, (9,), generator=torch.Generator().manual_seed(7)).tolist()
+    want = plain_greedy(main, prompt, 20)
+    got, stats = speculative_greedy(main, mtp, prompt, 20)
+    assert got == want and stats.tokens == 20 and stats.steps >= 10
+
+
+@pytest.mark.parametrize("right", [1.0, 0.5, 0.0])
+def test_accepted_and_rejected_drafts_keep_the_tokens_exact(v3_pair, monkeypatch, right):
+    """Drafts forced right (the greedy answer) or wrong, every time or every other step: the
+    tokens are plain greedy's, each accepted draft saves a step, and a rejected one's KV entry is
+    dropped (the next steps would differ otherwise)."""
+    import ktflow.runtime.speculative as spec
+
+    model, main, mtp = v3_pair
+    prompt = torch.randint(0, model.config.vocab_size, (7,), generator=torch.Generator().manual_seed(8)).tolist()
+    want = plain_greedy(main, prompt, 25)
+    seq = prompt + want
+    real = spec.execute
+    calls = {"n": 0}
+
+    def forced(compiled, ids, state=None, **kw):
+        logits, state = real(compiled, ids, state, **kw)
+        if compiled is mtp:  # the draft for the position after the MTP state's end
+            calls["n"] += 1
+            good = right == 1.0 or (right == 0.5 and calls["n"] % 2 == 0)
+            nxt = seq[state.position + 1] if state.position + 1 < len(seq) else 0
+            logits = torch.zeros_like(logits)
+            logits[0, -1, nxt if good else (nxt + 1) % model.config.vocab_size] = 1.0
+        return logits, state
+
+    monkeypatch.setattr(spec, "execute", forced)
+    got, stats = spec.speculative_greedy(main, mtp, prompt, 25)
+    assert got == want
+    if right == 1.0:
+        assert stats.accepted == stats.steps and stats.steps == 12  # 1 + 12 * 2 tokens
+    elif right == 0.0:
+        assert stats.accepted == 0 and stats.steps == 24
+    else:
+        assert 0 < stats.accepted < stats.steps
+
+
+def test_a_draft_of_another_checkpoint_is_refused(v3_pair, demo_dir):
+    from ktflow.runtime.speculative import speculative_greedy
+
+    _, main, mtp = v3_pair
+    with pytest.raises(InputError, match="multi-token-prediction layer"):
+        speculative_greedy(main, main, [1, 2], 4)
+    with pytest.raises(InputError, match="max_seq_len"):
+        speculative_greedy(main, mtp, [1, 2], 100)
