@@ -233,7 +233,7 @@ def chaos_client(url: str, model: str, stop: float, out: dict) -> None:
 
 
 def soak_phase(url: str, model: str, streams: int, seconds: float, every: float, prompt_tokens: int,
-               max_tokens: int, vocab: int, chaos: bool = False) -> dict:
+               max_tokens: int, vocab: int, chaos: bool = False, server_pid: int | None = None) -> dict:
     """`streams` clients sending requests back to back for `seconds`, the server's resident memory,
     GPU memory and open file descriptors (its /metrics) sampled every `every` seconds: first, last
     and the least-squares slope over the second half of the samples (the first half includes
@@ -271,8 +271,17 @@ def soak_phase(url: str, model: str, streams: int, seconds: float, every: float,
         t.start()
     t0 = time.monotonic()
     samples = []
+    stalls = []  # (seconds into the soak, what failed) of each /metrics sample that got no answer
     while time.monotonic() < stop:
-        text = httpx.get(url + "/metrics", timeout=30).text
+        try:
+            text = httpx.get(url + "/metrics", timeout=30).text
+        except httpx.HTTPError as e:
+            stalls.append((round(time.monotonic() - t0, 1), f"{type(e).__name__}: {e}"))
+            print(f"soak: /metrics gave no answer at {stalls[-1][0]} s ({stalls[-1][1]})", flush=True)
+            if server_pid is not None:  # the server prints every thread's stack to its stderr
+                os.kill(server_pid, signal.SIGUSR1)
+            time.sleep(every)
+            continue
         samples.append((time.monotonic() - t0, _metric(text, "process_resident_memory_bytes") / 1e6,
                         _metric(text, "ktflow_gpu_memory_reserved_bytes") / 1e6,
                         _metric(text, "ktflow_gpu_memory_allocated_bytes") / 1e6,
@@ -293,7 +302,7 @@ def soak_phase(url: str, model: str, streams: int, seconds: float, every: float,
                 open_fds_first=samples[0][4], open_fds_last=samples[-1][4], open_fds_max=max(x[4] for x in samples),
                 ttft_p50_ms=round(pct(ttft, 0.5), 1), ttft_p99_ms=round(pct(ttft, 0.99), 1),
                 itl_p50_ms=round(pct(itl, 0.5), 1), itl_p99_ms=round(pct(itl, 0.99), 1),
-                chaos=chaos, hostile=hostile or None,
+                chaos=chaos, hostile=hostile or None, metrics_stalls=stalls or None,
                 hostile_5xx=sum(n for by in hostile.values() if isinstance(by, dict)
                                 for code, n in by.items() if isinstance(code, int) and code >= 500))
 
@@ -524,7 +533,7 @@ def main() -> None:
                              max_tokens=a.max_tokens, experts_on_cpu=a.experts_on_cpu, **r))
         if a.soak:
             r = soak_phase(url, a.model, a.soak_streams, a.soak, a.soak_every, a.prompt_tokens, a.max_tokens, vocab,
-                           chaos=a.chaos)
+                           chaos=a.chaos, server_pid=proc.pid if proc else None)
             print(f"soak: {r['soak_s']:.0f} s at {r['streams']} streams, {r['tokens']} tokens, {r['errors']} errors; "
                   f"RSS {r['rss_first_mb']:.0f} -> {r['rss_last_mb']:.0f} MB (slope {r['rss_slope_mb_per_min']:+.2f} "
                   f"MB/min over the second half); GPU reserved {r['vram_reserved_first_mb']:.0f} -> "

@@ -423,6 +423,30 @@ def _a_person(text: str) -> bool:
             and all(isinstance(t, bool) for t in v["tags"]))
 
 
+def test_a_slow_grammar_compile_leaves_the_server_answering(srv, client, monkeypatch):
+    """A grammar compile (response_format) runs off the event loop: while one takes seconds,
+    /health and a plain request answer at once."""
+    served = srv[1]
+    real = served.app.grammars.compile
+
+    def slow(fmt):
+        time.sleep(3.0)
+        return real(fmt)
+
+    monkeypatch.setattr(served.app.grammars, "compile", slow)
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", client.completions.create(
+        model="demo", prompt="x", max_tokens=4, extra_body=dict(response_format={"type": "json_object"}))))
+    t.start()
+    time.sleep(0.5)  # the slow compile is under way
+    t0 = time.monotonic()
+    assert health(srv[0])["slots"] == 4
+    plain = client.completions.create(model="demo", prompt="y", max_tokens=2, temperature=0)
+    assert plain.choices[0].text is not None and time.monotonic() - t0 < 2.0
+    t.join(timeout=60)
+    assert box["r"].choices[0].text.startswith("{")
+
+
 def test_structured_output_always_parses_and_follows_the_schema(srv, client):
     """response_format json_schema and json_object from a random model, sampled: every answer is
     JSON that follows the schema (no free whitespace) and ends by itself, streamed or not; a bad
@@ -689,13 +713,16 @@ def _ktflow(*args, **kw):
 
 def test_serve_exits_0_on_sigterm_after_finishing_what_runs(serve_dir, tmp_path):
     """SIGTERM: the request in flight finishes, the server stops with exit 0, and the routing it
-    recorded (--record-routing) is written at shutdown."""
+    recorded (--record-routing) is written at shutdown. SIGUSR1 before it prints every thread's
+    stack to stderr and changes nothing."""
     recorded = tmp_path / "routing.json"
     p = _ktflow("serve", str(serve_dir), "--hw", "paper-a100", "--device", "cpu", "--max-seq-len", str(MAX_SEQ),
                 "--port", "0", "--model-name", "demo", "--max-batch", "2", "--record-routing", str(recorded))
     try:
         base = served_base(p)
         assert base.startswith("http://127.0.0.1:")
+        assert httpx.get(base + "/health", timeout=5).json()["slots"] == 2
+        p.send_signal(signal.SIGUSR1)
         assert httpx.get(base + "/health", timeout=5).json()["slots"] == 2
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
         stream = c.completions.create(model="demo", prompt="in flight", max_tokens=60, temperature=0, stream=True)
@@ -708,6 +735,7 @@ def test_serve_exits_0_on_sigterm_after_finishing_what_runs(serve_dir, tmp_path)
         out, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
         assert "stopped" in out
+        assert "most recent call first" in err and "server.py" in err  # the SIGUSR1 stacks
         assert f"wrote {recorded}" in out
         prof = json.loads(recorded.read_text())  # every token routed: the prompt and the decoded ones fed back
         assert prof["tokens"] >= len([first, *rest]) and prof["layers"]

@@ -135,15 +135,10 @@ class ServeApp:
                            f"context of {ctx} tokens; ask for {ctx - n} at most", param="max_tokens")
         return limit
 
-    def _submit(self, body, ids: list[int], max_tokens: int, rid: str = "") -> tuple[list[GenRequest], asyncio.Queue]:
-        """The request's `n` sequences queued (choice i sampled with seed + i where a seed is
-        given); their events arrive on one queue as (choice, event). All or none: a full queue
-        cancels the ones already queued."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        stop_ids = body.stop_ids()
-        self._check_ids(stop_ids, "stop")
-        sampling = body.sampling(self.vocab_size, self.sampling_defaults)
+    def _constrained(self, body, sampling):
+        """`sampling` with the grammar the request's answer must follow (response_format, or
+        tool_choice required / a named function), or a 400 saying why it cannot be; run off the
+        event loop (a grammar's compile, and the first one's tokenizer, take a while)."""
         fmt = body.structured()
         forced = isinstance(body, ChatCompletionRequest) and body.calls_tools() and body.tool_choice not in (None, "auto")
         if forced:  # the answer is one call (serve/grammar.py)
@@ -172,6 +167,20 @@ class ServeApp:
                                "llguidance)", param="response_format") from None
             except ValueError as e:
                 raise ApiError(400, str(e), param="response_format") from None
+        return sampling
+
+    async def _submit(self, body, ids: list[int], max_tokens: int, rid: str = "") -> tuple[list[GenRequest], asyncio.Queue]:
+        """The request's `n` sequences queued (choice i sampled with seed + i where a seed is
+        given); their events arrive on one queue as (choice, event). All or none: a full queue
+        cancels the ones already queued."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        stop_ids = body.stop_ids()
+        self._check_ids(stop_ids, "stop")
+        sampling = body.sampling(self.vocab_size, self.sampling_defaults)
+        if body.structured() is not None or (isinstance(body, ChatCompletionRequest) and body.calls_tools()
+                                             and body.tool_choice not in (None, "auto")):
+            sampling = await asyncio.to_thread(self._constrained, body, sampling)
         # a parser whose markers are special tokens reads them: the answer keeps its special tokens
         keep = isinstance(body, ChatCompletionRequest) and body.calls_tools() and self.tool_parser.special
         reqs: list[GenRequest] = []
@@ -317,7 +326,7 @@ class ServeApp:
             body, ids, field = await asyncio.to_thread(self._prepare, await self._read_body(request), chat)
             max_tokens = self._limits(ids, body.limit(), field)
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-            reqs, queue = self._submit(body, ids, max_tokens, rid)
+            reqs, queue = await self._submit(body, ids, max_tokens, rid)
         except ApiError as e:
             return self._error(endpoint, e)
         if body.stream:
@@ -386,7 +395,7 @@ class ServeApp:
             body, ids, field = await asyncio.to_thread(prepare)
             max_tokens = self._limits(ids, body.limit(), field)
             rid = f"msg_{uuid.uuid4().hex[:24]}"
-            reqs, queue = self._submit(body, ids, max_tokens, rid)
+            reqs, queue = await self._submit(body, ids, max_tokens, rid)
         except ApiError as e:
             self.metrics.request(endpoint, e.status)
             return JSONResponse(anthropic.error_body(e), status_code=e.status, headers=e.headers)

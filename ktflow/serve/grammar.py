@@ -1,8 +1,9 @@
 """Structured output: a request's `response_format` as a grammar, and the per-sequence matcher that
 masks each step's logits to the tokens the grammar allows (llguidance).
 
-`Grammars(tokenizer, vocab, eos_ids)` holds the tokenizer as llguidance reads it (made on first
-use: about a second for a large vocabulary). `compile(response_format)` gives the grammar text of
+`Grammars(tokenizer, vocab, eos_ids)` holds the tokenizer as llguidance reads it (made by `warm()`,
+which the server calls at start, or on first use: up to seconds for a large vocabulary; the server
+compiles grammars off its event loop). `compile(response_format)` gives the grammar text of
 json_object (any JSON object) or json_schema (that schema), JSON written without free whitespace,
 or a ValueError naming what is wrong; `matcher(grammar)` a fresh `Matcher`. A Matcher's `mask(logits)`
 sets every token the grammar does not allow next to -1e30 (finite: the selection's non-finite check
@@ -49,6 +50,15 @@ class Grammars:
     def __init__(self, tokenizer, vocab: int, eos_ids):
         self.tokenizer, self.vocab, self.eos = tokenizer, vocab, sorted(eos_ids)
         self._ll = None
+
+    def warm(self) -> bool:
+        """Make the tokenizer as llguidance reads it now (a server does at start, so no request
+        waits for it); False where llguidance is not installed (structured requests then get a 400)."""
+        try:
+            self._llt()
+        except ImportError:
+            return False
+        return True
 
     def _llt(self):
         if self._ll is None:

@@ -10,6 +10,7 @@ in flight to finish, then cancels what is left; `run` returns normally after SIG
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import signal
 import socket
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: in
     step made now) and the app."""
     eos = tokenizer.eos_ids | set(compiled.model.eos_ids if compiled.model is not None else ())
     grammars = Grammars(tokenizer, compiled.vocab_size, eos)
+    grammars.warm()  # llguidance's tokenizer made before serving: no request waits for it
     if runner is None:
         runner = PoolRunner(compiled, max_batch, prefix_cache=prefix_cache)
         runner.warm()
@@ -167,6 +169,8 @@ def run(served: Served, host: str, port: int, *, shutdown_timeout: float = 30.0,
     # uvicorn raises the signal it caught again once it has shut down; a handler of our own takes
     # SIGTERM's so the process ends with status 0 rather than being killed by it
     previous = signal.signal(signal.SIGTERM, lambda sig, frame: terminated.append(sig))
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's stack to stderr (a stall's diagnosis)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     engine.start()
     log(f"serving {served.app.model_name} on http://{host}:{port}/v1 ({engine.slots} slots, queue {engine.max_queue}"
         f"{', API key required' if served.app.api_key else ''}); SIGTERM or Ctrl-C stops", flush=True)
