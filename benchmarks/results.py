@@ -169,8 +169,15 @@ SPECS: dict[str, Spec] = {
     "placement_hits": Spec(one(["model", "share", "layer", "gpu_experts"],
                                ["profiled", "expected", "uniform", "best"])),
     "prefetch_hits": Spec(one(["model", "layer", "top_k", "m"], ["pre_gate", "last_token", "profile", "chance"])),
+    "prefix_cache": Spec(one(["model", "layers", "checkpoint", "vram_gb", "turns", "grow", "answer", "step",
+                              "prefix_cache"], ["total_ttft_s"]),
+                         notes="total time to first token over the conversation; the target: reuse <= 0.2x whole."),
     "sampled_decode": Spec(one(["model", "layers", "variant"],
                                [pm("tok_s", "sd", "tok/s"), "vs_greedy1", "vs_greedy8", "us_per_replay"])),
+    "structured_decode": Spec(one(["model", "layers", "checkpoint", "vocab", "kind", "requests"],
+                                  ["mean_tokens", "decode_tok_s", "ratio_vs_free", "valid"]),
+                              notes="kind free: unconstrained greedy; schema: a JSON schema; tool: tool_choice "
+                                    "required (valid: answers that parse as a call of a declared tool)."),
     "serve_load": Spec(
         kind=by_field("bench"),
         tables={
