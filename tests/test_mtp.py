@@ -199,3 +199,44 @@ def test_a_draft_of_another_checkpoint_is_refused(v3_pair, demo_dir):
         speculative_greedy(main, main, [1, 2], 4)
     with pytest.raises(InputError, match="max_seq_len"):
         speculative_greedy(main, mtp, [1, 2], 100)
+
+
+def _chi2(counts: torch.Tensor, p: torch.Tensor) -> float:
+    """Pearson's statistic of `counts` against p; infinite where a token of probability 0 was drawn."""
+    keep = p > 0
+    if counts[~keep].sum() > 0:
+        return float("inf")
+    expected = counts.sum() * p[keep]
+    return float(((counts[keep] - expected) ** 2 / expected).sum())
+
+
+def test_the_rejection_rule_draws_from_the_targets_distribution():
+    """Drafts drawn from q, kept or redrawn by accept_drafts: the tokens follow p (chi-square on
+    fixed logits, 200k draws, at most 7 degrees of freedom, against the 0.9999 quantile of 7: 29.9); the drafts
+    taken as they are follow q and fail the same test; the sampler's own distribution (top_p,
+    temperature) is what `probabilities` gives."""
+    from ktflow.backends.sampling import Sampler, SamplingParams, probabilities
+    from ktflow.runtime.speculative import accept_drafts
+
+    g = torch.Generator().manual_seed(11)
+    vocab, n = 8, 200_000
+    s = Sampler(2, vocab, "cpu")
+    s.set_row(0, SamplingParams(temperature=0.8, top_p=0.9))
+    s.set_row(1, SamplingParams(temperature=1.3))
+    logits = torch.randn(2, vocab, generator=g) * 1.5
+    p, q = probabilities(logits, s)  # the target: a truncated distribution; the draft: another
+    assert torch.allclose(p.sum(), torch.tensor(1.0)) and (p == 0).any() and (q > 0).all()
+    drafts = torch.multinomial(q, n, replacement=True, generator=g)
+    u, v = torch.rand(n, generator=g), torch.rand(n, generator=g)
+    tokens, kept = accept_drafts(p.expand(n, -1), q.expand(n, -1), drafts, u, v)
+    assert _chi2(torch.bincount(tokens, minlength=vocab).float(), p) < 29.9
+    assert _chi2(torch.bincount(drafts, minlength=vocab).float(), p) > 1000  # the test can fail
+    want = torch.minimum(p, q).sum()  # the chance a draft is kept
+    assert abs(kept.float().mean() - want) < 0.01
+    # the sampler's draws follow `probabilities` too (its own uniform stream)
+    counts = torch.zeros(vocab)
+    for seed in range(4000):
+        one = Sampler(1, vocab, "cpu")
+        one.set_row(0, SamplingParams(temperature=0.8, top_p=0.9, seed=seed))
+        counts[int(one.select(logits[:1]))] += 1
+    assert _chi2(counts, p) < 29.9

@@ -373,8 +373,33 @@ def select_ids(logits: torch.Tensor, s: Sampler, biased=True, penalized=True, dr
     reduction (no softmax or scan of a whole row: on a GPU those run a block a row); on a CUDA
     device the elementwise stages run as the fused kernels of `sampling_gpu` (`kernels`: where
     Triton is there; False: the torch ops, their reference)."""
-    rows, vocab = logits.shape
     fused = kernels and dequant_gpu.available(logits.device)  # (Triton importable on a CUDA device)
+    best, w = _weights(logits, s, biased, penalized, drawn, truncated, fused)
+    if w is None:
+        return best
+    total = w.sum(-1)
+    u = (sampling_gpu.uniform if fused else uniform)(s.seed_lo, s.seed_hi, s.counter).float() * total
+    pick = _first_passing(w, torch.minimum(u, total * (1 - 2.0 ** -20)))  # where the mass passes u
+    return torch.where((s.temperature > 0) & (s.top_k != 1), pick, best)
+
+
+def probabilities(logits: torch.Tensor, s: Sampler) -> torch.Tensor:
+    """The distribution [rows, vocab] (float32) each row's next token is drawn from by
+    `select_ids` with every stage on: the truncated, renormalised probabilities of a sampled row,
+    all the mass on the argmax for a greedy row (temperature 0 or top_k 1). What a speculative
+    decoder's rejection rule compares (`runtime/speculative.accept_drafts`)."""
+    best, w = _weights(logits, s, True, True, True, True, False)
+    p = w / w.sum(-1, keepdim=True)
+    greedy = (s.temperature <= 0) | (s.top_k == 1)
+    onehot = torch.zeros_like(p).scatter_(1, best[:, None], 1.0)
+    return torch.where(greedy[:, None], onehot, p)
+
+
+def _weights(logits: torch.Tensor, s: Sampler, biased: bool, penalized: bool, drawn: bool, truncated: bool,
+             fused: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(each row's argmax after bias and penalties, its unnormalised kept probabilities, the
+    largest 1; None without a draw): `select_ids`' stages before the draw."""
+    rows, vocab = logits.shape
     x = logits.float()
     if biased:
         x = x.scatter_add(1, s.bias_ids, s.bias)
@@ -389,7 +414,7 @@ def select_ids(logits: torch.Tensor, s: Sampler, biased=True, penalized=True, dr
             x = x - s.frequency[:, None] * s.counts - s.presence[:, None] * (s.counts > 0)
     best = x.argmax(-1)
     if not drawn:
-        return best
+        return best, None
     sampled = s.temperature > 0
     if fused:
         w = sampling_gpu.weights(x.contiguous(), best, s.temperature)
@@ -404,7 +429,4 @@ def select_ids(logits: torch.Tensor, s: Sampler, biased=True, penalized=True, dr
         last = torch.minimum(_first_passing(ws, target * (1 - 2.0 ** -20)), k)  # the mass before it is below
         cut = torch.maximum(ws.gather(1, last[:, None]), s.min_p[:, None])  # min_p times the most likely (1)
         w = w * (w >= cut)
-    total = w.sum(-1)
-    u = (sampling_gpu.uniform if fused else uniform)(s.seed_lo, s.seed_hi, s.counter).float() * total
-    pick = _first_passing(w, torch.minimum(u, total * (1 - 2.0 ** -20)))  # where the mass passes u
-    return torch.where(sampled & (s.top_k != 1), pick, best)
+    return best, w

@@ -16,6 +16,11 @@ Every yielded token is the main model's argmax given the tokens before it, so th
 greedy decoding's wherever the two-token verification step and a one-token decode step give the
 same argmax (float rounding of different step shapes can flip a near tie, as in any speculative
 decoder). Runs eagerly (the backends that run a plan as a whole keep no hidden states yet).
+
+Sampled speculation keeps the output distribution by the rejection rule (`accept_drafts`): a draft
+d drawn from the draft's distribution q is kept with probability min(1, p(d) / q(d)) under the
+main model's distribution p, else the token is drawn from max(p - q, 0) renormalised; either way
+the token is distributed as p.
 """
 
 from __future__ import annotations
@@ -44,6 +49,24 @@ class SpeculativeStats:
     @property
     def tokens_per_step(self) -> float:
         return self.tokens / self.steps if self.steps else 0.0
+
+
+def accept_drafts(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor, v: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rejection rule, per row: p, q [rows, vocab] the target's and the draft's distributions
+    (`backends.sampling.probabilities`), `drafts` [rows] tokens drawn from q, u and v [rows]
+    uniforms in [0, 1). Returns (the tokens, which drafts were kept): a draft is kept when
+    u * q(d) < p(d); else the token is where the mass of max(p - q, 0) passes v of its total (p
+    itself in the measure-zero case that p and q are equal there)."""
+    pd = p.gather(1, drafts[:, None]).squeeze(1)
+    qd = q.gather(1, drafts[:, None]).squeeze(1)
+    kept = u * qd < pd
+    rest = (p - q).clamp(min=0)
+    total = rest.sum(-1, keepdim=True)
+    rest = torch.where(total > 0, rest, p)
+    cdf = rest.cumsum(-1)
+    at = (cdf < v[:, None] * cdf[:, -1:]).sum(-1).clamp(max=p.shape[1] - 1)
+    return torch.where(kept, drafts, at), kept
 
 
 @torch.inference_mode()
