@@ -279,7 +279,10 @@ def soak_phase(url: str, model: str, streams: int, seconds: float, every: float,
             stalls.append((round(time.monotonic() - t0, 1), f"{type(e).__name__}: {e}"))
             print(f"soak: /metrics gave no answer at {stalls[-1][0]} s ({stalls[-1][1]})", flush=True)
             if server_pid is not None:  # the server prints every thread's stack to its stderr
-                os.kill(server_pid, signal.SIGUSR1)
+                try:
+                    os.kill(server_pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    server_pid = None
             time.sleep(every)
             continue
         samples.append((time.monotonic() - t0, _metric(text, "process_resident_memory_bytes") / 1e6,
@@ -289,6 +292,8 @@ def soak_phase(url: str, model: str, streams: int, seconds: float, every: float,
         time.sleep(every)
     for t in threads:
         t.join()
+    if not samples:
+        raise RuntimeError(f"the soak got no /metrics sample in {seconds:.0f} s: {stalls[:3]}")
     late = samples[len(samples) // 2:]
     ts = [x[0] for x in late]
     return dict(streams=streams, soak_s=round(time.monotonic() - t0, 1), samples=len(samples),

@@ -213,7 +213,10 @@ def _valid_call(parser, text: str) -> bool:
     tool = next((t["function"] for t in TOOLS if t["function"]["name"] == calls[0].name), None)
     if tool is None:
         return False
-    args, spec = json.loads(calls[0].arguments), tool["parameters"]
+    try:
+        args, spec = json.loads(calls[0].arguments), tool["parameters"]
+    except json.JSONDecodeError:
+        return False
     if not set(spec["required"]) <= set(args) or not set(args) <= set(spec["properties"]):
         return False
     for key, value in args.items():

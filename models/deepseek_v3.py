@@ -35,8 +35,9 @@ class V3FfnConfig(HFConfig):
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
     attention_bias: bool = False
-    #: multi-token-prediction layers stored after the main ones (0 or 1: the releases have one)
-    num_nextn_predict_layers: int = Field(0, ge=0, le=1)
+    #: multi-token-prediction layers stored after the main ones (the releases have one; `Model.mtp()`
+    #: builds the first)
+    num_nextn_predict_layers: int = Field(0, ge=0)
 
 
 class Config(V3FfnConfig):

@@ -111,7 +111,7 @@ def test_full_size_configs_compile_their_mtp_layer():
     MoE layer placed as the main model's are (experts on the CPU of a 24 GB card)."""
     for cfg in ("tests/data/deepseek-v3-config", "tests/data/glm-4.5-config"):
         model = ktflow.load(cfg)
-        c = ktflow.compile(model.mtp(), hw="rtx4090-desktop", max_seq_len=4096, allow_oversize=True)
+        c = ktflow.compile(model.mtp(), hw="rtx4090-desktop", max_seq_len=32768, allow_oversize=True)
         experts = [n for n in c.decode.ir.nodes if n.op == Op.ROUTED_EXPERTS]
         assert experts and all(n.attrs.layer == model.config.num_hidden_layers for n in experts)
         assert "mtp.proj" in c.decode.as_text()
@@ -156,8 +156,8 @@ def test_speculative_greedy_gives_plain_greedys_tokens(v3_pair):
     assert got == want and stats.tokens == 20 and stats.steps >= 10
 
 
-@pytest.mark.parametrize("right", [1.0, 0.5, 0.0])
-def test_accepted_and_rejected_drafts_keep_the_tokens_exact(v3_pair, monkeypatch, right):
+@pytest.mark.parametrize("right,n", [(1.0, 25), (1.0, 24), (0.5, 25), (0.0, 25)])
+def test_accepted_and_rejected_drafts_keep_the_tokens_exact(v3_pair, monkeypatch, right, n):
     """Drafts forced right (the greedy answer) or wrong, every time or every other step: the
     tokens are plain greedy's, each accepted draft saves a step, and a rejected one's KV entry is
     dropped (the next steps would differ otherwise)."""
@@ -165,7 +165,7 @@ def test_accepted_and_rejected_drafts_keep_the_tokens_exact(v3_pair, monkeypatch
 
     model, main, mtp = v3_pair
     prompt = torch.randint(0, model.config.vocab_size, (7,), generator=torch.Generator().manual_seed(8)).tolist()
-    want = plain_greedy(main, prompt, 25)
+    want = plain_greedy(main, prompt, n)
     seq = prompt + want
     real = spec.execute
     calls = {"n": 0}
@@ -181,10 +181,12 @@ def test_accepted_and_rejected_drafts_keep_the_tokens_exact(v3_pair, monkeypatch
         return logits, state
 
     monkeypatch.setattr(spec, "execute", forced)
-    got, stats = spec.speculative_greedy(main, mtp, prompt, 25)
-    assert got == want
-    if right == 1.0:
+    got, stats = spec.speculative_greedy(main, mtp, prompt, n)
+    assert got == want and stats.tokens == n
+    if right == 1.0 and n == 25:
         assert stats.accepted == stats.steps and stats.steps == 12  # 1 + 12 * 2 tokens
+    elif right == 1.0:  # 1 + 11 * 2, then one token of room: the right draft's step yields one
+        assert stats.accepted == 11 and stats.steps == 12
     elif right == 0.0:
         assert stats.accepted == 0 and stats.steps == 24
     else:
@@ -240,3 +242,29 @@ def test_the_rejection_rule_draws_from_the_targets_distribution():
         one.set_row(0, SamplingParams(temperature=0.8, top_p=0.9, seed=seed))
         counts[int(one.select(logits[:1]))] += 1
     assert _chi2(counts, p) < 29.9
+    # the ends of the uniforms: v = 0 redraws the first token with mass in max(p - q, 0), never one
+    # of probability 0 under p
+    p3, q3 = torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([[0.5, 0.5, 0.0]])
+    for v0 in (0.0, 1.0 - 2.0 ** -24):
+        tok, kept = accept_drafts(p3, q3, torch.tensor([0]), torch.tensor([0.5]), torch.tensor([v0]))
+        assert not kept[0] and tok.item() == 1
+
+
+def test_a_saved_mtp_plan_loads_with_the_checkpoint_dir(v3_pair, tmp_path):
+    from ktflow.runtime.compiled import Compiled
+
+    model, _, mtp = v3_pair
+    mtp.save(tmp_path / "mtp.json")
+    back = Compiled.load(tmp_path / "mtp.json")  # the plan's own checkpoint dir: its MTP part
+    assert back.plans.model.fingerprint == model.mtp().fingerprint
+    back = Compiled.load(tmp_path / "mtp.json", model.path)
+    ids = torch.tensor([[3, 4]])
+    hidden = torch.randn(1, 2, 64)
+    assert torch.equal(ktflow.execute(back, ids, hidden=hidden)[0], ktflow.execute(mtp, ids, hidden=hidden)[0])
+
+
+def test_decode_tokens_refuses_a_model_that_reads_hidden_vectors(v3_pair):
+    _, _, mtp = v3_pair
+    _, state = ktflow.execute(mtp, torch.tensor([[3, 4]]), hidden=torch.randn(1, 2, 64))
+    with pytest.raises(InputError, match="hidden"):
+        ktflow.decode_tokens(mtp, torch.tensor([[5]]), state, 2)

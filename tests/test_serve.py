@@ -428,8 +428,10 @@ def test_a_slow_grammar_compile_leaves_the_server_answering(srv, client, monkeyp
     /health and a plain request answer at once."""
     served = srv[1]
     real = served.app.grammars.compile
+    started = threading.Event()
 
     def slow(fmt):
+        started.set()
         time.sleep(3.0)
         return real(fmt)
 
@@ -438,7 +440,7 @@ def test_a_slow_grammar_compile_leaves_the_server_answering(srv, client, monkeyp
     t = threading.Thread(target=lambda: box.setdefault("r", client.completions.create(
         model="demo", prompt="x", max_tokens=4, extra_body=dict(response_format={"type": "json_object"}))))
     t.start()
-    time.sleep(0.5)  # the slow compile is under way
+    assert started.wait(timeout=30)  # the slow compile is under way
     t0 = time.monotonic()
     assert health(srv[0])["slots"] == 4
     plain = client.completions.create(model="demo", prompt="y", max_tokens=2, temperature=0)
@@ -1176,3 +1178,21 @@ def test_a_stuck_step_fails_its_requests_and_health_says_so_until_it_returns(com
         wait_for(lambda: httpx.get(base + "/health", timeout=5).status_code == 200, timeout=15, what="the step's end")
         r = c.completions.create(model="demo", prompt="Hello", max_tokens=4, temperature=0)
         assert r.usage.completion_tokens >= 1 and served.engine.stuck >= 1
+
+
+def test_a_tokenizer_llguidance_cannot_read_leaves_the_server_starting(caplog):
+    """Grammars.warm() on a tokenizer llguidance refuses (a word-level one): False and a warning,
+    no exception (the server starts; structured requests get a 400 then)."""
+    pytest.importorskip("llguidance")
+    from tokenizers import Tokenizer, models
+
+    from ktflow.serve.grammar import Grammars
+    from ktflow.serve.tokenizer import ServeTokenizer
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "<eos>": 2}, unk_token="a"))
+    g = Grammars(ServeTokenizer(tok, None, None, "<eos>"), 3, {2})
+    with caplog.at_level("WARNING", logger="ktflow.serve"):
+        assert g.warm() is False
+    assert "llguidance cannot read this tokenizer" in caplog.text
+    with pytest.raises(ValueError):
+        g.compile({"type": "json_object"})

@@ -56,7 +56,8 @@ class Model:
     def mtp(self) -> "Model":
         """The checkpoint's multi-token-prediction layer as a model of its own, to compile and run
         beside this one (its graph: frontend/spec.py's `mtp`; its inputs: the next tokens and this
-        model's final normalised hidden states). A ConfigError where the checkpoint has none."""
+        model's final normalised hidden states); of several declared, the first. A ConfigError
+        where the checkpoint has none."""
         if not self.has_mtp:
             raise ConfigError(f"{self.path}: the config declares no multi-token-prediction layer "
                               "(num_nextn_predict_layers is 0 or absent, or the family has none)")

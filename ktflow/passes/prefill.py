@@ -409,7 +409,7 @@ def _rewrite(g: Graph, ctx: CompileContext, choices: dict[str, LayerChoice], fmt
             ins = tuple(renamed.get(i, i) for i in n.inputs if i not in whole) + extra
             n = replace(n, inputs=ins) if ins != n.inputs else n
         out.append(n)
-        if n.op == Op.INPUT:
+        if n.op == Op.INPUT and not n.attrs.hidden:  # (an MTP graph's hidden input is a second input node)
             out += first_fetches
         out += after.get(n.name, [])
     return recost_changed(g, g.replace_nodes(out), ctx)

@@ -69,10 +69,13 @@ class Compiled:
         """Read a plan file. `model` (a Model or a checkpoint dir) defaults to the dir the plan
         was compiled from; the plan must match its config fingerprint."""
         pf = PlanFile.load(path)  # read and verified once
+        mtp = pf.model.fingerprint.endswith("-mtp")  # a plan of the checkpoint's MTP layer (Model.mtp())
         if model is None:
             model = load(pf.model.path)
         elif not isinstance(model, Model):
             model = load(model)
+        if mtp and model.part != "mtp" and model.has_mtp:
+            model = model.mtp()
         pf.require_model(model.fingerprint, path)
         for plan in pf.plans:
             bad = spec_mismatches(plan, model.graph(plan.ir.act_dtype))

@@ -142,6 +142,7 @@ def decode_tokens(compiled, input_ids: torch.Tensor, state: State, steps: int, *
     if sampled and state.sampler is None:
         raise InputError("sampled decoding selects by the state's sampling parameters: start them with start_sampling")
     ids = check_ids(compiled, input_ids, state)
+    check_hidden(compiled, ids, None)  # a model that reads hidden vectors decodes through execute(hidden=)
     if ids.shape[1] != 1:
         raise InputError(f"decoding takes one token per sequence, got input_ids of shape {list(ids.shape)}")
     if state.position + steps > state.max_seq_len:

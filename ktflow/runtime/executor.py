@@ -111,7 +111,7 @@ class Executor:
         runner that can (cuda_graph) runs them as one launch; any other backend runs them one
         step at a time."""
         run_tokens = getattr(self.runner, "run_tokens", None)
-        if run_tokens is not None and self.trace == 0:  # (ids: nothing to check for NaN)
+        if run_tokens is not None and self.trace == 0 and not state.keep_hidden:  # (it keeps no hidden states)  # (ids: nothing to check for NaN)
             self._hand_recorder()
             ids = run_tokens(input_ids, state, steps, sampled)
             if ids is not None:

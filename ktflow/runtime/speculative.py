@@ -65,7 +65,8 @@ def accept_drafts(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u: tor
     total = rest.sum(-1, keepdim=True)
     rest = torch.where(total > 0, rest, p)
     cdf = rest.cumsum(-1)
-    at = (cdf < v[:, None] * cdf[:, -1:]).sum(-1).clamp(max=p.shape[1] - 1)
+    target = torch.minimum(v[:, None] * cdf[:, -1:], cdf[:, -1:] * (1 - 2.0 ** -20))
+    at = (cdf <= target).sum(-1).clamp(max=p.shape[1] - 1)  # the first token whose mass passes the target
     return torch.where(kept, drafts, at), kept
 
 

@@ -14,10 +14,13 @@ complete the grammar allows only an eos token, so the sequence ends there.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import numpy as np
 import torch
+
+log = logging.getLogger("ktflow.serve")
 
 #: what a disallowed token's logit becomes (finite, so penalties and temperature keep it finite)
 MASKED = -1e30
@@ -53,10 +56,14 @@ class Grammars:
 
     def warm(self) -> bool:
         """Make the tokenizer as llguidance reads it now (a server does at start, so no request
-        waits for it); False where llguidance is not installed (structured requests then get a 400)."""
+        waits for it); False where llguidance is not installed or cannot read this tokenizer (a
+        warning says which; structured requests then get a 400 saying it)."""
         try:
             self._llt()
         except ImportError:
+            return False
+        except Exception as e:  # noqa: BLE001 - llguidance's own error: each structured request reports it
+            log.warning(f"structured output will be refused: llguidance cannot read this tokenizer ({e})")
             return False
         return True
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import io
 import signal
 import socket
+import sys
 from dataclasses import dataclass
 
 from ..errors import ResourceError
@@ -128,6 +130,18 @@ def header_deadline(seconds: float):
     return HeaderDeadline
 
 
+def _stacks_on_sigusr1() -> bool:
+    """`kill -USR1 <pid>` prints every thread's stack to stderr (a stall's diagnosis; the server
+    goes on); False where it cannot be had (no SIGUSR1, or a stderr without a file descriptor)."""
+    if not hasattr(signal, "SIGUSR1"):
+        return False
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    except (AttributeError, ValueError, OSError, RuntimeError, io.UnsupportedOperation):
+        return False
+    return True
+
+
 def run(served: Served, host: str, port: int, *, shutdown_timeout: float = 30.0, max_connections: int = 512,
         keep_alive_s: float = 5.0, request_timeout_s: float = 30.0, log=print) -> None:
     """Serve until SIGTERM (returns) or Ctrl-C (KeyboardInterrupt), draining as the module says.
@@ -169,15 +183,17 @@ def run(served: Served, host: str, port: int, *, shutdown_timeout: float = 30.0,
     # uvicorn raises the signal it caught again once it has shut down; a handler of our own takes
     # SIGTERM's so the process ends with status 0 rather than being killed by it
     previous = signal.signal(signal.SIGTERM, lambda sig, frame: terminated.append(sig))
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's stack to stderr (a stall's diagnosis)
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
-    engine.start()
-    log(f"serving {served.app.model_name} on http://{host}:{port}/v1 ({engine.slots} slots, queue {engine.max_queue}"
-        f"{', API key required' if served.app.api_key else ''}); SIGTERM or Ctrl-C stops", flush=True)
+    stacks = _stacks_on_sigusr1()
     try:
+        engine.start()
+        log(f"serving {served.app.model_name} on http://{host}:{port}/v1 ({engine.slots} slots, queue "
+            f"{engine.max_queue}{', API key required' if served.app.api_key else ''}); SIGTERM or Ctrl-C stops",
+            flush=True)
         server.run(sockets=[sock])
     finally:
         engine.stop(timeout=0.0)
         signal.signal(signal.SIGTERM, previous)
+        if stacks:
+            faulthandler.unregister(signal.SIGUSR1)
         sock.close()
     log("stopped", flush=True)
