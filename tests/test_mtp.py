@@ -268,3 +268,22 @@ def test_decode_tokens_refuses_a_model_that_reads_hidden_vectors(v3_pair):
     _, state = ktflow.execute(mtp, torch.tensor([[3, 4]]), hidden=torch.randn(1, 2, 64))
     with pytest.raises(InputError, match="hidden"):
         ktflow.decode_tokens(mtp, torch.tensor([[5]]), state, 2)
+
+
+def test_sampled_speculation_follows_the_samplers_rules(v3_pair):
+    """Greedy after a repetition penalty (one-hot distributions through the rejection rule, the
+    counts kept as tokens come) gives plain decoding's tokens under the same penalty; a sampled
+    run is reproduced by its seed and stays within the vocabulary."""
+    from ktflow.backends.sampling import SamplingParams
+    from ktflow.runtime.speculative import speculative_sampled
+
+    model, main, mtp = v3_pair
+    prompt = torch.randint(0, model.config.vocab_size, (8,), generator=torch.Generator().manual_seed(9)).tolist()
+    want = ktflow.generate(main, torch.tensor([prompt]), 16, eos_token_id=None,
+                           repetition_penalty=1.5)[0, len(prompt):].tolist()
+    got, stats = speculative_sampled(main, mtp, prompt, 16, SamplingParams(temperature=0.0, repetition_penalty=1.5))
+    assert got == want and stats.tokens == 16
+    hot = SamplingParams(temperature=0.9, top_p=0.95, seed=4)
+    a, sa = speculative_sampled(main, mtp, prompt, 12, hot)
+    b, _ = speculative_sampled(main, mtp, prompt, 12, hot)
+    assert a == b and len(a) == 12 and all(0 <= t < model.config.vocab_size for t in a) and sa.steps >= 6

@@ -17,10 +17,13 @@ greedy decoding's wherever the two-token verification step and a one-token decod
 same argmax (float rounding of different step shapes can flip a near tie, as in any speculative
 decoder). Runs eagerly (the backends that run a plan as a whole keep no hidden states yet).
 
-Sampled speculation keeps the output distribution by the rejection rule (`accept_drafts`): a draft
-d drawn from the draft's distribution q is kept with probability min(1, p(d) / q(d)) under the
-main model's distribution p, else the token is drawn from max(p - q, 0) renormalised; either way
-the token is distributed as p.
+Sampled speculation (`speculative_sampled`) keeps the output distribution by the rejection rule
+(`accept_drafts`): a draft d drawn from the draft's distribution q is kept with probability
+min(1, p(d) / q(d)) under the main model's distribution p, else the token is drawn from
+max(p - q, 0) renormalised; either way the token is distributed as p. p and q are the sampler's
+own distributions (`backends.sampling.probabilities`: bias, penalties over the tokens so far,
+temperature, top-k / top-p / min-p), so the tokens follow plain sampling's distribution; they are
+not plain sampling's tokens for a seed (the draws are made in another order).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backends.sampling import Sampler, SamplingParams, probabilities
 from ..errors import InputError
 from .execute import execute
 from .state import State
@@ -75,6 +79,49 @@ def speculative_greedy(main, mtp, prompt: list[int], max_new_tokens: int, eos_id
     """Up to `max_new_tokens` greedy tokens after `prompt` (ids), drafting with `mtp` (the compiled
     `Model.mtp()` of the same checkpoint) and verifying with `main` (its compiled main model);
     ends after the first token in `eos_ids`. Returns the tokens and the run's stats."""
+    return _speculate(main, mtp, prompt, max_new_tokens, eos_ids, None)
+
+
+@torch.inference_mode()
+def speculative_sampled(main, mtp, prompt: list[int], max_new_tokens: int, params: SamplingParams,
+                        eos_ids=()) -> tuple[list[int], SpeculativeStats]:
+    """As `speculative_greedy`, the tokens selected by `params` (a seed reproduces the run): each
+    draft drawn from the MTP's distribution under `params`, kept or redrawn by `accept_drafts`
+    against the main model's, so the tokens follow plain sampling's distribution."""
+    return _speculate(main, mtp, prompt, max_new_tokens, eos_ids, params)
+
+
+class _Draws:
+    """The sampled side of a run: the target's and the draft's samplers (one row each, the same
+    parameters, both counting the tokens so far for penalties) and the run's uniforms."""
+
+    def __init__(self, vocab: int, params: SamplingParams, prompt: list[int]):
+        self.target, self.draft = Sampler(1, vocab, "cpu"), Sampler(1, vocab, "cpu")
+        for smp in (self.target, self.draft):
+            smp.set_row(0, params, prompt)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2 ** 62, ()).item())
+        self.g = torch.Generator().manual_seed(seed % (1 << 63))
+
+    def p(self, logits: torch.Tensor) -> torch.Tensor:
+        return probabilities(logits.reshape(1, -1).float().cpu(), self.target)
+
+    def q(self, logits: torch.Tensor) -> torch.Tensor:
+        return probabilities(logits.reshape(1, -1).float().cpu(), self.draft)
+
+    def draw(self, dist: torch.Tensor) -> int:
+        return int(torch.multinomial(dist, 1, generator=self.g))
+
+    def uniforms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.rand(1, generator=self.g), torch.rand(1, generator=self.g)
+
+    def took(self, token: int) -> None:
+        for smp in (self.target, self.draft):
+            smp.counts[0, token] += 1
+
+
+def _speculate(main, mtp, prompt: list[int], max_new_tokens: int, eos_ids, params: SamplingParams | None
+               ) -> tuple[list[int], SpeculativeStats]:
+    """The loop of the module docstring; greedy where `params` is None, else sampled."""
     if mtp.plans.model.fingerprint != main.plans.model.fingerprint + "-mtp":
         raise InputError("the draft is not this model's multi-token-prediction layer: compile model.mtp() of the "
                          "same checkpoint")
@@ -85,32 +132,56 @@ def speculative_greedy(main, mtp, prompt: list[int], max_new_tokens: int, eos_id
                          f"{min(main.max_seq_len, mtp.max_seq_len)}; compile both with a larger max_seq_len")
     eos = frozenset(eos_ids)
     stats = SpeculativeStats()
+    draws = None if params is None or params.plain_greedy else _Draws(main.vocab_size, params, prompt)
+
+    def select(logits: torch.Tensor) -> int:  # the main model's token at a position
+        if draws is None:
+            return int(logits.argmax())
+        token = draws.draw(draws.p(logits))
+        draws.took(token)
+        return token
+
+    def propose(logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:  # a draft and its distribution
+        if draws is None:
+            return int(logits.argmax()), None
+        q = draws.q(logits)
+        return draws.draw(q), q
+
     ids = torch.tensor([prompt])
     state = State(main.plans.model.fingerprint, 1, main.max_seq_len, keep_hidden=True)
     logits, state = execute(main, ids, state, logits="last")
-    pending = int(logits[0, -1].argmax())
+    pending = select(logits[0, -1])
     out = [pending]
     # the MTP over the prompt: position i pairs h_i with token i + 1 (the last with `pending`)
     mids = torch.tensor([prompt[1:] + [pending]])
     mlogits, mstate = execute(mtp, mids, None, logits="last", hidden=state.hidden_out)
-    draft = int(mlogits[0, -1].argmax())
+    draft, q = propose(mlogits[0, -1])
     while len(out) < max_new_tokens and pending not in eos:
         p = state.position
         logits, state = execute(main, torch.tensor([[pending, draft]]), state, logits="all")
         h = state.hidden_out
-        y0, y1 = (int(t) for t in logits[0].argmax(-1))
         stats.steps += 1
-        if y0 == draft and y0 not in eos and len(out) + 1 < max_new_tokens:
+        if draws is None:
+            y0 = int(logits[0, 0].argmax())
+            kept = y0 == draft
+        else:
+            u, v = draws.uniforms()
+            tok, kept_t = accept_drafts(draws.p(logits[0, 0]), q, torch.tensor([draft]), u, v)
+            y0, kept = int(tok), bool(kept_t)
+            draws.took(y0)
+        if kept and y0 not in eos and len(out) + 1 < max_new_tokens:
             stats.accepted += 1
-            new, pairs = [y0, y1], h
+            new, pairs = [y0, select(logits[0, 1])], h
         else:
             state.position = p + 1  # the draft's entry is dropped
             new, pairs = [y0], h[:, :1]
         out += new
         pending = new[-1]
+        if len(out) >= max_new_tokens or pending in eos:
+            break
         mlogits, mstate = execute(mtp, torch.tensor([new]), mstate, logits="last", hidden=pairs)
-        draft = int(mlogits[0, -1].argmax())
+        draft, q = propose(mlogits[0, -1])
     if any(t in eos for t in out):
         out = out[:next(i for i, t in enumerate(out) if t in eos) + 1]
-    stats.tokens = len(out)
+    stats.tokens = len(out[:max_new_tokens])
     return out[:max_new_tokens], stats
