@@ -133,6 +133,19 @@ def ready_checkpoint(model: str, cfg: dict, layers: int, fp8: bool, where: str |
     return d
 
 
+def bench_checkpoint(demo: bool, model: str, layers: int, fp8: bool, where: str | None) -> tuple[Path, str, int | None]:
+    """(checkpoint dir, model name, layers) a serving benchmark runs on: the bundled demo model
+    (`demo`), else `model`'s random checkpoint cut to `layers` (0: all; `ready_checkpoint`)."""
+    if demo:
+        import tempfile
+
+        from ktflow.tools.demo import ensure_demo_checkpoint
+
+        return ensure_demo_checkpoint(Path(tempfile.gettempdir()) / "ktflow-demo")[0], "demo", None
+    cfg = dict(MODELS[model], **({"num_hidden_layers": layers} if layers else {}))
+    return ready_checkpoint(model, cfg, layers, fp8, where), model, cfg["num_hidden_layers"]
+
+
 def write_checkpoint(cfg: dict, directory: Path, fp8: bool = False) -> None:
     """config.json, then bf16 safetensors shards of every tensor ktflow's spec of this config reads
     (ktflow.frontend.checkpoint's streaming writer, one tensor at a time), and the shard index. Large

@@ -117,18 +117,9 @@ def main(argv=None) -> int:
     from ktflow.serve.tokenizer import ServeTokenizer
     from ktflow.serve.tool_parsers import PARSERS
 
-    if a.demo:
-        import tempfile
+    from e2e import bench_checkpoint
 
-        from ktflow.tools.demo import ensure_demo_checkpoint
-
-        ckpt = ensure_demo_checkpoint(Path(tempfile.gettempdir()) / "ktflow-demo")[0]
-        name, layers = "demo", None
-    else:
-        from e2e import MODELS, ready_checkpoint
-
-        cfg = dict(MODELS[a.model], **({"num_hidden_layers": a.layers} if a.layers else {}))
-        ckpt, name, layers = ready_checkpoint(a.model, cfg, a.layers, a.fp8, a.dir), a.model, cfg["num_hidden_layers"]
+    ckpt, name, layers = bench_checkpoint(a.demo, a.model, a.layers, a.fp8, a.dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     limits = {"free": a.tokens, "schema": 8 * a.tokens, "tool": 1024}  # the grammars end the answers
     opts = dict(hw=a.hw, device=device, max_seq_len=a.prompt + max(limits.values()) + 64, max_batch=1)

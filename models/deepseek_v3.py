@@ -96,7 +96,12 @@ def build(cfg: Config, act_dtype: DType) -> Graph:
 
 
 def build_mtp(cfg: Config, act_dtype: DType, has) -> Graph | None:
-    """The MTP layer's graph (spec.mtp), or None where the config declares none."""
+    return v3_mtp(cfg, act_dtype, _attention(cfg), has)
+
+
+def v3_mtp(cfg, act_dtype: DType, attention, has) -> Graph | None:
+    """The MTP layer's graph (spec.mtp) with `attention` and DeepSeek-V3's feed-forward (GLM-4.5
+    shares both the layout and the feed-forward), or None where the config declares none."""
     if not cfg.num_nextn_predict_layers:
         return None
-    return spec.mtp(cfg, act_dtype, _attention(cfg), v3_ffn(cfg), has)
+    return spec.mtp(cfg, act_dtype, attention, v3_ffn(cfg), has)

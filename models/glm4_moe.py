@@ -19,7 +19,7 @@ from ktflow.ir.graph import Graph
 from ktflow.ir.types import DType
 from ktflow.frontend import spec
 
-from .deepseek_v3 import V3FfnConfig, v3_ffn
+from .deepseek_v3 import V3FfnConfig, v3_ffn, v3_mtp
 
 
 class Config(V3FfnConfig):
@@ -64,7 +64,4 @@ def build(cfg: Config, act_dtype: DType) -> Graph:
 
 
 def build_mtp(cfg: Config, act_dtype: DType, has) -> Graph | None:
-    """The MTP layer's graph (spec.mtp), or None where the config declares none."""
-    if not cfg.num_nextn_predict_layers:
-        return None
-    return spec.mtp(cfg, act_dtype, _attention(cfg), v3_ffn(cfg), has)
+    return v3_mtp(cfg, act_dtype, _attention(cfg), has)
