@@ -133,6 +133,18 @@ def ready_checkpoint(model: str, cfg: dict, layers: int, fp8: bool, where: str |
     return d
 
 
+def add_checkpoint_args(ap: argparse.ArgumentParser) -> None:
+    """The options of a serving benchmark's model (`bench_checkpoint`) and of its plan: --model,
+    --demo, --layers, --fp8, --dir, --vram-gb, --hw."""
+    ap.add_argument("--model", default="qwen3", help="e2e.py's model shapes (qwen3, dsv3, ...)")
+    ap.add_argument("--demo", action="store_true", help="the bundled demo model instead (CPU-sized)")
+    ap.add_argument("--layers", type=int, default=12, help="cut the model to this many layers (0: all)")
+    ap.add_argument("--fp8", action="store_true", help="an FP8 checkpoint (experts kept in FP8)")
+    ap.add_argument("--dir", default=None, help="checkpoint dir (default under /tmp/ktflow-e2e)")
+    ap.add_argument("--vram-gb", type=float, default=None, help="the VRAM limit the plan fits")
+    ap.add_argument("--hw", default="this")
+
+
 def bench_checkpoint(demo: bool, model: str, layers: int, fp8: bool, where: str | None) -> tuple[Path, str, int | None]:
     """(checkpoint dir, model name, layers) a serving benchmark runs on: the bundled demo model
     (`demo`), else `model`'s random checkpoint cut to `layers` (0: all; `ready_checkpoint`)."""

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import HERE, append_jsonl, commit, machine  # noqa: E402
+from e2e import add_checkpoint_args, bench_checkpoint  # noqa: E402
 
 
 def conversation(compiled, slots: int, prefix_cache: bool, turns: int, grow: int, answer: int, step: int,
@@ -76,27 +77,19 @@ def conversation(compiled, slots: int, prefix_cache: bool, turns: int, grow: int
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen3", help="e2e.py's model shapes (qwen3, dsv3, ...)")
-    ap.add_argument("--demo", action="store_true", help="the bundled demo model instead (CPU-sized)")
-    ap.add_argument("--layers", type=int, default=12, help="cut the model to this many layers (0: all)")
-    ap.add_argument("--fp8", action="store_true", help="an FP8 checkpoint (experts kept in FP8)")
-    ap.add_argument("--vram-gb", type=float, default=None, help="the VRAM limit the plan fits")
-    ap.add_argument("--hw", default="this")
+    add_checkpoint_args(ap)
     ap.add_argument("--turns", type=int, default=16)
     ap.add_argument("--grow", type=int, default=2048, help="new tokens a turn")
     ap.add_argument("--answer", type=int, default=32, help="tokens answered a turn")
     ap.add_argument("--step", type=int, default=None, help="prefill tokens a scheduler iteration, as `ktflow serve "
                     "--prefill-step` (default: the server's, min(256, the largest prefill bucket))")
     ap.add_argument("--slots", type=int, default=2)
-    ap.add_argument("--dir", default=None, help="checkpoint dir (default under /tmp/ktflow-e2e)")
     ap.add_argument("--out", default=str(HERE / "prefix_cache.jsonl"))
     ap.add_argument("--run-id", default=time.strftime("%Y%m%d-%H%M%S"))
     a = ap.parse_args(argv)
     import ktflow
 
     need = a.turns * (a.grow + a.answer) + 64
-    from e2e import bench_checkpoint
-
     ckpt, name, layers = bench_checkpoint(a.demo, a.model, a.layers, a.fp8, a.dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     opts = dict(hw=a.hw, device=device, max_seq_len=need, max_batch=a.slots)

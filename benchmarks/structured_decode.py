@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import HERE, append_jsonl, commit, machine  # noqa: E402
+from e2e import add_checkpoint_args, bench_checkpoint  # noqa: E402
 
 EOS = "<|endoftext|>"
 TOOLS = [
@@ -95,17 +96,11 @@ def run_one(engine, prompt: list[int], tokens: int, sampling, decode) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen3", help="e2e.py's model shapes (qwen3, dsv3, ...)")
-    ap.add_argument("--demo", action="store_true", help="the bundled demo model instead (CPU-sized)")
-    ap.add_argument("--layers", type=int, default=12, help="cut the model to this many layers (0: all)")
-    ap.add_argument("--fp8", action="store_true", help="an FP8 checkpoint (experts kept in FP8)")
-    ap.add_argument("--vram-gb", type=float, default=None, help="the VRAM limit the plan fits")
-    ap.add_argument("--hw", default="this")
+    add_checkpoint_args(ap)
     ap.add_argument("--requests", type=int, default=8, help="requests of each kind")
     ap.add_argument("--tokens", type=int, default=192, help="tokens a free answer decodes (the schema's array "
                     "asks for a third as many numbers)")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (random ids)")
-    ap.add_argument("--dir", default=None, help="checkpoint dir (default under /tmp/ktflow-e2e)")
     ap.add_argument("--out", default=str(HERE / "structured_decode.jsonl"))
     ap.add_argument("--run-id", default=time.strftime("%Y%m%d-%H%M%S"))
     a = ap.parse_args(argv)
@@ -116,8 +111,6 @@ def main(argv=None) -> int:
     from ktflow.serve.runner import PoolRunner
     from ktflow.serve.tokenizer import ServeTokenizer
     from ktflow.serve.tool_parsers import PARSERS
-
-    from e2e import bench_checkpoint
 
     ckpt, name, layers = bench_checkpoint(a.demo, a.model, a.layers, a.fp8, a.dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -24,6 +24,17 @@ def config_fingerprint(raw: dict) -> str:
     return hashlib.sha256(json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
+def part_fingerprint(fingerprint: str, part: str) -> str:
+    """The fingerprint of a checkpoint's `part` ("main" or "mtp") from its config's: the MTP part's
+    is marked as its own (its plans and states are not the main model's)."""
+    return fingerprint if part == "main" else f"{fingerprint}-{part}"
+
+
+def part_of(fingerprint: str) -> str:
+    """Which part of a checkpoint a fingerprint (`part_fingerprint`) names."""
+    return "mtp" if fingerprint.endswith("-mtp") else "main"
+
+
 @dataclass
 class Model:
     path: Path
@@ -44,9 +55,8 @@ class Model:
 
     @property
     def fingerprint(self) -> str:
-        """The config's hash; the MTP part's is marked as its own (its plans and states are not the
-        main model's)."""
-        return config_fingerprint(self.raw_config) + ("" if self.part == "main" else f"-{self.part}")
+        """The config's hash, marked with the part (`part_fingerprint`)."""
+        return part_fingerprint(config_fingerprint(self.raw_config), self.part)
 
     @property
     def has_mtp(self) -> bool:

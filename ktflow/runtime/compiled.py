@@ -3,6 +3,7 @@ check that this machine's GPU is the one the plans were placed for (`check_gpu`)
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 
 from ..backends import get_backend, resolve_backend
 from ..errors import PlanError, ResourceError
-from ..frontend.load import Model, load
+from ..frontend.load import Model, load, part_of
 from ..frontend.weights import TORCH_DTYPE
 from ..ir.ops import Op
 from ..plan.artifact import Plan, PlanFile
@@ -52,6 +53,12 @@ class Compiled:
         """Most tokens one prefill step runs; longer prompts run as chunks of this many."""
         return self.prefill[-1].step_tokens
 
+    @functools.cached_property
+    def hidden_width(self) -> int:
+        """The width of the hidden vectors the model reads beside its token ids (a multi-token-
+        prediction layer's), 0 for a model that reads token ids only."""
+        return next((n.attrs.hidden for n in self.decode.ir.nodes if n.op == Op.INPUT and n.attrs.hidden), 0)
+
     @property
     def vocab_size(self) -> int:
         return self.decode.ir.by_name(self.decode.ir.outputs[0]).attrs.vocab
@@ -69,7 +76,7 @@ class Compiled:
         """Read a plan file. `model` (a Model or a checkpoint dir) defaults to the dir the plan
         was compiled from; the plan must match its config fingerprint."""
         pf = PlanFile.load(path)  # read and verified once
-        mtp = pf.model.fingerprint.endswith("-mtp")  # a plan of the checkpoint's MTP layer (Model.mtp())
+        mtp = part_of(pf.model.fingerprint) == "mtp"  # a plan of the checkpoint's MTP layer (Model.mtp())
         if model is None:
             model = load(pf.model.path)
         elif not isinstance(model, Model):

@@ -80,7 +80,8 @@ def execute(compiled, input_ids: torch.Tensor, state: State | None = None, *,
 
     `hidden` [batch, tokens, width]: the hidden vectors of a model that reads them, one a token
     (a multi-token-prediction layer, `Model.mtp()`: the main model's final normalised hidden
-    states, `hidden_states`); required there, refused elsewhere."""
+    states, which a State made with keep_hidden=True holds in `hidden_out`); required there,
+    refused elsewhere."""
     if logits not in LOGITS:
         raise InputError(f"logits={logits!r}: ask for 'all' (every position), 'last' (the last position's), "
                          "'argmax' (the greedy next token ids) or 'sample' (the ids the state's sampler selects)")
@@ -105,9 +106,7 @@ def execute(compiled, input_ids: torch.Tensor, state: State | None = None, *,
 def check_hidden(compiled, ids: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor | None:
     """`hidden` as the compiled model reads it ([batch, tokens, width] floats, one vector a token of
     `ids`), None for a model without a hidden input, or an InputError saying what does not fit."""
-    from ..ir.ops import Op
-
-    width = next((n.attrs.hidden for n in compiled.decode.ir.nodes if n.op == Op.INPUT and n.attrs.hidden), 0)
+    width = compiled.hidden_width
     if not width:
         if hidden is not None:
             raise InputError("hidden= is for a model that reads hidden vectors (a multi-token-prediction layer, "

@@ -70,6 +70,8 @@ class Executor:
         #: a RoutingRecorder (runtime/routing.py) that sees every router's picks, or None
         self.recorder = None
         self.gate_layer = gate_layers(self.graph)
+        #: what the lm_head reads (the final normalised hidden states: State.keep_hidden keeps them)
+        self.head_input = next(n.inputs[0] for n in self.graph.nodes if n.op == Op.LM_HEAD)
         #: called after each finished run as hook(executor, tokens it ran): a runtime policy's
         #: point between steps (the expert cache refills there: runtime/expert_cache.py)
         self.after_run: list[Callable[["Executor", int], None]] = []
@@ -111,7 +113,8 @@ class Executor:
         runner that can (cuda_graph) runs them as one launch; any other backend runs them one
         step at a time."""
         run_tokens = getattr(self.runner, "run_tokens", None)
-        if run_tokens is not None and self.trace == 0 and not state.keep_hidden:  # (it keeps no hidden states)  # (ids: nothing to check for NaN)
+        # (ids: nothing to check for NaN; a whole run keeps no hidden states)
+        if run_tokens is not None and self.trace == 0 and not state.keep_hidden:
             self._hand_recorder()
             ids = run_tokens(input_ids, state, steps, sampled)
             if ids is not None:
@@ -212,15 +215,14 @@ class Executor:
         handlers = {**dict.fromkeys(("launch", "copy", "fetch", "submit", "sync"), launch),
                     "record": nothing, "wait": nothing}
         watcher = _EagerWatcher(self, ctx, tracing) if tracing or self.check_finite else None
-        head = next(n for n in self.graph.nodes if n.op == Op.LM_HEAD) if state.keep_hidden else None
-        values = run_instructions(self.plan, handlers, watcher=watcher,
-                                  keep=frozenset(head.inputs[:1]) if head is not None else frozenset())
+        keep = frozenset((self.head_input,)) if state.keep_hidden else frozenset()
+        values = run_instructions(self.plan, handlers, watcher=watcher, keep=keep)
         if tracing:
             self.measured = watcher.timed
         if not extra:
             state.position += s
-        if head is not None:
-            state.hidden_out = values[head.inputs[0]].reshape(b, s, -1)
+        if state.keep_hidden:
+            state.hidden_out = values[self.head_input].reshape(b, s, -1)
         out = values[self.graph.outputs[0]]
         return None if out is None else step_output(out, b, s, logits, segments)
 

@@ -1,5 +1,5 @@
-"""Greedy speculative decoding with a checkpoint's multi-token-prediction (MTP) layer: one draft
-token a step, verified exactly by the main model.
+"""Speculative decoding, greedy and sampled, with a checkpoint's multi-token-prediction (MTP) layer:
+one draft token a step, verified by the main model.
 
 The loop keeps one invariant: the main model's state and the MTP's state have both reached
 position p, and `pending` is the token at position p (selected, not yet run). A step:
@@ -34,6 +34,7 @@ import torch
 
 from ..backends.sampling import Sampler, SamplingParams, probabilities
 from ..errors import InputError
+from ..frontend.load import part_fingerprint
 from .execute import execute
 from .state import State
 
@@ -122,7 +123,7 @@ class _Draws:
 def _speculate(main, mtp, prompt: list[int], max_new_tokens: int, eos_ids, params: SamplingParams | None
                ) -> tuple[list[int], SpeculativeStats]:
     """The loop of the module docstring; greedy where `params` is None, else sampled."""
-    if mtp.plans.model.fingerprint != main.plans.model.fingerprint + "-mtp":
+    if mtp.plans.model.fingerprint != part_fingerprint(main.plans.model.fingerprint, "mtp"):
         raise InputError("the draft is not this model's multi-token-prediction layer: compile model.mtp() of the "
                          "same checkpoint")
     if not prompt or max_new_tokens < 1:
@@ -181,7 +182,6 @@ def _speculate(main, mtp, prompt: list[int], max_new_tokens: int, eos_ids, param
             break
         mlogits, mstate = execute(mtp, torch.tensor([new]), mstate, logits="last", hidden=pairs)
         draft, q = propose(mlogits[0, -1])
-    if any(t in eos for t in out):
-        out = out[:next(i for i, t in enumerate(out) if t in eos) + 1]
-    stats.tokens = len(out[:max_new_tokens])
-    return out[:max_new_tokens], stats
+    # (a step takes its second token only with room left and its first not an eos: nothing to cut)
+    stats.tokens = len(out)
+    return out, stats
