@@ -85,8 +85,7 @@ def _rank_main(rank: int, world: int, port: int, target: Callable, args: tuple, 
         errors.put((time.time(), rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
         code = 1
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group(ok=code == 0)
     if code:
         raise SystemExit(code)
 
@@ -175,6 +174,21 @@ def join_from_env(cuda: bool = False) -> tuple[int, int]:
     if not dist.is_initialized():
         _init_group(cuda, int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["RANK"]))
     return dist.get_rank(), dist.get_world_size()
+
+
+def leave_group(ok: bool) -> None:
+    """Take this process out of its group before it exits. `ok` (its work done): first wait until
+    every rank is done too, so that none tears down connections a peer still reads; a group left
+    to the interpreter's exit can abort the process (a torchrun rank did, killed by SIGABRT)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    global _patient
+    if ok:
+        dist.barrier(group=patient_group())
+    dist.destroy_process_group()
+    _patient = None
 
 
 #: how long a rank waits on the others outside the steps (rank 0 packing its CPU experts, a

@@ -185,9 +185,15 @@ def _on_ranks(a: argparse.Namespace, target) -> int:
     cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun started this process
         rank, world = ranks.join_from_env(cuda)
-        if world != a.gpus:
-            raise ConfigError(f"--gpus {a.gpus} but torchrun started {world} process(es): give the same number")
-        return target(rank, a)
+        ok = False
+        try:
+            if world != a.gpus:
+                raise ConfigError(f"--gpus {a.gpus} but torchrun started {world} process(es): give the same number")
+            code = target(rank, a)
+            ok = True
+            return code
+        finally:
+            ranks.leave_group(ok)
     ranks.run_ranks(a.gpus, target, a, cuda=cuda)
     return 0
 
