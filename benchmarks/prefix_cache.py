@@ -10,9 +10,10 @@ reused, so which ids it holds changes nothing measured). The same
 conversation runs twice in one process on one compiled model, on two fresh slot pools: every
 prompt prefilled whole (`prefix_cache=False`), then reusing what the slot's cache holds. Each turn's
 time to first token is measured from its submission to the engine (no HTTP), after a two-turn
-warm-up (the prefill steps' first uses). Prints a table per
-turn and the totals' ratio; appends one row per mode to --out. The target: total time to first
-token with reuse <= 0.2x without.
+warm-up (the prefill steps' first uses). Where that time goes is recorded per turn: until the
+runner starts the sequence, in the runner's start, in its prefill steps (their count and the
+longest), and the rest. Prints a table per turn and the totals' ratio; appends one row per mode to
+--out. The target: total time to first token with reuse <= 0.2x without.
 """
 
 from __future__ import annotations
@@ -30,14 +31,48 @@ from common import HERE, append_jsonl, commit, machine  # noqa: E402
 from e2e import add_checkpoint_args, bench_checkpoint  # noqa: E402
 
 
+def timed_runner(compiled, slots: int, prefix_cache: bool):
+    """A PoolRunner recording when it starts a sequence and how long its start and prefill calls
+    take (`log`: (what, start, seconds) since the last `log.clear()`)."""
+    from ktflow.serve.runner import PoolRunner
+
+    class Timed(PoolRunner):
+        def start(self, *args, **kw):
+            t = time.perf_counter()
+            try:
+                return super().start(*args, **kw)
+            finally:
+                self.log.append(("start", t, time.perf_counter() - t))
+
+        def prefill(self, items):
+            t = time.perf_counter()
+            try:
+                return super().prefill(items)
+            finally:
+                self.log.append(("prefill", t, time.perf_counter() - t))
+
+    runner = Timed(compiled, slots, prefix_cache=prefix_cache)
+    runner.log = []
+    return runner
+
+
+def breakdown(log: list, t0: float, ttft: float) -> dict:
+    """Where a turn's time to first token went, from its runner log (calls after submission t0)."""
+    starts = [(t, d) for what, t, d in log if what == "start"]
+    fills = [d for what, _, d in log if what == "prefill"]
+    wait = starts[0][0] - t0 if starts else 0.0
+    start = sum(d for _, d in starts)
+    return dict(wait_s=wait, start_s=start, prefill_calls=len(fills), prefill_s=sum(fills),
+                longest_prefill_s=max(fills, default=0.0), other_s=ttft - wait - start - sum(fills))
+
+
 def conversation(compiled, slots: int, prefix_cache: bool, turns: int, grow: int, answer: int, step: int,
                  seed: int) -> list[dict]:
     """One conversation on a fresh pool: per turn, its prompt length, the tokens reused, the
-    time to first token and the whole turn's time."""
+    time to first token (and where it went: `breakdown`) and the whole turn's time."""
     from ktflow.serve.engine import Delta, Engine, Failed, Finished, GenRequest
-    from ktflow.serve.runner import PoolRunner
 
-    runner = PoolRunner(compiled, slots, prefix_cache=prefix_cache)
+    runner = timed_runner(compiled, slots, prefix_cache)
     runner.warm()
     engine = Engine(runner, lambda ids: "", prefill_tokens=step)
     engine.start()
@@ -57,6 +92,7 @@ def conversation(compiled, slots: int, prefix_cache: bool, turns: int, grow: int
                     out["ev"] = ev
                     done.set()
 
+            runner.log.clear()
             t0 = time.perf_counter()
             req = GenRequest(list(prompt), answer, emit, ignore_eos=True)
             engine.submit(req)
@@ -66,7 +102,8 @@ def conversation(compiled, slots: int, prefix_cache: bool, turns: int, grow: int
                 raise RuntimeError(f"turn {turn} failed: {ev.message}")
             t1 = time.perf_counter()
             rows.append(dict(turn=turn, prompt=len(prompt), cached=ev.cached_tokens, ttft_s=first[0] - t0,
-                             turn_s=t1 - t0))
+                             turn_s=t1 - t0, **breakdown([x for x in runner.log if x[1] < first[0]], t0,
+                                                         first[0] - t0)))
             # the answer back into the conversation: ids of the answer's length (a decoded answer's
             # entries are never reused, so which ids they are changes nothing measured here)
             prompt = prompt + torch.randint(0, vocab, (answer,), generator=g).tolist()
@@ -112,6 +149,11 @@ def main(argv=None) -> int:
     for x, y in zip(off, on):
         print(f"{x['turn']:>4} {x['prompt']:>7} {y['cached']:>7} {x['ttft_s'] * 1e3:>9.1f}ms {y['ttft_s'] * 1e3:>9.1f}ms "
               f"{y['ttft_s'] / x['ttft_s']:>6.3f}")
+    print(f"\nwhere the reuse run's time to first token went (ms): wait for the runner, its start, its prefill "
+          "calls (count, longest), the rest")
+    for y in on:
+        print(f"{y['turn']:>4} {y['wait_s'] * 1e3:>8.1f} {y['start_s'] * 1e3:>8.1f} {y['prefill_s'] * 1e3:>9.1f} "
+              f"({y['prefill_calls']:>3}, {y['longest_prefill_s'] * 1e3:>7.1f}) {y['other_s'] * 1e3:>8.1f}")
     total = {m: sum(r["ttft_s"] for r in runs[m]) for m in runs}
     print(f"total time to first token: {total[False]:.2f} s whole, {total[True]:.2f} s with reuse: "
           f"{total[True] / total[False]:.3f}x (target <= 0.2x)")

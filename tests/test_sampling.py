@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from ktflow.backends.sampling import MAX_LOGIT_BIAS, Sampler, SamplingParamError, SamplingParams, uniform
+from ktflow.backends.sampling import ALL_STAGES, MAX_LOGIT_BIAS, Sampler, SamplingParamError, SamplingParams, uniform
 from ktflow.errors import InputError
 
 CUDA = torch.cuda.is_available()
@@ -53,7 +53,7 @@ def draws(logits: torch.Tensor, p: SamplingParams, n: int, device="cpu", capture
     s = Sampler(n, logits.shape[-1], device)
     for r in range(n):
         s.set_row(r, SamplingParams(**{**p.__dict__, "seed": 1000 + r}))
-    return s.select(logits.to(device).expand(n, -1).contiguous(), captured=captured).cpu()
+    return s.select(logits.to(device).expand(n, -1).contiguous(), ALL_STAGES if captured else None).cpu()
 
 
 CASES = [
@@ -106,7 +106,69 @@ def test_top_k_one_and_temperature_zero_are_greedy():
     for r in range(64):
         s.set_row(r, SamplingParams(temperature=1.7, top_k=1, seed=r) if r % 2 else SamplingParams())
     assert torch.equal(s.select(logits), logits.argmax(-1))
-    assert torch.equal(s.select(logits, captured=True), logits.argmax(-1))
+    assert torch.equal(s.select(logits, ALL_STAGES), logits.argmax(-1))
+
+
+
+def _bitmask(allowed: list[int], vocab: int) -> bytes:
+    """llguidance's layout: token i is bit i % 32 of little-endian 32-bit word i // 32."""
+    words = [0] * (-(-vocab // 32))
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return b"".join(w.to_bytes(4, "little") for w in words)
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["host-stages", "every-stage"])
+def test_a_grammar_row_selects_only_the_tokens_its_bitmask_allows(captured):
+    """Greedy: the argmax over the allowed tokens; sampled (with truncation): only allowed tokens,
+    in proportion to the model's probabilities among them; a row without a grammar is not masked
+    by a bitmask written into it; tokens at bit 31 (a negative word) count."""
+    torch.manual_seed(3)
+    vocab, n = 300, 6000
+    allowed = [5, 31, 63, 64, 200, 299]
+    logits = torch.randn(vocab) * 2
+    s = Sampler(n + 2, vocab, "cpu")
+    for r in range(n):
+        s.set_row(r, SamplingParams(temperature=1.0, top_p=0.99, seed=r, grammar="g"))
+        s.set_allowed(r, _bitmask(allowed, vocab))
+    s.set_row(n, SamplingParams(grammar="g"))  # greedy
+    s.set_allowed(n, _bitmask(allowed, vocab))
+    s.set_row(n + 1, SamplingParams())  # no grammar: its bitmask is not read
+    s.set_allowed(n + 1, _bitmask([7], vocab))
+    assert s.stages().grammar
+    ids = s.select(logits.expand(n + 2, -1).contiguous(), ALL_STAGES if captured else None)
+    sub = torch.full((vocab,), float("-inf"))
+    sub[allowed] = logits[allowed]
+    assert int(ids[n]) == int(sub.argmax()) and int(ids[n + 1]) == int(logits.argmax())
+    got = torch.bincount(ids[:n], minlength=vocab).double()
+    assert set(torch.nonzero(got).flatten().tolist()) <= set(allowed)
+    p = torch.softmax(sub, -1)
+    keep = p * n >= 5
+    chi2 = float(((got[keep] - p[keep] * n) ** 2 / (p[keep] * n)).sum())
+    assert chi2 < chi2_limit(int(keep.sum()) - 1) + 10, chi2  # (top_p 0.99 trims the rarest few)
+
+
+def test_a_bitmask_shorter_than_the_vocabulary_allows_none_past_it_and_a_longer_one_is_cut():
+    s = Sampler(2, 100, "cpu")
+    for r in range(2):
+        s.set_row(r, SamplingParams(grammar="g"))
+    s.set_allowed(0, _bitmask([3], 32))  # one word for four
+    s.set_allowed(1, _bitmask([90], 200))  # seven words for four
+    logits = torch.zeros(2, 100)
+    logits[:, 95] = 10.0  # the best token is past the first word
+    assert s.select(logits).tolist() == [3, 90]
+
+
+def test_a_draw_never_lands_on_a_token_of_weight_zero():
+    """Where rounding leaves no prefix sum above the target (target at or past the total), the
+    draw takes the last token of positive weight, never a masked or truncated one after it."""
+    from ktflow.backends.sampling import CHUNK, _first_passing
+
+    w = torch.zeros(3, 3 * CHUNK + 7)
+    w[:, [4, CHUNK + 9, 2 * CHUNK + 1]] = torch.tensor([0.3, 0.5, 0.2])
+    total = w.sum(-1)
+    got = _first_passing(w, torch.stack([total[0] * 2, total[1] * (1 + 1e-7), total[2] * 0.5]))
+    assert got.tolist() == [2 * CHUNK + 1, 2 * CHUNK + 1, CHUNK + 9]
 
 
 def test_a_seed_reproduces_and_the_stream_moves_on():
@@ -123,7 +185,7 @@ def test_a_seed_reproduces_and_the_stream_moves_on():
 
 
 def test_host_stages_and_every_stage_select_the_same_tokens():
-    """The captured graph runs every stage; the host leaves out the ones no row needs: the same
+    """Every stage run, or only those the rows need (the host's choice, and a captured run's key): the same
     ids either way, so a seed gives the same tokens on every backend."""
     torch.manual_seed(2)
     logits = torch.randn(16, 300)
@@ -133,7 +195,7 @@ def test_host_stages_and_every_stage_select_the_same_tokens():
             s = Sampler(16, 300, "cpu")
             for r in range(16):
                 s.set_row(r, SamplingParams(**{**p.__dict__, "seed": r}))
-            picks.append(torch.stack([s.select(logits, captured=captured) for _ in range(3)]))
+            picks.append(torch.stack([s.select(logits, ALL_STAGES if captured else None) for _ in range(3)]))
         assert torch.equal(*picks), p
 
 
@@ -233,7 +295,7 @@ def test_the_gpu_selects_what_the_cpu_selects():
             s = Sampler(32, 4000, device)
             for r in range(32):
                 s.set_row(r, SamplingParams(**{**p.__dict__, "seed": r}), [1, 2, 3])
-            picks.append(torch.stack([s.select(logits.to(device), captured=True).cpu() for _ in range(3)]))
+            picks.append(torch.stack([s.select(logits.to(device), ALL_STAGES).cpu() for _ in range(3)]))
         # the same u and the same rule; a token may differ only where float rounding moves a boundary
         assert (picks[0] != picks[1]).float().mean() < 0.02, p
 
@@ -248,11 +310,11 @@ def test_selection_captures_in_a_cuda_graph_and_replays_new_draws():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        out.copy_(s.select(logits, captured=True))  # warm-up outside the graph
+        out.copy_(s.select(logits, ALL_STAGES))  # warm-up outside the graph
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out.copy_(s.select(logits, captured=True))
+        out.copy_(s.select(logits, ALL_STAGES))
     seen = []
     for _ in range(6):
         graph.replay()
@@ -264,8 +326,38 @@ def test_selection_captures_in_a_cuda_graph_and_replays_new_draws():
     t = Sampler(4, 1000, "cuda")
     for r in range(4):
         t.set_row(r, SamplingParams(temperature=1.0, top_p=0.9, seed=r))
-    t.select(logits, captured=True)
-    assert [t.select(logits, captured=True).tolist() for _ in range(6)] == seen
+    t.select(logits, ALL_STAGES)
+    assert [t.select(logits, ALL_STAGES).tolist() for _ in range(6)] == seen
+
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_a_captured_selection_reads_each_steps_bitmask():
+    """A graph captured with the grammar stage masks by the bitmask written before each replay
+    (set_allowed writes the buffer the graph reads), greedy and sampled rows alike."""
+    vocab = 5000
+    s = Sampler(2, vocab, "cuda")
+    s.set_row(0, SamplingParams(grammar="g"))
+    s.set_row(1, SamplingParams(temperature=1.0, top_p=0.9, seed=1, grammar="g"))
+    logits = torch.randn(2, vocab, device="cuda")
+    out = torch.zeros(2, dtype=torch.int64, device="cuda")
+    stages = s.stages()
+    assert stages.grammar and stages.draw
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out.copy_(s.select(logits, stages))  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(s.select(logits, stages))
+    for allowed in ([17], [4095], [31, 4999], [2500]):
+        for r in range(2):
+            s.set_allowed(r, _bitmask(allowed, vocab))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = out.tolist()
+        assert got[0] == max(allowed, key=lambda t: float(logits[0, t])) and got[1] in allowed, (allowed, got)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

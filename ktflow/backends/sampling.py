@@ -1,15 +1,17 @@
 """Token selection on the device, per row: greedy or sampled, in tensor ops a CUDA graph captures.
 
 A `Sampler` holds, for `rows` sequences, each row's `SamplingParams` as device tensors and its
-running state (generated counts, prompt tokens, its random stream's counter). `select(logits)`
-turns logits [rows, vocab] into the next ids [rows] without a host synchronisation and with fixed
-shapes (the cuda_graph backend captures it in the decode step); the CPU selects the same ids, up
-to the rounding of the logits themselves. Per row, in vLLM's order with HF transformers' and
-OpenAI's rules: `logit_bias`; repetition, frequency and presence penalties; temperature 0 (or top_k
-1) is the argmax, else top_k, top_p and min_p keep a prefix of the sorted probabilities (at least
-one token; ties at the edge all kept); the token is drawn with u = hash(seed, counter), so a seed
-reproduces on any device and each row draws from its own stream. The counts and the counter
-advance only for active rows (`set_active`). The rules in full: docs/design-notes.md.
+running state (generated counts, prompt tokens, its random stream's counter, the tokens its
+grammar allows next). `select(logits)` turns logits [rows, vocab] into the next ids [rows] without
+a host synchronisation and with fixed shapes (the cuda_graph backend captures it in the decode
+step); the CPU selects the same ids, up to the rounding of the logits themselves. Per row, in
+vLLM's order with HF transformers' and OpenAI's rules: `logit_bias`; repetition, frequency and
+presence penalties; a row with a grammar (`params.grammar`) sets every token its bitmask
+(`set_allowed`) does not allow to MASKED; temperature 0 (or top_k 1) is the argmax, else top_k,
+top_p and min_p keep a prefix of the sorted probabilities (at least one token; ties at the edge
+all kept); the token is drawn with u = hash(seed, counter), so a seed reproduces on any device and
+each row draws from its own stream. The counts and the counter advance only for active rows
+(`set_active`). The rules in full: docs/design-notes.md.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -31,7 +33,26 @@ _M32 = 0xFFFFFFFF
 
 #: a Sampler's device tensors, each with one row per sequence
 _TENSORS = ("temperature", "top_p", "min_p", "top_k", "repetition", "presence", "frequency", "bias_ids", "bias",
-            "seed_lo", "seed_hi", "counter", "counts", "in_prompt", "active")
+            "seed_lo", "seed_hi", "counter", "counts", "in_prompt", "active", "allowed", "constrained")
+
+#: what a token a row's grammar does not allow becomes (finite: penalties and temperature keep it
+#: finite, and the non-finite check reads the model's logits, never this)
+MASKED = -1e30
+
+
+class Stages(NamedTuple):
+    """The stages of `select_ids` a step runs: a stage left out must be one no row needs (a
+    captured step is keyed by its stages, so its graph is replayed only for rows that need no more)."""
+
+    bias: bool = True  # some row has a logit_bias
+    penalties: bool = True  # some row has a repetition, presence or frequency penalty
+    draw: bool = True  # some row samples (else every row takes its argmax)
+    truncation: bool = True  # some sampled row has top_k > 1, top_p < 1 or min_p > 0 (a sort)
+    grammar: bool = True  # some row follows a grammar (its allowed tokens' bitmask)
+
+
+#: every stage: a step that runs these selects correctly for any rows' parameters
+ALL_STAGES = Stages()
 
 
 class SamplingParamError(InputError):
@@ -198,6 +219,10 @@ class Sampler:
         self.counts = zeros(rows, vocab, dtype=torch.int32)  # generated tokens, per token id
         self.in_prompt = zeros(rows, vocab, dtype=torch.bool)
         self.active = torch.ones(rows, dtype=torch.int32, device=dev)
+        # the tokens a row's grammar allows next: token i is bit i % 32 of word i // 32 (llguidance's
+        # layout); read only in rows whose `constrained` is 1 (set_row sets it from params.grammar)
+        self.allowed = torch.full((rows, -(-vocab // 32)), -1, dtype=torch.int32, device=dev)
+        self.constrained = zeros(rows, dtype=torch.int32)
         self.params: list[SamplingParams] = [SamplingParams()] * rows  # the host's copy
         self._active_host = [True] * rows
         self.key = self._addresses()
@@ -229,10 +254,26 @@ class Sampler:
         self.counter[row] = 0
         self.counts[row].zero_()
         self.in_prompt[row].zero_()
+        self.allowed[row].fill_(-1)  # every token, until the grammar's first set_allowed
+        self.constrained[row] = int(params.grammar is not None)
         if prompt is not None and len(prompt):
             p = torch.as_tensor(prompt, dtype=torch.int64).reshape(-1).to(self.device)
             self.in_prompt[row].index_fill_(0, p, True)
         self.params[row] = params
+        self._sync()
+
+    @torch.inference_mode()
+    def set_allowed(self, row: int, bitmask) -> None:
+        """The tokens row `row`'s grammar allows in its next step: `bitmask` (bytes or a buffer of
+        little-endian 32-bit words; token i allowed where bit i % 32 of word i // 32 is set; words
+        past the vocabulary ignored, tokens past the words not allowed). Read only where the row's
+        params name a grammar. Asynchronous on a GPU (stream
+        synchronous: done when it returns, as `set_row`."""
+        words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32)
+        n = self.allowed.shape[1]
+        if words.numel() < n:  # tokens past the grammar's vocabulary: not allowed
+            words = torch.cat([words, torch.zeros(n - words.numel(), dtype=torch.int32)])
+        self.allowed[row].copy_(words[:n])
         self._sync()
 
     @torch.inference_mode()
@@ -283,27 +324,25 @@ class Sampler:
 
     # --------------------------------------------------------------------------- selecting
     @torch.inference_mode()
-    def select(self, logits: torch.Tensor, captured: bool = False) -> torch.Tensor:
+    def select(self, logits: torch.Tensor, stages: Stages | None = None) -> torch.Tensor:
         """The next ids [rows] (int64) from logits [rows, vocab] on the sampler's device, -1 in
         a row whose logits are not all finite (`mark_nonfinite`); every active row's counts and
-        stream advance. Tensor ops only (capturable). `captured`: the
-        ops run in a graph replayed whatever the rows' parameters become, so every stage runs;
-        else the stages no row needs are left out (the host knows the rows' parameters)."""
-        ids = mark_nonfinite(logits, select_ids(logits, self, *self._stages(captured)))
+        stream advance. Tensor ops only (capturable). `stages`: those to run (a captured graph's,
+        which must cover what its rows need whenever it is replayed); None: `stages()`."""
+        ids = mark_nonfinite(logits, select_ids(logits, self, *(stages or self.stages())))
         self.counts.scatter_add_(1, ids.clamp(min=0)[:, None], self.active[:, None] * (ids >= 0)[:, None])
         self.counter.add_(self.active)
         return ids
 
-    def _stages(self, captured: bool) -> tuple[bool, ...]:
-        """(bias, penalties, a draw, truncation): the stages of `select_ids` some row needs (all
-        when captured)."""
-        if captured:
-            return True, True, True, True
+    def stages(self) -> Stages:
+        """The stages of `select_ids` some row needs, from the host's copy of the rows' parameters."""
         params = self.params[:self.rows]
-        return (any(p.logit_bias for p in params),
-                any((p.repetition_penalty, p.presence_penalty, p.frequency_penalty) != (1.0, 0.0, 0.0) for p in params),
-                any(not p.greedy for p in params),
-                any(not p.greedy and (p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0) for p in params))
+        return Stages(any(p.logit_bias for p in params),
+                      any((p.repetition_penalty, p.presence_penalty, p.frequency_penalty) != (1.0, 0.0, 0.0)
+                          for p in params),
+                      any(not p.greedy for p in params),
+                      any(not p.greedy and (p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0) for p in params),
+                      any(p.grammar is not None for p in params))
 
     @torch.inference_mode()
     def select_rows(self, logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
@@ -341,15 +380,22 @@ def _chunks(w: torch.Tensor) -> torch.Tensor:
 
 def _first_passing(w: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per row, the first index i whose prefix sum w[:, :i + 1].sum() exceeds target [rows]
-    (w >= 0; clamped to the last index), found in two levels: the chunk, then inside it."""
+    (w >= 0), found in two levels: the chunk, then inside it. Where rounding leaves no prefix sum
+    above target (the chunk sums and the sums inside a chunk round differently), the last index of
+    positive w: never an index of w 0 (a masked or truncated token) in a row holding a positive."""
     c = _chunks(w)
     sums = c.sum(-1)
     ends = sums.cumsum(-1)
-    j = (ends <= target[:, None]).sum(-1).clamp(max=c.shape[1] - 1)
+    j = torch.minimum((ends <= target[:, None]).sum(-1), _last_positive(sums))
     before = (ends - sums).gather(1, j[:, None])
-    inner = c.gather(1, j[:, None, None].expand(-1, 1, CHUNK)).squeeze(1).cumsum(-1) + before
-    i = (inner <= target[:, None]).sum(-1).clamp(max=CHUNK - 1)
-    return (j * CHUNK + i).clamp(max=w.shape[1] - 1)
+    chunk = c.gather(1, j[:, None, None].expand(-1, 1, CHUNK)).squeeze(1)
+    i = torch.minimum(((chunk.cumsum(-1) + before) <= target[:, None]).sum(-1), _last_positive(chunk))
+    return j * CHUNK + i
+
+
+def _last_positive(x: torch.Tensor) -> torch.Tensor:
+    """Per row of x [rows, n] (>= 0), the last index holding a positive value (0 where none)."""
+    return ((x > 0) * torch.arange(x.shape[1], device=x.device)).amax(-1)
 
 
 def _prefix(w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -363,18 +409,18 @@ def _prefix(w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
 
 
 def select_ids(logits: torch.Tensor, s: Sampler, biased=True, penalized=True, drawn=True, truncated=True,
-               kernels: bool = True) -> torch.Tensor:
+               constrained=True, kernels: bool = True) -> torch.Tensor:
     """The rule of the module docstring, over the rows of `s`'s per-row tensors (its counts and
     counter are read, not advanced).
     A stage whose flag is off is left out: the caller knows no row needs it (bias: no row has a
     logit_bias; penalties: none has a penalty; a draw: every row is greedy; truncation: no
-    sampled row has top_k > 1, top_p < 1 or min_p > 0, so nothing is sorted; the draw is the
-    same as with the flag on). Every pass over the vocabulary is an elementwise op or a
+    sampled row has top_k > 1, top_p < 1 or min_p > 0, so nothing is sorted, the draw being the
+    same as with the flag on; constrained: no row follows a grammar). Every pass over the vocabulary is an elementwise op or a
     reduction (no softmax or scan of a whole row: on a GPU those run a block a row); on a CUDA
     device the elementwise stages run as the fused kernels of `sampling_gpu` (`kernels`: where
     Triton is there; False: the torch ops, their reference)."""
     fused = kernels and dequant_gpu.available(logits.device)  # (Triton importable on a CUDA device)
-    best, w = _weights(logits, s, biased, penalized, drawn, truncated, fused)
+    best, w = _weights(logits, s, biased, penalized, drawn, truncated, constrained, fused)
     if w is None:
         return best
     total = w.sum(-1)
@@ -388,7 +434,7 @@ def probabilities(logits: torch.Tensor, s: Sampler) -> torch.Tensor:
     `select_ids` with every stage on: the truncated, renormalised probabilities of a sampled row,
     all the mass on the argmax for a greedy row (temperature 0 or top_k 1). What a speculative
     decoder's rejection rule compares (`runtime/speculative.accept_drafts`)."""
-    best, w = _weights(logits, s, True, True, True, True, False)
+    best, w = _weights(logits, s, True, True, True, True, True, False)
     p = w / w.sum(-1, keepdim=True)
     greedy = (s.temperature <= 0) | (s.top_k == 1)
     onehot = torch.zeros_like(p).scatter_(1, best[:, None], 1.0)
@@ -396,7 +442,7 @@ def probabilities(logits: torch.Tensor, s: Sampler) -> torch.Tensor:
 
 
 def _weights(logits: torch.Tensor, s: Sampler, biased: bool, penalized: bool, drawn: bool, truncated: bool,
-             fused: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+             constrained: bool, fused: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(each row's argmax after bias and penalties, its unnormalised kept probabilities, the
     largest 1; None without a draw): `select_ids`' stages before the draw."""
     rows, vocab = logits.shape
@@ -412,6 +458,10 @@ def _weights(logits: torch.Tensor, s: Sampler, biased: bool, penalized: bool, dr
             r = s.repetition[:, None]
             x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
             x = x - s.frequency[:, None] * s.counts - s.presence[:, None] * (s.counts > 0)
+    if constrained:  # token i's bit: bit i % 32 of word i // 32 (an arithmetic shift keeps bit 31's)
+        i = torch.arange(vocab, device=x.device)
+        bits = (s.allowed.index_select(1, i >> 5) >> (i & 31).to(torch.int32)) & 1
+        x = torch.where((s.constrained[:, None] != 0) & (bits == 0), torch.full_like(x, MASKED), x)
     best = x.argmax(-1)
     if not drawn:
         return best, None

@@ -5,10 +5,10 @@ masks each step's logits to the tokens the grammar allows (llguidance).
 which the server calls at start, or on first use: up to seconds for a large vocabulary; the server
 compiles grammars off its event loop). `compile(response_format)` gives the grammar text of
 json_object (any JSON object) or json_schema (that schema), JSON written without free whitespace,
-or a ValueError naming what is wrong; `matcher(grammar)` a fresh `Matcher`. A Matcher's `mask(logits)`
-sets every token the grammar does not allow next to -1e30 (finite: the selection's non-finite check
-reads the model's logits, not this), `advance(token)` takes the selected token; once the value is
-complete the grammar allows only an eos token, so the sequence ends there.
+or a ValueError naming what is wrong; `matcher(grammar)` a fresh `Matcher`. A Matcher's `bitmask()`
+is the tokens the grammar allows next, in the layout `backends.sampling.Sampler.set_allowed` reads
+(the sampler masks the others inside the step, on the device); `advance(token)` takes the selected
+token; once the value is complete the grammar allows only an eos token, so the sequence ends there.
 """
 
 from __future__ import annotations
@@ -17,13 +17,7 @@ import json
 import logging
 from typing import Any
 
-import numpy as np
-import torch
-
 log = logging.getLogger("ktflow.serve")
-
-#: what a disallowed token's logit becomes (finite, so penalties and temperature keep it finite)
-MASKED = -1e30
 
 
 class Matcher:
@@ -32,13 +26,10 @@ class Matcher:
     def __init__(self, matcher, vocab: int):
         self.m, self.vocab = matcher, vocab
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [vocab] (host) with the tokens the grammar does not allow next set to MASKED."""
-        bits = np.frombuffer(self.m.compute_bitmask(), dtype=np.uint8)  # token i: bit i % 8 of byte i // 8
-        banned = np.ones(logits.shape[-1], dtype=bool)
-        n = min(self.vocab, logits.shape[-1])
-        banned[:n] = np.unpackbits(bits, bitorder="little")[:n] == 0
-        return logits.masked_fill(torch.from_numpy(banned), MASKED)
+    def bitmask(self) -> bytes:
+        """The tokens the grammar allows next: token i where bit i % 32 of little-endian 32-bit word
+        i // 32 is set, ceil(vocab / 32) words."""
+        return self.m.compute_bitmask()
 
     def advance(self, token: int) -> None:
         """Take the selected token; a ValueError where the grammar is in error."""

@@ -15,9 +15,11 @@ A token of a sequence whose params ask for `logprobs` is a `Chosen` (an int carr
 log-probability and the most likely alternatives').
 `PoolRunner` runs a decode as ONE batched step (a failure fails every slot in it) and an
 iteration's chunks as ONE packed prefill step, run again chunk by chunk if it fails, so only the
-chunks that fail alone fail. A decode step with a slot that asks for logprobs, or follows a
-grammar (`grammars`: structured output, serve/grammar.py), brings the logits to the host and
-selects there (by the same rule and random streams as the device would).
+chunks that fail alone fail. A slot that follows a grammar (`grammars`: structured output,
+serve/grammar.py) has the tokens it allows next written into the pool's sampler before each step,
+which masks the others where it selects (inside the step, on the device); its matcher takes each
+token selected. A decode step with a slot that asks for logprobs brings the logits to the host and
+selects there (by the same rule, mask and random streams as the device would).
 """
 
 from __future__ import annotations
@@ -107,13 +109,17 @@ class PoolRunner:
 
     def start(self, slot: int, params: SamplingParams = SamplingParams(), prompt_ids: list[int] | None = None,
               reuse: int = 0) -> None:
-        self.pool.start(slot, params, prompt_ids, reuse)
         self.matchers.pop(slot, None)
-        if params.grammar is not None and self.grammars is not None:
+        matcher = None
+        if params.grammar is not None and self.grammars is not None:  # (without: a follower rank's, ids dropped)
             try:
-                self.matchers[slot] = self.grammars.matcher(params.grammar)
+                matcher = self.grammars.matcher(params.grammar)
             except ValueError as e:
                 raise InputError(str(e)) from None
+        self.pool.start(slot, params, prompt_ids, reuse)
+        if matcher is not None:
+            self.matchers[slot] = matcher
+            self.pool.sampler.set_allowed(slot, matcher.bitmask())
 
     def prefill(self, items: list[tuple[int, list[int], bool]]) -> list[int | None | BaseException]:
         try:
@@ -144,49 +150,55 @@ class PoolRunner:
         return [first.get(i) for i in range(len(items))]
 
     def _select(self, slots: list[int], logits: torch.Tensor) -> list:
-        """Each slot's token from host logits [len(slots), vocab], masked first by its grammar
-        where it follows one (which then takes the token), a `Chosen` where its params ask for
-        logprobs (of the logits as the model made them); or the error of a slot whose logits
-        are not finite (NumericError) or whose grammar failed (InputError)."""
-        masked = logits
-        if any(s in self.matchers for s in slots):
-            masked = logits.clone()
-            for i, s in enumerate(slots):
-                if s in self.matchers:
-                    masked[i] = self.matchers[s].mask(logits[i])
+        """Each slot's token from host logits [len(slots), vocab] (its grammar's mask applied by
+        the sampler), a `Chosen` where its params ask for logprobs (of the logits as the model
+        made them); or the error of a slot whose logits are not finite (NumericError) or whose
+        grammar failed (InputError)."""
         try:
-            ids: list = self.pool.select_tokens(slots, masked)
+            ids: list = self.pool.select_tokens(slots, logits)
         except NumericError as e:  # those sequences fail, the others have their token
             ids = [e if s in e.rows else t for s, t in zip(slots, e.ids)]
-        for i, (s, t) in enumerate(zip(slots, ids)):
-            if s in self.matchers and not isinstance(t, BaseException):
-                try:
-                    self.matchers[s].advance(t)
-                except ValueError as e:
-                    ids[i] = InputError(str(e))
+        ids = self._follow(slots, ids)
         params = self.pool.sampler.params
         return [Chosen.of(logits[i], t, params[s].logprobs)
                 if params[s].logprobs is not None and not isinstance(t, BaseException) else t
                 for i, (s, t) in enumerate(zip(slots, ids))]
 
+    def _follow(self, slots: list[int], ids: list) -> list:
+        """`ids` with each grammar-following slot's token taken by its matcher, and the tokens it
+        allows next written into the sampler; an InputError in place of a token the grammar
+        refused."""
+        ids = list(ids)
+        for i, (s, t) in enumerate(zip(slots, ids)):
+            m = self.matchers.get(s)
+            if m is None or isinstance(t, BaseException):
+                continue
+            try:
+                m.advance(t)
+            except ValueError as e:
+                ids[i] = InputError(str(e))
+                continue
+            self.pool.sampler.set_allowed(s, m.bitmask())  # (once the value is complete: an eos only)
+        return ids
+
     def decode(self, slots: list[int], ids: list[int]) -> list[int | BaseException]:
-        # every listed sequence greedy on the logits as they are: the argmax, else each row's sampler;
-        # one that asks for logprobs: the logits on the host
+        # every listed sequence greedy on the logits as they are: the argmax, else each row's sampler
+        # (a grammar's mask included); one that asks for logprobs: the logits on the host
         params = self.pool.sampler.params
-        if any(params[s].logprobs is not None or s in self.matchers for s in slots):
+        if any(params[s].logprobs is not None for s in slots):
             try:
                 logits = self.pool.decode(slots, ids, logits="last")
             except Exception as e:  # noqa: BLE001 - the step's sequences fail, the server goes on
                 return [e] * len(slots)
             return self._select(slots, logits)
-        plain = all(params[s].plain_greedy for s in slots)
+        plain = all(params[s].plain_greedy and params[s].grammar is None for s in slots)
         try:
-            out = self.pool.decode(slots, ids, logits="argmax" if plain else "sample")
+            out = self.pool.decode(slots, ids, logits="argmax" if plain else "sample").tolist()
         except NumericError as e:  # those sequences fail, the others have their token
-            return [e if s in e.rows else t for s, t in zip(slots, e.ids)]
+            out = [e if s in e.rows else t for s, t in zip(slots, e.ids)]
         except Exception as e:  # noqa: BLE001 - the step's sequences fail, the server goes on
             return [e] * len(slots)
-        return out.tolist()
+        return self._follow(slots, out)
 
     def free(self, slot: int) -> None:
         pass  # the slot's cache stays allocated for its next sequence

@@ -27,7 +27,7 @@ from ..base import StepContext, node_key
 from ..kernels import pinned_copy
 from ..native import binding as native
 from ..native.staging import pin_tensor
-from ..sampling import Sampler, mark_nonfinite
+from ..sampling import Sampler, Stages, mark_nonfinite
 from .driver import CAPTURE_MODE, done_flags, exchange_views, host_prologue, native_batches
 from ..instructions import run_instructions
 from .lanes import Lanes
@@ -253,7 +253,10 @@ class DecodeGraph:
     def _launch_run(self, bound: Bound, state, steps: int, sampler: Sampler | None) -> torch.Tensor:
         """The bound's run of `steps` steps (inputs written) launched, captured after its first
         (eager) launch; returns its ids [batch, steps] (int64, CPU)."""
-        key = (steps, sampler.key if sampler is not None else None)
+        # a sampled run is captured per set of selection stages its rows need (a graph of fewer
+        # stages is replayed only for rows that need no more)
+        stages = sampler.stages() if sampler is not None else None
+        key = (steps, sampler.key if sampler is not None else None, stages)
         if key not in bound.runs:
             bound.runs[key] = TokenRun(torch.zeros(steps, bound.batch, dtype=torch.int64, pin_memory=True))
         run = bound.runs[key]
@@ -265,7 +268,7 @@ class DecodeGraph:
             if graph is None:
                 self.gpu.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self.gpu):
-                    self._issue(bound, state, None, steps, run, sampler)
+                    self._issue(bound, state, None, steps, run, sampler, stages)
             else:
                 with torch.cuda.stream(self.gpu):
                     graph.replay()
@@ -273,7 +276,7 @@ class DecodeGraph:
         native.sync()
         ids = run.ids.clone().T.contiguous()
         if graph is None and self.capture:
-            self._capture_run(bound, state, run, sampler)
+            self._capture_run(bound, state, run, sampler, stages)
         return ids
 
     def _lookups(self, b: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
@@ -302,13 +305,13 @@ class DecodeGraph:
             out.append((view, table))
         return out
 
-    def _capture_run(self, bound: Bound, state, run: TokenRun, sampler: Sampler | None) -> None:
+    def _capture_run(self, bound: Bound, state, run: TokenRun, sampler: Sampler | None, stages: Stages | None) -> None:
         graph = torch.cuda.CUDAGraph()
         self._prepare_recorder()
         torch.cuda.synchronize()
         try:
             with torch.cuda.graph(graph, stream=self.gpu, capture_error_mode=CAPTURE_MODE):
-                run.keep, _ = self._issue(bound, state, None, run.ids.shape[0], run, sampler)
+                run.keep, _ = self._issue(bound, state, None, run.ids.shape[0], run, sampler, stages)
         except torch.cuda.OutOfMemoryError:
             raise self._oom(bound) from None
         run.graph = graph
@@ -410,12 +413,11 @@ class DecodeGraph:
                            "limit (vram_gb), and recompile")
 
     def _issue(self, bound: Bound, state, timer, steps: int = 1, run: TokenRun | None = None,
-               sampler: Sampler | None = None) -> tuple[list, torch.Tensor]:
+               sampler: Sampler | None = None, stages: Stages | None = None) -> tuple[list, torch.Tensor]:
         """Issue the plan's instructions in order on the streams; returns every value (kept alive
         with the graph that reads them) and the logits [batch, vocab] on the GPU, which stay there
         unless the caller asks for them. Each step's token is selected on the GPU: the argmax, or
-        with a `sampler` the token it selects (its every stage issued: a graph replays whatever
-        the rows' parameters become). Without a `run`, one step whose token goes to the pinned
+        with a `sampler` the token it selects by `stages` (the run's key: its rows need no more). Without a `run`, one step whose token goes to the pinned
         `next_ids` (8 bytes a row cross instead of the logits).
 
         With a `run` of K steps (`run_tokens`), K decode steps one after another: step k's
@@ -429,7 +431,7 @@ class DecodeGraph:
             values, out = self._issue_step(bound, self._ctx(bound, state, k), timer)
             kept += values
             # -1 in a row whose logits are not finite: the host refuses it (errors.require_finite)
-            ids = sampler.select(out, captured=True) if sampler is not None else mark_nonfinite(out, out.argmax(-1))
+            ids = sampler.select(out, stages) if sampler is not None else mark_nonfinite(out, out.argmax(-1))
             if run is None:
                 pinned_copy.copy(bound.next_ids, ids)
                 break
