@@ -1194,5 +1194,54 @@ def test_a_tokenizer_llguidance_cannot_read_leaves_the_server_starting(caplog):
     with caplog.at_level("WARNING", logger="ktflow.serve"):
         assert g.warm() is False
     assert "llguidance cannot read this tokenizer" in caplog.text
-    with pytest.raises(ValueError):
-        g.compile({"type": "json_object"})
+    import llguidance
+
+    made = []
+    real = llguidance.LLTokenizer
+
+    def counted(*args, **kw):
+        made.append(1)
+        return real(*args, **kw)
+
+    llguidance.LLTokenizer = counted
+    try:
+        for _ in range(2):  # each request hears the refusal, and llguidance is not asked again
+            with pytest.raises(ValueError, match="llguidance cannot read this tokenizer"):
+                g.compile({"type": "json_object"})
+    finally:
+        llguidance.LLTokenizer = real
+    assert made == []
+
+
+def test_a_grammar_is_built_once_and_each_matcher_starts_fresh(tok):
+    """compile() builds a grammar's matcher and keeps it: the request's matcher and a schema sent
+    again are copies, not new compiles; a copy advanced leaves the next one at the start."""
+    pytest.importorskip("llguidance")
+    import llguidance
+
+    from ktflow.serve.grammar import Grammars
+
+    g = Grammars(tok, 2048, tok.eos_ids)
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+    built = []
+    real = llguidance.LLMatcher
+
+    class Counted:  # (LLMatcher cannot be subclassed) its statics, and counted construction
+        def __new__(cls, *args, **kw):
+            built.append(1)
+            return real(*args, **kw)
+
+    Counted.grammar_from_json_schema = real.grammar_from_json_schema
+    llguidance.LLMatcher = Counted
+    try:
+        grammar = g.compile(fmt)
+        first = g.matcher(grammar)
+        assert g.compile(fmt) == grammar
+        second = g.matcher(grammar)
+    finally:
+        llguidance.LLMatcher = real
+    assert len(built) == 1
+    brace = tok.tok.encode("{", add_special_tokens=False).ids[0]
+    first.advance(brace)
+    bits = lambda m: int.from_bytes(m.bitmask(), "little")  # noqa: E731
+    assert bits(second) != bits(first) and bits(second) == bits(g.matcher(grammar))

@@ -3,9 +3,12 @@ masks each step's logits to the tokens the grammar allows (llguidance).
 
 `Grammars(tokenizer, vocab, eos_ids)` holds the tokenizer as llguidance reads it (made by `warm()`,
 which the server calls at start, or on first use: up to seconds for a large vocabulary; the server
-compiles grammars off its event loop). `compile(response_format)` gives the grammar text of
-json_object (any JSON object) or json_schema (that schema), JSON written without free whitespace,
-or a ValueError naming what is wrong; `matcher(grammar)` a fresh `Matcher`. A Matcher's `bitmask()`
+compiles grammars off its event loop; a tokenizer llguidance refused is refused again at once).
+`compile(response_format)` gives the grammar text of json_object (any JSON object) or json_schema
+(that schema), JSON written without free whitespace, or a ValueError naming what is wrong; it
+builds the grammar's matcher once, kept (the last PROTOTYPES grammars) so that `matcher(grammar)`,
+a fresh `Matcher`, is a copy of it: a request's grammar is compiled once, a schema sent again not
+at all. A Matcher's `bitmask()`
 is the tokens the grammar allows next, in the layout `backends.sampling.Sampler.set_allowed` reads
 (the sampler masks the others inside the step, on the device); `advance(token)` takes the selected
 token; once the value is complete the grammar allows only an eos token, so the sequence ends there.
@@ -15,9 +18,14 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+from collections import OrderedDict
 from typing import Any
 
 log = logging.getLogger("ktflow.serve")
+
+#: grammars whose built matcher is kept (agents send the same schema or tools every turn)
+PROTOTYPES = 64
 
 
 class Matcher:
@@ -44,6 +52,9 @@ class Grammars:
     def __init__(self, tokenizer, vocab: int, eos_ids):
         self.tokenizer, self.vocab, self.eos = tokenizer, vocab, sorted(eos_ids)
         self._ll = None
+        self._refused: str | None = None  # why llguidance could not read the tokenizer
+        self._built: OrderedDict[str, Any] = OrderedDict()  # grammar text -> its matcher, never advanced
+        self._lock = threading.Lock()  # compiles run in worker threads, matchers are made on the engine's
 
     def warm(self) -> bool:
         """Make the tokenizer as llguidance reads it now (a server does at start, so no request
@@ -54,7 +65,7 @@ class Grammars:
         except ImportError:
             return False
         except Exception as e:  # noqa: BLE001 - llguidance's own error: each structured request reports it
-            log.warning(f"structured output will be refused: llguidance cannot read this tokenizer ({e})")
+            log.warning(f"{e}: structured requests will be refused")
             return False
         return True
 
@@ -62,8 +73,33 @@ class Grammars:
         if self._ll is None:
             import llguidance
 
-            self._ll = llguidance.LLTokenizer(self.tokenizer.tok.to_str(), n_vocab=self.vocab, eos_token=self.eos)
+            if self._refused is not None:
+                raise ValueError(self._refused)
+            try:
+                self._ll = llguidance.LLTokenizer(self.tokenizer.tok.to_str(), n_vocab=self.vocab, eos_token=self.eos)
+            except Exception as e:  # noqa: BLE001 - llguidance's own error, kept: every later request hears it
+                self._refused = f"structured output is not available: llguidance cannot read this tokenizer ({e})"
+                raise ValueError(self._refused) from None
         return self._ll
+
+    def _prototype(self, grammar: str, what: str):
+        """The built matcher of `grammar` (kept, never advanced); a ValueError starting with `what`
+        where llguidance refuses the grammar."""
+        with self._lock:
+            m = self._built.get(grammar)
+            if m is not None:
+                self._built.move_to_end(grammar)
+                return m
+        import llguidance
+
+        m = llguidance.LLMatcher(self._llt(), grammar, log_level=0)
+        if m.is_error():
+            raise ValueError(f"{what}: {m.get_error().splitlines()[0]}")
+        with self._lock:
+            self._built[grammar] = m
+            while len(self._built) > PROTOTYPES:
+                self._built.popitem(last=False)
+        return m
 
     def compile(self, response_format: dict[str, Any]) -> str:
         """The grammar text of `response_format` (type json_object or json_schema); a ValueError
@@ -85,9 +121,7 @@ class Grammars:
                                                                       defaults={"whitespace_flexible": False})
         except ValueError as e:
             raise ValueError(f"response_format: the schema is not usable: {e}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._llt())
-        if error:
-            raise ValueError(f"response_format: the schema is not usable: {error.splitlines()[0]}")
+        self._prototype(grammar, "response_format: the schema is not usable")
         return grammar
 
     def tool_call(self, tools: list[dict[str, Any]], choice, parser) -> str:
@@ -105,15 +139,11 @@ class Grammars:
             raise ValueError(f"tool_choice names function {named!r}, which is not among the tools")
         schema = {"anyOf": calls, "x-guidance": {"whitespace_flexible": False}}
         grammar = llguidance.LLMatcher.grammar_from_lark(parser.lark(json.dumps(schema)))
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._llt())
-        if error:
-            raise ValueError(f"tools: a call of these tools cannot be constrained: {error.splitlines()[0]}")
+        self._prototype(grammar, "tools: a call of these tools cannot be constrained")
         return grammar
 
     def matcher(self, grammar: str) -> Matcher:
-        import llguidance
-
-        m = llguidance.LLMatcher(self._llt(), grammar, log_level=0)
-        if m.is_error():
-            raise ValueError(f"response_format: {m.get_error()}")
-        return Matcher(m, self.vocab)
+        """A fresh Matcher at the start of `grammar` (a copy of its built one)."""
+        proto = self._prototype(grammar, "structured output: the grammar is not usable")
+        with self._lock:
+            return Matcher(proto.deep_copy(), self.vocab)
