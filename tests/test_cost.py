@@ -259,3 +259,34 @@ def test_cpu_experts_are_priced_and_held_at_their_packed_size():
     step = {fmt: p.predicted_step_us for fmt, p in plans.items()}
     # the expert reads halve; attention and the dense weights do not (before: the same for all three)
     assert 0.5 < step["int8"] / step["bf16"] < 0.8 and step["int4"] < 0.85 * step["int8"]
+
+
+def test_neighbouring_tokens_read_the_experts_they_share_once():
+    """A verification step's consecutive tokens (Work.neighbour_probs c_e): two tokens hit expert
+    e with probability 2 p_e - c_e (independent ones: 2 p_e - p_e^2), never below p_e; without
+    neighbour co-picks the independent count stands."""
+    from ktflow.ir.ops import RoutedExpertsAttrs, experts_hit_fraction
+
+    a = RoutedExpertsAttrs(layer=1, hidden=8, inter=8, experts=4, top_k=2)
+    p = (0.9, 0.5, 0.4, 0.2)
+    c = (0.85, 0.1, 0.4, 0.0)
+    independent = experts_hit_fraction(a, Work(tokens=2, context=1, expert_probs=p))
+    assert independent == pytest.approx(sum(2 * q - q * q for q in p) / 4)
+    near = experts_hit_fraction(a, Work(tokens=2, context=1, expert_probs=p, neighbour_probs=c))
+    # c_e below p_e^2 (expert 1, 3) counts as independent; c_e of p_e (expert 2): hit as by one token
+    assert near == pytest.approx(((2 * .9 - .85) + (2 * .5 - .25) + .4 + (2 * .2 - .04)) / 4)
+    assert experts_hit_fraction(a, Work(tokens=1, context=1, expert_probs=p, neighbour_probs=c)) == \
+        pytest.approx(sum(p) / 4)
+
+
+def test_neighbour_copicks_count_consecutive_decoded_pairs():
+    import torch
+
+    from ktflow.runtime.routing import neighbour_copicks
+
+    steps = torch.tensor([[1, 1, 0], [1, 0, 1], [1, 0, 1]], dtype=torch.uint8)  # 3 steps, 3 experts
+    other = torch.tensor([[0, 1, 1], [0, 1, 1]], dtype=torch.uint8)
+    got = neighbour_copicks([{5: (torch.zeros(3), steps)}, {5: (torch.zeros(3), other)}])
+    # pairs: (s0, s1), (s1, s2), (o0, o1): expert 0 in both twice, expert 1 once, expert 2 twice
+    assert got == {5: [pytest.approx(2 / 3), pytest.approx(1 / 3), pytest.approx(2 / 3)]}
+    assert neighbour_copicks([{5: (torch.zeros(3), steps[:1])}]) is None

@@ -287,3 +287,97 @@ def test_sampled_speculation_follows_the_samplers_rules(v3_pair):
     a, sa = speculative_sampled(main, mtp, prompt, 12, hot)
     b, _ = speculative_sampled(main, mtp, prompt, 12, hot)
     assert a == b and len(a) == 12 and all(0 <= t < model.config.vocab_size for t in a) and sa.steps >= 6
+
+
+@pytest.mark.parametrize("shift,expect", [(0, 1.0), (1, 0.0)])
+def test_the_acceptance_rate_counts_drafts_equal_to_the_models_next_greedy_token(v3_pair, monkeypatch, shift, expect):
+    """acceptance_rate (teacher-forced): the MTP's draft at each position i + 2 against the main
+    model's argmax after token i + 1; drafts forced to it give 1, forced next to it 0, over n - 2
+    positions."""
+    import ktflow.runtime.speculative as spec
+
+    model, main, mtp = v3_pair
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    greedy = ktflow.execute(main, torch.tensor([ids]), logits="all")[0][0].argmax(-1)  # position j's next token
+    real = spec.execute
+
+    def forced(compiled, x, state=None, **kw):
+        out, st = real(compiled, x, state, **kw)
+        if compiled is mtp:  # MTP position i pairs h_i with token i + 1: the right draft is greedy[i + 1]
+            out = torch.zeros_like(out)
+            for i in range(out.shape[1]):
+                out[0, i, (int(greedy[i + 1]) + shift) % vocab] = 1.0
+        return out, st
+
+    monkeypatch.setattr(spec, "execute", forced)
+    assert spec.acceptance_rate(main, mtp, [ids, ids[:2]]) == (expect, 10)  # (a 2-token prompt counts nothing)
+
+
+def test_the_compile_prices_speculation_and_generate_follows_its_choice(v3_pair, tmp_path):
+    """speculate='auto': off without an acceptance rate, on where the priced gain passes the margin,
+    off where it does not, each with its cause; a plan that speculates keeps the MTP's plans
+    (saved and loaded with it), and generate's greedy tokens are plain decoding's."""
+    from ktflow.costmodel.speculation import MARGIN
+    from ktflow.runtime.generate import generate_with_stats
+
+    model, main, _ = v3_pair
+    opts = dict(hw="cpu", max_seq_len=64, dtype="float32")
+    assert main.plans.speculation.k == 0 and "no acceptance rate" in main.plans.speculation.cause
+    assert main.draft is None
+    high = ktflow.compile(model, mtp_acceptance=0.95, **opts)
+    low = ktflow.compile(model, mtp_acceptance=0.05, **opts)
+    sp = high.plans.speculation
+    assert sp.k == 1 and sp.gains[1] > 1 + MARGIN and high.draft is not None
+    # the verification steps run on a bucket of their own (two tokens, priced as the choice was)
+    verify = high.prefill_plan(2)
+    assert verify.step_tokens == 2 and verify.predicted_step_us == sp.verify_us[1]
+    assert all(p.step_tokens != 2 for p in low.prefill)
+    assert low.plans.speculation.k == 0 and low.plans.speculation.gains[1] < 1 and low.draft is None
+    # the gain is the cost model's: tokens a step over the step's time against plain decoding's
+    assert sp.gains[1] == pytest.approx(1.95 * sp.decode_us / (sp.verify_us[1] + sp.draft_us))
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(5))
+    want = ktflow.generate(main, ids, 16, eos_token_id=None)
+    got, stats = generate_with_stats(high, ids, 16, eos_token_id=None)
+    assert torch.equal(got, want) and stats.speculative is not None and stats.speculative.steps >= 8
+    high.save(tmp_path / "plan.json")
+    back = ktflow.Compiled.load(tmp_path / "plan.json", model)
+    assert back.draft is not None and back.plans.speculation == sp
+    assert torch.equal(ktflow.generate(back, ids, 16, eos_token_id=None), want)
+    with pytest.raises(ConfigError, match="max_batch"):
+        ktflow.compile(model, speculate=1, mtp_acceptance=0.5, max_batch=2, **opts)
+
+
+def test_profile_measures_the_acceptance_and_compile_prices_speculation_by_it(mtp_dirs, tmp_path):
+    """`ktflow profile --mtp` records the MTP draft's acceptance rate and the neighbour co-picks in
+    the routing profile; `ktflow compile --routing-profile` prices speculation by them (--explain
+    names the source)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    src, _, _ = mtp_dirs("deepseek_v3", True)
+    d = tmp_path / "ckpt"
+    shutil.copytree(src, d)
+    vocab = json.loads((d / "config.json").read_text())["vocab_size"]
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    g = torch.Generator().manual_seed(2)
+    (tmp_path / "p.txt").write_text("\n".join(" ".join(f"w{int(i)}" for i in torch.randint(0, vocab, (12,), generator=g))
+                                              for _ in range(3)) + "\n")
+    opts = ["--hw", "cpu", "--dtype", "float32", "--max-seq-len", "64"]
+    prof = subprocess.run([sys.executable, "-m", "ktflow", "profile", str(d), "--prompts", str(tmp_path / "p.txt"),
+                           "-o", str(tmp_path / "r.json"), "--decode", "4", "--mtp", *opts],
+                          capture_output=True, text=True, timeout=300)
+    assert prof.returncode == 0, prof.stderr
+    assert "greedy draft equalled the model's next token" in prof.stdout
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert 0.0 <= r["mtp_acceptance"] <= 1.0 and set(map(int, r["neighbours"])) == set(map(int, r["layers"]))
+    out = subprocess.run([sys.executable, "-m", "ktflow", "compile", str(d), "--routing-profile", str(tmp_path / "r.json"),
+                          "--explain", *opts], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"acceptance {r['mtp_acceptance']:.2f} (the routing profile)" in out.stdout

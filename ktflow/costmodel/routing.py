@@ -49,6 +49,12 @@ class RoutingProfile(BaseModel):
     #: optional, `pairs[layer][i][j]`: the fraction of tokens that pick both experts i and j (the
     #: diagonal is `layers`); measured by `ktflow profile --pairs`, not read by placement yet
     pairs: dict[int, list[list[float]]] | None = None
+    #: optional: how often the checkpoint's multi-token-prediction layer's greedy draft equals the
+    #: model's next greedy token, over the profiled text (`ktflow profile --mtp`); speculation is priced by it
+    mtp_acceptance: float | None = None
+    #: optional, `neighbours[layer][e]`: the fraction of neighbouring decoded token pairs that both
+    #: pick expert e (`ktflow profile --decode N`); a speculative verification step is priced by it
+    neighbours: dict[int, list[float]] | None = None
     #: optional, `cache[N][layer]`: what an expert cache refilled every N decoded tokens served
     #: on the profiled conversations (`ktflow profile --decode`); placement prices cached layers by it
     cache: dict[int, dict[int, CacheCurve]] | None = None
@@ -62,6 +68,21 @@ class RoutingProfile(BaseModel):
         for layer, fr in v.items():
             if not fr or any(not 0.0 <= f <= 1.0 for f in fr):
                 raise ValueError(f"layer {layer}: every expert frequency must be in [0, 1]")
+        return v
+
+    @field_validator("neighbours")
+    @classmethod
+    def _neighbour_fractions(cls, v):
+        for layer, fr in (v or {}).items():
+            if not fr or any(not 0.0 <= f <= 1.0 for f in fr):
+                raise ValueError(f"neighbours, layer {layer}: every expert's co-pick fraction must be in [0, 1]")
+        return v
+
+    @field_validator("mtp_acceptance")
+    @classmethod
+    def _rate(cls, v):
+        if v is not None and not 0.0 <= v <= 1.0:
+            raise ValueError(f"mtp_acceptance must be in [0, 1], got {v}")
         return v
 
     @field_validator("cache_batched")
@@ -101,6 +122,10 @@ class RoutingProfile(BaseModel):
                 if abs(sum(fr) - n.attrs.top_k) > 0.05 * n.attrs.top_k:
                     raise ConfigError(f"routing profile: layer {n.attrs.layer} frequencies sum to {sum(fr):.3f}, "
                                       f"expected top_k = {n.attrs.top_k}")
+                near = (self.neighbours or {}).get(n.attrs.layer)
+                if near is not None and len(near) != n.attrs.experts:
+                    raise ConfigError(f"routing profile: layer {n.attrs.layer}'s neighbour co-picks list {len(near)} "
+                                      f"experts, the model has {n.attrs.experts}")
                 tables = [(1, self.cache or {})] + sorted((self.cache_batched or {}).items())
                 for batch, table in tables:
                     for every, curves in table.items():

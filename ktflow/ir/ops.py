@@ -389,6 +389,10 @@ class Work:
     batch: int = 1
     #: per-expert pick probabilities of this layer (a routing profile); None = uniform k/E
     expert_probs: tuple[float, ...] | None = None
+    #: where the tokens are one sequence's consecutive ones (a speculative verification step): per
+    #: expert, the chance that two neighbouring tokens both pick it (a routing profile's); None:
+    #: the tokens' picks are independent
+    neighbour_probs: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -452,11 +456,17 @@ def _expert_probs(a: RoutedExpertsAttrs, w: Work) -> list[float]:
 
 def experts_hit_fraction(a: RoutedExpertsAttrs, w: Work) -> float:
     """Expected fraction of the node's experts hit by `tokens` tokens: mean over its experts
-    of 1 - (1 - p_e)^T."""
+    of 1 - (1 - p_e)^T. Neighbouring tokens (`neighbour_probs`, c_e) share an expert more often
+    than independent ones (p_e^2): each of the T - 1 neighbour pairs takes c_e - p_e^2 off (exact
+    for T = 2; never below p_e)."""
     if w.expert_probs is None:  # uniform: every expert alike (the common case, priced often)
         return 1.0 - (1.0 - a.top_k / a.experts * a.rank_fraction) ** w.tokens
     p = _expert_probs(a, w)
-    return sum(1.0 - (1.0 - q) ** w.tokens for q in p) / len(p)
+    if w.neighbour_probs is None or w.tokens < 2:
+        return sum(1.0 - (1.0 - q) ** w.tokens for q in p) / len(p)
+    c = [min(w.neighbour_probs[e], 1.0) * a.rank_fraction for e in a.ids]
+    t = w.tokens
+    return sum(max(q, 1.0 - (1.0 - q) ** t - (t - 1) * max(0.0, ce - q * q)) for q, ce in zip(p, c)) / len(p)
 
 
 def _experts_flops(a: RoutedExpertsAttrs, w: Work) -> float:

@@ -25,10 +25,14 @@ def cost_in(n: Node, g: Graph, ctx: CompileContext, *, work: Work | None = None,
 
 def step_work(n: Node, ctx: CompileContext) -> Work:
     """The step size the plan is for, with the routing profile's probabilities for routed experts."""
-    probs = None
+    probs = neighbours = None
     if ctx.routing is not None and n.op == Op.ROUTED_EXPERTS:
         probs = ctx.routing.probs(n.attrs.layer)
-    return Work(tokens=ctx.tokens, context=ctx.context, batch=ctx.batch, expert_probs=probs)
+        if ctx.consecutive and ctx.routing.neighbours:
+            got = ctx.routing.neighbours.get(n.attrs.layer)
+            neighbours = tuple(got) if got is not None else None
+    return Work(tokens=ctx.tokens, context=ctx.context, batch=ctx.batch, expert_probs=probs,
+                neighbour_probs=neighbours)
 
 
 @compiler_pass(requires="spec", produces="costed")

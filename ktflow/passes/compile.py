@@ -27,6 +27,7 @@ from ..util import notices
 from ..util.progress import bar
 from . import PIPELINE, PassTimer, default_instruments, edit_pipeline, pass_id, run_pipeline
 from .schedule import instructions_of
+from .speculation import decide as decide_speculation
 from .vram_plan import bucket_grid, decide
 
 
@@ -106,8 +107,21 @@ def compile_plans(model: Any, hw: HwProfile, opts: CompileOptions, device: str, 
     info = ModelInfo(model_type=cfg.model_type, fingerprint=model.fingerprint, path=str(model.path.resolve()),
                      layers=cfg.num_hidden_layers)
     prefill = _fetch_packs(decode, prefill)
-    pf = PlanFile(model=info, hw=hw, options=opts, prefill=prefill, decode=_with_staging(decode, prefill),
-                  pipeline=[pass_id(fn) for fn, _ in pipeline], vram=vram)
+    decode = _with_staging(decode, prefill)
+    # speculative decoding with the model's MTP layer: its own plans, where the cost model keeps it
+    left = None if vram is None else (vram.limit_bytes - max(p.memory.gpu_bytes for p in (decode, *prefill))) / 1e9
+
+    def verify_plan(t: int) -> Plan:  # t consecutive tokens of one sequence, attending as a decode step does
+        ctx = replace(context("prefill", t, share), context=max_seq // 2, consecutive=True)
+        return _shared_staging([*prefill, _compile_plan(spec, ctx, (), pipeline)])[-1]
+
+    speculation, draft, verify = decide_speculation(
+        model, opts, device, decode, routing, verify_plan,
+        compile_part=lambda part, o: compile_plans(part, hw, o, device, passes=passes), gpu_left_gb=left)
+    if verify is not None and all(p.step_tokens != verify.step_tokens for p in prefill):
+        prefill = _fetch_packs(decode, sorted([*prefill, verify], key=lambda p: p.step_tokens))
+    pf = PlanFile(model=info, hw=hw, options=opts, prefill=prefill, decode=decode,
+                  pipeline=[pass_id(fn) for fn, _ in pipeline], vram=vram, speculation=speculation, draft=draft)
     if not opts.allow_oversize:
         _check_fits(pf, runnable=model.weights is not None)
     return pf

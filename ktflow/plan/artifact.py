@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from ..errors import PlanError
 from ..util.fsutil import write_atomic
 from ..costmodel.hw import HwProfile
+from ..costmodel.speculation import SpeculationChoice
 from ..ir.graph import Graph
 from ..ir.printer import print_graph
 from ..ir.types import Buffer
@@ -328,6 +329,10 @@ class PlanFile(BaseModel):
     pipeline: list[str] = []
     #: how the VRAM limit was shared between decode residency and prefill (None: no GPU to share)
     vram: VramPlan | None = None
+    #: the decision on speculative decoding (None: the model has no MTP layer, or speculate=0)
+    speculation: SpeculationChoice | None = None
+    #: the MTP layer's own plans, the draft of speculative decoding (where speculation.k >= 1)
+    draft: "PlanFile | None" = None
 
     @property
     def plans(self) -> list[Plan]:
@@ -403,6 +408,11 @@ class PlanFile(BaseModel):
                        f"{v.decode_cost:+.1%}, prefill of {'/'.join(map(str, v.prompts))} tokens "
                        f"{v.rates(v.prefill_s)} tok/s against {v.rates(v.prefill_s_without)} decode first (workload "
                        f"{v.workload.split(':')[0]}; --explain shows the candidates)")
+        if self.speculation is not None:
+            sp = self.speculation
+            draft = f"; draft (MTP layer) decode step {self.draft.decode.predicted_step_us / 1e3:.2f} ms" \
+                if self.draft is not None else ""
+            out.append(f"speculate k={sp.k}: {sp.cause}{draft}")
         builtin = all(p.startswith("ktflow.passes.") for p in self.pipeline)
         if self.pipeline and not builtin:  # a plan made with custom passes says so
             out.append("pipeline  " + " -> ".join(self.pipeline))

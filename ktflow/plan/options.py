@@ -110,6 +110,14 @@ class CompileOptions(BaseModel):
                       "the CPU experts (one copy in host memory). vram_gb and the budgets are per GPU")
     rank: int = Field(0, ge=0, description="the rank (0..gpus-1) whose plans these are: every rank's plans are the "
                       "same graph with its own experts and the same collectives")
+    speculate: Literal["auto"] | int = Field(
+        "auto", description="speculative decoding with the checkpoint's multi-token-prediction (MTP) layer: drafts "
+        "a step (0: off; 1: one MTP draft verified with the next token, the one built) or auto (the cost model "
+        "chooses, where the MTP layer, an acceptance rate and a runtime that runs it are there; `--explain` says "
+        "why). Greedy tokens stay those of plain decoding; sampled ones follow its distribution")
+    mtp_acceptance: float | None = Field(None, gt=0, lt=1, description="the MTP draft's acceptance rate the "
+                                         "speculation is priced with; default: the routing profile's (`ktflow "
+                                         "profile --mtp` measures it)")
     allow_oversize: bool = Field(False, description="compile even where a plan's predicted GPU or host memory "
                                  "exceeds the hardware profile's (a plan for another machine); default: an error "
                                  "with the numbers")
@@ -119,6 +127,14 @@ class CompileOptions(BaseModel):
         if self.rank >= self.gpus:
             raise ValueError(f"rank={self.rank} is not one of the {self.gpus} ranks (0..{self.gpus - 1})")
         return self
+
+    @field_validator("speculate")
+    @classmethod
+    def _drafts(cls, v):
+        if v != "auto" and not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1):
+            raise ValueError(f"speculate must be 'auto', 0 (off) or 1 (one MTP draft a step; longer chains are not "
+                             f"built), got {v!r}")
+        return v
 
     @field_validator("backend")
     @classmethod
@@ -175,6 +191,9 @@ class CompileContext:
     #: how the compile driver shared the VRAM limit between phases (ktflow.passes.vram_plan); None: a
     #: context built by hand, whose passes fall back to the options (`residency_budget`)
     vram: VramShare | None = None
+    #: the step's tokens are one sequence's consecutive ones (a speculative verification step):
+    #: routed experts are priced with the routing profile's neighbour co-picks where it has them
+    consecutive: bool = False
 
     @property
     def label(self) -> str:

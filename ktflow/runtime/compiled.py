@@ -29,6 +29,8 @@ class Compiled:
 
     def __init__(self, plans: PlanFile, model: Model | None):
         self.plans, self.model = plans, model
+        #: the MTP layer's compiled plans, where the compile chose speculative decoding (generate uses them)
+        self.draft = Compiled(plans.draft, model.mtp()) if plans.draft is not None and model is not None else None
         self._backend: Any = None
         self._executors: dict[int, Executor] = {}
         #: check every step's values for NaN and infinity (also KTFLOW_CHECK_FINITE=1): slower, for finding
@@ -84,12 +86,17 @@ class Compiled:
         if mtp and model.part != "mtp" and model.has_mtp:
             model = model.mtp()
         pf.require_model(model.fingerprint, path)
-        for plan in pf.plans:
-            bad = spec_mismatches(plan, model.graph(plan.ir.act_dtype))
-            if bad:
-                more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-                raise PlanError(f"plan file {path}: its {plan.phase} plan does not match the model at {model.path}: "
-                                f"{bad[0]}{more}. Recompile it with `ktflow compile`.")
+        parts = [(pf, model)]
+        if pf.draft is not None:  # the MTP layer's plans, the speculative draft
+            pf.draft.require_model(model.mtp().fingerprint, path)
+            parts.append((pf.draft, model.mtp()))
+        for plans, part in parts:
+            for plan in plans.plans:
+                bad = spec_mismatches(plan, part.graph(plan.ir.act_dtype))
+                if bad:
+                    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+                    raise PlanError(f"plan file {path}: its {plan.phase} plan does not match the model at {part.path}: "
+                                    f"{bad[0]}{more}. Recompile it with `ktflow compile`.")
         return Compiled(pf, model)
 
     def summary(self) -> str:

@@ -20,6 +20,7 @@ class GenerationStats:
     new_tokens: int  # all rows, decode steps only (the first new token comes from prefill)
     prefill_seconds: float
     decode_seconds: float
+    speculative: object | None = None  # a speculative run's SpeculativeStats (runtime/speculative.py)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -73,6 +74,11 @@ def token_steps(compiled, input_ids: torch.Tensor, max_new_tokens: int, *, tempe
     eos = eos_set(compiled, eos_token_id)
     eos_ids = torch.tensor(sorted(eos), dtype=torch.int64)  # made once: checked every step
     rows = input_ids.shape[0]
+    draft = getattr(compiled, "draft", None)
+    if draft is not None and state is None and rows == 1 and \
+            input_ids.shape[-1] + max_new_tokens + 1 <= min(compiled.max_seq_len, draft.max_seq_len):
+        yield from _speculated(compiled, input_ids, max_new_tokens, rows_params[0], eos, timing)
+        return
     own_state = state is None  # generate's own state: steps past an end-of-sequence token harm nothing
     step_out, state = execute(compiled, input_ids, state, logits="last")
     start_sampling(compiled, state, sampling, input_ids.cpu())
@@ -99,6 +105,26 @@ def token_steps(compiled, input_ids: torch.Tensor, max_new_tokens: int, *, tempe
             if not ahead and run > 1 and max_new_tokens - 1 - i >= run:
                 ahead = list(decode_tokens(compiled, nxt[:, None], state, run, sampled=sampled).unbind(1))
             timing["steps"] += 1
+    finally:
+        timing["end"] = time.perf_counter()
+
+
+def _speculated(compiled, input_ids: torch.Tensor, max_new_tokens: int, params: SamplingParams, eos: set[int],
+                timing: dict) -> Iterator[torch.Tensor]:
+    """token_steps for one row by speculative decoding with the compiled model's draft (the MTP
+    layer the compile chose, runtime/speculative.py); `timing` as token_steps fills it, with the
+    run's SpeculativeStats as 'speculative'."""
+    from .speculative import SpeculativeStats, speculative_tokens
+
+    stats = timing["speculative"] = SpeculativeStats()
+    try:
+        for i, t in enumerate(speculative_tokens(compiled, compiled.draft, input_ids[0].tolist(), max_new_tokens, eos,
+                                                 None if params.plain_greedy else params, stats)):
+            if i == 0:
+                timing["first"] = time.perf_counter()
+            else:
+                timing["steps"] += 1
+            yield torch.tensor([t])
     finally:
         timing["end"] = time.perf_counter()
 
@@ -139,5 +165,6 @@ def generate_with_stats(compiled, input_ids: torch.Tensor, max_new_tokens: int, 
     rows = input_ids.shape[0]
     first = timing.get("first", timing["start"])
     stats = GenerationStats(prompt_tokens=input_ids.numel(), new_tokens=timing["steps"] * rows,
-                            prefill_seconds=first - timing["start"], decode_seconds=timing["end"] - first)
+                            prefill_seconds=first - timing["start"], decode_seconds=timing["end"] - first,
+                            speculative=timing.get("speculative"))
     return torch.cat(out, dim=1).to(input_ids.device), stats

@@ -199,7 +199,9 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
     """Run each prompt (token ids) through `compiled`, then `decode` greedy tokens after it (or,
     with `continuations`, each prompt's continuation fed one decode step a token: teacher
     forcing), with a RoutingRecorder on every plan; returns the RoutingProfile of all the tokens
-    it routed. With decode steps, the profile also holds the expert cache's curves
+    it routed. With decode steps, the profile also holds how often neighbouring decoded tokens
+    pick the same expert (`neighbours`, which prices a speculative verification step) and the
+    expert cache's curves
     (`ktflow.runtime.cache_curves`): each conversation's picks are read step by step and the refill policy
     replayed on them, one conversation at a time (`cache`) and, for each B of BATCHES, B at a time
     in lockstep (`cache_batched`)."""
@@ -254,5 +256,24 @@ def record_routing(compiled, prompts: list[list[int]], decode: int = 0, pairs: b
                 per = {every: c for every, c in cache_curves(recorded, top_k, b, first=first).items() if c}
                 if per:
                     curves[b] = per
-        prof = prof.model_copy(update={"cache": curves.pop(1, None), "cache_batched": curves or None})
+        prof = prof.model_copy(update={"cache": curves.pop(1, None), "cache_batched": curves or None,
+                                       "neighbours": neighbour_copicks(recorded)})
     return prof
+
+
+def neighbour_copicks(recorded: list[dict[int, tuple[torch.Tensor, torch.Tensor]]]) -> dict[int, list[float]] | None:
+    """Per layer and expert, the fraction of neighbouring decoded token pairs (steps t, t + 1 of
+    one conversation) that both picked it, from record_routing's per-step picks; None where no
+    conversation decoded two steps."""
+    both: dict[int, torch.Tensor] = {}
+    pairs = 0
+    for conv in recorded:
+        for layer, (_, steps) in conv.items():
+            s = steps.float()
+            if s.shape[0] < 2:
+                continue
+            both[layer] = both.get(layer, 0) + (s[1:] * s[:-1]).sum(0)
+        pairs += max(next(iter(conv.values()))[1].shape[0] - 1, 0) if conv else 0
+    if not pairs or not both:
+        return None
+    return {layer: [round(float(v) / pairs, 6) for v in c] for layer, c in both.items()}

@@ -29,6 +29,7 @@ not plain sampling's tokens for a seed (the draws are made in another order).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -53,7 +54,8 @@ class SpeculativeStats:
 
     @property
     def tokens_per_step(self) -> float:
-        return self.tokens / self.steps if self.steps else 0.0
+        """Tokens a verification step yielded (the first token is the prompt step's)."""
+        return (self.tokens - 1) / self.steps if self.steps else 0.0
 
 
 def accept_drafts(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor, v: torch.Tensor
@@ -122,7 +124,16 @@ class _Draws:
 
 def _speculate(main, mtp, prompt: list[int], max_new_tokens: int, eos_ids, params: SamplingParams | None
                ) -> tuple[list[int], SpeculativeStats]:
-    """The loop of the module docstring; greedy where `params` is None, else sampled."""
+    stats = SpeculativeStats()
+    out = list(speculative_tokens(main, mtp, prompt, max_new_tokens, eos_ids, params, stats))
+    return out, stats
+
+
+def speculative_tokens(main, mtp, prompt: list[int], max_new_tokens: int, eos_ids, params: SamplingParams | None,
+                       stats: SpeculativeStats) -> Iterator[int]:
+    """The loop of the module docstring, each token yielded as it is known (greedy where `params`
+    is None or plain greedy, else sampled); `stats` counts the run. Ends after the first token in
+    `eos_ids` or the `max_new_tokens`-th."""
     if mtp.plans.model.fingerprint != part_fingerprint(main.plans.model.fingerprint, "mtp"):
         raise InputError("the draft is not this model's multi-token-prediction layer: compile model.mtp() of the "
                          "same checkpoint")
@@ -132,7 +143,6 @@ def _speculate(main, mtp, prompt: list[int], max_new_tokens: int, eos_ids, param
         raise InputError(f"{len(prompt)} prompt tokens and {max_new_tokens} new ones (and one draft) pass max_seq_len "
                          f"{min(main.max_seq_len, mtp.max_seq_len)}; compile both with a larger max_seq_len")
     eos = frozenset(eos_ids)
-    stats = SpeculativeStats()
     draws = None if params is None or params.plain_greedy else _Draws(main.vocab_size, params, prompt)
 
     def select(logits: torch.Tensor) -> int:  # the main model's token at a position
@@ -152,12 +162,13 @@ def _speculate(main, mtp, prompt: list[int], max_new_tokens: int, eos_ids, param
     state = State(main.plans.model.fingerprint, 1, main.max_seq_len, keep_hidden=True)
     logits, state = execute(main, ids, state, logits="last")
     pending = select(logits[0, -1])
-    out = [pending]
+    yield pending
+    made = stats.tokens = 1
     # the MTP over the prompt: position i pairs h_i with token i + 1 (the last with `pending`)
     mids = torch.tensor([prompt[1:] + [pending]])
     mlogits, mstate = execute(mtp, mids, None, logits="last", hidden=state.hidden_out)
     draft, q = propose(mlogits[0, -1])
-    while len(out) < max_new_tokens and pending not in eos:
+    while made < max_new_tokens and pending not in eos:
         p = state.position
         logits, state = execute(main, torch.tensor([[pending, draft]]), state, logits="all")
         h = state.hidden_out
@@ -170,18 +181,45 @@ def _speculate(main, mtp, prompt: list[int], max_new_tokens: int, eos_ids, param
             tok, kept_t = accept_drafts(draws.p(logits[0, 0]), q, torch.tensor([draft]), u, v)
             y0, kept = int(tok), bool(kept_t)
             draws.took(y0)
-        if kept and y0 not in eos and len(out) + 1 < max_new_tokens:
+        if kept and y0 not in eos and made + 1 < max_new_tokens:
             stats.accepted += 1
             new, pairs = [y0, select(logits[0, 1])], h
         else:
             state.position = p + 1  # the draft's entry is dropped
             new, pairs = [y0], h[:, :1]
-        out += new
+        for t in new:
+            yield t
+        made = stats.tokens = made + len(new)
         pending = new[-1]
-        if len(out) >= max_new_tokens or pending in eos:
+        if made >= max_new_tokens or pending in eos:
             break
         mlogits, mstate = execute(mtp, torch.tensor([new]), mstate, logits="last", hidden=pairs)
         draft, q = propose(mlogits[0, -1])
     # (a step takes its second token only with room left and its first not an eos: nothing to cut)
-    stats.tokens = len(out)
-    return out, stats
+
+
+@torch.inference_mode()
+def acceptance_rate(main, mtp, prompts: list[list[int]]) -> tuple[float, int]:
+    """(how often the MTP's greedy draft equals the main model's greedy token, the positions
+    counted), teacher-forced over `prompts` (token ids): at each position i + 2 of a prompt, the
+    draft made from (h_i, token i + 1) against the main model's argmax after token i + 1. What
+    speculation's cost model prices greedy decoding with (`ktflow profile --mtp` records it); on
+    a model's own output the rate may differ from the text's."""
+    if mtp.plans.model.fingerprint != part_fingerprint(main.plans.model.fingerprint, "mtp"):
+        raise InputError("the draft is not this model's multi-token-prediction layer: compile model.mtp() of the "
+                         "same checkpoint")
+    hits = total = 0
+    for ids in prompts:
+        ids = ids[:min(main.max_seq_len, mtp.max_seq_len)]
+        if len(ids) < 3:
+            continue
+        state = State(main.plans.model.fingerprint, 1, main.max_seq_len, keep_hidden=True)
+        logits, state = execute(main, torch.tensor([ids]), state, logits="all")
+        main_next = logits[0].argmax(-1)  # [n]: position i's greedy next token (that of i + 1)
+        mlogits, _ = execute(mtp, torch.tensor([ids[1:]]), None, logits="all", hidden=state.hidden_out[:, :-1])
+        drafts = mlogits[0].argmax(-1)  # [n - 1]: from (h_i, token i + 1), the token at i + 2
+        hits += int((drafts[:-1] == main_next[1:-1]).sum())
+        total += len(ids) - 2
+    if not total:
+        raise InputError("measuring the MTP's acceptance needs a prompt of at least 3 tokens")
+    return hits / total, total

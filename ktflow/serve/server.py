@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import faulthandler
 import io
+import logging
 import signal
 import socket
 import sys
@@ -25,6 +26,8 @@ from .grammar import Grammars
 from .runner import Runner, PoolRunner
 from .tokenizer import ServeTokenizer
 from .tool_parsers import parser_for
+
+log = logging.getLogger("ktflow.serve")
 
 
 @dataclass
@@ -47,6 +50,9 @@ def build(compiled, tokenizer: ServeTokenizer, model_name: str, *, max_batch: in
     prefixes unless `prefix_cache` is off, warmed: every slot's KV cache and every batch bucket's
     step made now) and the app."""
     eos = tokenizer.eos_ids | set(compiled.model.eos_ids if compiled.model is not None else ())
+    if getattr(compiled, "draft", None) is not None:
+        log.warning("the plan speculates with the model's MTP layer (speculate k=%d), but the serving engine's batched "
+                    "steps decode without it: `ktflow run` and ktflow.generate use it", compiled.plans.speculation.k)
     grammars = Grammars(tokenizer, compiled.vocab_size, eos)
     grammars.warm()  # llguidance's tokenizer made before serving: no request waits for it
     if runner is None:

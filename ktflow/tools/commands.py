@@ -35,6 +35,8 @@ def cmd_compile(a: argparse.Namespace) -> int:
         print(prefill_table(compiled.plans), end="")
         if compiled.plans.vram is not None:
             print(compiled.plans.vram.table(), end="")
+        if compiled.plans.speculation is not None:
+            print(compiled.plans.speculation.table(), end="")
     if a.text:
         print(compiled.as_text(), end="")
     where = "".join(f", wrote {f}" for f in (a.output, a.trace, a.report) if f)
@@ -278,6 +280,10 @@ def _print_generation(ids, out, st, tok=None, note: str = "") -> None:
         print(f"generated text {tok.decode(new)!r}")
     print(f"prefill: {st.prompt_tokens} tokens in {st.prefill_seconds:.3f} s = {st.prefill_tokens_per_s:.1f} tokens/s")
     print(f"decode:  {st.new_tokens} tokens in {st.decode_seconds:.3f} s = {st.decode_tokens_per_s:.1f} tokens/s")
+    sp = st.speculative
+    if sp is not None:
+        print(f"speculative: {sp.steps} verification steps, {sp.acceptance:.0%} of the drafts accepted, "
+              f"{sp.tokens_per_step:.2f} tokens a step")
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
@@ -427,6 +433,14 @@ def cmd_profile(a: argparse.Namespace) -> int:
             raise InputError(f"--prompts {a.prompts}, line {i + 1}: no tokens")
         prompts.append(ids)
     prof = record_routing(compiled, prompts, a.decode, pairs=a.pairs)
+    if a.mtp:  # the MTP draft's acceptance on the prompts, which prices speculative decoding
+        from ktflow.runtime.speculative import acceptance_rate
+
+        draft = ktflow.compile(model.mtp(), hw=a.hw, **{**opts, "speculate": 0})
+        rate, counted = acceptance_rate(compiled, draft, prompts)
+        prof = prof.model_copy(update=dict(mtp_acceptance=rate))
+        print(f"the MTP layer's greedy draft equalled the model's next token at {rate:.1%} of {counted} positions "
+              "(teacher-forced on the prompts)")
     write_atomic(a.output, prof.model_dump_json(indent=None) + "\n")
     top = []
     for layer, fr in list(prof.layers.items())[:3]:

@@ -1,0 +1,91 @@
+"""What speculative decoding with a checkpoint's multi-token-prediction (MTP) layer gains, priced
+from compiled steps.
+
+A speculative step drafts k tokens (k MTP steps) and verifies them in one main-model step over
+k + 1 tokens. With each draft accepted with probability a, independently, and the first rejection
+ending the step, a step yields E(k) = 1 + a + ... + a^k tokens. It takes t_verify(k + 1) + k *
+t_draft. Against plain decoding at t_decode a token, the gain is
+
+    gain(k) = E(k) * t_decode / (t_verify(k + 1) + k * t_draft).
+
+The verification step reads the union of its k + 1 tokens' experts: with routed experts in CPU
+memory that is what decides (for DeepSeek-V3, 256 experts top-8, two independent tokens read
+about 15.8 distinct experts against 8). The compile driver prices it by compiling the decode
+graph for k + 1 tokens, whose expert reads assume independent tokens (an upper bound: neighbouring
+tokens share experts more often). `choose` keeps the k of the largest gain, and k = 0 (plain
+decoding) unless that gain passes 1 + MARGIN: speculation has to pay for itself.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+#: speculation is chosen only where its predicted gain passes 1 + MARGIN
+MARGIN = 0.05
+
+
+def tokens_per_step(k: int, acceptance: float) -> float:
+    """E(k): the tokens a step of k drafts yields, each draft accepted with probability
+    `acceptance` until the first rejection (the verification's own token always counts)."""
+    return sum(acceptance ** i for i in range(k + 1))
+
+
+def gain(k: int, acceptance: float, decode_us: float, verify_us: float, draft_us: float) -> float:
+    """Plain decoding's time for the tokens a speculative step yields, over that step's time."""
+    if k == 0:
+        return 1.0
+    return tokens_per_step(k, acceptance) * decode_us / (verify_us + k * draft_us)
+
+
+class SpeculationChoice(BaseModel):
+    """The compile's decision on speculative decoding (ktflow.passes.compile), as --explain
+    prints it: k drafts a step (0: off), from which priced candidates, and why."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    k: int
+    acceptance: float | None  # the draft acceptance rate priced with (None: none known)
+    acceptance_source: str  # where it came from: the option, the routing profile, or none
+    decode_us: float | None = None  # a plain one-token decode step (batch 1)
+    verify_us: dict[int, float] = {}  # k -> the verification step over k + 1 tokens
+    draft_us: float | None = None  # one MTP step
+    gains: dict[int, float] = {}  # k -> predicted gain
+    cause: str
+
+    def table(self) -> str:
+        """The decision and its candidates, as `ktflow compile --explain` prints them."""
+        lines = [f"speculative decoding: k = {self.k} ({self.cause})"]
+        if self.gains:
+            lines.append(f"  plain decode step {self.decode_us / 1e3:.2f} ms, MTP draft step "
+                         f"{self.draft_us / 1e3:.2f} ms, acceptance {self.acceptance:.2f} ({self.acceptance_source})")
+            lines.append(f"  {'k':>3s} {'verify ms':>10s} {'tokens/step':>12s} {'gain':>6s}")
+            for k, g in sorted(self.gains.items()):
+                verify = f"{self.verify_us[k] / 1e3:10.2f}" if k in self.verify_us else f"{'-':>10s}"
+                mark = "*" if k == self.k else " "
+                lines.append(f"  {mark}{k:>2d} {verify} {tokens_per_step(k, self.acceptance):12.2f} {g:6.2f}")
+        return "\n".join(lines) + "\n"
+
+
+def choose(acceptance: float, source: str, decode_us: float, verify_us: dict[int, float], draft_us: float
+           ) -> SpeculationChoice:
+    """The k of the largest predicted gain among 0 and the priced ones (`verify_us`' keys), 0
+    unless its gain passes 1 + MARGIN; the cause names the numbers."""
+    gains = {0: 1.0, **{k: gain(k, acceptance, decode_us, v, draft_us) for k, v in verify_us.items()}}
+    best = max(gains, key=lambda k: (gains[k], -k))
+    if best and gains[best] < 1 + MARGIN:
+        best = 0
+    if best:
+        cause = (f"predicted {gains[best]:.2f}x plain decoding: {tokens_per_step(best, acceptance):.2f} tokens a "
+                 f"step of {(verify_us[best] + best * draft_us) / 1e3:.2f} ms against {decode_us / 1e3:.2f} ms a token")
+    else:
+        top = max((k for k in gains if k), key=lambda k: gains[k], default=None)
+        cause = ("no draft length priced" if top is None else
+                 f"the best, k = {top}, predicted {gains[top]:.2f}x plain decoding, not above {1 + MARGIN:.2f}x: "
+                 f"{tokens_per_step(top, acceptance):.2f} tokens a step of "
+                 f"{(verify_us[top] + top * draft_us) / 1e3:.2f} ms against {decode_us / 1e3:.2f} ms a token")
+    return SpeculationChoice(k=best, acceptance=acceptance, acceptance_source=source, decode_us=decode_us,
+                             verify_us=verify_us, draft_us=draft_us, gains=gains, cause=cause)
+
+
+def off(cause: str, acceptance: float | None = None, source: str = "none") -> SpeculationChoice:
+    """k = 0 without pricing, for `cause` (what the runtime or the options do not allow)."""
+    return SpeculationChoice(k=0, acceptance=acceptance, acceptance_source=source, cause=cause)

@@ -1,0 +1,85 @@
+"""The compile's decision on speculative decoding with the checkpoint's multi-token-prediction (MTP)
+layer (`decide`): how many drafts a step, priced by the cost model (ktflow.costmodel.speculation).
+
+Algorithm: where the options ask for it (speculate 'auto' or 1) and the model declares an MTP
+layer, the decision is refused with its cause (k = 0, or an error where speculate=1 asked for it)
+while any precondition fails: the layer's weights in the checkpoint; one sequence a step
+(max_batch 1 and one rank: the speculative loop is built for that); a backend that runs the steps eagerly
+(the captured CUDA-graph step takes no hidden states yet); an acceptance rate (the option, else
+the routing profile's, measured by `ktflow profile --mtp`). Then the MTP layer is compiled as a
+plan file of its own (`compile_part`: the same options, its VRAM what the main plans leave), the
+verification step is compiled as a prefill bucket of k + 1 tokens at decode's attention length,
+its tokens consecutive (`verify_plan`: routed experts priced with the routing profile's neighbour
+co-picks where it has them), and `costmodel.speculation.choose` keeps the k of the largest
+predicted gain (0 unless it passes 1 + MARGIN; speculate=1 keeps 1 and records the gain).
+
+Guarantees: where k >= 1, the returned draft plan file is the compiled MTP layer and the returned
+verification plan the bucket the verification steps run on (the compile adds it to the prefill
+plans); the choice names every number it compared (`ktflow compile --explain` prints it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..costmodel.speculation import SpeculationChoice, choose, off
+from ..errors import ConfigError, KtflowError
+from ..ir.types import Device
+from ..plan.artifact import Plan, PlanFile
+from ..plan.options import CompileOptions
+
+
+def decide(model: Any, opts: CompileOptions, device: str, decode: Plan, routing, verify_plan: Callable[[int], Plan],
+           compile_part: Callable[[Any, CompileOptions], PlanFile], gpu_left_gb: float | None
+           ) -> tuple[SpeculationChoice | None, PlanFile | None, Plan | None]:
+    """(the choice, the MTP layer's plan file and the verification plan where k >= 1); all None
+    where the model has no MTP layer and speculate is 'auto', or speculate is 0. `verify_plan(t)`
+    compiles the verification step over t tokens; `compile_part(model, options)` compiles a part;
+    `gpu_left_gb` is the VRAM the main plans leave (None: no VRAM limit to share)."""
+    asked = opts.speculate
+    if asked == 0:
+        return None, None, None
+    if not model.has_mtp:
+        if asked == 1:
+            raise ConfigError(f"speculate=1, but {model.path} declares no multi-token-prediction layer "
+                              "(num_nextn_predict_layers); leave speculate out")
+        return None, None, None
+
+    def refuse(cause: str, *numbers) -> tuple[SpeculationChoice, None, None]:
+        if asked == 1:
+            raise ConfigError(f"speculate=1 cannot be followed: {cause}")
+        return off(cause, *numbers), None, None
+
+    try:
+        mtp = model.mtp()
+    except KtflowError as e:
+        return refuse(f"the checkpoint's MTP layer cannot be read ({e})")
+    if opts.gpus > 1:
+        return refuse(f"gpus={opts.gpus}: speculative decoding is built for one rank")
+    if opts.max_batch > 1:
+        return refuse(f"max_batch {opts.max_batch}: speculative decoding is built for one sequence a step")
+    runs_on_gpu = device == "cuda" and any(n.place.device == Device.GPU for n in decode.ir.nodes)
+    if runs_on_gpu and opts.backend not in ("native", "torch_ref"):  # (auto there: cuda_graph, as a rule)
+        return refuse("the captured CUDA-graph decode step takes no hidden states yet: speculation runs on the "
+                      "eager backends (backend='native' or 'torch_ref')")
+    if opts.mtp_acceptance is not None:
+        acceptance, source = opts.mtp_acceptance, "the mtp_acceptance option"
+    elif routing is not None and routing.mtp_acceptance is not None:
+        acceptance, source = routing.mtp_acceptance, "the routing profile"
+    else:
+        return refuse("no acceptance rate to price it with: measure one (`ktflow profile --mtp`, then "
+                      "--routing-profile) or give --mtp-acceptance")
+    part_opts = opts.model_copy(update=dict(speculate=0, prefill_buckets=None, routing_profile=None,
+                                            **({} if gpu_left_gb is None else dict(vram_gb=max(gpu_left_gb, 1e-3),
+                                                                                 vram_budget_gb=None))))
+    try:
+        draft = compile_part(mtp, part_opts)
+    except ConfigError as e:
+        return refuse(f"the MTP layer does not fit beside the main plans ({e})", acceptance, source)
+    verify = {k: verify_plan(k + 1) for k in (1,)}
+    choice = choose(acceptance, source, decode.predicted_step_us, {k: p.predicted_step_us for k, p in verify.items()},
+                    draft.decode.predicted_step_us)
+    if asked == 1 and choice.k == 0:
+        choice = choice.model_copy(update=dict(k=1, cause=f"speculate=1 asked for it; the cost model: {choice.cause}"))
+    return choice, (draft if choice.k else None), verify.get(choice.k)
+
