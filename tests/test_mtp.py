@@ -289,36 +289,42 @@ def test_sampled_speculation_follows_the_samplers_rules(v3_pair):
     assert a == b and len(a) == 12 and all(0 <= t < model.config.vocab_size for t in a) and sa.steps >= 6
 
 
-@pytest.mark.parametrize("shift,expect", [(0, 1.0), (1, 0.0)])
-def test_the_acceptance_rate_counts_drafts_equal_to_the_models_next_greedy_token(v3_pair, monkeypatch, shift, expect):
-    """acceptance_rate (teacher-forced): the MTP's draft at each position i + 2 against the main
-    model's argmax after token i + 1; drafts forced to it give 1, forced next to it 0, over n - 2
-    positions."""
+@pytest.mark.parametrize("wrong_at,expect", [(None, [1.0, 1.0, 1.0]), (2, [1.0, 0.0]), (1, [0.0])])
+def test_acceptance_rates_count_chained_drafts_by_depth(v3_pair, monkeypatch, wrong_at, expect):
+    """acceptance_rates over a greedy continuation: the MTP's chained drafts forced right up to
+    depth `wrong_at` (then wrong) give rate 1 at the depths before it, 0 there, and nothing past
+    it; positions tried at depth 1: every continuation token the loop can draft."""
     import ktflow.runtime.speculative as spec
 
     model, main, mtp = v3_pair
     vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (12,), generator=torch.Generator().manual_seed(3)).tolist()
-    greedy = ktflow.execute(main, torch.tensor([ids]), logits="all")[0][0].argmax(-1)  # position j's next token
+    prompt = torch.randint(0, vocab, (6,), generator=torch.Generator().manual_seed(3)).tolist()
+    cont = plain_greedy(main, prompt, 10)
+    seq = prompt + cont
     real = spec.execute
+    at = {"depth": 1}  # the depth of the MTP's next one-token step: 1 for a pair, more along a chain
 
     def forced(compiled, x, state=None, **kw):
         out, st = real(compiled, x, state, **kw)
-        if compiled is mtp:  # MTP position i pairs h_i with token i + 1: the right draft is greedy[i + 1]
+        if compiled is mtp and x.shape[1] == 1:
+            d = at["depth"]
+            good = wrong_at is None or d < wrong_at
+            at["depth"] = d + 1 if good and d < 3 else 1  # a right draft short of depth 3 is chained on
+            target = st.position + 1  # the token this step drafts
             out = torch.zeros_like(out)
-            for i in range(out.shape[1]):
-                out[0, i, (int(greedy[i + 1]) + shift) % vocab] = 1.0
+            out[0, -1, ((seq[target] if target < len(seq) else 0) + (0 if good else 1)) % vocab] = 1.0
         return out, st
 
     monkeypatch.setattr(spec, "execute", forced)
-    assert spec.acceptance_rate(main, mtp, [ids, ids[:2]]) == (expect, 10)  # (a 2-token prompt counts nothing)
+    rates, tried = spec.acceptance_rates(main, mtp, [prompt], [cont], 3)
+    assert tried == len(cont) and rates == expect
 
 
 def test_the_compile_prices_speculation_and_generate_follows_its_choice(v3_pair, tmp_path):
     """speculate='auto': off without an acceptance rate, on where the priced gain passes the margin,
     off where it does not, each with its cause; a plan that speculates keeps the MTP's plans
     (saved and loaded with it), and generate's greedy tokens are plain decoding's."""
-    from ktflow.costmodel.speculation import MARGIN
+    from ktflow.costmodel.speculation import MARGIN, MAX_DRAFTS, tokens_per_step
     from ktflow.runtime.generate import generate_with_stats
 
     model, main, _ = v3_pair
@@ -328,18 +334,23 @@ def test_the_compile_prices_speculation_and_generate_follows_its_choice(v3_pair,
     high = ktflow.compile(model, mtp_acceptance=0.95, **opts)
     low = ktflow.compile(model, mtp_acceptance=0.05, **opts)
     sp = high.plans.speculation
-    assert sp.k == 1 and sp.gains[1] > 1 + MARGIN and high.draft is not None
-    # the verification steps run on a bucket of their own (two tokens, priced as the choice was)
-    verify = high.prefill_plan(2)
-    assert verify.step_tokens == 2 and verify.predicted_step_us == sp.verify_us[1]
-    assert all(p.step_tokens != 2 for p in low.prefill)
-    assert low.plans.speculation.k == 0 and low.plans.speculation.gains[1] < 1 and low.draft is None
-    # the gain is the cost model's: tokens a step over the step's time against plain decoding's
-    assert sp.gains[1] == pytest.approx(1.95 * sp.decode_us / (sp.verify_us[1] + sp.draft_us))
+    # every k priced; the fastest kept, past the margin
+    assert sorted(sp.gains) == list(range(MAX_DRAFTS + 1)) and sp.k == max(sp.gains, key=sp.gains.get)
+    assert sp.k >= 1 and sp.gains[sp.k] > 1 + MARGIN and high.draft is not None
+    for k in range(1, MAX_DRAFTS + 1):  # the gain is the cost model's: tokens a step over the step's time
+        assert sp.gains[k] == pytest.approx(tokens_per_step(k, [0.95]) * sp.decode_us / (sp.verify_us[k] + k * sp.draft_us))
+    # the verification steps run on a bucket of their own (k + 1 tokens, priced as the choice was)
+    verify = high.prefill_plan(sp.k + 1)
+    assert verify.step_tokens == sp.k + 1 and verify.predicted_step_us == sp.verify_us[sp.k]
+    assert all(p.step_tokens > MAX_DRAFTS + 1 for p in low.prefill)
+    assert low.plans.speculation.k == 0 and max(low.plans.speculation.gains.values()) < 1 + MARGIN
+    assert low.draft is None
+    two = ktflow.compile(model, speculate=2, mtp_acceptance=0.05, **opts).plans.speculation  # forced: priced alone
+    assert two.k == 2 and list(two.verify_us) == [2] and "speculate=2 asked for it" in two.cause
     ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(5))
     want = ktflow.generate(main, ids, 16, eos_token_id=None)
     got, stats = generate_with_stats(high, ids, 16, eos_token_id=None)
-    assert torch.equal(got, want) and stats.speculative is not None and stats.speculative.steps >= 8
+    assert torch.equal(got, want) and stats.speculative is not None and stats.speculative.steps >= 15 // (sp.k + 1)
     high.save(tmp_path / "plan.json")
     back = ktflow.Compiled.load(tmp_path / "plan.json", model)
     assert back.draft is not None and back.plans.speculation == sp
@@ -374,10 +385,87 @@ def test_profile_measures_the_acceptance_and_compile_prices_speculation_by_it(mt
                            "-o", str(tmp_path / "r.json"), "--decode", "4", "--mtp", *opts],
                           capture_output=True, text=True, timeout=300)
     assert prof.returncode == 0, prof.stderr
-    assert "greedy draft equalled the model's next token" in prof.stdout
+    assert "chained greedy drafts were kept at" in prof.stdout
     r = json.loads((tmp_path / "r.json").read_text())
-    assert 0.0 <= r["mtp_acceptance"] <= 1.0 and set(map(int, r["neighbours"])) == set(map(int, r["layers"]))
+    assert all(0.0 <= a <= 1.0 for a in r["mtp_acceptance"]) and set(map(int, r["neighbours"])) == set(map(int, r["layers"]))
     out = subprocess.run([sys.executable, "-m", "ktflow", "compile", str(d), "--routing-profile", str(tmp_path / "r.json"),
                           "--explain", *opts], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert f"acceptance {r['mtp_acceptance']:.2f} (the routing profile)" in out.stdout
+    rates = "/".join(f"{a:.2f}" for a in r["mtp_acceptance"])
+    assert f"acceptance {rates} by depth (the routing profile)" in out.stdout
+
+
+@pytest.mark.parametrize("drafts", [2, 3])
+@pytest.mark.parametrize("right", [1.0, 0.5, 0.0])
+def test_chained_drafts_keep_the_tokens_exact(v3_pair, monkeypatch, drafts, right):
+    """k chained MTP drafts a step (each after the first reading the MTP's own pre-norm hidden
+    state): forced right, wrong, or wrong at every fifth position, the tokens are plain greedy's;
+    all right, a step yields k + 1 tokens; all wrong, one."""
+    import ktflow.runtime.speculative as spec
+
+    model, main, mtp = v3_pair
+    n = 21
+    prompt = torch.randint(0, model.config.vocab_size, (6,), generator=torch.Generator().manual_seed(9)).tolist()
+    want = plain_greedy(main, prompt, n)
+    seq = prompt + want
+    real = spec.execute
+
+    def forced(compiled, ids, state=None, **kw):
+        logits, state = real(compiled, ids, state, **kw)
+        if compiled is mtp:
+            # the draft of token position + 1; "0.5": right except at every fifth position
+            good = right == 1.0 or (right == 0.5 and (state.position + 1) % 5 != 0)
+            nxt = seq[state.position + 1] if state.position + 1 < len(seq) else 0
+            logits = torch.zeros_like(logits)
+            logits[0, -1, nxt if good else (nxt + 1) % model.config.vocab_size] = 1.0
+        return logits, state
+
+    monkeypatch.setattr(spec, "execute", forced)
+    got, stats = spec.speculative_greedy(main, mtp, prompt, n, drafts=drafts)
+    assert got == want and stats.tokens == n
+    assert stats.accepted + stats.steps == n - 1  # a step yields its kept drafts and one token more
+    if right == 1.0:  # the first token from the prompt, then k + 1 a step (the last step what is left)
+        assert stats.steps == -(-(n - 1) // (drafts + 1))
+    elif right == 0.0:
+        assert stats.accepted == 0 and stats.steps == n - 1
+    else:  # some steps keep every draft, some stop at a wrong one
+        assert 0 < stats.accepted < stats.steps * drafts
+
+
+def test_chained_drafts_on_the_real_layer_give_plain_greedys_tokens_sampled_too(v3_pair):
+    """Unforced, k = 3: greedy tokens are plain greedy's; sampled at temperature 0 with a penalty
+    too (the draft sampler's tentative counts undone), and a seed reproduces a sampled run."""
+    from ktflow.backends.sampling import SamplingParams
+    from ktflow.runtime.speculative import speculative_greedy, speculative_sampled
+
+    model, main, mtp = v3_pair
+    prompt = torch.randint(0, model.config.vocab_size, (8,), generator=torch.Generator().manual_seed(4)).tolist()
+    assert speculative_greedy(main, mtp, prompt, 18, drafts=3)[0] == plain_greedy(main, prompt, 18)
+    pen = SamplingParams(temperature=0.0, repetition_penalty=1.3)
+    want = ktflow.generate(main, torch.tensor([prompt]), 18, eos_token_id=None, sampling=pen)[0, 8:].tolist()
+    assert speculative_sampled(main, mtp, prompt, 18, pen, drafts=3)[0] == want
+    hot = SamplingParams(temperature=0.9, top_p=0.9, seed=11)
+    a, b = (speculative_sampled(main, mtp, prompt, 18, hot, drafts=2)[0] for _ in range(2))
+    assert a == b and len(a) == 18
+
+
+def test_the_mtp_layer_keeps_its_pre_norm_hidden_state_for_a_chained_step(mtp_dirs):
+    """State.keep_hidden on the MTP layer keeps the input of its final norm (shared_head.norm),
+    what a chained draft step reads: that norm and the head over it give the step's logits; the
+    main model keeps its head's input (its final normalised states)."""
+    from ktflow.runtime.state import State
+
+    d, _, mtp_mod = mtp_dirs("deepseek_v3", True)
+    model = ktflow.load(d)
+    main = ktflow.compile(model, hw="cpu", max_seq_len=64, dtype="float32")
+    mtp = ktflow.compile(model.mtp(), hw="cpu", max_seq_len=64, dtype="float32")
+    ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
+    state = State(main.plans.model.fingerprint, 1, 64, keep_hidden=True)
+    _, state = ktflow.execute(main, ids, state)
+    mstate = State(mtp.plans.model.fingerprint, 1, 64, keep_hidden=True)
+    logits, mstate = ktflow.execute(mtp, ids[:, 1:], mstate, logits="all", hidden=state.hidden_out[:, :-1])
+    g = mstate.hidden_out.float()
+    norm_w = mtp_mod["shared_head.norm"].float()
+    normed = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps) * norm_w
+    assert_close(logits.float(), normed @ mtp_mod["shared_head.head"].float().T)
+    assert not torch.allclose(g.pow(2).mean(-1), torch.ones_like(g[..., 0]), atol=1e-2)  # not a normalised state

@@ -49,9 +49,10 @@ class RoutingProfile(BaseModel):
     #: optional, `pairs[layer][i][j]`: the fraction of tokens that pick both experts i and j (the
     #: diagonal is `layers`); measured by `ktflow profile --pairs`, not read by placement yet
     pairs: dict[int, list[list[float]]] | None = None
-    #: optional: how often the checkpoint's multi-token-prediction layer's greedy draft equals the
-    #: model's next greedy token, over the profiled text (`ktflow profile --mtp`); speculation is priced by it
-    mtp_acceptance: float | None = None
+    #: optional: by depth d, how often the checkpoint's multi-token-prediction layer's d-th chained
+    #: greedy draft equals the model's greedy token where the drafts before it did, over the
+    #: profiled prompts' decoded tokens (`ktflow profile --mtp`); speculation is priced by them
+    mtp_acceptance: list[float] | None = None
     #: optional, `neighbours[layer][e]`: the fraction of neighbouring decoded token pairs that both
     #: pick expert e (`ktflow profile --decode N`); a speculative verification step is priced by it
     neighbours: dict[int, list[float]] | None = None
@@ -81,8 +82,8 @@ class RoutingProfile(BaseModel):
     @field_validator("mtp_acceptance")
     @classmethod
     def _rate(cls, v):
-        if v is not None and not 0.0 <= v <= 1.0:
-            raise ValueError(f"mtp_acceptance must be in [0, 1], got {v}")
+        if v is not None and (not v or any(not 0.0 <= a <= 1.0 for a in v)):
+            raise ValueError(f"mtp_acceptance must list rates in [0, 1] by depth, got {v}")
         return v
 
     @field_validator("cache_batched")

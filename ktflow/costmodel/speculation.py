@@ -1,10 +1,11 @@
 """What speculative decoding with a checkpoint's multi-token-prediction (MTP) layer gains, priced
 from compiled steps.
 
-A speculative step drafts k tokens (k MTP steps) and verifies them in one main-model step over
-k + 1 tokens. With each draft accepted with probability a, independently, and the first rejection
-ending the step, a step yields E(k) = 1 + a + ... + a^k tokens. It takes t_verify(k + 1) + k *
-t_draft. Against plain decoding at t_decode a token, the gain is
+A speculative step drafts k tokens (k chained MTP steps) and verifies them in one main-model step
+over k + 1 tokens. With the draft at depth d kept with probability a_d given the ones before it
+were (the acceptance rates by depth), and the first rejection ending the step, a step yields
+E(k) = 1 + a_1 + a_1 a_2 + ... + a_1...a_k tokens. It takes t_verify(k + 1) + k * t_draft.
+Against plain decoding at t_decode a token, the gain is
 
     gain(k) = E(k) * t_decode / (t_verify(k + 1) + k * t_draft).
 
@@ -23,14 +24,22 @@ from pydantic import BaseModel, ConfigDict
 #: speculation is chosen only where its predicted gain passes 1 + MARGIN
 MARGIN = 0.05
 
-
-def tokens_per_step(k: int, acceptance: float) -> float:
-    """E(k): the tokens a step of k drafts yields, each draft accepted with probability
-    `acceptance` until the first rejection (the verification's own token always counts)."""
-    return sum(acceptance ** i for i in range(k + 1))
+#: the most chained drafts a step the compile prices
+MAX_DRAFTS = 4
 
 
-def gain(k: int, acceptance: float, decode_us: float, verify_us: float, draft_us: float) -> float:
+def tokens_per_step(k: int, acceptance: list[float]) -> float:
+    """E(k): the tokens a step of k drafts yields, the draft at depth d kept with probability
+    acceptance[d - 1] (the last rate for deeper ones) until the first rejection; the
+    verification's own token always counts."""
+    total, kept = 1.0, 1.0
+    for d in range(k):
+        kept *= acceptance[min(d, len(acceptance) - 1)]
+        total += kept
+    return total
+
+
+def gain(k: int, acceptance: list[float], decode_us: float, verify_us: float, draft_us: float) -> float:
     """Plain decoding's time for the tokens a speculative step yields, over that step's time."""
     if k == 0:
         return 1.0
@@ -43,8 +52,9 @@ class SpeculationChoice(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     k: int
-    acceptance: float | None  # the draft acceptance rate priced with (None: none known)
-    acceptance_source: str  # where it came from: the option, the routing profile, or none
+    #: the drafts' acceptance rates by depth priced with (the last for deeper ones; None: none known)
+    acceptance: list[float] | None
+    acceptance_source: str  # where they came from: the option, the routing profile, or none
     decode_us: float | None = None  # a plain one-token decode step (batch 1)
     verify_us: dict[int, float] = {}  # k -> the verification step over k + 1 tokens
     draft_us: float | None = None  # one MTP step
@@ -55,8 +65,9 @@ class SpeculationChoice(BaseModel):
         """The decision and its candidates, as `ktflow compile --explain` prints them."""
         lines = [f"speculative decoding: k = {self.k} ({self.cause})"]
         if self.gains:
+            rates = "/".join(f"{a:.2f}" for a in self.acceptance)
             lines.append(f"  plain decode step {self.decode_us / 1e3:.2f} ms, MTP draft step "
-                         f"{self.draft_us / 1e3:.2f} ms, acceptance {self.acceptance:.2f} ({self.acceptance_source})")
+                         f"{self.draft_us / 1e3:.2f} ms, acceptance {rates} by depth ({self.acceptance_source})")
             lines.append(f"  {'k':>3s} {'verify ms':>10s} {'tokens/step':>12s} {'gain':>6s}")
             for k, g in sorted(self.gains.items()):
                 verify = f"{self.verify_us[k] / 1e3:10.2f}" if k in self.verify_us else f"{'-':>10s}"
@@ -65,7 +76,7 @@ class SpeculationChoice(BaseModel):
         return "\n".join(lines) + "\n"
 
 
-def choose(acceptance: float, source: str, decode_us: float, verify_us: dict[int, float], draft_us: float
+def choose(acceptance: list[float], source: str, decode_us: float, verify_us: dict[int, float], draft_us: float
            ) -> SpeculationChoice:
     """The k of the largest predicted gain among 0 and the priced ones (`verify_us`' keys), 0
     unless its gain passes 1 + MARGIN; the cause names the numbers."""
@@ -86,6 +97,6 @@ def choose(acceptance: float, source: str, decode_us: float, verify_us: dict[int
                              verify_us=verify_us, draft_us=draft_us, gains=gains, cause=cause)
 
 
-def off(cause: str, acceptance: float | None = None, source: str = "none") -> SpeculationChoice:
+def off(cause: str, acceptance: list[float] | None = None, source: str = "none") -> SpeculationChoice:
     """k = 0 without pricing, for `cause` (what the runtime or the options do not allow)."""
     return SpeculationChoice(k=0, acceptance=acceptance, acceptance_source=source, cause=cause)

@@ -2,7 +2,7 @@
 layer (`decide`): how many drafts a step, priced by the cost model (ktflow.costmodel.speculation).
 
 Algorithm: where the options ask for it (speculate 'auto' or 1) and the model declares an MTP
-layer, the decision is refused with its cause (k = 0, or an error where speculate=1 asked for it)
+layer, the decision is refused with its cause (k = 0, or an error where speculate=k asked for it)
 while any precondition fails: the layer's weights in the checkpoint; one sequence a step
 (max_batch 1 and one rank: the speculative loop is built for that); a backend that runs the steps eagerly
 (the captured CUDA-graph step takes no hidden states yet); an acceptance rate (the option, else
@@ -11,7 +11,8 @@ plan file of its own (`compile_part`: the same options, its VRAM what the main p
 verification step is compiled as a prefill bucket of k + 1 tokens at decode's attention length,
 its tokens consecutive (`verify_plan`: routed experts priced with the routing profile's neighbour
 co-picks where it has them), and `costmodel.speculation.choose` keeps the k of the largest
-predicted gain (0 unless it passes 1 + MARGIN; speculate=1 keeps 1 and records the gain).
+predicted gain among k = 1..MAX_DRAFTS (0 unless it passes 1 + MARGIN; speculate=k prices and keeps
+that k).
 
 Guarantees: where k >= 1, the returned draft plan file is the compiled MTP layer and the returned
 verification plan the bucket the verification steps run on (the compile adds it to the prefill
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..costmodel.speculation import SpeculationChoice, choose, off
+from ..costmodel.speculation import MAX_DRAFTS, SpeculationChoice, choose, off
 from ..errors import ConfigError, KtflowError
 from ..ir.types import Device
 from ..plan.artifact import Plan, PlanFile
@@ -40,14 +41,14 @@ def decide(model: Any, opts: CompileOptions, device: str, decode: Plan, routing,
     if asked == 0:
         return None, None, None
     if not model.has_mtp:
-        if asked == 1:
-            raise ConfigError(f"speculate=1, but {model.path} declares no multi-token-prediction layer "
+        if asked != "auto":
+            raise ConfigError(f"speculate={asked}, but {model.path} declares no multi-token-prediction layer "
                               "(num_nextn_predict_layers); leave speculate out")
         return None, None, None
 
     def refuse(cause: str, *numbers) -> tuple[SpeculationChoice, None, None]:
-        if asked == 1:
-            raise ConfigError(f"speculate=1 cannot be followed: {cause}")
+        if asked != "auto":
+            raise ConfigError(f"speculate={asked} cannot be followed: {cause}")
         return off(cause, *numbers), None, None
 
     try:
@@ -63,9 +64,9 @@ def decide(model: Any, opts: CompileOptions, device: str, decode: Plan, routing,
         return refuse("the captured CUDA-graph decode step takes no hidden states yet: speculation runs on the "
                       "eager backends (backend='native' or 'torch_ref')")
     if opts.mtp_acceptance is not None:
-        acceptance, source = opts.mtp_acceptance, "the mtp_acceptance option"
-    elif routing is not None and routing.mtp_acceptance is not None:
-        acceptance, source = routing.mtp_acceptance, "the routing profile"
+        acceptance, source = [opts.mtp_acceptance], "the mtp_acceptance option, the same at every depth"
+    elif routing is not None and routing.mtp_acceptance:
+        acceptance, source = list(routing.mtp_acceptance), "the routing profile"
     else:
         return refuse("no acceptance rate to price it with: measure one (`ktflow profile --mtp`, then "
                       "--routing-profile) or give --mtp-acceptance")
@@ -76,10 +77,12 @@ def decide(model: Any, opts: CompileOptions, device: str, decode: Plan, routing,
         draft = compile_part(mtp, part_opts)
     except ConfigError as e:
         return refuse(f"the MTP layer does not fit beside the main plans ({e})", acceptance, source)
-    verify = {k: verify_plan(k + 1) for k in (1,)}
+    ks = range(1, MAX_DRAFTS + 1) if asked == "auto" else (asked,)
+    verify = {k: verify_plan(k + 1) for k in ks}
     choice = choose(acceptance, source, decode.predicted_step_us, {k: p.predicted_step_us for k, p in verify.items()},
                     draft.decode.predicted_step_us)
-    if asked == 1 and choice.k == 0:
-        choice = choice.model_copy(update=dict(k=1, cause=f"speculate=1 asked for it; the cost model: {choice.cause}"))
+    if asked != "auto" and choice.k != asked:
+        choice = choice.model_copy(update=dict(k=asked, cause=f"speculate={asked} asked for it; the cost model: "
+                                                              f"{choice.cause}"))
     return choice, (draft if choice.k else None), verify.get(choice.k)
 

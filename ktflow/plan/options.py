@@ -111,13 +111,13 @@ class CompileOptions(BaseModel):
     rank: int = Field(0, ge=0, description="the rank (0..gpus-1) whose plans these are: every rank's plans are the "
                       "same graph with its own experts and the same collectives")
     speculate: Literal["auto"] | int = Field(
-        "auto", description="speculative decoding with the checkpoint's multi-token-prediction (MTP) layer: drafts "
-        "a step (0: off; 1: one MTP draft verified with the next token, the one built) or auto (the cost model "
-        "chooses, where the MTP layer, an acceptance rate and a runtime that runs it are there; `--explain` says "
-        "why). Greedy tokens stay those of plain decoding; sampled ones follow its distribution")
-    mtp_acceptance: float | None = Field(None, gt=0, lt=1, description="the MTP draft's acceptance rate the "
-                                         "speculation is priced with; default: the routing profile's (`ktflow "
-                                         "profile --mtp` measures it)")
+        "auto", description="speculative decoding with the checkpoint's multi-token-prediction (MTP) layer: k chained "
+        "MTP drafts a step, verified in one step of the model (0: off; 1..4) or auto (the k the cost model predicts "
+        "fastest, where the MTP layer, acceptance rates and a runtime that runs it are there; `--explain` says why). "
+        "Greedy tokens stay those of plain decoding; sampled ones follow its distribution")
+    mtp_acceptance: float | None = Field(None, gt=0, lt=1, description="the MTP drafts' acceptance rate the "
+                                         "speculation is priced with, the same at every depth; default: the "
+                                         "routing profile's rates by depth (`ktflow profile --mtp` measures them)")
     allow_oversize: bool = Field(False, description="compile even where a plan's predicted GPU or host memory "
                                  "exceeds the hardware profile's (a plan for another machine); default: an error "
                                  "with the numbers")
@@ -131,9 +131,8 @@ class CompileOptions(BaseModel):
     @field_validator("speculate")
     @classmethod
     def _drafts(cls, v):
-        if v != "auto" and not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1):
-            raise ValueError(f"speculate must be 'auto', 0 (off) or 1 (one MTP draft a step; longer chains are not "
-                             f"built), got {v!r}")
+        if v != "auto" and not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 4):
+            raise ValueError(f"speculate must be 'auto', 0 (off) or 1..4 (chained MTP drafts a step), got {v!r}")
         return v
 
     @field_validator("backend")

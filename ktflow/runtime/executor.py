@@ -70,8 +70,13 @@ class Executor:
         #: a RoutingRecorder (runtime/routing.py) that sees every router's picks, or None
         self.recorder = None
         self.gate_layer = gate_layers(self.graph)
-        #: what the lm_head reads (the final normalised hidden states: State.keep_hidden keeps them)
-        self.head_input = next(n.inputs[0] for n in self.graph.nodes if n.op == Op.LM_HEAD)
+        #: what State.keep_hidden keeps: what the lm_head reads (the final normalised hidden states,
+        #: which a multi-token-prediction layer reads), or in a graph that reads hidden vectors (that
+        #: layer's own) the input of its final norm, which its next chained draft step reads
+        head_input = next(n.inputs[0] for n in self.graph.nodes if n.op == Op.LM_HEAD)
+        final = self.graph.by_name(head_input)
+        reads_hidden = any(n.op == Op.INPUT and n.attrs.hidden for n in self.graph.nodes)
+        self.kept_hidden = final.inputs[0] if reads_hidden and final.op == Op.RMSNORM else head_input
         #: called after each finished run as hook(executor, tokens it ran): a runtime policy's
         #: point between steps (the expert cache refills there: runtime/expert_cache.py)
         self.after_run: list[Callable[["Executor", int], None]] = []
@@ -215,14 +220,14 @@ class Executor:
         handlers = {**dict.fromkeys(("launch", "copy", "fetch", "submit", "sync"), launch),
                     "record": nothing, "wait": nothing}
         watcher = _EagerWatcher(self, ctx, tracing) if tracing or self.check_finite else None
-        keep = frozenset((self.head_input,)) if state.keep_hidden else frozenset()
+        keep = frozenset((self.kept_hidden,)) if state.keep_hidden else frozenset()
         values = run_instructions(self.plan, handlers, watcher=watcher, keep=keep)
         if tracing:
             self.measured = watcher.timed
         if not extra:
             state.position += s
         if state.keep_hidden:
-            state.hidden_out = values[self.head_input].reshape(b, s, -1)
+            state.hidden_out = values[self.kept_hidden].reshape(b, s, -1)
         out = values[self.graph.outputs[0]]
         return None if out is None else step_output(out, b, s, logits, segments)
 

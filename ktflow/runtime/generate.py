@@ -76,7 +76,8 @@ def token_steps(compiled, input_ids: torch.Tensor, max_new_tokens: int, *, tempe
     rows = input_ids.shape[0]
     draft = getattr(compiled, "draft", None)
     if draft is not None and state is None and rows == 1 and \
-            input_ids.shape[-1] + max_new_tokens + 1 <= min(compiled.max_seq_len, draft.max_seq_len):
+            input_ids.shape[-1] + max_new_tokens + compiled.plans.speculation.k <= min(compiled.max_seq_len,
+                                                                                       draft.max_seq_len):
         yield from _speculated(compiled, input_ids, max_new_tokens, rows_params[0], eos, timing)
         return
     own_state = state is None  # generate's own state: steps past an end-of-sequence token harm nothing
@@ -119,7 +120,8 @@ def _speculated(compiled, input_ids: torch.Tensor, max_new_tokens: int, params: 
     stats = timing["speculative"] = SpeculativeStats()
     try:
         for i, t in enumerate(speculative_tokens(compiled, compiled.draft, input_ids[0].tolist(), max_new_tokens, eos,
-                                                 None if params.plain_greedy else params, stats)):
+                                                 None if params.plain_greedy else params, stats,
+                                                 drafts=compiled.plans.speculation.k)):
             if i == 0:
                 timing["first"] = time.perf_counter()
             else:

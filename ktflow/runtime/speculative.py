@@ -1,16 +1,19 @@
 """Speculative decoding, greedy and sampled, with a checkpoint's multi-token-prediction (MTP) layer:
-one draft token a step, verified by the main model.
+k draft tokens a step (chained MTP steps), verified by the main model in one step.
 
 The loop keeps one invariant: the main model's state and the MTP's state have both reached
-position p, and `pending` is the token at position p (selected, not yet run). A step:
+position p, and `pending` is the token at position p (selected, not yet run); the MTP's last
+logits give the first draft d1. A step:
 
-1. verify: the main model runs [pending, draft] at positions p, p + 1 (a two-token prefill step
-   over its state) and selects y0 (the token at p + 1) and y1 (the token at p + 2 were the draft
-   right), keeping its final hidden states h_p, h_{p+1};
-2. accept the draft where it equals y0: the step yields y0 and y1; else it yields y0 alone and the
-   main state goes back to position p + 1 (the draft's KV entry is overwritten later);
-3. draft: the MTP runs (h_p, y0), and on acceptance (h_{p+1}, y1), over its state; its last
-   position's argmax is the next draft.
+1. draft: d1, then for d2..dk the MTP runs again on its own pre-norm hidden state and the draft
+   before (positions p, p + 1, ...: entries of its cache the step later overwrites);
+2. verify: the main model runs [pending, d1..dk] at positions p..p + k (one prefill step over its
+   state), keeping its final hidden states h_p..h_{p+k}; y_i is its token after position p + i;
+3. accept the longest run of drafts with d_{i+1} = y_i: the step yields y_0..y_j (j drafts kept,
+   y_j the token after them, which is y_k where every draft was kept); the main state goes back to
+   position p + j + 1 (the dropped drafts' entries are overwritten later);
+4. the MTP goes back to position p and runs the decided pairs (h_{p+i}, y_i), i = 0..j, over its
+   state; its last logits give the next d1.
 
 Every yielded token is the main model's argmax given the tokens before it, so the output is plain
 greedy decoding's wherever the two-token verification step and a one-token decode step give the
@@ -78,20 +81,22 @@ def accept_drafts(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u: tor
 
 
 @torch.inference_mode()
-def speculative_greedy(main, mtp, prompt: list[int], max_new_tokens: int, eos_ids=()) -> tuple[list[int], SpeculativeStats]:
+def speculative_greedy(main, mtp, prompt: list[int], max_new_tokens: int, eos_ids=(), drafts: int = 1
+                       ) -> tuple[list[int], SpeculativeStats]:
     """Up to `max_new_tokens` greedy tokens after `prompt` (ids), drafting with `mtp` (the compiled
     `Model.mtp()` of the same checkpoint) and verifying with `main` (its compiled main model);
-    ends after the first token in `eos_ids`. Returns the tokens and the run's stats."""
-    return _speculate(main, mtp, prompt, max_new_tokens, eos_ids, None)
+    ends after the first token in `eos_ids`; `drafts` chained MTP drafts a step. Returns the tokens
+    and the run's stats."""
+    return _speculate(main, mtp, prompt, max_new_tokens, eos_ids, None, drafts)
 
 
 @torch.inference_mode()
 def speculative_sampled(main, mtp, prompt: list[int], max_new_tokens: int, params: SamplingParams,
-                        eos_ids=()) -> tuple[list[int], SpeculativeStats]:
+                        eos_ids=(), drafts: int = 1) -> tuple[list[int], SpeculativeStats]:
     """As `speculative_greedy`, the tokens selected by `params` (a seed reproduces the run): each
     draft drawn from the MTP's distribution under `params`, kept or redrawn by `accept_drafts`
     against the main model's, so the tokens follow plain sampling's distribution."""
-    return _speculate(main, mtp, prompt, max_new_tokens, eos_ids, params)
+    return _speculate(main, mtp, prompt, max_new_tokens, eos_ids, params, drafts)
 
 
 class _Draws:
@@ -122,26 +127,27 @@ class _Draws:
             smp.counts[0, token] += 1
 
 
-def _speculate(main, mtp, prompt: list[int], max_new_tokens: int, eos_ids, params: SamplingParams | None
-               ) -> tuple[list[int], SpeculativeStats]:
+def _speculate(main, mtp, prompt: list[int], max_new_tokens: int, eos_ids, params: SamplingParams | None,
+               drafts: int) -> tuple[list[int], SpeculativeStats]:
     stats = SpeculativeStats()
-    out = list(speculative_tokens(main, mtp, prompt, max_new_tokens, eos_ids, params, stats))
+    out = list(speculative_tokens(main, mtp, prompt, max_new_tokens, eos_ids, params, stats, drafts))
     return out, stats
 
 
 def speculative_tokens(main, mtp, prompt: list[int], max_new_tokens: int, eos_ids, params: SamplingParams | None,
-                       stats: SpeculativeStats) -> Iterator[int]:
-    """The loop of the module docstring, each token yielded as it is known (greedy where `params`
-    is None or plain greedy, else sampled); `stats` counts the run. Ends after the first token in
-    `eos_ids` or the `max_new_tokens`-th."""
+                       stats: SpeculativeStats, drafts: int = 1) -> Iterator[int]:
+    """The loop of the module docstring with `drafts` chained MTP drafts a step, each token
+    yielded as it is known (greedy where `params` is None or plain greedy, else sampled); `stats`
+    counts the run. Ends after the first token in `eos_ids` or the `max_new_tokens`-th."""
     if mtp.plans.model.fingerprint != part_fingerprint(main.plans.model.fingerprint, "mtp"):
         raise InputError("the draft is not this model's multi-token-prediction layer: compile model.mtp() of the "
                          "same checkpoint")
-    if not prompt or max_new_tokens < 1:
-        raise InputError("speculative decoding needs a prompt of at least one token and max_new_tokens >= 1")
-    if len(prompt) + max_new_tokens + 1 > min(main.max_seq_len, mtp.max_seq_len):
-        raise InputError(f"{len(prompt)} prompt tokens and {max_new_tokens} new ones (and one draft) pass max_seq_len "
-                         f"{min(main.max_seq_len, mtp.max_seq_len)}; compile both with a larger max_seq_len")
+    if not prompt or max_new_tokens < 1 or drafts < 1:
+        raise InputError("speculative decoding needs a prompt of at least one token, max_new_tokens >= 1 and "
+                         "drafts >= 1")
+    if len(prompt) + max_new_tokens + drafts > min(main.max_seq_len, mtp.max_seq_len):
+        raise InputError(f"{len(prompt)} prompt tokens and {max_new_tokens} new ones (and {drafts} draft(s)) pass "
+                         f"max_seq_len {min(main.max_seq_len, mtp.max_seq_len)}; compile both with a larger max_seq_len")
     eos = frozenset(eos_ids)
     draws = None if params is None or params.plain_greedy else _Draws(main.vocab_size, params, prompt)
 
@@ -158,68 +164,106 @@ def speculative_tokens(main, mtp, prompt: list[int], max_new_tokens: int, eos_id
         q = draws.q(logits)
         return draws.draw(q), q
 
-    ids = torch.tensor([prompt])
     state = State(main.plans.model.fingerprint, 1, main.max_seq_len, keep_hidden=True)
-    logits, state = execute(main, ids, state, logits="last")
+    logits, state = execute(main, torch.tensor([prompt]), state, logits="last")
     pending = select(logits[0, -1])
     yield pending
     made = stats.tokens = 1
     # the MTP over the prompt: position i pairs h_i with token i + 1 (the last with `pending`)
-    mids = torch.tensor([prompt[1:] + [pending]])
-    mlogits, mstate = execute(mtp, mids, None, logits="last", hidden=state.hidden_out)
-    draft, q = propose(mlogits[0, -1])
+    mstate = State(mtp.plans.model.fingerprint, 1, mtp.max_seq_len, keep_hidden=True)
+    mlogits, mstate = execute(mtp, torch.tensor([prompt[1:] + [pending]]), mstate, logits="last",
+                              hidden=state.hidden_out)
     while made < max_new_tokens and pending not in eos:
-        p = state.position
-        logits, state = execute(main, torch.tensor([[pending, draft]]), state, logits="all")
+        p = state.position  # the MTP's state is there too
+        k = min(drafts, max_new_tokens - made - 1)  # a step yields up to k + 1 tokens
+        # draft: k chained MTP steps, each after the first reading the MTP's own hidden state and
+        # its draft (the draft sampler counts the drafts before it, for penalties, until verified)
+        ds, qs = [], []
+        for i in range(k):
+            d, q = propose(mlogits[0, -1])
+            ds.append(d)
+            qs.append(q)
+            if draws is not None:
+                draws.draft.counts[0, d] += 1
+            if i + 1 < k:
+                mlogits, mstate = execute(mtp, torch.tensor([[d]]), mstate, logits="last",
+                                          hidden=mstate.hidden_out[:, -1:])
+        if draws is not None:
+            for d in ds:
+                draws.draft.counts[0, d] -= 1
+        # verify: the main model over [pending, drafts], each draft kept while the rule keeps it
+        logits, state = execute(main, torch.tensor([[pending, *ds]]), state, logits="all")
         h = state.hidden_out
         stats.steps += 1
-        if draws is None:
-            y0 = int(logits[0, 0].argmax())
-            kept = y0 == draft
-        else:
-            u, v = draws.uniforms()
-            tok, kept_t = accept_drafts(draws.p(logits[0, 0]), q, torch.tensor([draft]), u, v)
-            y0, kept = int(tok), bool(kept_t)
-            draws.took(y0)
-        if kept and y0 not in eos and made + 1 < max_new_tokens:
+        new: list[int] = []
+        for i in range(k + 1):
+            if i == k:  # every draft kept: the token after them
+                new.append(select(logits[0, k]))
+                break
+            if draws is None:
+                y = int(logits[0, i].argmax())
+                kept = y == ds[i]
+            else:
+                u, v = draws.uniforms()
+                tok, kept_t = accept_drafts(draws.p(logits[0, i]), qs[i], torch.tensor([ds[i]]), u, v)
+                y, kept = int(tok), bool(kept_t)
+                draws.took(y)
+            new.append(y)
+            if not kept or y in eos:
+                break
             stats.accepted += 1
-            new, pairs = [y0, select(logits[0, 1])], h
-        else:
-            state.position = p + 1  # the draft's entry is dropped
-            new, pairs = [y0], h[:, :1]
+        j = len(new)
+        state.position = p + j  # pending and the kept drafts hold entries; the rest are dropped
         for t in new:
             yield t
-        made = stats.tokens = made + len(new)
+        made = stats.tokens = made + j
         pending = new[-1]
         if made >= max_new_tokens or pending in eos:
             break
-        mlogits, mstate = execute(mtp, torch.tensor([new]), mstate, logits="last", hidden=pairs)
-        draft, q = propose(mlogits[0, -1])
-    # (a step takes its second token only with room left and its first not an eos: nothing to cut)
+        # the MTP over the positions now decided: (h_{p+i}, token p + 1 + i), over its chain's entries
+        mstate.position = p
+        mlogits, mstate = execute(mtp, torch.tensor([new]), mstate, logits="last", hidden=h[:, :j])
 
 
 @torch.inference_mode()
-def acceptance_rate(main, mtp, prompts: list[list[int]]) -> tuple[float, int]:
-    """(how often the MTP's greedy draft equals the main model's greedy token, the positions
-    counted), teacher-forced over `prompts` (token ids): at each position i + 2 of a prompt, the
-    draft made from (h_i, token i + 1) against the main model's argmax after token i + 1. What
-    speculation's cost model prices greedy decoding with (`ktflow profile --mtp` records it); on
-    a model's own output the rate may differ from the text's."""
+def acceptance_rates(main, mtp, prompts: list[list[int]], continuations: list[list[int]], depth: int
+                     ) -> tuple[list[float], int]:
+    """(by depth d = 1..depth: of the positions whose first d - 1 chained greedy drafts were right,
+    the share whose d-th was too; the positions tried at depth 1), over each prompt's greedy
+    continuation (the model's own greedy tokens, which a draft is right to equal: what a greedy
+    speculative run accepts). At each position the MTP drafts as the speculative loop does: the
+    pair (h_i, token i + 1), then `depth` - 1 steps on its own pre-norm hidden state, whose
+    entries the next position's pair overwrites. Depths no position reached are left out."""
     if mtp.plans.model.fingerprint != part_fingerprint(main.plans.model.fingerprint, "mtp"):
         raise InputError("the draft is not this model's multi-token-prediction layer: compile model.mtp() of the "
                          "same checkpoint")
-    hits = total = 0
-    for ids in prompts:
-        ids = ids[:min(main.max_seq_len, mtp.max_seq_len)]
-        if len(ids) < 3:
+    tried, right = [0] * depth, [0] * depth
+    for prompt, cont in zip(prompts, continuations):
+        seq = (prompt + cont)[:min(main.max_seq_len, mtp.max_seq_len)]
+        n, first = len(seq), max(len(prompt) - 2, 0)  # pair i drafts token i + 2: from the continuation's first
+        if not cont or n < 3:
             continue
         state = State(main.plans.model.fingerprint, 1, main.max_seq_len, keep_hidden=True)
-        logits, state = execute(main, torch.tensor([ids]), state, logits="all")
-        main_next = logits[0].argmax(-1)  # [n]: position i's greedy next token (that of i + 1)
-        mlogits, _ = execute(mtp, torch.tensor([ids[1:]]), None, logits="all", hidden=state.hidden_out[:, :-1])
-        drafts = mlogits[0].argmax(-1)  # [n - 1]: from (h_i, token i + 1), the token at i + 2
-        hits += int((drafts[:-1] == main_next[1:-1]).sum())
-        total += len(ids) - 2
-    if not total:
-        raise InputError("measuring the MTP's acceptance needs a prompt of at least 3 tokens")
-    return hits / total, total
+        _, state = execute(main, torch.tensor([seq]), state, logits="last")
+        h = state.hidden_out
+        mstate = State(mtp.plans.model.fingerprint, 1, mtp.max_seq_len, keep_hidden=True)
+        if first:
+            _, mstate = execute(mtp, torch.tensor([seq[1:first + 1]]), mstate, logits="last", hidden=h[:, :first])
+        for i in range(first, n - 2):
+            logits, mstate = execute(mtp, torch.tensor([[seq[i + 1]]]), mstate, logits="last", hidden=h[:, i:i + 1])
+            after = mstate.position
+            for m in range(depth):
+                if i + 2 + m >= n:
+                    break
+                tried[m] += 1
+                d = int(logits[0, -1].argmax())
+                if d != seq[i + 2 + m]:
+                    break
+                right[m] += 1
+                if m + 1 < depth:
+                    logits, mstate = execute(mtp, torch.tensor([[d]]), mstate, logits="last",
+                                             hidden=mstate.hidden_out[:, -1:])
+            mstate.position = after  # the chain's entries: the next pair overwrites them
+    if not tried[0]:
+        raise InputError("measuring the MTP's acceptance needs prompts with a greedy continuation (decode >= 1)")
+    return [r / t for r, t in zip(right, tried) if t], tried[0]

@@ -25,8 +25,9 @@ class State:
     #: how each row selects its tokens on the device (a backends.sampling.Sampler, made by
     #: `runtime.execute.start_sampling`), or None: execute(logits='sample') then refuses
     sampler: Any = field(default=None, repr=False)
-    #: set True to have each step keep the main model's final normalised hidden states (what the
-    #: lm_head reads) in `hidden_out`, [batch, tokens, hidden]: a multi-token-prediction layer's input
+    #: set True to have each step keep its hidden states in `hidden_out`, [batch, tokens, hidden]:
+    #: the main model's final normalised ones (what the lm_head reads: a multi-token-prediction
+    #: layer's input), a multi-token-prediction layer's before its final norm (its next chained step's)
     keep_hidden: bool = False
     hidden_out: Any = field(default=None, repr=False)
 

@@ -160,8 +160,9 @@ def parser() -> argparse.ArgumentParser:
                     help="also count pairs of experts picked by one token (experts^2 numbers per layer)")
     add_compile_options(pr)
     pr.add_argument("--mtp", action="store_true", help="also measure how often the checkpoint's multi-token-prediction "
-                    "layer's draft equals the model's next token (its acceptance rate: `compile --speculate auto` "
-                    "prices speculative decoding by it); needs an eager backend (--backend native or torch_ref)")
+                    "layer's chained greedy drafts equal the model's greedy tokens, by depth, on each prompt's "
+                    "--decode continuation (the acceptance rates `compile --speculate auto` prices speculative "
+                    "decoding by); needs an eager backend (--backend native or torch_ref)")
     pr.set_defaults(fn=cmd_profile)
     sv = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible API)",
                         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -402,6 +402,8 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
+    import torch
+
     import ktflow
     from ktflow.errors import ConfigError, InputError
     from ktflow.util.fsutil import write_atomic
@@ -432,15 +434,22 @@ def cmd_profile(a: argparse.Namespace) -> int:
         if not ids:
             raise InputError(f"--prompts {a.prompts}, line {i + 1}: no tokens")
         prompts.append(ids)
-    prof = record_routing(compiled, prompts, a.decode, pairs=a.pairs)
-    if a.mtp:  # the MTP draft's acceptance on the prompts, which prices speculative decoding
-        from ktflow.runtime.speculative import acceptance_rate
+    continuations = None
+    if a.mtp:  # the greedy continuations, decoded once: routed as decode steps, and drafted on
+        if a.decode < 1:
+            raise ConfigError("--mtp measures the MTP drafts on each prompt's decoded tokens: give --decode >= 1")
+        continuations = [ktflow.generate(compiled, torch.tensor([ids]), min(a.decode, compiled.max_seq_len - len(ids)),
+                                         eos_token_id=None)[0, len(ids):].tolist() for ids in prompts]
+    prof = record_routing(compiled, prompts, a.decode, pairs=a.pairs, continuations=continuations)
+    if a.mtp:  # the MTP drafts' acceptance by depth, which prices speculative decoding
+        from ktflow.costmodel.speculation import MAX_DRAFTS
+        from ktflow.runtime.speculative import acceptance_rates
 
         draft = ktflow.compile(model.mtp(), hw=a.hw, **{**opts, "speculate": 0})
-        rate, counted = acceptance_rate(compiled, draft, prompts)
-        prof = prof.model_copy(update=dict(mtp_acceptance=rate))
-        print(f"the MTP layer's greedy draft equalled the model's next token at {rate:.1%} of {counted} positions "
-              "(teacher-forced on the prompts)")
+        rates, counted = acceptance_rates(compiled, draft, prompts, continuations, MAX_DRAFTS)
+        prof = prof.model_copy(update=dict(mtp_acceptance=[round(r, 6) for r in rates]))
+        print(f"the MTP layer's chained greedy drafts were kept at {'/'.join(f'{r:.1%}' for r in rates)} by depth, "
+              f"over {counted} decoded positions")
     write_atomic(a.output, prof.model_dump_json(indent=None) + "\n")
     top = []
     for layer, fr in list(prof.layers.items())[:3]:

@@ -46,8 +46,9 @@ def options(a: argparse.Namespace) -> dict:
     if a.speculate != "auto":
         from ktflow.errors import ConfigError
 
-        if a.speculate not in ("0", "1"):
-            raise ConfigError(f"--speculate takes auto, 0 (off) or 1 (one MTP draft a step), got {a.speculate!r}")
+        if a.speculate not in ("0", "1", "2", "3", "4"):
+            raise ConfigError(f"--speculate takes auto, 0 (off) or 1..4 (chained MTP drafts a step), got "
+                              f"{a.speculate!r}")
         opts["speculate"] = int(a.speculate)
     if a.mtp_acceptance is not None:
         opts["mtp_acceptance"] = a.mtp_acceptance
@@ -171,13 +172,13 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
                    help="greedy decoding runs K steps per call of the decode plan: one CUDA graph launch for K "
                    "tokens on the cuda_graph backend, each step's argmax fed to the next on the GPU (up to K - 1 "
                    "steps past an end-of-sequence token are dropped); 1: a launch per token (default 8)")
-    g.add_argument("--speculate", default="auto", metavar="auto|0|1",
+    g.add_argument("--speculate", default="auto", metavar="auto|0..4",
                    help="speculative decoding with the checkpoint's multi-token-prediction layer (DeepSeek-V3, "
-                   "GLM-4.5): 1 = one draft a step, verified with the next token; 0 = off; auto = where the cost "
-                   "model predicts a gain, given an acceptance rate (`--explain` says why; greedy output unchanged)")
+                   "GLM-4.5): K chained drafts a step, verified in one step; 0 = off; auto = the K the cost model "
+                   "predicts fastest, given acceptance rates (`--explain` says why; greedy output unchanged)")
     g.add_argument("--mtp-acceptance", type=float, default=None, metavar="A",
-                   help="the MTP draft's acceptance rate to price speculation with (default: the routing "
-                   "profile's, from `ktflow profile --mtp`)")
+                   help="the MTP drafts' acceptance rate to price speculation with, the same at every depth "
+                   "(default: the routing profile's rates by depth, from `ktflow profile --mtp`)")
     g.add_argument("--pass", dest="passes", action="append", default=[], metavar="MODULE:FN[@WHERE=PASS]",
                    help="add a pass of your own, a function (Graph, CompileContext) -> Graph, from an importable "
                    "module or a FILE.py: after=, before= or replace= a pass of the pipeline (default: before=lower); "
