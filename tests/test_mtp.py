@@ -469,3 +469,28 @@ def test_the_mtp_layer_keeps_its_pre_norm_hidden_state_for_a_chained_step(mtp_di
     normed = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps) * norm_w
     assert_close(logits.float(), normed @ mtp_mod["shared_head.head"].float().T)
     assert not torch.allclose(g.pow(2).mean(-1), torch.ones_like(g[..., 0]), atol=1e-2)  # not a normalised state
+
+
+def test_speculation_under_a_vram_limit_forced_and_on_non_finite_logits(v3_pair, monkeypatch):
+    """With a GPU profile's VRAM plan the MTP layer's plans get what the main plans leave (the
+    reserve not held back twice) and fit it; speculate=k without an acceptance rate runs
+    unpriced; NaN logits in a speculative run are a NumericError, as in plain decoding."""
+    import ktflow.runtime.speculative as spec
+    from ktflow.errors import NumericError
+
+    model, main, mtp = v3_pair
+    c = ktflow.compile(model, hw="h100", device="cpu", max_seq_len=64, dtype="float32", vram_gb=4, mtp_acceptance=0.95)
+    sp, left = c.plans.speculation, c.plans.vram.limit_bytes - max(p.memory.gpu_bytes for p in c.plans.plans)
+    assert sp.k >= 1 and c.draft is not None
+    assert c.draft.plans.vram.limit_bytes <= left + 1 and all(p.memory.gpu_bytes <= left for p in c.draft.plans.plans)
+    forced = ktflow.compile(model, hw="cpu", max_seq_len=64, dtype="float32", speculate=2).plans.speculation
+    assert forced.k == 2 and forced.acceptance is None and "not priced" in forced.cause
+    real = spec.execute
+
+    def nan(compiled, x, state=None, **kw):
+        out, st = real(compiled, x, state, **kw)
+        return (out * float("nan") if compiled is main and x.shape[1] > 1 and st.position > 10 else out), st
+
+    monkeypatch.setattr(spec, "execute", nan)
+    with pytest.raises(NumericError, match="verification step"):
+        spec.speculative_greedy(main, mtp, list(range(1, 9)), 12, drafts=2)

@@ -169,6 +169,21 @@ def test_a_draw_never_lands_on_a_token_of_weight_zero():
     total = w.sum(-1)
     got = _first_passing(w, torch.stack([total[0] * 2, total[1] * (1 + 1e-7), total[2] * 0.5]))
     assert got.tolist() == [2 * CHUNK + 1, 2 * CHUNK + 1, CHUNK + 9]
+    # targets at chunk boundaries, over sparse weights of mixed magnitudes: the mass before a
+    # chunk taken as ends - sums can round above the previous chunk's end, letting a chunk's
+    # zero-weight first token pass
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        w = torch.zeros(64, 4 * CHUNK)
+        for r in range(64):
+            n = int(torch.randint(2, 12, (), generator=g))
+            idx = torch.randperm(4 * CHUNK, generator=g)[:n]
+            w[r, idx] = torch.rand(n, generator=g) * 10.0 ** torch.randint(-9, 1, (n,), generator=g).float()
+        ends = w.view(64, 4, CHUNK).sum(-1).cumsum(-1)
+        target = ends.gather(1, torch.randint(0, 3, (64, 1), generator=g)).squeeze(1)
+        target = torch.where(torch.rand(64, generator=g) < 0.5, target, torch.nextafter(target, torch.zeros_like(target)))
+        picked = _first_passing(w, target)
+        assert bool((w.gather(1, picked[:, None]) > 0).all())
 
 
 def test_a_seed_reproduces_and_the_stream_moves_on():
@@ -406,3 +421,18 @@ def test_select_rows_advances_rows_a_batched_step_left_inactive():
     s.set_active([False, True])
     ids = s.select_rows(torch.zeros(1, 50), [0])
     assert s.counter.tolist() == [1, 0] and s.counts[0, ids[0]] == 1
+
+
+def test_a_captured_step_runs_every_stage_but_for_a_greedy_batch_with_a_grammar():
+    """captured_stages: a greedy structured batch runs the mask and the argmax alone; any other mix
+    every stage (few graphs a batch size, all made at warm-up)."""
+    from ktflow.backends.sampling import CAPTURED_STAGES
+
+    s = Sampler(2, 100, "cpu")
+    s.set_row(0, SamplingParams(grammar="g"))
+    assert s.captured_stages() == CAPTURED_STAGES[1] and not s.captured_stages().draw
+    s.set_row(1, SamplingParams(temperature=0.7))
+    assert s.captured_stages() == ALL_STAGES
+    s.set_row(0, SamplingParams())
+    s.set_row(1, SamplingParams())
+    assert s.captured_stages() == ALL_STAGES  # (a plain greedy batch takes the argmax path, not a sampler)

@@ -54,6 +54,11 @@ class Stages(NamedTuple):
 #: every stage: a step that runs these selects correctly for any rows' parameters
 ALL_STAGES = Stages()
 
+#: the stages a captured step runs (`Sampler.captured_stages`): every one, or for a greedy batch
+#: with a grammar (structured output) the mask and the argmax alone: two graphs a batch size,
+#: both made at a server's warm-up
+CAPTURED_STAGES = (ALL_STAGES, Stages(bias=False, penalties=False, draw=False, truncation=False, grammar=True))
+
 
 class SamplingParamError(InputError):
     """A sampling parameter out of range; `param` names it."""
@@ -267,8 +272,7 @@ class Sampler:
         """The tokens row `row`'s grammar allows in its next step: `bitmask` (bytes or a buffer of
         little-endian 32-bit words; token i allowed where bit i % 32 of word i // 32 is set; words
         past the vocabulary ignored, tokens past the words not allowed). Read only where the row's
-        params name a grammar. Asynchronous on a GPU (stream
-        synchronous: done when it returns, as `set_row`."""
+        params name a grammar. Synchronous: done when it returns, as `set_row`."""
         words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32)
         n = self.allowed.shape[1]
         if words.numel() < n:  # tokens past the grammar's vocabulary: not allowed
@@ -334,6 +338,13 @@ class Sampler:
         self.counter.add_(self.active)
         return ids
 
+    def captured_stages(self) -> Stages:
+        """The stages a captured step of these rows runs: theirs where that is one of
+        CAPTURED_STAGES, else every stage (a step keyed by its stages would otherwise capture a
+        graph mid-request for each new mix of parameters)."""
+        own = self.stages()
+        return own if own in CAPTURED_STAGES else ALL_STAGES
+
     def stages(self) -> Stages:
         """The stages of `select_ids` some row needs, from the host's copy of the rows' parameters."""
         params = self.params[:self.rows]
@@ -387,7 +398,9 @@ def _first_passing(w: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     sums = c.sum(-1)
     ends = sums.cumsum(-1)
     j = torch.minimum((ends <= target[:, None]).sum(-1), _last_positive(sums))
-    before = (ends - sums).gather(1, j[:, None])
+    # the mass before chunk j as the chunk search saw it (ends[j - 1], not ends[j] - sums[j], which
+    # can round above it and let a zero-weight first token pass)
+    before = torch.nn.functional.pad(ends, (1, 0))[:, :-1].gather(1, j[:, None])
     chunk = c.gather(1, j[:, None, None].expand(-1, 1, CHUNK)).squeeze(1)
     i = torch.minimum(((chunk.cumsum(-1) + before) <= target[:, None]).sum(-1), _last_positive(chunk))
     return j * CHUNK + i

@@ -11,9 +11,11 @@ Against plain decoding at t_decode a token, the gain is
 
 The verification step reads the union of its k + 1 tokens' experts: with routed experts in CPU
 memory that is what decides (for DeepSeek-V3, 256 experts top-8, two independent tokens read
-about 15.8 distinct experts against 8). The compile driver prices it by compiling the decode
-graph for k + 1 tokens, whose expert reads assume independent tokens (an upper bound: neighbouring
-tokens share experts more often). `choose` keeps the k of the largest gain, and k = 0 (plain
+about 15.8 distinct experts against 8). The compile driver (passes/speculation.py) prices it by
+compiling a prefill bucket of k + 1 tokens at decode's attention length, the bucket the
+verification runs on, its expert reads those of consecutive tokens: with the routing profile's
+neighbour co-picks where it has them (neighbouring tokens share experts more often), else as
+independent ones (an upper bound). `choose` keeps the k of the largest gain, and k = 0 (plain
 decoding) unless that gain passes 1 + MARGIN: speculation has to pay for itself.
 """
 

@@ -464,7 +464,7 @@ def experts_hit_fraction(a: RoutedExpertsAttrs, w: Work) -> float:
     p = _expert_probs(a, w)
     if w.neighbour_probs is None or w.tokens < 2:
         return sum(1.0 - (1.0 - q) ** w.tokens for q in p) / len(p)
-    c = [min(w.neighbour_probs[e], 1.0) * a.rank_fraction for e in a.ids]
+    c = [min(w.neighbour_probs[e], 1.0) * a.rank_fraction ** 2 for e in a.ids]  # both neighbours' picks in range
     t = w.tokens
     return sum(max(q, 1.0 - (1.0 - q) ** t - (t - 1) * max(0.0, ce - q * q)) for q, ce in zip(p, c)) / len(p)
 

@@ -110,6 +110,8 @@ def compile_plans(model: Any, hw: HwProfile, opts: CompileOptions, device: str, 
     decode = _with_staging(decode, prefill)
     # speculative decoding with the model's MTP layer: its own plans, where the cost model keeps it
     left = None if vram is None else (vram.limit_bytes - max(p.memory.gpu_bytes for p in (decode, *prefill))) / 1e9
+    host = sum(n.memory_bytes for n in hw.cpu.numa)
+    host_left = (host - max(p.memory.host_bytes for p in (decode, *prefill))) / 1e9 if host else None
 
     def verify_plan(t: int) -> Plan:  # t consecutive tokens of one sequence, attending as a decode step does
         ctx = replace(context("prefill", t, share), context=max_seq // 2, consecutive=True)
@@ -117,7 +119,8 @@ def compile_plans(model: Any, hw: HwProfile, opts: CompileOptions, device: str, 
 
     speculation, draft, verify = decide_speculation(
         model, opts, device, decode, routing, verify_plan,
-        compile_part=lambda part, o: compile_plans(part, hw, o, device, passes=passes), gpu_left_gb=left)
+        compile_part=lambda part, o: compile_plans(part, hw, o, device, passes=passes), gpu_left_gb=left,
+        host_left_gb=host_left)
     if verify is not None and all(p.step_tokens != verify.step_tokens for p in prefill):
         prefill = _fetch_packs(decode, sorted([*prefill, verify], key=lambda p: p.step_tokens))
     pf = PlanFile(model=info, hw=hw, options=opts, prefill=prefill, decode=decode,

@@ -374,13 +374,17 @@ class PlanFile(BaseModel):
             raise PlanError(f"plan file {p} is malformed: {e}") from None
         if not pf.prefill or [b.step_tokens for b in pf.prefill] != sorted({b.step_tokens for b in pf.prefill}):
             raise PlanError(f"plan file {p} is malformed: its prefill plans must have ascending, distinct step_tokens")
-        for plan in pf.plans:
-            problems = plan_problems(plan)
-            if problems:
-                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-                raise PlanError(f"plan file {p}: its {plan.phase} plan ({plan.step_tokens} tokens/step) fails "
-                                f"verification: {problems[0]}{more}. Recompile it with `ktflow compile`.")
-        problems = file_problems(pf)
+        for part, plans in (("", pf), ("draft's ", pf.draft)):
+            for plan in plans.plans if plans is not None else ():
+                problems = plan_problems(plan)
+                if problems:
+                    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                    raise PlanError(f"plan file {p}: its {part}{plan.phase} plan ({plan.step_tokens} tokens/step) fails "
+                                    f"verification: {problems[0]}{more}. Recompile it with `ktflow compile`.")
+        if (pf.draft is None) != (pf.speculation is None or pf.speculation.k == 0):
+            raise PlanError(f"plan file {p} is malformed: its draft plans and its speculation disagree (a plan file "
+                            "holds the MTP layer's plans exactly where its speculation keeps k >= 1)")
+        problems = (file_problems(pf) + file_problems(pf.draft)) if pf.draft is not None else file_problems(pf)
         if problems:
             raise PlanError(f"plan file {p} fails verification: {problems[0]}. Recompile it with `ktflow compile`.")
         if fingerprint is not None:

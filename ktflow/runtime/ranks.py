@@ -185,10 +185,14 @@ def leave_group(ok: bool) -> None:
     if not dist.is_initialized():
         return
     global _patient
-    if ok:
-        dist.barrier(group=patient_group())
-    dist.destroy_process_group()
-    _patient = None
+    try:
+        if ok:
+            dist.barrier(group=patient_group())
+    except Exception:  # noqa: BLE001 - a peer failed after its last step: its error is the one reported
+        pass
+    finally:
+        dist.destroy_process_group()
+        _patient = None
 
 
 #: how long a rank waits on the others outside the steps (rank 0 packing its CPU experts, a

@@ -37,7 +37,7 @@ from typing import Iterator
 import torch
 
 from ..backends.sampling import Sampler, SamplingParams, probabilities
-from ..errors import InputError
+from ..errors import InputError, NumericError
 from ..frontend.load import part_fingerprint
 from .execute import execute
 from .state import State
@@ -99,6 +99,14 @@ def speculative_sampled(main, mtp, prompt: list[int], max_new_tokens: int, param
     return _speculate(main, mtp, prompt, max_new_tokens, eos_ids, params, drafts)
 
 
+def _finite(logits: torch.Tensor, what: str) -> None:
+    """A NumericError naming `what` where `logits` hold a NaN or an infinity (no token can be
+    selected from them), as plain decoding's selection raises."""
+    if not bool(torch.isfinite(logits).all()):
+        raise NumericError(f"{what}: the logits hold a NaN or an infinity, so no token can be selected (the model's "
+                           "values overflowed, or its weights hold non-finite values)", rows=(0,))
+
+
 class _Draws:
     """The sampled side of a run: the target's and the draft's samplers (one row each, the same
     parameters, both counting the tokens so far for penalties) and the run's uniforms."""
@@ -152,6 +160,7 @@ def speculative_tokens(main, mtp, prompt: list[int], max_new_tokens: int, eos_id
     draws = None if params is None or params.plain_greedy else _Draws(main.vocab_size, params, prompt)
 
     def select(logits: torch.Tensor) -> int:  # the main model's token at a position
+        _finite(logits, "the main model's step")
         if draws is None:
             return int(logits.argmax())
         token = draws.draw(draws.p(logits))
@@ -159,6 +168,7 @@ def speculative_tokens(main, mtp, prompt: list[int], max_new_tokens: int, eos_id
         return token
 
     def propose(logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:  # a draft and its distribution
+        _finite(logits, "the MTP layer's draft step")
         if draws is None:
             return int(logits.argmax()), None
         q = draws.q(logits)
@@ -200,6 +210,7 @@ def speculative_tokens(main, mtp, prompt: list[int], max_new_tokens: int, eos_id
             if i == k:  # every draft kept: the token after them
                 new.append(select(logits[0, k]))
                 break
+            _finite(logits[0, i], "the main model's verification step")
             if draws is None:
                 y = int(logits[0, i].argmax())
                 kept = y == ds[i]

@@ -92,14 +92,19 @@ class PoolRunner:
         self.vocab_size = compiled.vocab_size
 
     def warm(self) -> None:
-        """Run a prompt chunk and a decode step of every batch bucket (greedy and sampled), so the
-        caches, the plans' first-use work and (on cuda_graph) each bucket's captured graphs are
-        made before the first request rather than during it."""
+        """Run a prompt chunk and a decode step of every batch bucket (greedy, sampled, and greedy
+        with a grammar: the selections a captured step is made for, backends.sampling's
+        CAPTURED_STAGES), so the caches, the plans' first-use work and (on cuda_graph) each
+        bucket's captured graphs are made before the first request rather than during it."""
         for slot in range(self.slots):
             self.start(slot)
         self.prefill([(slot, [0], False) for slot in range(self.slots)])
-        for b in self.pool.buckets:  # both selections: greedy (the argmax) and sampled
+        for b in self.pool.buckets:
             self.pool.decode(list(range(b)), [0] * b, logits="argmax")
+            self.pool.decode(list(range(b)), [0] * b, logits="sample")
+        for slot in range(self.slots):  # a grammar allowing every token (its rows' mask: all set)
+            self.pool.sampler.set_row(slot, SamplingParams(grammar="(warm-up)"))
+        for b in self.pool.buckets:
             self.pool.decode(list(range(b)), [0] * b, logits="sample")
         for slot in range(self.slots):
             self.start(slot)

@@ -427,7 +427,15 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
     tok = Tokenizer.from_file(str(tok_file))
     opts = options(a)
+    if a.mtp and not model.has_mtp:
+        raise ConfigError(f"--mtp measures the checkpoint's multi-token-prediction layer; {model.path} declares none "
+                          "(num_nextn_predict_layers)")
+    if a.mtp and a.decode < 1:
+        raise ConfigError("--mtp measures the MTP drafts on each prompt's decoded tokens: give --decode >= 1")
     compiled = ktflow.compile(model, hw=a.hw, **opts)
+    if a.mtp and compiled.decode.device == "cuda" and a.backend not in ("native", "torch_ref"):
+        raise ConfigError("--mtp runs the MTP layer on the main model's hidden states, which the captured CUDA-graph "
+                          "step does not keep yet: add --backend native (or torch_ref)")
     prompts = []
     for i, text in enumerate(lines):
         ids = tok.encode(text).ids[:compiled.max_seq_len]
@@ -436,8 +444,6 @@ def cmd_profile(a: argparse.Namespace) -> int:
         prompts.append(ids)
     continuations = None
     if a.mtp:  # the greedy continuations, decoded once: routed as decode steps, and drafted on
-        if a.decode < 1:
-            raise ConfigError("--mtp measures the MTP drafts on each prompt's decoded tokens: give --decode >= 1")
         continuations = [ktflow.generate(compiled, torch.tensor([ids]), min(a.decode, compiled.max_seq_len - len(ids)),
                                          eos_token_id=None)[0, len(ids):].tolist() for ids in prompts]
     prof = record_routing(compiled, prompts, a.decode, pairs=a.pairs, continuations=continuations)

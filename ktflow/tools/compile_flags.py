@@ -175,7 +175,8 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculate", default="auto", metavar="auto|0..4",
                    help="speculative decoding with the checkpoint's multi-token-prediction layer (DeepSeek-V3, "
                    "GLM-4.5): K chained drafts a step, verified in one step; 0 = off; auto = the K the cost model "
-                   "predicts fastest, given acceptance rates (`--explain` says why; greedy output unchanged)")
+                   "predicts fastest, given acceptance rates (`--explain` says why; greedy tokens stay plain "
+                   "decoding's, up to float near-ties between step shapes)")
     g.add_argument("--mtp-acceptance", type=float, default=None, metavar="A",
                    help="the MTP drafts' acceptance rate to price speculation with, the same at every depth "
                    "(default: the routing profile's rates by depth, from `ktflow profile --mtp`)")

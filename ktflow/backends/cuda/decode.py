@@ -253,9 +253,9 @@ class DecodeGraph:
     def _launch_run(self, bound: Bound, state, steps: int, sampler: Sampler | None) -> torch.Tensor:
         """The bound's run of `steps` steps (inputs written) launched, captured after its first
         (eager) launch; returns its ids [batch, steps] (int64, CPU)."""
-        # a sampled run is captured per set of selection stages its rows need (a graph of fewer
-        # stages is replayed only for rows that need no more)
-        stages = sampler.stages() if sampler is not None else None
+        # a sampled run is captured per set of selection stages (a graph of fewer stages is replayed
+        # only for rows that need no more): CAPTURED_STAGES' few
+        stages = sampler.captured_stages() if sampler is not None else None
         key = (steps, sampler.key if sampler is not None else None, stages)
         if key not in bound.runs:
             bound.runs[key] = TokenRun(torch.zeros(steps, bound.batch, dtype=torch.int64, pin_memory=True))
