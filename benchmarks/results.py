@@ -174,6 +174,11 @@ SPECS: dict[str, Spec] = {
                          notes="total time to first token over the conversation; the target: reuse <= 0.2x whole."),
     "sampled_decode": Spec(one(["model", "layers", "variant"],
                                [pm("tok_s", "sd", "tok/s"), "vs_greedy1", "vs_greedy8", "us_per_replay"])),
+    "speculative": Spec(one(["model", "hw", "compiler_k", "plan", "k", "selection"],
+                            ["tok_s", "gain", "predicted_gain", "drafts_kept", "same_ids"]),
+                        notes="gain and predicted_gain against plain decoding of the same selection in the same run; "
+                              "drafts_kept: drafts kept a verification step; same_ids: greedy tokens equal plain "
+                              "decoding's."),
     "structured_decode": Spec(one(["model", "layers", "checkpoint", "vocab", "kind", "requests"],
                                   ["mean_tokens", "decode_tok_s", "ratio_vs_free", "valid"]),
                               notes="kind free: unconstrained greedy; schema: a JSON schema; tool: tool_choice "

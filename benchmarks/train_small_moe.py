@@ -18,6 +18,11 @@ Expert Deferral's accuracy can be measured on them. This trains one whose routin
   that make a backward non-deterministic, and that PyTorch's deterministic mode replaces by slow
   sorted kernels); the same function as transformers' experts, to rounding (a test compares them);
   float32 matmuls in TF32 on the GPU (deterministic as well);
+- the multi-token-prediction (MTP) layer, as DeepSeek-V3 publishes it (`enorm`, `hnorm`,
+  `eh_proj`, one MoE decoder layer, `shared_head.norm`; embedding and head the main model's),
+  trained after the model for `--mtp-steps` steps with the model frozen: from the model's final
+  normalised hidden state at position i and token i + 1 it predicts token i + 2 (cross-entropy);
+  saved as layer `num_hidden_layers` with `num_nextn_predict_layers: 1` (0 steps: none);
 - router balancing: DeepSeek-V3's auxiliary-loss-free rule: after every step each MoE layer's
   score-correction bias moves by `--bias-rate` towards its under-loaded experts (bias_e +=
   rate * sign(mean load - load_e)); no auxiliary loss;
@@ -61,12 +66,12 @@ SIZES = {
                             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=32, num_experts_per_tok=4,
                             n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=64,
                             q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32),
-                 vocab=2048, seq=128, batch=16, steps=150, lr=4e-3, corpus_mb=3),
+                 vocab=2048, seq=128, batch=16, steps=150, lr=4e-3, corpus_mb=3, mtp_steps=150),
     "small": dict(model=dict(hidden_size=512, intermediate_size=1536, moe_intermediate_size=384, num_hidden_layers=8,
                              num_attention_heads=8, num_key_value_heads=8, n_routed_experts=64, num_experts_per_tok=6,
                              n_group=8, topk_group=4, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=128,
                              q_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64),
-                  vocab=8192, seq=256, batch=32, steps=1500, lr=2e-3, corpus_mb=40),
+                  vocab=8192, seq=256, batch=32, steps=1500, lr=2e-3, corpus_mb=40, mtp_steps=600),
 }
 
 
@@ -227,6 +232,8 @@ def main() -> int:
                     help="stop training after this many seconds and save what was trained (the report says how many "
                     "steps ran; the learning rate will not have decayed; a run cut short is deterministic no more)")
     ap.add_argument("--bias-rate", type=float, default=1e-2, help="the balancing bias's step per optimizer step")
+    ap.add_argument("--mtp-steps", type=int, default=None,
+                    help="optimizer steps of the MTP layer after the model (default: the size's; 0: no MTP layer)")
     ap.add_argument("--corpus-mb", type=float, default=None, help="MB of sources read (default: the size's)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--jsonl", default=str(HERE / "train_small_moe.jsonl"))
@@ -307,8 +314,12 @@ def train(a: argparse.Namespace, caught: list) -> int:
     model.eval()
     ppl = perplexity(model, held_ids, seq, a.device)
     load = load_per_layer(model, held_ids, seq, a.device)
+    mtp_steps = size["mtp_steps"] if a.mtp_steps is None else a.mtp_steps
+    mtp, mtp_report = train_mtp(model, train_ids, held_ids, order, size, mtp_steps, a) if mtp_steps else (None, {})
     model = model.to("cpu")
     model.save_pretrained(out)
+    if mtp is not None:
+        save_mtp(out, mtp, cfg.num_hidden_layers)
     tok_json = out / "tokenizer.json"
     tok.save(str(tok_json))
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>").save_pretrained(out)
@@ -327,17 +338,117 @@ def train(a: argparse.Namespace, caught: list) -> int:
                   busiest_tenth_share=busiest, load=load, weights_sha256=digest.hexdigest(),
                   nondeterministic=sorted({str(w.message).splitlines()[0][:300] for w in caught
                                            if "determinis" in str(w.message)}),
-                  corpus=str(Path(sysconfig.get_paths()["stdlib"])))
+                  corpus=str(Path(sysconfig.get_paths()["stdlib"])), **mtp_report)
     (out / "train_report.json").write_text(json.dumps(report, indent=1))
     print(f"trained {trained} steps ({report['tokens']} tokens) in {train_s:.0f} s on {a.device}; final loss "
           f"{report['final_loss']:.3f}; held-out perplexity {ppl:.2f}; the busiest 10% of experts take "
           + ", ".join(f"L{i} {100 * s:.0f}%" for i, s in busiest.items()) + " of the picks (uniform: 10%)")
+    if mtp_report:
+        print(f"MTP layer: {mtp_report['mtp_steps']} steps, final loss {mtp_report['mtp_final_loss']:.3f}; on the "
+              f"held-out split its draft equals the next-next token at {100 * mtp_report['mtp_heldout_top1']:.1f}% "
+              f"(the model's own next token: {100 * mtp_report['heldout_top1']:.1f}%)")
     for msg in report["nondeterministic"]:
         print(f"not deterministic: {msg}", file=sys.stderr)
     append_jsonl(a.jsonl, [dict(bench="train_small_moe", commit=commit(), **machine(), device=a.device,
                                 **{k2: v for k2, v in report.items() if k2 != "load"})])
     print(f"wrote {out}")
     return 0
+
+
+class MTPLayer(torch.nn.Module):
+    """DeepSeek-V3's multi-token-prediction layer over a frozen model: at position i, from the
+    model's final normalised hidden state h_i and token i + 1, x = eh_proj([enorm(embed(t_{i+1}));
+    hnorm(h_i)]), one MoE decoder layer (index num_hidden_layers) and shared_head.norm, then the
+    model's own head: logits of token i + 2."""
+
+    def __init__(self, model):
+        from transformers import DeepseekV3ForCausalLM
+
+        super().__init__()
+        cfg = model.config.__class__(**{**model.config.to_dict(), "num_hidden_layers": 1, "first_k_dense_replace": 0})
+        self.block = DeepseekV3ForCausalLM(cfg)  # its one layer (an MoE one), its final norm = shared_head.norm
+        self.block.model.embed_tokens = model.model.embed_tokens  # shared, frozen
+        self.block.lm_head = model.lm_head
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm, self.hnorm = torch.nn.RMSNorm(h, eps=eps), torch.nn.RMSNorm(h, eps=eps)
+        self.eh_proj = torch.nn.Linear(2 * h, h, bias=False)
+
+    def forward(self, model, x: torch.Tensor, labels: bool = True):
+        with torch.no_grad():
+            hidden = model.model(x).last_hidden_state  # after the model's final norm
+        e = self.block.model.embed_tokens(x[:, 1:])
+        inp = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden[:, :-1])], -1))
+        # row i predicts token i + 2: as a causal LM whose labels are x shifted by one
+        return self.block(inputs_embeds=inp, labels=x[:, 1:] if labels else None)
+
+    def tensors(self, layer: int) -> dict[str, torch.Tensor]:
+        """The layer's tensors by their checkpoint names (model.layers.<layer>.*)."""
+        p = f"model.layers.{layer}"
+        out = {f"{p}.{k}": v for k, v in self.block.model.layers[0].state_dict().items()}
+        out.update({f"{p}.enorm.weight": self.enorm.weight, f"{p}.hnorm.weight": self.hnorm.weight,
+                    f"{p}.eh_proj.weight": self.eh_proj.weight,
+                    f"{p}.shared_head.norm.weight": self.block.model.norm.weight})
+        return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
+
+
+def train_mtp(model, train_ids: torch.Tensor, held_ids: torch.Tensor, order: torch.Tensor, size: dict, steps: int,
+              a: argparse.Namespace) -> tuple[MTPLayer, dict]:
+    """The MTP layer trained `steps` steps over the frozen model (the same windows, in the same
+    order as the model saw them), and its report: final loss, and on the held-out split how often
+    its argmax is the next-next token beside how often the model's is the next one."""
+    for prm in model.parameters():
+        prm.requires_grad_(False)
+    mtp = MTPLayer(model).to(a.device)
+    use_sorted_experts(mtp.block)
+    params = [q for n, q in mtp.named_parameters() if not n.startswith(("block.model.embed_tokens", "block.lm_head"))]
+    opt = torch.optim.AdamW(params, lr=size["lr"], betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    seq, batch = size["seq"], size["batch"]
+    windows = (len(train_ids) - 1) // seq
+    mtp.train()
+    losses, t0 = [], time.perf_counter()
+    for step in range(steps):
+        rows = order[(step * batch + torch.arange(batch)) % windows]
+        x = torch.stack([train_ids[r * seq:(r + 1) * seq] for r in rows.tolist()]).to(a.device)
+        loss = mtp(model, x).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if step % max(1, steps // 5) == 0 or step == steps - 1:
+            print(f"mtp step {step:5d}  loss {losses[-1]:.3f}  {time.perf_counter() - t0:.0f} s", flush=True)
+    mtp.eval()
+    hits = model_hits = total = 0
+    with torch.no_grad():
+        for r in range(min((len(held_ids) - 1) // seq, 64)):
+            x = held_ids[r * seq:(r + 1) * seq].view(1, -1).to(a.device)
+            drafts = mtp(model, x, labels=False).logits[0].argmax(-1)  # row i: token i + 2
+            nxt = model(x).logits[0].argmax(-1)  # row i: token i + 1
+            hits += int((drafts[:-1] == x[0, 2:]).sum())
+            model_hits += int((nxt[:-1] == x[0, 1:]).sum())
+            total += seq - 2
+    return mtp, dict(mtp_steps=steps, mtp_train_seconds=round(time.perf_counter() - t0, 1),
+                     mtp_final_loss=round(sum(losses[-10:]) / len(losses[-10:]), 4),
+                     mtp_heldout_top1=round(hits / max(total, 1), 4), heldout_top1=round(model_hits / max(total, 1), 4))
+
+
+def save_mtp(out: Path, mtp: MTPLayer, layers: int) -> None:
+    """Add the MTP layer's tensors to the saved checkpoint (its one safetensors file) and declare it
+    in config.json (num_nextn_predict_layers: 1)."""
+    from safetensors.torch import load_file, save_file
+
+    files = sorted(out.glob("model*.safetensors"))
+    if len(files) != 1:
+        raise SystemExit(f"expected one weights file in {out}, found {[f.name for f in files]}")
+    tensors = load_file(str(files[0]))
+    tensors.update(mtp.tensors(layers))
+    save_file(tensors, str(files[0]), metadata={"format": "pt"})
+    cfg_file = out / "config.json"
+    raw = json.loads(cfg_file.read_text())
+    raw["num_nextn_predict_layers"] = 1
+    cfg_file.write_text(json.dumps(raw, indent=2))
 
 
 if __name__ == "__main__":
