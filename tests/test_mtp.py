@@ -351,6 +351,8 @@ def test_the_compile_prices_speculation_and_generate_follows_its_choice(v3_pair,
     want = ktflow.generate(main, ids, 16, eos_token_id=None)
     got, stats = generate_with_stats(high, ids, 16, eos_token_id=None)
     assert torch.equal(got, want) and stats.speculative is not None and stats.speculative.steps >= 15 // (sp.k + 1)
+    # sampled requests decode plainly: the rejection rule's work is not priced
+    assert not sp.sampled and generate_with_stats(high, ids, 8, temperature=0.8, seed=3)[1].speculative is None
     high.save(tmp_path / "plan.json")
     back = ktflow.Compiled.load(tmp_path / "plan.json", model)
     assert back.draft is not None and back.plans.speculation == sp

@@ -62,10 +62,15 @@ class SpeculationChoice(BaseModel):
     draft_us: float | None = None  # one MTP step
     gains: dict[int, float] = {}  # k -> predicted gain
     cause: str
+    #: whether sampled requests speculate too: the price leaves out the rejection rule's work (the
+    #: target's and the draft's distributions at each position, on the host), which measured slower
+    #: than plain sampling (benchmarks/speculative.py), so only greedy requests do
+    sampled: bool = False
 
     def table(self) -> str:
         """The decision and its candidates, as `ktflow compile --explain` prints them."""
-        lines = [f"speculative decoding: k = {self.k} ({self.cause})"]
+        lines = [f"speculative decoding: k = {self.k} ({self.cause})" + ("" if self.sampled or not self.k else
+                 "; greedy requests only: sampled ones decode plainly (the rejection rule's work is not priced)")]
         if self.gains:
             rates = "/".join(f"{a:.2f}" for a in self.acceptance)
             lines.append(f"  plain decode step {self.decode_us / 1e3:.2f} ms, MTP draft step "

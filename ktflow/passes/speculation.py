@@ -101,7 +101,7 @@ def decide(model: Any, opts: CompileOptions, device: str, decode: Plan, routing,
                                                               f"{choice.cause}"))
     if asked == "auto" and choice.k:
         notices.warn(f"speculative decoding is on: {choice.k} MTP draft(s) a step, {choice.cause} (from {source}); "
-                     "greedy tokens stay plain decoding's, sampled ones follow its distribution but differ for a "
-                     "seed. speculate=0 (--speculate 0) turns it off", key="speculate")
+                     "greedy requests only, their tokens plain decoding's (sampled ones decode plainly). "
+                     "speculate=0 (--speculate 0) turns it off", key="speculate")
     return choice, (draft if choice.k else None), verify.get(choice.k)
 
