@@ -233,7 +233,8 @@ def main() -> int:
                     "steps ran; the learning rate will not have decayed; a run cut short is deterministic no more)")
     ap.add_argument("--bias-rate", type=float, default=1e-2, help="the balancing bias's step per optimizer step")
     ap.add_argument("--mtp-steps", type=int, default=None,
-                    help="optimizer steps of the MTP layer after the model (default: the size's; 0: no MTP layer)")
+                    help="optimizer steps of the MTP layer after the model (default: the size's, scaled as the "
+                    "model's steps that ran scale the size's; 0: no MTP layer)")
     ap.add_argument("--corpus-mb", type=float, default=None, help="MB of sources read (default: the size's)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--jsonl", default=str(HERE / "train_small_moe.jsonl"))
@@ -314,7 +315,8 @@ def train(a: argparse.Namespace, caught: list) -> int:
     model.eval()
     ppl = perplexity(model, held_ids, seq, a.device)
     load = load_per_layer(model, held_ids, seq, a.device)
-    mtp_steps = size["mtp_steps"] if a.mtp_steps is None else a.mtp_steps
+    # the size's MTP steps, scaled as the model's steps that ran (--steps, --time-limit) scale the size's
+    mtp_steps = max(1, round(size["mtp_steps"] * trained / size["steps"])) if a.mtp_steps is None else a.mtp_steps
     mtp, mtp_report = train_mtp(model, train_ids, held_ids, order, size, mtp_steps, a) if mtp_steps else (None, {})
     model = model.to("cpu")
     model.save_pretrained(out)
@@ -427,7 +429,7 @@ def train_mtp(model, train_ids: torch.Tensor, held_ids: torch.Tensor, order: tor
             drafts = mtp(model, x, labels=False).logits[0].argmax(-1)  # row i: token i + 2
             nxt = model(x).logits[0].argmax(-1)  # row i: token i + 1
             hits += int((drafts[:-1] == x[0, 2:]).sum())
-            model_hits += int((nxt[:-1] == x[0, 1:]).sum())
+            model_hits += int((nxt[:-2] == x[0, 1:-1]).sum())  # over the same count of positions
             total += seq - 2
     return mtp, dict(mtp_steps=steps, mtp_train_seconds=round(time.perf_counter() - t0, 1),
                      mtp_final_loss=round(sum(losses[-10:]) / len(losses[-10:]), 4),

@@ -102,6 +102,41 @@ def test_trained_checkpoint_reads_alike_in_ktflow_and_transformers(trained):
     assert float((got - want).norm() / want.norm()) < 1e-4
 
 
+def test_the_trained_mtp_layer_reads_alike_in_ktflow_and_in_training(trained):
+    """The MTP layer train_small_moe.py trains and saves (layer num_hidden_layers, declared in
+    config.json): ktflow's MTP graph over the model's kept hidden states gives the training
+    module's logits (row i: token i + 2)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from ktflow.runtime.state import State
+
+    sys.path.insert(0, str(BENCH))
+    from train_small_moe import MTPLayer
+
+    model = AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32).eval()
+    layers = model.config.num_hidden_layers
+    mtp = MTPLayer(model).eval()
+    p = f"model.layers.{layers}."
+    saved = {k[len(p):]: v for k, v in load_file(str(next(trained.glob("model*.safetensors")))).items()
+             if k.startswith(p)}
+    own = {"enorm.weight": mtp.enorm.weight, "hnorm.weight": mtp.hnorm.weight, "eh_proj.weight": mtp.eh_proj.weight,
+           "shared_head.norm.weight": mtp.block.model.norm.weight}
+    mtp.block.model.layers[0].load_state_dict({k: v for k, v in saved.items() if k not in own})
+    with torch.no_grad():
+        for k, w in own.items():
+            w.copy_(saved[k])
+        ids = torch.tensor([[3, 50, 700, 12, 9, 41, 8]])
+        want = mtp(model, ids, labels=False).logits[0]
+    km = ktflow.load(trained)
+    opts = dict(hw="cpu", dtype="float32", max_seq_len=32)
+    main, draft = ktflow.compile(km, speculate=0, **opts), ktflow.compile(km.mtp(), **opts)
+    state = State(main.plans.model.fingerprint, 1, 32, keep_hidden=True)
+    _, state = ktflow.execute(main, ids, state)
+    got, _ = ktflow.execute(draft, ids[:, 1:], logits="all", hidden=state.hidden_out[:, :-1])
+    assert float((got[0] - want).norm() / want.norm()) < 1e-4
+
+
 def test_fidelity_table_runs_on_the_trained_model(trained, tmp_path):
     out = tmp_path / "f.jsonl"
     p = subprocess.run([sys.executable, str(BENCH / "fidelity.py"), str(trained), "--seqs", "1", "--len", "24",

@@ -70,7 +70,8 @@ class SpeculationChoice(BaseModel):
     def table(self) -> str:
         """The decision and its candidates, as `ktflow compile --explain` prints them."""
         lines = [f"speculative decoding: k = {self.k} ({self.cause})" + ("" if self.sampled or not self.k else
-                 "; greedy requests only: sampled ones decode plainly (the rejection rule's work is not priced)")]
+                 "; plain greedy requests only: the others decode plainly (the rejection rule's work is not "
+                 "priced)")]
         if self.gains:
             rates = "/".join(f"{a:.2f}" for a in self.acceptance)
             lines.append(f"  plain decode step {self.decode_us / 1e3:.2f} ms, MTP draft step "

@@ -101,7 +101,8 @@ def decide(model: Any, opts: CompileOptions, device: str, decode: Plan, routing,
                                                               f"{choice.cause}"))
     if asked == "auto" and choice.k:
         notices.warn(f"speculative decoding is on: {choice.k} MTP draft(s) a step, {choice.cause} (from {source}); "
-                     "greedy requests only, their tokens plain decoding's (sampled ones decode plainly). "
+                     "plain greedy requests only (no penalty or logit_bias), their tokens plain decoding's; the "
+                     "others decode plainly. "
                      "speculate=0 (--speculate 0) turns it off", key="speculate")
     return choice, (draft if choice.k else None), verify.get(choice.k)
 

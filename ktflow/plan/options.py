@@ -114,8 +114,8 @@ class CompileOptions(BaseModel):
         "auto", description="speculative decoding with the checkpoint's multi-token-prediction (MTP) layer: k chained "
         "MTP drafts a step, verified in one step of the model (0: off; 1..4) or auto (the k the cost model predicts "
         "fastest, where the MTP layer, acceptance rates and a runtime that runs it are there; `--explain` says why). "
-        "Greedy requests only, their tokens plain decoding's (sampled requests decode plainly: the "
-        "rejection rule's work is not priced)")
+        "Plain greedy requests only (no penalty or logit_bias), their tokens plain decoding's (the others "
+        "decode plainly: the rejection rule's work is not priced)")
     mtp_acceptance: float | None = Field(None, gt=0, lt=1, description="the MTP drafts' acceptance rate the "
                                          "speculation is priced with, the same at every depth; default: the "
                                          "routing profile's rates by depth (`ktflow profile --mtp` measures them)")

@@ -177,12 +177,13 @@ def speculative_tokens(main, mtp, prompt: list[int], max_new_tokens: int, eos_id
     state = State(main.plans.model.fingerprint, 1, main.max_seq_len, keep_hidden=True)
     logits, state = execute(main, torch.tensor([prompt]), state, logits="last")
     pending = select(logits[0, -1])
-    yield pending
-    made = stats.tokens = 1
-    # the MTP over the prompt: position i pairs h_i with token i + 1 (the last with `pending`)
+    # the MTP over the prompt: position i pairs h_i with token i + 1 (the last with `pending`); part
+    # of the prompt's work, so the first token is yielded after it
     mstate = State(mtp.plans.model.fingerprint, 1, mtp.max_seq_len, keep_hidden=True)
     mlogits, mstate = execute(mtp, torch.tensor([prompt[1:] + [pending]]), mstate, logits="last",
                               hidden=state.hidden_out)
+    yield pending
+    made = stats.tokens = 1
     while made < max_new_tokens and pending not in eos:
         p = state.position  # the MTP's state is there too
         k = min(drafts, max_new_tokens - made - 1)  # a step yields up to k + 1 tokens
