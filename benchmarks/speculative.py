@@ -88,8 +88,8 @@ def main(argv=None) -> int:
              for p in prompts]
     prof = record_routing(plain, prompts, continuations=conts, progress=False)
     mtp = ktflow.compile(model.mtp(), speculate=0, **opts)
-    rates, counted = acceptance_rates(plain, mtp, prompts, conts, MAX_DRAFTS)
-    prof = prof.model_copy(update=dict(mtp_acceptance=rates))
+    rates, per_step, counted = acceptance_rates(plain, mtp, prompts, conts, MAX_DRAFTS)
+    prof = prof.model_copy(update=dict(mtp_acceptance=rates, mtp_tokens_per_step=per_step))
     profile = Path(f"/tmp/ktflow-speculative-{a.run_id}.json")
     profile.write_text(prof.model_dump_json())
     plans = {"plain": plain, "auto": ktflow.compile(model, routing_profile=str(profile), **opts)}
@@ -99,11 +99,13 @@ def main(argv=None) -> int:
     print(f"\n{model.config.model_type} at {ckpt}, {len(prompts)} prompts of {a.prompt_tokens} tokens, {a.tokens} "
           f"decoded each, hw {a.hw}, commit {commit()}")
     print(f"drafts kept by depth on the greedy continuations: {'/'.join(f'{r:.1%}' for r in rates)} "
-          f"({counted} positions)")
+          f"({counted} positions); replayed, k = 1..{len(per_step)} drafts a step yield "
+          f"{'/'.join(f'{t:.2f}' for t in per_step)} tokens a step")
     print(f"the compiler: k = {auto.k} ({auto.cause})")
     info = dict(bench="speculative", run_id=a.run_id, commit=commit(), **machine(), checkpoint=str(ckpt),
                 model=model.config.model_type, hw=a.hw, prompts=len(prompts), prompt_tokens=a.prompt_tokens,
-                tokens=a.tokens, acceptance_by_depth=[round(r, 4) for r in rates], compiler_k=auto.k)
+                tokens=a.tokens, acceptance_by_depth=[round(r, 4) for r in rates],
+                tokens_per_step_replayed=[round(t, 4) for t in per_step], compiler_k=auto.k)
     rows = []
     print(f"{'plan':>6} {'k':>2} {'selection':>9} {'tok/s':>8} {'gain':>6} {'predicted':>9} {'kept/step':>9} "
           f"{'same ids':>8}")

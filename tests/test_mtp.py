@@ -293,7 +293,9 @@ def test_sampled_speculation_follows_the_samplers_rules(v3_pair):
 def test_acceptance_rates_count_chained_drafts_by_depth(v3_pair, monkeypatch, wrong_at, expect):
     """acceptance_rates over a greedy continuation: the MTP's chained drafts forced right up to
     depth `wrong_at` (then wrong) give rate 1 at the depths before it, 0 there, and nothing past
-    it; positions tried at depth 1: every continuation token the loop can draft."""
+    it; positions tried at depth 1: every continuation token the loop can draft; the replayed
+    loop's tokens a step: k + 1 where every draft is right (less at the end), 2 where only the
+    first is, 1 where none is."""
     import ktflow.runtime.speculative as spec
 
     model, main, mtp = v3_pair
@@ -316,8 +318,12 @@ def test_acceptance_rates_count_chained_drafts_by_depth(v3_pair, monkeypatch, wr
         return out, st
 
     monkeypatch.setattr(spec, "execute", forced)
-    rates, tried = spec.acceptance_rates(main, mtp, [prompt], [cont], 3)
+    rates, per_step, tried = spec.acceptance_rates(main, mtp, [prompt], [cont], 3)
     assert tried == len(cont) and rates == expect
+    if wrong_at is None:
+        assert per_step[0] == 2.0 and 3.0 < per_step[2] <= 4.0
+    else:
+        assert per_step == [float(wrong_at)] * 3
 
 
 def test_the_compile_prices_speculation_and_generate_follows_its_choice(v3_pair, tmp_path):
@@ -394,7 +400,8 @@ def test_profile_measures_the_acceptance_and_compile_prices_speculation_by_it(mt
                           "--explain", *opts], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     rates = "/".join(f"{a:.2f}" for a in r["mtp_acceptance"])
-    assert f"acceptance {rates} by depth (the routing profile)" in out.stdout
+    assert f"acceptance {rates} by depth (the routing profile, tokens a step from its replayed runs)" in out.stdout
+    assert len(r["mtp_tokens_per_step"]) == 4 and all(t >= 1.0 for t in r["mtp_tokens_per_step"])
 
 
 @pytest.mark.parametrize("drafts", [2, 3])

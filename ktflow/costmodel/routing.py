@@ -53,6 +53,9 @@ class RoutingProfile(BaseModel):
     #: greedy draft equals the model's greedy token where the drafts before it did, over the
     #: profiled prompts' decoded tokens (`ktflow profile --mtp`); speculation is priced by them
     mtp_acceptance: list[float] | None = None
+    #: optional, for k = 1..: the tokens a greedy speculative run of k chained drafts a step yielded
+    #: a step, replayed on the same continuations (`ktflow profile --mtp`); priced by before the rates
+    mtp_tokens_per_step: list[float] | None = None
     #: optional, `neighbours[layer][e]`: the fraction of neighbouring decoded token pairs that both
     #: pick expert e (`ktflow profile --decode N`); a speculative verification step is priced by it
     neighbours: dict[int, list[float]] | None = None

@@ -61,6 +61,7 @@ class SpeculationChoice(BaseModel):
     verify_us: dict[int, float] = {}  # k -> the verification step over k + 1 tokens
     draft_us: float | None = None  # one MTP step
     gains: dict[int, float] = {}  # k -> predicted gain
+    tokens: dict[int, float] = {}  # k -> the tokens a step priced (measured, else from the rates)
     cause: str
     #: whether sampled requests speculate too: the price leaves out the rejection rule's work (the
     #: target's and the draft's distributions at each position, on the host), which measured slower
@@ -80,29 +81,33 @@ class SpeculationChoice(BaseModel):
             for k, g in sorted(self.gains.items()):
                 verify = f"{self.verify_us[k] / 1e3:10.2f}" if k in self.verify_us else f"{'-':>10s}"
                 mark = "*" if k == self.k else " "
-                lines.append(f"  {mark}{k:>2d} {verify} {tokens_per_step(k, self.acceptance):12.2f} {g:6.2f}")
+                lines.append(f"  {mark}{k:>2d} {verify} {self.tokens.get(k, 1.0):12.2f} {g:6.2f}")
         return "\n".join(lines) + "\n"
 
 
-def choose(acceptance: list[float], source: str, decode_us: float, verify_us: dict[int, float], draft_us: float
-           ) -> SpeculationChoice:
+def choose(acceptance: list[float], source: str, decode_us: float, verify_us: dict[int, float], draft_us: float,
+           measured: list[float] | None = None) -> SpeculationChoice:
     """The k of the largest predicted gain among 0 and the priced ones (`verify_us`' keys), 0
-    unless its gain passes 1 + MARGIN; the cause names the numbers."""
-    gains = {0: 1.0, **{k: gain(k, acceptance, decode_us, v, draft_us) for k, v in verify_us.items()}}
+    unless its gain passes 1 + MARGIN; the cause names the numbers. A step's tokens: `measured[k -
+    1]` (a replayed run's, the routing profile's) where given, else E(k) from the rates."""
+    tokens = {k: measured[k - 1] if measured and k <= len(measured) else tokens_per_step(k, acceptance)
+              for k in verify_us}
+    gains = {0: 1.0, **{k: tokens[k] * decode_us / (v + k * draft_us) for k, v in verify_us.items()}}
     best = max(gains, key=lambda k: (gains[k], -k))
     if best and gains[best] < 1 + MARGIN:
         best = 0
     if best:
-        cause = (f"predicted {gains[best]:.2f}x plain decoding: {tokens_per_step(best, acceptance):.2f} tokens a "
+        cause = (f"predicted {gains[best]:.2f}x plain decoding: {tokens[best]:.2f} tokens a "
                  f"step of {(verify_us[best] + best * draft_us) / 1e3:.2f} ms against {decode_us / 1e3:.2f} ms a token")
     else:
         top = max((k for k in gains if k), key=lambda k: gains[k], default=None)
         cause = ("no draft length priced" if top is None else
                  f"the best, k = {top}, predicted {gains[top]:.2f}x plain decoding, not above {1 + MARGIN:.2f}x: "
-                 f"{tokens_per_step(top, acceptance):.2f} tokens a step of "
+                 f"{tokens[top]:.2f} tokens a step of "
                  f"{(verify_us[top] + top * draft_us) / 1e3:.2f} ms against {decode_us / 1e3:.2f} ms a token")
     return SpeculationChoice(k=best, acceptance=acceptance, acceptance_source=source, decode_us=decode_us,
-                             verify_us=verify_us, draft_us=draft_us, gains=gains, cause=cause)
+                             verify_us=verify_us, draft_us=draft_us, gains=gains, tokens={0: 1.0, **tokens},
+                             cause=cause)
 
 
 def off(cause: str, acceptance: list[float] | None = None, source: str = "none") -> SpeculationChoice:

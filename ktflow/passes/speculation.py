@@ -66,6 +66,8 @@ def decide(model: Any, opts: CompileOptions, device: str, decode: Plan, routing,
         acceptance, source = [opts.mtp_acceptance], "the mtp_acceptance option, the same at every depth"
     elif routing is not None and routing.mtp_acceptance:
         acceptance, source = list(routing.mtp_acceptance), "the routing profile"
+        if routing.mtp_tokens_per_step:
+            source += ", tokens a step from its replayed runs"
     elif asked == "auto":
         return refuse("no acceptance rate to price it with: measure them (`ktflow profile --mtp`, then "
                       "--routing-profile) or give --mtp-acceptance")
@@ -94,8 +96,9 @@ def decide(model: Any, opts: CompileOptions, device: str, decode: Plan, routing,
                                    verify_us={asked: verify[asked].predicted_step_us},
                                    cause=f"speculate={asked} asked for it; not priced (no acceptance rate)")
         return choice, draft, verify[asked]
+    measured = routing.mtp_tokens_per_step if routing is not None and opts.mtp_acceptance is None else None
     choice = choose(acceptance, source, decode.predicted_step_us, {k: p.predicted_step_us for k, p in verify.items()},
-                    draft.decode.predicted_step_us)
+                    draft.decode.predicted_step_us, measured)
     if asked != "auto" and choice.k != asked:
         choice = choice.model_copy(update=dict(k=asked, cause=f"speculate={asked} asked for it; the cost model: "
                                                               f"{choice.cause}"))

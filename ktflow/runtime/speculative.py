@@ -239,17 +239,21 @@ def speculative_tokens(main, mtp, prompt: list[int], max_new_tokens: int, eos_id
 
 @torch.inference_mode()
 def acceptance_rates(main, mtp, prompts: list[list[int]], continuations: list[list[int]], depth: int
-                     ) -> tuple[list[float], int]:
+                     ) -> tuple[list[float], list[float], int]:
     """(by depth d = 1..depth: of the positions whose first d - 1 chained greedy drafts were right,
-    the share whose d-th was too; the positions tried at depth 1), over each prompt's greedy
-    continuation (the model's own greedy tokens, which a draft is right to equal: what a greedy
-    speculative run accepts). At each position the MTP drafts as the speculative loop does: the
-    pair (h_i, token i + 1), then `depth` - 1 steps on its own pre-norm hidden state, whose
-    entries the next position's pair overwrites. Depths no position reached are left out."""
+    the share whose d-th was too; for k = 1..depth the tokens a greedy speculative run of k drafts
+    a step yields a step on these continuations; the positions tried at depth 1), over each
+    prompt's greedy continuation (the model's own greedy tokens, which a draft is right to equal:
+    what a greedy speculative run accepts). At each position the MTP drafts as the speculative loop
+    does: the pair (h_i, token i + 1), then `depth` - 1 steps on its own pre-norm hidden state,
+    whose entries the next position's pair overwrites. The tokens a step replay the loop's steps
+    over each position's run of right drafts: steps start right after the last one's tokens, where
+    rejections cluster, which the rates' product misses. Depths no position reached are left out."""
     if mtp.plans.model.fingerprint != part_fingerprint(main.plans.model.fingerprint, "mtp"):
         raise InputError("the draft is not this model's multi-token-prediction layer: compile model.mtp() of the "
                          "same checkpoint")
     tried, right = [0] * depth, [0] * depth
+    yielded, steps = [0] * depth, [0] * depth  # per k: the replayed loop's tokens and steps
     for prompt, cont in zip(prompts, continuations):
         seq = (prompt + cont)[:min(main.max_seq_len, mtp.max_seq_len)]
         n, first = len(seq), max(len(prompt) - 2, 0)  # pair i drafts token i + 2: from the continuation's first
@@ -261,9 +265,11 @@ def acceptance_rates(main, mtp, prompts: list[list[int]], continuations: list[li
         mstate = State(mtp.plans.model.fingerprint, 1, mtp.max_seq_len, keep_hidden=True)
         if first:
             _, mstate = execute(mtp, torch.tensor([seq[1:first + 1]]), mstate, logits="last", hidden=h[:, :first])
+        run = {}  # pair i -> how many of its chained drafts were right in a row
         for i in range(first, n - 2):
             logits, mstate = execute(mtp, torch.tensor([[seq[i + 1]]]), mstate, logits="last", hidden=h[:, i:i + 1])
             after = mstate.position
+            run[i] = 0
             for m in range(depth):
                 if i + 2 + m >= n:
                     break
@@ -272,10 +278,18 @@ def acceptance_rates(main, mtp, prompts: list[list[int]], continuations: list[li
                 if d != seq[i + 2 + m]:
                     break
                 right[m] += 1
+                run[i] += 1
                 if m + 1 < depth:
                     logits, mstate = execute(mtp, torch.tensor([[d]]), mstate, logits="last",
                                              hidden=mstate.hidden_out[:, -1:])
             mstate.position = after  # the chain's entries: the next pair overwrites them
+        for k in range(1, depth + 1):  # the loop: its first step drafts from the pair of the first new token
+            i = len(prompt) - 1
+            while i in run:
+                kept = min(run[i], k)
+                yielded[k - 1] += kept + 1
+                steps[k - 1] += 1
+                i += kept + 1
     if not tried[0]:
         raise InputError("measuring the MTP's acceptance needs prompts with a greedy continuation (decode >= 1)")
-    return [r / t for r, t in zip(right, tried) if t], tried[0]
+    return ([r / t for r, t in zip(right, tried) if t], [y / s for y, s in zip(yielded, steps) if s], tried[0])

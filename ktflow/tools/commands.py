@@ -452,10 +452,12 @@ def cmd_profile(a: argparse.Namespace) -> int:
         from ktflow.runtime.speculative import acceptance_rates
 
         draft = ktflow.compile(model.mtp(), hw=a.hw, **{**opts, "speculate": 0})
-        rates, counted = acceptance_rates(compiled, draft, prompts, continuations, MAX_DRAFTS)
-        prof = prof.model_copy(update=dict(mtp_acceptance=[round(r, 6) for r in rates]))
+        rates, per_step, counted = acceptance_rates(compiled, draft, prompts, continuations, MAX_DRAFTS)
+        prof = prof.model_copy(update=dict(mtp_acceptance=[round(r, 6) for r in rates],
+                                           mtp_tokens_per_step=[round(t, 6) for t in per_step]))
         print(f"the MTP layer's chained greedy drafts were kept at {'/'.join(f'{r:.1%}' for r in rates)} by depth, "
-              f"over {counted} decoded positions")
+              f"over {counted} decoded positions; a run of k = 1..{len(per_step)} drafts a step would yield "
+              f"{'/'.join(f'{t:.2f}' for t in per_step)} tokens a step")
     write_atomic(a.output, prof.model_dump_json(indent=None) + "\n")
     top = []
     for layer, fr in list(prof.layers.items())[:3]:
