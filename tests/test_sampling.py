@@ -315,21 +315,28 @@ def test_the_gpu_selects_what_the_cpu_selects():
         assert (picks[0] != picks[1]).float().mean() < 0.02, p
 
 
+def captured_select(s: Sampler, logits: torch.Tensor, stages) -> tuple:
+    """(a CUDA graph of `s.select(logits, stages)` into a static ids tensor, that tensor), after
+    one eager warm-up selection on a side stream."""
+    out = torch.zeros(logits.shape[0], dtype=torch.int64, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out.copy_(s.select(logits, stages))  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(s.select(logits, stages))
+    return graph, out
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_selection_captures_in_a_cuda_graph_and_replays_new_draws():
     s = Sampler(4, 1000, "cuda")
     for r in range(4):
         s.set_row(r, SamplingParams(temperature=1.0, top_p=0.9, seed=r))
     logits = torch.randn(4, 1000, device="cuda")
-    out = torch.zeros(4, dtype=torch.int64, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        out.copy_(s.select(logits, ALL_STAGES))  # warm-up outside the graph
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out.copy_(s.select(logits, ALL_STAGES))
+    graph, out = captured_select(s, logits, ALL_STAGES)
     seen = []
     for _ in range(6):
         graph.replay()
@@ -355,17 +362,9 @@ def test_a_captured_selection_reads_each_steps_bitmask():
     s.set_row(0, SamplingParams(grammar="g"))
     s.set_row(1, SamplingParams(temperature=1.0, top_p=0.9, seed=1, grammar="g"))
     logits = torch.randn(2, vocab, device="cuda")
-    out = torch.zeros(2, dtype=torch.int64, device="cuda")
     stages = s.stages()
     assert stages.grammar and stages.draw
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        out.copy_(s.select(logits, stages))  # warm-up outside the graph
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out.copy_(s.select(logits, stages))
+    graph, out = captured_select(s, logits, stages)
     for allowed in ([17], [4095], [31, 4999], [2500]):
         for r in range(2):
             s.set_allowed(r, _bitmask(allowed, vocab))

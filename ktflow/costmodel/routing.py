@@ -66,20 +66,13 @@ class RoutingProfile(BaseModel):
     #: lockstep with one cache, `hits` being the share of the steps' expert reads it served
     cache_batched: dict[int, dict[int, dict[int, CacheCurve]]] | None = None
 
-    @field_validator("layers")
+    @field_validator("layers", "neighbours")
     @classmethod
-    def _fractions(cls, v: dict[int, list[float]]) -> dict[int, list[float]]:
-        for layer, fr in v.items():
-            if not fr or any(not 0.0 <= f <= 1.0 for f in fr):
-                raise ValueError(f"layer {layer}: every expert frequency must be in [0, 1]")
-        return v
-
-    @field_validator("neighbours")
-    @classmethod
-    def _neighbour_fractions(cls, v):
+    def _fractions(cls, v, info):
         for layer, fr in (v or {}).items():
             if not fr or any(not 0.0 <= f <= 1.0 for f in fr):
-                raise ValueError(f"neighbours, layer {layer}: every expert's co-pick fraction must be in [0, 1]")
+                what = "expert frequency" if info.field_name == "layers" else "expert's neighbour co-pick fraction"
+                raise ValueError(f"{info.field_name}, layer {layer}: every {what} must be in [0, 1]")
         return v
 
     @field_validator("mtp_acceptance")

@@ -41,13 +41,6 @@ def tokens_per_step(k: int, acceptance: list[float]) -> float:
     return total
 
 
-def gain(k: int, acceptance: list[float], decode_us: float, verify_us: float, draft_us: float) -> float:
-    """Plain decoding's time for the tokens a speculative step yields, over that step's time."""
-    if k == 0:
-        return 1.0
-    return tokens_per_step(k, acceptance) * decode_us / (verify_us + k * draft_us)
-
-
 class SpeculationChoice(BaseModel):
     """The compile's decision on speculative decoding (ktflow.passes.compile), as --explain
     prints it: k drafts a step (0: off), from which priced candidates, and why."""

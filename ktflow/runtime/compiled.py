@@ -88,8 +88,9 @@ class Compiled:
         pf.require_model(model.fingerprint, path)
         parts = [(pf, model)]
         if pf.draft is not None:  # the MTP layer's plans, the speculative draft
-            pf.draft.require_model(model.mtp().fingerprint, path)
-            parts.append((pf.draft, model.mtp()))
+            part = model.mtp()
+            pf.draft.require_model(part.fingerprint, path)
+            parts.append((pf.draft, part))
         for plans, part in parts:
             for plan in plans.plans:
                 bad = spec_mismatches(plan, part.graph(plan.ir.act_dtype))

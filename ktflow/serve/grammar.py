@@ -31,8 +31,8 @@ PROTOTYPES = 64
 class Matcher:
     """One sequence's place in its grammar (see the module docstring)."""
 
-    def __init__(self, matcher, vocab: int):
-        self.m, self.vocab = matcher, vocab
+    def __init__(self, matcher):
+        self.m = matcher
 
     def bitmask(self) -> bytes:
         """The tokens the grammar allows next: token i where bit i % 32 of little-endian 32-bit word
@@ -146,4 +146,4 @@ class Grammars:
         """A fresh Matcher at the start of `grammar` (a copy of its built one)."""
         proto = self._prototype(grammar, "structured output: the grammar is not usable")
         with self._lock:
-            return Matcher(proto.deep_copy(), self.vocab)
+            return Matcher(proto.deep_copy())
