@@ -165,7 +165,7 @@ def test_greedy_runs_of_several_steps_a_launch_equal_one_step_a_launch(case, def
             want.append(nxt)
         got.append(decode_greedy(many, starts[len(got)], s2, k))
     runner = many.executor("decode").runner
-    assert {k for (k, _), run in runner.bound[2].runs.items() if run.graph} == {4, 2} and s2.position == s1.position
+    assert {k for (k, _, _), run in runner.bound[2].runs.items() if run.graph} == {4, 2} and s2.position == s1.position
     assert embed_cpu == bool(runner.lookups.get(2))  # the table gathered from on the GPU
     assert torch.equal(torch.cat(got, 1), torch.cat(want, 1))
 

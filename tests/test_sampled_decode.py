@@ -150,7 +150,7 @@ def test_sampled_runs_of_several_steps_a_launch_equal_one_step_a_launch(case, em
         assert torch.equal(got[-1][:, -1:], nxt)
     runner = many.executor("decode").runner
     # (with the embedding on the CPU a first call runs one step a launch: a first step binds the lookups)
-    assert {k for (k, sampled), run in runner.bound[2].runs.items() if run.graph and sampled} - {1} == {4, 2}
+    assert {k for (k, sampled, _), run in runner.bound[2].runs.items() if run.graph and sampled} - {1} == {4, 2}
     assert torch.equal(torch.cat(got, 1), torch.cat(want, 1))
     assert s2.sampler is runner.bound[2].sampler  # the batch size's static sampler, lent to this sequence
 
