@@ -2,6 +2,7 @@
 against attention computed in float64, on the GPU."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -268,3 +269,41 @@ def test_attend_latent_matches_float64_attention(a, length, pos, batch, seq, rag
     err = ((got.double() - want).norm() / want.norm()).item()
     base = ((torch_form.double() - want).norm() / want.norm()).item()
     assert err <= 2 * base + 1e-4, (err, base)
+
+
+def reference_attention(q, k, v, position, scale):
+    """float64 attention of queries at position.. over keys 0..L-1, causal (query i sees 0..position+i)."""
+    q, k, v = (t.double() for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s, L = q.shape[2], k.shape[2]
+    scores = (q @ k.transpose(-1, -2)) * scale
+    visible = torch.arange(L, device=q.device)[None, :] <= torch.arange(position, position + s, device=q.device)[:, None]
+    return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
+
+
+@pytest.mark.parametrize("heads, kv, dim, position, seq", [
+    (32, 4, 128, 300, 256),   # Qwen3's heads, a serving chunk after a reused prefix
+    (32, 4, 128, 1, 7),       # one earlier key
+    (8, 8, 192, 513, 64),     # MLA's padded width, heads not grouped
+])
+def test_a_continued_chunk_attends_in_the_flash_kernel_as_float64_attention(heads, kv, dim, position, seq, monkeypatch):
+    """A prompt chunk after `position` earlier keys takes the flash kernel's lower-right causal
+    mask (no mask tensor, grouped keys not expanded) and equals float64 attention, as the masked
+    path it replaces does."""
+    from ktflow.backends.kernels import layers
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    L = position + seq
+    q = torch.randn(2, heads, seq, dim, generator=g, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(2, kv, L, dim, generator=g, device="cuda").to(torch.bfloat16) for _ in "kv")
+    a = replace(attrs(heads=heads, kv=kv, dim=dim, rdim=dim), softmax_scale=1 / math.sqrt(dim))
+    assert layers._flash_continues(q, k, v, heads != kv)
+    want = reference_attention(q, k, v, position, a.softmax_scale)
+    flash = layers._sdpa(q, k, v, a, position)
+    monkeypatch.setattr(layers, "_flash_continues", lambda *args: False)
+    masked = layers._sdpa(q, k, v, a, position)
+    for got in (flash, masked):
+        assert got.shape == want.shape
+        assert (got.double() - want).abs().max().item() < 2e-2
+    assert (flash.double() - masked.double()).abs().max().item() < 2e-2

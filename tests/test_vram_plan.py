@@ -11,6 +11,7 @@ from ktflow.backends.native import binding as native
 from ktflow.errors import ConfigError
 from ktflow.costmodel.hw import PRESETS
 from ktflow.ir.ops import Op
+from ktflow.passes import vram_plan
 from ktflow.plan.artifact import PlanFile, prefill_decisions
 from compare import FLIPS, TOL, per_token_errors
 from test_prefill import FAMILIES, _run, machine, streamed
@@ -57,10 +58,12 @@ def test_long_prompts_stream_on_every_gpu_preset(preset, by_preset):
 
 def test_todays_decode_first_placement_left_long_prompts_on_the_cpu(qwen3):
     """The failure this plan fixes, kept as prefill_reserve='none': a 24 GB card filled with
-    experts for decode leaves a 512-token bucket and layers without staging room."""
+    experts for decode leaves at most a 512-token bucket, so a long prompt runs as many small
+    chunks (before continued chunks attended in the flash kernel, its layers had no staging room
+    at all)."""
     c = ktflow.compile(qwen3, hw="rtx4090-desktop", max_seq_len=32768, prefill_reserve="none", allow_oversize=True)
     assert c.plans.vram.chosen == "decode first" and c.plans.vram.design == "none"
-    assert c.chunk_tokens <= 512 and no_room(c.prefill[-1])
+    assert c.chunk_tokens <= 512
     within_limit(c)
 
 
@@ -73,7 +76,9 @@ def test_the_decision_names_its_candidates_and_what_it_costs(by_preset):
     assert "decode first" in v.cause and "reserve" in v.cause and "time-share" in v.cause
     assert "not runnable yet" in v.cause
     chosen = next(c for c in v.candidates if c.name == v.chosen)
-    assert chosen.request_s == min(c.request_s for c in v.candidates if c.runnable)
+    best = min(c.request_s for c in v.candidates if c.runnable)
+    tied = [c for c in v.candidates if c.runnable and c.request_s <= best * (1 + vram_plan.TIE)]
+    assert chosen in tied and chosen.reserved_bytes == min(c.reserved_bytes for c in tied)
     assert v.decode_us >= v.decode_us_without
     assert all(v.prefill_s[p] < v.prefill_s_without[p] for p in v.prompts)
     text = v.table()

@@ -85,14 +85,23 @@ def activation_peak(g: Graph, tokens: int) -> float:
 # ------------------------------------------------------------------------------- scratch
 
 
+def flash_continues(head_dim: int, act: int) -> bool:
+    """Whether a GPU step continuing a sequence attends in torch's flash kernel (a lower-right
+    causal mask, grouped heads unexpanded: kernels/layers._sdpa): 16-bit activations and a head
+    width it takes. Assumes a GPU flash runs on (Ampere or later)."""
+    return act == 2 and head_dim % 8 == 0 and head_dim <= 256
+
+
 def _attention_scratch(n: Node, tokens: int, context: int, act: int) -> float:
     a = n.attrs
     keys = context + tokens  # positions attended by the last token of the step
     if a.kind == "gqa":
         q, kv = tokens * a.heads * a.head_dim, tokens * a.kv_heads * a.head_dim
         # projections, roped q/k, the attention output and its [T, heads*d] copy; past keys (a
-        # continued prompt or a sliding window) go through a mask, with keys expanded to every head
-        expanded = 2 * keys * a.heads * a.head_dim if context or a.window else 0
+        # continued prompt or a sliding window) go through a mask, with keys expanded to every
+        # head, except a continued prompt in the flash kernel (kernels/layers._sdpa)
+        masked = a.window or (context and not flash_continues(a.head_dim, act))
+        expanded = 2 * keys * a.heads * a.head_dim if masked else 0
         return act * (3 * q + 3 * kv + expanded)
     qk = a.qk_nope_dim + a.qk_rope_dim
     q = tokens * a.heads * qk

@@ -4,9 +4,10 @@ they must (the routed experts).
 
 Attention never materialises a [heads, T, T] score matrix: `scaled_dot_product_attention` with
 `is_causal` over the step's own keys when a prompt starts at position 0 (flash kernels; grouped
-heads through `enable_gqa`); a step that continues a sequence, or a sliding window, attends
-through an explicit [rows, keys] mask in blocks of MASK_ROWS query rows (memory-efficient
-kernels); one decode token attends to every cached key without a mask. MLA runs in the
+heads through `enable_gqa`); a step that continues a sequence attends through a lower-right causal
+mask in the flash kernel where torch runs it (CUDA, 16-bit), else (and with a sliding window)
+through an explicit [rows, keys] mask in blocks of MASK_ROWS query rows, keys expanded to every
+head (memory-efficient kernels); one decode token attends to every cached key without a mask. MLA runs in the
 non-absorbed form: per-head keys and values expanded from the compressed cache, the values padded
 to the key width so the flash kernels take them. memory.SCRATCH mirrors these temporaries.
 """
@@ -17,6 +18,7 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from . import rope as rope_mod
 from ...ir.ops import AttentionAttrs
@@ -108,6 +110,11 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttentionAttrs, 
         return _unmasked(q, k, v, a, causal=False)
     if position == 0 and s == L and not a.window:
         return _unmasked(q, k, v, a, causal=True)
+    if L == position + s and not a.window and _flash_continues(q, k, v, grouped):
+        # a chunk continuing its sequence: query i sees keys 0..position+i, the causal mask aligned
+        # to the last key; the flash kernel takes it (and grouped heads) without a mask or copies
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(s, L), scale=a.softmax_scale,
+                                              enable_gqa=grouped)
     if grouped:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -123,6 +130,18 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttentionAttrs, 
         out[:, :, lo:hi] = F.scaled_dot_product_attention(q[:, :, lo:hi], k[:, :, :last], v[:, :, :last],
                                                           attn_mask=allowed[:, :last], scale=a.softmax_scale)
     return out
+
+
+def _flash_continues(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grouped: bool) -> bool:
+    """Whether torch's flash kernel runs a continued chunk's attention here (CUDA, 16-bit,
+    a head width it takes; torch >= 2.5 for grouped heads and the lower-right causal mask)."""
+    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    try:
+        params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, grouped)
+        return bool(torch.backends.cuda.can_use_flash_attention(params))
+    except (TypeError, AttributeError, RuntimeError):  # an older torch: the masked path
+        return False
 
 
 def _unmasked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttentionAttrs, causal: bool) -> torch.Tensor:
