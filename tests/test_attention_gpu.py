@@ -307,3 +307,23 @@ def test_a_continued_chunk_attends_in_the_flash_kernel_as_float64_attention(head
         assert got.shape == want.shape
         assert (got.double() - want).abs().max().item() < 2e-2
     assert (flash.double() - masked.double()).abs().max().item() < 2e-2
+
+
+def test_a_short_step_attends_without_cudnn():
+    """A step of at most UNPLANNED_ROWS queries runs no cuDNN kernel (cuDNN builds a plan per
+    new shape, which each new prompt length would pay) and equals float64 attention."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ktflow.backends.kernels import layers
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    a = attrs(heads=32, kv=4, dim=128, rdim=128)
+    for s in (1, 137, layers.UNPLANNED_ROWS):
+        q = torch.randn(1, 32, s, 128, generator=g, device="cuda").to(torch.bfloat16)
+        k, v = (torch.randn(1, 4, s, 128, generator=g, device="cuda").to(torch.bfloat16) for _ in "kv")
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            got = layers._sdpa(q, k, v, a, 0)
+            torch.cuda.synchronize()
+        kernels = [e.name for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert kernels and not any("cudnn" in n.lower() for n in kernels), (s, kernels[:5])
+        assert (got.double() - reference_attention(q, k, v, 0, a.softmax_scale)).abs().max().item() < 2e-2

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from . import rope as rope_mod
@@ -144,9 +145,25 @@ def _flash_continues(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grouped:
         return False
 
 
+#: on CUDA, attention over a step of at most this many queries runs without cuDNN's kernel: cuDNN
+#: builds a plan for each new shape (66-80 ms on the H200, 0.8 s the first), which each new prompt
+#: length pays once a process; the flash kernel builds none and is within 0.1 ms of cuDNN's up
+#: to 2048 queries. Longer steps take cuDNN's kernel (half the flash kernel's time from 8192).
+UNPLANNED_ROWS = 4096
+_WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def _unmasked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttentionAttrs, causal: bool) -> torch.Tensor:
     """Flash attention over every key (causal: query i sees keys 0..i); grouped heads through
-    enable_gqa, or expanded on a torch without it (before 2.5)."""
+    enable_gqa, or expanded on a torch without it (before 2.5). A short step on CUDA: without
+    cuDNN's kernel (UNPLANNED_ROWS)."""
+    if q.is_cuda and q.shape[2] <= UNPLANNED_ROWS:
+        with sdpa_kernel(_WITHOUT_CUDNN):
+            return _any_sdpa(q, k, v, a, causal)
+    return _any_sdpa(q, k, v, a, causal)
+
+
+def _any_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttentionAttrs, causal: bool) -> torch.Tensor:
     if q.shape[1] != k.shape[1]:
         try:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=a.softmax_scale, enable_gqa=True)
