@@ -375,6 +375,69 @@ def test_a_prompt_that_continues_an_earlier_one_prefills_only_the_rest(srv, clie
     assert again.choices[0].text == second.choices[0].text
 
 
+def finished(engine, ids, new, **kw):
+    """Submit `ids` to a started engine and wait for its end event (Finished or Failed)."""
+    from ktflow.serve.engine import Failed, Finished, GenRequest
+
+    events = []
+    engine.submit(GenRequest(prompt_ids=ids, max_tokens=new, emit=events.append, **kw))
+    wait_for(lambda: events and isinstance(events[-1], (Finished, Failed)), 60, "the request's end")
+    return events[-1]
+
+
+def test_a_prefix_a_running_slot_holds_is_copied_not_prefilled(compiled, tok):
+    """A request whose prompt starts as a running sequence's does (a shared system prompt) takes
+    that prefix from the running slot's KV cache, copied into its own row: only the rest is
+    prefilled, and its answer is the one a prefill from scratch gives."""
+    from ktflow.serve.engine import Delta, Engine, Finished, GenRequest
+
+    g = torch.Generator().manual_seed(45)
+    rand = lambda n: torch.randint(3, compiled.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    shared = rand(64)
+    a, b = shared + rand(5), shared + rand(7)
+    runner = TestRunner(compiled, 2)
+    runner.delay = 0.05  # a decodes while b arrives
+    engine = Engine(runner, tok.decode, eos_ids=tok.eos_ids, prefill_tokens=32)
+    events_a = []
+    engine.start()
+    try:
+        engine.submit(GenRequest(prompt_ids=a, max_tokens=40, emit=events_a.append, ignore_eos=True))
+        wait_for(lambda: any(isinstance(e, Delta) for e in events_a), 60, "a's first token")
+        runner.prefilled = 0
+        end = finished(engine, b, 8)
+        assert not isinstance(events_a[-1], Finished)  # a was still running
+    finally:
+        engine.stop(5)
+    assert isinstance(end, Finished) and end.cached_tokens == 64  # the shared prefix, two whole chunks
+    assert runner.prefilled == len(b) - 64
+    assert end.text == reference(compiled, b, 8, tok)
+
+
+def test_a_new_request_leaves_a_long_cached_conversation_in_its_slot(compiled, tok, monkeypatch):
+    """With two free slots, a request sharing only a short prefix with a long cached conversation
+    runs in the other slot (taking that prefix by copy), so the conversation's next turn finds its
+    whole history; a history shorter than PROTECTED_TOKENS is overwritten (the request takes the
+    slot holding its longest prefix, keeping decode buckets small)."""
+    from ktflow.serve import engine as engine_mod
+    from ktflow.serve.engine import Engine, Finished
+
+    g = torch.Generator().manual_seed(46)
+    rand = lambda n: torch.randint(3, compiled.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    system = rand(20)
+    history, other = system + rand(70), system + rand(10)
+    for protected, history_kept in ((32, 80), (10_000, 16)):
+        monkeypatch.setattr(engine_mod, "PROTECTED_TOKENS", protected)
+        engine = Engine(TestRunner(compiled, 2), tok.decode, eos_ids=tok.eos_ids, prefill_tokens=16)
+        engine.start()
+        try:
+            assert finished(engine, history, 4).cached_tokens == 0
+            assert finished(engine, other, 4).cached_tokens == 16  # the system prompt, cut to whole chunks
+            nxt = finished(engine, history + rand(10), 4)
+        finally:
+            engine.stop(5)
+        assert isinstance(nxt, Finished) and nxt.cached_tokens == history_kept, protected
+
+
 def test_logprobs_report_each_token_under_the_models_logits(srv, client, compiled, tok):
     """completions logprobs=k and chat logprobs/top_logprobs: each selected token's
     log-probability is log_softmax of the model's logits at its step (checked against execute),
@@ -1015,10 +1078,10 @@ class ScriptedRunner(TestRunner):
         self.made.update(made)
         return [self.script[made[s]] if made[s] < len(self.script) else self.eos for s in slots]
 
-    def start(self, slot, params=None, prompt_ids=None, reuse=0):
+    def start(self, slot, params=None, prompt_ids=None, reuse=0, source=None):
         self.made = getattr(self, "made", {})
         self.made[slot] = 0
-        return super().start(slot, params, prompt_ids, reuse) if params is not None else super().start(slot)
+        return super().start(slot, params, prompt_ids, reuse, source) if params is not None else super().start(slot)
 
 
 def test_a_parser_whose_marker_is_a_special_token_sees_it(compiled, tok, serve_dir, tmp_path, monkeypatch):

@@ -231,6 +231,33 @@ def test_a_sequence_reuses_the_prefilled_entries_its_slot_holds(case, tiny_dirs)
     assert torch.equal(got, _chunked(fresh, 1, later, 0, 8))
 
 
+@pytest.mark.parametrize("case", ["qwen3_moe", "deepseek_v2_lite"])  # both cache layouts: GQA's, MLA's
+@torch.inference_mode()
+def test_a_sequence_starts_after_a_prefix_another_slot_holds(case, tiny_dirs):
+    """`start(slot, reuse=n, source=other)` copies the other slot's first n entries into this
+    slot's row (the other slot keeps its own): the rest prefilled gives the logits a prefill from
+    scratch gives, bit for bit; more than the source holds is refused."""
+    d, _ = tiny_dirs(case)
+    c = ktflow.compile(ktflow.load(d), hw="paper-a100", device="cpu", dtype="float32", max_seq_len=64, max_batch=2,
+                       backend="torch_ref")
+    g = torch.Generator().manual_seed(6)
+    shared = torch.randint(0, c.vocab_size, (19,), generator=g).tolist()
+    first, later = (shared + torch.randint(0, c.vocab_size, (n,), generator=g).tolist() for n in (5, 9))
+    pool = SlotPool(c, 2)
+    pool.start(0)
+    _chunked(pool, 0, first, 0, 8)
+    assert pool.cached(0, later) == 19 and pool.cached(1, later) == 0
+    with pytest.raises(InputError, match="slot 0 holds 19 of this prompt's first tokens; it cannot start after 24"):
+        pool.start(1, prompt=later, reuse=24, source=0)
+    pool.start(1, prompt=later, reuse=16, source=0)
+    assert pool.position(1) == 16 and pool.cached(1, later) == 16 and pool.prefilled(1) == 16
+    assert pool.cached(0, first) == len(first) - 1  # the source keeps what it held
+    got = _chunked(pool, 1, later, 16, 8)
+    fresh = SlotPool(c, 2)
+    fresh.start(1)
+    assert torch.equal(got, _chunked(fresh, 1, later, 0, 8))
+
+
 @torch.inference_mode()
 def test_a_full_padding_row_gives_up_its_last_entry(tiny_dirs):
     """A free slot at max_seq_len decoded over as padding writes at its last position: that

@@ -29,6 +29,16 @@ def new_cache(attrs: AttentionAttrs, batch: int, max_seq_len: int, dtype: torch.
             torch.zeros(batch, attrs.kv_heads, max_seq_len, attrs.head_dim, **kw))
 
 
+def copy_positions(caches: tuple[torch.Tensor, ...], src: int, dst: int, n: int) -> None:
+    """Positions 0..n-1 of row `src` of one layer's cache (`new_cache`'s layout) written into row
+    `dst`, on the caches' device (stream-ordered: the caller syncs before another stream reads)."""
+    if len(caches) == 3:  # MLA: the latent and the roped key are views of the third
+        caches[2][dst, :n] = caches[2][src, :n]
+        return
+    for t in caches:
+        t[dst, :, :n] = t[src, :, :n]
+
+
 def cache_of(state: Any, attrs: AttentionAttrs, batch: int, dtype: torch.dtype,
              dev: torch.device) -> tuple[torch.Tensor, ...]:
     """The cache of layer attrs.layer in `state` (a runtime State), made there with `batch` rows

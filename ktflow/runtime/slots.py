@@ -16,14 +16,15 @@ prefills and decode steps fed, in order) and how many of them prefill steps comp
 a decode step's entries differ from a prefill's in rounding). `cached(slot, prompt)` is how many of
 a prompt's first tokens the prefilled entries cover (at most all but its last, which must run to
 give logits), and `start(..., reuse=n)`, n up to that, begins the sequence after n of them: the
-caller prefills only the rest.
+caller prefills only the rest. `start(..., reuse=n, source=other)` takes them from another slot's
+row (running or not), copied into this one: a prefix several sequences share is prefilled once.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..backends.kv import cache_of
+from ..backends.kv import cache_of, copy_positions
 from ..backends.sampling import Sampler, SamplingParams
 from ..errors import ConfigError, InputError, NumericError
 from ..ir.ops import Op
@@ -98,18 +99,33 @@ class SlotPool:
             n += 1
         return n
 
+    def prefilled(self, slot: int) -> int:
+        """How many KV entries of `slot` a prefill step computed (what `cached` can offer)."""
+        self._check_slot(slot)
+        return self.exact[slot]
+
     @torch.inference_mode()
     def start(self, slot: int, params: SamplingParams = SamplingParams(), prompt: list[int] | None = None,
-              reuse: int = 0) -> None:
+              reuse: int = 0, source: int | None = None) -> None:
         """A new sequence in `slot`, selecting its tokens by `params` (checked: an InputError names
         a bad one), `prompt` being what its repetition penalty counts as seen; it begins after the
-        first `reuse` tokens of `prompt` (at most `cached(slot, prompt)`: their entries are kept,
-        their prefill skipped), else at position 0."""
+        first `reuse` tokens of `prompt` (at most `cached(source, prompt)`: their entries are kept,
+        their prefill skipped), else at position 0. `source` (default `slot`): the slot whose
+        entries those are; another slot's (running or not) are copied into this one's row first."""
         self._check_slot(slot)
-        if reuse and not 0 <= reuse <= self.cached(slot, prompt or []):
-            raise InputError(f"slot {slot} holds {self.cached(slot, prompt or [])} of this prompt's first tokens; "
+        source = slot if source is None else source
+        self._check_slot(source)
+        if reuse and not 0 <= reuse <= self.cached(source, prompt or []):
+            raise InputError(f"slot {source} holds {self.cached(source, prompt or [])} of this prompt's first tokens; "
                              f"it cannot start after {reuse}")
         self.sampler.set_row(slot, params, prompt)
+        if source != slot:
+            self.held[slot] = self.held[source][:reuse]
+            if reuse:
+                for caches in self.state.kv.values():
+                    copy_positions(caches, source, slot, reuse)
+                if any(t.is_cuda for ts in self.state.kv.values() for t in ts):
+                    torch.cuda.synchronize()  # the steps run on their own streams (a replay waits on none)
         self.positions[slot] = reuse
         del self.held[slot][reuse:]
         self.exact[slot] = reuse

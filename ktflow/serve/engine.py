@@ -2,10 +2,12 @@
 
 Requests wait in a bounded queue (`submit` raises `QueueFull` when it is full, `Draining` once
 shutdown began). Each iteration: retires cancelled sequences and admits waiting requests into free
-slots (the runner's fixed number): the free slot whose KV cache holds the longest prefix of the
-prompt (the runner's `cached`, cut to a multiple of `prefill_tokens`; ties: the lowest slot), the
-sequence starting after that prefix (its entries are those a prefill from scratch makes, chunk for
-chunk);
+slots (the runner's fixed number), reusing the longest prefix of the prompt that any slot's KV
+cache holds (the runner's `cached`, cut to a multiple of `prefill_tokens`; the entries a prefill
+from scratch makes, chunk for chunk), copied from that slot, running or not, when the request runs
+in another; it runs in the free slot whose cached history it overwrites least (counted only from
+PROTECTED_TOKENS, so short histories do not spread requests over slots and their larger decode
+buckets), then the one holding the longest prefix, then the lowest;
 prefills, in admission order, chunks of at most `prefill_tokens` prompt tokens, `prefill_tokens`
 in all (at least one chunk), as one step, the chunk that ends a prompt giving its first token;
 decodes one token for every sequence with one pending; retires finished sequences (a stop string,
@@ -38,6 +40,9 @@ log = logging.getLogger("ktflow.serve")
 #: a runner call longer than this is stuck, not slow (--step-timeout): a 32k-token prompt's chunk
 #: on the CPU takes seconds; a step that never returns would hold its requests for ever
 STEP_TIMEOUT_S = 600.0
+#: a free slot's cached history past what a new request reuses counts as lost from this many tokens:
+#: a request goes to another free slot rather than overwrite a conversation this long
+PROTECTED_TOKENS = 1024
 
 
 def _log_request(s: "_Seq", status: str) -> None:
@@ -123,7 +128,8 @@ class _Seq:
     slot: int
     text: TextStream
     prefilled: int = 0
-    cached: int = 0  # the prompt's first tokens the slot's KV cache held (not prefilled again)
+    cached: int = 0  # the prompt's first tokens a slot's KV cache held (not prefilled again)
+    source: int | None = None  # the slot holding them (copied into this one's row when another)
     generated: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # the selected tokens' TokenLogprobs (where asked for)
     reported: int = 0  # how many of them a Delta carried
@@ -296,21 +302,29 @@ class Engine:
 
     def _admit(self) -> list[_Seq]:
         """Waiting requests into free slots (under the lock)."""
-        out = []
+        out, taken = [], set()
         while self._free and self._waiting:
             req = self._waiting.popleft()
-            reuse = {k: self.runner.cached(k, req.prompt_ids) // self.prefill_tokens * self.prefill_tokens
-                     for k in self._free}
-            slot = max(self._free, key=lambda k: (reuse[k], -k))
+            # (a slot taken in this loop is no source: its start, before this one's, changes what it holds)
+            matched = {k: self.runner.cached(k, req.prompt_ids) if k not in taken else 0
+                       for k in range(self.runner.slots)}
+            reuse = {k: n // self.prefill_tokens * self.prefill_tokens for k, n in matched.items()}
+            lost = {k: self.runner.held(k) - matched[k] for k in self._free}
+            slot = min(self._free, key=lambda k: (lost[k] if lost[k] >= PROTECTED_TOKENS else 0, -reuse[k], k))
+            source = max(range(self.runner.slots), key=lambda k: (reuse[k], k == slot, -k))
+            if reuse[source] <= reuse[slot]:
+                source = slot
             self._free.remove(slot)
-            s = _Seq(req, slot, TextStream(req.decode or self.decode_text, req.stops), cached=reuse[slot])
+            taken.add(slot)
+            s = _Seq(req, slot, TextStream(req.decode or self.decode_text, req.stops), cached=reuse[source],
+                     source=source)
             self._running.append(s)
             out.append(s)
         return out
 
     def _start(self, s: _Seq) -> None:
         try:
-            self._call([s], self.runner.start, s.slot, s.req.sampling, s.req.prompt_ids, s.cached)
+            self._call([s], self.runner.start, s.slot, s.req.sampling, s.req.prompt_ids, s.cached, s.source)
             s.prefilled = s.cached
         except Exception as e:  # noqa: BLE001
             s.cached = 0

@@ -86,10 +86,13 @@ class RanksRunner:
     def cached(self, slot: int, prompt_ids: list[int]) -> int:
         return self.inner.cached(slot, prompt_ids)  # every rank's slots hold the same ids: a local question
 
+    def held(self, slot: int) -> int:
+        return self.inner.held(slot)  # a local question, as `cached`
+
     def start(self, slot: int, params: SamplingParams = SamplingParams(), prompt_ids: list[int] | None = None,
-              reuse: int = 0) -> None:
+              reuse: int = 0, source: int | None = None) -> None:
         self._call({"op": "start", "slot": slot, "params": dataclasses.asdict(params), "prompt_ids": prompt_ids,
-                    "reuse": reuse}, self.inner.start, slot, params, prompt_ids, reuse)
+                    "reuse": reuse, "source": source}, self.inner.start, slot, params, prompt_ids, reuse, source)
 
     def prefill(self, items: list[tuple[int, list[int], bool]]) -> list[int | None | BaseException]:
         return self._call({"op": "prefill", "items": [[s, list(ids), last] for s, ids, last in items]},
@@ -135,7 +138,7 @@ def follow(inner: PoolRunner, channel: Channel) -> None:
             inner.warm()
         elif op == "start":
             try:
-                inner.start(msg["slot"], _params(msg["params"]), msg["prompt_ids"], msg["reuse"])
+                inner.start(msg["slot"], _params(msg["params"]), msg["prompt_ids"], msg["reuse"], msg["source"])
             except InputError:
                 pass  # rank 0 met it too and answered the request
         elif op == "prefill":

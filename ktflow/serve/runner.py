@@ -69,8 +69,10 @@ class Runner(Protocol):
 
     def cached(self, slot: int, prompt_ids: list[int]) -> int: ...
 
+    def held(self, slot: int) -> int: ...
+
     def start(self, slot: int, params: SamplingParams = SamplingParams(), prompt_ids: list[int] | None = None,
-              reuse: int = 0) -> None: ...
+              reuse: int = 0, source: int | None = None) -> None: ...
 
     def prefill(self, items: list[tuple[int, list[int], bool]]) -> list[int | None | BaseException]: ...
 
@@ -112,8 +114,12 @@ class PoolRunner:
     def cached(self, slot: int, prompt_ids: list[int]) -> int:
         return self.pool.cached(slot, prompt_ids) if self.prefix_cache else 0
 
+    def held(self, slot: int) -> int:
+        """How many reusable entries `slot` holds (0 without prefix caching)."""
+        return self.pool.prefilled(slot) if self.prefix_cache else 0
+
     def start(self, slot: int, params: SamplingParams = SamplingParams(), prompt_ids: list[int] | None = None,
-              reuse: int = 0) -> None:
+              reuse: int = 0, source: int | None = None) -> None:
         self.matchers.pop(slot, None)
         matcher = None
         if params.grammar is not None and self.grammars is not None:  # (without: a follower rank's, ids dropped)
@@ -121,7 +127,7 @@ class PoolRunner:
                 matcher = self.grammars.matcher(params.grammar)
             except ValueError as e:
                 raise InputError(str(e)) from None
-        self.pool.start(slot, params, prompt_ids, reuse)
+        self.pool.start(slot, params, prompt_ids, reuse, source)
         if matcher is not None:
             self.matchers[slot] = matcher
             self.pool.sampler.set_allowed(slot, matcher.bitmask())
