@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Prepare a bare GPU machine (no internet) to run ktflow's GPU tests and benchmarks from this
 # checkout: the Python packages it lacks, from wheels carried in .whl/ (made on a machine with
-# internet by ../shared/tools/device-wheels.sh pybind11 hypothesis ...), then ktflow installed
-# editable, which compiles native/ into ktflow._native (about a minute on 16 cores).
+# internet by ../shared/tools/device-wheels.sh pybind11 hypothesis sortedcontainers pytest-xdist
+# execnet starlette uvicorn click h11 prometheus_client openai anthropic httpx httpx2 httpcore anyio
+# sniffio distro jiter idna certifi docstring-parser; that script's platform tags find llguidance
+# 1.6 only, which refuses a list of eos ids: fetch llguidance>=1.9 with
+# `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_31_x86_64`),
+# then ktflow installed editable, which compiles native/ into ktflow._native (about a minute on 16 cores).
 #
 #   source benchmarks/gpu_setup.sh      # sets PYTHONPATH for the shell that sources it
 #
