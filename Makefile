@@ -12,14 +12,14 @@ install: $(STAMP)
 
 # The venv also sees the packages of the Python that made it (listed in a .pth file, after its own;
 # this works when that Python is itself a venv), so an installed torch (a CUDA build, say) is reused. Without
-# one, torch 2.13.0 (a local CPU wheel where the machine has one), else any release >= 2.4. Then
+# one, torch 2.13.0 (a local CPU wheel where the machine has one), else any release >= 2.5. Then
 # ktflow itself, editable, with the test extra; offline (no build isolation, no index) as a fallback,
 # taking missing wheels from PIP_FIND_LINKS.
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "ktflow needs Python 3.11+, $(PYTHON) is " + sys.version.split()[0])'
 	@test -x $(PY) || { $(PYTHON) -m venv $(VENV) && $(PYTHON) -c 'import site; print("\n".join(site.getsitepackages()))' \
 	    > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_ktflow_parent_site.pth"; }
-	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q 'torch==2.13.0' || $(PY) -m pip install -q 'torch>=2.4'
+	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q 'torch==2.13.0' || $(PY) -m pip install -q 'torch>=2.5'
 	$(PY) -m pip install -q -e '.[test,serve]' || $(PY) -m pip install -q --no-build-isolation --no-index -e '.[test,serve]'
 	@touch $(STAMP)
 

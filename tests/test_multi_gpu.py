@@ -344,3 +344,33 @@ def test_every_rank_keeps_the_same_prefill_buckets(demo_dir):
     plans = [c.plans.plans for c in ranked(model, max_seq_len=1024)]
     assert len(plans[0]) > 2 and [p.step_tokens for p in plans[0]] == [p.step_tokens for p in plans[1]]
     assert plans_digest(plans[0]) == plans_digest(plans[1])
+
+
+def test_rank_zero_starts_a_sequence_before_the_other_ranks_hear_of_it():
+    """A start rank 0 refuses (a bad grammar: only rank 0 compiles grammars) reaches no other
+    rank, so every rank's slots stay alike; a start rank 0 makes is sent on."""
+    from ktflow.backends.sampling import SamplingParams
+    from ktflow.errors import InputError
+    from ktflow.serve.ranks import RanksRunner
+
+    made = []
+
+    class Inner:
+        slots, max_seq_len, vocab_size = 2, 64, 16
+
+        def start(self, slot, params, prompt_ids, reuse, source):
+            if prompt_ids == [9]:
+                raise InputError("this grammar cannot be compiled")
+            made.append(slot)
+
+    class Sent(list):
+        def send(self, msg):
+            self.append(msg)
+
+    channel = Sent()
+    runner = RanksRunner(Inner(), channel)
+    with pytest.raises(InputError, match="grammar"):
+        runner.start(0, SamplingParams(), [9])
+    assert channel == [] and made == []
+    runner.start(1, SamplingParams(), [1, 2, 3], 2, 0)
+    assert made == [1] and [(m["op"], m["slot"], m["reuse"], m["source"]) for m in channel] == [("start", 1, 2, 0)]

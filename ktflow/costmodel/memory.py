@@ -88,7 +88,8 @@ def activation_peak(g: Graph, tokens: int) -> float:
 def flash_continues(head_dim: int, act: int) -> bool:
     """Whether a GPU step continuing a sequence attends in torch's flash kernel (a lower-right
     causal mask, grouped heads unexpanded: kernels/layers._sdpa): 16-bit activations and a head
-    width it takes. Assumes a GPU flash runs on (Ampere or later)."""
+    width it takes. Assumes an NVIDIA GPU flash runs on (Ampere or later; kernels/layers warns
+    where it cannot run)."""
     return act == 2 and head_dim % 8 == 0 and head_dim <= 256
 
 

@@ -91,8 +91,14 @@ class RanksRunner:
 
     def start(self, slot: int, params: SamplingParams = SamplingParams(), prompt_ids: list[int] | None = None,
               reuse: int = 0, source: int | None = None) -> None:
-        self._call({"op": "start", "slot": slot, "params": dataclasses.asdict(params), "prompt_ids": prompt_ids,
-                    "reuse": reuse, "source": source}, self.inner.start, slot, params, prompt_ids, reuse, source)
+        # rank 0 first (a start runs no collective): a request it refuses (a bad grammar, say) never
+        # reaches the others, whose slots would otherwise change where rank 0's did not
+        with self._lock:
+            if self._stopped:
+                raise KtflowError("the other ranks have stopped: this server is shutting down")
+            self.inner.start(slot, params, prompt_ids, reuse, source)
+            self.channel.send({"op": "start", "slot": slot, "params": dataclasses.asdict(params),
+                               "prompt_ids": prompt_ids, "reuse": reuse, "source": source})
 
     def prefill(self, items: list[tuple[int, list[int], bool]]) -> list[int | None | BaseException]:
         return self._call({"op": "prefill", "items": [[s, list(ids), last] for s, ids, last in items]},

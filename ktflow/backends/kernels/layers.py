@@ -22,6 +22,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from . import rope as rope_mod
+from ...costmodel.memory import flash_continues
+from ...util.notices import warn
 from ...ir.ops import AttentionAttrs
 from . import fused_gpu
 from .dequant_gpu import available as triton_on
@@ -134,15 +136,22 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttentionAttrs, 
 
 
 def _flash_continues(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grouped: bool) -> bool:
-    """Whether torch's flash kernel runs a continued chunk's attention here (CUDA, 16-bit,
-    a head width it takes; torch >= 2.5 for grouped heads and the lower-right causal mask)."""
-    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+    """Whether torch's flash kernel runs a continued chunk's attention here (NVIDIA CUDA, 16-bit,
+    a head width it takes, an Ampere or later GPU). ROCm's flash kernel aligns a causal mask to
+    the first key, not the last, so ROCm takes the masked path. Where the memory model counted on
+    flash (memory.flash_continues) and it cannot run, a warning says the plan's VRAM is low."""
+    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or torch.version.hip is not None:
         return False
     try:
         params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, grouped)
-        return bool(torch.backends.cuda.can_use_flash_attention(params))
-    except (TypeError, AttributeError, RuntimeError):  # an older torch: the masked path
-        return False
+        ok = bool(torch.backends.cuda.can_use_flash_attention(params))
+    except (TypeError, AttributeError, RuntimeError):
+        ok = False
+    if not ok and grouped and flash_continues(q.shape[-1], q.element_size()):
+        warn("torch's flash attention cannot run a continued prompt chunk here (an older GPU, or flash "
+             "turned off): its keys are expanded to every head, which the VRAM plan did not count",
+             key="flash_continues")
+    return ok
 
 
 #: on CUDA, attention over a step of at most this many queries runs without cuDNN's kernel: cuDNN
