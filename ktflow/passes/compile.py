@@ -110,7 +110,7 @@ def compile_plans(model: Any, hw: HwProfile, opts: CompileOptions, device: str, 
     decode = _with_staging(decode, prefill)
     # speculative decoding with the model's MTP layer: its own plans, where the cost model keeps it
     left = None if vram is None else (vram.limit_bytes - max(p.memory.gpu_bytes for p in (decode, *prefill))) / 1e9
-    host = sum(n.memory_bytes for n in hw.cpu.numa)
+    host = hw.cpu.memory_bytes
     host_left = (host - max(p.memory.host_bytes for p in (decode, *prefill))) / 1e9 if host else None
 
     def verify_plan(t: int) -> Plan:  # t consecutive tokens of one sequence, attending as a decode step does
@@ -355,7 +355,7 @@ def _check_fits(pf: PlanFile, runnable: bool) -> None:
     ConfigError with the numbers, or for a config-only model (a plan that cannot run here
     anyway: planning for another machine) one warning."""
     hw = pf.hw
-    host = sum(n.memory_bytes for n in hw.cpu.numa)
+    host = hw.cpu.memory_bytes
     gpu = pf.vram.limit_bytes if pf.vram is not None else (
         hw.gpus[0].memory_bytes - pf.options.vram_reserve_gb * 1e9 if hw.gpus else 0.0)
     for plan in pf.plans:

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..costmodel.routing import RoutingProfile
 from ..costmodel.hw import HwProfile
+from ..costmodel.speculation import MAX_DRAFTS
 
 
 #: the backends a plan may name (backends.BACKENDS registers one class for each: a test checks
@@ -132,8 +133,9 @@ class CompileOptions(BaseModel):
     @field_validator("speculate")
     @classmethod
     def _drafts(cls, v):
-        if v != "auto" and not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 4):
-            raise ValueError(f"speculate must be 'auto', 0 (off) or 1..4 (chained MTP drafts a step), got {v!r}")
+        if v != "auto" and not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_DRAFTS):
+            raise ValueError(f"speculate must be 'auto', 0 (off) or 1..{MAX_DRAFTS} (chained MTP drafts a step), "
+                             f"got {v!r}")
         return v
 
     @field_validator("backend")

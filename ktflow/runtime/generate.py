@@ -77,8 +77,7 @@ def token_steps(compiled, input_ids: torch.Tensor, max_new_tokens: int, *, tempe
     draft = getattr(compiled, "draft", None)
     spec = compiled.plans.speculation if draft is not None else None
     if draft is not None and state is None and rows == 1 and (spec.sampled or rows_params[0].plain_greedy) and \
-            input_ids.shape[-1] + max_new_tokens + compiled.plans.speculation.k <= min(compiled.max_seq_len,
-                                                                                       draft.max_seq_len):
+            input_ids.shape[-1] + max_new_tokens + spec.k <= min(compiled.max_seq_len, draft.max_seq_len):
         yield from _speculated(compiled, input_ids, max_new_tokens, rows_params[0], eos, timing)
         return
     own_state = state is None  # generate's own state: steps past an end-of-sequence token harm nothing

@@ -99,6 +99,13 @@ def speculative_sampled(main, mtp, prompt: list[int], max_new_tokens: int, param
     return _speculate(main, mtp, prompt, max_new_tokens, eos_ids, params, drafts)
 
 
+def _require_draft_of(main, mtp) -> None:
+    """An InputError unless `mtp` is the compiled multi-token-prediction layer of `main`'s checkpoint."""
+    if mtp.plans.model.fingerprint != part_fingerprint(main.plans.model.fingerprint, "mtp"):
+        raise InputError("the draft is not this model's multi-token-prediction layer: compile model.mtp() of the "
+                         "same checkpoint")
+
+
 def _finite(logits: torch.Tensor, what: str) -> None:
     """A NumericError naming `what` where `logits` hold a NaN or an infinity (no token can be
     selected from them), as plain decoding's selection raises."""
@@ -147,9 +154,7 @@ def speculative_tokens(main, mtp, prompt: list[int], max_new_tokens: int, eos_id
     """The loop of the module docstring with `drafts` chained MTP drafts a step, each token
     yielded as it is known (greedy where `params` is None or plain greedy, else sampled); `stats`
     counts the run. Ends after the first token in `eos_ids` or the `max_new_tokens`-th."""
-    if mtp.plans.model.fingerprint != part_fingerprint(main.plans.model.fingerprint, "mtp"):
-        raise InputError("the draft is not this model's multi-token-prediction layer: compile model.mtp() of the "
-                         "same checkpoint")
+    _require_draft_of(main, mtp)
     if not prompt or max_new_tokens < 1 or drafts < 1:
         raise InputError("speculative decoding needs a prompt of at least one token, max_new_tokens >= 1 and "
                          "drafts >= 1")
@@ -249,9 +254,7 @@ def acceptance_rates(main, mtp, prompts: list[list[int]], continuations: list[li
     whose entries the next position's pair overwrites. The tokens a step replay the loop's steps
     over each position's run of right drafts: steps start right after the last one's tokens, where
     rejections cluster, which the rates' product misses. Depths no position reached are left out."""
-    if mtp.plans.model.fingerprint != part_fingerprint(main.plans.model.fingerprint, "mtp"):
-        raise InputError("the draft is not this model's multi-token-prediction layer: compile model.mtp() of the "
-                         "same checkpoint")
+    _require_draft_of(main, mtp)
     tried, right = [0] * depth, [0] * depth
     yielded, steps = [0] * depth, [0] * depth  # per k: the replayed loop's tokens and steps
     for prompt, cont in zip(prompts, continuations):

@@ -46,10 +46,11 @@ def options(a: argparse.Namespace) -> dict:
     if a.speculate != "auto":
         from ktflow.errors import ConfigError
 
-        if a.speculate not in ("0", "1", "2", "3", "4"):
-            raise ConfigError(f"--speculate takes auto, 0 (off) or 1..4 (chained MTP drafts a step), got "
-                              f"{a.speculate!r}")
-        opts["speculate"] = int(a.speculate)
+        try:  # (its range: CompileOptions')
+            opts["speculate"] = int(a.speculate)
+        except ValueError:
+            raise ConfigError(f"--speculate takes auto or a number of chained MTP drafts a step (0: off), got "
+                              f"{a.speculate!r}") from None
     if a.mtp_acceptance is not None:
         opts["mtp_acceptance"] = a.mtp_acceptance
     edits = pass_edits(a)
