@@ -289,6 +289,10 @@ def soak_phase(url: str, model: str, streams: int, seconds: float, every: float,
                         _metric(text, "ktflow_gpu_memory_reserved_bytes") / 1e6,
                         _metric(text, "ktflow_gpu_memory_allocated_bytes") / 1e6,
                         _metric(text, "process_open_fds")))
+        if len(samples) % max(1, round(60 / every)) == 0:  # a line a minute: a cut-off run still shows its trend
+            t, rss, res, alloc, fds = samples[-1]
+            print(f"soak: {t:.0f} s, {sum(counts)} tokens, {len(errors)} errors, RSS {rss:.0f} MB, GPU reserved "
+                  f"{res:.0f} MB, allocated {alloc:.0f} MB, {fds:.0f} fds", flush=True)
         time.sleep(every)
     for t in threads:
         t.join()
