@@ -482,6 +482,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "serve_load.jsonl"))
     a = ap.parse_args()
     streams = [int(s) for s in a.streams.split(",")]
+    slots = max(streams + ([a.soak_streams] if a.soak else []))  # the server's --max-batch: every stream decodes at once
     proc = tmp = None
     url = a.url
     baseline = None
@@ -491,15 +492,15 @@ def main() -> None:
         max_seq = max(a.prompt_tokens + 4 * a.max_tokens, a.long_prompt + 1) + 8  # the long-prompt phase's answers
         plan = None
         if a.experts_on_cpu:
-            plan = experts_on_cpu_plan(d, tmp / "plan.json", a.hw, a.device, max(streams), max_seq)
+            plan = experts_on_cpu_plan(d, tmp / "plan.json", a.hw, a.device, slots, max_seq)
             args = ["--plan", str(plan)]
         else:
             args = ["--max-seq-len", str(max_seq), "--hw", a.hw, "--device", a.device]
         if a.baseline:
-            opts = dict(max_seq_len=max_seq, hw=a.hw, device=a.device, max_batch=max(streams))
+            opts = dict(max_seq_len=max_seq, hw=a.hw, device=a.device, max_batch=slots)
             baseline = run_baseline(d, plan, opts, a.prompt_tokens, a.max_tokens)
             print(f"ktflow run's generate, one sequence: decode {baseline:.1f} tok/s", flush=True)
-        proc, url = start_server(d, max(streams), args)
+        proc, url = start_server(d, slots, args)
     if a.client_cpus:  # after the server started: it keeps every CPU
         os.sched_setaffinity(0, {int(c) for c in a.client_cpus.split(",")})
     try:
@@ -531,8 +532,8 @@ def main() -> None:
                              uniform_ceiling=round(ceiling, 3) if ceiling else None, **r))
         if a.long_prompt:
             n = a.long_streams
-            if n >= max(streams) and proc:
-                raise SystemExit(f"--long-streams {n} leaves the long prompt no slot (--max-batch is {max(streams)})")
+            if n >= slots and proc:
+                raise SystemExit(f"--long-streams {n} leaves the long prompt no slot (--max-batch is {slots})")
             r = long_prompt_phase(url, a.model, n, a.long_prompt, a.prompt_tokens, 4 * a.max_tokens, vocab)
             print(f"a {a.long_prompt}-token prompt arriving while {n} streams decode: time to first token "
                   f"{r['long_ttft_ms']:.0f} ms; the streams' inter-token latency meanwhile p50 "
@@ -556,7 +557,8 @@ def main() -> None:
                 print(f"      hostile answers by status: {json.dumps(r['hostile'])}; 5xx: {r['hostile_5xx']}", flush=True)
             rows.append(dict(bench="serve_load_soak", commit=commit(), **machine(),
                              url=(a.checkpoint or "demo") if proc else url, model=a.model, prompt_tokens=a.prompt_tokens,
-                             max_tokens=a.max_tokens, experts_on_cpu=a.experts_on_cpu, **r))
+                             max_tokens=a.max_tokens, experts_on_cpu=a.experts_on_cpu,
+                             server_slots=slots if proc else None, **r))
         append_jsonl(a.out, rows)
     finally:
         if proc is not None:
