@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels import rope as rope_mod
+from .lending import LentRegion
 from ..errors import InputError, KtflowError, WeightError
 from ..ir.graph import Graph, Node
 from ..ir.ops import AttentionAttrs, GateAttrs, Op
@@ -50,6 +51,8 @@ class TorchRefBackend:
         self.rules: dict[Op, Callable] = dict(RULES)
         self._stacked: dict[tuple, dict] = {}
         self.static_kv = static_kv
+        #: the resident experts lent to long prompts as staging (lending.LentRegion), or None
+        self.lent = None
 
     def device_of(self, node: Node) -> torch.device:
         return self.devices[node.place.device] if node.place is not None else self.devices[Device.CPU]
@@ -115,6 +118,12 @@ class TorchRefBackend:
         if key not in self._stacked:
             self._stacked[key] = stack_experts(self.weights[key], node.attrs.ids, node.attrs.experts)
         return self._stacked[key]
+
+    def lend(self, nodes: list[Node]) -> None:
+        """Lend GPU routed-experts nodes `nodes`' stacked weights as prefill staging (once, before
+        any graph is captured; lending.LentRegion)."""
+        if self.lent is None and nodes:
+            self.lent = LentRegion(self, nodes)
 
     # -------------------------------------------- the experts interface (runtime.expert_cache's)
     def place_experts(self, node: Node, moves: dict[int, int | None]) -> None:

@@ -170,6 +170,12 @@ class Plan(BaseModel):
     #: (first, last) instruction indices captured as one CUDA graph each: decode, every instruction of
     #: a plan with GPU work; prefill runs eagerly
     capture: list[tuple[int, int]]
+    #: decode: the GPU routed-experts nodes whose stacked weights long prompts borrow as their staging
+    #: (the VRAM plan's time-share design, backends/lending.py); empty: nothing lent
+    lent_experts: tuple[str, ...] = ()
+    #: prefill: its staging and landing buffers are the lent experts' memory (restored before the
+    #: next plan that does not borrow runs)
+    borrows: bool = False
 
     @cached_property
     def ir(self) -> Graph:

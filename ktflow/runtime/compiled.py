@@ -137,6 +137,8 @@ class Compiled:
                 name = resolve_backend(self.plans.options.backend, dtype, device)
                 self._backend = get_backend(name)(device, dtype, options=self.plans.options)
             self._backend.prepare(plan.ir, self.model.weights)
+            if plan.lent_experts:  # before any step runs: captured graphs read the lent region's addresses
+                self._backend.lend([plan.ir.by_name(n) for n in plan.lent_experts])
             self._executors[key] = Executor(plan, self._backend)
         ex = self._executors[key]
         ex.check_finite = ex.check_finite or self.check_finite

@@ -117,6 +117,7 @@ class Executor:
         returns the ids [batch, steps] (int64, CPU) and advances state.position by `steps`. A
         runner that can (cuda_graph) runs them as one launch; any other backend runs them one
         step at a time."""
+        self._reclaim_lent()
         run_tokens = getattr(self.runner, "run_tokens", None)
         # (ids: nothing to check for NaN; a whole run keeps no hidden states)
         if run_tokens is not None and self.trace == 0 and not state.keep_hidden:
@@ -130,6 +131,13 @@ class Executor:
             input_ids = self.run(input_ids, state, logits="sample" if sampled else "argmax").reshape(-1, 1).cpu()
             out.append(input_ids)
         return torch.cat(out, dim=1)
+
+    def _reclaim_lent(self) -> None:
+        """Before a plan that does not borrow the lent experts' memory runs: their bytes restored,
+        if a long prompt's step borrowed them (backends/lending.py)."""
+        lent = getattr(self.backend, "lent", None)
+        if lent is not None and lent.dirty and not self.plan.borrows:
+            lent.restore()
 
     def _finished(self, tokens: int) -> None:
         for hook in self.after_run:
@@ -173,6 +181,7 @@ class Executor:
 
         With `hidden` ([batch, seq, width]): the hidden vectors of a graph that reads them (a
         multi-token-prediction layer's), one a token; run eagerly, one instruction at a time."""
+        self._reclaim_lent()
         if hidden is not None:
             if self.runner is not None:
                 from ..errors import ConfigError

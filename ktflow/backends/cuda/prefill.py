@@ -27,6 +27,7 @@ from ...ir.types import Device
 from ...plan.artifact import Plan
 from ...frontend.weights import TORCH_DTYPE
 from ..base import StepContext, lm_head_rows, node_key, step_output
+from ..lending import ALIGN
 from .driver import done_flags, exchange_views, host_prologue, native_batches
 from ..instructions import run_instructions
 from .lanes import Lanes
@@ -117,7 +118,15 @@ class PrefillRunner:
         plan's, not the sum."""
         if not bound.staged:
             return {}, None
-        staging, landing = self.be.staging_buffers(bound.staging_bytes, bound.landing_bytes)
+        if self.plan.borrows:  # the lent experts' memory (the VRAM plan's time-share design)
+            if self.be.lent is None:
+                raise ConfigError("this prefill plan borrows the decode plan's lent experts, but the decode plan "
+                                  "lends none: the plans do not belong together; compile again")
+            at = -(-bound.staging_bytes // ALIGN) * ALIGN
+            region = self.be.lent.borrow(at + bound.landing_bytes)
+            staging, landing = region[:at], region[at:]
+        else:
+            staging, landing = self.be.staging_buffers(bound.staging_bytes, bound.landing_bytes)
         dtype = TORCH_DTYPE[self.g.act_dtype]
         views = {name: staging[offset:offset + nbytes].view(dtype)[:math.prod(shape)].view(shape)
                  for name, (offset, nbytes, shape) in bound.staged.items()}

@@ -64,6 +64,13 @@ class NativeBackend:
             return self.experts.run(node, inputs, spin=not self.torch_on_cpu)
         return self.ref.run(node, inputs, ctx)
 
+    @property
+    def lent(self):
+        return self.ref.lent
+
+    def lend(self, nodes: list[Node]) -> None:
+        self.ref.lend(nodes)
+
     # the experts interface (runtime.expert_cache's)
     def stacked(self, node: Node) -> dict:
         return self.ref.stacked(node)

@@ -1,0 +1,126 @@
+"""Resident routed experts lent to long prompts as their staging (the VRAM plan's time-share design).
+
+`LentRegion(engine, nodes)` moves the stacked weights of GPU routed-experts nodes `nodes` (the
+decode plan's `Plan.lent_experts`) into one contiguous device buffer, the region, through a copy
+of its bytes kept in page-locked host memory (so the move never holds two device copies). Every
+reader keeps working: the stacks, their per-expert rows and their FP8 scales become views of the
+region. The region is made when the decode plan's executor is made, before any CUDA graph is
+captured, so captured graphs read the region's addresses, which never change.
+
+`borrow(nbytes)` hands a prefill step the region's first `nbytes` (uint8: its staging and landing
+buffers) and marks it dirty: the lent experts' weights are then overwritten. `restore()` copies
+the borrowed bytes back from the host copy, bit for bit, and clears the mark. The executor
+restores before any plan that does not borrow runs (`runtime.executor`), so a decode step never
+reads a lent expert's bytes while they are someone's staging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError, KtflowError
+from ..ir.graph import Node
+from .base import node_key
+from .kernels.fp8_gpu import Fp8Weight
+
+ALIGN = 256  # bytes: each lent tensor starts at a multiple (the device's widest access)
+ROLES = ("gate", "up", "down")
+
+
+@dataclass
+class _Lent:
+    """Where one stacked tensor of a lent node sits in the region."""
+
+    key: tuple
+    role: str
+    part: str  # "" (a stack in the activation dtype), "data" or "scale_inv" (one held in FP8)
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _parts(stack) -> list[tuple[str, torch.Tensor]]:
+    return [("data", stack.data), ("scale_inv", stack.scale_inv)] if isinstance(stack, Fp8Weight) else [("", stack)]
+
+
+class LentRegion:
+    """The lent experts' region of one engine (module doc)."""
+
+    def __init__(self, engine, nodes: list[Node]):
+        self.engine = engine
+        self.nodes = list(nodes)
+        layout: list[_Lent] = []
+        at = 0
+        sources: list[torch.Tensor] = []
+        for n in self.nodes:
+            stacked = engine.stacked(n)
+            for role in ROLES:
+                for part, t in _parts(stacked[role]):
+                    layout.append(_Lent(node_key(n), role, part, at, tuple(t.shape), t.dtype))
+                    sources.append(t)
+                    at += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        if not layout:
+            raise KtflowError("no resident experts to lend: the decode plan names none")
+        self.nbytes = at
+        device = sources[0].device
+        # the host copy first, then the device copies dropped, then the region: one device copy at a time
+        self.host = torch.empty(at, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        for lent, t in zip(layout, sources, strict=True):
+            self._bytes(self.host, lent).copy_(t.contiguous().view(-1).view(torch.uint8))
+        del sources, t
+        for n in self.nodes:  # the engine's own references go; its stacks are rebuilt over the region below
+            stacked = engine.stacked(n)
+            for role in ROLES:
+                stacked[role] = None
+            held = engine.weights.get(node_key(n))
+            if held is not None:
+                for role in ROLES:
+                    held.pop(role, None)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the freed stacks' blocks back to the driver: the region is one block
+        self.region = torch.empty(at, dtype=torch.uint8, device=device)
+        self.region.copy_(self.host)
+        by_node: dict[tuple, dict[str, dict[str, torch.Tensor]]] = {}
+        for lent in layout:
+            view = self._bytes(self.region, lent).view(lent.dtype).view(lent.shape)
+            by_node.setdefault(lent.key, {}).setdefault(lent.role, {})[lent.part] = view
+        for n in self.nodes:
+            key = node_key(n)
+            stacked = engine.stacked(n)
+            held = engine.weights.setdefault(key, {})
+            for role in ROLES:
+                parts = by_node[key][role]
+                stack = parts[""] if "" in parts else Fp8Weight(parts["data"], parts["scale_inv"])
+                stacked[role] = stack
+                rows = {e: (stack[i] if "" in parts else Fp8Weight(stack.data[i], stack.scale_inv[i]))
+                        for i, e in enumerate(n.attrs.ids)}
+                held[role] = rows
+        self.used = 0  # bytes borrowed since the last restore (0: clean)
+
+    @staticmethod
+    def _bytes(buf: torch.Tensor, lent: _Lent) -> torch.Tensor:
+        return buf[lent.offset:lent.offset + int(torch.Size(lent.shape).numel()) * lent.dtype.itemsize]
+
+    @property
+    def dirty(self) -> bool:
+        return self.used > 0
+
+    def borrow(self, nbytes: int) -> torch.Tensor:
+        """The region's first `nbytes` bytes (uint8) for a prefill step's staging; the lent experts
+        are garbage until `restore`."""
+        if nbytes > self.nbytes:
+            raise ConfigError(f"a prefill plan borrows {nbytes / 1e9:.3f} GB of lent experts' memory, the decode plan "
+                              f"lends {self.nbytes / 1e9:.3f} GB: the plans do not belong together; compile again")
+        self.used = max(self.used, nbytes)
+        return self.region[:nbytes]
+
+    def restore(self) -> None:
+        """Copy the borrowed bytes back from the host copy (the caller's stream; waits for it)."""
+        if not self.used:
+            return
+        self.region[:self.used].copy_(self.host[:self.used])
+        if self.region.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        self.used = 0
