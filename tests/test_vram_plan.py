@@ -67,13 +67,19 @@ def test_todays_decode_first_placement_left_long_prompts_on_the_cpu(qwen3):
 
 
 def test_the_decision_names_its_candidates_and_what_it_costs(by_preset):
-    v = by_preset["rtx4090-desktop"].plans.vram
-    assert v.design == "reserve" and v.prompts == [8192, 16384, 32768 - 500] and v.output_tokens == 500  # fit max_seq_len
+    c = by_preset["rtx4090-desktop"]
+    v = c.plans.vram
+    assert v.prompts == [8192, 16384, 32768 - 500] and v.output_tokens == 500  # fit max_seq_len
     designs = {c.design for c in v.candidates}
     assert designs == {"none", "reserve", "time-share"}
-    assert all(not c.runnable for c in v.candidates if c.design == "time-share")
-    assert "decode first" in v.cause and "reserve" in v.cause and "time-share" in v.cause
-    assert "not runnable yet" in v.cause
+    shares = [c for c in v.candidates if c.design == "time-share"]
+    assert all(c.runnable and c.extra_s > 0 and " in L" in c.name for c in shares)  # restores priced, layers named
+    assert "decode first" in v.cause and "reserve" in v.cause and "time-share" in v.cause and "copy-back" in v.cause
+    # staging in lent resident experts: big buffers without a reservation for them
+    assert v.design == "time-share" and v.stage_experts > max(c.stage_experts for c in v.candidates
+                                                               if c.design == "reserve" and c.runnable
+                                                               and c.reserved_bytes <= 2 * v.reserved_bytes)
+    assert c.decode.lent_experts and all(p.borrows for p in c.prefill if p.step_tokens >= 8192)
     chosen = next(c for c in v.candidates if c.name == v.chosen)
     best = min(c.request_s for c in v.candidates if c.runnable)
     tied = [c for c in v.candidates if c.runnable and c.request_s <= best * (1 + vram_plan.TIE)]
@@ -81,7 +87,7 @@ def test_the_decision_names_its_candidates_and_what_it_costs(by_preset):
     assert v.decode_us >= v.decode_us_without
     assert all(v.prefill_s[p] < v.prefill_s_without[p] for p in v.prompts)
     text = v.table()
-    assert "decode step" in text and "tok/s" in text and "not runnable yet" in text
+    assert "decode step" in text and "tok/s" in text and "time-share" in text
 
 
 def test_a_24_gb_limit_on_a_big_card(qwen3):
@@ -99,9 +105,9 @@ def test_a_24_gb_limit_on_a_big_card(qwen3):
 @pytest.mark.parametrize("reserve", [1.0, 2.0])
 def test_the_reserved_bucket_streams_at_the_reservation_it_was_priced_at(reserve, tmp_path):
     """The FP8 Qwen3-30B-A3B config at a 24 GB limit (the user benchmark's compile, an H200's
-    memory): the step the VRAM plan reserved for (16384 tokens) streams its CPU layers. The
-    reservation is refined to what the prefill pass then admits (memory.streamed_step_bytes);
-    it once left that step 35 MB short, every layer on the CPU at 1420 tok/s."""
+    memory): the step the VRAM plan reserved for (16384 tokens) streams its CPU layers (a
+    reservation once left that step 35 MB short, every layer on the CPU at 1420 tok/s; the
+    time-share design chosen now reserves its activations and stages in lent experts)."""
     import json
 
     cfg = json.loads((ktflow.load(QWEN3).path / "config.json").read_text())
@@ -112,7 +118,7 @@ def test_the_reserved_bucket_streams_at_the_reservation_it_was_priced_at(reserve
     hw = hw.model_copy(update=dict(gpus=[hw.gpus[0].model_copy(update=dict(memory_bytes=139.8 * 2**30))]))
     c = ktflow.compile(ktflow.load(tmp_path), hw=hw, device="cpu", max_seq_len=32768 + 192, vram_gb=24,
                        vram_reserve_gb=reserve)
-    assert c.plans.vram.design == "reserve" and c.plans.vram.chunk_tokens == 16384
+    assert c.plans.vram.design == "time-share" and c.plans.vram.chunk_tokens == 16384
     plan = c.prefill_plan(32768)
     assert plan.step_tokens == 16384 and not no_room(plan), no_room(plan)[:3]
     assert "stream" in prefill_decisions(plan) or "split" in prefill_decisions(plan)
@@ -161,7 +167,7 @@ def test_the_plan_file_keeps_the_decision(qwen3, tmp_path):
     from ktflow.plan.report import render_report
 
     html = render_report(back)
-    assert "VRAM plan" in html and "time-share" in html and "not runnable yet" in html
+    assert "VRAM plan" in html and "time-share" in html and "decode first" in html
 
 
 def test_no_gpu_no_plan(qwen3):
@@ -218,27 +224,27 @@ def test_the_landing_buffer_the_runtime_makes_is_the_one_planned(demo_dir):
 # ------------------------------------------------------------------------------- logits
 
 
-def _shared_and_decode_first(model, **options):
+def _shared_and_decode_first(model, layers=1.5, **options):
     """The model compiled with the default VRAM plan and decode first, on a machine (slow CPU,
-    fast link) and limit where the plan reserves for prefill: 1.5 layers of experts resident
+    fast link) and limit where the plan reserves for prefill: `layers` layers of experts resident
     decode first, a workload of long prompts, slots of 2 experts."""
     hw = machine(pcie_gbps=32, gemm_tflops=0.002)
     probe = ktflow.compile(model, hw=hw, device="cpu", max_seq_len=32, vram_gb=10, vram_reserve_gb=0,
-                           prefill_reserve="none", **options)
+                           **dict(options, prefill_reserve="none"))
     nodes = probe.decode.ir.nodes
     size = probe.decode.ir.act_dtype.itemsize
     dense = sum(n.weight_elems() * size for n in nodes if n.op != Op.ROUTED_EXPERTS)
     layer = max(n.weight_elems() * size for n in nodes if n.op == Op.ROUTED_EXPERTS)
     first = probe.prefill[-1].memory
     vram = (dense + probe.decode.memory.kv_cache_bytes + first.activation_bytes + first.workspace_bytes
-            + 1.5 * layer) / 1e9
+            + layers * layer) / 1e9
     kw = dict(hw=hw, device="cpu", max_seq_len=32, vram_gb=vram, vram_reserve_gb=0, workload_prompt_tokens=24,
               workload_output_tokens=1, staging_experts=2, **options)
-    return ktflow.compile(model, **kw), ktflow.compile(model, prefill_reserve="none", **kw)
+    return ktflow.compile(model, **kw), ktflow.compile(model, **dict(kw, prefill_reserve="none"))
 
 
 def _shared_plan(model, **options):
-    shared, first = _shared_and_decode_first(model, **options)
+    shared, first = _shared_and_decode_first(model, prefill_reserve="reserve", **options)
     assert shared.plans.vram.design == "reserve" and first.plans.vram.design == "none"
     long = shared.prefill_plan(24)
     assert streamed(long) and any(n.op == Op.ROUTED_EXPERTS and n.attrs.running for n in long.ir.nodes), \
@@ -275,6 +281,51 @@ def test_the_shared_plan_computes_what_the_decode_first_plan_computes(case, tiny
         upto = int(flips[0]) + 1 if len(flips) else len(row)
         counted += int((row[:upto] > TOL).sum())
     assert counted <= max(1, int(FLIPS * err.numel())), err.tolist()
+
+
+@pytest.mark.parametrize("case", FAMILIES)
+def test_a_time_shared_plan_computes_what_decode_first_does_and_restores_the_lent_experts(case, tiny_dirs):
+    """torch_ref in float32, the time-share design forced: the 24-token prompt's step stages in a
+    layer's resident experts (its fetches write the lent region), then decode restores them bit
+    for bit; prompt and decode logits equal the decode-first plan's to rounding."""
+    model = ktflow.load(tiny_dirs(case)[0])
+    shared, first = _shared_and_decode_first(model, 2.5, dtype="float32", backend="torch_ref",
+                                             prefill_reserve="time-share")
+    assert shared.plans.vram.design == "time-share" and shared.decode.lent_experts
+    long = shared.prefill_plan(24)
+    assert long.borrows and streamed(long)
+    lent_layers = {shared.decode.ir.by_name(n).attrs.layer for n in shared.decode.lent_experts}
+    assert all(n.place.device.value == "cpu" or len(n.inputs) >= 3 for n in long.ir.nodes
+               if n.op == Op.ROUTED_EXPERTS and n.attrs.layer in lent_layers)  # streamed or on the CPU, not resident
+    ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
+    nxt = torch.randint(0, model.config.vocab_size, (1, 1), generator=torch.Generator().manual_seed(2))
+    lent = shared.executor("decode").backend.lent
+    got, state = ktflow.execute(shared, ids)
+    assert lent.dirty and not torch.equal(lent.region[:lent.used], lent.host[:lent.used])
+    more, _ = ktflow.execute(shared, nxt, state=state)
+    assert not lent.dirty and torch.equal(lent.region, lent.host)
+    want, wstate = ktflow.execute(first, ids)
+    wmore, _ = ktflow.execute(first, nxt, state=wstate)
+    for a, b in ((got, want), (more, wmore)):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+@pytest.mark.skipif(not native.available(), reason="native module not built")
+@pytest.mark.parametrize("case", FAMILIES)
+def test_a_time_shared_plan_on_the_native_backend_restores_the_lent_experts(case, tiny_dirs):
+    """bf16 on the native backend: the prompt's fetches copy packed experts into the lent region's
+    landing buffer and unpack them into its staging; decode finds the lent experts restored bit
+    for bit, and its tokens are the decode-first plan's within bf16 tolerance but for flips."""
+    model = ktflow.load(tiny_dirs(case)[0])
+    shared, first = _shared_and_decode_first(model, 2.5, dtype="bfloat16", backend="native",
+                                             prefill_reserve="time-share")
+    assert shared.prefill_plan(24).borrows
+    lent = shared.executor("decode").backend.lent
+    ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
+    got, want = _run(shared, ids), _run(first, ids)
+    assert lent.nbytes and not lent.dirty and torch.equal(lent.region, lent.host)
+    err = per_token_errors(got, want).view(-1)
+    assert int((err > TOL).sum()) <= max(1, int(FLIPS * err.numel())), err.tolist()
 
 
 def test_a_plan_past_its_gpus_limit_is_refused_on_cuda_and_named_on_the_cpu(demo_dir, capsys, monkeypatch):

@@ -37,6 +37,10 @@ class StepContext:
     #: a graph with a hidden-vector input (a multi-token-prediction layer's): the step's vectors,
     #: [batch * seq, hidden], one a token
     hidden: torch.Tensor | None = None
+    #: a step that borrows lent experts' memory (Plan.borrows, eager): each fetch's staging buffer
+    #: by node name and the landing buffer, views of the lent region (backends/lending.py)
+    staging: dict | None = None
+    landing: torch.Tensor | None = None
     #: values every layer of the step would compute alike (the rope rows at the position, the
     #: cache rows written, the mask of visible positions), made by the first rule that needs them
     #: and reused by the rest: in a captured graph their kernels run once per step, not per layer

@@ -16,6 +16,7 @@ reads a lent expert's bytes while they are someone's staging.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +117,13 @@ class LentRegion:
         self.used = max(self.used, nbytes)
         return self.region[:nbytes]
 
+    def staging(self, staging_bytes: int, landing_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A borrowing step's staging arena (`staging_bytes`) and landing buffer, one after the other
+        at the region's start (`borrow`)."""
+        at = -(-staging_bytes // ALIGN) * ALIGN
+        region = self.borrow(at + landing_bytes)
+        return region[:at], region[at:]
+
     def restore(self) -> None:
         """Copy the borrowed bytes back from the host copy (the caller's stream; waits for it)."""
         if not self.used:
@@ -124,3 +132,23 @@ class LentRegion:
         if self.region.is_cuda:
             torch.cuda.current_stream().synchronize()
         self.used = 0
+
+
+def staging_views(plan, staging: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Each fetch's output of `plan` as a view of `staging` (its staging arena), at the offset and
+    shape the buffer pass laid out."""
+    views = {}
+    for value, buf in plan.buffers.items():
+        if buf.arena == "staging":
+            shape = plan.ir.by_name(value).out.concrete(0)
+            views[value] = staging[buf.offset:buf.offset + buf.bytes].view(dtype)[:math.prod(shape)].view(shape)
+    return views
+
+
+def lent_of(backend) -> LentRegion:
+    """The lent region a borrowing plan runs on; a ConfigError where the decode plan lent none."""
+    lent = getattr(backend, "lent", None)
+    if lent is None:
+        raise ConfigError("this prefill plan borrows the decode plan's lent experts, but the decode plan lends none: "
+                          "the plans do not belong together; compile again")
+    return lent

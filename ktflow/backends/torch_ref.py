@@ -310,7 +310,10 @@ def _fetch(be, node, w, ins, ctx, dev):
     """The subset's weights, from their host copies, stacked in the staged layout on the GPU."""
     a = node.attrs
     rows = [torch.cat([w["gate"][e].reshape(-1), w["up"][e].reshape(-1), w["down"][e].reshape(-1)]) for e in a.subset]
-    return torch.stack(rows).to(device=dev, dtype=be.dtype)
+    out = torch.stack(rows).to(device=dev, dtype=be.dtype)
+    if ctx.staging and node.name in ctx.staging:  # a borrowing step: into the lent region
+        return ctx.staging[node.name].copy_(out)
+    return out
 
 
 def _add(be, node, w, ins, ctx, dev):

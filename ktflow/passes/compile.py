@@ -17,7 +17,7 @@ from ..costmodel.hw import HwProfile
 from ..costmodel.memory import activation_peak, gpu_activation_peak, gpu_workspace_bytes, kv_cache_bytes, staging_bytes
 from ..costmodel.roofline import held_weight_bytes
 from ..costmodel.routing import RoutingProfile
-from ..errors import ConfigError
+from ..errors import ConfigError, PlanError
 from ..ir.graph import Graph
 from ..ir.ops import Op, host_packs
 from ..ir.types import DTYPE_BY_NAME, Device
@@ -107,6 +107,7 @@ def compile_plans(model: Any, hw: HwProfile, opts: CompileOptions, device: str, 
     info = ModelInfo(model_type=cfg.model_type, fingerprint=model.fingerprint, path=str(model.path.resolve()),
                      layers=cfg.num_hidden_layers)
     prefill = _fetch_packs(decode, prefill)
+    decode = _lending(decode, prefill, share)
     decode = _with_staging(decode, prefill)
     # speculative decoding with the model's MTP layer: its own plans, where the cost model keeps it
     left = None if vram is None else (vram.limit_bytes - max(p.memory.gpu_bytes for p in (decode, *prefill))) / 1e9
@@ -168,10 +169,13 @@ def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
     gpu_act = gpu_activation_peak(g, ctx.tokens, past, decode=ctx.phase == "decode")
     staging = staging_bytes(g)
     ws = gpu_workspace_bytes(ctx.hw)
-    return MemoryEstimate(weight_bytes=weights[Device.CPU] + weights[Device.GPU], kv_cache_bytes=kv_all,
+    lent = 0.0
+    if ctx.lends:  # the lent layers' experts stay in VRAM (decode's), their memory this step's staging;
+        lent, staging = ctx.vram.lend_bytes, 0.0  # their host copy, kept to restore them, is pinned
+    return MemoryEstimate(weight_bytes=weights[Device.CPU] + weights[Device.GPU] + lent, kv_cache_bytes=kv_all,
                           activation_bytes=gpu_act, workspace_bytes=ws, staging_bytes=staging,
-                          gpu_bytes=weights[Device.GPU] + kv_gpu + gpu_act + staging + ws,
-                          host_bytes=weights[Device.CPU] + (kv_all - kv_gpu) + act)
+                          gpu_bytes=weights[Device.GPU] + lent + kv_gpu + gpu_act + staging + ws,
+                          host_bytes=weights[Device.CPU] + lent + (kv_all - kv_gpu) + act)
 
 
 def _compile_plan(spec: Graph, ctx: CompileContext, instruments=(), pipeline=PIPELINE) -> Plan:
@@ -181,7 +185,8 @@ def _compile_plan(spec: Graph, ctx: CompileContext, instruments=(), pipeline=PIP
     return Plan.of_graph(g, phase=ctx.phase, device=ctx.device, max_seq_len=ctx.max_seq_len, step_tokens=ctx.tokens,
                 instructions=instrs, predicted_step_us=_predicted_step_us(g, ctx),
                 memory=_memory(g, ctx), pass_seconds=timer.seconds,
-                capture=[(0, len(instrs) - 1)] if _captured(g, ctx) else [])
+                capture=[(0, len(instrs) - 1)] if _captured(g, ctx) else [],
+                borrows=ctx.lends and staging_bytes(g) > 0)
 
 
 def _captured(g: Graph, ctx: CompileContext) -> bool:
@@ -266,6 +271,20 @@ def _prefill_plans(spec: Graph, ctx_for, opts: CompileOptions, max_seq: int, sha
     return _shared_staging(plans)
 
 
+def _lending(decode: Plan, prefill: list[Plan], share: VramShare | None) -> Plan:
+    """The decode plan naming the GPU routed-experts nodes it lends (Plan.lent_experts: the share's
+    lent layers, whole on the GPU) where some prefill plan borrows them; a lent layer decode does
+    not hold whole is a PlanError (the VRAM plan chose it from this placement)."""
+    if share is None or not any(p.borrows for p in prefill):
+        return decode
+    nodes = [n for n in decode.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.layer in share.lend_layers]
+    bad = sorted({n.attrs.layer for n in nodes if n.place.device != Device.GPU or len(n.attrs.ids) != n.attrs.experts})
+    if bad or len({n.attrs.layer for n in nodes}) != len(share.lend_layers):
+        raise PlanError(f"the VRAM plan lends layers {list(share.lend_layers)} to prefill staging, but the decode plan "
+                        f"does not hold {bad or 'them'} whole on the GPU")
+    return decode.model_copy(update=dict(lent_experts=tuple(n.name for n in nodes)))
+
+
 def _fetch_packs(decode: Plan, prefill: list[Plan]) -> list[Plan]:
     """The prefill plans with each fetch's host packs recorded (FetchAttrs.packs, `host_packs`):
     the decode plan's CPU parts of its layer where they hold the same experts, so a streamed
@@ -294,12 +313,12 @@ def _fetch_packs(decode: Plan, prefill: list[Plan]) -> list[Plan]:
 def _shared_staging(plans: list[Plan]) -> list[Plan]:
     """`plans` with each GPU plan's memory counting the largest staging of them all: the
     runtime's staging buffers are shared by the buckets and kept, once a prompt streamed, at the
-    largest size used."""
+    largest size used; a plan that borrows lent experts' memory frees them before it runs."""
     held = max((p.memory.staging_bytes for p in plans), default=0.0)
     out = []
     for p in plans:
         m = p.memory
-        if m.gpu_bytes and m.staging_bytes < held:
+        if m.gpu_bytes and m.staging_bytes < held and not p.borrows:  # a borrower frees them first
             m = m.model_copy(update=dict(staging_bytes=held, gpu_bytes=m.gpu_bytes + held - m.staging_bytes))
             p = p.model_copy(update=dict(memory=m))
         out.append(p)

@@ -250,7 +250,9 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
     included) holds nothing in FP8.
     Requires: a costed graph. Guarantees: every node placed with a cause; GPU weights + KV
     caches fit the budget (each rank's); decisions use decode costs only, so the prefill and
-    decode plans of one compile place identically, and every rank computes the same division.
+    decode plans of one compile place identically (but for the whole layers a time-share step
+    takes as its staging, `CompileContext.lends`: its CPU experts, to stream), and every rank
+    computes the same division.
     """
     mode = ctx.options.placement
     if mode == "cpu" or not ctx.hw.has_gpu:
@@ -278,6 +280,10 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
     ranks, rank = ctx.options.gpus, ctx.options.rank
     held = take_units(units, budget, ranks)
     taken = {k for k, rs in held.items() if rank in rs}
+    # time-share: a long prompt's step takes the lent layers' resident experts as its staging
+    lent = {n.name for n in g.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.layer in ctx.vram.lend_layers} \
+        if ctx.lends else set()
+    taken = {k for k in taken if k[0] not in lent or k[1] is None}
     elsewhere = {k for k, rs in held.items() if rank not in rs}  # experts another rank holds
     ridge = ctx.hw.gpus[0].bf16_tflops * 1e12 / (ctx.hw.gpus[0].hbm_gbps * 1e9)
     placed: dict[str, Device] = {}
@@ -285,7 +291,7 @@ def place_by_intensity(g: Graph, ctx: CompileContext) -> Graph:
     nodes: list[Node] = []
     for n in g.nodes:
         if n.op == Op.ROUTED_EXPERTS:
-            parts = _place_experts(n, g, ctx, taken, ridge, placed, split, experts_why, elsewhere)
+            parts = _place_experts(n, g, ctx, taken, ridge, placed, split, experts_why, elsewhere, n.name in lent)
             nodes += parts
             if ranks > 1:  # the ranks' parts of the layer meet in one all-reduce
                 nodes.append(all_reduce_of(n, parts, ctx))
@@ -448,10 +454,10 @@ def _drop_fp8(n: Node) -> Node:
 
 
 def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, placed, split,
-                   fp8_why: str = "", elsewhere=frozenset()) -> list[Node]:
+                   fp8_why: str = "", elsewhere=frozenset(), lent: bool = False) -> list[Node]:
     """The parts of routed-experts node `n` on this rank: its GPU experts (`taken`), and the CPU
     ones (neither taken nor held by another rank: `elsewhere`), which rank 0 alone computes; no
-    part where this rank has none."""
+    part where this rank has none. `lent`: decode holds the layer, this step's staging takes it."""
     gpu_ids = tuple(e for e in n.attrs.ids if (n.name, e) in taken)
     cpu_ids = tuple(e for e in n.attrs.ids if (n.name, e) not in taken and (n.name, e) not in elsewhere)
     if ctx.options.rank > 0:  # rank 0 drives the CPU experts: computed once, one copy in host memory
@@ -471,7 +477,8 @@ def _place_experts(n: Node, g: Graph, ctx: CompileContext, taken, ridge: float, 
         flops = FACTS[n.op].flops(part.attrs, w)
         nbytes = part.weight_elems() * ctx.weight_itemsize * FACTS[n.op].weight_fraction(part.attrs, w)
         why = (f"{len(cpu_ids)} of {n.attrs.experts} experts, {_si(part.weight_elems() * ctx.weight_itemsize)}B: "
-               f"decode intensity {flops / max(nbytes, 1.0):.2f} FLOP/B, GPU ridge {ridge:.0f}; over the VRAM budget")
+               f"decode intensity {flops / max(nbytes, 1.0):.2f} FLOP/B, GPU ridge {ridge:.0f}; "
+               + ("resident for decode, lent to this step's staging (time-share)" if lent else "over the VRAM budget"))
         out.append(replace(_drop_fp8(part), place=Placement(Device.CPU, cause=why)))
         placed[n.name] = Device.CPU
     if gpu_ids:

@@ -19,6 +19,10 @@ from .infra import compiler_pass
 #: candidate streamed-expert counts per layer: 0, then steps of 1/GRID of the layer's CPU experts
 GRID = 32
 
+#: a step that borrows lent experts stages in at most this share of their bytes, less LEND_SLACK:
+#: the landing buffer's page-aligned pieces and the staging's alignment (backends/lending.py)
+LEND_USE, LEND_SLACK = 0.98, 64 << 10
+
 
 @dataclass(frozen=True)
 class LayerChoice:
@@ -50,7 +54,9 @@ def place_prefill_experts(g: Graph, ctx: CompileContext) -> Graph:
     conversion), which overlaps the previous layer. The fastest n wins, ties
     to fewer streamed (option prefill_experts forces cpu, stream, or the best split). Staging
     must fit the GPU memory the step leaves under the VRAM limit (memory.prefill_room, the
-    step's activations with a chunk's past; ctx.vram: the VRAM plan's limit and its buffer size):
+    step's activations with a chunk's past; ctx.vram: the VRAM plan's limit and its buffer size;
+    a step that borrows lent experts (time-share, `CompileContext.lends`): their bytes, LEND_USE;
+    a shorter step beside such steps: what the longest step that does not borrow leaves):
     `staging_buffers` buffers of up to `cap` experts, one landing buffer for a buffer's packed bytes,
     and the layer's partial outputs (memory.stream_bytes). A streamed set larger than `cap` is
     fetched in groups of up to `cap` (`groups_of`), one fetch and one GPU node each, priced as
@@ -102,6 +108,15 @@ def place_prefill_experts(g: Graph, ctx: CompileContext) -> Graph:
     room = prefill_room(g, ctx.hw, tokens=ctx.tokens, weight_itemsize=ctx.weight_itemsize,
                         kv_tokens=ctx.max_seq_len * ctx.options.max_batch, limit=limit_of(ctx),
                         past=max(ctx.max_seq_len - ctx.tokens, 0))
+    if ctx.lends:  # the staging is the lent layers' memory (the room counts it free: their experts stream here)
+        room = min(room, LEND_USE * ctx.vram.lend_bytes - LEND_SLACK)
+    elif ctx.vram is not None and ctx.vram.lend_layers:
+        # a shorter step beside lending ones: its staging buffers, kept for the next prompts, must fit
+        # beside the activations of any step that does not borrow (those that do free them first)
+        longest = ctx.vram.lend_tokens - 1
+        room = min(room, prefill_room(g, ctx.hw, tokens=longest, weight_itemsize=ctx.weight_itemsize,
+                                      kv_tokens=ctx.max_seq_len * ctx.options.max_batch, limit=limit_of(ctx),
+                                      past=max(ctx.max_seq_len - longest, 0)))
     most = max(n.attrs.experts if n.attrs.layer in caches else len(n.attrs.ids) for n in cpu_nodes)
     # the VRAM plan's buffer size (staging_experts where given)
     upto = ctx.vram.stage_experts if ctx.vram is not None else ctx.options.staging_experts

@@ -3,9 +3,12 @@
 `decide` splits `limit` (option vram_gb, default the profile GPU's memory, less vram_reserve_gb)
 between decode residency (`residency`: the GPU weights and KV caches the placement pass takes) and
 the prefill reservation (activations of steps up to `chunk_tokens`, and `staging_buffers` buffers of
-`stage_experts` streamed experts), for a declared workload: prompts of lengths P, equally likely,
+`stage_experts` streamed experts; in the time-share design the buffers are instead resident experts
+of whole layers decode holds, lent to the long prompts' steps and restored after them), for a
+declared workload: prompts of lengths P, equally likely,
 and answers of N tokens. It compiles each candidate and keeps the runnable one with the shortest
-mean request (within TIE, the one reserving less); prefill_reserve='none' keeps decode first. The
+mean request (within TIE, the one reserving less); prefill_reserve='none' keeps decode first,
+'reserve' / 'time-share' choose among that design's candidates. The
 decision and every candidate's numbers go into the plan file (`plan.artifact.VramPlan`).
 Preconditions: the profile has a GPU and placement is not 'cpu' (else `decide` returns None).
 Guarantees: the reservation, decode's activations, `residency` and the BLAS workspaces fit inside
@@ -23,12 +26,13 @@ from ..errors import ConfigError
 from ..ir.graph import Graph
 from ..ir.ops import Op, expert_weight_bytes
 from ..ir.types import Device
+from ..costmodel.roofline import held_weight_bytes
 from ..costmodel.memory import (gpu_activation_peak, gpu_workspace_bytes, hidden_row_bytes, resident_gpu_bytes,
     staging_for, stream_bytes, streamed_step_bytes)
 from ..plan.options import WORKLOADS, CompileContext, CompileOptions, VramShare, vram_limit
 from .annotate_costs import annotate_costs
 from .place import decode_savings
-from .prefill import layer_seconds, streamable
+from .prefill import LEND_SLACK, LEND_USE, layer_seconds, streamable
 from ..plan.artifact import VramCandidate, VramPlan
 
 #: candidates within this fraction of the fastest request count as tied: the one reserving less wins
@@ -39,6 +43,9 @@ HALVINGS = 4
 
 #: the chosen reservation, refined to what its priced plan needs, keeps this much more
 REFINE_MARGIN = 0.02
+
+#: time-share staging sizes tried: a layer's experts, halved up to this many times
+LEND_HALVINGS = 2
 
 
 class Pricer(Protocol):
@@ -228,9 +235,10 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
 
     refused: list[ConfigError] = []
 
-    def add(name: str, design: str, share: VramShare, reserved: float) -> VramCandidate:
-        """The candidate priced; one the options refuse (prefill_experts='stream' without staging
-        room) kept as not runnable, with the reason."""
+    def add(name: str, design: str, share: VramShare, reserved: float, extra_s: float = 0.0) -> VramCandidate:
+        """The candidate priced (`extra_s`: seconds a request pays besides, a time-share's restore);
+        one the options refuse (prefill_experts='stream' without staging room) kept as not
+        runnable, with the reason."""
         us, _ = decode(share)
         try:
             each, note = prefill_s(share, share.chunk_tokens), ""
@@ -241,13 +249,13 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
         c = VramCandidate(name=name, design=design, chunk_tokens=share.chunk_tokens,
                           stage_experts=share.stage_experts or 0, reserved_bytes=reserved,
                           residency_bytes=share.residency, decode_us=us, prefill_s=pre, prompt_s=each,
-                          request_s=pre + answer * us * 1e-6, runnable=not note, note=note)
+                          extra_s=extra_s, request_s=pre + extra_s + answer * us * 1e-6, runnable=not note, note=note)
         cands.append(c)
         return c
 
     none = add("decode first", "none", base, reserve_none)
     shares = {none.name: base}
-    if opts.prefill_reserve == "auto" and opts.placement != "gpu":
+    if opts.prefill_reserve != "none" and opts.placement != "gpu":
         bucket = min([t for t in grid if t >= max(prompts)] or [grid[-1]])
         chunks = [opts.prefill_chunk] if opts.prefill_chunk else [t for t in grid if min(first, bucket) <= t <= bucket]
         costed = pricer.costed()
@@ -284,29 +292,44 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
                 cand = add(f"reserve {top} tokens, whole-layer staging ({full} experts a buffer)", "reserve", share,
                            reserved)
                 shares[cand.name] = share
-        # design b, priced: the same prefill, decode keeping the decode-first residency, the evicted
-        # experts copied back after each prompt
-        h2d = dctx.hw.gpus[0].pcie_h2d_gbps * 1e9
-        base_weights = weights
-        for c in [c for c in cands if c.design == "reserve" and c.runnable]:
-            _, dg = decode(shares[c.name])
-            evicted = max(base_weights - resident_gpu_bytes(dg, dctx.weight_itemsize, max_seq * opts.max_batch)[0], 0.0)
-            back = evicted / h2d
-            cands.append(VramCandidate(
-                name=f"time-share {c.chunk_tokens} tokens, {c.stage_experts} experts a buffer", design="time-share",
-                chunk_tokens=c.chunk_tokens, stage_experts=c.stage_experts, reserved_bytes=c.reserved_bytes,
-                residency_bytes=none.residency_bytes, decode_us=none.decode_us, prefill_s=c.prefill_s,
-                prompt_s=c.prompt_s, extra_s=back,
-                request_s=c.prefill_s + back + answer * none.decode_us * 1e-6, runnable=False,
-                note="not runnable yet: the runtime cannot evict and restore resident experts"))
+        # design b: staging in resident experts decode keeps, lent to long prompts' steps
+        best_reserve = min((c for c in cands if c.design == "reserve" and c.runnable), key=lambda c: c.request_s,
+                           default=None)
+        if best_reserve is not None and full and opts.gpus == 1 and not opts.expert_cache \
+                and opts.prefill_experts != "cpu":
+            c = best_reserve.chunk_tokens
+            lend_from = min(c, min([t for t in grid if t >= min(prompts)] or [grid[-1]]))
+            sizes_tried = [opts.staging_experts] if opts.staging_experts else \
+                sorted({max(1, -(-full // 2 ** i)) for i in range(LEND_HALVINGS + 1)}, reverse=True)
+            h2d = dctx.hw.gpus[0].pcie_h2d_gbps * 1e9
+            for k in sizes_tried:
+                staged = _staging(sizes, k, buffers)  # the buffers and the landing buffer: borrowed
+                reserved = max(reserve_none, sizes.act(c) + _staging(sizes, k, buffers, c) - staged)
+                share = VramShare(limit, residency(reserved), k, c)
+                layers, lent = lend_layers(pricer.placed(share), dctx, (staged + LEND_SLACK) / LEND_USE)
+                if not layers:
+                    continue
+                share = replace(share, lend_layers=layers, lend_tokens=lend_from, lend_bytes=lent)
+                span = f"L{layers[0]}" if len(layers) == 1 else f"L{layers[0]}-{layers[-1]}"
+                cand = add(f"time-share {c} tokens, {k} experts a buffer in {span}'s experts", "time-share", share,
+                           reserved, extra_s=staged / h2d)
+                shares[cand.name] = share
     runnable = [c for c in cands if c.runnable]
+    if opts.prefill_reserve in ("reserve", "time-share"):  # the design asked for
+        runnable = [c for c in runnable if c.design == opts.prefill_reserve]
+        if not runnable:
+            why = "; ".join(f"{c.name}: {c.note}" for c in cands if c.design == opts.prefill_reserve and c.note)
+            raise ConfigError(f"prefill_reserve={opts.prefill_reserve!r}: no such share of {limit / 1e9:.2f} GB runs "
+                              + (f"({why})" if why else "(no layer decode holds whole can lend the staging, or "
+                                 "nothing streams)") + "; use prefill_reserve='auto'")
     if not runnable:
         raise refused[0]
     best = min(c.request_s for c in runnable)
     chosen = min((c for c in runnable if c.request_s <= best * (1 + TIE)),
                  key=lambda c: (c.reserved_bytes, c.request_s))
     share = shares[chosen.name]
-    refined = _refined(share, needs.get(share), chosen.reserved_bytes, sizes, grid, buffers, reserve_none)
+    refined = chosen.reserved_bytes if chosen.design == "time-share" else \
+        _refined(share, needs.get(share), chosen.reserved_bytes, sizes, grid, buffers, reserve_none)
     note = ""
     if refined < chosen.reserved_bytes:
         note = (f"; reservation refined from {chosen.reserved_bytes / 1e9:.2f} GB (estimated) to {refined / 1e9:.2f} "
@@ -316,6 +339,27 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
     record = record.model_copy(update=dict(reserved_bytes=min(refined, chosen.reserved_bytes),
                                            residency_bytes=share.residency, cause=record.cause + note))
     return share, record, base, shares[chosen.name]
+
+
+def lend_layers(placed: Graph, ctx: CompileContext, need: float) -> tuple[tuple[int, ...], float]:
+    """The MoE layers decode holds whole on the GPU (`placed`), the last first, until their experts'
+    bytes reach `need`: (the layers, sorted; their bytes), or ((), 0.0) where they never do."""
+    whole: dict[int, float] = {}
+    split = set()
+    for n in placed.nodes:
+        if n.op != Op.ROUTED_EXPERTS:
+            continue
+        if n.place.device == Device.GPU and len(n.attrs.ids) == n.attrs.experts:
+            whole[n.attrs.layer] = held_weight_bytes(n, Device.GPU, ctx.weight_itemsize, ctx.expert_format)
+        else:
+            split.add(n.attrs.layer)
+    chosen, total = [], 0.0
+    for layer in sorted(set(whole) - split, reverse=True):
+        if total >= need:
+            break
+        chosen.append(layer)
+        total += whole[layer]
+    return (tuple(sorted(chosen)), total) if total >= need else ((), 0.0)
 
 
 def _refined(share: VramShare, need: float | None, estimated: float, sizes: _Sizes, grid: list[int], buffers: int,

@@ -88,10 +88,10 @@ class VramCandidate(BaseModel):
     decode_us: float  # predicted decode step
     prefill_s: float  # predicted prefill, the mean over the workload's prompts
     prompt_s: dict[int, float] = {}  # predicted prefill of each workload prompt length
-    extra_s: float = 0.0  # time-share: the evicted experts' copy back, per request
+    extra_s: float = 0.0  # time-share: the lent experts' restore after a prompt, per request
     request_s: float  # prefill + extra + answer tokens x decode step
     runnable: bool = True
-    note: str = ""  # why not runnable (time-share: not built; a candidate the options refuse: why)
+    note: str = ""  # why not runnable (a candidate the options refuse: why)
 
 
 class VramPlan(BaseModel):

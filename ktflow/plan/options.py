@@ -74,10 +74,12 @@ class CompileOptions(BaseModel):
                                    "this")
     prefill_tokens: int = Field(512, gt=0, description="the smallest prefill step the VRAM plan always leaves "
                                 "activations room for (prefill_reserve='none' reserves this and nothing more)")
-    prefill_reserve: Literal["auto", "none"] = Field(
+    prefill_reserve: Literal["auto", "none", "reserve", "time-share"] = Field(
         "auto", description="how VRAM is shared between decode residency and prefill (ktflow.passes.vram_plan): auto = the "
-        "cost model reserves staging buffers and a bucket's activations where that shortens the declared workload's "
-        "requests; none = decode residency first, prefill gets what is left (long prompts may stay on the CPU)")
+        "cost model chooses between decode first and the two designs where that shortens the declared workload's "
+        "requests; reserve = a bucket's activations and staging buffers reserved; time-share = a bucket's "
+        "activations reserved, long prompts staging in resident experts lent to them and restored after; none = "
+        "decode residency first, prefill gets what is left (long prompts may stay on the CPU)")
     workload: Literal["agent", "chat"] = Field(
         "agent", description="the requests the VRAM plan is priced for: agent = prompts of 8k, 16k and 32k tokens "
         "alike and 500-token answers, chat = 1024-token prompts and 300-token answers (prompts capped at max_seq_len "
@@ -160,6 +162,12 @@ class VramShare:
     residency: float
     stage_experts: int | None
     chunk_tokens: int
+    #: time-share (design b): prefill steps of at least `lend_tokens` tokens take these layers'
+    #: resident experts (whole layers decode holds, `lend_bytes` of VRAM) as their staging: they
+    #: stream those layers, and the runtime restores the experts after (backends/lending.py)
+    lend_layers: tuple[int, ...] = ()
+    lend_tokens: int = 0
+    lend_bytes: float = 0.0
 
 
 def vram_limit(options: CompileOptions, hw: HwProfile) -> float:
@@ -196,6 +204,12 @@ class CompileContext:
     #: the step's tokens are one sequence's consecutive ones (a speculative verification step):
     #: routed experts are priced with the routing profile's neighbour co-picks where it has them
     consecutive: bool = False
+
+    @property
+    def lends(self) -> bool:
+        """A prefill step that takes the VRAM plan's lent layers' resident experts as staging."""
+        v = self.vram
+        return self.phase == "prefill" and v is not None and bool(v.lend_layers) and self.tokens >= v.lend_tokens
 
     @property
     def label(self) -> str:

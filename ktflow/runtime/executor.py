@@ -13,10 +13,12 @@ from typing import Any, Callable
 import torch
 
 from ..backends import StepContext
-from ..backends.base import lm_head_rows, step_output
+from ..backends.base import lm_head_rows, node_key, step_output
 from ..backends.instructions import nothing, run_instructions
+from ..backends.lending import lent_of, staging_views
 from ..backends.sampling import mark_nonfinite
 from ..errors import require_finite
+from ..frontend.weights import TORCH_DTYPE
 from ..ir.graph import Graph
 from ..ir.ops import Op
 from ..plan.artifact import Plan, Instruction
@@ -132,6 +134,14 @@ class Executor:
             out.append(input_ids)
         return torch.cat(out, dim=1)
 
+    def _borrowed(self) -> tuple[dict, torch.Tensor]:
+        """A borrowing plan's fetch outputs and landing buffer in the lent region (lending.py)."""
+        stagers = getattr(getattr(self.backend, "experts", None), "stagers", {})
+        landing = max((stagers[node_key(n)].landing_bytes(len(n.attrs.subset)) for n in self.graph.nodes
+                       if n.op == Op.FETCH and node_key(n) in stagers), default=0)
+        staging, land = lent_of(self.backend).staging(self.plan.arena_bytes().get("staging", 0), landing)
+        return staging_views(self.plan, staging, TORCH_DTYPE[self.graph.act_dtype]), land
+
     def _reclaim_lent(self) -> None:
         """Before a plan that does not borrow the lent experts' memory runs: their bytes restored,
         if a long prompt's step borrowed them (backends/lending.py)."""
@@ -222,6 +232,8 @@ class Executor:
         ctx = StepContext(batch=b, seq=s, position=0 if extra else state.position, state=state,
                           token_ids=input_ids.reshape(-1), position_t=position_t, logits=logits, positions=positions,
                           segments=segments, hidden=hidden)
+        if self.plan.borrows:  # its fetches stage into the lent experts' memory
+            ctx.staging, ctx.landing = self._borrowed()
         # every node's instruction goes to the backend (a copy moves the value, submit is a no-op,
         # sync passes the task's value); instructions run one after another on this thread, so
         # record/wait have nothing to order

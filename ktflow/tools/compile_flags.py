@@ -138,10 +138,11 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
                    help="expected prompt length (overrides the workload's)")
     g.add_argument("--workload-output-tokens", type=int, default=None, metavar="N",
                    help="expected answer length in tokens (overrides the workload's)")
-    g.add_argument("--prefill-reserve", choices=["auto", "none"], default="auto",
-                   help="auto: the cost model reserves VRAM for prefill staging and a bucket's activations where "
-                   "that shortens the workload's requests (default); none: decode residency first, long prompts "
-                   "get what is left")
+    g.add_argument("--prefill-reserve", choices=["auto", "none", "reserve", "time-share"], default="auto",
+                   help="auto: the cost model picks how VRAM is shared for the workload (default); reserve: a "
+                   "bucket's activations and staging buffers reserved; time-share: a bucket's activations "
+                   "reserved, long prompts stage in resident experts lent to them and restored after; none: "
+                   "decode residency first, long prompts get what is left")
     g.add_argument("--prefill-experts", choices=["auto", "cpu", "stream", "split"], default="auto",
                    help="prefill: where the routed experts the decode placement left on the CPU compute: cpu, stream "
                    "(copied to GPU staging buffers), split (both, sized to finish together) or auto (the fastest per "

@@ -27,7 +27,7 @@ from ...ir.types import Device
 from ...plan.artifact import Plan
 from ...frontend.weights import TORCH_DTYPE
 from ..base import StepContext, lm_head_rows, node_key, step_output
-from ..lending import ALIGN
+from ..lending import lent_of
 from .driver import done_flags, exchange_views, host_prologue, native_batches
 from ..instructions import run_instructions
 from .lanes import Lanes
@@ -118,13 +118,9 @@ class PrefillRunner:
         plan's, not the sum."""
         if not bound.staged:
             return {}, None
-        if self.plan.borrows:  # the lent experts' memory (the VRAM plan's time-share design)
-            if self.be.lent is None:
-                raise ConfigError("this prefill plan borrows the decode plan's lent experts, but the decode plan "
-                                  "lends none: the plans do not belong together; compile again")
-            at = -(-bound.staging_bytes // ALIGN) * ALIGN
-            region = self.be.lent.borrow(at + bound.landing_bytes)
-            staging, landing = region[:at], region[at:]
+        if self.plan.borrows:  # the lent experts' memory (the VRAM plan's time-share design); the shared
+            self.be.release_staging()  # buffers are not counted in this plan's memory
+            staging, landing = lent_of(self.be).staging(bound.staging_bytes, bound.landing_bytes)
         else:
             staging, landing = self.be.staging_buffers(bound.staging_bytes, bound.landing_bytes)
         dtype = TORCH_DTYPE[self.g.act_dtype]

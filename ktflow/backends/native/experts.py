@@ -165,7 +165,8 @@ class NativeExperts:
                                        addend=addend, running=a.running)
 
     def _fetch(self, be, node: Node, w, ins, ctx, dev):
-        return self.stagers[node_key(node)].stage(node.attrs.subset)
+        out = ctx.staging.get(node.name) if ctx.staging else None  # a borrowing step: the lent region
+        return self.stagers[node_key(node)].stage(node.attrs.subset, out=out, landing=ctx.landing)
 
     def _operator(self, n: Node, ids: tuple[int, ...], rows: tuple[int, int], numa: int | None,
                   weights: WeightSource, checkpoint: str) -> native.ExpertOp:
