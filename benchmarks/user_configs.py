@@ -21,8 +21,9 @@ measured, so a run cut short keeps them):
   decode-only  the same limit with nothing reserved for prefill (DECODE_ONLY_OPTIONS) on the user
                phase's backend (the cap raised to two limits for the two placements), greedy decode
                in rounds beside the user plan's: what the prefill reservation costs decode.
-  cpu-experts  every routed expert in CPU memory, VRAM not limited (e2e.py's prefill placement):
-               prefill at each length, the rate the limited prefill is held against.
+  cpu-experts  every routed expert in CPU memory, VRAM not limited by a budget (e2e.py's prefill
+               placement; the allocator capped at the plans' peak and vram_reserve_gb): prefill at
+               each length, the rate the limited prefill is held against.
 
     python benchmarks/user_configs.py --model qwen3 --fp8 --vram-gb 24 --prefill 8192,32768
     python benchmarks/user_configs.py --model qwen3-tiny --device cpu --hw rtx4090-desktop ...   # dry run
@@ -523,9 +524,14 @@ def phase_cpu_experts(run: Run) -> None:
     wide = ktflow.compile(run.model, **dict(run.base, vram_budget_gb=1000, allow_oversize=True))
     budget = budget_without_experts(wide.decode)
     c = compile_cpu_experts(run.model, dict(run.base, vram_budget_gb=budget))
+    # the plans' own peak and the reserve, as the user phase's limit is: without a cap torch's
+    # allocator keeps whatever it freed cached (session 48: the process 38.6% above the plan)
+    peak = max(p.memory.gpu_bytes for p in c.plans.plans) / 1e9 + c.plans.options.vram_reserve_gb
+    vram.cap(peak)
+    vram.reset()
     c.prepare()
-    print(f"cpu-experts: every routed expert in CPU memory, VRAM not limited (budget {budget:.2f} GB: dense + KV)",
-          flush=True)
+    print(f"cpu-experts: every routed expert in CPU memory (budget {budget:.2f} GB: dense + KV), the allocator capped "
+          f"at the plans' peak and the reserve ({peak:.2f} GB)", flush=True)
     for n in run.lengths:
         row = dict(prefill_row(c, run.vocab, n, a.prefill_reps, run.cuda), variant="cpu-experts")
         print(f"  cpu-experts prefill {n}: {row['tok_s']} +- {row['sd']} tok/s ({row['decisions']})", flush=True)
