@@ -118,3 +118,29 @@ def test_the_plan_file_keeps_what_is_lent_and_who_borrows(fp8_model, tmp_path):
     pf.save(path)
     back = type(pf).load(path)
     assert back.decode.lent_experts == names and all(p.borrows for p in back.prefill)
+
+
+def test_a_region_that_cannot_be_had_puts_the_stacks_back_and_says_so(fp8_model, monkeypatch):
+    from ktflow.errors import ResourceError
+
+    c = _compiled(fp8_model, "native", "keep")
+    be = c.executor("decode").backend
+    nodes = _gpu_experts(c.decode)
+    before = {n.name: _bytes(be.stacked(n)["down"]).clone() for n in nodes}
+    real = torch.empty
+
+    def refuse(*a, **kw):  # the region is the one allocation made on a device
+        if "device" in kw:
+            raise torch.OutOfMemoryError("no block that large")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch, "empty", refuse)
+    with pytest.raises(ResourceError, match="prefill_reserve='reserve'"):
+        be.lend(nodes)
+    monkeypatch.undo()
+    assert be.lent is None
+    for n in nodes:
+        assert torch.equal(_bytes(be.stacked(n)["down"]), before[n.name])
+        assert isinstance(be.weights[be_key(n)]["down"][n.attrs.ids[0]], Fp8Weight)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 8), generator=torch.Generator().manual_seed(4))
+    ktflow.execute(c, ids)

@@ -272,7 +272,7 @@ def test_staged_experts_unpack_to_the_weights_the_cpu_computes_with(fmt):
     halves of the rows (NUMA shards), unpacked: the same matrices the CPU kernels multiply by
     (bf16 exactly; int8/int4 as dequantized by the CPU: compared through one expert's output)."""
     from ktflow.backends.native.staging import ExpertStager, pieces_of
-    from ktflow.backends.torch_ref import staged
+    from ktflow.backends.base import staged
 
     E, H, I = 6, 64, 96
     g = torch.Generator().manual_seed(0)
@@ -452,7 +452,7 @@ def test_torch_grouped_matmul_runs_over_stacked_and_staged_experts():
     (`LayerPicks`, `grouped_part`) syncs nowhere (torch's sync debug mode raises on any)."""
     from ktflow.backends.kernels import moe_gpu
     from ktflow.backends.kernels.moe_gpu import LayerPicks, expert_map, grouped_experts, grouped_part
-    from ktflow.backends.torch_ref import staged
+    from ktflow.backends.base import staged
 
     g = torch.Generator(device="cuda").manual_seed(5)
     E, H, I, T, k, bf = 16, 256, 128, 512, 4, torch.bfloat16

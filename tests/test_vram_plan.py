@@ -328,6 +328,24 @@ def test_a_time_shared_plan_on_the_native_backend_restores_the_lent_experts(case
     assert int((err > TOL).sum()) <= max(1, int(FLIPS * err.numel())), err.tolist()
 
 
+@pytest.mark.parametrize("options, named", [(dict(expert_cache=True), "expert_cache"),
+                                             (dict(prefill_experts="cpu"), "prefill_experts='cpu'")])
+def test_a_forced_time_share_the_options_rule_out_names_the_option(qwen3, options, named):
+    with pytest.raises(ConfigError, match=f"prefill_reserve='time-share'.*{named}"):
+        ktflow.compile(qwen3, hw="rtx4090-desktop", max_seq_len=32768, allow_oversize=True,
+                       prefill_reserve="time-share", **options)
+
+
+def test_a_time_shared_plan_runs_on_a_backend_without_lending(tiny_dirs):
+    """The null backend (no weights): the borrowing plan stages as any plan does."""
+    model = ktflow.load(tiny_dirs("qwen3_moe")[0])
+    shared, _ = _shared_and_decode_first(model, 2.5, backend="null", prefill_reserve="time-share")
+    assert shared.prefill_plan(24).borrows
+    ids = torch.zeros(1, 24, dtype=torch.int64)
+    _, state = ktflow.execute(shared, ids)
+    ktflow.execute(shared, ids[:, :1], state=state)
+
+
 def test_a_plan_past_its_gpus_limit_is_refused_on_cuda_and_named_on_the_cpu(demo_dir, capsys, monkeypatch):
     """The VRAM check holds for a GPU preset compiled on any machine: a plan whose GPU nodes run
     on CUDA is refused past the limit; one whose GPU nodes run on the CPU here gets a warning."""

@@ -53,6 +53,12 @@ class StepContext:
         return self.shared[key]
 
 
+def staged(t: torch.Tensor, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fetch's output [n, 3 * hidden * inter] as gate, up [n, inter, hidden] and down [n, hidden, inter]."""
+    n, hi = t.shape[0], hidden * inter
+    return t[:, :hi].view(n, inter, hidden), t[:, hi:2 * hi].view(n, inter, hidden), t[:, 2 * hi:].view(n, hidden, inter)
+
+
 def node_key(n: Node) -> tuple:
     """What a backend keys a node's prepared state by: plans of one model reuse node names for
     different work (a layer's experts on the CPU in decode, streamed or split in a prefill

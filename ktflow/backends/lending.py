@@ -2,7 +2,8 @@
 
 `LentRegion(engine, nodes)` moves the stacked weights of GPU routed-experts nodes `nodes` (the
 decode plan's `Plan.lent_experts`) into one contiguous device buffer, the region, through a copy
-of its bytes kept in page-locked host memory (so the move never holds two device copies). Every
+of its bytes kept in page-locked host memory (so the move never holds two device copies; where
+the one block cannot be had, the stacks are put back and the error says so). Every
 reader keeps working: the stacks, their per-expert rows and their FP8 scales become views of the
 region. The region is made when the decode plan's executor is made, before any CUDA graph is
 captured, so captured graphs read the region's addresses, which never change.
@@ -21,10 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError, KtflowError
+from ..errors import ConfigError, KtflowError, ResourceError
 from ..ir.graph import Node
 from .base import node_key
 from .kernels.fp8_gpu import Fp8Weight
+from .native.staging import pin_tensor
 
 ALIGN = 256  # bytes: each lent tensor starts at a multiple (the device's widest access)
 ROLES = ("gate", "up", "down")
@@ -66,8 +68,12 @@ class LentRegion:
             raise KtflowError("no resident experts to lend: the decode plan names none")
         self.nbytes = at
         device = sources[0].device
-        # the host copy first, then the device copies dropped, then the region: one device copy at a time
-        self.host = torch.empty(at, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        # the host copy first, then the device copies dropped, then the region: one device copy at a
+        # time. Page-locked by registering it (torch's pinned allocator would round it up to a power
+        # of two); where the driver refuses, the restores copy from pageable memory, slower.
+        self.host = torch.empty(at, dtype=torch.uint8)
+        if device.type == "cuda":
+            pin_tensor(self.host)
         for lent, t in zip(layout, sources, strict=True):
             self._bytes(self.host, lent).copy_(t.contiguous().view(-1).view(torch.uint8))
         del sources, t
@@ -81,24 +87,34 @@ class LentRegion:
                     held.pop(role, None)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the freed stacks' blocks back to the driver: the region is one block
-        self.region = torch.empty(at, dtype=torch.uint8, device=device)
+        try:
+            self.region = torch.empty(at, dtype=torch.uint8, device=device)
+        except (torch.OutOfMemoryError, RuntimeError) as e:  # the stacks back as they were, then the error
+            self._rebind(layout, lambda lent: self._bytes(self.host, lent).to(device))
+            raise ResourceError(f"lending {len(self.nodes)} layers' resident experts ({at / 1e9:.2f} GB) as prefill "
+                                f"staging needs one block of that size on {device}: {str(e).splitlines()[0]}; "
+                                "compile with prefill_reserve='reserve'") from e
         self.region.copy_(self.host)
+        self._rebind(layout, lambda lent: self._bytes(self.region, lent))
+        self.used = 0  # bytes borrowed since the last restore (0: clean)
+
+    def _rebind(self, layout: list[_Lent], raw) -> None:
+        """The engine's stacks and per-expert weights of the lent nodes over `raw(lent)` (each
+        stacked tensor's bytes, uint8)."""
         by_node: dict[tuple, dict[str, dict[str, torch.Tensor]]] = {}
         for lent in layout:
-            view = self._bytes(self.region, lent).view(lent.dtype).view(lent.shape)
+            view = raw(lent).view(lent.dtype).view(lent.shape)
             by_node.setdefault(lent.key, {}).setdefault(lent.role, {})[lent.part] = view
         for n in self.nodes:
             key = node_key(n)
-            stacked = engine.stacked(n)
-            held = engine.weights.setdefault(key, {})
+            stacked = self.engine.stacked(n)
+            held = self.engine.weights.setdefault(key, {})
             for role in ROLES:
                 parts = by_node[key][role]
                 stack = parts[""] if "" in parts else Fp8Weight(parts["data"], parts["scale_inv"])
                 stacked[role] = stack
-                rows = {e: (stack[i] if "" in parts else Fp8Weight(stack.data[i], stack.scale_inv[i]))
-                        for i, e in enumerate(n.attrs.ids)}
-                held[role] = rows
-        self.used = 0  # bytes borrowed since the last restore (0: clean)
+                held[role] = {e: (stack[i] if "" in parts else Fp8Weight(stack.data[i], stack.scale_inv[i]))
+                              for i, e in enumerate(n.attrs.ids)}
 
     @staticmethod
     def _bytes(buf: torch.Tensor, lent: _Lent) -> torch.Tensor:
@@ -125,12 +141,15 @@ class LentRegion:
         return region[:at], region[at:]
 
     def restore(self) -> None:
-        """Copy the borrowed bytes back from the host copy (the caller's stream; waits for it)."""
+        """Copy the borrowed bytes back from the host copy, once every stream's work is done (a step
+        that raised may have left copies into the region queued), and wait for the copy."""
         if not self.used:
             return
+        if self.region.is_cuda:
+            torch.cuda.synchronize()
         self.region[:self.used].copy_(self.host[:self.used])
         if self.region.is_cuda:
-            torch.cuda.current_stream().synchronize()
+            torch.cuda.synchronize()
         self.used = 0
 
 

@@ -26,7 +26,7 @@ from ..frontend.quant import scale_key
 from ..frontend.weights import WeightSource, check_finite
 from .kv import StaticCaches, cache_of
 from .kernels import fused_gpu
-from .base import StepContext, node_key
+from .base import StepContext, node_key, staged
 from .kernels.dequant_gpu import available as triton_on
 from .kernels.fp8_gpu import Fp8Weight, nan_bytes
 from .kernels.layers import attention, matmul, rms_norm, swiglu
@@ -300,20 +300,13 @@ def _routed_experts(be, node, w, ins, ctx, dev):
     return out if a.running else out.to(x.dtype)
 
 
-def staged(t: torch.Tensor, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A fetch's output [n, 3 * hidden * inter] as gate, up [n, inter, hidden] and down [n, hidden, inter]."""
-    n, hi = t.shape[0], hidden * inter
-    return t[:, :hi].view(n, inter, hidden), t[:, hi:2 * hi].view(n, inter, hidden), t[:, 2 * hi:].view(n, hidden, inter)
-
-
 def _fetch(be, node, w, ins, ctx, dev):
     """The subset's weights, from their host copies, stacked in the staged layout on the GPU."""
     a = node.attrs
     rows = [torch.cat([w["gate"][e].reshape(-1), w["up"][e].reshape(-1), w["down"][e].reshape(-1)]) for e in a.subset]
-    out = torch.stack(rows).to(device=dev, dtype=be.dtype)
-    if ctx.staging and node.name in ctx.staging:  # a borrowing step: into the lent region
-        return ctx.staging[node.name].copy_(out)
-    return out
+    if ctx.staging and node.name in ctx.staging:  # a borrowing step: straight into the lent region
+        return ctx.staging[node.name].copy_(torch.stack(rows))
+    return torch.stack(rows).to(device=dev, dtype=be.dtype)
 
 
 def _add(be, node, w, ins, ctx, dev):

@@ -181,6 +181,9 @@ def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
 def _compile_plan(spec: Graph, ctx: CompileContext, instruments=(), pipeline=PIPELINE) -> Plan:
     timer = PassTimer()
     g = run_pipeline(spec, ctx, pipeline=pipeline, instruments=[timer, *instruments])
+    if ctx.lends and not staging_bytes(g):  # nothing streams at this size: the lent layers stay resident
+        ctx = replace(ctx, vram=replace(ctx.vram, lend_tokens=ctx.tokens + 1))
+        g = run_pipeline(spec, ctx, pipeline=pipeline, instruments=[timer, *instruments])
     instrs = instructions_of(g)  # the scheduled graph's instructions
     return Plan.of_graph(g, phase=ctx.phase, device=ctx.device, max_seq_len=ctx.max_seq_len, step_tokens=ctx.tokens,
                 instructions=instrs, predicted_step_us=_predicted_step_us(g, ctx),

@@ -295,13 +295,17 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
         # design b: staging in resident experts decode keeps, lent to long prompts' steps
         best_reserve = min((c for c in cands if c.design == "reserve" and c.runnable), key=lambda c: c.request_s,
                            default=None)
-        if best_reserve is not None and full and opts.gpus == 1 and not opts.expert_cache \
-                and opts.prefill_experts != "cpu":
+        barred = time_share_barred(opts)
+        if best_reserve is not None and full and not barred:
             c = best_reserve.chunk_tokens
             lend_from = min(c, min([t for t in grid if t >= min(prompts)] or [grid[-1]]))
             sizes_tried = [opts.staging_experts] if opts.staging_experts else \
                 sorted({max(1, -(-full // 2 ** i)) for i in range(LEND_HALVINGS + 1)}, reverse=True)
             h2d = dctx.hw.gpus[0].pcie_h2d_gbps * 1e9
+            # restores a request pays: one after its prompt; with several slots, one after each of its
+            # borrowing chunks (the others' decode steps run between them)
+            restores = sum((math.ceil(p / c) if opts.max_batch > 1 else 1) for p in prompts if p >= lend_from) \
+                / len(prompts)
             for k in sizes_tried:
                 staged = _staging(sizes, k, buffers)  # the buffers and the landing buffer: borrowed
                 reserved = max(reserve_none, sizes.act(c) + _staging(sizes, k, buffers, c) - staged)
@@ -312,16 +316,17 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
                 share = replace(share, lend_layers=layers, lend_tokens=lend_from, lend_bytes=lent)
                 span = f"L{layers[0]}" if len(layers) == 1 else f"L{layers[0]}-{layers[-1]}"
                 cand = add(f"time-share {c} tokens, {k} experts a buffer in {span}'s experts", "time-share", share,
-                           reserved, extra_s=staged / h2d)
+                           reserved, extra_s=restores * staged / h2d)
                 shares[cand.name] = share
     runnable = [c for c in cands if c.runnable]
     if opts.prefill_reserve in ("reserve", "time-share"):  # the design asked for
         runnable = [c for c in runnable if c.design == opts.prefill_reserve]
         if not runnable:
             why = "; ".join(f"{c.name}: {c.note}" for c in cands if c.design == opts.prefill_reserve and c.note)
+            if not why and opts.prefill_reserve == "time-share":
+                why = time_share_barred(opts) or "no layer decode holds whole has the bytes to lend, or nothing streams"
             raise ConfigError(f"prefill_reserve={opts.prefill_reserve!r}: no such share of {limit / 1e9:.2f} GB runs "
-                              + (f"({why})" if why else "(no layer decode holds whole can lend the staging, or "
-                                 "nothing streams)") + "; use prefill_reserve='auto'")
+                              f"({why or 'nothing streams'}); use prefill_reserve='auto'")
     if not runnable:
         raise refused[0]
     best = min(c.request_s for c in runnable)
@@ -339,6 +344,19 @@ def decide(ctx_for: Callable[[str, int], CompileContext], opts: CompileOptions, 
     record = record.model_copy(update=dict(reserved_bytes=min(refined, chosen.reserved_bytes),
                                            residency_bytes=share.residency, cause=record.cause + note))
     return share, record, base, shares[chosen.name]
+
+
+def time_share_barred(opts: CompileOptions) -> str:
+    """Why the options rule the time-share design out ("" where they do not)."""
+    if opts.placement == "gpu":
+        return "placement='gpu' leaves no expert to stream"
+    if opts.gpus > 1:
+        return f"gpus={opts.gpus}: lending resident experts is built for one GPU"
+    if opts.expert_cache:
+        return "expert_cache refills resident experts the time-share would lend"
+    if opts.prefill_experts == "cpu":
+        return "prefill_experts='cpu' streams nothing"
+    return ""
 
 
 def lend_layers(placed: Graph, ctx: CompileContext, need: float) -> tuple[tuple[int, ...], float]:

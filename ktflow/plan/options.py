@@ -207,9 +207,11 @@ class CompileContext:
 
     @property
     def lends(self) -> bool:
-        """A prefill step that takes the VRAM plan's lent layers' resident experts as staging."""
+        """A prefill step that takes the VRAM plan's lent layers' resident experts as staging (not a
+        speculative verification step: it runs between decode steps)."""
         v = self.vram
-        return self.phase == "prefill" and v is not None and bool(v.lend_layers) and self.tokens >= v.lend_tokens
+        return (self.phase == "prefill" and not self.consecutive and v is not None and bool(v.lend_layers)
+                and self.tokens >= v.lend_tokens)
 
     @property
     def label(self) -> str:

@@ -137,7 +137,9 @@ class Compiled:
                 name = resolve_backend(self.plans.options.backend, dtype, device)
                 self._backend = get_backend(name)(device, dtype, options=self.plans.options)
             self._backend.prepare(plan.ir, self.model.weights)
-            if plan.lent_experts:  # before any step runs: captured graphs read the lent region's addresses
+            if plan.lent_experts and hasattr(self._backend, "lend"):
+                # before its first step (a decode graph captured later reads the region's addresses); a
+                # backend without lending runs the borrowing plans with staging of their own
                 self._backend.lend([plan.ir.by_name(n) for n in plan.lent_experts])
             self._executors[key] = Executor(plan, self._backend)
         ex = self._executors[key]

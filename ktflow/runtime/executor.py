@@ -232,7 +232,7 @@ class Executor:
         ctx = StepContext(batch=b, seq=s, position=0 if extra else state.position, state=state,
                           token_ids=input_ids.reshape(-1), position_t=position_t, logits=logits, positions=positions,
                           segments=segments, hidden=hidden)
-        if self.plan.borrows:  # its fetches stage into the lent experts' memory
+        if self.plan.borrows and getattr(self.backend, "lent", None) is not None:  # stage in the lent experts
             ctx.staging, ctx.landing = self._borrowed()
         # every node's instruction goes to the backend (a copy moves the value, submit is a no-op,
         # sync passes the task's value); instructions run one after another on this thread, so

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backends.torch_ref import staged
+from ..backends.base import staged
 from .cache_curves import next_order
 from ..errors import ConfigError, InputError
 from ..ir.graph import Node

@@ -115,7 +115,8 @@ class PrefillRunner:
     def _staging(self, bound: PrefillBound) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         """This step's staging buffers and landing buffer: views of the backend's GPU buffers,
         which every prefill plan shares (they never run at once), so the memory is the largest
-        plan's, not the sum."""
+        plan's, not the sum; or, for a plan that borrows (Plan.borrows), views of the lent
+        experts' region, the shared buffers freed first."""
         if not bound.staged:
             return {}, None
         if self.plan.borrows:  # the lent experts' memory (the VRAM plan's time-share design); the shared

@@ -31,7 +31,7 @@ from ...ir.types import Device
 from ...util import env
 from ..base import node_key
 from ..kernels import moe_gpu
-from ..torch_ref import staged
+from ..base import staged
 from .staging import ExpertStager, pieces_of
 
 

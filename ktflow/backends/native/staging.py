@@ -19,7 +19,7 @@ import torch
 from . import binding as native
 from ...errors import KtflowError
 from ..kernels.moe_gpu import unpack_matrix
-from ..torch_ref import staged
+from ..base import staged
 
 
 @dataclass(frozen=True)
