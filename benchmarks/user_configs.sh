@@ -18,7 +18,8 @@
 # DEPTH (decode also after a prompt this long, both sides; default 32768, "" for none), DS_CKPT
 # (DeepSeek-V2-Lite's checkpoint arguments, default --fp8), KTFLOW_COMMIT (the rows' commit where
 # the tree has no .git), LLAMA=0 (ktflow only: no llama.cpp rows), CPU_EXPERTS=0 (no experts-on-CPU
-# prefill rows), RESERVES ("1.5 1.0": the user phase again at each vram_reserve_gb, its own run id).
+# prefill rows), RESERVES ("1.5 1.0": the user phase again at each vram_reserve_gb, its own run id),
+# DESIGNS ("reserve": the user phase again with that prefill_reserve, its own run id).
 # Estimates (H100 host; disk and packing rates guessed, see the report): setup 1.5 min; per
 # model: Qwen3 GGUF 2.5 + llama.cpp 4 + checkpoint 2.5 + ktflow 4 + experts-on-CPU 1.5 = ~15 min;
 # DeepSeek-V2-Lite about 9 min.
@@ -77,6 +78,14 @@ for m in $MODELS; do
         --decode-depth "$DEPTH" --phases user --options "{\"vram_reserve_gb\": $r}" --run-id "$RUN_ID-reserve$r" \
         --out "$JSONL"
     python3 benchmarks/user_report.py --run-id "$RUN_ID-reserve$r" --jsonl "$JSONL" > "/tmp/uc/report-reserve$r.md"
+  done
+  # the user phase again with each of $DESIGNS forced (prefill_reserve, e.g. "reserve" beside the
+  # time-share design the VRAM plan now chooses): the designs side by side (run id <run>-<design>)
+  for d in ${DESIGNS:-}; do
+    step "$m ktflow at $V GB, $d" python3 benchmarks/user_configs.py --model "$m" $FP8 --vram-gb $V \
+        --decode-depth "$DEPTH" --phases user --options "{\"prefill_reserve\": \"$d\"}" --run-id "$RUN_ID-$d" \
+        --out "$JSONL"
+    python3 benchmarks/user_report.py --run-id "$RUN_ID-$d" --jsonl "$JSONL" > "/tmp/uc/report-$d.md"
   done
   # the same prefill with every expert in CPU memory and VRAM free, its own process (~1.5 min)
   [ "${CPU_EXPERTS:-1}" = 1 ] && step "$m ktflow experts on CPU" python3 benchmarks/user_configs.py --model "$m" $FP8 --vram-gb $V \
