@@ -80,6 +80,7 @@ def test_the_decision_names_its_candidates_and_what_it_costs(by_preset):
                                                                if c.design == "reserve" and c.runnable
                                                                and c.reserved_bytes <= 2 * v.reserved_bytes)
     assert c.decode.lent_experts and all(p.borrows for p in c.prefill if p.step_tokens >= 8192)
+    assert f"lends {c.decode.lent_experts[0]}" in c.summary() and "staging in the lent experts' memory" in c.summary()
     chosen = next(c for c in v.candidates if c.name == v.chosen)
     best = min(c.request_s for c in v.candidates if c.runnable)
     tied = [c for c in v.candidates if c.runnable and c.request_s <= best * (1 + vram_plan.TIE)]

@@ -228,7 +228,9 @@ class Plan(BaseModel):
     def as_text(self) -> str:
         lines = [f"plan {self.phase} (GPU nodes on {self.device}): {len(self.instructions)} instructions, "
                  f"{self.step_tokens} tokens/step, predicted {self.predicted_step_us:.1f} us/step, "
-                 f"max_seq_len {self.max_seq_len}"]
+                 f"max_seq_len {self.max_seq_len}"
+                 + (f"; lends {', '.join(self.lent_experts)} as long prompts' staging" if self.lent_experts else "")
+                 + ("; stages in the lent experts' memory" if self.borrows else "")]
         lines.append(print_graph(self.ir).rstrip("\n"))
         lines.append("instructions:")
         for i, s in enumerate(self.instructions):
@@ -444,7 +446,10 @@ class PlanFile(BaseModel):
                        + (f", staging {mem.staging_bytes / 1e9:.2f} GB" if mem.staging_bytes else "")
                        + f"; peak VRAM {mem.gpu_bytes / 1e9:.2f} GB, host RAM {mem.host_bytes / 1e9:.2f} GB")
             if plan.phase == "prefill":
-                out.append("          experts: " + prefill_decisions(plan))
+                out.append("          experts: " + prefill_decisions(plan)
+                           + ("; staging in the lent experts' memory (time-share)" if plan.borrows else ""))
+            if plan.lent_experts:
+                out.append(f"          lends {', '.join(plan.lent_experts)} to long prompts' staging, restored after them")
             if self.options.gpus > 1:
                 out.append("          " + rank_summary(plan, self.options.rank, self.options.gpus))
             out.append("          ops: " + ", ".join(f"{k} {v}" for k, v in sorted(ops.items())))
