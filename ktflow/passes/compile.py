@@ -180,16 +180,23 @@ def _memory(g: Graph, ctx: CompileContext) -> MemoryEstimate:
 
 def _compile_plan(spec: Graph, ctx: CompileContext, instruments=(), pipeline=PIPELINE) -> Plan:
     timer = PassTimer()
-    g = run_pipeline(spec, ctx, pipeline=pipeline, instruments=[timer, *instruments])
-    if ctx.lends and not staging_bytes(g):  # nothing streams at this size: the lent layers stay resident
-        ctx = replace(ctx, vram=replace(ctx.vram, lend_tokens=ctx.tokens + 1))
-        g = run_pipeline(spec, ctx, pipeline=pipeline, instruments=[timer, *instruments])
+    g, ctx = _lending_run(spec, ctx, pipeline, [timer, *instruments])
     instrs = instructions_of(g)  # the scheduled graph's instructions
     return Plan.of_graph(g, phase=ctx.phase, device=ctx.device, max_seq_len=ctx.max_seq_len, step_tokens=ctx.tokens,
                 instructions=instrs, predicted_step_us=_predicted_step_us(g, ctx),
                 memory=_memory(g, ctx), pass_seconds=timer.seconds,
                 capture=[(0, len(instrs) - 1)] if _captured(g, ctx) else [],
                 borrows=ctx.lends and staging_bytes(g) > 0)
+
+
+def _lending_run(spec: Graph, ctx: CompileContext, pipeline, instruments=()) -> tuple[Graph, CompileContext]:
+    """The pipeline under `ctx`; a step that would stage in lent experts but streams nothing at
+    its size runs again with the lent layers resident (and its context saying so)."""
+    g = run_pipeline(spec, ctx, pipeline=pipeline, instruments=instruments)
+    if ctx.lends and not staging_bytes(g):
+        ctx = replace(ctx, vram=replace(ctx.vram, lend_tokens=ctx.tokens + 1))
+        g = run_pipeline(spec, ctx, pipeline=pipeline, instruments=instruments)
+    return g, ctx
 
 
 def _captured(g: Graph, ctx: CompileContext) -> bool:
@@ -351,8 +358,8 @@ class _Pricer:
         return _predicted_step_us(g, ctx), g
 
     def prefill(self, share: VramShare, tokens: int, attended: int) -> tuple[float, Graph]:
-        ctx = replace(self.context("prefill", tokens, share), context=attended)
-        g = run_pipeline(self.spec, ctx, pipeline=self.pricing)
+        g, ctx = _lending_run(self.spec, replace(self.context("prefill", tokens, share), context=attended),
+                              self.pricing)
         return _predicted_step_us(g, ctx), g
 
 
