@@ -347,6 +347,28 @@ def test_a_time_shared_plan_runs_on_a_backend_without_lending(tiny_dirs):
     ktflow.execute(shared, ids[:, :1], state=state)
 
 
+def test_a_lending_step_that_streams_nothing_keeps_the_lent_layers_resident(tiny_dirs):
+    """A step of the lending size whose experts all stay on the CPU (prefill_experts='cpu' here)
+    borrows nothing, so the lent layer keeps its resident experts rather than computing them on
+    the CPU."""
+    from ktflow.passes.compile import _compile_plan
+    from ktflow.plan.options import CompileContext, VramShare
+
+    model = ktflow.load(tiny_dirs("qwen3_moe")[0])
+    shared, _ = _shared_and_decode_first(model, 2.5, dtype="float32", backend="torch_ref", prefill_reserve="time-share")
+    pf, v = shared.plans, shared.plans.vram
+    lent = sorted({shared.decode.ir.by_name(n).attrs.layer for n in shared.decode.lent_experts})
+    share = VramShare(v.limit_bytes, v.residency_bytes, v.stage_experts, v.chunk_tokens, tuple(lent), 1,
+                      shared.prefill_plan(24).memory.weight_bytes)
+    ctx = CompileContext(hw=pf.hw, options=pf.options.model_copy(update=dict(prefill_experts="cpu")), phase="prefill",
+                         tokens=24, batch=1, context=12, weight_itemsize=4, max_seq_len=32, device="cpu", vram=share)
+    assert ctx.lends
+    plan = _compile_plan(model.graph(shared.decode.ir.act_dtype), ctx)
+    assert not plan.borrows and not any(n.op == Op.FETCH for n in plan.ir.nodes)
+    held = [n for n in plan.ir.nodes if n.op == Op.ROUTED_EXPERTS and n.attrs.layer in lent]
+    assert held and all(n.place.device.value == "gpu" for n in held)
+
+
 def test_a_plan_past_its_gpus_limit_is_refused_on_cuda_and_named_on_the_cpu(demo_dir, capsys, monkeypatch):
     """The VRAM check holds for a GPU preset compiled on any machine: a plan whose GPU nodes run
     on CUDA is refused past the limit; one whose GPU nodes run on the CPU here gets a warning."""
