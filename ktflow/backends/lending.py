@@ -153,15 +153,33 @@ class LentRegion:
         self.used = 0
 
 
-def staging_views(plan, staging: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Each fetch's output of `plan` as a view of `staging` (its staging arena), at the offset and
-    shape the buffer pass laid out."""
-    views = {}
-    for value, buf in plan.buffers.items():
-        if buf.arena == "staging":
-            shape = plan.ir.by_name(value).out.concrete(0)
-            views[value] = staging[buf.offset:buf.offset + buf.bytes].view(dtype)[:math.prod(shape)].view(shape)
-    return views
+@dataclass(frozen=True)
+class StagingLayout:
+    """Where a prefill plan's fetches land: each fetch output's (offset, bytes, shape) in the
+    plan's staging arena (the buffer pass's layout), the arena's bytes, and the landing buffer
+    the largest fetch's packed bytes need."""
+
+    at: dict[str, tuple[int, int, tuple[int, ...]]]
+    staging_bytes: int
+    landing_bytes: int
+
+    @classmethod
+    def of(cls, plan, stagers: dict) -> "StagingLayout":
+        """`plan`'s layout; `stagers` (node_key -> ExpertStager) size the landing buffer (a fetch
+        without one lands nothing first)."""
+        at, landing = {}, 0
+        for value, buf in plan.buffers.items():
+            if buf.arena == "staging":
+                n = plan.ir.by_name(value)
+                at[value] = (buf.offset, buf.bytes, n.out.concrete(0))
+                if node_key(n) in stagers:
+                    landing = max(landing, stagers[node_key(n)].landing_bytes(len(n.attrs.subset)))
+        return cls(at, plan.arena_bytes().get("staging", 0), landing)
+
+    def views(self, staging: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Each fetch's output as a view of `staging` (the arena's bytes)."""
+        return {name: staging[offset:offset + nbytes].view(dtype)[:math.prod(shape)].view(shape)
+                for name, (offset, nbytes, shape) in self.at.items()}
 
 
 def lent_of(backend) -> LentRegion:

@@ -13,9 +13,9 @@ from typing import Any, Callable
 import torch
 
 from ..backends import StepContext
-from ..backends.base import lm_head_rows, node_key, step_output
+from ..backends.base import lm_head_rows, step_output
 from ..backends.instructions import nothing, run_instructions
-from ..backends.lending import lent_of, staging_views
+from ..backends.lending import StagingLayout, lent_of
 from ..backends.sampling import mark_nonfinite
 from ..errors import require_finite
 from ..frontend.weights import TORCH_DTYPE
@@ -91,6 +91,7 @@ class Executor:
         #: plan the backend runs as a whole (a captured graph) has its output checked
         self.check_finite = env.get("KTFLOW_CHECK_FINITE")
         self.measured: list[Instruction] | None = None
+        self._staging_layout = None  # a borrowing plan's (lending.StagingLayout), made at its first step
 
     def _launch(self, ctx: StepContext, i: int, ins: Instruction, values: dict) -> None:
         node = self.graph.by_name(ins.node)
@@ -136,11 +137,12 @@ class Executor:
 
     def _borrowed(self) -> tuple[dict, torch.Tensor]:
         """A borrowing plan's fetch outputs and landing buffer in the lent region (lending.py)."""
-        stagers = getattr(getattr(self.backend, "experts", None), "stagers", {})
-        landing = max((stagers[node_key(n)].landing_bytes(len(n.attrs.subset)) for n in self.graph.nodes
-                       if n.op == Op.FETCH and node_key(n) in stagers), default=0)
-        staging, land = lent_of(self.backend).staging(self.plan.arena_bytes().get("staging", 0), landing)
-        return staging_views(self.plan, staging, TORCH_DTYPE[self.graph.act_dtype]), land
+        if self._staging_layout is None:
+            stagers = getattr(getattr(self.backend, "experts", None), "stagers", {})
+            self._staging_layout = StagingLayout.of(self.plan, stagers)
+        lay = self._staging_layout
+        staging, landing = lent_of(self.backend).staging(lay.staging_bytes, lay.landing_bytes)
+        return lay.views(staging, TORCH_DTYPE[self.graph.act_dtype]), landing
 
     def _reclaim_lent(self) -> None:
         """Before a plan that does not borrow the lent experts' memory runs: their bytes restored,

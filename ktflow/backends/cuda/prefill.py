@@ -13,7 +13,6 @@ its memory is not reused under the reader. How the lanes overlap: docs/design-no
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +26,7 @@ from ...ir.types import Device
 from ...plan.artifact import Plan
 from ...frontend.weights import TORCH_DTYPE
 from ..base import StepContext, lm_head_rows, node_key, step_output
-from ..lending import lent_of
+from ..lending import StagingLayout, lent_of
 from .driver import done_flags, exchange_views, host_prologue, native_batches
 from ..instructions import run_instructions
 from .lanes import Lanes
@@ -44,9 +43,7 @@ class PrefillBound:
     tokens: torch.Tensor  # pinned int32 [1]: rows of the step being run
     tasks: dict[str, list[native.Batch]]  # task root -> its native batches
     done_at: dict[str, int]  # task root -> device address of its last batch's done flag
-    staged: dict[str, tuple[int, int, tuple[int, ...]]]  # fetch -> (offset, bytes, shape) in the staging arena
-    staging_bytes: int
-    landing_bytes: int  # packed experts land here before conversion
+    staging: StagingLayout  # where the fetches land: the staging arena and the landing buffer
 
 
 def _rows(v: Any, n: int) -> Any:
@@ -103,31 +100,23 @@ class PrefillRunner:
         tasks = {n.attrs.task: native_batches(be, g, n, views, self.home, tokens=tokens)
                  for n in g.nodes if n.op == Op.SUBMIT}
         done_at, _, _ = done_flags(be.driver, tasks)
-        staged, landing = {}, 0
-        for value, buf in plan.buffers.items():
-            if buf.arena == "staging":
-                n = g.by_name(value)
-                staged[n.name] = (buf.offset, buf.bytes, n.out.concrete(0))
-                landing = max(landing, be.experts.stagers[node_key(n)].landing_bytes(len(n.attrs.subset)))
-        return PrefillBound(arena=arena, views=views, tokens=tokens, tasks=tasks, done_at=done_at, staged=staged,
-                            staging_bytes=arenas.get("staging", 0), landing_bytes=landing)
+        return PrefillBound(arena=arena, views=views, tokens=tokens, tasks=tasks, done_at=done_at,
+                            staging=StagingLayout.of(plan, be.experts.stagers))
 
     def _staging(self, bound: PrefillBound) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         """This step's staging buffers and landing buffer: views of the backend's GPU buffers,
         which every prefill plan shares (they never run at once), so the memory is the largest
         plan's, not the sum; or, for a plan that borrows (Plan.borrows), views of the lent
         experts' region, the shared buffers freed first."""
-        if not bound.staged:
+        lay = bound.staging
+        if not lay.at:
             return {}, None
         if self.plan.borrows:  # the lent experts' memory (the VRAM plan's time-share design); the shared
             self.be.release_staging()  # buffers are not counted in this plan's memory
-            staging, landing = lent_of(self.be).staging(bound.staging_bytes, bound.landing_bytes)
+            staging, landing = lent_of(self.be).staging(lay.staging_bytes, lay.landing_bytes)
         else:
-            staging, landing = self.be.staging_buffers(bound.staging_bytes, bound.landing_bytes)
-        dtype = TORCH_DTYPE[self.g.act_dtype]
-        views = {name: staging[offset:offset + nbytes].view(dtype)[:math.prod(shape)].view(shape)
-                 for name, (offset, nbytes, shape) in bound.staged.items()}
-        return views, landing
+            staging, landing = self.be.staging_buffers(lay.staging_bytes, lay.landing_bytes)
+        return lay.views(staging, TORCH_DTYPE[self.g.act_dtype]), landing
 
     # ------------------------------------------------------------------------------ running
     def run(self, input_ids: torch.Tensor, state, trace: bool = False, logits: str = "all", segments=None):
