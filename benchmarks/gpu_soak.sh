@@ -10,15 +10,7 @@
 set -u
 seconds=${1:-1500}
 logs=${SOAK_LOGS:-/tmp/soak}
-mkdir -p "$logs"
-echo setup > "$logs/status"
-exec > "$logs/main.log" 2>&1
-export PYTHONUNBUFFERED=1
-src=$(cd "$(dirname "$0")/.." && pwd)
-rm -rf /tmp/soak-tree && cp -a "$src" /tmp/soak-tree && cd /tmp/soak-tree || exit 1
-date; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-source benchmarks/gpu_setup.sh || { echo failed > "$logs/status"; exit 1; }
-export PYTHONPATH=/tmp/soak-tree:${PYTHONPATH:-}
+source "$(dirname "$0")/gpu_detach.sh" /tmp/soak-tree
 ckpt=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from e2e import bench_checkpoint; print(bench_checkpoint(False, "qwen3", 12, True, None)[0])' | tail -1)
 echo "checkpoint $ckpt"
 echo soak > "$logs/status"

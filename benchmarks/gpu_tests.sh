@@ -10,15 +10,7 @@
 # exit status end /tmp/gt/main.log.
 set -u
 logs=${GT_LOGS:-/tmp/gt}
-mkdir -p "$logs"
-echo setup > "$logs/status"
-exec > "$logs/main.log" 2>&1
-export PYTHONUNBUFFERED=1
-src=$(cd "$(dirname "$0")/.." && pwd)
-rm -rf /tmp/gt-tree && cp -a "$src" /tmp/gt-tree && cd /tmp/gt-tree || exit 1
-date; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-source benchmarks/gpu_setup.sh || { echo failed > "$logs/status"; exit 1; }
-export PYTHONPATH=/tmp/gt-tree:${PYTHONPATH:-}
+source "$(dirname "$0")/gpu_detach.sh" /tmp/gt-tree
 echo tests > "$logs/status"
 files=("$@"); [ ${#files[@]} -eq 0 ] && files=(tests)
 t=$(date +%s)

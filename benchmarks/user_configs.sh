@@ -71,22 +71,17 @@ for m in $MODELS; do
   # sampled decode, VRAM; the decode-only placement beside it (~4 min)
   step "$m ktflow at $V GB" python3 benchmarks/user_configs.py --model "$m" $FP8 --vram-gb $V \
       --decode-depth "$DEPTH" --phases user,decode-only --trace-dir /tmp/uc "${UC[@]}"
-  # the user phase again at each of $RESERVES (vram_reserve_gb, e.g. "1.5 1.0"): what a smaller reserve
-  # gives decode and whether the run still keeps to the limit (run id <run>-reserve<r>; ~2.5 min each)
-  for r in ${RESERVES:-}; do
-    step "$m ktflow at $V GB, reserve $r GB" python3 benchmarks/user_configs.py --model "$m" $FP8 --vram-gb $V \
-        --decode-depth "$DEPTH" --phases user --options "{\"vram_reserve_gb\": $r}" --run-id "$RUN_ID-reserve$r" \
-        --out "$JSONL"
-    python3 benchmarks/user_report.py --run-id "$RUN_ID-reserve$r" --jsonl "$JSONL" > "/tmp/uc/report-reserve$r.md"
-  done
-  # the user phase again with each of $DESIGNS forced (prefill_reserve, e.g. "reserve" beside the
-  # time-share design the VRAM plan now chooses): the designs side by side (run id <run>-<design>)
-  for d in ${DESIGNS:-}; do
-    step "$m ktflow at $V GB, $d" python3 benchmarks/user_configs.py --model "$m" $FP8 --vram-gb $V \
-        --decode-depth "$DEPTH" --phases user --options "{\"prefill_reserve\": \"$d\"}" --run-id "$RUN_ID-$d" \
-        --out "$JSONL"
-    python3 benchmarks/user_report.py --run-id "$RUN_ID-$d" --jsonl "$JSONL" > "/tmp/uc/report-$d.md"
-  done
+  # the user phase again with one option changed, its own run id <run>-<tag> and report (~2.5 min each):
+  # each of $RESERVES (vram_reserve_gb, e.g. "1.5 1.0": what a smaller reserve gives decode and whether
+  # the run still keeps to the limit), each of $DESIGNS (prefill_reserve forced, e.g. "reserve" beside
+  # the time-share design the VRAM plan now chooses)
+  again() {  # again TAG OPTIONS_JSON
+    step "$m ktflow at $V GB, $1" python3 benchmarks/user_configs.py --model "$m" $FP8 --vram-gb $V \
+        --decode-depth "$DEPTH" --phases user --options "$2" --run-id "$RUN_ID-$1" --out "$JSONL"
+    python3 benchmarks/user_report.py --run-id "$RUN_ID-$1" --jsonl "$JSONL" > "/tmp/uc/report-$1.md"
+  }
+  for r in ${RESERVES:-}; do again "reserve$r" "{\"vram_reserve_gb\": $r}"; done
+  for d in ${DESIGNS:-}; do again "$d" "{\"prefill_reserve\": \"$d\"}"; done
   # the same prefill with every expert in CPU memory and VRAM free, its own process (~1.5 min)
   [ "${CPU_EXPERTS:-1}" = 1 ] && step "$m ktflow experts on CPU" python3 benchmarks/user_configs.py --model "$m" $FP8 --vram-gb $V \
       --phases cpu-experts "${UC[@]}"
