@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError, KtflowError, ResourceError
+from ..errors import ConfigError, ResourceError
 from ..ir.graph import Node
 from .base import node_key
 from .kernels.fp8_gpu import Fp8Weight
@@ -49,7 +49,7 @@ def _parts(stack) -> list[tuple[str, torch.Tensor]]:
 
 
 class LentRegion:
-    """The lent experts' region of one engine (module doc)."""
+    """The lent experts' region of one engine (module doc); `nodes` is not empty."""
 
     def __init__(self, engine, nodes: list[Node]):
         self.engine = engine
@@ -64,8 +64,6 @@ class LentRegion:
                     layout.append(_Lent(node_key(n), role, part, at, tuple(t.shape), t.dtype))
                     sources.append(t)
                     at += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-        if not layout:
-            raise KtflowError("no resident experts to lend: the decode plan names none")
         self.nbytes = at
         device = sources[0].device
         # the host copy first, then the device copies dropped, then the region: one device copy at a
